@@ -1,0 +1,94 @@
+//! The interface every compute backend implements (CPU reference today, CUDA next), and the
+//! per-sequence state it advances.
+//!
+//! A backend owns the weights; a [`Sequence`] owns one conversation's caches (attention KV,
+//! Gated DeltaNet conv + recurrent state). Sequences are values the caller keeps, clones and
+//! drops, which is what a prefix cache needs: the recurrent state cannot be truncated, so a
+//! cached prefix is a clone of the sequence taken at that length.
+
+pub mod cpu;
+
+use crate::checkpoint::ModelConfig;
+use anyhow::Result;
+use std::any::Any;
+
+/// Backend-specific caches of one sequence.
+pub trait SequenceState: Any + Send + Sync {
+    fn clone_state(&self) -> Box<dyn SequenceState>;
+    /// Bytes of host or device memory held by this state.
+    fn memory_bytes(&self) -> usize;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// One sequence: its length so far, its capacity, and the backend's caches for it.
+pub struct Sequence {
+    len: usize,
+    max_seq: usize,
+    state: Box<dyn SequenceState>,
+}
+
+impl Sequence {
+    pub fn new(max_seq: usize, state: Box<dyn SequenceState>) -> Self {
+        Sequence { len: 0, max_seq, state }
+    }
+    /// Tokens already processed (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+    pub fn memory_bytes(&self) -> usize {
+        self.state.memory_bytes()
+    }
+    /// Called by backends after they appended `n` tokens.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+    pub fn state<T: 'static>(&self) -> &T {
+        self.state.as_any().downcast_ref::<T>().expect("sequence belongs to another backend")
+    }
+    pub fn state_mut<T: 'static>(&mut self) -> &mut T {
+        self.state.as_any_mut().downcast_mut::<T>().expect("sequence belongs to another backend")
+    }
+    /// Checks that `n` more tokens fit.
+    pub fn check_room(&self, n: usize) -> Result<()> {
+        if self.len + n > self.max_seq {
+            anyhow::bail!("sequence of {} tokens + {} new exceeds max-seq {}", self.len, n, self.max_seq);
+        }
+        Ok(())
+    }
+}
+
+impl Clone for Sequence {
+    fn clone(&self) -> Self {
+        Sequence { len: self.len, max_seq: self.max_seq, state: self.state.clone_state() }
+    }
+}
+
+/// Which logits a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (prefill of a prefix whose continuation is known).
+    None,
+    /// Only the last position's (the usual prefill/decode case).
+    Last,
+    /// Every position's, row-major `[tokens, vocab]` (teacher-forced evaluation).
+    All,
+}
+
+/// A compute backend for the qwen3_5_moe model.
+pub trait Backend: Send {
+    /// Short name for logs ("cpu", "cuda").
+    fn name(&self) -> &'static str;
+    fn config(&self) -> &ModelConfig;
+    /// A fresh, empty sequence that can hold `max_seq` tokens.
+    fn new_sequence(&self, max_seq: usize) -> Result<Sequence>;
+    /// Runs `tokens` through the model at the sequence's current position, appending them to
+    /// its caches. Returns the requested logits (f32, `vocab_size` per row).
+    fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
+}

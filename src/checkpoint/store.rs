@@ -1,0 +1,2 @@
+//! Memory-mapped safetensors shards.
+pub struct Checkpoint;

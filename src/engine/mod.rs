@@ -1,0 +1,1 @@
+//! Generation: sampling and the prefill/decode loop.

@@ -1,0 +1,114 @@
+//! MLX affine quantization: `w = scale * q + bias`, q unsigned in `0..2^bits`, one scale and
+//! one bias per group of `group` consecutive input columns. Codes are packed into
+//! little-endian u32 words from the least significant bits up (4-bit: element `8j+k` in bits
+//! `[4k, 4k+4)` of word j; 8-bit: element `4j+k` in bits `[8k, 8k+8)`).
+
+use half::bf16;
+
+/// Packs codes (each `< 2^bits`) into u32 words, MLX order.
+pub fn pack_codes(codes: &[u8], bits: usize, out: &mut Vec<u32>) {
+    let per_word = 32 / bits;
+    assert_eq!(codes.len() % per_word, 0, "codes must fill whole words");
+    for chunk in codes.chunks_exact(per_word) {
+        let mut w = 0u32;
+        for (k, &c) in chunk.iter().enumerate() {
+            debug_assert!((c as u32) < (1 << bits));
+            w |= (c as u32) << (bits * k);
+        }
+        out.push(w);
+    }
+}
+
+/// Code `j` of a packed row.
+#[inline(always)]
+pub fn code_at(packed: &[u32], bits: usize, j: usize) -> u32 {
+    let per_word = 32 / bits;
+    (packed[j / per_word] >> (bits * (j % per_word))) & ((1u32 << bits) - 1)
+}
+
+/// Dequantizes one row of `cols` values into `out`.
+pub fn dequantize_row(packed: &[u32], scales: &[bf16], biases: &[bf16], bits: usize, group: usize, out: &mut [f32]) {
+    let cols = out.len();
+    debug_assert_eq!(packed.len() * 32 / bits, cols);
+    for (j, o) in out.iter_mut().enumerate() {
+        let g = j / group;
+        *o = scales[g].to_f32() * code_at(packed, bits, j) as f32 + biases[g].to_f32();
+    }
+    let _ = cols;
+}
+
+/// MLX's quantizer (`mlx/backend/cpu/quantized.cpp`): per group, the edge of larger magnitude
+/// is represented exactly; returns (codes, scales, biases) for one row.
+pub fn quantize_row(w: &[f32], bits: usize, group: usize) -> (Vec<u8>, Vec<bf16>, Vec<bf16>) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    let mut codes = Vec::with_capacity(w.len());
+    let mut scales = Vec::with_capacity(w.len() / group);
+    let mut biases = Vec::with_capacity(w.len() / group);
+    for g in w.chunks(group) {
+        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+        for &x in g {
+            lo = lo.min(x);
+            hi = hi.max(x);
+        }
+        let mut s = ((hi - lo) / levels).max(1e-7);
+        // The edge of larger magnitude is represented exactly; the scale is negative when
+        // that edge is the maximum, so codes still count up from the bias.
+        let min_side = lo.abs() > hi.abs();
+        let edge = if min_side { lo } else { hi };
+        let mut bias = 0.0;
+        if !min_side {
+            s = -s;
+        }
+        let q0 = (edge / s).round();
+        if q0 != 0.0 {
+            s = edge / q0;
+            bias = edge;
+        }
+        let (sb, bb) = (bf16::from_f32(s), bf16::from_f32(bias));
+        for &x in g {
+            codes.push(((x - bb.to_f32()) / sb.to_f32()).round().clamp(0.0, levels) as u8);
+        }
+        scales.push(sb);
+        biases.push(bb);
+    }
+    (codes, scales, biases)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_layout_matches_mlx() {
+        let codes: Vec<u8> = (0..16).map(|i| i as u8).collect();
+        let mut packed = Vec::new();
+        pack_codes(&codes, 4, &mut packed);
+        // element 0 in the low nibble of byte 0, element 1 in its high nibble
+        assert_eq!(packed[0].to_le_bytes(), [0x10, 0x32, 0x54, 0x76]);
+        for j in 0..16 {
+            assert_eq!(code_at(&packed, 4, j), j as u32);
+        }
+        let mut p8 = Vec::new();
+        pack_codes(&[1, 2, 3, 250], 8, &mut p8);
+        assert_eq!(p8[0].to_le_bytes(), [1, 2, 3, 250]);
+    }
+
+    #[test]
+    fn quantize_round_trips_within_half_step() {
+        let w: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0).collect();
+        for bits in [4usize, 8] {
+            let (codes, s, b) = quantize_row(&w, bits, 64);
+            let mut packed = Vec::new();
+            pack_codes(&codes, bits, &mut packed);
+            let mut back = vec![0.0; w.len()];
+            dequantize_row(&packed, &s, &b, bits, 64, &mut back);
+            for (g, chunk) in w.chunks(64).enumerate() {
+                let step = s[g].to_f32().abs();
+                for (j, &x) in chunk.iter().enumerate() {
+                    let err = (back[g * 64 + j] - x).abs();
+                    assert!(err <= 0.5 * step * 1.05 + 1e-2 * step, "bits {bits} err {err} step {step}");
+                }
+            }
+        }
+    }
+}
