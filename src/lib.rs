@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod engine;
+pub mod model;
 pub mod quant;
 pub mod synth;
 pub mod tokenizer;
