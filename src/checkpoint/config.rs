@@ -302,6 +302,12 @@ impl ModelConfig {
         }
         let layer_types: Vec<&str> = self.layer_types.iter().map(|k| k.as_str()).collect();
         let interval = self.layer_types.iter().position(|k| *k == LayerKind::FullAttention).map(|p| p + 1).unwrap_or(4);
+        // Interleaved MRoPE sections (T, H, W) over the rotary frequencies: [11, 11, 10] for the
+        // real 64-dim rotary; scaled the same way for smaller presets. Text-only positions make
+        // them irrelevant to the math, but transformers checks they cover the frequencies.
+        let half = self.rotary_dim() / 2;
+        let sec = half.div_ceil(3);
+        let mrope_section = [sec, sec, half - 2 * sec];
         json!({
             "architectures": ["Qwen3_5MoeForConditionalGeneration"],
             "model_type": "qwen3_5_moe",
@@ -330,7 +336,7 @@ impl ModelConfig {
                     "rope_type": "default",
                     "rope_theta": self.rope_theta,
                     "partial_rotary_factor": self.partial_rotary_factor,
-                    "mrope_section": [11, 11, 10],
+                    "mrope_section": mrope_section,
                     "mrope_interleaved": true
                 },
                 "max_position_embeddings": self.max_position_embeddings,

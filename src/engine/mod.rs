@@ -1,1 +1,7 @@
-//! Generation: sampling and the prefill/decode loop.
+//! Generation on top of a backend: token selection and the prefill/decode loop.
+
+pub mod generate;
+pub mod sampling;
+
+pub use generate::{generate, FinishReason, GenerationStats, Next};
+pub use sampling::{Sampler, SamplingParams};

@@ -1,0 +1,215 @@
+//! Token selection: greedy, or temperature / top-k / top-p / min-p sampling with repetition,
+//! presence and frequency penalties; seeded for reproducibility.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 selects greedy decoding.
+    pub temperature: f32,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Drop tokens whose probability is below `min_p` × the top probability (0 = off).
+    pub min_p: f32,
+    /// OpenAI presence penalty: subtracted once from every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty: subtracted per occurrence.
+    pub frequency_penalty: f32,
+    /// CTRL-style multiplicative penalty on seen tokens (1 = off).
+    pub repetition_penalty: f32,
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, presence_penalty: 0.0, frequency_penalty: 0.0, repetition_penalty: 1.0, seed: None }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+    /// Checks ranges; the message names the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        let bad = |f: &str, v: f32, range: &str| Err(format!("{f} must be {range}, got {v}"));
+        if !(0.0..=100.0).contains(&self.temperature) || self.temperature.is_nan() {
+            return bad("temperature", self.temperature, "between 0 and 100");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "in [0, 1]");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", self.presence_penalty, "in [-2, 2]");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return bad("repetition_penalty", self.repetition_penalty, "in (0, 10]");
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest value; the lowest index wins ties (NaN never wins).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] || x[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// `log_softmax` of one row, in f64 for the normaliser.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m as f64 + logits.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln();
+    logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
+}
+
+/// A seeded sampler. One per request.
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: ChaCha8Rng,
+    counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Sampler { params, rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new() }
+    }
+
+    /// Records a token of the generated text (penalties apply to generated tokens).
+    pub fn observe(&mut self, token: u32) {
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Applies penalties to `logits` in place.
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if self.counts.is_empty() || (p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0) {
+            return;
+        }
+        for (&tok, &n) in &self.counts {
+            let Some(l) = logits.get_mut(tok as usize) else { continue };
+            if p.repetition_penalty != 1.0 {
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+            *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+        }
+    }
+
+    /// Picks the next token from one row of logits (modified in place by penalties).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_penalties(logits);
+        let p = self.params.clone();
+        if p.temperature == 0.0 {
+            return argmax(logits);
+        }
+        // Candidates sorted by logit, highest first; top-k cut before the softmax.
+        let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
+        if idx.is_empty() {
+            return argmax(logits);
+        }
+        let k = if p.top_k == 0 { idx.len() } else { p.top_k.min(idx.len()) };
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+            idx.truncate(k);
+        }
+        idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        let max = logits[idx[0] as usize];
+        let mut probs: Vec<f64> = idx.iter().map(|&i| (((logits[i as usize] - max) / p.temperature) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        // min-p relative to the top probability.
+        let mut keep = probs.len();
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p as f64;
+            keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+        }
+        // top-p: smallest prefix reaching the mass.
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut n = 0;
+            for &x in &probs[..keep] {
+                acc += x;
+                n += 1;
+                if acc >= p.top_p as f64 {
+                    break;
+                }
+            }
+            keep = n.max(1);
+        }
+        let mass: f64 = probs[..keep].iter().sum();
+        let mut r = self.rng.random::<f64>() * mass;
+        for (j, &x) in probs[..keep].iter().enumerate() {
+            r -= x;
+            if r <= 0.0 {
+                return idx[j];
+            }
+        }
+        idx[keep - 1]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_lowest_index_on_ties() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_filters_hold() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+        let params = SamplingParams { temperature: 1.0, top_k: 5, seed: Some(42), ..Default::default() };
+        let draw = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
+        };
+        let a = draw(&params);
+        assert_eq!(a, draw(&params));
+        let mut top5: Vec<u32> = (0..1000u32).collect();
+        top5.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
+        top5.truncate(5);
+        assert!(a.iter().all(|t| top5.contains(t)), "top-k respected");
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1, "it samples");
+        // top_p tiny keeps only the best token.
+        let p = SamplingParams { temperature: 1.0, top_p: 1e-6, seed: Some(1), ..Default::default() };
+        assert!(draw(&p).iter().all(|&t| t == top5[0]));
+        // min_p = 1 keeps only the best token.
+        let p = SamplingParams { temperature: 1.0, min_p: 1.0, seed: Some(1), ..Default::default() };
+        assert!(draw(&p).iter().all(|&t| t == top5[0]));
+    }
+
+    #[test]
+    fn penalties_lower_seen_tokens() {
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, frequency_penalty: 0.5, repetition_penalty: 2.0, ..Default::default() });
+        s.observe(0);
+        s.observe(0);
+        s.observe(1);
+        let mut l = vec![4.0, -1.0, 2.0];
+        s.apply_penalties(&mut l);
+        assert_eq!(l, vec![4.0 / 2.0 - 1.0 - 1.0, -2.0 - 1.0 - 0.5, 2.0]);
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().contains("top_p"));
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().contains("temperature"));
+    }
+}
