@@ -92,3 +92,24 @@ pub trait Backend: Send {
     /// its caches. Returns the requested logits (f32, `vocab_size` per row).
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
 }
+
+/// Which backend the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// CUDA when a supported GPU is present, else the CPU (with a notice).
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+/// Opens the requested backend on a validated checkpoint.
+pub fn open_backend(kind: BackendKind, ck: &crate::checkpoint::Checkpoint) -> Result<Box<dyn Backend>> {
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(ck)?)),
+        BackendKind::Auto => {
+            eprintln!("lily: no CUDA backend in this build yet; using the CPU backend");
+            Ok(Box::new(cpu::CpuBackend::new(ck)?))
+        }
+        BackendKind::Cuda => anyhow::bail!("--backend cuda: the CUDA backend is not available in this build (use --backend cpu)"),
+    }
+}
