@@ -7,8 +7,8 @@ run in float32 with eager attention. Outputs:
 
   * teacher-forced logits for a 64-token prompt (every position): the top-20 ids/values and the
     logits of a fixed probe set of ids, plus the full-row logsumexp;
-  * a 32-token greedy continuation (HF generate with its cache: chunked GDN for the prompt,
-    recurrent steps after) with the top-5 logits of each step.
+  * a 32-token greedy continuation (the model's forward with its cache: chunked GDN for the
+    prompt, recurrent steps after) with the top-5 logits of each step.
 
 Generated once and committed (tests/goldens/tiny_transformers.json); the Rust test rebuilds the
 same checkpoint with `lily synth --preset tiny --seed 0` and compares.
@@ -144,15 +144,22 @@ def main():
                 "probe_logits": row[probes].tolist(),
                 "logsumexp": float(torch.logsumexp(row.double(), 0)),
             })
-        gen = model.generate(
-            torch.tensor([ids]), max_new_tokens=GEN_LEN, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
-        )
-        new = gen.sequences[0, PROMPT_LEN:].tolist()
-        steps = []
-        for lg in gen.logits:
-            top = torch.topk(lg[0].to(torch.float32), 5)
+        # Greedy decode with the model's own cache (chunked GDN for the prompt, recurrent
+        # steps after). A manual loop, not model.generate: in transformers 5.17 generate()
+        # on this model diverged from both its teacher-forced logits and this cached forward
+        # from the second token on, while those two agree with each other.
+        out = model(torch.tensor([ids]), use_cache=True)
+        cache = out.past_key_values
+        row = out.logits[0, -1].to(torch.float32)
+        new, steps = [], []
+        for _ in range(GEN_LEN):
+            top = torch.topk(row, 5)
             steps.append({"top_ids": top.indices.tolist(), "top_logits": top.values.tolist()})
+            nxt = int(torch.argmax(row))
+            new.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            row = out.logits[0, -1].to(torch.float32)
 
     import transformers
     out = {

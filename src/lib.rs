@@ -11,5 +11,6 @@ pub mod checkpoint;
 pub mod engine;
 pub mod model;
 pub mod quant;
+pub mod server;
 pub mod synth;
 pub mod tokenizer;

@@ -1,1 +1,184 @@
-fn main() {}
+//! `lily`: synthesize checkpoints, inspect them, run prompts, serve the OpenAI API.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use lily::backend::{open_backend, BackendKind};
+use lily::checkpoint::Checkpoint;
+use lily::engine::default_model::resolve_model;
+use lily::engine::{generate, Next, Sampler, SamplingParams};
+use lily::synth::{synthesize, Preset};
+use lily::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "lily", version, about = "Batch-1 inference for Qwen3.6-35B-A3B (MLX 4-bit checkpoints)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a random-weight checkpoint with the exact MLX 4-bit layout.
+    Synth {
+        /// tiny (4 layers, real vocabulary, ~40 MB) or 35b-a3b (exact real shapes, ~19.4 GB).
+        #[arg(long)]
+        preset: Preset,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Validate a checkpoint and print its configuration.
+    Info {
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Generate text for one prompt, streaming it to stdout.
+    Run(RunArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(lily::server::ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Checkpoint directory (default: the embedded tiny synthetic checkpoint, random weights).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "Write a haiku about the sea.")]
+    prompt: String,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Feed the prompt as raw text instead of a chat turn.
+    #[arg(long)]
+    raw: bool,
+    /// Render the chat turn with thinking disabled (empty think block).
+    #[arg(long)]
+    no_think: bool,
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    backend: BackendKind,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Synth { preset, out, seed } => cmd_synth(preset, out, seed),
+        Command::Info { model } => cmd_info(model),
+        Command::Run(args) => cmd_run(args),
+        Command::Serve(args) => lily::server::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("lily: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn cmd_synth(preset: Preset, out: PathBuf, seed: u64) -> Result<()> {
+    let cfg = preset.config();
+    eprintln!("lily: writing {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
+    let report = synthesize(&cfg, &out, seed, true)?;
+    eprintln!("lily: {report}");
+    Ok(())
+}
+
+fn cmd_info(model: Option<PathBuf>) -> Result<()> {
+    let dir = resolve_model(model.as_deref())?;
+    let ck = Checkpoint::open(&dir)?;
+    let c = &ck.config;
+    println!("checkpoint   {}", dir.display());
+    println!("model        {}", if c.is_35b_a3b() { "Qwen3.6-35B-A3B (exact shapes)" } else { "qwen3_5_moe (custom dims)" });
+    println!("layers       {} ({} Gated DeltaNet + {} gated attention)", c.num_layers(), c.layer_types.iter().filter(|k| **k == lily::checkpoint::LayerKind::LinearAttention).count(), c.layer_types.iter().filter(|k| **k == lily::checkpoint::LayerKind::FullAttention).count());
+    println!("hidden       {}", c.hidden_size);
+    println!("vocab        {}", c.vocab_size);
+    println!("attention    {} q heads / {} kv heads x {} dims, rotary {} dims, theta {}", c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(), c.rope_theta);
+    println!("deltanet     {} k heads / {} v heads x {}/{} dims, conv {}", c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim);
+    println!("moe          {} experts, top-{}, expert {} / shared {}", c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    println!("max context  {}", c.max_position_embeddings);
+    println!("quantization affine {}-bit, group {} (router and shared-expert gate 8-bit)", c.quant.bits, c.quant.group_size);
+    println!("eos ids      {:?}", c.eos_token_ids);
+    println!("shards       {}", ck.shard_paths().len());
+    println!("tensors      {}", ck.tensor_count());
+    println!("bytes        {} ({:.2} GB)", ck.total_bytes(), ck.total_bytes() as f64 / 1e9);
+    for (dtype, (n, bytes)) in ck.dtype_summary() {
+        println!("  {dtype:<5} {n:>6} tensors {:>12.1} MB", bytes as f64 / 1e6);
+    }
+    Ok(())
+}
+
+fn cmd_run(args: RunArgs) -> Result<()> {
+    let dir = resolve_model(args.model.as_deref())?;
+    let ck = Checkpoint::open(&dir)?;
+    let tokenizer = Tokenizer::load(&dir)?;
+    let mut backend = open_backend(args.backend, &ck)?;
+    let text = if args.raw {
+        args.prompt.clone()
+    } else {
+        let template = ChatTemplate::load(&dir)?;
+        let messages = serde_json::json!([{"role": "user", "content": args.prompt}]);
+        let mut kwargs = serde_json::Map::new();
+        if args.no_think {
+            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        }
+        template.render(&messages, None, true, &kwargs)?
+    };
+    let prompt = tokenizer.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    params.validate().map_err(anyhow::Error::msg)?;
+    let max_seq = prompt.len() + args.max_tokens + 1;
+    let mut seq = backend.new_sequence(max_seq)?;
+    let mut sampler = Sampler::new(params);
+    let eos = ck.config.eos_token_ids.clone();
+    let mut stream = StreamDecoder::new();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut write_error = None;
+    let stats = generate(backend.as_mut(), &mut seq, &prompt, args.max_tokens, &mut sampler, &eos, |tok, _| {
+        let piece = stream.push(&tokenizer, tok);
+        if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+            write_error = Some(e);
+            return Next::Stop;
+        }
+        Next::Continue
+    })?;
+    let tail = stream.finish();
+    out.write_all(tail.as_bytes()).ok();
+    writeln!(out).ok();
+    if let Some(e) = write_error {
+        return Err(e).context("writing to stdout");
+    }
+    eprintln!(
+        "\n[{}] prompt {} tokens: prefill {:.1} tok/s | {} generated: decode {:.2} tok/s | finish: {}",
+        backend.name(),
+        stats.prompt_tokens,
+        stats.prefill_tok_s(),
+        stats.completion_tokens,
+        stats.decode_tok_s(),
+        stats.finish.as_openai()
+    );
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Server metrics (hand-written Prometheus text format) and the recent-request log shared with
+//! the dashboard.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// A cumulative histogram of seconds.
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+pub const TTFT_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28];
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(), sum_us: AtomicU64::new(0), count: AtomicU64::new(0) }
+    }
+    pub fn observe(&self, secs: f64) {
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            if secs <= *b {
+                c.fetch_add(1, Relaxed);
+            }
+        }
+        self.sum_us.fetch_add((secs * 1e6) as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", c.load(Relaxed));
+        }
+        let n = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
+        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {n}");
+    }
+}
+
+/// One finished request, for the log line and the dashboard.
+#[derive(Debug, Clone)]
+pub struct RequestRecord {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub status: u16,
+    pub ms: u64,
+    pub prompt: usize,
+    pub cached: usize,
+    pub completion: usize,
+    pub tok_s: f64,
+    pub finish: String,
+    pub error: Option<String>,
+}
+
+impl RequestRecord {
+    pub fn log_line(&self) -> String {
+        let mut s = format!("{} {} {} {}ms", self.method, self.path, self.status, self.ms);
+        if self.status < 400 {
+            let _ = write!(s, " prompt={} cached={} completion={} tok/s={:.1} finish={}", self.prompt, self.cached, self.completion, self.tok_s, self.finish);
+        }
+        if let Some(e) = &self.error {
+            let _ = write!(s, " error={e:?}");
+        }
+        s
+    }
+}
+
+pub struct Metrics {
+    pub started: Instant,
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub queue_depth: AtomicI64,
+    pub running: AtomicI64,
+    pub cache_lookups: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_bytes: AtomicU64,
+    pub cache_entries: AtomicU64,
+    /// Memory of the sequence being generated (KV + recurrent state).
+    pub active_seq_bytes: AtomicU64,
+    pub recent: Mutex<VecDeque<RequestRecord>>,
+    /// Print a log line per request (off while the dashboard owns the terminal).
+    pub log_lines: std::sync::atomic::AtomicBool,
+}
+
+pub const RECENT: usize = 50;
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Metrics {
+            started: Instant::now(),
+            requests: Mutex::new(BTreeMap::new()),
+            prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            queue_depth: AtomicI64::new(0),
+            running: AtomicI64::new(0),
+            cache_lookups: AtomicU64::new(0),
+            cache_hits: AtomicU64::new(0),
+            cache_bytes: AtomicU64::new(0),
+            cache_entries: AtomicU64::new(0),
+            active_seq_bytes: AtomicU64::new(0),
+            recent: Mutex::new(VecDeque::new()),
+            log_lines: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    pub fn count_request(&self, endpoint: &'static str, status: u16) {
+        let mut m = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry((endpoint, status)).or_insert(0) += 1;
+    }
+
+    pub fn requests_by_status(&self) -> BTreeMap<(&'static str, u16), u64> {
+        self.requests.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records a finished request: the log line (unless the dashboard is on) and the recent list.
+    pub fn record(&self, r: RequestRecord) {
+        if self.log_lines.load(Relaxed) {
+            eprintln!("{}", r.log_line());
+        }
+        let mut q = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() == RECENT {
+            q.pop_front();
+        }
+        q.push_back(r);
+    }
+
+    /// cached / prompt tokens over all requests.
+    pub fn cache_hit_ratio(&self) -> f64 {
+        let p = self.prompt_tokens.load(Relaxed);
+        if p == 0 {
+            0.0
+        } else {
+            self.cached_tokens.load(Relaxed) as f64 / p as f64
+        }
+    }
+
+    pub fn render(&self, model: &str) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# HELP lily_info Server information.\n# TYPE lily_info gauge\nlily_info{{model=\"{model}\",version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
+        let _ = writeln!(o, "# HELP lily_uptime_seconds Seconds since start.\n# TYPE lily_uptime_seconds gauge\nlily_uptime_seconds {:.3}", self.started.elapsed().as_secs_f64());
+        let _ = writeln!(o, "# HELP lily_requests_total HTTP requests by endpoint and status.\n# TYPE lily_requests_total counter");
+        for ((ep, st), n) in self.requests_by_status() {
+            let _ = writeln!(o, "lily_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}");
+        }
+        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        counter(&mut o, "lily_prompt_tokens_total", "Prompt tokens of completed requests (including cached ones).", self.prompt_tokens.load(Relaxed));
+        counter(&mut o, "lily_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", self.cached_tokens.load(Relaxed));
+        counter(&mut o, "lily_completion_tokens_total", "Generated tokens.", self.completion_tokens.load(Relaxed));
+        counter(&mut o, "lily_requests_cancelled_total", "Generations cancelled because the client went away.", self.cancelled.load(Relaxed));
+        self.ttft.render(&mut o, "lily_time_to_first_token_seconds", "Time from arrival to the first generated token.");
+        self.itl.render(&mut o, "lily_inter_token_latency_seconds", "Time between consecutive generated tokens.");
+        gauge(&mut o, "lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed) as f64);
+        gauge(&mut o, "lily_requests_running", "Requests being generated.", self.running.load(Relaxed) as f64);
+        counter(&mut o, "lily_prefix_cache_lookups_total", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed));
+        counter(&mut o, "lily_prefix_cache_hits_total", "Prefix-cache lookups that reused a cached sequence.", self.cache_hits.load(Relaxed));
+        gauge(&mut o, "lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio());
+        gauge(&mut o, "lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64);
+        gauge(&mut o, "lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64);
+        gauge(&mut o, "lily_active_sequence_bytes", "KV + recurrent state memory of the running sequence.", self.active_seq_bytes.load(Relaxed) as f64);
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::new();
+        m.count_request("chat", 200);
+        m.count_request("chat", 200);
+        m.count_request("chat", 400);
+        m.ttft.observe(0.02);
+        m.prompt_tokens.store(10, Relaxed);
+        m.cached_tokens.store(5, Relaxed);
+        let t = m.render("m");
+        assert!(t.contains("lily_requests_total{endpoint=\"chat\",status=\"200\"} 2"));
+        assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"));
+        assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"));
+        assert!(t.contains("lily_prefix_cache_hit_ratio 0.5"));
+    }
+}

@@ -1,0 +1,334 @@
+//! `lily serve`: an OpenAI-compatible HTTP server (axum + tokio).
+//!
+//! * Routes: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
+//!   `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//! * One model worker thread owns the backend and serves a bounded FIFO queue, one request at
+//!   a time; a full queue answers 429 with `Retry-After`; a client that goes away cancels its
+//!   generation within one token.
+//! * Prefix cache of sequence snapshots (KV + Gated DeltaNet state), LRU within a byte budget.
+//! * Output pipeline: stop strings (never leaked) → reasoning split at `</think>` → Qwen XML
+//!   tool calls as OpenAI `tool_calls`.
+//!
+//! See docs/server.md for the API details.
+
+pub mod error;
+pub mod metrics;
+pub mod output;
+pub mod prefix_cache;
+pub mod reasoning;
+pub mod request;
+pub mod responses;
+pub mod routes;
+pub mod scripted;
+pub mod stop;
+pub mod tools;
+pub mod tui;
+pub mod worker;
+
+use crate::backend::{open_backend, Backend, BackendKind};
+use crate::checkpoint::Checkpoint;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+use anyhow::{bail, Context, Result};
+use axum::extract::DefaultBodyLimit;
+use metrics::Metrics;
+use responses::ReasoningField;
+use routes::AppState;
+use serde_json::{Map, Value};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+use tower_http::cors::{AllowOrigin, CorsLayer};
+
+/// The model id the API reports.
+pub const MODEL_ID: &str = "Qwen3.6-35B-A3B";
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory (MLX 4-bit layout). Without it: the embedded tiny synthetic model
+    /// (random weights, for trying the API).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub bind: String,
+    /// Longest sequence (prompt + completion) in tokens; capped at the model's
+    /// max_position_embeddings.
+    #[arg(long, default_value_t = 4096)]
+    pub max_seq: usize,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendKind,
+    /// Require `Authorization: Bearer KEY` on /v1/* (also read from LILY_API_KEY).
+    #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Show a live dashboard instead of one log line per request.
+    #[arg(long)]
+    pub tui: bool,
+    /// Requests allowed to wait for the model; more get 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Memory budget of the prefix cache (sequence snapshots), in MiB.
+    #[arg(long, default_value_t = 2048)]
+    pub prefix_cache_mb: usize,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Model id reported by /v1/models and in responses.
+    #[arg(long, default_value = MODEL_ID)]
+    pub served_model_name: String,
+    /// Which field(s) carry the reasoning in responses.
+    #[arg(long, value_enum, default_value = "both")]
+    pub reasoning_field: ReasoningField,
+    /// Server-wide default for the template's enable_thinking (requests override it with
+    /// chat_template_kwargs); unset = the template's default (thinking on for Qwen3.6).
+    #[arg(long)]
+    pub enable_thinking: Option<bool>,
+    /// Allowed CORS origins (comma-separated, or * for any); no CORS headers when unset.
+    #[arg(long, value_delimiter = ',')]
+    pub cors_origins: Vec<String>,
+    /// TEST ONLY: replace the model with scripted replies from this JSON file
+    /// (see src/server/scripted.rs).
+    #[arg(long, hide = true)]
+    pub test_script: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// Defaults as the CLI has them, for `model` (tests and embedding).
+    pub fn for_model(model: Option<PathBuf>) -> Self {
+        ServeArgs {
+            model,
+            bind: "127.0.0.1:0".into(),
+            max_seq: 4096,
+            backend: BackendKind::Cpu,
+            api_key: None,
+            tui: false,
+            max_queue: 256,
+            prefix_cache_mb: 2048,
+            max_body_bytes: 8 * 1024 * 1024,
+            served_model_name: MODEL_ID.into(),
+            reasoning_field: ReasoningField::Both,
+            enable_thinking: None,
+            cors_origins: vec![],
+            test_script: None,
+        }
+    }
+}
+
+/// Everything loaded before the listener starts.
+struct Loaded {
+    state: Arc<AppState>,
+    worker: worker::Worker,
+    rx: mpsc::Receiver<worker::Job>,
+    backend_name: &'static str,
+}
+
+fn load(args: &ServeArgs) -> Result<Loaded> {
+    if args.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    let dir = crate::engine::default_model::resolve_model(args.model.as_deref())?;
+    let t0 = Instant::now();
+    eprintln!("lily: loading {} ...", dir.display());
+    let ck = Checkpoint::open(&dir).with_context(|| format!("cannot open checkpoint {}", dir.display()))?;
+    let config = ck.config.clone();
+    eprintln!("lily: checkpoint ok ({} tensors, {:.1} MB) in {:.1}s; loading tokenizer", ck.tensor_count(), ck.total_bytes() as f64 / 1e6, t0.elapsed().as_secs_f64());
+    let tokenizer = Arc::new(Tokenizer::load(&dir).with_context(|| format!("cannot load the tokenizer of {}", dir.display()))?);
+    let template = match ChatTemplate::load(&dir) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            eprintln!("lily: warning: no usable chat template ({e:#}); /v1/chat/completions will answer 400");
+            None
+        }
+    };
+    let backend: Box<dyn Backend> = match &args.test_script {
+        Some(p) => {
+            eprintln!("lily: TEST MODE: replies come from the script {}, not the model", p.display());
+            Box::new(scripted::ScriptedBackend::new(config.clone(), tokenizer.clone(), scripted::ScriptedBackend::load_rules(p)?))
+        }
+        None => {
+            eprintln!("lily: loading weights into the {:?} backend ...", args.backend);
+            open_backend(args.backend, &ck)?
+        }
+    };
+    let backend_name = backend.name();
+    let mut max_seq = args.max_seq;
+    if config.max_position_embeddings > 0 {
+        max_seq = max_seq.min(config.max_position_embeddings);
+    }
+    if max_seq < 2 {
+        bail!("--max-seq must be at least 2");
+    }
+    let mut stop_ids = config.eos_token_ids.clone();
+    for t in ["<|im_end|>", "<|endoftext|>"] {
+        if let Some(id) = tokenizer.token_id(t) {
+            if !stop_ids.contains(&id) {
+                stop_ids.push(id);
+            }
+        }
+    }
+    eprintln!("lily: model ready on {backend_name} in {:.1}s (max-seq {max_seq})", t0.elapsed().as_secs_f64());
+    let metrics = Arc::new(Metrics::new());
+    let (tx, rx) = mpsc::channel(args.max_queue);
+    let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20) });
+    let mut default_kwargs = Map::new();
+    if let Some(t) = args.enable_thinking {
+        default_kwargs.insert("enable_thinking".into(), Value::Bool(t));
+    }
+    let state = Arc::new(AppState {
+        model_id: args.served_model_name.clone(),
+        tokenizer,
+        template,
+        vocab_size: config.vocab_size,
+        queue: tx,
+        max_queue: args.max_queue,
+        max_seq,
+        metrics,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        reasoning_field: args.reasoning_field,
+        default_kwargs,
+        created: routes::now_secs(),
+        counter: AtomicU64::new(0),
+    });
+    Ok(Loaded { state, worker, rx, backend_name })
+}
+
+fn app(args: &ServeArgs, state: Arc<AppState>) -> axum::Router {
+    let mut router = routes::router(state).layer(DefaultBodyLimit::max(args.max_body_bytes));
+    if !args.cors_origins.is_empty() {
+        let origins = if args.cors_origins.iter().any(|o| o == "*") {
+            AllowOrigin::any()
+        } else {
+            AllowOrigin::list(args.cors_origins.iter().filter_map(|o| o.parse().ok()))
+        };
+        router = router.layer(CorsLayer::new().allow_origin(origins).allow_methods(tower_http::cors::Any).allow_headers(tower_http::cors::Any));
+    }
+    router
+}
+
+/// A server running on a background thread (tests, embedding).
+pub struct ServerHandle {
+    pub addr: SocketAddr,
+    pub metrics: Arc<Metrics>,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    /// Stops accepting, finishes open responses, and joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+    fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Loads the model and starts serving on a background thread; returns once listening.
+pub fn spawn(args: ServeArgs) -> Result<ServerHandle> {
+    let loaded = load(&args)?;
+    spawn_loaded(args, loaded)
+}
+
+/// Like [`spawn`] with a caller-supplied backend (tests: a scripted or instrumented backend).
+pub fn spawn_with_backend(args: ServeArgs, backend: Box<dyn Backend>) -> Result<ServerHandle> {
+    let mut loaded = load(&ServeArgs { test_script: None, ..args.clone() })?;
+    let tok = loaded.state.tokenizer.clone();
+    let metrics = loaded.state.metrics.clone();
+    let max_seq = loaded.state.max_seq;
+    let stop_ids = {
+        let mut v = backend.config().eos_token_ids.clone();
+        v.extend(tok.token_id("<|im_end|>"));
+        v
+    };
+    loaded.worker = worker::Worker::new(backend, tok, metrics, worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20) });
+    spawn_loaded(args, loaded)
+}
+
+fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
+    let Loaded { state, worker, rx, .. } = loaded;
+    let metrics = state.metrics.clone();
+    // Bound with std so this works from inside another runtime (async tests).
+    let std_listener = std::net::TcpListener::bind(&args.bind).with_context(|| format!("cannot listen on {}", args.bind))?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    std::thread::Builder::new().name("lily-model".into()).spawn(move || worker.run(rx))?;
+    let (stx, srx) = oneshot::channel::<()>();
+    let app = app(&args, state);
+    let thread = std::thread::Builder::new().name("lily-http".into()).spawn(move || {
+        let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("lily: cannot start the async runtime: {e}");
+                return;
+            }
+        };
+        rt.block_on(async move {
+            let Ok(listener) = tokio::net::TcpListener::from_std(std_listener) else { return };
+            let _ = axum::serve(listener, app).with_graceful_shutdown(async move {
+                let _ = srx.await;
+            })
+            .await;
+        });
+        rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    })?;
+    Ok(ServerHandle { addr, metrics, shutdown: Some(stx), thread: Some(thread) })
+}
+
+/// `lily serve`: loads the model, prints the URL, serves until Ctrl-C (or `q` in the dashboard).
+pub fn run(args: ServeArgs) -> Result<()> {
+    let loaded = load(&args)?;
+    let Loaded { state, worker, rx, backend_name } = loaded;
+    let metrics = state.metrics.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind(&args.bind)).with_context(|| format!("cannot listen on {}", args.bind))?;
+    let addr = listener.local_addr()?;
+    std::thread::Builder::new().name("lily-model".into()).spawn(move || worker.run(rx))?;
+    let url = format!("http://{addr}");
+    eprintln!("lily: serving {} on {url} (backend {backend_name}, OpenAI API at {url}/v1)", state.model_id);
+    let (stx, srx) = oneshot::channel::<()>();
+    let tui_thread = if args.tui {
+        metrics.log_lines.store(false, std::sync::atomic::Ordering::Relaxed);
+        let info = tui::DashInfo { model: state.model_id.clone(), url: url.clone(), max_seq: state.max_seq, backend: backend_name.to_string(), max_queue: args.max_queue };
+        Some(tui::spawn(info, metrics.clone(), stx)?)
+    } else {
+        drop(stx);
+        None
+    };
+    let app = app(&args, state);
+    let tui_on = args.tui;
+    rt.block_on(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                if tui_on {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = srx => {}
+                    }
+                } else {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+                eprintln!("lily: shutting down");
+            })
+            .await
+    })?;
+    if let Some(t) = tui_thread {
+        t.stop();
+    }
+    Ok(())
+}

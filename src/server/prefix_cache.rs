@@ -1,0 +1,117 @@
+//! Prefix cache: snapshots of sequences (KV + Gated DeltaNet state) keyed by the exact tokens
+//! they hold. The recurrent state cannot be truncated, so an entry can only serve prompts that
+//! strictly extend its tokens: a new prompt resumes from the longest cached entry whose tokens
+//! are a proper prefix of it (at least one token is always left to prefill, which yields the
+//! logits). `prompt_cache_key` is a preference among valid candidates, never a substitute for
+//! token equality. Entries are bounded by a byte budget and evicted least-recently-used.
+
+#[derive(Debug)]
+struct Entry<T> {
+    tokens: Vec<u32>,
+    item: T,
+    bytes: usize,
+    key: Option<String>,
+    last_used: u64,
+}
+
+#[derive(Debug)]
+pub struct PrefixCache<T> {
+    entries: Vec<Entry<T>>,
+    budget: usize,
+    clock: u64,
+    pub lookups: u64,
+    pub hits: u64,
+}
+
+impl<T: Clone> PrefixCache<T> {
+    pub fn new(budget_bytes: usize) -> Self {
+        PrefixCache { entries: Vec::new(), budget: budget_bytes, clock: 0, lookups: 0, hits: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.bytes).sum()
+    }
+
+    /// Best entry for `prompt`: a copy of its item and the number of tokens it covers.
+    pub fn lookup(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(T, usize)> {
+        self.lookups += 1;
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !e.tokens.is_empty() && e.tokens.len() < prompt.len() && prompt.starts_with(&e.tokens))
+            .max_by_key(|(_, e)| (key.is_some() && e.key.as_deref() == key, e.tokens.len(), e.last_used))
+            .map(|(i, _)| i)?;
+        self.clock += 1;
+        let e = &mut self.entries[best];
+        e.last_used = self.clock;
+        self.hits += 1;
+        Some((e.item.clone(), e.tokens.len()))
+    }
+
+    /// Stores `item` holding exactly `tokens`. Replaces an entry with the same tokens; evicts
+    /// least-recently-used entries to stay within the budget; an item larger than the whole
+    /// budget is not stored.
+    pub fn insert(&mut self, tokens: Vec<u32>, item: T, bytes: usize, key: Option<String>) {
+        if tokens.is_empty() || bytes > self.budget {
+            return;
+        }
+        self.entries.retain(|e| e.tokens != tokens);
+        while !self.entries.is_empty() && self.memory_bytes() + bytes > self.budget {
+            let lru = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i).unwrap_or(0);
+            self.entries.swap_remove(lru);
+        }
+        self.clock += 1;
+        self.entries.push(Entry { tokens, item, bytes, key, last_used: self.clock });
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_strict_prefix_and_key_preference() {
+        let mut c = PrefixCache::new(100);
+        c.insert(vec![1, 2], "a", 10, None);
+        c.insert(vec![1, 2, 3, 4], "b", 10, None);
+        c.insert(vec![1, 2, 3], "k", 10, Some("conv".into()));
+        assert_eq!(c.lookup(&[1, 2, 3, 4, 5], None), Some(("b", 4)));
+        assert_eq!(c.lookup(&[1, 2, 3, 4, 5], Some("conv")), Some(("k", 3)));
+        // Exact length is not a hit (one token must remain); the shorter prefix is.
+        assert_eq!(c.lookup(&[1, 2, 3, 4], None), Some(("k", 3)));
+        // A key never bypasses token equality.
+        assert_eq!(c.lookup(&[9, 9, 9, 9, 9], Some("conv")), None);
+        assert_eq!(c.lookups, 4);
+        assert_eq!(c.hits, 3);
+    }
+
+    #[test]
+    fn lru_eviction_within_budget() {
+        let mut c = PrefixCache::new(25);
+        c.insert(vec![1], "1", 10, None);
+        c.insert(vec![2], "2", 10, None);
+        assert!(c.lookup(&[1, 0], None).is_some()); // touch 1
+        c.insert(vec![3], "3", 10, None); // evicts 2
+        assert!(c.lookup(&[2, 0], None).is_none());
+        assert!(c.lookup(&[1, 0], None).is_some());
+        assert!(c.lookup(&[3, 0], None).is_some());
+        assert!(c.memory_bytes() <= 25);
+        c.insert(vec![4], "big", 26, None); // larger than the budget: not stored
+        assert_eq!(c.len(), 2);
+        c.insert(vec![3], "3b", 10, None); // same tokens: replaced
+        assert_eq!(c.lookup(&[3, 0], None), Some(("3b", 1)));
+    }
+}

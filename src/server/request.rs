@@ -1,0 +1,565 @@
+//! Parsing and validation of `/v1/chat/completions` and `/v1/completions` bodies.
+//!
+//! Bodies are parsed as untyped JSON and read field by field, so unknown fields are ignored
+//! and every unsupported value gets a 400 that names its parameter. Nothing here touches the
+//! model: the result is a [`ParsedRequest`] the handler renders, tokenizes and queues.
+
+use super::error::ApiError;
+use crate::engine::SamplingParams;
+use serde_json::{Map, Value};
+
+/// Which endpoint a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// The prompt before rendering.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Normalized chat messages (content flattened to strings, tool-call arguments as maps),
+    /// ready for the chat template.
+    Chat { messages: Value, tools: Option<Value>, kwargs: Map<String, Value> },
+    /// `/v1/completions` text.
+    Text(String),
+    /// `/v1/completions` token ids.
+    Tokens(Vec<u32>),
+}
+
+/// How the request wants tools used.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    Auto,
+    None,
+    Required,
+    Named(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Chat: `logprobs: true`; completions: `logprobs: N` (then `top_logprobs` = N).
+    pub logprobs: bool,
+    pub top_logprobs: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub tool_choice: ToolChoice,
+    /// Tool JSON schemas by function name (for argument type coercion).
+    pub tool_schemas: Map<String, Value>,
+    pub prompt_cache_key: Option<String>,
+    /// Completions: echo the prompt before the completion.
+    pub echo: bool,
+}
+
+impl ParsedRequest {
+    pub fn has_tools(&self) -> bool {
+        matches!(&self.prompt, PromptInput::Chat { tools: Some(_), .. }) && self.tool_choice != ToolChoice::None
+    }
+}
+
+/// Largest `top_logprobs` accepted (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most stop sequences accepted.
+pub const MAX_STOP: usize = 16;
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Reads an optional field; JSON `null` counts as absent.
+fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    obj.get(name).filter(|v| !v.is_null())
+}
+
+fn get_bool(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>, ApiError> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(ApiError::param(name, format!("'{name}' must be a boolean, got {}", type_name(v)))),
+    }
+}
+
+fn get_f32(obj: &Map<String, Value>, name: &str) -> Result<Option<f32>, ApiError> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(Value::Number(n)) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if !x.is_finite() {
+                return Err(ApiError::param(name, format!("'{name}' must be a finite number")));
+            }
+            Ok(Some(x as f32))
+        }
+        Some(v) => Err(ApiError::param(name, format!("'{name}' must be a number, got {}", type_name(v)))),
+    }
+}
+
+/// A non-negative integer (floats with no fractional part are accepted, as Python clients send them).
+fn get_uint(obj: &Map<String, Value>, name: &str) -> Result<Option<u64>, ApiError> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(Value::Number(n)) => {
+            if let Some(u) = n.as_u64() {
+                return Ok(Some(u));
+            }
+            if let Some(f) = n.as_f64() {
+                if f >= 0.0 && f.fract() == 0.0 && f < 1e15 {
+                    return Ok(Some(f as u64));
+                }
+            }
+            Err(ApiError::param(name, format!("'{name}' must be a non-negative integer, got {n}")))
+        }
+        Some(v) => Err(ApiError::param(name, format!("'{name}' must be an integer, got {}", type_name(v)))),
+    }
+}
+
+fn get_str<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<Option<&'a str>, ApiError> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(ApiError::param(name, format!("'{name}' must be a string, got {}", type_name(v)))),
+    }
+}
+
+/// Parses a request body (bytes as received).
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|e| ApiError::invalid(format!("request body is not valid UTF-8: {e}")))?;
+    if text.trim().is_empty() {
+        return Err(ApiError::invalid("request body is empty; expected a JSON object"));
+    }
+    let value: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))?;
+    parse_value(endpoint, &value)
+}
+
+pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, ApiError> {
+    let obj = value.as_object().ok_or_else(|| ApiError::invalid(format!("request body must be a JSON object, got {}", type_name(value))))?;
+
+    let model = get_str(obj, "model")?.map(str::to_string);
+
+    // n / best_of: one choice only.
+    if let Some(n) = field(obj, "n") {
+        if n.as_u64() != Some(1) && n.as_f64() != Some(1.0) {
+            return Err(ApiError::param("n", format!("only n=1 is supported (one choice per request), got {n}")));
+        }
+    }
+    if endpoint == Endpoint::Completion {
+        if let Some(b) = field(obj, "best_of") {
+            if b.as_u64() != Some(1) {
+                return Err(ApiError::param("best_of", "only best_of=1 is supported"));
+            }
+        }
+        if let Some(s) = field(obj, "suffix") {
+            if s.as_str().map(|s| !s.is_empty()).unwrap_or(true) {
+                return Err(ApiError::param("suffix", "'suffix' (fill-in-the-middle) is not supported"));
+            }
+        }
+    }
+
+    // Lengths: max_completion_tokens wins over the legacy max_tokens.
+    let mct = get_uint(obj, "max_completion_tokens")?;
+    let mt = get_uint(obj, "max_tokens")?;
+    let max_tokens = match mct.or(mt) {
+        Some(0) => {
+            let p = if mct.is_some() { "max_completion_tokens" } else { "max_tokens" };
+            return Err(ApiError::param(p, format!("'{p}' must be at least 1")));
+        }
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+
+    // Sampling.
+    let mut sampling = SamplingParams::default();
+    // OpenAI's default temperature is 1; we default to 1 as well so unset = sampling, as clients expect.
+    sampling.temperature = get_f32(obj, "temperature")?.unwrap_or(1.0);
+    if let Some(x) = get_f32(obj, "top_p")? {
+        sampling.top_p = x;
+    }
+    if let Some(k) = field(obj, "top_k") {
+        // -1 is the vLLM spelling of "off".
+        match k.as_i64() {
+            Some(-1) | Some(0) => sampling.top_k = 0,
+            Some(k) if k > 0 => sampling.top_k = k as usize,
+            _ => return Err(ApiError::param("top_k", format!("'top_k' must be a positive integer, 0 or -1 (off), got {k}"))),
+        }
+    }
+    if let Some(x) = get_f32(obj, "min_p")? {
+        sampling.min_p = x;
+    }
+    if let Some(x) = get_f32(obj, "presence_penalty")? {
+        sampling.presence_penalty = x;
+    }
+    if let Some(x) = get_f32(obj, "frequency_penalty")? {
+        sampling.frequency_penalty = x;
+    }
+    if let Some(x) = get_f32(obj, "repetition_penalty")? {
+        sampling.repetition_penalty = x;
+    }
+    if let Some(s) = field(obj, "seed") {
+        sampling.seed = Some(match (s.as_u64(), s.as_i64()) {
+            (Some(u), _) => u,
+            (None, Some(i)) => i as u64,
+            _ => return Err(ApiError::param("seed", format!("'seed' must be an integer, got {s}"))),
+        });
+    }
+    if let Err(msg) = sampling.validate() {
+        let p = msg.split_whitespace().next().unwrap_or("").to_string();
+        return Err(ApiError::param(&p, msg));
+    }
+
+    // Stop strings.
+    let stop = match field(obj, "stop") {
+        None => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let mut v = Vec::new();
+            for s in a {
+                match s {
+                    Value::String(s) => v.push(s.clone()),
+                    other => return Err(ApiError::param("stop", format!("'stop' entries must be strings, got {}", type_name(other)))),
+                }
+            }
+            v
+        }
+        Some(v) => return Err(ApiError::param("stop", format!("'stop' must be a string or an array of strings, got {}", type_name(v)))),
+    };
+    if stop.len() > MAX_STOP {
+        return Err(ApiError::param("stop", format!("at most {MAX_STOP} stop sequences are supported, got {}", stop.len())));
+    }
+    if stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::param("stop", "stop sequences must not be empty"));
+    }
+
+    // Logprobs.
+    let (logprobs, top_logprobs) = match endpoint {
+        Endpoint::Chat => {
+            let lp = get_bool(obj, "logprobs")?.unwrap_or(false);
+            let top = get_uint(obj, "top_logprobs")?.unwrap_or(0) as usize;
+            if top > MAX_TOP_LOGPROBS {
+                return Err(ApiError::param("top_logprobs", format!("'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")));
+            }
+            if top > 0 && !lp {
+                return Err(ApiError::param("top_logprobs", "'top_logprobs' requires 'logprobs': true"));
+            }
+            (lp, top)
+        }
+        Endpoint::Completion => match field(obj, "logprobs") {
+            None => (false, 0),
+            Some(Value::Bool(false)) => (false, 0),
+            Some(v) => match v.as_u64() {
+                Some(n) if n as usize <= MAX_TOP_LOGPROBS => (true, n as usize),
+                _ => return Err(ApiError::param("logprobs", format!("'logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}"))),
+            },
+        },
+    };
+
+    let stream = get_bool(obj, "stream")?.unwrap_or(false);
+    let include_usage = match field(obj, "stream_options") {
+        None => false,
+        Some(Value::Object(o)) => get_bool(o, "include_usage")?.unwrap_or(false),
+        Some(v) => return Err(ApiError::param("stream_options", format!("'stream_options' must be an object, got {}", type_name(v)))),
+    };
+
+    // response_format: only text.
+    if let Some(rf) = field(obj, "response_format") {
+        let t = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        if t != "text" {
+            return Err(ApiError::param("response_format", format!("response_format type {t:?} is not supported (structured output is not implemented); use \"text\"")));
+        }
+    }
+
+    let prompt_cache_key = get_str(obj, "prompt_cache_key")?.map(str::to_string);
+    let echo = endpoint == Endpoint::Completion && get_bool(obj, "echo")?.unwrap_or(false);
+
+    let mut tool_choice = ToolChoice::Auto;
+    let mut tool_schemas = Map::new();
+    let prompt = match endpoint {
+        Endpoint::Chat => {
+            if field(obj, "prompt").is_some() && field(obj, "messages").is_none() {
+                return Err(ApiError::param("messages", "'messages' is required (this is /v1/chat/completions; raw prompts go to /v1/completions)"));
+            }
+            let messages = normalize_messages(field(obj, "messages"))?;
+            let tools = match field(obj, "tools") {
+                None => None,
+                Some(Value::Array(a)) if a.is_empty() => None,
+                Some(Value::Array(a)) => {
+                    for (i, t) in a.iter().enumerate() {
+                        let f = t.get("function").filter(|f| f.is_object());
+                        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+                        match (t.get("type").and_then(Value::as_str), name) {
+                            (Some("function") | None, Some(name)) if !name.is_empty() => {
+                                let params = f.and_then(|f| f.get("parameters")).cloned().unwrap_or(Value::Null);
+                                tool_schemas.insert(name.to_string(), params);
+                            }
+                            _ => return Err(ApiError::param(&format!("tools[{i}]"), "each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")),
+                        }
+                    }
+                    Some(Value::Array(a.clone()))
+                }
+                Some(v) => return Err(ApiError::param("tools", format!("'tools' must be an array, got {}", type_name(v)))),
+            };
+            tool_choice = match field(obj, "tool_choice") {
+                None => ToolChoice::Auto,
+                Some(Value::String(s)) => match s.as_str() {
+                    "auto" => ToolChoice::Auto,
+                    "none" => ToolChoice::None,
+                    "required" => ToolChoice::Required,
+                    other => return Err(ApiError::param("tool_choice", format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other:?}"))),
+                },
+                Some(Value::Object(o)) => {
+                    let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                    match name {
+                        Some(n) if tool_schemas.contains_key(n) => ToolChoice::Named(n.to_string()),
+                        Some(n) => return Err(ApiError::param("tool_choice", format!("tool_choice names function {n:?}, which is not in 'tools'"))),
+                        None => return Err(ApiError::param("tool_choice", "tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+                    }
+                }
+                Some(v) => return Err(ApiError::param("tool_choice", format!("'tool_choice' must be a string or an object, got {}", type_name(v)))),
+            };
+            if tools.is_none() && matches!(tool_choice, ToolChoice::Required) {
+                return Err(ApiError::param("tool_choice", "tool_choice \"required\" needs a non-empty 'tools' list"));
+            }
+            // tool_choice "none": the template gets no tools and no tool call is parsed.
+            let tools = match (&tool_choice, tools) {
+                (ToolChoice::None, _) => None,
+                (ToolChoice::Named(n), Some(Value::Array(a))) => {
+                    Some(Value::Array(a.into_iter().filter(|t| t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) == Some(n)).collect()))
+                }
+                (_, t) => t,
+            };
+            let mut kwargs = match field(obj, "chat_template_kwargs") {
+                None => Map::new(),
+                Some(Value::Object(o)) => o.clone(),
+                Some(v) => return Err(ApiError::param("chat_template_kwargs", format!("'chat_template_kwargs' must be an object, got {}", type_name(v)))),
+            };
+            // Reserved names the server itself sets.
+            for reserved in ["messages", "tools", "documents", "add_generation_prompt"] {
+                kwargs.remove(reserved);
+            }
+            PromptInput::Chat { messages, tools, kwargs }
+        }
+        Endpoint::Completion => match field(obj, "prompt") {
+            None => return Err(ApiError::param("prompt", "'prompt' is required")),
+            Some(Value::String(s)) => PromptInput::Text(s.clone()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => PromptInput::Text(a[0].as_str().unwrap_or_default().to_string()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => PromptInput::Tokens(token_ids(&a[0])?),
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => PromptInput::Tokens(token_ids(&Value::Array(a.clone()))?),
+            Some(Value::Array(a)) if a.len() > 1 => return Err(ApiError::param("prompt", "only one prompt per request is supported (batches of prompts are not)")),
+            Some(v) => return Err(ApiError::param("prompt", format!("'prompt' must be a string or an array of token ids, got {}", type_name(v)))),
+        },
+    };
+    if let PromptInput::Text(t) = &prompt {
+        if t.is_empty() {
+            return Err(ApiError::param("prompt", "'prompt' must not be empty"));
+        }
+    }
+
+    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo })
+}
+
+fn token_ids(v: &Value) -> Result<Vec<u32>, ApiError> {
+    let a = v.as_array().ok_or_else(|| ApiError::param("prompt", "token prompt must be an array of integers"))?;
+    if a.is_empty() {
+        return Err(ApiError::param("prompt", "'prompt' must not be empty"));
+    }
+    a.iter()
+        .map(|x| x.as_u64().and_then(|u| u32::try_from(u).ok()).ok_or_else(|| ApiError::param("prompt", format!("token ids must be non-negative integers, got {x}"))))
+        .collect()
+}
+
+/// Flattens message content: a string, or an array of `{"type": "text", "text": ...}` parts.
+fn content_text(i: usize, content: Option<&Value>) -> Result<Option<String>, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                let t = p.get("type").and_then(Value::as_str).unwrap_or("");
+                match (t, p.get("text").and_then(Value::as_str)) {
+                    ("text" | "input_text" | "output_text", Some(text)) => out.push_str(text),
+                    (t, _) => {
+                        return Err(ApiError::param(&format!("messages[{i}].content"), format!("content part of type {t:?} is not supported; this model takes text only ({{\"type\": \"text\", \"text\": ...}})")))
+                    }
+                }
+            }
+            Ok(Some(out))
+        }
+        Some(v) => Err(ApiError::param(&format!("messages[{i}].content"), format!("content must be a string or an array of text parts, got {}", type_name(v)))),
+    }
+}
+
+/// Validates messages and rewrites them into what the chat template expects.
+pub fn normalize_messages(messages: Option<&Value>) -> Result<Value, ApiError> {
+    let msgs = match messages {
+        None => return Err(ApiError::param("messages", "'messages' is required")),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(ApiError::param("messages", format!("'messages' must be an array, got {}", type_name(v)))),
+    };
+    if msgs.is_empty() {
+        return Err(ApiError::param("messages", "'messages' must contain at least one message"));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let m = m.as_object().ok_or_else(|| ApiError::param(&format!("messages[{i}]"), "each message must be an object"))?;
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::param(&format!("messages[{i}].role"), "each message needs a string 'role'"))?;
+        let role = match role {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            "tool" | "function" => "tool",
+            other => return Err(ApiError::param(&format!("messages[{i}].role"), format!("unknown role {other:?} (expected system, developer, user, assistant or tool)"))),
+        };
+        let content = content_text(i, m.get("content"))?;
+        let mut nm = Map::new();
+        nm.insert("role".into(), Value::String(role.into()));
+        match role {
+            "assistant" => {
+                nm.insert("content".into(), Value::String(content.unwrap_or_default()));
+                // Reasoning on input: both spellings map to the template's reasoning_content.
+                let reasoning = m.get("reasoning_content").or_else(|| m.get("reasoning")).filter(|v| !v.is_null());
+                if let Some(r) = reasoning {
+                    let r = r.as_str().ok_or_else(|| ApiError::param(&format!("messages[{i}].reasoning_content"), "reasoning_content must be a string"))?;
+                    nm.insert("reasoning_content".into(), Value::String(r.into()));
+                }
+                if let Some(tcs) = m.get("tool_calls").filter(|v| !v.is_null()) {
+                    let tcs = tcs.as_array().ok_or_else(|| ApiError::param(&format!("messages[{i}].tool_calls"), "tool_calls must be an array"))?;
+                    let mut calls = Vec::new();
+                    for (j, tc) in tcs.iter().enumerate() {
+                        let p = format!("messages[{i}].tool_calls[{j}]");
+                        let f = tc.get("function").ok_or_else(|| ApiError::param(&p, "tool call needs a 'function' object"))?;
+                        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| ApiError::param(&p, "tool call function needs a 'name'"))?;
+                        // OpenAI sends arguments as a JSON string; the template iterates a map.
+                        let args = match f.get("arguments") {
+                            None | Some(Value::Null) => Value::Object(Map::new()),
+                            Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+                            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                                Ok(v @ Value::Object(_)) => v,
+                                _ => return Err(ApiError::param(&p, "tool call arguments must be a JSON object encoded as a string")),
+                            },
+                            Some(v @ Value::Object(_)) => v.clone(),
+                            Some(_) => return Err(ApiError::param(&p, "tool call arguments must be a JSON object encoded as a string")),
+                        };
+                        let mut call = Map::new();
+                        if let Some(id) = tc.get("id") {
+                            call.insert("id".into(), id.clone());
+                        }
+                        call.insert("type".into(), Value::String("function".into()));
+                        let mut func = Map::new();
+                        func.insert("name".into(), Value::String(name.into()));
+                        func.insert("arguments".into(), args);
+                        call.insert("function".into(), Value::Object(func));
+                        calls.push(Value::Object(call));
+                    }
+                    if !calls.is_empty() {
+                        nm.insert("tool_calls".into(), Value::Array(calls));
+                    }
+                }
+            }
+            "tool" => {
+                nm.insert("content".into(), Value::String(content.unwrap_or_default()));
+                if let Some(id) = m.get("tool_call_id") {
+                    nm.insert("tool_call_id".into(), id.clone());
+                }
+                if let Some(n) = m.get("name") {
+                    nm.insert("name".into(), n.clone());
+                }
+            }
+            _ => {
+                let c = content.ok_or_else(|| ApiError::param(&format!("messages[{i}].content"), format!("a {role} message needs 'content'")))?;
+                nm.insert("content".into(), Value::String(c));
+            }
+        }
+        out.push(Value::Object(nm));
+    }
+    let last_role = out.last().and_then(|m| m.get("role")).and_then(Value::as_str).unwrap_or("");
+    if !matches!(last_role, "user" | "tool") {
+        return Err(ApiError::param("messages", format!("the last message must be from the user or a tool (there is nothing to answer after a {last_role} message)")));
+    }
+    Ok(Value::Array(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(v: Value) -> Result<ParsedRequest, ApiError> {
+        parse_value(Endpoint::Chat, &v)
+    }
+
+    #[test]
+    fn minimal_and_unknown_fields() {
+        let r = chat(json!({"model": "x", "messages": [{"role": "user", "content": "hi"}], "whatever": {"a": 1}, "user": "u"})).unwrap();
+        assert_eq!(r.max_tokens, None);
+        assert!(!r.stream);
+        assert_eq!(r.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn errors_name_params() {
+        let base = || json!({"messages": [{"role": "user", "content": "hi"}]});
+        let with = |k: &str, v: Value| {
+            let mut b = base();
+            b[k] = v;
+            chat(b).unwrap_err()
+        };
+        assert_eq!(with("n", json!(2)).param.as_deref(), Some("n"));
+        assert_eq!(with("temperature", json!(-1)).param.as_deref(), Some("temperature"));
+        assert_eq!(with("top_p", json!(0)).param.as_deref(), Some("top_p"));
+        assert_eq!(with("max_tokens", json!(0)).param.as_deref(), Some("max_tokens"));
+        assert_eq!(with("max_tokens", json!(-5)).param.as_deref(), Some("max_tokens"));
+        assert_eq!(with("top_logprobs", json!(3)).param.as_deref(), Some("top_logprobs"));
+        assert_eq!(with("stop", json!(5)).param.as_deref(), Some("stop"));
+        assert_eq!(with("response_format", json!({"type": "json_object"})).param.as_deref(), Some("response_format"));
+        assert_eq!(with("messages", json!([])).param.as_deref(), Some("messages"));
+        assert_eq!(with("messages", json!([{"role": "assistant", "content": "x"}])).param.as_deref(), Some("messages"));
+        assert_eq!(with("messages", json!([{"role": "wizard", "content": "x"}])).param.as_deref(), Some("messages[0].role"));
+        assert_eq!(with("messages", json!([{"role": "user", "content": [{"type": "image_url"}]}])).param.as_deref(), Some("messages[0].content"));
+        assert!(parse(Endpoint::Chat, b"{not json").unwrap_err().message.contains("JSON"));
+        assert!(parse(Endpoint::Chat, &[0xff, 0xfe]).unwrap_err().message.contains("UTF-8"));
+        assert!(parse(Endpoint::Chat, b"[1]").unwrap_err().message.contains("object"));
+    }
+
+    #[test]
+    fn messages_are_normalized() {
+        let r = chat(json!({"messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "reasoning": "hmm", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}
+        ], "max_completion_tokens": 7, "max_tokens": 99, "stop": "END", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}))
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(7));
+        assert_eq!(r.stop, vec!["END"]);
+        let PromptInput::Chat { messages, tools, .. } = &r.prompt else { panic!() };
+        assert_eq!(messages[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(messages[2]["reasoning_content"], json!("hmm"));
+        assert_eq!(messages[2]["tool_calls"][0]["function"]["arguments"], json!({"a": 1}));
+        assert!(tools.is_some());
+        assert!(r.has_tools());
+    }
+
+    #[test]
+    fn completions_prompts() {
+        let p = |v: Value| parse_value(Endpoint::Completion, &v);
+        assert_eq!(p(json!({"prompt": "abc", "logprobs": 2})).unwrap().top_logprobs, 2);
+        assert_eq!(p(json!({"prompt": [1, 2, 3]})).unwrap().prompt, PromptInput::Tokens(vec![1, 2, 3]));
+        assert_eq!(p(json!({"prompt": [[4, 5]]})).unwrap().prompt, PromptInput::Tokens(vec![4, 5]));
+        assert!(p(json!({"prompt": ["a", "b"]})).is_err());
+        assert!(p(json!({"prompt": ""})).is_err());
+        assert!(p(json!({})).is_err());
+        assert!(p(json!({"prompt": "x", "suffix": "y"})).is_err());
+    }
+}

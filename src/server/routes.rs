@@ -1,0 +1,305 @@
+//! HTTP routes: request → validation, rendering and tokenization → queue → JSON or SSE.
+
+use super::error::ApiError;
+use super::metrics::{Metrics, RequestRecord};
+use super::reasoning::prompt_opens_thinking;
+use super::request::{self, Endpoint, ParsedRequest, PromptInput};
+use super::responses::{ChunkBuilder, Collected, ReasoningField};
+use super::worker::{Event, Job};
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+use std::convert::Infallible;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+pub struct AppState {
+    pub model_id: String,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<Arc<ChatTemplate>>,
+    pub vocab_size: usize,
+    pub queue: mpsc::Sender<Job>,
+    pub max_queue: usize,
+    pub max_seq: usize,
+    pub metrics: Arc<Metrics>,
+    pub api_key: Option<String>,
+    pub reasoning_field: ReasoningField,
+    /// Server-wide chat_template_kwargs defaults (e.g. enable_thinking); requests override.
+    pub default_kwargs: Map<String, Value>,
+    pub created: u64,
+    pub counter: AtomicU64,
+}
+
+pub fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_one))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let path = req.uri().path();
+        if path != "/health" && path != "/metrics" {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+                .map(str::trim)
+                .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
+            // Constant-time comparison.
+            let ok = given.map(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0).unwrap_or(false);
+            if !ok {
+                st.metrics.count_request(endpoint_label(path), 401);
+                return ApiError::unauthorized().into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "chat_completions",
+        "/v1/completions" => "completions",
+        "/v1/models" => "models",
+        "/health" => "health",
+        "/metrics" => "metrics",
+        _ => "other",
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::not_found(&format!("{} {}", req.method(), req.uri().path())).into_response()
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("method {} is not allowed on {}", req.method(), req.uri().path())).into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.count_request("health", 200);
+    Json(json!({"status": "ok", "model": st.model_id, "queue_depth": st.metrics.queue_depth.load(Relaxed).max(0)})).into_response()
+}
+
+fn model_card(st: &AppState) -> Value {
+    json!({"id": st.model_id, "object": "model", "created": st.created, "owned_by": "lily", "max_model_len": st.max_seq})
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.count_request("models", 200);
+    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+}
+
+async fn model_one(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id == st.model_id {
+        Json(model_card(&st)).into_response()
+    } else {
+        ApiError::not_found(&format!("model {id:?}")).with_code("model_not_found").into_response()
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.count_request("metrics", 200);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render(&st.model_id)).into_response()
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    handle(st, Endpoint::Chat, body).await
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    handle(st, Endpoint::Completion, body).await
+}
+
+/// A request that passed validation, ready to queue.
+struct Prepared {
+    req: ParsedRequest,
+    prompt: Vec<u32>,
+    prompt_text: String,
+    max_tokens: usize,
+    starts_in_reasoning: bool,
+}
+
+fn body_error(rej: BytesRejection) -> ApiError {
+    let status = rej.status();
+    let msg = if status == StatusCode::PAYLOAD_TOO_LARGE { "request body is too large".to_string() } else { format!("cannot read request body: {}", rej.body_text()) };
+    ApiError::new(status, "invalid_request_error", msg)
+}
+
+/// Renders and tokenizes (CPU work, off the async threads).
+fn render_and_tokenize(st: &AppState, req: &ParsedRequest) -> Result<(Vec<u32>, String, bool), ApiError> {
+    match &req.prompt {
+        PromptInput::Chat { messages, tools, kwargs } => {
+            let template = st.template.as_ref().ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
+            let mut kw = st.default_kwargs.clone();
+            kw.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+            let text = template.render(messages, tools.as_ref(), true, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")))?;
+            let ids = st.tokenizer.encode(&text).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
+            let opens = prompt_opens_thinking(&text);
+            Ok((ids, text, opens))
+        }
+        PromptInput::Text(t) => {
+            let ids = st.tokenizer.encode(t).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
+            Ok((ids, t.clone(), false))
+        }
+        PromptInput::Tokens(ids) => {
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= st.vocab_size) {
+                return Err(ApiError::param("prompt", format!("token id {bad} is out of range (vocabulary size {})", st.vocab_size)));
+            }
+            let text = if req.echo { st.tokenizer.decode(ids, true).unwrap_or_default() } else { String::new() };
+            Ok((ids.clone(), text, false))
+        }
+    }
+}
+
+async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+    let body = body.map_err(body_error)?;
+    let req = request::parse(ep, &body)?;
+    let st2 = st.clone();
+    let req2 = req.clone();
+    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2))))
+        .await
+        .map_err(|_| ApiError::internal())?
+        .map_err(|_| ApiError::invalid("cannot render this request (internal template error)"))?;
+    let (prompt, prompt_text, starts_in_reasoning) = rendered?;
+    if prompt.is_empty() {
+        return Err(ApiError::param(if ep == Endpoint::Chat { "messages" } else { "prompt" }, "the prompt is empty after tokenization"));
+    }
+    let max_seq = st.max_seq;
+    if prompt.len() >= max_seq {
+        return Err(ApiError::param(if ep == Endpoint::Chat { "messages" } else { "prompt" }, format!("the prompt has {} tokens but the server's max-seq is {max_seq} (at least one token must remain for the reply)", prompt.len()))
+            .with_code("context_length_exceeded"));
+    }
+    let max_tokens = match req.max_tokens {
+        Some(m) => {
+            if prompt.len().checked_add(m).map(|t| t > max_seq).unwrap_or(true) {
+                return Err(ApiError::param("max_tokens", format!("the prompt ({} tokens) + max_tokens ({m}) exceeds the server's max-seq of {max_seq}", prompt.len())).with_code("context_length_exceeded"));
+            }
+            m
+        }
+        None => max_seq - prompt.len(),
+    };
+    Ok(Prepared { req, prompt, prompt_text, max_tokens, starts_in_reasoning })
+}
+
+async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
+    let arrived = Instant::now();
+    let (label, path) = match ep {
+        Endpoint::Chat => ("chat_completions", "/v1/chat/completions"),
+        Endpoint::Completion => ("completions", "/v1/completions"),
+    };
+    let fail = |e: ApiError| {
+        st.metrics.count_request(label, e.status.as_u16());
+        st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()) });
+        e.into_response()
+    };
+    let p = match prepare(&st, ep, body).await {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let stream = p.req.stream;
+    let include_usage = p.req.include_usage;
+    let want_logprobs = p.req.logprobs;
+    let echo = if p.req.echo { Some(p.prompt_text.clone()) } else { None };
+    let job = Job { req: p.req, prompt: p.prompt, max_tokens: p.max_tokens, starts_in_reasoning: p.starts_in_reasoning, events: tx, arrived, path };
+    st.metrics.queue_depth.fetch_add(1, Relaxed);
+    if let Err(e) = st.queue.try_send(job) {
+        st.metrics.queue_depth.fetch_sub(1, Relaxed);
+        return match e {
+            mpsc::error::TrySendError::Full(_) => fail(ApiError::queue_full(st.max_queue)),
+            mpsc::error::TrySendError::Closed(_) => fail(ApiError::unavailable("the model worker has stopped")),
+        };
+    }
+    let n = st.counter.fetch_add(1, Relaxed) + 1;
+    let created = now_secs();
+    let id = match ep {
+        Endpoint::Chat => format!("chatcmpl-{created}-{n}"),
+        Endpoint::Completion => format!("cmpl-{created}-{n}"),
+    };
+    let model = st.model_id.clone();
+    let chat = ep == Endpoint::Chat;
+
+    if stream {
+        st.metrics.count_request(label, 200);
+        let mut b = ChunkBuilder { id, created, model, chat, include_usage, reasoning: st.reasoning_field, text_offset: 0 };
+        let mut first: Vec<Value> = Vec::new();
+        if chat {
+            first.push(b.role());
+        } else if let Some(e) = &echo {
+            first.push(json!({"id": b.id, "object": "text_completion", "created": created, "model": b.model, "choices": [{"index": 0, "text": e, "logprobs": null, "finish_reason": null}]}));
+            b.text_offset = e.len();
+        }
+        let head = futures::stream::iter(first.into_iter().map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))));
+        let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
+            let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
+            match ev {
+                Event::Delta { delta, logprobs } => {
+                    if let Some(v) = b.delta(&delta, &logprobs, want_logprobs) {
+                        out.push(Ok(SseEvent::default().data(v.to_string())));
+                    }
+                }
+                Event::Done { finish_reason, usage } => {
+                    out.push(Ok(SseEvent::default().data(b.finish(finish_reason).to_string())));
+                    if include_usage {
+                        out.push(Ok(SseEvent::default().data(b.usage(&usage).to_string())));
+                    }
+                }
+                Event::Error(e) => out.push(Ok(SseEvent::default().data(e.body().to_string()))),
+            }
+            futures::stream::iter(out)
+        });
+        let done = futures::stream::once(async { Ok::<_, Infallible>(SseEvent::default().data("[DONE]")) });
+        return Sse::new(head.chain(body).chain(done)).keep_alive(KeepAlive::default()).into_response();
+    }
+
+    // Non-streaming: collect. Dropping this future (client gone) drops `rx`, which cancels.
+    let mut rx = rx;
+    let mut acc = Collected::default();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Delta { delta, logprobs } => acc.add(delta, logprobs),
+            Event::Done { finish_reason, usage } => {
+                let v = if chat {
+                    acc.chat_response(&id, created, &model, finish_reason, &usage, want_logprobs, st.reasoning_field)
+                } else {
+                    acc.completion_response(&id, created, &model, finish_reason, &usage, want_logprobs, echo.as_deref())
+                };
+                st.metrics.count_request(label, 200);
+                return Json(v).into_response();
+            }
+            Event::Error(e) => {
+                st.metrics.count_request(label, e.status.as_u16());
+                return e.into_response();
+            }
+        }
+    }
+    st.metrics.count_request(label, 500);
+    ApiError::internal().into_response()
+}

@@ -1,0 +1,35 @@
+//! Shared fixture: the tiny synthetic checkpoint (seed 0), written once per test binary.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// Seed the committed goldens were generated from.
+pub const GOLDEN_SEED: u64 = 0;
+
+pub fn tiny_checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = tempfile::Builder::new().prefix("lily-tiny-").tempdir().expect("tempdir").keep();
+        let dir = root.join("tiny");
+        lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, GOLDEN_SEED, false).expect("synthesize tiny checkpoint");
+        dir
+    })
+}
+
+/// Copies the tiny checkpoint into a fresh directory the test may damage.
+pub fn tiny_copy() -> PathBuf {
+    let src = tiny_checkpoint();
+    let dst = tempfile::Builder::new().prefix("lily-damaged-").tempdir().expect("tempdir").keep();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+    dst
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}

@@ -1,0 +1,477 @@
+//! The OpenAI-compatible server over real HTTP on loopback: the tiny random-weight model on the
+//! CPU backend for generation paths, and the test-only scripted backend where the model's text
+//! must be known (tool calls, reasoning, stop strings).
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::*;
+use std::time::{Duration, Instant};
+
+async fn post(url: &str, body: Value) -> (u16, Value) {
+    let r = client().post(url).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+fn assert_error_object(v: &Value) {
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "error object: {v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_models_metrics_and_404() {
+    let s = tiny_server();
+    let c = client();
+    let h: Value = c.get(format!("{}/health", s.url())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(h["status"], "ok");
+    let m: Value = c.get(format!("{}/v1/models", s.url())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "Qwen3.6-35B-A3B");
+    assert_eq!(m["data"][0]["object"], "model");
+    let r = c.get(format!("{}/nope", s.url())).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_error_object(&r.json().await.unwrap());
+    let r = c.get(format!("{}/v1/chat/completions", s.url())).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    let text = c.get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    for name in ["lily_requests_total", "lily_time_to_first_token_seconds_bucket", "lily_inter_token_latency_seconds_count", "lily_queue_depth", "lily_prefix_cache_hit_ratio", "lily_prompt_tokens_total"] {
+        assert!(text.contains(name), "metrics lack {name}:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_non_streaming_tiny_model() {
+    let s = tiny_server();
+    let (st, v) = post(&format!("{}/v1/chat/completions", s.url()), json!({"model": "anything", "messages": user("Hello non-stream"), "max_tokens": 6, "temperature": 0, "unknown_field": [1]})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let fr = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(["stop", "length"].contains(&fr), "{fr}");
+    let u = &v["usage"];
+    assert!(u["prompt_tokens"].as_u64().unwrap() > 5);
+    assert!(u["completion_tokens"].as_u64().unwrap() <= 6);
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap());
+    assert!(u["prompt_tokens_details"]["cached_tokens"].is_u64());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_matches_non_streaming_and_has_openai_shape() {
+    let s = tiny_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let body = json!({"messages": user("stream shape test"), "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": false}});
+    let (_, full) = post(&url, body.clone()).await;
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let r = client().post(&url).json(&sb).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let evs = sse_events(r).await;
+    assert_eq!(evs.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = evs[..evs.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let id = chunks[0]["id"].clone();
+    let created = chunks[0]["created"].clone();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut content = String::new();
+    let mut finish = None;
+    for c in &chunks {
+        assert_eq!(c["id"], id);
+        assert_eq!(c["created"], created);
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(ch) = c["choices"].as_array().and_then(|a| a.first()) {
+            if let Some(t) = ch["delta"]["content"].as_str() {
+                content.push_str(t);
+            }
+            if !ch["finish_reason"].is_null() {
+                finish = Some(ch["finish_reason"].clone());
+            } else {
+                assert!(finish.is_none(), "chunk after finish_reason");
+            }
+        }
+    }
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert!(usage_chunk["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c["usage"].is_null()));
+    assert_eq!(finish.unwrap(), full["choices"][0]["finish_reason"]);
+    assert_eq!(content, full["choices"][0]["message"]["content"].as_str().unwrap_or(""), "stream and non-stream greedy outputs differ");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_hit_gives_identical_greedy_output() {
+    let s = tiny_server();
+    let url = format!("{}/v1/completions", s.url());
+    // Token ids, so the prompt is exactly what the cache sees.
+    let ids: Vec<u32> = (0..40).map(|i| 1000 + i * 37).collect();
+    let body = json!({"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 1});
+    let (st, a) = post(&url, body.clone()).await;
+    assert_eq!(st, 200, "{a}");
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, b) = post(&url, body.clone()).await;
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 39, "exact repeat resumes at prompt-1");
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_eq!(a["choices"][0]["logprobs"]["tokens"], b["choices"][0]["logprobs"]["tokens"]);
+    let la: Vec<f64> = serde_json::from_value(a["choices"][0]["logprobs"]["token_logprobs"].clone()).unwrap();
+    let lb: Vec<f64> = serde_json::from_value(b["choices"][0]["logprobs"]["token_logprobs"].clone()).unwrap();
+    for (x, y) in la.iter().zip(&lb) {
+        assert!((x - y).abs() < 1e-3, "logprobs differ: {la:?} vs {lb:?}");
+    }
+    // An extension of the prompt also hits (the longest cached prefix).
+    let mut longer = ids.clone();
+    longer.extend([5, 6, 7]);
+    let (_, c) = post(&url, json!({"prompt": longer, "max_tokens": 3, "temperature": 0})).await;
+    assert!(c["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 39);
+    // ...and gives the same output as the same request on a fresh server with no cache.
+    let fresh = {
+        let mut a = args();
+        a.prefix_cache_mb = 0;
+        lily::server::spawn(a).unwrap()
+    };
+    let (_, d) = post(&format!("{}/v1/completions", fresh.url()), json!({"prompt": longer, "max_tokens": 3, "temperature": 0})).await;
+    assert_eq!(d["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(c["choices"][0]["text"], d["choices"][0]["text"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_seed_same_output() {
+    let s = tiny_server();
+    let url = format!("{}/v1/completions", s.url());
+    let body = |seed: u64| json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": seed});
+    let (_, a) = post(&url, body(7)).await;
+    let (_, b) = post(&url, body(7)).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let mut differs = false;
+    for seed in 8..12 {
+        let (_, c) = post(&url, body(seed)).await;
+        differs |= c["choices"][0]["text"] != a["choices"][0]["text"];
+    }
+    assert!(differs, "different seeds never changed the sample");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_4xx_with_error_objects() {
+    let s = tiny_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let c = client();
+    let raw = |body: Vec<u8>| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let r = c.post(&url).header("content-type", "application/json").body(body).send().await.unwrap();
+            let st = r.status().as_u16();
+            (st, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (st, v) = raw(b"{\"messages\": [".to_vec()).await;
+    assert_eq!(st, 400);
+    assert_error_object(&v);
+    let (st, v) = raw(vec![0x7b, 0xff, 0xfe, 0x7d]).await;
+    assert_eq!(st, 400);
+    assert!(v["error"]["message"].as_str().unwrap().contains("UTF-8"));
+    let (st, _) = raw(vec![]).await;
+    assert_eq!(st, 400);
+    // Over the body limit.
+    {
+        let mut a = args();
+        a.max_body_bytes = 1024;
+        let small = lily::server::spawn(a).unwrap();
+        let body = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a".repeat(4000));
+        let r = c.post(format!("{}/v1/chat/completions", small.url())).header("content-type", "application/json").body(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 413);
+        assert_error_object(&r.json().await.unwrap());
+    }
+    let cases = [
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": [{"role": "assistant", "content": "hi"}]}), "messages"),
+        (json!({"messages": user("x"), "n": 2}), "n"),
+        (json!({"messages": user("x"), "temperature": 7000}), "temperature"),
+        (json!({"messages": user("x"), "top_p": 1.5}), "top_p"),
+        (json!({"messages": user("x"), "max_tokens": 0}), "max_tokens"),
+        (json!({"messages": user("x"), "max_tokens": 100000}), "max_tokens"),
+        (json!({"messages": user("x"), "top_logprobs": 50, "logprobs": true}), "top_logprobs"),
+        (json!({"messages": user("x"), "stop": [1, 2]}), "stop"),
+        (json!({"messages": user("x"), "tool_choice": "required"}), "tool_choice"),
+        (json!({"messages": "hello"}), "messages"),
+        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), "messages[0].content"),
+    ];
+    for (body, param) in cases {
+        let (st, v) = post(&url, body.clone()).await;
+        assert_eq!(st, 400, "{body} -> {v}");
+        assert_error_object(&v);
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+    }
+    let long = "word ".repeat(1500);
+    let (st, v) = post(&url, json!({"messages": user(&long), "max_tokens": 5})).await;
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    // The server is still fine.
+    let (st, _) = post(&url, json!({"messages": user("still alive?"), "max_tokens": 2})).await;
+    assert_eq!(st, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_enforced() {
+    let mut a = args();
+    a.api_key = Some("sk-test-123".into());
+    let s = lily::server::spawn(a).unwrap();
+    let c = client();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let body = json!({"messages": user("hi"), "max_tokens": 2});
+    let r = c.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_error_object(&r.json().await.unwrap());
+    let r = c.post(&url).bearer_auth("sk-wrong").json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = c.get(format!("{}/v1/models", s.url())).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = c.post(&url).bearer_auth("sk-test-123").json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(c.get(format!("{}/health", s.url())).send().await.unwrap().status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_answers_429_with_retry_after() {
+    let mut a = args();
+    a.max_queue = 1;
+    let s = lily::server::spawn(a).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client().post(&url).json(&json!({"prompt": format!("queue test {i}"), "max_tokens": 40, "temperature": 0})).send().await.unwrap();
+            let st = r.status().as_u16();
+            let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+            let v: Value = r.json().await.unwrap();
+            (st, retry, v)
+        }));
+    }
+    let mut n429 = 0;
+    let mut n200 = 0;
+    for t in tasks {
+        let (st, retry, v) = t.await.unwrap();
+        match st {
+            200 => n200 += 1,
+            429 => {
+                n429 += 1;
+                assert!(retry.is_some());
+                assert_eq!(v["error"]["type"], "rate_limit_error");
+            }
+            other => panic!("unexpected status {other}: {v}"),
+        }
+    }
+    assert!(n200 >= 2 && n429 >= 1, "200: {n200}, 429: {n429}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_generation() {
+    let s = lily::server::spawn(args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let mut r = client().post(&url).json(&json!({"prompt": "a long story", "max_tokens": 900, "temperature": 0, "stream": true})).send().await.unwrap();
+    // Wait for the first token, then hang up.
+    let first = r.chunk().await.unwrap();
+    assert!(first.is_some());
+    drop(r);
+    let t0 = Instant::now();
+    loop {
+        if s.metrics.cancelled.load(std::sync::atomic::Ordering::Relaxed) >= 1 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "generation was not cancelled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let generated = s.metrics.completion_tokens.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(generated < 900, "it generated {generated} tokens after the client left");
+    // The slot is free: a new request is served at once.
+    let (st, _) = post(&url, json!({"prompt": "next", "max_tokens": 2})).await;
+    assert_eq!(st, 200);
+}
+
+// ---- scripted backend: known model output ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_non_streaming_and_streaming() {
+    let s = scripted_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather <by city> & 'days'", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]);
+    let body = json!({"messages": user("What's the weather in Paris?"), "tools": tools, "max_tokens": 200});
+    let (st, v) = post(&url, body.clone()).await;
+    assert_eq!(st, 200, "{v}");
+    let ch = &v["choices"][0];
+    assert_eq!(ch["finish_reason"], "tool_calls");
+    let msg = &ch["message"];
+    assert_eq!(msg["content"], "Let me check.\n\n");
+    assert_eq!(msg["reasoning_content"], "The user wants weather.");
+    assert_eq!(msg["reasoning"], "The user wants weather.");
+    let tc = &msg["tool_calls"][0];
+    assert_eq!(tc["type"], "function");
+    assert!(tc["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(tc["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(tc["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 3}));
+
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let evs = sse_events(client().post(&url).json(&sb).send().await.unwrap()).await;
+    let mut name = None;
+    let mut arg_text = String::new();
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut finish = None;
+    for e in &evs[..evs.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let ch = &c["choices"][0];
+        content += ch["delta"]["content"].as_str().unwrap_or("");
+        reasoning += ch["delta"]["reasoning_content"].as_str().unwrap_or("");
+        if let Some(tcs) = ch["delta"]["tool_calls"].as_array() {
+            for t in tcs {
+                assert_eq!(t["index"], 0);
+                if let Some(n) = t["function"]["name"].as_str() {
+                    assert!(name.is_none());
+                    assert!(arg_text.is_empty(), "arguments before the name");
+                    name = Some(n.to_string());
+                    assert!(t["id"].is_string());
+                }
+                arg_text += t["function"]["arguments"].as_str().unwrap_or("");
+            }
+        }
+        if !ch["finish_reason"].is_null() {
+            finish = Some(ch["finish_reason"].clone());
+        }
+    }
+    assert!(!content.contains("<tool_call>") && !content.contains("<function"), "XML leaked: {content:?}");
+    assert_eq!(content, "Let me check.\n\n");
+    assert_eq!(reasoning, "The user wants weather.");
+    assert_eq!(name.as_deref(), Some("get_weather"));
+    assert_eq!(serde_json::from_str::<Value>(&arg_text).unwrap(), json!({"city": "Paris", "days": 3}));
+    assert_eq!(finish, Some(json!("tool_calls")));
+
+    // Two calls; a JSON-valued parameter keeps its type.
+    let (_, v) = post(&url, json!({"messages": user("make two calls"), "tools": [{"type": "function", "function": {"name": "a", "parameters": {}}}, {"type": "function", "function": {"name": "b", "parameters": {}}}]})).await;
+    let tcs = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(tcs.len(), 2);
+    assert_eq!(serde_json::from_str::<Value>(tcs[1]["function"]["arguments"].as_str().unwrap()).unwrap(), json!({"y": {"k": [1, 2]}}));
+    assert!(v["choices"][0]["message"]["content"].is_null());
+
+    // Without tools in the request the text is plain content.
+    let (_, v) = post(&url, json!({"messages": user("make two calls")})).await;
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("<tool_call>"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_split_and_multi_turn_with_tool_results() {
+    let s = scripted_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let (_, v) = post(&url, json!({"messages": user("what is 2+2?")})).await;
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], "Two plus two is four.");
+    assert_eq!(m["content"], "The answer is 4.");
+    assert!(v["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap() > 0);
+    // A conversation with an assistant tool call and a tool result renders and answers.
+    let msgs = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "reasoning_content": "need tool", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    ]);
+    let (st, v) = post(&url, json!({"messages": msgs, "max_tokens": 300})).await;
+    assert_eq!(st, 200, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_never_leak() {
+    let s = scripted_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    for stop in [json!("STOP"), json!(["zzz", ", STO"]), json!("two, S")] {
+        let body = json!({"messages": user("stop test"), "stop": stop, "chat_template_kwargs": {"enable_thinking": false}});
+        let (_, v) = post(&url, body.clone()).await;
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        assert!(content.starts_with("Counting: one"), "{content:?}");
+        assert!(!content.contains("STO") && !content.contains("three"), "{content:?}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        let mut sb = body;
+        sb["stream"] = json!(true);
+        let evs = sse_events(client().post(&url).json(&sb).send().await.unwrap()).await;
+        let mut streamed = String::new();
+        for e in &evs[..evs.len() - 1] {
+            let c: Value = serde_json::from_str(e).unwrap();
+            streamed += c["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+        }
+        assert_eq!(streamed, content);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unicode_streams_whole_characters_and_logprobs_format() {
+    let s = scripted_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let body = json!({"messages": user("unicode please"), "stream": true, "logprobs": true, "top_logprobs": 3, "chat_template_kwargs": {"enable_thinking": false}});
+    let evs = sse_events(client().post(&url).json(&body).send().await.unwrap()).await;
+    let mut text = String::new();
+    let mut n_lp = 0;
+    for e in &evs[..evs.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let ch = &c["choices"][0];
+        let piece = ch["delta"]["content"].as_str().unwrap_or("");
+        assert!(!piece.contains('\u{FFFD}'), "split character in {piece:?}");
+        text += piece;
+        if let Some(lps) = ch["logprobs"]["content"].as_array() {
+            for lp in lps {
+                n_lp += 1;
+                assert!(lp["token"].is_string() && lp["logprob"].as_f64().unwrap() <= 0.0 && lp["bytes"].is_array());
+                assert_eq!(lp["top_logprobs"].as_array().unwrap().len(), 3);
+            }
+        }
+    }
+    assert_eq!(text, "Héllo wörld 你好 🎉 done");
+    assert!(n_lp >= 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_request_does_not_stop_the_server() {
+    use lily::backend::{Backend, LogitsWanted, Sequence};
+    struct Flaky {
+        inner: lily::backend::cpu::CpuBackend,
+        poison: u32,
+    }
+    impl Backend for Flaky {
+        fn name(&self) -> &'static str {
+            "flaky"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            self.inner.config()
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            self.inner.new_sequence(max_seq)
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            if tokens.contains(&self.poison) {
+                panic!("poisoned token");
+            }
+            if tokens.contains(&(self.poison + 1)) {
+                anyhow::bail!("backend error");
+            }
+            self.inner.forward(seq, tokens, w)
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let backend = Flaky { inner: lily::backend::cpu::CpuBackend::new(&ck).unwrap(), poison: 4242 };
+    let s = lily::server::spawn_with_backend(args(), Box::new(backend)).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let (st, v) = post(&url, json!({"prompt": [1, 4242, 3], "max_tokens": 2})).await;
+    assert_eq!(st, 500, "{v}");
+    assert_eq!(v["error"]["type"], "server_error");
+    let (st, _) = post(&url, json!({"prompt": [1, 4243, 3], "max_tokens": 2})).await;
+    assert_eq!(st, 500);
+    // Streaming: the error arrives as an error event.
+    let evs = sse_events(client().post(&url).json(&json!({"prompt": [1, 4242], "stream": true, "max_tokens": 2})).send().await.unwrap()).await;
+    assert!(evs.iter().any(|e| e.contains("\"error\"")), "{evs:?}");
+    let (st, v) = post(&url, json!({"prompt": [1, 2, 3], "max_tokens": 2})).await;
+    assert_eq!(st, 200, "{v}");
+}

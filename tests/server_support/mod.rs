@@ -1,0 +1,82 @@
+//! Shared fixtures of the server tests: the tiny synthetic checkpoint (written once per test
+//! binary), servers on ephemeral loopback ports, and an SSE reader.
+
+#![allow(dead_code)]
+
+use lily::server::{ServeArgs, ServerHandle};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub fn tiny_checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = tempfile::Builder::new().prefix("lily-server-tiny-").tempdir().expect("tempdir").keep();
+        let dir = root.join("tiny");
+        lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, 0, false).expect("synthesize tiny checkpoint");
+        dir
+    })
+}
+
+pub fn args() -> ServeArgs {
+    let mut a = ServeArgs::for_model(Some(tiny_checkpoint().to_path_buf()));
+    a.bind = "127.0.0.1:0".into();
+    a.max_seq = 1024;
+    a
+}
+
+/// A server running the tiny model on the CPU backend.
+pub fn tiny_server() -> &'static ServerHandle {
+    static S: OnceLock<ServerHandle> = OnceLock::new();
+    S.get_or_init(|| lily::server::spawn(args()).expect("start server"))
+}
+
+/// The rules of the scripted (test-only) backend used for deterministic output.
+pub const SCRIPT: &str = r#"[
+  {"match": "weather", "reply": "The user wants weather.</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"},
+  {"match": "two calls", "reply": "<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n<parameter=y>\n{\"k\": [1, 2]}\n</parameter>\n</function>\n</tool_call>"},
+  {"match": "stop test", "reply": "Counting: one, two, STOP three, four"},
+  {"match": "unicode", "reply": "Héllo wörld 你好 🎉 done"},
+  {"match": "what is 2+2", "reply": "Two plus two is four.</think>\n\nThe answer is 4."},
+  {"reply": "Hello there! I am a scripted reply."}
+]"#;
+
+pub fn script_path() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = tempfile::Builder::new().prefix("lily-script-").tempdir().expect("tempdir").keep();
+        let p = dir.join("script.json");
+        std::fs::write(&p, SCRIPT).unwrap();
+        p
+    })
+    .clone()
+}
+
+/// A server whose "model" replies from [`SCRIPT`].
+pub fn scripted_server() -> &'static ServerHandle {
+    static S: OnceLock<ServerHandle> = OnceLock::new();
+    S.get_or_init(|| {
+        let mut a = args();
+        a.test_script = Some(script_path());
+        lily::server::spawn(a).expect("start scripted server")
+    })
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().build().unwrap()
+}
+
+pub fn user(text: &str) -> Value {
+    serde_json::json!([{"role": "user", "content": text}])
+}
+
+/// Reads a whole SSE response: the `data:` payloads, in order.
+pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let text = resp.text().await.unwrap();
+    text.split("\n\n").filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:"))).map(str::to_string)).collect()
+}
+
+pub fn rss_bytes() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0) * 1024
+}
