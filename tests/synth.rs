@@ -300,3 +300,16 @@ fn synth_35b() {
     let rep = synthesize(&Preset::Qwen35bA3b.config(), Path::new(&dir), 0, true).unwrap();
     eprintln!("{rep}");
 }
+
+/// Throughput on an 8-layer cut of the real model (~3.9 GB, fits in the page cache's dirty
+/// budget on most machines): `cargo test --release --test synth throughput_mid -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn throughput_mid() {
+    let dir = std::env::var("LILY_SYNTH_DIR").unwrap_or_else(|_| "/tmp/synth-mid".into());
+    let mut cfg = ModelConfig::qwen36_35b_a3b();
+    cfg.layer_types = lily::checkpoint::config::hybrid_layers(8, 4);
+    let rep = synthesize(&cfg, Path::new(&dir), 0, false).unwrap();
+    eprintln!("{rep}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -18,9 +18,22 @@ fn qwen() -> ChatTemplate {
 
 /// First differing position, for a readable failure.
 fn diff(got: &str, want: &str) -> String {
-    let at = got.chars().zip(want.chars()).take_while(|(a, b)| a == b).count();
-    let ctx = |s: &str| s.chars().skip(at.saturating_sub(30)).take(80).collect::<String>();
-    format!("first difference at char {at}:\n  got:  {:?}\n  want: {:?}", ctx(got), ctx(want))
+    let at = got
+        .chars()
+        .zip(want.chars())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let ctx = |s: &str| {
+        s.chars()
+            .skip(at.saturating_sub(30))
+            .take(80)
+            .collect::<String>()
+    };
+    format!(
+        "first difference at char {at}:\n  got:  {:?}\n  want: {:?}",
+        ctx(got),
+        ctx(want)
+    )
 }
 
 #[test]
@@ -43,7 +56,12 @@ fn renders_match_transformers() {
         let tools = c.get("tools").filter(|v| !v.is_null());
         let kwargs = c["kwargs"].as_object().cloned().unwrap_or_default();
         let want = c["expected"].as_str().unwrap();
-        match t.render(&c["messages"], tools, c["add_generation_prompt"].as_bool().unwrap(), &kwargs) {
+        match t.render(
+            &c["messages"],
+            tools,
+            c["add_generation_prompt"].as_bool().unwrap(),
+            &kwargs,
+        ) {
             Ok(got) if got == want => {}
             Ok(got) => failures.push(format!("{name}: {}", diff(&got, want))),
             Err(e) => failures.push(format!("{name}: error {e:#}")),
@@ -70,7 +88,12 @@ fn golden_coverage() {
     ] {
         assert!(all.contains(needle), "goldens lack {needle}");
     }
-    let tools_case = g["cases"].as_array().unwrap().iter().find(|c| c["name"] == "tools_with_calls_and_responses").unwrap();
+    let tools_case = g["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "tools_with_calls_and_responses")
+        .unwrap();
     let expected = tools_case["expected"].as_str().unwrap();
     // Non-string argument values go through tojson; three tool responses merge into one user turn.
     assert!(expected.contains("<parameter=days>\n1.5\n</parameter>"));
@@ -103,7 +126,11 @@ fn empty_messages_and_system_image_are_errors() {
         {"role": "user", "content": "hi"}
     ]);
     let e = t.render(&msgs, None, true, &Map::new()).unwrap_err();
-    assert!(e.to_string().contains("System message cannot contain images."), "{e}");
+    assert!(
+        e.to_string()
+            .contains("System message cannot contain images."),
+        "{e}"
+    );
 }
 
 #[test]
@@ -123,7 +150,12 @@ fn bad_input_never_panics() {
         json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "reasoning_content": 5}]),
     ] {
         // Ok or Err are both acceptable; the call must return.
-        let _ = t.render(&messages, Some(&json!({"not": "a list"})), true, &Map::new());
+        let _ = t.render(
+            &messages,
+            Some(&json!({"not": "a list"})),
+            true,
+            &Map::new(),
+        );
         let _ = t.render(&messages, Some(&json!([1, null, "x"])), false, &Map::new());
     }
 }
@@ -132,17 +164,30 @@ fn bad_input_never_panics() {
 fn load_prefers_jinja_file_then_tokenizer_config() {
     let dir = tempfile::tempdir().unwrap();
     let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("chat_template.jinja") && err.contains("tokenizer_config.json"), "{err}");
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("tokenizer_config.json"),
+        "{err}"
+    );
 
     let cfg = json!({"eos_token": {"content": "<|im_end|>"}, "chat_template": "{{ eos_token }}|{{ messages|length }}"});
     std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
     let t = ChatTemplate::load(dir.path()).unwrap();
-    assert_eq!(t.render(&json!([1, 2]), None, false, &Map::new()).unwrap(), "<|im_end|>|2");
+    assert_eq!(
+        t.render(&json!([1, 2]), None, false, &Map::new()).unwrap(),
+        "<|im_end|>|2"
+    );
 
-    std::fs::write(dir.path().join("chat_template.jinja"), "jinja {{ add_generation_prompt }}\n").unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "jinja {{ add_generation_prompt }}\n",
+    )
+    .unwrap();
     let t = ChatTemplate::load(dir.path()).unwrap();
     // keep_trailing_newline=false drops the file's final newline, as Jinja2 does.
-    assert_eq!(t.render(&json!([]), None, true, &Map::new()).unwrap(), "jinja True");
+    assert_eq!(
+        t.render(&json!([]), None, true, &Map::new()).unwrap(),
+        "jinja True"
+    );
 
     let mut kw = Map::new();
     kw.insert("eos_token".into(), json!("override"));

@@ -21,7 +21,11 @@ fn fixture() -> &'static Fixture {
         let dir = tempfile::tempdir().expect("tempdir");
         write_tokenizer_files(dir.path()).expect("write_tokenizer_files");
         let tok = Tokenizer::load(dir.path()).expect("load tokenizer");
-        Fixture { path: dir.path().to_path_buf(), _dir: dir, tok }
+        Fixture {
+            path: dir.path().to_path_buf(),
+            _dir: dir,
+            tok,
+        }
     })
 }
 
@@ -56,7 +60,12 @@ fn cases() -> Vec<Case> {
             name: c["name"].as_str().unwrap().to_string(),
             text: c["text"].as_str().unwrap().to_string(),
             nfc: c["nfc"].as_str().unwrap().to_string(),
-            ids: c["ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect(),
+            ids: c["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i.as_u64().unwrap() as u32)
+                .collect(),
         })
         .collect();
     // The goldens must have been generated from the committed corpus (same names, same text).
@@ -67,8 +76,14 @@ fn cases() -> Vec<Case> {
         .iter()
         .map(|c| (c["name"].as_str().unwrap(), c["text"].as_str().unwrap()))
         .collect();
-    let got: Vec<(&str, &str)> = cases.iter().map(|c| (c.name.as_str(), c.text.as_str())).collect();
-    assert_eq!(got, corpus, "tokenizer_expected.json is stale: rerun scripts/tokenizer_goldens.py");
+    let got: Vec<(&str, &str)> = cases
+        .iter()
+        .map(|c| (c.name.as_str(), c.text.as_str()))
+        .collect();
+    assert_eq!(
+        got, corpus,
+        "tokenizer_expected.json is stale: rerun scripts/tokenizer_goldens.py"
+    );
     assert!(cases.len() >= 40);
     cases
 }
@@ -82,7 +97,12 @@ fn corpus_matches_tiktoken_goldens() {
             failures.push(format!("{}:\n  got  {:?}\n  want {:?}", c.name, ids, c.ids));
         }
     }
-    assert!(failures.is_empty(), "{} cases differ:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} cases differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -91,7 +111,10 @@ fn decode_round_trips_the_corpus() {
         let ids = tok().encode(&c.text).unwrap();
         // The normaliser is NFC, so the round trip gives the NFC form (== text for NFC input).
         assert_eq!(tok().decode(&ids, false).unwrap(), c.nfc, "{}", c.name);
-        let concat: Vec<u8> = ids.iter().flat_map(|&i| tok().token_bytes(i).to_vec()).collect();
+        let concat: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| tok().token_bytes(i).to_vec())
+            .collect();
         assert_eq!(concat, c.nfc.as_bytes(), "{}: token_bytes concat", c.name);
     }
 }
@@ -116,7 +139,11 @@ fn special_tokens_in_text_map_to_their_ids() {
         assert_eq!(t.encode(s).unwrap(), vec![id], "{s}");
         assert_eq!(t.token_id(s), Some(id), "{s}");
         assert_eq!(t.token_bytes(id), s.as_bytes(), "{s}");
-        assert_eq!(t.encode(&format!("a{s}b")).unwrap(), vec![64, id, 65], "{s} inside text");
+        assert_eq!(
+            t.encode(&format!("a{s}b")).unwrap(),
+            vec![64, id, 65],
+            "{s} inside text"
+        );
     }
     // All 33 added tokens, in order, with the right special flags.
     for (i, (s, special)) in lily::tokenizer::SPECIAL_TOKENS.iter().enumerate() {
@@ -135,7 +162,10 @@ fn chat_example_from_model_md() {
     let prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n";
     let ids = tok().encode(prompt).unwrap();
     assert_eq!(&ids[..3], &[248045, 846, 198]);
-    assert!(ids.ends_with(&[248046, 198, 248045, 74455, 198, 248068, 198]), "{ids:?}");
+    assert!(
+        ids.ends_with(&[248046, 198, 248045, 74455, 198, 248068, 198]),
+        "{ids:?}"
+    );
     // Rendering the template then encoding gives the same ids.
     let tmpl = lily::tokenizer::ChatTemplate::load(&fixture().path).unwrap();
     let text = tmpl
@@ -152,8 +182,13 @@ fn chat_example_from_model_md() {
 #[test]
 fn decode_skip_special_keeps_protocol_tags() {
     let t = tok();
-    let ids = t.encode("<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|im_end|>").unwrap();
-    assert_eq!(t.decode(&ids, true).unwrap(), "assistant\n<think>\nhmm\n</think>\n\nok");
+    let ids = t
+        .encode("<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|im_end|>")
+        .unwrap();
+    assert_eq!(
+        t.decode(&ids, true).unwrap(),
+        "assistant\n<think>\nhmm\n</think>\n\nok"
+    );
     assert_eq!(t.decode(&[248100, 65], false).unwrap(), "b"); // ids beyond the vocab are dropped
     assert!(t.token_bytes(248100).is_empty() && t.token_bytes(u32::MAX).is_empty());
 }
@@ -172,13 +207,18 @@ fn token_lookup() {
 fn write_is_deterministic_and_loads_with_config() {
     let a = tempfile::tempdir().unwrap();
     write_tokenizer_files(a.path()).unwrap();
-    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
         let x = std::fs::read(a.path().join(name)).unwrap();
         let y = std::fs::read(fixture().path.join(name)).unwrap();
         assert!(x == y, "{name} differs between two writes");
     }
     let cfg: Value =
-        serde_json::from_slice(&std::fs::read(a.path().join("tokenizer_config.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(a.path().join("tokenizer_config.json")).unwrap())
+            .unwrap();
     assert_eq!(cfg["tokenizer_class"], "Qwen3_5Tokenizer");
     assert_eq!(cfg["eos_token"], "<|im_end|>");
     assert_eq!(cfg["pad_token"], "<|endoftext|>");
@@ -194,10 +234,44 @@ fn write_is_deterministic_and_loads_with_config() {
 }
 
 #[test]
+fn qwen3_5_class_imposes_the_marks_regex() {
+    // A tokenizer.json carrying Qwen2's regex (no \p{M}), as some Qwen3.5-family releases do.
+    let dir = tempfile::tempdir().unwrap();
+    let json = std::fs::read_to_string(fixture().path.join("tokenizer.json")).unwrap();
+    let qwen2 = json
+        .replace(
+            r"[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+",
+            r"[^\\r\\n\\p{L}\\p{N}]?\\p{L}+",
+        )
+        .replace(r" ?[^\\s\\p{L}\\p{M}\\p{N}]+", r" ?[^\\s\\p{L}\\p{N}]+");
+    assert_ne!(qwen2, json, "regex rewrite did not apply");
+    std::fs::write(dir.path().join("tokenizer.json"), qwen2).unwrap();
+    let hindi = cases().into_iter().find(|c| c.name == "hindi").unwrap();
+
+    // Without a config (or with another class) the file's pipeline is used as is: ids differ.
+    let plain = Tokenizer::load(dir.path()).unwrap();
+    assert_ne!(plain.encode(&hindi.text).unwrap(), hindi.ids);
+
+    // Qwen3_5Tokenizer (what our config says) gets transformers' pipeline back: goldens match.
+    std::fs::copy(
+        fixture().path.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let fixed = Tokenizer::load(dir.path()).unwrap();
+    for c in cases() {
+        assert_eq!(fixed.encode(&c.text).unwrap(), c.ids, "{}", c.name);
+    }
+}
+
+#[test]
 fn load_error_names_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let err = Tokenizer::load(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("tokenizer.json") && !err.contains('\n'), "{err}");
+    assert!(
+        err.contains("tokenizer.json") && !err.contains('\n'),
+        "{err}"
+    );
     std::fs::write(dir.path().join("tokenizer.json"), "{not json").unwrap();
     let err = Tokenizer::load(dir.path()).unwrap_err().to_string();
     assert!(err.contains("tokenizer.json"), "{err}");
@@ -225,13 +299,25 @@ fn stream_multibyte_split_across_tokens() {
     ] {
         let ids = t.encode(text).unwrap();
         // The point of the test: some token must end inside a character.
-        let splits = ids.iter().filter(|&&i| std::str::from_utf8(t.token_bytes(i)).is_err()).count();
-        assert!(splits > 0, "{text}: no token splits a character, test proves nothing");
+        let splits = ids
+            .iter()
+            .filter(|&&i| std::str::from_utf8(t.token_bytes(i)).is_err())
+            .count();
+        assert!(
+            splits > 0,
+            "{text}: no token splits a character, test proves nothing"
+        );
         let (chunks, tail) = stream_all(&ids, false);
         for c in &chunks {
-            assert!(!c.contains('\u{FFFD}'), "{text}: replacement char in chunk {c:?}");
+            assert!(
+                !c.contains('\u{FFFD}'),
+                "{text}: replacement char in chunk {c:?}"
+            );
         }
-        assert!(chunks.iter().any(|c| c.is_empty()), "{text}: nothing was held back");
+        assert!(
+            chunks.iter().any(|c| c.is_empty()),
+            "{text}: nothing was held back"
+        );
         assert_eq!(tail, "");
         assert_eq!(chunks.concat(), text);
     }
@@ -243,7 +329,12 @@ fn stream_equals_decode_on_corpus() {
         let ids = tok().encode(&c.text).unwrap();
         for skip in [false, true] {
             let (chunks, tail) = stream_all(&ids, skip);
-            assert_eq!(chunks.concat() + &tail, tok().decode(&ids, skip).unwrap(), "{} skip={skip}", c.name);
+            assert_eq!(
+                chunks.concat() + &tail,
+                tok().decode(&ids, skip).unwrap(),
+                "{} skip={skip}",
+                c.name
+            );
         }
     }
 }
@@ -278,19 +369,11 @@ fn stream_matches_decode_on_arbitrary_id_sequences() {
             .collect();
         for skip in [false, true] {
             let (chunks, tail) = stream_all(&ids, skip);
-            assert_eq!(chunks.concat() + &tail, t.decode(&ids, skip).unwrap(), "{ids:?} skip={skip}");
+            assert_eq!(
+                chunks.concat() + &tail,
+                t.decode(&ids, skip).unwrap(),
+                "{ids:?} skip={skip}"
+            );
         }
     }
-}
-
-#[test]
-#[ignore]
-fn tmp_dump_files() {
-    let out = std::path::PathBuf::from(std::env::var("LILY_TOK_OUT").unwrap());
-    let t0 = std::time::Instant::now();
-    write_tokenizer_files(&out).unwrap();
-    eprintln!("write_tokenizer_files: {:?}", t0.elapsed());
-    let t0 = std::time::Instant::now();
-    let _t = Tokenizer::load(&out).unwrap();
-    eprintln!("load: {:?}", t0.elapsed());
 }

@@ -5,14 +5,12 @@
 use super::gen::{stream_key, AffineParams, Fill};
 use crate::checkpoint::config::ModelConfig;
 use crate::checkpoint::layout::{expected_weights, DType, WeightKind};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Mutex};
+use std::path::Path;
 
 /// One stored tensor of the checkpoint being written.
 #[derive(Debug, Clone)]
@@ -143,8 +141,21 @@ fn chunks(tensors: &[PlannedTensor], chunk_bytes: usize) -> Vec<Chunk> {
     out
 }
 
+/// Bytes of one shard mapped (or written) per step: bounds memory whatever the shard size.
+const WINDOW_BYTES: u64 = 64 << 20;
+
 /// Writes all shards into `dir`, returning the bytes written (headers included).
+///
+/// Each shard is created at its final size and, where the filesystem supports it, its blocks
+/// are reserved with `fallocate` (so a full disk is an error here, never a SIGBUS later); the
+/// data section is then filled through a sliding 64 MiB memory map, chunks generated in
+/// parallel straight into the page cache (no copy, no single writer thread). Without
+/// `fallocate` the chunks are generated in parallel and written with positioned writes.
 pub fn write_shards(dir: &Path, tensors: &[PlannedTensor], n_shards: usize, chunk_bytes: usize, progress: bool) -> Result<u64> {
+    write_shards_impl(dir, tensors, n_shards, chunk_bytes, progress, std::env::var_os("LILY_SYNTH_NO_MMAP").is_none(), WINDOW_BYTES)
+}
+
+fn write_shards_impl(dir: &Path, tensors: &[PlannedTensor], n_shards: usize, chunk_bytes: usize, progress: bool, allow_map: bool, window: u64) -> Result<u64> {
     let headers: Vec<Vec<u8>> = (0..n_shards).map(|s| shard_header(tensors, s)).collect();
     let mut shard_data = vec![0u64; n_shards];
     for t in tensors {
@@ -165,45 +176,11 @@ pub fn write_shards(dir: &Path, tensors: &[PlannedTensor], n_shards: usize, chun
     };
 
     let all = chunks(tensors, chunk_bytes);
-    let threads = rayon::current_num_threads().max(1);
-    let per_batch = (4 * threads).max(8);
-    let pool: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
-
-    let mut w = ShardWriter { dir, headers: &headers, expected: &shard_data, n_shards, cur: None, next: 0, written: 0, bar: &bar };
-    let result = std::thread::scope(|scope| -> Result<()> {
-        // Producer: generates batches of chunks in parallel; at most two batches wait in the
-        // channel, so memory is bounded by ~4 batches of chunk_bytes * per_batch.
-        let (tx, rx) = mpsc::sync_channel::<Vec<(Chunk, Vec<u8>)>>(2);
-        let pool = &pool;
-        let all = &all;
-        scope.spawn(move || {
-            for batch in all.chunks(per_batch) {
-                let bufs: Vec<(Chunk, Vec<u8>)> = batch
-                    .par_iter()
-                    .map(|c| {
-                        let mut buf = pool.lock().map(|mut p| p.pop()).ok().flatten().unwrap_or_default();
-                        buf.clear();
-                        buf.resize(c.len, 0);
-                        let t = &tensors[c.tensor];
-                        t.fill.fill(t.dtype, c.start, &mut buf);
-                        (*c, buf)
-                    })
-                    .collect();
-                if tx.send(bufs).is_err() {
-                    return; // the writer failed and hung up
-                }
-            }
-        });
-        for batch in rx {
-            for (c, buf) in batch {
-                w.write(tensors[c.tensor].shard, &buf)?;
-                if let Ok(mut p) = pool.lock() {
-                    p.push(buf);
-                }
-            }
-        }
-        // Shards holding only empty tensors (none in practice) still get their header.
-        w.finish()
+    let result = (0..n_shards).try_for_each(|s| {
+        let path = dir.join(shard_name(s, n_shards));
+        let first = all.partition_point(|c| tensors[c.tensor].shard < s);
+        let last = all.partition_point(|c| tensors[c.tensor].shard <= s);
+        write_one_shard(&path, &headers[s], shard_data[s], tensors, &all[first..last], &bar, allow_map, window)
     });
     if result.is_ok() {
         bar.finish_and_clear();
@@ -214,65 +191,107 @@ pub fn write_shards(dir: &Path, tensors: &[PlannedTensor], n_shards: usize, chun
     Ok(total)
 }
 
-struct ShardWriter<'a> {
-    dir: &'a Path,
-    headers: &'a [Vec<u8>],
-    expected: &'a [u64],
-    n_shards: usize,
-    /// Open shard: (index, path, writer).
-    cur: Option<(usize, PathBuf, BufWriter<File>)>,
-    next: usize,
-    written: u64,
-    bar: &'a ProgressBar,
+fn io_err(path: &Path, what: &str, e: std::io::Error) -> anyhow::Error {
+    anyhow!("{}: {what}: {e}", path.display())
 }
 
-impl ShardWriter<'_> {
-    fn write(&mut self, shard: usize, bytes: &[u8]) -> Result<()> {
-        while self.cur.as_ref().is_none_or(|c| c.0 != shard) {
-            self.open_next()?;
-        }
-        let (_, path, w) = self.cur.as_mut().expect("open shard");
-        w.write_all(bytes).map_err(|e| anyhow!("{}: write failed: {e}", path.display()))?;
-        self.written += bytes.len() as u64;
-        self.bar.inc(bytes.len() as u64);
-        Ok(())
+fn write_one_shard(
+    path: &Path,
+    header: &[u8],
+    data_len: u64,
+    tensors: &[PlannedTensor],
+    chunks: &[Chunk],
+    bar: &ProgressBar,
+    allow_map: bool,
+    window: u64,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| io_err(path, "cannot create", e))?;
+    let size = header.len() as u64 + data_len;
+    let mapped = reserve(&file, size).map_err(|e| io_err(path, "cannot allocate space", e))? && allow_map;
+    if !mapped {
+        file.set_len(size).map_err(|e| io_err(path, "write failed", e))?;
     }
+    file.write_all_at(header, 0).map_err(|e| io_err(path, "write failed", e))?;
+    bar.inc(header.len() as u64);
+    let data_start = header.len() as u64;
+    let file_pos = |c: &Chunk| data_start + tensors[c.tensor].offset + c.start;
 
-    fn open_next(&mut self) -> Result<()> {
-        self.close_current()?;
-        if self.next >= self.n_shards {
-            bail!("internal error: shard {} out of range", self.next);
+    let mut rest = chunks;
+    while !rest.is_empty() {
+        // A window: consecutive chunks totalling at most `window` bytes (at least one chunk).
+        let mut n = 1;
+        let mut len = rest[0].len as u64;
+        while n < rest.len() && len + rest[n].len as u64 <= window {
+            len += rest[n].len as u64;
+            n += 1;
         }
-        let path = self.dir.join(shard_name(self.next, self.n_shards));
-        let file = File::create(&path).map_err(|e| anyhow!("{}: cannot create: {e}", path.display()))?;
-        let mut w = BufWriter::with_capacity(256 << 10, file);
-        let h = &self.headers[self.next];
-        w.write_all(h).map_err(|e| anyhow!("{}: write failed: {e}", path.display()))?;
-        self.bar.inc(h.len() as u64);
-        self.written = 0;
-        self.cur = Some((self.next, path, w));
-        self.next += 1;
-        Ok(())
-    }
-
-    fn close_current(&mut self) -> Result<()> {
-        if let Some((idx, path, w)) = self.cur.take() {
-            if self.written != self.expected[idx] {
-                bail!("{}: internal error: wrote {} data bytes, expected {}", path.display(), self.written, self.expected[idx]);
+        let (win, tail) = rest.split_at(n);
+        rest = tail;
+        let start = file_pos(&win[0]);
+        if len == 0 {
+            continue;
+        }
+        let gen = |c: &Chunk, out: &mut [u8]| {
+            let t = &tensors[c.tensor];
+            t.fill.fill(t.dtype, c.start, out);
+        };
+        if mapped {
+            // SAFETY: the file was just created by us and its blocks are reserved (no SIGBUS on
+            // a full disk); nothing else maps or truncates it while this window is alive.
+            let mut map = unsafe { memmap2::MmapOptions::new().offset(start).len(len as usize).map_mut(&file) }
+                .map_err(|e| io_err(path, "cannot map for writing", e))?;
+            let mut pieces: Vec<(&Chunk, &mut [u8])> = Vec::with_capacity(win.len());
+            let mut buf: &mut [u8] = &mut map[..];
+            for c in win {
+                let (head, tail) = buf.split_at_mut(c.len);
+                pieces.push((c, head));
+                buf = tail;
             }
-            // No fsync: the shards are usually read right back from the page cache, and an
-            // interrupted run never leaves a complete-looking directory (see `synthesize`).
-            w.into_inner().map_err(|e| anyhow!("{}: write failed: {}", path.display(), e.error()))?;
+            pieces.into_par_iter().for_each(|(c, out)| gen(c, out));
+        } else {
+            win.par_iter().try_for_each_init(Vec::new, |buf: &mut Vec<u8>, c| {
+                buf.clear();
+                buf.resize(c.len, 0);
+                gen(c, buf);
+                file.write_all_at(buf, file_pos(c)).map_err(|e| io_err(path, "write failed", e))
+            })?;
         }
-        Ok(())
+        bar.inc(len);
     }
+    Ok(())
+}
 
-    fn finish(&mut self) -> Result<()> {
-        while self.next < self.n_shards {
-            self.open_next()?;
-        }
-        self.close_current()
+/// Reserves `size` bytes for `file` (sets its length). `Ok(true)` when the blocks are really
+/// allocated, so the file may be written through a memory map; `Ok(false)` when the
+/// filesystem cannot preallocate; `Err` on a real error such as a full disk.
+#[cfg(target_os = "linux")]
+fn reserve(file: &File, size: u64) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    if size == 0 {
+        return Ok(false);
     }
+    // SAFETY: plain syscall on a valid descriptor.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, size as libc::off_t) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn reserve(_file: &File, _size: u64) -> std::io::Result<bool> {
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -302,6 +321,27 @@ mod tests {
         let v: Value = serde_json::from_slice(&h[8..]).unwrap();
         assert_eq!(v["__metadata__"]["format"], "mlx");
         assert_eq!(v.as_object().unwrap().len(), t.len() + 1);
+    }
+
+    #[test]
+    fn mapped_and_positioned_writes_agree() {
+        let mut cfg = ModelConfig::tiny();
+        cfg.vocab_size = 4096; // small and fast; several shards, windows and odd chunk sizes
+        let mut t = plan_tensors(&cfg, 5);
+        let n = layout_shards(&mut t, 600_000);
+        assert!(n > 2);
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        let total = write_shards_impl(&a, &t, n, 4096 + 8, false, true, 50_000).unwrap();
+        assert_eq!(total, write_shards_impl(&b, &t, n, 1 << 20, false, false, WINDOW_BYTES).unwrap());
+        for s in 0..n {
+            let name = shard_name(s, n);
+            let (x, y) = (std::fs::read(a.join(&name)).unwrap(), std::fs::read(b.join(&name)).unwrap());
+            assert!(x == y, "{name} differs");
+            safetensors::SafeTensors::deserialize(&x).unwrap();
+        }
     }
 
     #[test]

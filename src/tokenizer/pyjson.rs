@@ -50,7 +50,9 @@ pub fn tojson_filter(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result
     for (i, name) in NAMES.iter().enumerate() {
         if let Some(v) = kwargs.get::<Option<Value>>(name)? {
             if params[i].is_some() {
-                return Err(err(format!("tojson() got multiple values for argument '{name}'")));
+                return Err(err(format!(
+                    "tojson() got multiple values for argument '{name}'"
+                )));
             }
             params[i] = Some(v);
         }
@@ -163,7 +165,9 @@ fn write_value(out: &mut String, v: &Value, opts: &DumpOpts, level: usize) -> Re
             out.push('}');
         }
         other => {
-            return Err(err(format!("Object of type {other} is not JSON serializable")));
+            return Err(err(format!(
+                "Object of type {other} is not JSON serializable"
+            )));
         }
     }
     Ok(())
@@ -180,7 +184,11 @@ fn key_string(k: &Value) -> Result<String, Error> {
             write_number(&mut s, k)?;
             s
         }
-        other => return Err(err(format!("keys must be str, int, float, bool or None, not {other}"))),
+        other => {
+            return Err(err(format!(
+                "keys must be str, int, float, bool or None, not {other}"
+            )))
+        }
     })
 }
 
@@ -308,7 +316,11 @@ mod tests {
             d,
             r#"{"b": [1, 2.0, true, null, "<&'>"], "a": {"é": "🦀\n\u0001"}, "e": [], "f": {}}"#
         );
-        let opts = DumpOpts { ensure_ascii: true, sort_keys: true, ..DumpOpts::default() };
+        let opts = DumpOpts {
+            ensure_ascii: true,
+            sort_keys: true,
+            ..DumpOpts::default()
+        };
         assert_eq!(
             dumps(&v, &opts).unwrap(),
             r#"{"a": {"\u00e9": "\ud83e\udd80\n\u0001"}, "b": [1, 2.0, true, null, "<&'>"], "e": [], "f": {}}"#
@@ -318,7 +330,9 @@ mod tests {
             item_sep: ",".into(),
             ..DumpOpts::default()
         };
-        let v = Value::from(minijinja::value::Serde(serde_json::json!({"a": [1, {"b": null}], "c": []})));
+        let v = Value::from(minijinja::value::Serde(
+            serde_json::json!({"a": [1, {"b": null}], "c": []}),
+        ));
         assert_eq!(
             dumps(&v, &opts).unwrap(),
             "{\n  \"a\": [\n    1,\n    {\n      \"b\": null\n    }\n  ],\n  \"c\": []\n}"

@@ -92,7 +92,10 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, src.to_string())
             .map_err(|e| anyhow!("chat template does not compile: {e:#}"))?;
-        Ok(ChatTemplate { env, special_tokens: Map::new() })
+        Ok(ChatTemplate {
+            env,
+            special_tokens: Map::new(),
+        })
     }
 
     /// Renders a conversation, as `apply_chat_template(messages, tools=tools, tokenize=False,
@@ -112,7 +115,10 @@ impl ChatTemplate {
         let mut ctx = self.special_tokens.clone();
         ctx.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
         ctx.insert("messages".into(), messages.clone());
-        ctx.insert("tools".into(), tools.cloned().unwrap_or(serde_json::Value::Null));
+        ctx.insert(
+            "tools".into(),
+            tools.cloned().unwrap_or(serde_json::Value::Null),
+        );
         ctx.insert("documents".into(), serde_json::Value::Null);
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
 
@@ -124,7 +130,8 @@ impl ChatTemplate {
     }
 }
 
-/// One-line error naming the template's own message (e.g. `raise_exception('...')`).
+/// One-line error: the template's own message for `raise_exception('...')`, else minijinja's
+/// description with the template location.
 fn render_error(e: Error) -> anyhow::Error {
     match (e.kind(), e.detail()) {
         (ErrorKind::InvalidOperation, Some(detail)) if is_raised(&e) => {
@@ -134,7 +141,7 @@ fn render_error(e: Error) -> anyhow::Error {
     }
 }
 
-/// Marker detail prefix is not needed: raise_exception errors carry `RaisedByTemplate` as source.
+/// `raise_exception` errors carry `RaisedByTemplate` as their source.
 fn is_raised(e: &Error) -> bool {
     std::error::Error::source(e).is_some_and(|s| s.is::<RaisedByTemplate>())
 }
@@ -160,7 +167,10 @@ fn strftime_now(format: String) -> Result<Value, Error> {
     let mut out = String::new();
     // chrono reports an unknown specifier as a fmt::Error (to_string() would panic).
     write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
-        Error::new(ErrorKind::InvalidOperation, format!("invalid strftime format {format:?}"))
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("invalid strftime format {format:?}"),
+        )
     })?;
     Ok(Value::from(out))
 }
@@ -197,13 +207,21 @@ fn py_trim_filter(value: &Value, chars: Option<String>) -> Value {
 }
 
 /// pycompat's Python methods, with `strip`/`lstrip`/`rstrip` using Python's whitespace set.
-fn python_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+fn python_methods(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
     if let (Some(s), "strip" | "lstrip" | "rstrip") = (value.as_str(), method) {
         let chars = match args {
             [] => None,
             [c] if c.is_none() => None,
             [c] => Some(c.as_str().ok_or_else(|| {
-                Error::new(ErrorKind::InvalidOperation, format!("{method} arg must be None or str"))
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("{method} arg must be None or str"),
+                )
             })?),
             _ => return Err(Error::new(ErrorKind::TooManyArguments, method.to_string())),
         };
@@ -219,7 +237,8 @@ fn template_from_config(cfg: &serde_json::Value) -> Option<String> {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Array(list) => {
             let named = |want: &str| {
-                list.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some(want))
+                list.iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(want))
             };
             named("default")
                 .or_else(|| list.first())
@@ -234,12 +253,21 @@ fn template_from_config(cfg: &serde_json::Value) -> Option<String> {
 /// `bos_token`, `eos_token`, ... as strings (they may be stored as `{"content": ...}`).
 fn special_tokens_from_config(cfg: &serde_json::Value) -> Map<String, serde_json::Value> {
     let mut out = Map::new();
-    for key in ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"] {
+    for key in [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+    ] {
         let text = match cfg.get(key) {
             Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Object(o)) => {
-                o.get("content").and_then(|c| c.as_str()).map(str::to_string)
-            }
+            Some(serde_json::Value::Object(o)) => o
+                .get("content")
+                .and_then(|c| c.as_str())
+                .map(str::to_string),
             _ => None,
         };
         if let Some(t) = text {
@@ -264,8 +292,11 @@ mod tests {
     fn python_strip_semantics() {
         assert_eq!(py_strip("\u{1f} x \u{3000}", None, true, true), "x");
         assert_eq!(py_strip("\n\nx\n", Some("\n"), true, false), "x\n");
-        let out = render("{{ s|trim }}|{{ s.strip() }}|{{ s.rstrip('\\x1f') }}", json!({"s": "\u{1f} a\u{1f}"}))
-            .unwrap();
+        let out = render(
+            "{{ s|trim }}|{{ s.strip() }}|{{ s.rstrip('\\x1f') }}",
+            json!({"s": "\u{1f} a\u{1f}"}),
+        )
+        .unwrap();
         assert_eq!(out, "a|a|\u{1f} a");
     }
 
@@ -274,7 +305,10 @@ mod tests {
         let e = render("{{ raise_exception('boom') }}", json!({})).unwrap_err();
         assert_eq!(e.to_string(), "chat template error: boom");
         let e = render("{{ 'a' + nope.x }}", json!({})).unwrap_err();
-        assert!(e.to_string().starts_with("chat template render failed"), "{e}");
+        assert!(
+            e.to_string().starts_with("chat template render failed"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -288,14 +322,25 @@ mod tests {
 
     #[test]
     fn strftime_now_never_panics() {
-        assert!(render("{{ strftime_now('%Y-%m-%d') }}", json!({})).unwrap().len() == 10);
+        assert!(
+            render("{{ strftime_now('%Y-%m-%d') }}", json!({}))
+                .unwrap()
+                .len()
+                == 10
+        );
         assert!(render("{{ strftime_now('%Q %') }}", json!({})).is_err());
     }
 
     #[test]
     fn tojson_no_html_escaping() {
-        let out = render("{{ v|tojson }} {{ v|tojson(indent=1) }}", json!({"v": {"a": "<&'>é", "b": [1.0]}}))
-            .unwrap();
-        assert_eq!(out, "{\"a\": \"<&'>é\", \"b\": [1.0]} {\n \"a\": \"<&'>é\",\n \"b\": [\n  1.0\n ]\n}");
+        let out = render(
+            "{{ v|tojson }} {{ v|tojson(indent=1) }}",
+            json!({"v": {"a": "<&'>é", "b": [1.0]}}),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "{\"a\": \"<&'>é\", \"b\": [1.0]} {\n \"a\": \"<&'>é\",\n \"b\": [\n  1.0\n ]\n}"
+        );
     }
 }

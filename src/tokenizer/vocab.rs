@@ -174,7 +174,10 @@ struct TokenizerJson<'a> {
 pub fn tokenizer_json() -> Result<Vec<u8>> {
     let tokens = load_ranks()?;
     if tokens.len() != FIRST_SPECIAL_ID as usize {
-        bail!("vendored ranks have {} entries, expected {FIRST_SPECIAL_ID}", tokens.len());
+        bail!(
+            "vendored ranks have {} entries, expected {FIRST_SPECIAL_ID}",
+            tokens.len()
+        );
     }
     let merges = merges_from_ranks(&tokens)?;
     let vocab: Vec<String> = tokens.iter().map(|t| bytelevel::encode(t)).collect();
@@ -202,7 +205,10 @@ pub fn tokenizer_json() -> Result<Vec<u8>> {
         }),
         post_processor: byte_level.clone(),
         decoder: byte_level,
-        model: BpeModel { vocab: &vocab, merges: &merges },
+        model: BpeModel {
+            vocab: &vocab,
+            merges: &merges,
+        },
     };
     Ok(serde_json::to_vec(&doc)?)
 }
@@ -282,6 +288,9 @@ mod tests {
         assert!(parse_ranks(b"YQ== 0\nYg== 0\n").is_err()); // duplicate rank
         assert!(parse_ranks(b"YQ==\n").is_err());
         assert!(parse_ranks(b"!!! 0\n").is_err());
-        assert_eq!(parse_ranks(b"YQ== 0\r\nYg== 1\n").unwrap(), vec![b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(
+            parse_ranks(b"YQ== 0\r\nYg== 1\n").unwrap(),
+            vec![b"a".to_vec(), b"b".to_vec()]
+        );
     }
 }

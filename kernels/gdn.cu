@@ -1,0 +1,105 @@
+// Gated DeltaNet decode step (T = 1), one block per value head, everything fused:
+// causal conv1d step + SiLU on the head's q/k/v channels, L2 norm of q and k, the gates
+// (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)), the delta-rule update of the
+// fp32 state S [dk][dv] and o = S^T q, then the gated RMSNorm norm(o) * w * silu(z).
+// Same math and order as src/backend/cpu/gdn.rs (recurrent_step).
+//
+// Threads: dv * (dk / 32). Thread (j, r) owns column j and rows [32r, 32r + 32) of S, kept in
+// registers across both passes (read once, written once).
+//
+// The conv history is a ring of KC slots indexed by position: the new input goes to slot
+// pos % KC, which only held position pos - KC (no longer needed). Blocks sharing a key head read
+// the q/k history while one of them writes the new value, and no block reads the slot being
+// written, so there is no race without a second kernel.
+#define GDN_SL 32
+
+extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* __restrict__ z,
+                                    const float* __restrict__ braw, const float* __restrict__ araw,
+                                    float* __restrict__ ring, const float* __restrict__ taps,
+                                    const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                    const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
+                                    const int* __restrict__ step, int nk, int nv, int dk, int dv, int KC, float eps) {
+    extern __shared__ float sm[];
+    float* qs = sm;            // dk
+    float* ks = qs + dk;       // dk
+    float* vs = ks + dk;       // dv
+    float* part = vs + dv;     // (dk/32) * dv
+    float* red = part + (dk / GDN_SL) * dv;  // 33
+    const int n = blockIdx.x, group = nv / nk, kh = n / group;
+    const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
+    const int pos = step[1], slot = pos % KC;
+    const int tid = threadIdx.x, nt = blockDim.x;
+
+    for (int idx = tid; idx < 2 * dk + dv; idx += nt) {
+        int ch;
+        if (idx < dk) ch = kh * dk + idx;
+        else if (idx < 2 * dk) ch = key_dim + kh * dk + (idx - dk);
+        else ch = 2 * key_dim + n * dv + (idx - 2 * dk);
+        float cur = qkv[ch];
+        float acc = 0.f;
+        for (int j = 0; j < KC; ++j) {
+            int p = pos - (KC - 1) + j;
+            float in = (j == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
+            acc += taps[(size_t)j * conv_dim + ch] * in;
+        }
+        float o = silu_f(acc);
+        if (idx < dk) qs[idx] = o;
+        else if (idx < 2 * dk) ks[idx - dk] = o;
+        else vs[idx - 2 * dk] = o;
+        // q/k channels are shared by `group` value heads: the first of them stores the history.
+        if (idx >= 2 * dk || n % group == 0) ring[(size_t)slot * conv_dim + ch] = cur;
+    }
+    __syncthreads();
+    // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale.
+    float sq = 0.f, sk = 0.f;
+    for (int i = tid; i < dk; i += nt) { sq += qs[i] * qs[i]; sk += ks[i] * ks[i]; }
+    sq = block_sum(sq, red);
+    sk = block_sum(sk, red);
+    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    float qscale = 1.f / sqrtf((float)dk);
+    __syncthreads();
+    for (int i = tid; i < dk; i += nt) { qs[i] = qs[i] * iq * qscale; ks[i] = ks[i] * ik; }
+    __syncthreads();
+
+    const float beta = sigmoid_f(braw[n]);
+    const float g = neg_a[n] * softplus_f(araw[n] + dt_bias[n]);
+    const float alpha = expf(g);
+    const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
+    const bool active = r < dk / GDN_SL;
+    float* S = state + (size_t)n * dk * dv;
+    float s[GDN_SL];
+    float kv = 0.f;
+    if (active) {
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) {
+            s[ii] = S[(size_t)(i0 + ii) * dv + j] * alpha;
+            kv += s[ii] * ks[i0 + ii];
+        }
+        part[r * dv + j] = kv;
+    }
+    __syncthreads();
+    float o = 0.f;
+    if (active) {
+        kv = 0.f;
+        for (int rr = 0; rr < dk / GDN_SL; ++rr) kv += part[rr * dv + j];
+        float delta = beta * (vs[j] - kv);
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) {
+            s[ii] += ks[i0 + ii] * delta;
+            o += s[ii] * qs[i0 + ii];
+            S[(size_t)(i0 + ii) * dv + j] = s[ii];
+        }
+    }
+    __syncthreads();
+    if (active) part[r * dv + j] = o;
+    __syncthreads();
+    o = 0.f;
+    if (r == 0)
+        for (int rr = 0; rr < dk / GDN_SL; ++rr) o += part[rr * dv + j];
+    // Gated RMSNorm over the head's dv outputs.
+    float ss = block_sum(r == 0 ? o * o : 0.f, red);
+    if (r == 0) {
+        float inv = inv_rms_from(ss, dv, eps);
+        y[(size_t)n * dv + j] = o * inv * norm_w[j] * silu_f(z[(size_t)n * dv + j]);
+    }
+}

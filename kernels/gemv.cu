@@ -1,0 +1,56 @@
+// Quantized GEMV for decode (T = 1): several matrices that share one input vector in a single
+// launch (GDN in_proj qkv|z|b|a, attention q|k|v, router + shared-expert gate, ...), with the
+// input RMSNorm fused into the prologue and an optional residual accumulate in the epilogue.
+// Fewer launches per token is what matters at batch 1 (kernels.md §4.3: the step is sync-bound).
+
+struct QMat {
+    const u32* w;   // [rows][cols*bits/32] MLX packed codes, low bits first
+    const u16* s;   // [rows][cols/group] bf16 scales
+    const u16* b;   // [rows][cols/group] bf16 biases
+    float* y;       // [rows] output
+    int rows;
+    int bits;       // 4 or 8
+    int accumulate; // 1: y += W x (residual add), 0: y = W x
+    int pad;
+};
+
+// Dynamic shared memory: cols + cols/group + 33 floats.
+// Each warp owns one row at a time and walks the concatenated rows of all matrices.
+extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
+                                  const float* __restrict__ gain, float eps, int group, float* __restrict__ xnorm_out) {
+    extern __shared__ float smem[];
+    float* xs = smem;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    stage_x(x, cols, gain, eps, group, xs, gsum, red);
+    if (xnorm_out && blockIdx.x == 0)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[c];
+    int total = 0;
+    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int gpr = cols / group;
+    for (int r = blockIdx.x * warps + warp; r < total; r += gridDim.x * warps) {
+        int m = 0, rr = r;
+        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+        const QMat& M = mats[m];
+        size_t wpr = (size_t)cols * M.bits / 32;
+        float d = qrow_dot(M.w + (size_t)rr * wpr, M.s + (size_t)rr * gpr, M.b + (size_t)rr * gpr, xs, gsum, cols, M.bits,
+                           group);
+        if (lane == 0) M.y[rr] = M.accumulate ? M.y[rr] + d : d;
+    }
+}
+
+// Embedding gather: x = dequantized row `token` of the 4/8-bit table (s*q + b, as
+// qmatmul::dequantize_row). The token id lives on the device (the decode loop never reads it back).
+extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+                                   const int* __restrict__ step, int cols, int bits, int group, float* __restrict__ x) {
+    int tok = step[0];
+    size_t wpr = (size_t)cols * bits / 32;
+    int gpr = cols / group, per = 32 / bits;
+    u32 mask = (1u << bits) - 1u;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        u32 q = (w[(size_t)tok * wpr + c / per] >> (bits * (c % per))) & mask;
+        int g = c / group;
+        x[c] = bf16f(s[(size_t)tok * gpr + g]) * (float)q + bf16f(b[(size_t)tok * gpr + g]);
+    }
+}
