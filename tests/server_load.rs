@@ -42,8 +42,8 @@ async fn two_hundred_streaming_clients_with_disconnects() {
     let mut tasks = Vec::new();
     for i in 0..CLIENTS {
         let mode: u32 = rng.random_range(0..3);
-        let words: Vec<String> = (0..rng.random_range(3..20)).map(|_| format!("w{}", rng.random_range(0..1000))).collect();
-        let max_tokens = rng.random_range(2..10);
+        let words: Vec<String> = (0..rng.random_range(3..12)).map(|_| format!("w{}", rng.random_range(0..1000))).collect();
+        let max_tokens = rng.random_range(2..8);
         let c = c.clone();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {

@@ -12,6 +12,7 @@
 //! See docs/server.md for the API details.
 
 pub mod error;
+pub mod fuzz;
 pub mod metrics;
 pub mod output;
 pub mod prefix_cache;

@@ -180,9 +180,8 @@ pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, A
     };
 
     // Sampling.
-    let mut sampling = SamplingParams::default();
-    // OpenAI's default temperature is 1; we default to 1 as well so unset = sampling, as clients expect.
-    sampling.temperature = get_f32(obj, "temperature")?.unwrap_or(1.0);
+    // OpenAI's default temperature is 1; unset means sampling, as clients expect.
+    let mut sampling = SamplingParams { temperature: get_f32(obj, "temperature")?.unwrap_or(1.0), ..SamplingParams::default() };
     if let Some(x) = get_f32(obj, "top_p")? {
         sampling.top_p = x;
     }

@@ -8,6 +8,9 @@ use crate::checkpoint::store::QuantTensor;
 use crate::checkpoint::DType;
 use rayon::prelude::*;
 
+/// Up to this many tokens, rows are not dequantized first (see `qmatmul`).
+const FUSED_MAX_TOKENS: usize = 4;
+
 /// Rows handed to one rayon task; large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 16;
 
@@ -77,11 +80,16 @@ pub fn qmatmul(w: &QuantTensor, row0: usize, nrows: usize, x: &[f32], tokens: us
     let mut rt = vec![0.0f32; nrows * tokens];
     rt.par_chunks_mut(ROWS_PER_TASK * tokens).enumerate().for_each(|(task, chunk)| {
         let first = task * ROWS_PER_TASK;
-        let mut deq = if tokens > 1 { vec![0.0f32; cols] } else { Vec::new() };
+        let mut deq = if tokens > FUSED_MAX_TOKENS { vec![0.0f32; cols] } else { Vec::new() };
         for (i, row_out) in chunk.chunks_exact_mut(tokens).enumerate() {
             let r = row0 + first + i;
-            if tokens == 1 {
-                row_out[0] = row_dot(w, r, x, &xsum);
+            if tokens <= FUSED_MAX_TOKENS {
+                // Few tokens (decode, or an expert that got few tokens): the fused code-times-
+                // activation loop beats dequantizing the row first.
+                let gpr = w.groups_per_row();
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = row_dot(w, r, &x[t * cols..(t + 1) * cols], &xsum[t * gpr..(t + 1) * gpr]);
+                }
             } else {
                 // Prefill: dequantize the row once, reuse it for every token.
                 dequantize_row(w, r, &mut deq);
