@@ -291,14 +291,21 @@ fn throughput_tiny() {
     }
 }
 
-/// The full 35b-a3b preset into `$LILY_SYNTH_DIR` (default /tmp/synth35), with a progress bar:
-/// `LILY_SYNTH_DIR=/tmp/synth35 cargo test --release --test synth synth_35b -- --ignored --nocapture`.
+/// A preset (`$LILY_SYNTH_PRESET`, default 35b-a3b) into `$LILY_SYNTH_DIR` (default
+/// /tmp/synth35), with a progress bar, then opened by the loader:
+/// `LILY_SYNTH_DIR=/tmp/synth35 cargo test --release --test synth synth_preset -- --ignored --nocapture`.
 #[test]
 #[ignore]
-fn synth_35b() {
+fn synth_preset() {
     let dir = std::env::var("LILY_SYNTH_DIR").unwrap_or_else(|_| "/tmp/synth35".into());
-    let rep = synthesize(&Preset::Qwen35bA3b.config(), Path::new(&dir), 0, true).unwrap();
-    eprintln!("{rep}");
+    let preset: Preset = std::env::var("LILY_SYNTH_PRESET").unwrap_or_else(|_| "35b-a3b".into()).parse().unwrap();
+    match synthesize(&preset.config(), Path::new(&dir), 0, true) {
+        Ok(rep) => eprintln!("{rep}"),
+        Err(e) => panic!("synth failed: {e:#}"),
+    }
+    let t = std::time::Instant::now();
+    let ck = Checkpoint::open(Path::new(&dir)).unwrap();
+    eprintln!("Checkpoint::open: {} tensors validated in {:.2}s", ck.tensor_count(), t.elapsed().as_secs_f64());
 }
 
 /// Throughput on an 8-layer cut of the real model (~3.9 GB, fits in the page cache's dirty

@@ -3,9 +3,10 @@
 //! model.safetensors.index.json, `model-0000i-of-0000K.safetensors` shards of at most 5 GB,
 //! tokenizer files).
 //!
-//! * Streaming: headers are computed up front, tensor bytes are generated in 1 MiB chunks in
-//!   parallel (rayon) and written in order, so the 19.4 GB preset needs a few hundred MB of
-//!   memory at most.
+//! * Streaming: headers are computed up front (every shape is known); tensor bytes are
+//!   generated in 1 MiB chunks by rayon workers, each written at its precomputed file offset
+//!   (`pwrite`), the shards concurrently. Peak RSS is ~60 MB for the 19.5 GB preset, which takes
+//!   ~3–7 s on a 16-core H200 host and ~40 s on a 2-core VM (disk-bound there).
 //! * Quantized weights are generated directly in the quantized domain: uniformly random codes
 //!   (raw random words) plus per-group BF16 scale/bias chosen so `scale*q + bias` has mean ~0 and
 //!   the spec's init standard deviation (scales jittered ×U(0.75, 1.25) per group).
