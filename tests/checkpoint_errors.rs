@@ -124,3 +124,40 @@ fn wrong_shape_names_tensor() {
     let msg = open_err(&dir);
     assert!(msg.contains("shape") && msg.contains("switch_mlp"), "{msg}");
 }
+
+/// Adds a shard holding `names` (small BF16 tensors) to the checkpoint's index.
+fn add_shard(dir: &Path, file: &str, names: &[&str]) {
+    let data = vec![0u8; 16];
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        names.iter().map(|n| (n.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2, 4], &data).unwrap())).collect();
+    safetensors::tensor::serialize_to_file(views, None, &dir.join(file)).unwrap();
+    let idx_path = dir.join("model.safetensors.index.json");
+    let mut idx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&idx_path).unwrap()).unwrap();
+    for n in names {
+        idx["weight_map"][*n] = serde_json::json!(file);
+    }
+    std::fs::write(&idx_path, idx.to_string()).unwrap();
+}
+
+#[test]
+fn vision_and_mtp_tensors_are_ignored() {
+    let dir = tiny_copy();
+    add_shard(&dir, "extra.safetensors", &["vision_tower.blocks.0.attn.qkv.weight", "mtp.fc.weight", "language_model.mtp.norm.weight"]);
+    Checkpoint::open(&dir).unwrap();
+}
+
+#[test]
+fn unknown_tensor_is_rejected_by_name() {
+    let dir = tiny_copy();
+    add_shard(&dir, "extra.safetensors", &["language_model.model.layers.0.mlp.experts.0.gate_proj.weight"]);
+    let msg = open_err(&dir);
+    assert!(msg.contains("unexpected tensor") && msg.contains("experts.0.gate_proj") && msg.contains("extra.safetensors"), "{msg}");
+}
+
+#[test]
+fn duplicate_tensor_across_shards_is_rejected() {
+    let dir = tiny_copy();
+    add_shard(&dir, "extra.safetensors", &["language_model.model.norm.weight"]);
+    let msg = open_err(&dir);
+    assert!(msg.contains("two shards") && msg.contains("norm.weight"), "{msg}");
+}

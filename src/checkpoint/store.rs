@@ -115,7 +115,7 @@ pub struct Checkpoint {
 
 /// Tensors a text engine skips: vision tower and multi-token-prediction head.
 fn is_skipped(name: &str) -> bool {
-    ["vision_tower.", "model.visual.", "visual.", "mtp.", "language_model.mtp.", "model.mtp."].iter().any(|p| name.starts_with(p))
+    ["vision_tower.", "model.visual.", "visual.", "mtp.", "language_model.mtp.", "model.mtp.", "language_model.vision_tower."].iter().any(|p| name.starts_with(p))
 }
 
 impl Checkpoint {
