@@ -56,15 +56,16 @@ def load_tensors(model_dir):
     return out
 
 
-def dequantize(w, scales, biases, group):
-    """MLX affine: codes packed LSB-first into uint32 along the input dim."""
-    w = w.to(torch.int64) & 0xFFFFFFFF
+def dequantize(w, scales, biases, group, device="cpu"):
+    """MLX affine: codes packed LSB-first into uint32 along the input dim (computed in f32)."""
+    w = w.to(device).to(torch.int64) & 0xFFFFFFFF
+    scales, biases = scales.to(device), biases.to(device)
     in_words = w.shape[-1]
     groups = scales.shape[-1]
     cols = groups * group
     bits = in_words * 32 // cols
     per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=w.device) * bits
     codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     codes = codes.reshape(*w.shape[:-1], cols).to(torch.float32)
     s = scales.to(torch.float32).repeat_interleave(group, dim=-1)
@@ -72,7 +73,7 @@ def dequantize(w, scales, biases, group):
     return s * codes + b
 
 
-def to_hf_state(tensors, group):
+def to_hf_state(tensors, group, device="cpu", dtype=torch.float32):
     state = {}
     bases = {k[: -len(".weight")] for k in tensors if k.endswith(".weight") and k[: -len(".weight")] + ".scales" in tensors}
     for k, t in tensors.items():
@@ -82,15 +83,15 @@ def to_hf_state(tensors, group):
             continue
         base = k[: -len(".weight")] if k.endswith(".weight") else None
         if base in bases:
-            t = dequantize(t, tensors[base + ".scales"], tensors[base + ".biases"], group)
+            t = dequantize(t, tensors[base + ".scales"], tensors[base + ".biases"], group, device)
         else:
-            t = t.to(torch.float32)
+            t = t.to(device).to(torch.float32)
         name = k.replace("language_model.model.", "model.").replace("language_model.lm_head", "lm_head")
         if name.endswith(ZERO_CENTRED) or name == "model.norm.weight":
             t = t - 1.0  # MLX stores 1+w; HF adds the 1 back
         if name.endswith("conv1d.weight") and t.shape[-1] == 1:
             t = t.permute(0, 2, 1).contiguous()  # MLX [C,K,1] -> HF [C,1,K]
-        state[name] = t
+        state[name] = t if name.endswith("A_log") else t.to(dtype)
     # switch_mlp.{gate,up,down}_proj -> experts.gate_up_proj / experts.down_proj
     for name in list(state):
         if name.endswith("mlp.switch_mlp.gate_proj.weight"):
@@ -108,7 +109,12 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed-note", default="lily synth --preset tiny --seed 0")
+    ap.add_argument("--positions", type=int, default=PROMPT_LEN, help="teacher-forced prompt length")
+    ap.add_argument("--greedy", type=int, default=GEN_LEN, help="greedy continuation length (0: none)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
 
     cfg_json = json.load(open(os.path.join(args.model, "config.json")))
@@ -123,19 +129,27 @@ def main():
     ]
     config = Qwen3_5MoeTextConfig(**{k: tc[k] for k in keep if k in tc})
     config._attn_implementation = "eager"
-    model = Qwen3_5MoeForCausalLM(config).to(torch.float32).eval()
-    state = to_hf_state(load_tensors(args.model), group)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    state = to_hf_state(load_tensors(args.model), group, args.device, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    # Buffers (rotary inv_freq) were created on meta: rebuild them on the device.
+    for mod in model.modules():
+        if getattr(mod, "inv_freq", None) is not None and mod.inv_freq.is_meta:
+            inv, _ = mod.compute_default_rope_parameters(mod.config, torch.device(args.device))
+            mod.inv_freq = inv
+            mod.original_inv_freq = inv.clone()
+    model = model.to(args.device).eval()
     if missing or unexpected:
         raise SystemExit(f"state dict mismatch: missing={missing[:8]} unexpected={unexpected[:8]}")
 
     vocab = config.vocab_size
-    ids = prompt_ids(PROMPT_LEN, vocab)
+    ids = prompt_ids(args.positions, vocab)
     probes = probe_ids(vocab)
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].to(torch.float32)  # [T, V]
+        logits = model(torch.tensor([ids], device=args.device)).logits[0].to(torch.float32)  # [T, V]
         positions = []
-        for t in range(PROMPT_LEN):
+        for t in range(args.positions):
             row = logits[t]
             top = torch.topk(row, TOPK)
             positions.append({
@@ -148,22 +162,22 @@ def main():
         # steps after). A manual loop, not model.generate: in transformers 5.17 generate()
         # on this model diverged from both its teacher-forced logits and this cached forward
         # from the second token on, while those two agree with each other.
-        out = model(torch.tensor([ids]), use_cache=True)
+        out = model(torch.tensor([ids], device=args.device), use_cache=True)
         cache = out.past_key_values
         row = out.logits[0, -1].to(torch.float32)
         new, steps = [], []
-        for _ in range(GEN_LEN):
+        for _ in range(args.greedy):
             top = torch.topk(row, 5)
             steps.append({"top_ids": top.indices.tolist(), "top_logits": top.values.tolist()})
             nxt = int(torch.argmax(row))
             new.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([[nxt]], device=args.device), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             row = out.logits[0, -1].to(torch.float32)
 
     import transformers
     out = {
-        "source": f"transformers {transformers.__version__} Qwen3_5MoeForCausalLM, float32, eager attention, on the dequantized MLX weights",
+        "source": f"transformers {transformers.__version__} Qwen3_5MoeForCausalLM, {args.dtype} on {args.device}, eager attention, on the dequantized MLX weights",
         "checkpoint": args.seed_note,
         "prompt_ids": ids,
         "probe_ids": probes,
@@ -173,7 +187,7 @@ def main():
     }
     with open(args.out, "w") as f:
         json.dump(out, f)
-    print(f"wrote {args.out}: {PROMPT_LEN} positions, greedy {new[:8]}...")
+    print(f"wrote {args.out}: {args.positions} positions, greedy {new[:8]}...")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,19 @@ enum Command {
     Run(RunArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(lily::server::ServeArgs),
+    /// Teacher-forced logits of the benchmark prompt (for accuracy comparisons against other
+    /// engines): per position the top-20 ids/logits, the logits of a fixed probe set, and the
+    /// logsumexp, as JSON (the format of scripts/transformers_goldens.py).
+    Logits {
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 192)]
+        positions: usize,
+        #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+        backend: BackendKind,
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -80,6 +93,7 @@ fn main() {
         Command::Info { model } => cmd_info(model),
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
+        Command::Logits { model, positions, backend, out } => cmd_logits(model, positions, backend, out),
     };
     if let Err(e) = result {
         eprintln!("lily: error: {e:#}");
@@ -180,5 +194,47 @@ fn cmd_run(args: RunArgs) -> Result<()> {
         stats.decode_tok_s(),
         stats.finish.as_openai()
     );
+    Ok(())
+}
+
+fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, out: PathBuf) -> Result<()> {
+    use lily::backend::LogitsWanted;
+    let dir = resolve_model(model.as_deref())?;
+    let ck = Checkpoint::open(&dir)?;
+    let mut backend = open_backend(kind, &ck)?;
+    let vocab = backend.config().vocab_size;
+    // The goldens' prompt: the benchmark formula, kept below the special-token range.
+    let ids: Vec<u32> = (0..positions as u64).map(|i| ((i * 2_654_435_761 % (1 << 32)) % vocab.min(248_044) as u64) as u32).collect();
+    let probes: std::collections::BTreeSet<u32> = (0..256u64).map(|j| ((j * 7919 * 104_729 + 12_345) % vocab as u64) as u32).collect();
+    let mut seq = backend.new_sequence(positions + 1)?;
+    let t0 = std::time::Instant::now();
+    let logits = backend.forward(&mut seq, &ids, LogitsWanted::All)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let mut rows = Vec::with_capacity(positions);
+    for t in 0..positions {
+        let row = &logits[t * vocab..(t + 1) * vocab];
+        let mut order: Vec<u32> = (0..vocab as u32).collect();
+        order.select_nth_unstable_by(19, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+        order.truncate(20);
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+        rows.push(serde_json::json!({
+            "top_ids": order,
+            "top_logits": order.iter().map(|&i| row[i as usize]).collect::<Vec<_>>(),
+            "probe_logits": probes.iter().map(|&i| row[i as usize]).collect::<Vec<_>>(),
+            "logsumexp": lse,
+        }));
+    }
+    let doc = serde_json::json!({
+        "source": format!("lily {} backend", backend.name()),
+        "checkpoint": dir.display().to_string(),
+        "prompt_ids": ids,
+        "probe_ids": probes,
+        "positions": rows,
+        "forward_secs": secs,
+    });
+    std::fs::write(&out, serde_json::to_string(&doc)?).with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!("lily: wrote {} positions of logits to {} ({:.1} s forward)", positions, out.display(), secs);
     Ok(())
 }
