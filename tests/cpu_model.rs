@@ -38,7 +38,18 @@ fn floats(v: &Value) -> Vec<f32> {
 
 #[test]
 fn teacher_forced_logits_match_transformers() {
-    let g = golden();
+    check_teacher_forced(&golden(), "transformers");
+}
+
+/// mlx-lm loaded the synthetic checkpoint unchanged (which proves the layout is the real
+/// mlx-community one) and ran it with every parameter cast to float32
+/// (scripts/mlx_logits.py --float32, mlx 0.32.4 CPU): a second, independent reference.
+#[test]
+fn teacher_forced_logits_match_mlx_lm() {
+    check_teacher_forced(&serde_json::from_str(include_str!("goldens/tiny_mlx_lm_f32.json")).unwrap(), "mlx-lm");
+}
+
+fn check_teacher_forced(g: &Value, name: &str) {
     let prompt = ids(&g["prompt_ids"]);
     let probes = ids(&g["probe_ids"]);
     let mut b = backend();
@@ -62,7 +73,7 @@ fn teacher_forced_logits_match_transformers() {
             worst = worst.max((row[id as usize] - want).abs());
         }
     }
-    eprintln!("teacher-forced: top-1 agreement {top1_agree}/{}, max |logit error| {worst:.3e}", prompt.len());
+    eprintln!("teacher-forced vs {name}: top-1 agreement {top1_agree}/{}, max |logit error| {worst:.3e}", prompt.len());
     assert_eq!(top1_agree, prompt.len(), "top-1 must agree at every position");
     assert!(worst <= LOGIT_TOL, "max |logit error| {worst} > {LOGIT_TOL}");
 }
