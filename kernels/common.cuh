@@ -46,43 +46,83 @@ __device__ __forceinline__ float inv_rms_from(float ss, int n, float eps) {
     return (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
 }
 
+// Activation vectors are staged in shared memory with a float4 swizzle: logical float4 f lives
+// at slot (f & ~7) | ((f + (f >> 3)) & 7). A lane reads the 8 float4s of its 32-column chunk
+// (4-bit: one uint4 of codes); without the swizzle the 8 lanes of a shared-memory phase would all
+// hit the same banks (128-byte stride), with it they hit 8 different ones. Vectors are multiples
+// of 32 floats, so the permutation stays inside each 32-float block (and inside each group).
+__device__ __forceinline__ int swz(int f) { return (f & ~7) | ((f + (f >> 3)) & 7); }
+__device__ __forceinline__ int swz_elem(int c) { return (swz(c >> 2) << 2) | (c & 3); }
+
+__device__ __forceinline__ float dot_nib(u32 q, float4 a, float4 b) {
+    return (float)(q & 15u) * a.x + (float)((q >> 4) & 15u) * a.y + (float)((q >> 8) & 15u) * a.z +
+           (float)((q >> 12) & 15u) * a.w + (float)((q >> 16) & 15u) * b.x + (float)((q >> 20) & 15u) * b.y +
+           (float)((q >> 24) & 15u) * b.z + (float)(q >> 28) * b.w;
+}
+__device__ __forceinline__ float dot_byte(u32 q, float4 a) {
+    return (float)(q & 255u) * a.x + (float)((q >> 8) & 255u) * a.y + (float)((q >> 16) & 255u) * a.z +
+           (float)(q >> 24) * a.w;
+}
+
 // One row of an MLX affine-quantized matrix (bits 4 or 8, `group` columns per scale/bias pair)
-// times the activation vector `xs` (shared memory, `cols` floats), with the bias folded per group:
-// sum((s q + b) x) = s sum(q x) + b sum(x); `gsum` holds sum(x) per group (shared memory).
+// times the activation vector `xs` (shared memory, swizzled, `cols` floats), with the bias
+// folded per group: sum((s q + b) x) = s sum(q x) + b sum(x); `gsum` holds sum(x) per group.
+// Each lane loads 16 bytes of codes at a time (row starts are 16-byte aligned: cols % 32 == 0).
 // Called by all 32 lanes of a warp; returns the full dot product in every lane.
+// qrow_part returns this lane's share (no reduction), so callers can keep several rows' loads in
+// flight and reduce once; qrow_dot reduces over the warp.
+__device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16* __restrict__ sr,
+                                          const u16* __restrict__ br, const float* xs, const float* gsum,
+                                          int cols, int bits, int group) {
+    int lane = threadIdx.x & 31;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    float acc = 0.f;
+    if (bits == 4) {
+        int n4 = cols >> 5, cpg = group >> 5;  // 32 codes per uint4
+#pragma unroll 2
+        for (int i = lane; i < n4; i += 32) {
+            uint4 q = __ldg(w4 + i);
+            int f = i << 3;
+            float d = dot_nib(q.x, x4[swz(f)], x4[swz(f + 1)]) + dot_nib(q.y, x4[swz(f + 2)], x4[swz(f + 3)]) +
+                      dot_nib(q.z, x4[swz(f + 4)], x4[swz(f + 5)]) + dot_nib(q.w, x4[swz(f + 6)], x4[swz(f + 7)]);
+            int g = i / cpg;
+            acc += bf16f(__ldg(sr + g)) * d;
+            if (i - g * cpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+        }
+    } else {
+        int n4 = cols >> 4, cpg = group >> 4;  // 16 codes per uint4
+#pragma unroll 2
+        for (int i = lane; i < n4; i += 32) {
+            uint4 q = __ldg(w4 + i);
+            int f = i << 2;
+            float d = dot_byte(q.x, x4[swz(f)]) + dot_byte(q.y, x4[swz(f + 1)]) + dot_byte(q.z, x4[swz(f + 2)]) +
+                      dot_byte(q.w, x4[swz(f + 3)]);
+            int g = i / cpg;
+            acc += bf16f(__ldg(sr + g)) * d;
+            if (i - g * cpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+        }
+    }
+    return acc;
+}
+
 __device__ __forceinline__ float qrow_dot(const u32* __restrict__ wr, const u16* __restrict__ sr,
                                          const u16* __restrict__ br, const float* xs, const float* gsum,
                                          int cols, int bits, int group) {
-    int lane = threadIdx.x & 31;
-    float acc = 0.f;
-    if (bits == 4) {
-        int wpr = cols >> 3, wpg = group >> 3;
-#pragma unroll 4
-        for (int wi = lane; wi < wpr; wi += 32) {
-            u32 q = __ldg(wr + wi);
-            const float4* xp = reinterpret_cast<const float4*>(xs + (wi << 3));
-            float4 a = xp[0], b = xp[1];
-            float d = (float)(q & 15u) * a.x + (float)((q >> 4) & 15u) * a.y + (float)((q >> 8) & 15u) * a.z +
-                      (float)((q >> 12) & 15u) * a.w + (float)((q >> 16) & 15u) * b.x + (float)((q >> 20) & 15u) * b.y +
-                      (float)((q >> 24) & 15u) * b.z + (float)(q >> 28) * b.w;
-            int g = wi / wpg;
-            acc += bf16f(__ldg(sr + g)) * d;
-            if (wi - g * wpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
-        }
-    } else {
-        int wpr = cols >> 2, wpg = group >> 2;
-#pragma unroll 4
-        for (int wi = lane; wi < wpr; wi += 32) {
-            u32 q = __ldg(wr + wi);
-            float4 a = *reinterpret_cast<const float4*>(xs + (wi << 2));
-            float d = (float)(q & 255u) * a.x + (float)((q >> 8) & 255u) * a.y + (float)((q >> 16) & 255u) * a.z +
-                      (float)(q >> 24) * a.w;
-            int g = wi / wpg;
-            acc += bf16f(__ldg(sr + g)) * d;
-            if (wi - g * wpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
-        }
+    return warp_sum(qrow_part(wr, sr, br, xs, gsum, cols, bits, group));
+}
+
+// Per-group sums of `xs` (shared memory) into `gsum`: one warp per group (a serial loop per
+// thread was a ~64-deep dependent chain). Ends with __syncthreads().
+__device__ void group_sums(const float* xs, int n, int group, float* gsum) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int g = warp; g < n / group; g += nw) {
+        float v = 0.f;
+        for (int j = lane; j < group; j += 32) v += xs[g * group + j];  // swizzle stays inside the group
+        v = warp_sum(v);
+        if (lane == 0) gsum[g] = v;
     }
-    return warp_sum(acc);
+    __syncthreads();
 }
 
 // Stages `n` floats of x into shared memory (optionally RMS-normalised with `gain`, exactly as
@@ -96,14 +136,9 @@ __device__ void stage_x(const float* __restrict__ x, int n, const float* __restr
         ss = block_sum(ss, red);
         inv = inv_rms_from(ss, n, eps);
     }
-    for (int c = threadIdx.x; c < n; c += blockDim.x) xs[c] = gain ? x[c] * inv * gain[c] : x[c];
+    for (int c = threadIdx.x; c < n; c += blockDim.x) xs[swz_elem(c)] = gain ? x[c] * inv * gain[c] : x[c];
     __syncthreads();
-    for (int g = threadIdx.x; g < n / group; g += blockDim.x) {
-        float s = 0.f;
-        for (int j = 0; j < group; ++j) s += xs[g * group + j];
-        gsum[g] = s;
-    }
-    __syncthreads();
+    group_sums(xs, n, group, gsum);
 }
 
 #define NEG_INF __int_as_float(0xff800000u)

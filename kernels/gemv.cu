@@ -24,19 +24,41 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
     float* red = gsum + cols / group;
     stage_x(x, cols, gain, eps, group, xs, gsum, red);
     if (xnorm_out && blockIdx.x == 0)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[c];
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
     int total = 0;
     for (int m = 0; m < nmats; ++m) total += mats[m].rows;
     int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gpr = cols / group;
-    for (int r = blockIdx.x * warps + warp; r < total; r += gridDim.x * warps) {
-        int m = 0, rr = r;
-        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
-        const QMat& M = mats[m];
-        size_t wpr = (size_t)cols * M.bits / 32;
-        float d = qrow_dot(M.w + (size_t)rr * wpr, M.s + (size_t)rr * gpr, M.b + (size_t)rr * gpr, xs, gsum, cols, M.bits,
-                           group);
-        if (lane == 0) M.y[rr] = M.accumulate ? M.y[rr] + d : d;
+    // Two rows per warp per iteration, reduced together, so two rows' loads are in flight.
+    const int nw = gridDim.x * warps;
+    for (int r = blockIdx.x * warps + warp; r < total; r += 2 * nw) {
+        float d[2];
+        int mi[2], ri[2];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            int rr = r + t * nw, m = 0;
+            d[t] = 0.f;
+            mi[t] = -1;
+            if (rr < total) {
+                while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+                const QMat& M = mats[m];
+                size_t wpr = (size_t)cols * M.bits / 32;
+                d[t] = qrow_part(M.w + (size_t)rr * wpr, M.s + (size_t)rr * gpr, M.b + (size_t)rr * gpr, xs, gsum, cols,
+                                 M.bits, group);
+                mi[t] = m;
+                ri[t] = rr;
+            }
+        }
+        d[0] = warp_sum(d[0]);
+        d[1] = warp_sum(d[1]);
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                if (mi[t] >= 0) {
+                    const QMat& M = mats[mi[t]];
+                    M.y[ri[t]] = M.accumulate ? M.y[ri[t]] + d[t] : d[t];
+                }
+        }
     }
 }
 

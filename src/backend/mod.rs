@@ -7,6 +7,7 @@
 //! cached prefix is a clone of the sequence taken at that length.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::checkpoint::ModelConfig;
 use anyhow::Result;
@@ -106,10 +107,16 @@ pub enum BackendKind {
 pub fn open_backend(kind: BackendKind, ck: &crate::checkpoint::Checkpoint) -> Result<Box<dyn Backend>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(ck)?)),
-        BackendKind::Auto => {
-            eprintln!("lily: no CUDA backend in this build yet; using the CPU backend");
-            Ok(Box::new(cpu::CpuBackend::new(ck)?))
-        }
-        BackendKind::Cuda => anyhow::bail!("--backend cuda: the CUDA backend is not available in this build (use --backend cpu)"),
+        BackendKind::Auto => match cuda::unavailable_reason() {
+            None => Ok(Box::new(cuda::CudaBackend::new(ck)?)),
+            Some(why) => {
+                eprintln!("lily: CUDA backend unavailable ({why}); using the CPU backend");
+                Ok(Box::new(cpu::CpuBackend::new(ck)?))
+            }
+        },
+        BackendKind::Cuda => match cuda::unavailable_reason() {
+            None => Ok(Box::new(cuda::CudaBackend::new(ck)?)),
+            Some(why) => anyhow::bail!("--backend cuda: {why}"),
+        },
     }
 }

@@ -11,9 +11,19 @@ pub const GOLDEN_SEED: u64 = 0;
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let root = tempfile::Builder::new().prefix("lily-tiny-").tempdir().expect("tempdir").keep();
+        let root = tempfile::Builder::new()
+            .prefix("lily-tiny-")
+            .tempdir()
+            .expect("tempdir")
+            .keep();
         let dir = root.join("tiny");
-        lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, GOLDEN_SEED, false).expect("synthesize tiny checkpoint");
+        lily::synth::synthesize(
+            &lily::synth::Preset::Tiny.config(),
+            &dir,
+            GOLDEN_SEED,
+            false,
+        )
+        .expect("synthesize tiny checkpoint");
         dir
     })
 }
@@ -21,7 +31,11 @@ pub fn tiny_checkpoint() -> &'static Path {
 /// Copies the tiny checkpoint into a fresh directory the test may damage.
 pub fn tiny_copy() -> PathBuf {
     let src = tiny_checkpoint();
-    let dst = tempfile::Builder::new().prefix("lily-damaged-").tempdir().expect("tempdir").keep();
+    let dst = tempfile::Builder::new()
+        .prefix("lily-damaged-")
+        .tempdir()
+        .expect("tempdir")
+        .keep();
     for entry in std::fs::read_dir(src).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
@@ -31,5 +45,8 @@ pub fn tiny_copy() -> PathBuf {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }

@@ -1,0 +1,134 @@
+// Sparse MoE decode (T = 1), two launches after the router GEMV (gemv.cu):
+//   moe_gate_up: every block recomputes softmax + top-k of the router logits in its prologue
+//     (E <= 512 values from L2, one warp), so no separate routing launch or host sync is needed;
+//     grid.y = slot (K routed experts + the shared expert), each warp computes one gate row and
+//     one up row of that slot's expert and writes silu(gate) * up.
+//   moe_down: each warp owns one output row; it sums the K experts' down rows weighted by the
+//     renormalised routing weights (ascending expert id, as the CPU accumulates), adds
+//     sigmoid(shared_gate) * shared_down row and adds the result into the residual stream.
+// Same math as src/backend/cpu/moe.rs.
+
+#define MOE_MAXK 16
+#define MOE_MAXE_PER_LANE 16  // E <= 512
+
+// Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
+// exp(l - max) / sum_topk exp(l - max). Results go to shared ids/wts, sorted by expert id.
+__device__ void route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
+    int lane = threadIdx.x & 31;
+    if ((threadIdx.x >> 5) == 0) {
+        float v[MOE_MAXE_PER_LANE];
+#pragma unroll
+        for (int t = 0; t < MOE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
+        float top = 0.f;
+        for (int k = 0; k < K; ++k) {
+            float best = NEG_INF;
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int t = 0; t < MOE_MAXE_PER_LANE; ++t)
+                if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+            }
+            if (k == 0) top = best;
+#pragma unroll
+            for (int t = 0; t < MOE_MAXE_PER_LANE; ++t)
+                if (lane + 32 * t == bi) v[t] = NEG_INF;
+            if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
+        }
+        __syncwarp();
+        if (lane == 0) {
+            float sum = 0.f;
+            for (int k = 0; k < K; ++k) sum += wts[k];
+            for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
+            // insertion sort by expert id (K <= 16)
+            for (int a = 1; a < K; ++a) {
+                int id = ids[a]; float w = wts[a]; int b = a - 1;
+                while (b >= 0 && ids[b] > id) { ids[b + 1] = ids[b]; wts[b + 1] = wts[b]; --b; }
+                ids[b + 1] = id; wts[b + 1] = w;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Dynamic shared memory: cols + cols/group + 33 floats. act: [K*inter + sinter].
+extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, int K,
+                                       const u32* gw, const u16* gs, const u16* gb,
+                                       const u32* uw, const u16* us, const u16* ub, int inter,
+                                       const u32* sgw, const u16* sgs, const u16* sgb,
+                                       const u32* suw, const u16* sus, const u16* sub, int sinter,
+                                       const float* __restrict__ x, int cols, int group,
+                                       float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w) {
+    extern __shared__ float smem[];
+    __shared__ int ids[MOE_MAXK];
+    __shared__ float wts[MOE_MAXK];
+    float* xs = smem;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    const int slot = blockIdx.y;
+    if (slot < K) {
+        route_topk(logits, E, K, ids, wts);
+        if (blockIdx.x == 0 && slot == 0 && threadIdx.x < K) { top_ids[threadIdx.x] = ids[threadIdx.x]; top_w[threadIdx.x] = wts[threadIdx.x]; }
+    }
+    stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    const int rows = slot < K ? inter : sinter;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * warps + warp;
+    if (r >= rows) return;
+    const int gpr = cols / group;
+    const size_t wpr = (size_t)cols / 8;
+    float g, u;
+    if (slot < K) {
+        size_t row = (size_t)ids[slot] * inter + r;
+        g = qrow_part(gw + row * wpr, gs + row * gpr, gb + row * gpr, xs, gsum, cols, 4, group);
+        u = qrow_part(uw + row * wpr, us + row * gpr, ub + row * gpr, xs, gsum, cols, 4, group);
+    } else {
+        size_t row = r;
+        g = qrow_part(sgw + row * wpr, sgs + row * gpr, sgb + row * gpr, xs, gsum, cols, 4, group);
+        u = qrow_part(suw + row * wpr, sus + row * gpr, sub + row * gpr, xs, gsum, cols, 4, group);
+    }
+    g = warp_sum(g);  // both rows' loads were issued before either reduction
+    u = warp_sum(u);
+    if (lane == 0) act[(size_t)slot * inter + r] = silu_f(g) * u;
+}
+
+// Dynamic shared memory: (K*inter + sinter) * (1 + 1/group) + 33 floats.
+extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __restrict__ top_ids,
+                                    const float* __restrict__ top_w, int K, int inter, int sinter,
+                                    const u32* dw, const u16* ds, const u16* db,
+                                    const u32* sdw, const u16* sds, const u16* sdb,
+                                    const float* __restrict__ shared_gate_logit, int hidden, int group,
+                                    float* __restrict__ x) {
+    extern __shared__ float smem[];
+    const int n_act = K * inter + sinter;
+    float* xs = smem;
+    float* gsum = xs + n_act;
+    // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base).
+    for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
+        int base = c < K * inter ? (c / inter) * inter : K * inter;
+        xs[base + swz_elem(c - base)] = act[c];
+    }
+    __syncthreads();
+    group_sums(xs, n_act, group, gsum);
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * warps + warp;
+    if (r >= hidden) return;
+    // Per-lane weighted partials of all K experts and the shared expert, reduced once at the end,
+    // so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
+    float acc = 0.f;
+    const size_t wpr = (size_t)inter / 8, gpr = inter / group;
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+        size_t row = (size_t)top_ids[k] * hidden + r;
+        acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
+                                    gsum + k * inter / group, inter, 4, group);
+    }
+    const size_t swpr = (size_t)sinter / 8, sgpr = sinter / group;
+    float sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * inter / group, sinter, 4,
+                         group);
+    acc = warp_sum(acc);
+    sd = warp_sum(sd);
+    if (lane == 0) x[r] = x[r] + (acc + sigmoid_f(shared_gate_logit[0]) * sd);
+}

@@ -1,0 +1,360 @@
+//! Launch wrappers: one function per kernel, argument lists in the order of the `extern "C"`
+//! signatures in `kernels/*.cu`. Grid shapes are chosen here.
+
+use super::context::{Arg, Gpu};
+use anyhow::Result;
+
+/// Threads per GEMV block (8 warps, one row per warp at a time).
+pub const GEMV_THREADS: u32 = 256;
+
+/// Mirrors `struct QMat` in kernels/gemv.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct QMatDesc {
+    pub w: u64,
+    pub s: u64,
+    pub b: u64,
+    pub y: u64,
+    pub rows: i32,
+    pub bits: i32,
+    pub accumulate: i32,
+    pub pad: i32,
+}
+
+/// A group of matrices sharing one input, stored contiguously in the descriptor buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvSet {
+    /// Device address of the first descriptor.
+    pub descs: u64,
+    pub count: usize,
+    pub rows: usize,
+}
+
+/// `y_m (+)= W_m · norm(x)` for every matrix of the set (norm only when `gain` is non-zero);
+/// block 0 also writes the normalised input to `xnorm_out` when non-zero.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    gpu: &Gpu,
+    set: GemvSet,
+    x: u64,
+    cols: usize,
+    gain: u64,
+    eps: f32,
+    group: usize,
+    xnorm_out: u64,
+) -> Result<()> {
+    let warps = (GEMV_THREADS / 32) as usize;
+    // Each warp takes two rows per iteration (kernels/gemv.cu).
+    let blocks = set
+        .rows
+        .div_ceil(2 * warps)
+        .min(gpu.sms as usize * 8)
+        .max(1) as u32;
+    let smem = ((cols + cols / group + 33) * 4) as u32;
+    gpu.launch(
+        "gemv_q",
+        (blocks, 1, 1),
+        GEMV_THREADS,
+        smem,
+        &[
+            Arg::P(set.descs),
+            Arg::I(set.count as i32),
+            Arg::P(x),
+            Arg::I(cols as i32),
+            Arg::P(gain),
+            Arg::F(eps),
+            Arg::I(group as i32),
+            Arg::P(xnorm_out),
+        ],
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn embed(
+    gpu: &Gpu,
+    w: (u64, u64, u64),
+    step: u64,
+    cols: usize,
+    bits: usize,
+    group: usize,
+    x: u64,
+) -> Result<()> {
+    let blocks = cols.div_ceil(256) as u32;
+    gpu.launch(
+        "embed_q",
+        (blocks, 1, 1),
+        256,
+        0,
+        &[
+            Arg::P(w.0),
+            Arg::P(w.1),
+            Arg::P(w.2),
+            Arg::P(step),
+            Arg::I(cols as i32),
+            Arg::I(bits as i32),
+            Arg::I(group as i32),
+            Arg::P(x),
+        ],
+    )
+}
+
+pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64) -> Result<()> {
+    gpu.launch(
+        "argmax_next",
+        (1, 1, 1),
+        1024,
+        0,
+        &[Arg::P(logits), Arg::I(n as i32), Arg::P(step)],
+    )
+}
+
+/// Shape constants of the GDN step.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDims {
+    pub nk: usize,
+    pub nv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub kc: usize,
+    pub eps: f32,
+}
+
+impl GdnDims {
+    pub fn threads(&self) -> u32 {
+        (self.dv * (self.dk / 32)) as u32
+    }
+    pub fn smem(&self) -> u32 {
+        ((2 * self.dk + self.dv + (self.dk / 32) * self.dv + 33) * 4) as u32
+    }
+}
+
+/// Pointers of one GDN step: inputs (qkv, z, b, a), weights (taps, dt_bias, neg_a, norm),
+/// sequence state (ring, state), output y and the step buffer.
+pub struct GdnPtrs {
+    pub qkv: u64,
+    pub z: u64,
+    pub b: u64,
+    pub a: u64,
+    pub ring: u64,
+    pub taps: u64,
+    pub dt_bias: u64,
+    pub neg_a: u64,
+    pub norm: u64,
+    pub state: u64,
+    pub y: u64,
+    pub step: u64,
+}
+
+pub fn gdn_step(gpu: &Gpu, d: GdnDims, p: &GdnPtrs) -> Result<()> {
+    gpu.launch(
+        "gdn_step",
+        (d.nv as u32, 1, 1),
+        d.threads(),
+        d.smem(),
+        &[
+            Arg::P(p.qkv),
+            Arg::P(p.z),
+            Arg::P(p.b),
+            Arg::P(p.a),
+            Arg::P(p.ring),
+            Arg::P(p.taps),
+            Arg::P(p.dt_bias),
+            Arg::P(p.neg_a),
+            Arg::P(p.norm),
+            Arg::P(p.state),
+            Arg::P(p.y),
+            Arg::P(p.step),
+            Arg::I(d.nk as i32),
+            Arg::I(d.nv as i32),
+            Arg::I(d.dk as i32),
+            Arg::I(d.dv as i32),
+            Arg::I(d.kc as i32),
+            Arg::F(d.eps),
+        ],
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub nh: usize,
+    pub nkv: usize,
+    pub hd: usize,
+    pub half_rot: usize,
+    pub eps: f32,
+}
+
+pub struct AttnPtrs {
+    pub qg: u64,
+    pub kraw: u64,
+    pub vraw: u64,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub inv_freq: u64,
+    pub q: u64,
+    pub gate: u64,
+    pub kcache: u64,
+    pub vcache: u64,
+    pub step: u64,
+    pub part_o: u64,
+    pub part_ml: u64,
+    pub out: u64,
+}
+
+/// Norms + RoPE + KV append, split-KV attention, combine with the output gate.
+pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
+    gpu.launch(
+        "attn_prep",
+        ((d.nh + d.nkv) as u32, 1, 1),
+        d.hd as u32,
+        ((d.hd + 33) * 4) as u32,
+        &[
+            Arg::P(p.qg),
+            Arg::P(p.kraw),
+            Arg::P(p.vraw),
+            Arg::P(p.q_norm),
+            Arg::P(p.k_norm),
+            Arg::P(p.inv_freq),
+            Arg::P(p.q),
+            Arg::P(p.gate),
+            Arg::P(p.kcache),
+            Arg::P(p.vcache),
+            Arg::P(p.step),
+            Arg::I(d.nh as i32),
+            Arg::I(d.nkv as i32),
+            Arg::I(d.hd as i32),
+            Arg::I(d.half_rot as i32),
+            Arg::F(d.eps),
+        ],
+    )?;
+    let name = match d.hd {
+        256 => "attn_split_256",
+        128 => "attn_split_128",
+        _ => "attn_split_64",
+    };
+    let group = d.nh / d.nkv;
+    gpu.launch(
+        name,
+        (d.nkv as u32, splits as u32, 1),
+        (group * 32) as u32,
+        0,
+        &[
+            Arg::P(p.q),
+            Arg::P(p.kcache),
+            Arg::P(p.vcache),
+            Arg::P(p.step),
+            Arg::I(d.nh as i32),
+            Arg::I(d.nkv as i32),
+            Arg::I(splits as i32),
+            Arg::F(1.0 / (d.hd as f32).sqrt()),
+            Arg::P(p.part_o),
+            Arg::P(p.part_ml),
+        ],
+    )?;
+    gpu.launch(
+        "attn_combine",
+        (d.nh as u32, 1, 1),
+        d.hd as u32,
+        0,
+        &[
+            Arg::P(p.part_o),
+            Arg::P(p.part_ml),
+            Arg::P(p.gate),
+            Arg::I(splits as i32),
+            Arg::I(d.hd as i32),
+            Arg::P(p.out),
+        ],
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct MoeDims {
+    pub e: usize,
+    pub k: usize,
+    pub inter: usize,
+    pub sinter: usize,
+    pub hidden: usize,
+    pub group: usize,
+}
+
+pub struct MoePtrs {
+    pub logits: u64,
+    pub gate: (u64, u64, u64),
+    pub up: (u64, u64, u64),
+    pub down: (u64, u64, u64),
+    pub sgate: (u64, u64, u64),
+    pub sup: (u64, u64, u64),
+    pub sdown: (u64, u64, u64),
+    pub shared_gate_logit: u64,
+    pub u: u64,
+    pub act: u64,
+    pub top_ids: u64,
+    pub top_w: u64,
+    pub x: u64,
+}
+
+pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
+    let warps = 8usize;
+    let rows = d.inter.max(d.sinter);
+    let smem = ((d.hidden + d.hidden / d.group + 33) * 4) as u32;
+    gpu.launch(
+        "moe_gate_up",
+        (rows.div_ceil(warps) as u32, (d.k + 1) as u32, 1),
+        (warps * 32) as u32,
+        smem,
+        &[
+            Arg::P(p.logits),
+            Arg::I(d.e as i32),
+            Arg::I(d.k as i32),
+            Arg::P(p.gate.0),
+            Arg::P(p.gate.1),
+            Arg::P(p.gate.2),
+            Arg::P(p.up.0),
+            Arg::P(p.up.1),
+            Arg::P(p.up.2),
+            Arg::I(d.inter as i32),
+            Arg::P(p.sgate.0),
+            Arg::P(p.sgate.1),
+            Arg::P(p.sgate.2),
+            Arg::P(p.sup.0),
+            Arg::P(p.sup.1),
+            Arg::P(p.sup.2),
+            Arg::I(d.sinter as i32),
+            Arg::P(p.u),
+            Arg::I(d.hidden as i32),
+            Arg::I(d.group as i32),
+            Arg::P(p.act),
+            Arg::P(p.top_ids),
+            Arg::P(p.top_w),
+        ],
+    )?;
+    let n_act = d.k * d.inter + d.sinter;
+    let smem = ((n_act + n_act / d.group + 33) * 4) as u32;
+    gpu.launch(
+        "moe_down",
+        (d.hidden.div_ceil(warps) as u32, 1, 1),
+        (warps * 32) as u32,
+        smem,
+        &[
+            Arg::P(p.act),
+            Arg::P(p.top_ids),
+            Arg::P(p.top_w),
+            Arg::I(d.k as i32),
+            Arg::I(d.inter as i32),
+            Arg::I(d.sinter as i32),
+            Arg::P(p.down.0),
+            Arg::P(p.down.1),
+            Arg::P(p.down.2),
+            Arg::P(p.sdown.0),
+            Arg::P(p.sdown.1),
+            Arg::P(p.sdown.2),
+            Arg::P(p.shared_gate_logit),
+            Arg::I(d.hidden as i32),
+            Arg::I(d.group as i32),
+            Arg::P(p.x),
+        ],
+    )
+}
+
+// SAFETY: plain-old-data with the C layout of `struct QMat`; all-zero bits are a valid value.
+unsafe impl cudarc::driver::DeviceRepr for QMatDesc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for QMatDesc {}

@@ -1,0 +1,208 @@
+//! Weight upload: the MLX layout as stored (u32 code words, bf16 scales and biases), one device
+//! allocation per tensor, plus the small f32 vectors. No repacking yet: the GEMV kernels read the
+//! MLX layout directly (kernels/common.cuh `qrow_dot`).
+
+use super::context::{ptr, Gpu};
+use crate::checkpoint::store::QuantTensor;
+use crate::checkpoint::DType;
+use crate::model::{MixerWeights, ModelWeights};
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+
+/// One quantized matrix on the device.
+pub struct DevQ {
+    pub w: CudaSlice<u32>,
+    pub s: CudaSlice<u16>,
+    pub b: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: usize,
+}
+
+impl DevQ {
+    pub fn upload(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+        if q.bits != 4 && q.bits != 8 {
+            bail!(
+                "{}: {}-bit weights are not supported by the CUDA backend (4 or 8)",
+                q.name,
+                q.bits
+            );
+        }
+        // The GEMV kernels load 16 bytes of codes per lane and stage activations in 32-float
+        // swizzle blocks, so rows and groups must be multiples of 32 columns.
+        if q.cols % q.group != 0 || q.group % 32 != 0 || q.cols % 32 != 0 {
+            bail!(
+                "{}: {} columns / group {} not supported by the CUDA backend",
+                q.name,
+                q.cols,
+                q.group
+            );
+        }
+        let w = gpu.upload(q.words())?;
+        // Scales and biases stay bf16 on the device (exact: MLX stores bf16). Other float dtypes
+        // are rounded to bf16 once here.
+        let to_bf16 = |bytes: &[u8]| -> Vec<u16> {
+            match q.scale_dtype {
+                DType::BF16 => bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+                dt => crate::checkpoint::store::to_f32(dt, bytes)
+                    .into_iter()
+                    .map(|v| half::bf16::from_f32(v).to_bits())
+                    .collect(),
+            }
+        };
+        let s = gpu.upload(&to_bf16(q.scales.as_bytes()))?;
+        let b = gpu.upload(&to_bf16(q.biases.as_bytes()))?;
+        Ok(DevQ {
+            w,
+            s,
+            b,
+            rows: q.rows,
+            cols: q.cols,
+            bits: q.bits,
+        })
+    }
+    pub fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
+        (
+            ptr(&self.w, &gpu.stream),
+            ptr(&self.s, &gpu.stream),
+            ptr(&self.b, &gpu.stream),
+        )
+    }
+    pub fn bytes(&self) -> usize {
+        self.w.len() * 4 + (self.s.len() + self.b.len()) * 2
+    }
+}
+
+pub struct DevGdn {
+    pub in_qkv: DevQ,
+    pub in_z: DevQ,
+    pub in_b: DevQ,
+    pub in_a: DevQ,
+    pub conv_taps: CudaSlice<f32>,
+    pub dt_bias: CudaSlice<f32>,
+    pub neg_a: CudaSlice<f32>,
+    pub norm: CudaSlice<f32>,
+    pub out: DevQ,
+}
+
+pub struct DevAttn {
+    pub q: DevQ,
+    pub k: DevQ,
+    pub v: DevQ,
+    pub o: DevQ,
+    pub q_norm: CudaSlice<f32>,
+    pub k_norm: CudaSlice<f32>,
+}
+
+pub enum DevMixer {
+    Gdn(DevGdn),
+    Attn(DevAttn),
+}
+
+pub struct DevMoe {
+    pub router: DevQ,
+    pub gate_exps: DevQ,
+    pub up_exps: DevQ,
+    pub down_exps: DevQ,
+    pub shared_gate: DevQ,
+    pub shared_up: DevQ,
+    pub shared_down: DevQ,
+    pub shared_expert_gate: DevQ,
+}
+
+pub struct DevLayer {
+    pub input_norm: CudaSlice<f32>,
+    pub post_norm: CudaSlice<f32>,
+    pub mixer: DevMixer,
+    pub moe: DevMoe,
+}
+
+pub struct DevWeights {
+    pub embed: DevQ,
+    pub layers: Vec<DevLayer>,
+    pub final_norm: CudaSlice<f32>,
+    pub lm_head: DevQ,
+}
+
+impl DevWeights {
+    /// Uploads everything; checks free memory first so a too-large model fails with one line.
+    pub fn upload(gpu: &Gpu, mw: &ModelWeights, host_bytes: usize) -> Result<Self> {
+        let (free, total) = gpu.mem_info()?;
+        // Weights + ~1 GiB for activations, kernels and the context.
+        if host_bytes + (1 << 30) > free {
+            bail!(
+                "not enough GPU memory for the weights: {:.1} GiB needed, {:.1} GiB free of {:.1} GiB",
+                host_bytes as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            );
+        }
+        let q = |t: &QuantTensor| DevQ::upload(gpu, t);
+        let f = |v: &[f32]| gpu.upload(v);
+        let mut layers = Vec::with_capacity(mw.layers.len());
+        for l in &mw.layers {
+            let mixer = match &l.mixer {
+                MixerWeights::Gdn(g) => DevMixer::Gdn(DevGdn {
+                    in_qkv: q(&g.in_qkv)?,
+                    in_z: q(&g.in_z)?,
+                    in_b: q(&g.in_b)?,
+                    in_a: q(&g.in_a)?,
+                    conv_taps: f(&g.conv_taps)?,
+                    dt_bias: f(&g.dt_bias)?,
+                    neg_a: f(&g.neg_a)?,
+                    norm: f(&g.norm)?,
+                    out: q(&g.out)?,
+                }),
+                MixerWeights::Attention(a) => DevMixer::Attn(DevAttn {
+                    q: q(&a.q)?,
+                    k: q(&a.k)?,
+                    v: q(&a.v)?,
+                    o: q(&a.o)?,
+                    q_norm: f(&a.q_norm)?,
+                    k_norm: f(&a.k_norm)?,
+                }),
+            };
+            let m = &l.moe;
+            for (t, want) in [
+                (&m.gate_exps, 4),
+                (&m.up_exps, 4),
+                (&m.down_exps, 4),
+                (&m.shared_gate, 4),
+                (&m.shared_up, 4),
+                (&m.shared_down, 4),
+            ] {
+                if t.bits != want {
+                    bail!(
+                        "{}: {}-bit, the CUDA MoE kernels expect {want}-bit experts",
+                        t.name,
+                        t.bits
+                    );
+                }
+            }
+            layers.push(DevLayer {
+                input_norm: f(&l.input_norm)?,
+                post_norm: f(&l.post_norm)?,
+                mixer,
+                moe: DevMoe {
+                    router: q(&m.router)?,
+                    gate_exps: q(&m.gate_exps)?,
+                    up_exps: q(&m.up_exps)?,
+                    down_exps: q(&m.down_exps)?,
+                    shared_gate: q(&m.shared_gate)?,
+                    shared_up: q(&m.shared_up)?,
+                    shared_down: q(&m.shared_down)?,
+                    shared_expert_gate: q(&m.shared_expert_gate)?,
+                },
+            });
+        }
+        Ok(DevWeights {
+            embed: q(&mw.embed)?,
+            layers,
+            final_norm: f(&mw.final_norm)?,
+            lm_head: q(&mw.lm_head)?,
+        })
+    }
+}

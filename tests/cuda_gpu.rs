@@ -1,0 +1,322 @@
+//! The CUDA backend against the CPU reference backend on the tiny synthetic checkpoint (seed 0).
+//! These need an H100/H200 and run on the GPU machine (`bash .device/run test cuda_`); they are
+//! ignored elsewhere.
+//!
+//! Tolerances: both backends compute in f32 from the same 4-bit weights (bf16 scales/biases,
+//! bias folded per group) and keep the GDN state and the KV cache in f32, so they differ only in
+//! summation order (warp-tree vs sequential sums, FMA contraction, split-KV softmax merge). Tiny
+//! model logits are O(1-5); 1e-3 absolute leaves a wide margin over that rounding while any real
+//! bug (wrong rounding point, norm offset, RoPE pairing, routing choice) moves logits by 1e-2+.
+
+mod common;
+
+use common::tiny_checkpoint;
+use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
+use lily::backend::cuda::CudaBackend;
+use lily::backend::{Backend, LogitsWanted};
+use lily::checkpoint::Checkpoint;
+use lily::engine::sampling::argmax;
+use lily::model::{MixerWeights, ModelWeights};
+
+const LOGIT_TOL: f32 = 1e-3;
+
+fn ck() -> Checkpoint {
+    Checkpoint::open(tiny_checkpoint()).unwrap()
+}
+
+fn cuda() -> CudaBackend {
+    CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
+}
+
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| (((i * 2_654_435_761) % (1u64 << 32)) % vocab as u64) as u32)
+        .collect()
+}
+
+fn rnd(seed: u64, n: usize) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_gemv_matches_cpu_qmatmul() {
+    let ck = ck();
+    let mw = ModelWeights::from_checkpoint(&ck).unwrap();
+    let b = cuda();
+    let l0 = &mw.layers[0];
+    let mut cases = vec![
+        ("router (8-bit)", &l0.moe.router),
+        ("shared_expert_gate (8-bit)", &l0.moe.shared_expert_gate),
+        ("lm_head", &mw.lm_head),
+        ("gate_exps", &l0.moe.gate_exps),
+        ("down_exps", &l0.moe.down_exps),
+    ];
+    if let MixerWeights::Gdn(g) = &l0.mixer {
+        cases.push(("in_proj_qkv", &g.in_qkv));
+        cases.push(("out_proj", &g.out));
+    }
+    for (name, q) in cases {
+        let x = rnd(7, q.cols);
+        let want = qmatmul::qmatmul_all(q, &x, 1);
+        let got = b.gemv_host(q, &x, None).unwrap();
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let e = max_err(&got, &want);
+        eprintln!(
+            "gemv {name} [{}x{}, {}-bit]: max |err| {e:.3e} (max |y| {scale:.3})",
+            q.rows, q.cols, q.bits
+        );
+        assert!(
+            e <= 1e-5 * scale.max(1.0) * (q.cols as f32 / 64.0).sqrt(),
+            "{name}: max err {e}"
+        );
+        // With the RMSNorm prologue.
+        if q.cols == mw.config.hidden_size {
+            let gain = &l0.input_norm;
+            let mut u = vec![0.0; q.cols];
+            ops::rms_norm(&x, gain, mw.config.rms_norm_eps as f32, &mut u);
+            let want = qmatmul::qmatmul_all(q, &u, 1);
+            let got = b.gemv_host(q, &x, Some(gain)).unwrap();
+            let e = max_err(&got, &want);
+            eprintln!("gemv+norm {name}: max |err| {e:.3e}");
+            assert!(e <= 1e-4 * scale.max(1.0), "{name} with norm: max err {e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_argmax_matches_host() {
+    let b = cuda();
+    let mut l = rnd(3, 248_320);
+    assert_eq!(b.argmax_host(&l).unwrap(), argmax(&l));
+    l[1000] = 5.0;
+    l[200_000] = 5.0; // tie: lowest id wins
+    assert_eq!(b.argmax_host(&l).unwrap(), 1000);
+}
+
+/// CPU reference of one decode token, layer by layer (the same steps as CpuBackend::run_block).
+struct CpuTrace {
+    w: ModelWeights,
+    inv_freq: Vec<f64>,
+    gdn: Vec<Option<gdn::GdnState>>,
+    kv: Vec<Option<attention::KvCache>>,
+}
+
+impl CpuTrace {
+    fn new(ck: &Checkpoint) -> Self {
+        let w = ModelWeights::from_checkpoint(ck).unwrap();
+        let cfg = w.config.clone();
+        let inv_freq = ops::rope_inv_freq(cfg.rotary_dim(), cfg.rope_theta);
+        let gdn = w
+            .layers
+            .iter()
+            .map(|l| matches!(l.mixer, MixerWeights::Gdn(_)).then(|| gdn::GdnState::new(&cfg)))
+            .collect();
+        let kv = w
+            .layers
+            .iter()
+            .map(|l| {
+                matches!(l.mixer, MixerWeights::Attention(_)).then(attention::KvCache::default)
+            })
+            .collect();
+        CpuTrace {
+            w,
+            inv_freq,
+            gdn,
+            kv,
+        }
+    }
+    fn token(&mut self, tok: u32, pos: usize) -> Vec<Vec<f32>> {
+        let cfg = self.w.config.clone();
+        let h = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps as f32;
+        let mut x = vec![0.0; h];
+        qmatmul::dequantize_row(&self.w.embed, tok as usize, &mut x);
+        let mut u = vec![0.0; h];
+        let mut out = Vec::new();
+        for (i, layer) in self.w.layers.iter().enumerate() {
+            ops::rms_norm(&x, &layer.input_norm, eps, &mut u);
+            let mixed = match &layer.mixer {
+                MixerWeights::Gdn(g) => gdn::forward(g, &cfg, &u, 1, self.gdn[i].as_mut().unwrap()),
+                MixerWeights::Attention(a) => attention::forward(
+                    a,
+                    &cfg,
+                    &self.inv_freq,
+                    &u,
+                    1,
+                    pos,
+                    self.kv[i].as_mut().unwrap(),
+                ),
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            ops::rms_norm(&x, &layer.post_norm, eps, &mut u);
+            let m = moe::forward(&layer.moe, &cfg, &u, 1);
+            x.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+            out.push(x.clone());
+        }
+        out
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_layers_match_cpu_per_token() {
+    let ck = ck();
+    let mut b = cuda();
+    let mut cpu = CpuTrace::new(&ck);
+    let vocab = b.config().vocab_size;
+    let toks = prompt(80, vocab);
+    let mut seq = b.new_sequence(toks.len()).unwrap();
+    let mut worst = vec![0.0f32; cpu.w.layers.len()];
+    for (pos, &t) in toks.iter().enumerate() {
+        let want = cpu.token(t, pos);
+        let (got, _) = b.forward_traced(&mut seq, t).unwrap();
+        for (l, (g, w)) in got.iter().zip(&want).enumerate() {
+            let e = max_err(g, w);
+            worst[l] = worst[l].max(e);
+            if e > 1e-3 {
+                panic!(
+                    "token {pos} layer {l} ({}): max |hidden err| {e:.3e}",
+                    if matches!(cpu.w.layers[l].mixer, MixerWeights::Gdn(_)) {
+                        "GDN"
+                    } else {
+                        "attention"
+                    }
+                );
+            }
+        }
+    }
+    let w: Vec<String> = worst.iter().map(|e| format!("{e:.3e}")).collect();
+    eprintln!(
+        "per-layer max |hidden err| over {} tokens: {}",
+        toks.len(),
+        w.join(" ")
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_teacher_forced_logits_match_cpu() {
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    let mut gpu = cuda();
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(96, vocab);
+    let mut s1 = cpu.new_sequence(toks.len()).unwrap();
+    let want = cpu.forward(&mut s1, &toks, LogitsWanted::All).unwrap();
+    let mut s2 = gpu.new_sequence(toks.len()).unwrap();
+    let got = gpu.forward(&mut s2, &toks, LogitsWanted::All).unwrap();
+    assert_eq!(got.len(), want.len());
+    let e = max_err(&got, &want);
+    let mut agree = 0;
+    for t in 0..toks.len() {
+        if argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab]) {
+            agree += 1;
+        }
+    }
+    eprintln!(
+        "teacher-forced {} positions: max |logit err| {e:.3e}, top-1 agreement {agree}/{}",
+        toks.len(),
+        toks.len()
+    );
+    assert!(e <= LOGIT_TOL, "max |logit error| {e} > {LOGIT_TOL}");
+    assert_eq!(agree, toks.len());
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_greedy_matches_cpu_and_clone_continues() {
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    let mut gpu = cuda();
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(40, vocab);
+    let n = 32;
+    let run = |b: &mut dyn Backend| -> (Vec<u32>, f32) {
+        let mut seq = b.new_sequence(toks.len() + n + 1).unwrap();
+        let mut logits = b.forward(&mut seq, &toks, LogitsWanted::Last).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let t = argmax(&logits);
+            out.push(t);
+            logits = b.forward(&mut seq, &[t], LogitsWanted::Last).unwrap();
+        }
+        (out, logits[0])
+    };
+    let (want, _) = run(&mut cpu);
+    let (got, _) = run(&mut gpu);
+    eprintln!("greedy cpu {want:?}\ngreedy gpu {got:?}");
+    assert_eq!(got, want, "32-token greedy continuation differs");
+
+    // A cloned sequence continues exactly like the original.
+    let mut seq = gpu.new_sequence(toks.len() + 8).unwrap();
+    gpu.forward(&mut seq, &toks, LogitsWanted::None).unwrap();
+    let mut fork = seq.clone();
+    let a = gpu
+        .forward(&mut seq, &[5, 6, 7], LogitsWanted::All)
+        .unwrap();
+    let b = gpu
+        .forward(&mut fork, &[5, 6, 7], LogitsWanted::All)
+        .unwrap();
+    assert_eq!(a, b, "clone diverged");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_bad_input_is_an_error() {
+    let mut gpu = cuda();
+    let vocab = gpu.config().vocab_size as u32;
+    assert!(
+        gpu.new_sequence(1 << 28).is_err(),
+        "a KV cache larger than the GPU must be refused"
+    );
+    let mut seq = gpu.new_sequence(4).unwrap();
+    assert!(gpu.forward(&mut seq, &[vocab], LogitsWanted::Last).is_err());
+    assert!(gpu
+        .forward(&mut seq, &[1, 2, 3, 4, 5], LogitsWanted::Last)
+        .is_err());
+    assert!(gpu.forward(&mut seq, &[], LogitsWanted::Last).is_err());
+    assert!(gpu.forward(&mut seq, &[1, 2], LogitsWanted::Last).is_ok());
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_long_prompt_matches_cpu() {
+    // 300 positions: several KV splits per head in decode attention, and the conv ring wraps many times.
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    let mut gpu = cuda();
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(300, vocab);
+    let mut s1 = cpu.new_sequence(320).unwrap();
+    let mut s2 = gpu.new_sequence(320).unwrap();
+    let mut want = cpu.forward(&mut s1, &toks, LogitsWanted::Last).unwrap();
+    let mut got = gpu.forward(&mut s2, &toks, LogitsWanted::Last).unwrap();
+    let mut worst = 0.0f32;
+    for _ in 0..16 {
+        worst = worst.max(max_err(&got, &want));
+        let (a, b) = (argmax(&want), argmax(&got));
+        assert_eq!(a, b, "greedy diverged after a 300-token prompt");
+        want = cpu.forward(&mut s1, &[a], LogitsWanted::Last).unwrap();
+        got = gpu.forward(&mut s2, &[b], LogitsWanted::Last).unwrap();
+    }
+    eprintln!("300-token prompt + 16 greedy steps: max |logit err| {worst:.3e}");
+    assert!(worst <= LOGIT_TOL);
+}
