@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README.md): every Rust test (unit, integration, CPU model vs transformers and
 # mlx-lm goldens, server over real HTTP, load test, CUDA kernels compiled for sm_90a by NVRTC),
-# then the Python suite that drives `lily serve` with the official openai client. GPU-only tests
+# then the Python suites: `lily serve` driven by the official openai client, and the peer
+# benchmark harness (bench/) on canned results. GPU-only tests
 # are #[ignore]d here; they run on the GPU machine (docs/cuda.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,4 @@ export LILY_REQUIRE_NVRTC=1
 cargo build --locked --bins
 cargo test --locked --no-fail-fast
 
-python3 -m pytest -q -p no:cacheprovider tests/openai_client
+python3 -m pytest -q -p no:cacheprovider tests/openai_client tests/bench

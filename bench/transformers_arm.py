@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""transformers arm of the peer benchmark: HF Qwen3_5MoeForCausalLM on the dequantized weights
+of a Lily (MLX 4-bit) checkpoint, batch 1, greedy (argmax of the raw logits), with the model's
+own cache (chunked torch GDN for the prompt, recurrent steps after; no fused GDN kernels: no
+flash-linear-attention on the GPU machine).
+
+Loading reuses scripts/transformers_goldens.py (load_tensors / to_hf_state: exact MLX affine
+dequantization, norm un-shift, conv1d and expert re-layout). Defaults: bf16 + sdpa attention on
+CUDA when available, else float32 on the CPU.
+
+Timing, as the contract: an exact-shape warmup (prompt prefill + 2 decode steps on a throwaway
+cache), then prefill = one forward of the whole prompt (logits of the last position only) up to
+the first greedy token on the host; decode = `steps` single-token forwards, each interval ending
+when its token is on the host (torch.cuda.synchronize on GPU). Digest over the `steps` decode
+tokens (the prefill token is first_token_id). One JSON line, lily-bench's field names.
+
+    python bench/transformers_arm.py --model DIR --prompt-len 4096 [--decode-steps 64] [--device cuda]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+from common import emit, make_record, prompt_tokens, text_config  # noqa: E402
+
+# The config fields scripts/transformers_goldens.py passes to Qwen3_5MoeTextConfig (that list lives
+# inside its main(), so it cannot be imported; keep the two in step).
+CONFIG_KEYS = [
+    "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "rope_parameters", "full_attention_interval",
+    "attn_output_gate", "tie_word_embeddings",
+]
+
+
+def build_model(model_dir, device, dtype, attn):
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    import transformers_goldens as tg
+
+    cfg_json = json.load(open(os.path.join(model_dir, "config.json")))
+    tc = cfg_json["text_config"]
+    group = cfg_json["quantization"]["group_size"]
+    config = Qwen3_5MoeTextConfig(**{k: tc[k] for k in CONFIG_KEYS if k in tc})
+    config._attn_implementation = attn
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    state = tg.to_hf_state(tg.load_tensors(model_dir), group, device, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise SystemExit(f"state dict mismatch: missing={missing[:8]} unexpected={unexpected[:8]}")
+    del state
+    for mod in model.modules():  # rotary buffers were created on meta
+        if getattr(mod, "inv_freq", None) is not None and mod.inv_freq.is_meta:
+            inv, _ = mod.compute_default_rope_parameters(mod.config, torch.device(device))
+            mod.inv_freq = inv
+            mod.original_inv_freq = inv.clone()
+    return model.to(device).eval()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt-len", type=int, required=True)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--attn", default=None, help="attention implementation (default: sdpa on cuda, eager on cpu)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if args.prompt_len <= 0 or args.decode_steps <= 0:
+        raise SystemExit("--prompt-len and --decode-steps must be positive")
+
+    import torch
+    import transformers
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
+    attn = args.attn or ("sdpa" if cuda else "eager")
+    model = build_model(args.model, device, getattr(torch, dtype_name), attn)
+    vocab = text_config(args.model)["vocab_size"]
+    ids = torch.tensor([prompt_tokens(args.prompt_len, vocab)], device=device)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step(tok, cache):
+        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+        nxt = int(torch.argmax(out.logits[0, -1]))
+        return nxt, out.past_key_values
+
+    with torch.inference_mode():
+        if not args.no_warmup:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            t, cache = int(torch.argmax(out.logits[0, -1])), out.past_key_values
+            t, cache = step(t, cache)
+            step(t, cache)
+            del out, cache
+            sync()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+
+        sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        first = int(torch.argmax(out.logits[0, -1]))
+        sync()
+        t_first = time.perf_counter()
+        cache = out.past_key_values
+        del out
+        tokens, intervals, cur, last = [], [], first, t_first
+        for _ in range(args.decode_steps):
+            cur, cache = step(cur, cache)
+            sync()
+            now = time.perf_counter()
+            tokens.append(cur)
+            intervals.append(now - last)
+            last = now
+
+    extra = {"decode_mode": "hf_forward_with_cache_greedy", "dtype": dtype_name, "attn_implementation": attn,
+             "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    if cuda:
+        extra["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
+        extra["device_name"] = torch.cuda.get_device_name()
+    rec = make_record("transformers", f"torch {device} {dtype_name}", args.model, args.prompt_len, args.decode_steps,
+                      not args.no_warmup, t_first - t0, first, intervals, tokens, decode_secs=last - t_first, **extra)
+    emit(rec, args.json_out)
+
+
+if __name__ == "__main__":
+    main()
