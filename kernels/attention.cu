@@ -59,7 +59,40 @@ __device__ void attn_split(const float* __restrict__ q, const float* __restrict_
 #pragma unroll
     for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + t * 32 + lane]; o[t] = 0.f; }
     float m = NEG_INF, l = 0.f;
-    for (int p = p0; p < p1; ++p) {
+    // Four positions per iteration: their K and V rows are loaded together (one DRAM round trip
+    // per 4 positions instead of per position), then one online-softmax update.
+    constexpr int U = 4;
+    int p = p0;
+    for (; p + U <= p1; p += U) {
+        float kr[U][P], vr[U][P], sc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const float* kp = kcache + (size_t)(p + u) * kv_dim + kvh * HD;
+            const float* vp = vcache + (size_t)(p + u) * kv_dim + kvh * HD;
+#pragma unroll
+            for (int t = 0; t < P; ++t) { kr[u][t] = kp[t * 32 + lane]; vr[u][t] = vp[t * 32 + lane]; }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float d = 0.f;
+#pragma unroll
+            for (int t = 0; t < P; ++t) d += qr[t] * kr[u][t];
+            sc[u] = d;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) sc[u] = warp_sum(sc[u]) * scale;
+        float mn = fmaxf(fmaxf(m, fmaxf(sc[0], sc[1])), fmaxf(sc[2], sc[3]));
+        float corr = expf(m - mn);
+        float e[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) e[u] = expf(sc[u] - mn);
+        l = l * corr + ((e[0] + e[1]) + (e[2] + e[3]));
+#pragma unroll
+        for (int t = 0; t < P; ++t)
+            o[t] = o[t] * corr + ((e[0] * vr[0][t] + e[1] * vr[1][t]) + (e[2] * vr[2][t] + e[3] * vr[3][t]));
+        m = mn;
+    }
+    for (; p < p1; ++p) {
         const float* kr = kcache + (size_t)p * kv_dim + kvh * HD;
         float d = 0.f;
 #pragma unroll

@@ -29,6 +29,16 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
     const int pos = step[1], slot = pos % KC;
     const int tid = threadIdx.x, nt = blockDim.x;
+    // The state slice does not depend on this step's inputs: its loads (the head's 64 KB, the
+    // bulk of the kernel's traffic) are issued first and overlap the conv / norm prologue.
+    const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
+    const bool active = r < dk / GDN_SL;
+    float* S = state + (size_t)n * dk * dv;
+    float s[GDN_SL];
+    if (active) {
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
+    }
 
     for (int idx = tid; idx < 2 * dk + dv; idx += nt) {
         int ch;
@@ -64,15 +74,11 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     const float beta = sigmoid_f(braw[n]);
     const float g = neg_a[n] * softplus_f(araw[n] + dt_bias[n]);
     const float alpha = expf(g);
-    const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
-    const bool active = r < dk / GDN_SL;
-    float* S = state + (size_t)n * dk * dv;
-    float s[GDN_SL];
     float kv = 0.f;
     if (active) {
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
-            s[ii] = S[(size_t)(i0 + ii) * dv + j] * alpha;
+            s[ii] = s[ii] * alpha;
             kv += s[ii] * ks[i0 + ii];
         }
         part[r * dv + j] = kv;

@@ -22,16 +22,33 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
     float* xs = smem;
     float* gsum = xs + cols;
     float* red = gsum + cols / group;
-    stage_x(x, cols, gain, eps, group, xs, gsum, red);
-    if (xnorm_out && blockIdx.x == 0)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
     int total = 0;
     for (int m = 0; m < nmats; ++m) total += mats[m].rows;
     int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gpr = cols / group;
-    // Two rows per warp per iteration, reduced together, so two rows' loads are in flight.
     const int nw = gridDim.x * warps;
+    // Row rr (of the concatenated matrices) into L2, codes and scales/biases.
+    auto prefetch_row = [&](int rr) {
+        if (rr >= total) return;
+        int m = 0;
+        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+        const QMat& M = mats[m];
+        size_t wpr = (size_t)cols * M.bits / 32;
+        prefetch_l2_warp(M.w + (size_t)rr * wpr, wpr * 4, lane);
+        if (lane == 0) prefetch_l2(M.s + (size_t)rr * gpr);
+        if (lane == 1) prefetch_l2(M.b + (size_t)rr * gpr);
+    };
+    // The first row pair's weights start streaming before the activation prologue.
+    prefetch_row(blockIdx.x * warps + warp);
+    prefetch_row(blockIdx.x * warps + warp + nw);
+    stage_x(x, cols, gain, eps, group, xs, gsum, red);
+    if (xnorm_out && blockIdx.x == 0)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    // Two rows per warp per iteration, reduced together, so two rows' loads are in flight; the
+    // next pair is prefetched into L2 one iteration ahead.
     for (int r = blockIdx.x * warps + warp; r < total; r += 2 * nw) {
+        prefetch_row(r + 2 * nw);
+        prefetch_row(r + 3 * nw);
         float d[2];
         int mi[2], ri[2];
 #pragma unroll

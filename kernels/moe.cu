@@ -13,6 +13,7 @@
 
 // Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
 // exp(l - max) / sum_topk exp(l - max). Results go to shared ids/wts, sorted by expert id.
+// No trailing barrier: the caller synchronises before other warps read ids/wts.
 __device__ void route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
     int lane = threadIdx.x & 31;
     if ((threadIdx.x >> 5) == 0) {
@@ -50,7 +51,6 @@ __device__ void route_topk(const float* __restrict__ logits, int E, int K, int* 
             }
         }
     }
-    __syncthreads();
 }
 
 // Dynamic shared memory: cols + cols/group + 33 floats. act: [K*inter + sinter].
@@ -68,30 +68,61 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     float* gsum = xs + cols;
     float* red = gsum + cols / group;
     const int slot = blockIdx.y;
-    if (slot < K) {
-        route_topk(logits, E, K, ids, wts);
-        if (blockIdx.x == 0 && slot == 0 && threadIdx.x < K) { top_ids[threadIdx.x] = ids[threadIdx.x]; top_w[threadIdx.x] = wts[threadIdx.x]; }
-    }
-    stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
     const int rows = slot < K ? inter : sinter;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = blockIdx.x * warps + warp;
-    if (r >= rows) return;
+    // Each block owns 2 * warps consecutive rows; warp w computes rows base + w and
+    // base + warps + w (four weight rows' loads in flight per warp, half the blocks' prologues).
+    const int base = blockIdx.x * 2 * warps;
+    const int r = base + warp;
     const int gpr = cols / group;
     const size_t wpr = (size_t)cols / 8;
-    float g, u;
-    if (slot < K) {
-        size_t row = (size_t)ids[slot] * inter + r;
-        g = qrow_part(gw + row * wpr, gs + row * gpr, gb + row * gpr, xs, gsum, cols, 4, group);
-        u = qrow_part(uw + row * wpr, us + row * gpr, ub + row * gpr, xs, gsum, cols, 4, group);
-    } else {
-        size_t row = r;
-        g = qrow_part(sgw + row * wpr, sgs + row * gpr, sgb + row * gpr, xs, gsum, cols, 4, group);
-        u = qrow_part(suw + row * wpr, sus + row * gpr, sub + row * gpr, xs, gsum, cols, 4, group);
+    // Weights into L2 before the prologue: the shared expert's rows at once; the routed rows as
+    // soon as warp 0 knows the expert (it prefetches the whole block's rows while the other
+    // warps stage x). The top-k result is published by stage_x's barriers.
+    if (slot >= K) {
+        for (int rr = r; rr < min(rows, base + 2 * warps); rr += warps) {
+            prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
+            prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
+        }
+    } else if (warp == 0) {
+        route_topk(logits, E, K, ids, wts);
+        __syncwarp();
+        const size_t row0 = (size_t)ids[slot] * inter + (size_t)base;
+        const int nrows = min(2 * warps, rows - base);
+        if (nrows > 0) {
+            prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
+            prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
+        }
+        if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
-    g = warp_sum(g);  // both rows' loads were issued before either reduction
+    stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    if (r >= rows) return;
+    const int r2 = r + warps;
+    const bool two = r2 < rows;
+    const u32 *GW = gw, *UW = uw;
+    const u16 *GS = gs, *GB = gb, *US = us, *UB = ub;
+    size_t row = r, row2 = r2;
+    if (slot < K) {
+        row = (size_t)ids[slot] * inter + r;
+        row2 = (size_t)ids[slot] * inter + r2;
+    } else {
+        GW = sgw; GS = sgs; GB = sgb; UW = suw; US = sus; UB = sub;
+    }
+    float g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
+    float u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
+    float g2 = 0.f, u2 = 0.f;
+    if (two) {
+        g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
+        u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
+    }
+    g = warp_sum(g);  // all rows' loads were issued before any reduction
     u = warp_sum(u);
-    if (lane == 0) act[(size_t)slot * inter + r] = silu_f(g) * u;
+    g2 = warp_sum(g2);
+    u2 = warp_sum(u2);
+    if (lane == 0) {
+        act[(size_t)slot * inter + r] = silu_f(g) * u;
+        if (two) act[(size_t)slot * inter + r2] = silu_f(g2) * u2;
+    }
 }
 
 // Dynamic shared memory: (K*inter + sinter) * (1 + 1/group) + 33 floats.
@@ -105,6 +136,21 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     const int n_act = K * inter + sinter;
     float* xs = smem;
     float* gsum = xs + n_act;
+    {
+        // This warp's K expert rows and shared row into L2 before staging the activations.
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int r = blockIdx.x * (blockDim.x >> 5) + warp;
+        if (r < hidden) {
+            const size_t wpr = (size_t)inter / 8, swpr = (size_t)sinter / 8;
+            if (lane < K) {
+                const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
+                for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
+            } else if (lane == K) {
+                const u32* p = sdw + (size_t)r * swpr;
+                for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
+            }
+        }
+    }
     // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base).
     for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
         int base = c < K * inter ? (c / inter) * inter : K * inter;

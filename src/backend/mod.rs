@@ -92,6 +92,38 @@ pub trait Backend: Send {
     /// Runs `tokens` through the model at the sequence's current position, appending them to
     /// its caches. Returns the requested logits (f32, `vocab_size` per row).
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
+
+    /// Greedy decoding without handing logits to the caller: feeds `first_token` at the
+    /// sequence's current position, then produces up to `steps` tokens, each the argmax (ties ->
+    /// lowest id) of the previous step's logits, calling `on_token(token)` for each in order;
+    /// `on_token` returns false to stop. Returns the number of tokens produced (passed to
+    /// `on_token`).
+    ///
+    /// The sequence then holds `first_token` and every produced token except the last one
+    /// (`steps` tokens when nothing stopped early; `check_room(steps)` must hold). When
+    /// `on_token` stops early, a pipelining backend (CUDA: step N+1 is already queued when token
+    /// N is read) may also have fed that last token; `seq.len()` tells.
+    ///
+    /// The default runs `forward` + host argmax per step (CPU backend); the CUDA backend keeps
+    /// the token on the device and reads it back asynchronously.
+    fn decode_greedy(
+        &mut self,
+        seq: &mut Sequence,
+        first_token: u32,
+        steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        seq.check_room(steps)?;
+        let mut cur = first_token;
+        for i in 0..steps {
+            let logits = self.forward(seq, &[cur], LogitsWanted::Last)?;
+            cur = crate::engine::sampling::argmax(&logits);
+            if !on_token(cur) {
+                return Ok(i + 1);
+            }
+        }
+        Ok(steps)
+    }
 }
 
 /// Which backend the user asked for.

@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lily::backend::{open_backend, BackendKind, LogitsWanted};
 use lily::checkpoint::Checkpoint;
-use lily::engine::sampling::argmax;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -63,34 +62,49 @@ fn run(args: Args) -> Result<()> {
     let max_seq = args.prompt_len.checked_add(args.decode_steps + 1).context("context too large")?;
     let prompt = prompt_tokens(args.prompt_len, vocab);
 
+    // The last prompt token goes through the greedy decode path (Backend::decode_greedy), so
+    // the first generated token comes out of the same pipelined loop as the decode tokens.
+    let (prefix, last_prompt) = prompt.split_at(args.prompt_len - 1);
+    let last_prompt = last_prompt[0];
     if !args.no_warmup {
         let mut warm = backend.new_sequence(max_seq)?;
-        let logits = backend.forward(&mut warm, &prompt, LogitsWanted::Last)?;
-        let t = argmax(&logits);
-        let logits = backend.forward(&mut warm, &[t], LogitsWanted::Last)?;
-        backend.forward(&mut warm, &[argmax(&logits)], LogitsWanted::Last)?;
+        if !prefix.is_empty() {
+            backend.forward(&mut warm, prefix, LogitsWanted::None)?;
+        }
+        backend.decode_greedy(&mut warm, last_prompt, 3, &mut |_| true)?;
     }
 
     let mut seq = backend.new_sequence(max_seq)?;
-    let t0 = Instant::now();
-    let logits = backend.forward(&mut seq, &prompt, LogitsWanted::Last)?;
-    let first = argmax(&logits);
-    let prefill_secs = t0.elapsed().as_secs_f64();
-
     let mut tokens = Vec::with_capacity(args.decode_steps);
     let mut steps = Vec::with_capacity(args.decode_steps);
-    let mut cur = first;
-    let t1 = Instant::now();
-    let mut last = t1;
-    for _ in 0..args.decode_steps {
-        let logits = backend.forward(&mut seq, &[cur], LogitsWanted::Last)?;
-        cur = argmax(&logits);
-        tokens.push(cur);
-        let now = Instant::now();
-        steps.push(now.duration_since(last).as_secs_f64());
-        last = now;
+    let mut first = None;
+    let mut prefill_secs = 0.0;
+    let t0 = Instant::now();
+    let mut t1 = t0;
+    let mut last = t0;
+    if !prefix.is_empty() {
+        backend.forward(&mut seq, prefix, LogitsWanted::None)?;
     }
-    let decode_secs = t1.elapsed().as_secs_f64();
+    // Token 0 ends the prefill (TTFT-style; step 1 is already queued then); tokens 1..=N are the
+    // N measured decode steps.
+    let produced = backend.decode_greedy(&mut seq, last_prompt, args.decode_steps + 1, &mut |t| {
+        let now = Instant::now();
+        if first.is_none() {
+            first = Some(t);
+            prefill_secs = now.duration_since(t0).as_secs_f64();
+            t1 = now;
+        } else {
+            tokens.push(t);
+            steps.push(now.duration_since(last).as_secs_f64());
+        }
+        last = now;
+        true
+    })?;
+    if produced != args.decode_steps + 1 || tokens.len() != args.decode_steps {
+        bail!("decode stopped after {produced} tokens");
+    }
+    let first = first.unwrap_or(0);
+    let decode_secs = last.duration_since(t1).as_secs_f64();
     let digest = format!("{:016x}", fnv1a(&tokens));
     let line = json!({
         "schema_version": 1,

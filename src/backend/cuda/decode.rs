@@ -15,11 +15,22 @@ use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::CudaSlice;
 
+/// What a decode step produces after the layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOut {
+    /// Nothing (prefill of a known prefix).
+    None,
+    /// Final norm + lm_head into `scratch.logits`.
+    Logits,
+    /// Logits, then `argmax_next`: the next token and position go into the step buffer.
+    Greedy,
+}
+
 /// Most KV splits per head in decode attention (partials are sized for it).
-pub const MAX_SPLITS: usize = 128;
+pub const MAX_SPLITS: usize = 256;
 
 /// Positions per split before another split is added.
-const POS_PER_SPLIT: usize = 64;
+const POS_PER_SPLIT: usize = 32;
 
 pub struct LayerSets {
     pub mixer_in: GemvSet,
@@ -50,6 +61,8 @@ pub struct Scratch {
     pub top_w: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
+    /// argmax_next's per-block (value, index) partials and its block ticket (zero between uses).
+    pub argmax_part: CudaSlice<f32>,
     pub inv_freq: CudaSlice<f64>,
     pub descs: CudaSlice<QMatDesc>,
     pub layers: Vec<LayerSets>,
@@ -84,6 +97,7 @@ impl Scratch {
             act: f(cfg.num_experts_per_tok * cfg.moe_intermediate_size
                 + cfg.shared_expert_intermediate_size)?,
             logits: f(cfg.vocab_size)?,
+            argmax_part: f(2 * kernels::ARGMAX_BLOCKS as usize + 1)?,
             inv_freq: gpu.upload(&inv)?,
             descs: gpu.zeros::<QMatDesc>(1)?,
             layers: Vec::new(),
@@ -209,7 +223,7 @@ pub fn step(
     seq: &mut CudaSequence,
     token: u32,
     pos: usize,
-    logits: bool,
+    logits: StepOut,
     trace: Option<&mut Vec<Vec<f32>>>,
 ) -> Result<()> {
     upload_step(&b.gpu, seq, token, pos)?;
@@ -227,7 +241,7 @@ pub fn enqueue(
     b: &CudaBackend,
     seq: &CudaSequence,
     splits: usize,
-    logits: bool,
+    out: StepOut,
     mut trace: Option<&mut Vec<Vec<f32>>>,
     mut marks: Option<&mut Marks>,
 ) -> Result<()> {
@@ -388,9 +402,19 @@ pub fn enqueue(
             );
         }
     }
-    if logits {
+    if out != StepOut::None {
         kernels::gemv(gpu, s.head, x, h, ptr(&b.w.final_norm, st), eps, group, 0)?;
         mark("lm_head")?;
+    }
+    if out == StepOut::Greedy {
+        kernels::argmax_next(
+            gpu,
+            ptr(&s.logits, st),
+            cfg.vocab_size,
+            step,
+            ptr(&s.argmax_part, st),
+        )?;
+        mark("argmax")?;
     }
     Ok(())
 }

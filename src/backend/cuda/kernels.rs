@@ -44,13 +44,20 @@ pub fn gemv(
     xnorm_out: u64,
 ) -> Result<()> {
     let warps = (GEMV_THREADS / 32) as usize;
-    // Each warp takes two rows per iteration (kernels/gemv.cu).
+    let smem = ((cols + cols / group + 33) * 4) as u32;
+    // Each warp takes two rows per iteration (kernels/gemv.cu). At most one wave of resident
+    // blocks: a second wave would repeat the activation prologue on the critical path, while
+    // extra rows per warp are prefetched into L2 one iteration ahead.
+    let per_sm = gpu
+        .func("gemv_q")?
+        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
+        .unwrap_or(4)
+        .clamp(1, 8) as usize;
     let blocks = set
         .rows
         .div_ceil(2 * warps)
-        .min(gpu.sms as usize * 8)
+        .min(gpu.sms as usize * per_sm)
         .max(1) as u32;
-    let smem = ((cols + cols / group + 33) * 4) as u32;
     gpu.launch(
         "gemv_q",
         (blocks, 1, 1),
@@ -98,13 +105,35 @@ pub fn embed(
     )
 }
 
-pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64) -> Result<()> {
+/// Blocks of `argmax_next` (each reduces a slice; the last one to finish merges).
+pub const ARGMAX_BLOCKS: u32 = 64;
+
+/// Device argmax of `logits` into the step buffer (next token, position + 1). `part`: scratch of
+/// `2 * ARGMAX_BLOCKS + 1` floats whose last word (the ticket) must be zero (the kernel leaves it
+/// zero again).
+pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64, part: u64) -> Result<()> {
+    gpu.launch(
+        "argmax_next",
+        (ARGMAX_BLOCKS, 1, 1),
+        1024,
+        0,
+        &[Arg::P(logits), Arg::I(n as i32), Arg::P(step), Arg::P(part)],
+    )
+}
+
+/// Holds the stream for `us` microseconds (one block spinning; the profiler's queue filler).
+pub fn spin_us(gpu: &Gpu, us: u32) -> Result<()> {
     gpu.launch(
         "argmax_next",
         (1, 1, 1),
-        1024,
+        32,
         0,
-        &[Arg::P(logits), Arg::I(n as i32), Arg::P(step)],
+        &[
+            Arg::P(0),
+            Arg::I(-(us.min(i32::MAX as u32) as i32)),
+            Arg::P(0),
+            Arg::P(0),
+        ],
     )
 }
 
@@ -298,7 +327,7 @@ pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
     let smem = ((d.hidden + d.hidden / d.group + 33) * 4) as u32;
     gpu.launch(
         "moe_gate_up",
-        (rows.div_ceil(warps) as u32, (d.k + 1) as u32, 1),
+        (rows.div_ceil(2 * warps) as u32, (d.k + 1) as u32, 1),
         (warps * 32) as u32,
         smem,
         &[

@@ -9,6 +9,7 @@
 pub mod context;
 pub mod decode;
 pub mod kernels;
+mod prefill;
 pub mod state;
 pub mod weights;
 
@@ -17,7 +18,7 @@ use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::model::ModelWeights;
 use anyhow::{bail, Result};
 pub use context::Gpu;
-use decode::Scratch;
+use decode::{Scratch, StepOut};
 use state::CudaSequence;
 use weights::DevWeights;
 
@@ -26,8 +27,10 @@ pub struct CudaBackend {
     pub(crate) cfg: ModelConfig,
     pub(crate) w: DevWeights,
     pub(crate) scratch: Scratch,
-    /// Captured decode steps, keyed by (sequence id, with logits).
-    graphs: Vec<(u64, bool, StepGraph)>,
+    /// Captured decode steps, keyed by (sequence id, what the step produces).
+    graphs: Vec<(u64, StepOut, StepGraph)>,
+    /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
+    readback: Option<[Readback; 2]>,
     /// False after a capture failed (then every step launches directly) or with LILY_CUDA_GRAPH=0.
     use_graphs: bool,
     /// LILY_CUDA_PROFILE=1: direct launches with an event after every phase; per-phase GPU time
@@ -63,6 +66,13 @@ impl Drop for CudaBackend {
             }
         }
     }
+}
+
+/// One pinned host slot of the greedy loop and the event recorded after its copy (our own event:
+/// event tracking is off, so the slice's built-in event is never recorded).
+struct Readback {
+    host: cudarc::driver::PinnedHostSlice<i32>,
+    done: cudarc::driver::CudaEvent,
 }
 
 /// A captured decode step. CUDA graphs may be launched from any thread as long as calls are not
@@ -145,6 +155,7 @@ impl CudaBackend {
             w,
             scratch,
             graphs: Vec::new(),
+            readback: None,
             use_graphs,
             profile,
         })
@@ -156,9 +167,12 @@ impl CudaBackend {
 
     /// Runs one decode step of `seq` (step buffer already written) through its CUDA graph,
     /// capturing it on first use; falls back to direct launches if capture fails.
-    fn run_step(&mut self, seq: &CudaSequence, logits: bool) -> Result<()> {
+    fn run_step(&mut self, seq: &CudaSequence, logits: StepOut) -> Result<()> {
         let splits = decode::splits_for(seq.max_seq);
         if self.profile.is_some() {
+            // Hold the stream for a few ms so the host queues the whole step before the GPU
+            // starts: the events then time the kernels back to back, not the host's launch rate.
+            kernels::spin_us(&self.gpu, 20_000)?;
             let mut marks = Vec::new();
             decode::enqueue(self, seq, splits, logits, None, Some(&mut marks))?;
             self.gpu.sync()?;
@@ -236,7 +250,7 @@ impl CudaBackend {
             seq.state_mut::<CudaSequence>(),
             token,
             pos,
-            true,
+            StepOut::Logits,
             Some(&mut trace),
         )?;
         let logits = self.scratch.read_logits(&self.gpu)?;
@@ -306,11 +320,13 @@ impl CudaBackend {
         let st = &gpu.stream;
         let l = gpu.upload(logits)?;
         let step = gpu.upload(&[0i32, 0i32])?;
+        let part = gpu.zeros::<f32>(2 * kernels::ARGMAX_BLOCKS as usize + 1)?;
         kernels::argmax_next(
             gpu,
             context::ptr(&l, st),
             logits.len(),
             context::ptr(&step, st),
+            context::ptr(&part, st),
         )?;
         let v = st.clone_dtoh(&step).map_err(|e| anyhow::anyhow!("{e:?}"))?;
         Ok(v[0] as u32)
@@ -345,6 +361,9 @@ impl Backend for CudaBackend {
             bail!("token id {bad} is outside the vocabulary ({vocab} entries)");
         }
         seq.check_room(tokens.len())?;
+        if tokens.len() > 1 && prefill::supported(&self.cfg) {
+            return prefill::forward(self, seq, tokens, wanted, prefill::DEFAULT_CHUNK);
+        }
         let mut out = Vec::new();
         // T > 1 runs the decode step per token (correct, slow): batched prefill is not written yet.
         for (i, &tok) in tokens.iter().enumerate() {
@@ -354,12 +373,116 @@ impl Backend for CudaBackend {
                 matches!(wanted, LogitsWanted::All) || (last && wanted == LogitsWanted::Last);
             let st = seq.state_mut::<CudaSequence>();
             decode::upload_step(&self.gpu, st, tok, pos)?;
-            self.run_step(st, want_logits)?;
+            let mode = if want_logits {
+                StepOut::Logits
+            } else {
+                StepOut::None
+            };
+            self.run_step(st, mode)?;
             if want_logits {
                 out.extend(self.scratch.read_logits(&self.gpu)?);
             }
             seq.advance(1);
         }
         Ok(out)
+    }
+
+    /// Greedy decode with the token kept on the device: each step's graph ends with
+    /// `argmax_next`, which writes the next token and position into the step buffer, so step
+    /// N+1 is queued right behind step N; the 8-byte step buffer is copied to a pinned host slot
+    /// after each step (two slots, one event each) and step N's token is read only after step
+    /// N+1 has been submitted.
+    fn decode_greedy(
+        &mut self,
+        seq: &mut Sequence,
+        first_token: u32,
+        steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        if steps == 0 {
+            return Ok(0);
+        }
+        if first_token as usize >= self.cfg.vocab_size {
+            bail!("token id {first_token} is outside the vocabulary");
+        }
+        seq.check_room(steps)?;
+        if self.readback.is_none() {
+            let alloc = || -> Result<Readback> {
+                // SAFETY: plain page-locked host memory; only read after its copy's event.
+                let host = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<i32>(2, 0) }
+                    .map_err(|e| anyhow::anyhow!("pinned host allocation: {e:?}"))?;
+                let done = self
+                    .gpu
+                    .ctx
+                    .new_event(None)
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                Ok(Readback { host, done })
+            };
+            self.readback = Some([alloc()?, alloc()?]);
+        }
+        let mut rb = self.readback.take().unwrap();
+        let r = self.greedy_loop(seq, first_token, steps, on_token, &mut rb);
+        self.readback = Some(rb);
+        r
+    }
+}
+
+impl CudaBackend {
+    fn greedy_loop(
+        &mut self,
+        seq: &mut Sequence,
+        first_token: u32,
+        steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+        rb: &mut [Readback; 2],
+    ) -> Result<usize> {
+        let pos0 = seq.len();
+        let submit = |b: &mut Self,
+                      seq: &mut Sequence,
+                      slot: &mut Readback|
+         -> Result<()> {
+            let st = seq.state_mut::<CudaSequence>();
+            b.run_step(st, StepOut::Greedy)?;
+            b.gpu
+                .stream
+                .memcpy_dtoh(&st.step, &mut slot.host)
+                .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))?;
+            slot.done
+                .record(&b.gpu.stream)
+                .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))
+        };
+        decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;
+        let [s0, s1] = rb;
+        submit(self, seq, s0)?;
+        for i in 0..steps {
+            // Queue step i + 1 (it feeds token i, still on the device) before reading token i.
+            if i + 1 < steps {
+                let slot = if i % 2 == 0 { &mut *s1 } else { &mut *s0 };
+                submit(self, seq, slot)?;
+            }
+            let slot = if i % 2 == 0 { &*s0 } else { &*s1 };
+            slot.done
+                .synchronize()
+                .map_err(|e| anyhow::anyhow!("CUDA error during the forward pass: {e:?}"))?;
+            let v = slot
+                .host
+                .as_slice()
+                .map_err(|e| anyhow::anyhow!("CUDA error during the forward pass: {e:?}"))?;
+            let (tok, next_pos) = (v[0], v[1]);
+            seq.advance(1);
+            if next_pos as usize != pos0 + i + 1 || tok < 0 || tok as usize >= self.cfg.vocab_size
+            {
+                bail!("device step buffer out of sync (token {tok}, position {next_pos})");
+            }
+            if !on_token(tok as u32) {
+                if i + 1 < steps {
+                    // Step i + 1 already fed this token.
+                    self.gpu.sync()?;
+                    seq.advance(1);
+                }
+                return Ok(i + 1);
+            }
+        }
+        Ok(steps)
     }
 }

@@ -1,0 +1,539 @@
+// Batched prefill (T > 1 tokens per call), see docs/cuda-prefill.md and src/backend/cuda/prefill.rs.
+// Activations are token-major f32 [T][dim]. Same math as the CPU reference
+// (src/backend/cpu/{qmatmul,gdn,attention,moe}.rs); the GDN scan is the exact recurrence
+// (gdn::recurrent_step) run over the chunk with the state in registers.
+
+// ---------------------------------------------------------------------------------------------
+// Quantized GEMM: Y[yrow(t)][r] (+)= sum_c W[e*rows + r][c] * X[xrow(t)][c]
+// Tile 128 rows x 64 tokens x 32 columns; the weight tile is dequantised (s*q + b) into shared
+// memory once per block and reused by all 64 tokens. 256 threads, 8 rows x 4 tokens each.
+// Dense mode (counts == nullptr): tokens 0..ntok, xrow = yrow = t.
+// Grouped (MoE) mode: blockIdx.z = expert e, its tokens are list[offsets[e] .. + counts[e]]
+// (slot ids); xrow = slot / xdiv, yrow = slot; weights rows e*rows .. e*rows + rows.
+#define PF_BM 128
+#define PF_BN 64
+#define PF_BK 32
+
+extern "C" __global__ void __launch_bounds__(256)
+pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows, int cols,
+        int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy, int accumulate,
+        const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list, int xdiv) {
+    __shared__ __align__(16) float Ws[PF_BK][PF_BM + 4];
+    __shared__ __align__(16) float Xs[PF_BK][PF_BN + 4];
+    __shared__ int xrow[PF_BN], yrow[PF_BN];
+    const int tid = threadIdx.x;
+    const int r0 = blockIdx.x * PF_BM;
+    int n = ntok, e = 0;
+    const int* lst = nullptr;
+    if (counts) {
+        e = blockIdx.z;
+        n = counts[e];
+        lst = list + offsets[e];
+    }
+    const int t0 = blockIdx.y * PF_BN;
+    if (t0 >= n) return;
+    if (tid < PF_BN) {
+        int t = t0 + tid;
+        if (t < n) {
+            int slot = lst ? lst[t] : t;
+            xrow[tid] = slot / xdiv;
+            yrow[tid] = slot;
+        } else {
+            xrow[tid] = -1;
+            yrow[tid] = -1;
+        }
+    }
+    __syncthreads();
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    const size_t rbase = (size_t)e * rows;
+    const int tx = tid & 15, ty = tid >> 4;
+    // loader roles
+    const int lrow = tid >> 1, lhalf = tid & 1;
+    const int gr = r0 + lrow;
+    const bool rvalid = gr < rows;
+    const u32* wrow = w + (rbase + (rvalid ? gr : 0)) * wpr;
+    const u16* srow = s + (rbase + (rvalid ? gr : 0)) * gpr;
+    const u16* brow = b + (rbase + (rvalid ? gr : 0)) * gpr;
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+    for (int k0 = 0; k0 < cols; k0 += PF_BK) {
+        // weights: thread owns 16 columns of one row
+        {
+            float sc = 0.f, bi = 0.f;
+            if (rvalid) {
+                int g = k0 / group;
+                sc = bf16f(__ldg(srow + g));
+                bi = bf16f(__ldg(brow + g));
+            }
+            const int c0 = lhalf * 16;
+            if (bits == 4) {
+                uint2 q = rvalid ? __ldg(reinterpret_cast<const uint2*>(wrow + (k0 >> 3)) + lhalf) : make_uint2(0, 0);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    Ws[c0 + j][lrow] = rvalid ? fmaf(sc, (float)((q.x >> (4 * j)) & 15u), bi) : 0.f;
+                    Ws[c0 + 8 + j][lrow] = rvalid ? fmaf(sc, (float)((q.y >> (4 * j)) & 15u), bi) : 0.f;
+                }
+            } else {
+                uint4 q = rvalid ? __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf) : make_uint4(0, 0, 0, 0);
+                u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int wd = 0; wd < 4; ++wd)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        Ws[c0 + wd * 4 + j][lrow] = rvalid ? fmaf(sc, (float)((qq[wd] >> (8 * j)) & 255u), bi) : 0.f;
+            }
+        }
+        // activations: 64 tokens x 32 columns = 512 float4
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+            int idx = tid + it * 256;
+            int tok = idx >> 3, qd = idx & 7;
+            int xr = xrow[tok];
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (xr >= 0) v = __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + qd);
+            Xs[qd * 4 + 0][tok] = v.x;
+            Xs[qd * 4 + 1][tok] = v.y;
+            Xs[qd * 4 + 2][tok] = v.z;
+            Xs[qd * 4 + 3][tok] = v.w;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < PF_BK; ++kk) {
+            float4 a0 = *reinterpret_cast<const float4*>(&Ws[kk][ty * 8]);
+            float4 a1 = *reinterpret_cast<const float4*>(&Ws[kk][ty * 8 + 4]);
+            float4 bv = *reinterpret_cast<const float4*>(&Xs[kk][tx * 4]);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float bb[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int yr = yrow[tx * 4 + j];
+        if (yr < 0) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int r = r0 + ty * 8 + i;
+            if (r < rows) {
+                float* p = y + (size_t)yr * ldy + r;
+                *p = accumulate ? *p + acc[i][j] : acc[i][j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding gather for T tokens: grid (ceil(cols/256), T).
+extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+                                    const int* __restrict__ tokens, int cols, int bits, int group, float* __restrict__ x) {
+    const int t = blockIdx.y, tok = tokens[t];
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    size_t wpr = (size_t)cols * bits / 32;
+    int gpr = cols / group, per = 32 / bits;
+    u32 mask = (1u << bits) - 1u;
+    u32 q = (w[(size_t)tok * wpr + c / per] >> (bits * (c % per))) & mask;
+    int g = c / group;
+    x[(size_t)t * cols + c] = bf16f(s[(size_t)tok * gpr + g]) * (float)q + bf16f(b[(size_t)tok * gpr + g]);
+}
+
+// RMSNorm of each row (x * inv * gain, as ops::rms_norm): grid (rows), block 256.
+extern "C" __global__ void pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* __restrict__ out,
+                                      int n, float eps) {
+    __shared__ float red[33];
+    const float* xr = x + (size_t)blockIdx.x * n;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) { float v = xr[c]; ss += v * v; }
+    ss = block_sum(ss, red);
+    float inv = inv_rms_from(ss, n, eps);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) out[(size_t)blockIdx.x * n + c] = xr[c] * inv * gain[c];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gated DeltaNet.
+// Causal depthwise conv + SiLU over T tokens at positions pos0.. (history from the ring):
+// grid (ceil(C/256), T).
+extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const float* __restrict__ ring,
+                                       const float* __restrict__ taps, int T, int C, int KC, int pos0,
+                                       float* __restrict__ out) {
+    const int t = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float acc = 0.f;
+    for (int j = 0; j < KC; ++j) {
+        int p = pos0 + t - (KC - 1) + j;
+        float in = p >= pos0 ? qkv[(size_t)(p - pos0) * C + ch] : (p < 0 ? 0.f : ring[(size_t)(p % KC) * C + ch]);
+        acc += taps[(size_t)j * C + ch] * in;
+    }
+    out[(size_t)t * C + ch] = silu_f(acc);
+}
+
+// After the conv: the ring slots of the last min(T, KC) positions get their pre-conv inputs.
+// grid (ceil(C/256), min(T, KC)).
+extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, float* __restrict__ ring, int T, int C, int KC,
+                                       int pos0) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int t = T - 1 - blockIdx.y, p = pos0 + t;
+    ring[(size_t)(p % KC) * C + ch] = qkv[(size_t)t * C + ch];
+}
+
+// L2 norm of q and k per (token, key head) (eps 1e-6, in f64 like ops::l2_normalize), q scaled
+// by dk^-1/2: grid (T, nk), block dk.
+extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int nk, int dk, float* __restrict__ qn,
+                                     float* __restrict__ kn) {
+    __shared__ float red[33];
+    const int t = blockIdx.x, kh = blockIdx.y, i = threadIdx.x, key_dim = nk * dk;
+    float q = conv[(size_t)t * C + kh * dk + i];
+    float k = conv[(size_t)t * C + key_dim + kh * dk + i];
+    float sq = block_sum(q * q, red);
+    float sk = block_sum(k * k, red);
+    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    qn[(size_t)t * key_dim + kh * dk + i] = q * iq * (1.f / sqrtf((float)dk));
+    kn[(size_t)t * key_dim + kh * dk + i] = k * ik;
+}
+
+// The delta-rule recurrence over T tokens: one warp per (value head, 32 value columns); lane c
+// owns column c and all DK rows of the state in registers (read once, written once). Per token:
+// S = aS; d = b(v - S^T k); S += k d^T; o = S^T q (gdn::recurrent_step). q/k of TB tokens are
+// staged in shared memory at a time. grid (nv, dv/32), block 32.
+#define PF_GDN_TB 8
+template <int DK>
+__device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
+                         const float* __restrict__ braw, const float* __restrict__ araw,
+                         const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
+                         float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
+    __shared__ __align__(16) float qs[PF_GDN_TB][DK];
+    __shared__ __align__(16) float ks[PF_GDN_TB][DK];
+    const int n = blockIdx.x, lane = threadIdx.x, c = blockIdx.y * 32 + lane;
+    const int kh = n / (nv / nk), key_dim = nk * DK;
+    float* S = state + (size_t)n * DK * dv;
+    float sreg[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) sreg[i] = S[(size_t)i * dv + c];
+    const float nega = neg_a[n], dtb = dt_bias[n];
+    for (int tb = 0; tb < T; tb += PF_GDN_TB) {
+        const int nt = min(PF_GDN_TB, T - tb);
+        __syncwarp();
+        for (int idx = lane; idx < nt * (DK / 4); idx += 32) {
+            int tt = idx / (DK / 4), f = idx % (DK / 4);
+            size_t off = (size_t)(tb + tt) * key_dim + kh * DK;
+            reinterpret_cast<float4*>(qs[tt])[f] = reinterpret_cast<const float4*>(qn + off)[f];
+            reinterpret_cast<float4*>(ks[tt])[f] = reinterpret_cast<const float4*>(kn + off)[f];
+        }
+        __syncwarp();
+        for (int tt = 0; tt < nt; ++tt) {
+            const int t = tb + tt;
+            const float beta = sigmoid_f(braw[(size_t)t * nv + n]);
+            const float g = nega * softplus_f(araw[(size_t)t * nv + n] + dtb);
+            const float alpha = expf(g);
+            const float v = conv[(size_t)t * C + 2 * key_dim + n * dv + c];
+            const float4* k4 = reinterpret_cast<const float4*>(ks[tt]);
+            const float4* q4 = reinterpret_cast<const float4*>(qs[tt]);
+            float kv0 = 0.f, kv1 = 0.f, kv2 = 0.f, kv3 = 0.f;
+#pragma unroll
+            for (int f = 0; f < DK / 4; ++f) {
+                float4 kk = k4[f];
+                sreg[4 * f] *= alpha;
+                sreg[4 * f + 1] *= alpha;
+                sreg[4 * f + 2] *= alpha;
+                sreg[4 * f + 3] *= alpha;
+                kv0 = fmaf(sreg[4 * f], kk.x, kv0);
+                kv1 = fmaf(sreg[4 * f + 1], kk.y, kv1);
+                kv2 = fmaf(sreg[4 * f + 2], kk.z, kv2);
+                kv3 = fmaf(sreg[4 * f + 3], kk.w, kv3);
+            }
+            const float delta = beta * (v - ((kv0 + kv1) + (kv2 + kv3)));
+            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+#pragma unroll
+            for (int f = 0; f < DK / 4; ++f) {
+                float4 kk = k4[f], qq = q4[f];
+                sreg[4 * f] = fmaf(kk.x, delta, sreg[4 * f]);
+                sreg[4 * f + 1] = fmaf(kk.y, delta, sreg[4 * f + 1]);
+                sreg[4 * f + 2] = fmaf(kk.z, delta, sreg[4 * f + 2]);
+                sreg[4 * f + 3] = fmaf(kk.w, delta, sreg[4 * f + 3]);
+                o0 = fmaf(sreg[4 * f], qq.x, o0);
+                o1 = fmaf(sreg[4 * f + 1], qq.y, o1);
+                o2 = fmaf(sreg[4 * f + 2], qq.z, o2);
+                o3 = fmaf(sreg[4 * f + 3], qq.w, o3);
+            }
+            o[(size_t)t * nv * dv + n * dv + c] = (o0 + o1) + (o2 + o3);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) S[(size_t)i * dv + c] = sreg[i];
+}
+
+#define PF_GDN_SCAN(DK)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32) pf_gdn_scan_##DK(                                            \
+        const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
+        const float* dt_bias, const float* neg_a, float* state, float* o, int T, int nk, int nv, int dv, int C) {   \
+        gdn_scan<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, state, o, T, nk, nv, dv, C);                        \
+    }
+PF_GDN_SCAN(32)
+PF_GDN_SCAN(64)
+PF_GDN_SCAN(128)
+
+// Gated RMSNorm per (token, value head): norm(o) * w * silu(z). grid (T, nv), block dv.
+extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
+                                       const float* __restrict__ norm_w, float* __restrict__ y, int nv, int dv,
+                                       float eps) {
+    __shared__ float red[33];
+    const int t = blockIdx.x, n = blockIdx.y, j = threadIdx.x;
+    size_t idx = (size_t)t * nv * dv + n * dv + j;
+    float v = o[idx];
+    float ss = block_sum(v * v, red);
+    float inv = inv_rms_from(ss, dv, eps);
+    y[idx] = v * inv * norm_w[j] * silu_f(z[idx]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+// q/k RMSNorm + partial NeoX RoPE + KV append for T tokens: grid (T, nh + nkv), block hd.
+extern "C" __global__ void pf_attn_prep(const float* __restrict__ qg, const float* __restrict__ kraw,
+                                        const float* __restrict__ vraw, const float* __restrict__ q_norm,
+                                        const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+                                        float* __restrict__ qout, float* __restrict__ gate, float* __restrict__ kcache,
+                                        float* __restrict__ vcache, int pos0, int nh, int nkv, int hd, int half_rot,
+                                        float eps) {
+    extern __shared__ float sm[];
+    float* xs = sm;
+    float* red = sm + hd;
+    const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x, pos = pos0 + t;
+    const bool is_q = h < nh;
+    const int kvh = h - nh;
+    const size_t kv_dim = (size_t)nkv * hd;
+    const float* qrow = qg + (size_t)t * 2 * nh * hd;
+    float v = is_q ? qrow[(size_t)h * 2 * hd + j] : kraw[(size_t)t * kv_dim + kvh * hd + j];
+    float ss = block_sum(v * v, red);
+    float inv = inv_rms_from(ss, hd, eps);
+    xs[j] = v * inv * (is_q ? q_norm[j] : k_norm[j]);
+    __syncthreads();
+    float out = xs[j];
+    if (j < 2 * half_rot) {
+        int i = j < half_rot ? j : j - half_rot;
+        double ang = (double)pos * inv_freq[i];
+        float c = (float)cos(ang), s = (float)sin(ang);
+        float a = xs[i], b = xs[i + half_rot];
+        out = j < half_rot ? a * c - b * s : b * c + a * s;
+    }
+    if (is_q) {
+        qout[((size_t)t * nh + h) * hd + j] = out;
+        gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
+    } else {
+        kcache[(size_t)pos * kv_dim + kvh * hd + j] = out;
+        vcache[(size_t)pos * kv_dim + kvh * hd + j] = vraw[(size_t)t * kv_dim + kvh * hd + j];
+    }
+}
+
+// Causal attention over the cache (positions 0..=pos0+t), flash style: block = (64 / group query
+// tokens) x (the group's q heads) = 64 rows of one kv head; 8 warps, 8 rows each. K/V tiles of 32
+// positions in shared memory are shared by all 64 rows; lane = key for the scores (one max and one
+// sum reduction per tile per row), lane = dims for the output. Online softmax, then the sigmoid
+// output gate. grid (ceil(T / (64/group)), nkv), block 256,
+// dynamic smem (64*HD + 32*(HD+4) + 32*HD) floats.
+template <int HD>
+__device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
+                        const float* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                        float* __restrict__ out) {
+    constexpr int P = HD / 32, KS = HD + 4;
+    extern __shared__ __align__(16) float pfa_sm[];
+    float* Qs = pfa_sm;               // [64][HD]
+    float* Ks = Qs + 64 * HD;     // [32][HD+4]
+    float* Vs = Ks + 32 * KS;     // [32][HD]
+    const int group = nh / nkv, qt = 64 / group;
+    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t kv_dim = (size_t)nkv * HD;
+    for (int idx = threadIdx.x; idx < 64 * (HD / 4); idx += blockDim.x) {
+        int r = idx / (HD / 4), f = idx % (HD / 4);
+        int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        reinterpret_cast<float4*>(Qs + r * HD)[f] = v;
+    }
+    float m[8], l[8], o[8][P];
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+        m[rr] = NEG_INF;
+        l[rr] = 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) o[rr][i] = 0.f;
+    }
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    for (int kt = 0; kt < nkeys; kt += 32) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < 32 * (HD / 4); idx += blockDim.x) {
+            int kr = idx / (HD / 4), f = idx % (HD / 4);
+            int p = kt + kr;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            if (p < nkeys) {
+                kv = reinterpret_cast<const float4*>(kc + (size_t)p * kv_dim + kvh * HD)[f];
+                vv = reinterpret_cast<const float4*>(vc + (size_t)p * kv_dim + kvh * HD)[f];
+            }
+            reinterpret_cast<float4*>(Ks + kr * KS)[f] = kv;
+            reinterpret_cast<float4*>(Vs + kr * HD)[f] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < 8; ++rr) {
+            const int r = warp + 8 * rr;
+            const int t = tok0 + r / group;
+            if (t >= T) continue;
+            const int pq = pos0 + t;
+            if (kt > pq) continue;
+            const float4* qr = reinterpret_cast<const float4*>(Qs + r * HD);
+            const float4* kr = reinterpret_cast<const float4*>(Ks + lane * KS);
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll 8
+            for (int f = 0; f < HD / 4; ++f) {
+                float4 a = qr[f], bb = kr[f];
+                d0 = fmaf(a.x, bb.x, d0);
+                d1 = fmaf(a.y, bb.y, d1);
+                d0 = fmaf(a.z, bb.z, d0);
+                d1 = fmaf(a.w, bb.w, d1);
+            }
+            float sc = (d0 + d1) * scale;
+            if (kt + lane > pq) sc = NEG_INF;
+            const float mt = warp_max(sc);
+            const float mn = fmaxf(m[rr], mt);
+            const float corr = expf(m[rr] - mn);
+            const float p = expf(sc - mn);
+            l[rr] = l[rr] * corr + warp_sum(p);
+            m[rr] = mn;
+#pragma unroll
+            for (int i = 0; i < P; ++i) o[rr][i] *= corr;
+            const int jmax = min(32, pq - kt + 1);
+            for (int j = 0; j < jmax; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+                for (int i = 0; i < P; ++i) o[rr][i] = fmaf(pj, Vs[j * HD + i * 32 + lane], o[rr][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+        const int r = warp + 8 * rr;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        const float il = 1.f / l[rr];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            size_t idx = ((size_t)t * nh + h) * HD + i * 32 + lane;
+            out[idx] = (o[rr][i] * il) * sigmoid_f(gate[idx]);
+        }
+    }
+}
+
+#define PF_ATTN(HD)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD(const float* q, const float* gate,             \
+                                                                   const float* kc, const float* vc, int T,       \
+                                                                   int pos0, int nh, int nkv, float scale,        \
+                                                                   float* out) {                                   \
+        pf_attn<HD>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                                \
+    }
+PF_ATTN(64)
+PF_ATTN(128)
+PF_ATTN(256)
+
+// ---------------------------------------------------------------------------------------------
+// MoE.
+// Routing: one warp per token: softmax top-k (ties -> lower id), renormalised weights, sorted by
+// expert id (the CPU accumulates experts in ascending id order); counts[e] += 1 per slot.
+// grid (ceil(T/4)), block 128. E <= 512, K <= 16.
+#define PF_MAXK 16
+extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ top_ids,
+                                    float* __restrict__ top_w, int* __restrict__ counts) {
+    __shared__ int sids[4][PF_MAXK];
+    __shared__ float swts[4][PF_MAXK];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * 4 + warp;
+    if (t >= T) return;
+    int* ids = sids[warp];
+    float* wts = swts[warp];
+    const float* lg = logits + (size_t)t * E;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = (lane + 32 * i < E) ? lg[lane + 32 * i] : NEG_INF;
+    float top = 0.f;
+    for (int k = 0; k < K; ++k) {
+        float best = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (v[i] > best) { best = v[i]; bi = lane + 32 * i; }
+        for (int off = 16; off > 0; off >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, off);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+        }
+        if (k == 0) top = best;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (lane + 32 * i == bi) v[i] = NEG_INF;
+        if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float sum = 0.f;
+        for (int k = 0; k < K; ++k) sum += wts[k];
+        for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
+        for (int a = 1; a < K; ++a) {
+            int id = ids[a]; float w = wts[a]; int bb = a - 1;
+            while (bb >= 0 && ids[bb] > id) { ids[bb + 1] = ids[bb]; wts[bb + 1] = wts[bb]; --bb; }
+            ids[bb + 1] = id; wts[bb + 1] = w;
+        }
+        for (int k = 0; k < K; ++k) {
+            top_ids[(size_t)t * K + k] = ids[k];
+            top_w[(size_t)t * K + k] = wts[k];
+            atomicAdd(&counts[ids[k]], 1);
+        }
+    }
+}
+
+// Exclusive scan of the per-expert counts (E <= 512, one thread: trivial work); zeroes `fill`.
+extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
+                                   int* __restrict__ fill) {
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; ++e) { offsets[e] = acc; acc += counts[e]; fill[e] = 0; }
+    }
+}
+
+// Per-expert slot lists (order inside an expert is arbitrary; every slot's result is computed
+// on its own, so the output does not depend on it).
+extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, const int* __restrict__ offsets,
+                                      int* __restrict__ fill, int* __restrict__ list) {
+    int slot = blockIdx.x * blockDim.x + threadIdx.x;
+    if (slot >= TK) return;
+    int e = top_ids[slot];
+    int i = atomicAdd(&fill[e], 1);
+    list[offsets[e] + i] = slot;
+}
+
+// g = silu(g) * u, elementwise.
+extern "C" __global__ void pf_swiglu(float* __restrict__ g, const float* __restrict__ u, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) g[i] = silu_f(g[i]) * u[i];
+}
+
+// x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
+extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const float* __restrict__ top_w, int K,
+                                          const float* __restrict__ SH, const float* __restrict__ sgl,
+                                          float* __restrict__ x, int h) {
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= h) return;
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) acc += top_w[(size_t)t * K + k] * D[((size_t)t * K + k) * h + c];
+    acc += sigmoid_f(sgl[t]) * SH[(size_t)t * h + c];
+    x[(size_t)t * h + c] += acc;
+}
