@@ -2,9 +2,11 @@
 //! (`kernels/*.cu`, compiled by NVRTC at start-up, cached on disk), reading the MLX 4-bit
 //! weights directly.
 //!
-//! Status (see docs/cuda.md): decode (T = 1) runs fully on the device, one kernel launch per fused
-//! phase (~7 per layer). Prefill (T > 1) currently runs the decode step token by token: correct,
-//! but slow; batched prefill kernels are the next milestone.
+//! Decode (T = 1) runs fully on the device as one CUDA graph, one kernel per fused phase (~7 per
+//! layer); greedy decoding keeps the token on the device and pipelines two steps
+//! (`decode_greedy`). Prefill (T > 1) runs whole chunks per layer (`prefill.rs`: grouped 4-bit
+//! GEMMs, register-resident GDN scan, flash attention, GPU-side MoE routing). See docs/cuda.md and
+//! docs/cuda-prefill.md.
 
 pub mod context;
 pub mod decode;
@@ -365,7 +367,7 @@ impl Backend for CudaBackend {
             return prefill::forward(self, seq, tokens, wanted, prefill::DEFAULT_CHUNK);
         }
         let mut out = Vec::new();
-        // T > 1 runs the decode step per token (correct, slow): batched prefill is not written yet.
+        // Single tokens, and shapes the prefill kernels do not cover, run the decode step per token.
         for (i, &tok) in tokens.iter().enumerate() {
             let pos = seq.len();
             let last = i + 1 == tokens.len();
