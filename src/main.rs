@@ -29,6 +29,10 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Keep only the first N layers (same hybrid pattern and dims): a full-width model small
+        /// enough for float32 reference runs.
+        #[arg(long)]
+        layers: Option<usize>,
     },
     /// Validate a checkpoint and print its configuration.
     Info {
@@ -89,7 +93,7 @@ struct RunArgs {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Synth { preset, out, seed } => cmd_synth(preset, out, seed),
+        Command::Synth { preset, out, seed, layers } => cmd_synth(preset, out, seed, layers),
         Command::Info { model } => cmd_info(model),
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
@@ -101,8 +105,14 @@ fn main() {
     }
 }
 
-fn cmd_synth(preset: Preset, out: PathBuf, seed: u64) -> Result<()> {
-    let cfg = preset.config();
+fn cmd_synth(preset: Preset, out: PathBuf, seed: u64, layers: Option<usize>) -> Result<()> {
+    let mut cfg = preset.config();
+    if let Some(n) = layers {
+        if n == 0 || n > cfg.num_layers() {
+            bail!("--layers must be between 1 and {}", cfg.num_layers());
+        }
+        cfg.layer_types.truncate(n);
+    }
     eprintln!("lily: writing {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
     let report = synthesize(&cfg, &out, seed, true)?;
     eprintln!("lily: {report}");
