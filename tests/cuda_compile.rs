@@ -5,6 +5,7 @@
 use lily::backend::cuda::context::{
     compile_cubin, module_source, nvrtc_available, nvrtc_version, MODULES,
 };
+use lily::backend::cuda::prefill;
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -18,7 +19,9 @@ fn every_kernel_compiles_for_sm90a() {
     let (maj, min) = nvrtc_version().expect("nvrtcVersion");
     eprintln!("NVRTC {maj}.{min}");
     let mut failures = Vec::new();
-    for (name, src, entries) in MODULES {
+    // The decode modules, loaded at start-up, and the prefill module, loaded on first use.
+    let prefill_module: (&str, &str, &[&str]) = ("prefill", prefill::SOURCE, prefill::ENTRIES);
+    for (name, src, entries) in MODULES.iter().chain(std::iter::once(&prefill_module)) {
         match compile_cubin(name, &module_source(src)) {
             Ok(cubin) => {
                 assert!(cubin.len() > 64, "{name}: empty cubin");

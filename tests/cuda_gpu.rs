@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::tiny_checkpoint;
+use common::{max_abs_diff, rnd, tiny_checkpoint};
 use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::CudaBackend;
 use lily::backend::{Backend, LogitsWanted};
@@ -28,29 +28,9 @@ fn cuda() -> CudaBackend {
     CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
 }
 
-fn max_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64)
         .map(|i| (((i * 2_654_435_761) % (1u64 << 32)) % vocab as u64) as u32)
-        .collect()
-}
-
-fn rnd(seed: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
         .collect()
 }
 
@@ -77,7 +57,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
         let want = qmatmul::qmatmul_all(q, &x, 1);
         let got = b.gemv_host(q, &x, None).unwrap();
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-        let e = max_err(&got, &want);
+        let e = max_abs_diff(&got, &want);
         eprintln!(
             "gemv {name} [{}x{}, {}-bit]: max |err| {e:.3e} (max |y| {scale:.3})",
             q.rows, q.cols, q.bits
@@ -93,7 +73,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
             ops::rms_norm(&x, gain, mw.config.rms_norm_eps as f32, &mut u);
             let want = qmatmul::qmatmul_all(q, &u, 1);
             let got = b.gemv_host(q, &x, Some(gain)).unwrap();
-            let e = max_err(&got, &want);
+            let e = max_abs_diff(&got, &want);
             eprintln!("gemv+norm {name}: max |err| {e:.3e}");
             assert!(e <= 1e-4 * scale.max(1.0), "{name} with norm: max err {e}");
         }
@@ -189,7 +169,7 @@ fn cuda_layers_match_cpu_per_token() {
         let want = cpu.token(t, pos);
         let (got, _) = b.forward_traced(&mut seq, t).unwrap();
         for (l, (g, w)) in got.iter().zip(&want).enumerate() {
-            let e = max_err(g, w);
+            let e = max_abs_diff(g, w);
             worst[l] = worst[l].max(e);
             if e > 1e-3 {
                 panic!(
@@ -224,7 +204,7 @@ fn cuda_teacher_forced_logits_match_cpu() {
     let mut s2 = gpu.new_sequence(toks.len()).unwrap();
     let got = gpu.forward(&mut s2, &toks, LogitsWanted::All).unwrap();
     assert_eq!(got.len(), want.len());
-    let e = max_err(&got, &want);
+    let e = max_abs_diff(&got, &want);
     let mut agree = 0;
     for t in 0..toks.len() {
         if argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab]) {
@@ -311,7 +291,7 @@ fn cuda_long_prompt_matches_cpu() {
     let mut got = gpu.forward(&mut s2, &toks, LogitsWanted::Last).unwrap();
     let mut worst = 0.0f32;
     for _ in 0..16 {
-        worst = worst.max(max_err(&got, &want));
+        worst = worst.max(max_abs_diff(&got, &want));
         let (a, b) = (argmax(&want), argmax(&got));
         assert_eq!(a, b, "greedy diverged after a 300-token prompt");
         want = cpu.forward(&mut s1, &[a], LogitsWanted::Last).unwrap();

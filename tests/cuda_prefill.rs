@@ -1,7 +1,6 @@
 //! Batched CUDA prefill (src/backend/cuda/prefill.rs, kernels/prefill.cu) against the CPU
 //! reference on the tiny synthetic checkpoint (seed 0). GPU tests are ignored elsewhere; the
-//! NVRTC compile check of kernels/prefill.cu runs everywhere (skips without libnvrtc, like
-//! tests/cuda_compile.rs).
+//! NVRTC compile check of kernels/prefill.cu is in tests/cuda_compile.rs.
 //!
 //! Tolerances: both sides compute in f32 from the same 4-bit weights; the prefill dequantises
 //! weights (s·q + b) instead of folding the bias per group, runs the exact recurrence instead of
@@ -11,7 +10,7 @@
 
 mod common;
 
-use common::tiny_checkpoint;
+use common::{max_abs_diff, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::CudaBackend;
 use lily::backend::{Backend, LogitsWanted};
@@ -29,71 +28,10 @@ fn cuda() -> CudaBackend {
     CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
 }
 
-fn max_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64)
         .map(|i| (((i * 2_654_435_761 + 12_345) % (1u64 << 32)) % vocab as u64) as u32)
         .collect()
-}
-
-fn rnd(seed: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-#[test]
-fn prefill_kernels_compile_for_sm90a() {
-    use lily::backend::cuda::context::{compile_cubin, module_source, nvrtc_available};
-    if !nvrtc_available() {
-        if std::env::var_os("LILY_REQUIRE_NVRTC").is_some_and(|v| v == "1") {
-            panic!("LILY_REQUIRE_NVRTC=1 but libnvrtc could not be loaded");
-        }
-        eprintln!("SKIPPED: libnvrtc not found; kernels/prefill.cu was not compile-checked");
-        return;
-    }
-    let src = include_str!("../kernels/prefill.cu");
-    let cubin = compile_cubin("prefill", &module_source(src)).unwrap_or_else(|e| panic!("{e:#}"));
-    for e in [
-        "pf_gemm",
-        "pf_embed",
-        "pf_rmsnorm",
-        "pf_gdn_conv",
-        "pf_gdn_ring",
-        "pf_gdn_qk",
-        "pf_gdn_scan_32",
-        "pf_gdn_scan_64",
-        "pf_gdn_scan_128",
-        "pf_gdn_norm",
-        "pf_attn_prep",
-        "pf_attn_64",
-        "pf_attn_128",
-        "pf_attn_256",
-        "pf_route",
-        "pf_scan",
-        "pf_scatter",
-        "pf_swiglu",
-        "pf_moe_combine",
-    ] {
-        assert!(
-            cubin.windows(e.len()).any(|w| w == e.as_bytes()),
-            "entry point {e} missing from the prefill cubin"
-        );
-    }
-    eprintln!("kernels/prefill.cu: {} bytes of sm_90a cubin", cubin.len());
 }
 
 #[test]
@@ -119,7 +57,7 @@ fn cuda_prefill_gemm_matches_cpu_qmatmul() {
             let want = qmatmul::qmatmul_all(q, &x, t);
             let got = b.prefill_gemm_host(q, &x, t).unwrap();
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            let e = max_err(&got, &want);
+            let e = max_abs_diff(&got, &want);
             eprintln!("{name} T={t}: max abs err {e:.3e} (max |y| {scale:.3})");
             assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
         }
@@ -184,8 +122,8 @@ fn cuda_prefill_gdn_scan_matches_cpu() {
             let (o, s) = b
                 .prefill_gdn_scan_host(&q, &k, &v, &braw, &araw, dt_bias, neg_a, &s0, dk, dv)
                 .unwrap();
-            let (eo, es) = (max_err(&o, &o_rec), max_err(&s, &s_rec));
-            let (eoc, esc) = (max_err(&o, &o_ch), max_err(&s, &s_ch));
+            let (eo, es) = (max_abs_diff(&o, &o_rec), max_abs_diff(&s, &s_rec));
+            let (eoc, esc) = (max_abs_diff(&o, &o_ch), max_abs_diff(&s, &s_ch));
             eprintln!(
                 "gdn scan dk={dk} dv={dv} T={t}: vs recurrent out {eo:.2e} state {es:.2e}; vs chunked out {eoc:.2e} state {esc:.2e}"
             );
@@ -207,7 +145,7 @@ fn cuda_prefill_logits_match_cpu() {
     let want = cpu.forward(&mut s1, &toks, LogitsWanted::All).unwrap();
     let got = gpu.forward(&mut s2, &toks, LogitsWanted::All).unwrap();
     assert_eq!(got.len(), 200 * vocab);
-    let e = max_err(&got, &want);
+    let e = max_abs_diff(&got, &want);
     let top1 = (0..200)
         .filter(|&t| {
             argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab])
@@ -220,7 +158,7 @@ fn cuda_prefill_logits_match_cpu() {
     let mut s3 = gpu.new_sequence(256).unwrap();
     let last = gpu.forward(&mut s3, &toks, LogitsWanted::Last).unwrap();
     assert_eq!(last.len(), vocab);
-    assert!(max_err(&last, &got[199 * vocab..]) < 1e-5);
+    assert!(max_abs_diff(&last, &got[199 * vocab..]) < 1e-5);
 }
 
 #[test]
@@ -245,7 +183,7 @@ fn cuda_prefill_then_decode_matches_cpu() {
     };
     let (want, wl) = run(&mut cpu);
     let (got, gl) = run(&mut gpu);
-    let e = max_err(&gl, &wl);
+    let e = max_abs_diff(&gl, &wl);
     eprintln!("greedy after prefill: cpu {want:?}\n                      gpu {got:?}\nfinal logits max err {e:.3e}");
     assert_eq!(got, want);
     assert!(e < LOGIT_TOL);
@@ -271,19 +209,19 @@ fn cuda_prefill_chunks_equal_one_call() {
         start += len;
     }
     assert_eq!(start, toks.len());
-    let e1 = max_err(&parts, &whole);
+    let e1 = max_abs_diff(&parts, &whole);
     // Internal chunking of one call (chunk 37 < T): same result.
     let mut s3 = gpu.new_sequence(300).unwrap();
     let chunked = gpu
         .prefill_chunked(&mut s3, &toks, LogitsWanted::All, 37)
         .unwrap();
-    let e2 = max_err(&chunked, &whole);
+    let e2 = max_abs_diff(&chunked, &whole);
     // And decode continues identically from all three.
     let mut nexts = Vec::new();
     for s in [&mut s1, &mut s2, &mut s3] {
         nexts.push(gpu.forward(s, &[42], LogitsWanted::Last).unwrap());
     }
-    let e3 = max_err(&nexts[0], &nexts[1]).max(max_err(&nexts[0], &nexts[2]));
+    let e3 = max_abs_diff(&nexts[0], &nexts[1]).max(max_abs_diff(&nexts[0], &nexts[2]));
     eprintln!(
         "chunks vs one call: calls {e1:.3e}, internal chunk 37 {e2:.3e}, next decode step {e3:.3e}"
     );

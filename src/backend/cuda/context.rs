@@ -280,24 +280,7 @@ impl Gpu {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let f = self.func(name)?;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(p) => b.arg(p),
-                Arg::I(i) => b.arg(i),
-                Arg::F(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        // SAFETY: every kernel's argument list is built by the wrappers in kernels.rs to match
-        // its signature; pointers are live device allocations owned by the backend.
-        unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
-        Ok(())
+        launch_on(&self.stream, self.func(name)?, name, grid, block, smem, args)
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -330,6 +313,37 @@ impl Gpu {
             .alloc_zeros::<T>(n.max(1))
             .map_err(|e| anyhow!("device allocation of {n} elements failed: {e:?}"))
     }
+}
+
+/// Launches kernel `f` (named `name` for errors) on `stream` with a 1-D block: the one launch
+/// routine of the backend (decode wrappers and the prefill module alike).
+pub fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+) -> Result<()> {
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        match a {
+            Arg::P(p) => b.arg(p),
+            Arg::I(i) => b.arg(i),
+            Arg::F(x) => b.arg(x),
+        };
+    }
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    // SAFETY: every kernel's argument list is built by its Rust wrapper (kernels.rs, prefill.rs)
+    // to match the `extern "C"` signature; pointers are live device allocations owned by the
+    // backend that outlive the stream work.
+    unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    Ok(())
 }
 
 /// Raw device address of a slice (event tracking is off, so nothing is recorded).

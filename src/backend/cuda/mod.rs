@@ -11,7 +11,7 @@
 pub mod context;
 pub mod decode;
 pub mod kernels;
-mod prefill;
+pub mod prefill;
 pub mod state;
 pub mod weights;
 

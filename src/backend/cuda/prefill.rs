@@ -11,7 +11,7 @@
 //! the rows whose logits are wanted. The sequence state (KV cache, GDN state, conv ring) is left
 //! exactly as the decode path expects it.
 
-use super::context::{cubin_cached, module_source, ptr, Arg, Gpu};
+use super::context::{cubin_cached, launch_on, module_source, ptr, Arg, Gpu};
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevMixer, DevQ};
 use super::CudaBackend;
@@ -19,7 +19,7 @@ use crate::backend::{LogitsWanted, Sequence};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -73,23 +73,7 @@ impl Kern {
             .funcs
             .get(name)
             .ok_or_else(|| anyhow!("prefill kernel {name} not loaded"))?;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(p) => b.arg(p),
-                Arg::I(i) => b.arg(i),
-                Arg::F(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        // SAFETY: argument lists are built in this file to match the `extern "C"` signatures in
-        // kernels/prefill.cu; pointers are live device allocations that outlive the stream work.
-        unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
-        Ok(())
+        launch_on(&self.stream, f, name, grid, block, smem, args)
     }
 }
 
