@@ -4,7 +4,7 @@ of a Lily (MLX 4-bit) checkpoint, batch 1, greedy (argmax of the raw logits), wi
 own cache (chunked torch GDN for the prompt, recurrent steps after; no fused GDN kernels: no
 flash-linear-attention on the GPU machine).
 
-Loading reuses scripts/transformers_goldens.py (load_tensors / to_hf_state: exact MLX affine
+Loading is scripts/transformers_goldens.py's build_model (load_tensors / to_hf_state: exact MLX affine
 dequantization, norm un-shift, conv1d and expert re-layout). Defaults: bf16 + sdpa attention on
 CUDA when available, else float32 on the CPU.
 
@@ -27,42 +27,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 from common import emit, make_record, prompt_tokens, text_config  # noqa: E402
 
-# The config fields scripts/transformers_goldens.py passes to Qwen3_5MoeTextConfig (that list lives
-# inside its main(), so it cannot be imported; keep the two in step).
-CONFIG_KEYS = [
-    "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "rms_norm_eps", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "shared_expert_intermediate_size", "rope_parameters", "full_attention_interval",
-    "attn_output_gate", "tie_word_embeddings",
-]
-
-
-def build_model(model_dir, device, dtype, attn):
-    import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    import transformers_goldens as tg
-
-    cfg_json = json.load(open(os.path.join(model_dir, "config.json")))
-    tc = cfg_json["text_config"]
-    group = cfg_json["quantization"]["group_size"]
-    config = Qwen3_5MoeTextConfig(**{k: tc[k] for k in CONFIG_KEYS if k in tc})
-    config._attn_implementation = attn
-    with torch.device("meta"):
-        model = Qwen3_5MoeForCausalLM(config)
-    state = tg.to_hf_state(tg.load_tensors(model_dir), group, device, dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise SystemExit(f"state dict mismatch: missing={missing[:8]} unexpected={unexpected[:8]}")
-    del state
-    for mod in model.modules():  # rotary buffers were created on meta
-        if getattr(mod, "inv_freq", None) is not None and mod.inv_freq.is_meta:
-            inv, _ = mod.compute_default_rope_parameters(mod.config, torch.device(device))
-            mod.inv_freq = inv
-            mod.original_inv_freq = inv.clone()
-    return model.to(device).eval()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -84,7 +48,9 @@ def main():
     cuda = device.startswith("cuda")
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
     attn = args.attn or ("sdpa" if cuda else "eager")
-    model = build_model(args.model, device, getattr(torch, dtype_name), attn)
+    import transformers_goldens as tg
+
+    model = tg.build_model(args.model, device, getattr(torch, dtype_name), attn)
     vocab = text_config(args.model)["vocab_size"]
     ids = torch.tensor([prompt_tokens(args.prompt_len, vocab)], device=device)
 

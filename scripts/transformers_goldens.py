@@ -104,6 +104,40 @@ def to_hf_state(tensors, group, device="cpu", dtype=torch.float32):
     return state
 
 
+# The text_config fields that Qwen3_5MoeTextConfig takes from a Lily / MLX config.json.
+CONFIG_KEYS = [
+    "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "rope_parameters", "full_attention_interval",
+    "attn_output_gate", "tie_word_embeddings",
+]
+
+
+def build_model(model_dir, device, dtype, attn):
+    """Qwen3_5MoeForCausalLM holding the dequantized weights of a Lily checkpoint, on `device`,
+    in `dtype` (A_log stays float32), with attention implementation `attn`."""
+    cfg_json = json.load(open(os.path.join(model_dir, "config.json")))
+    tc = cfg_json["text_config"]
+    group = cfg_json["quantization"]["group_size"]
+    config = Qwen3_5MoeTextConfig(**{k: tc[k] for k in CONFIG_KEYS if k in tc})
+    config._attn_implementation = attn
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    state = to_hf_state(load_tensors(model_dir), group, device, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise SystemExit(f"state dict mismatch: missing={missing[:8]} unexpected={unexpected[:8]}")
+    del state
+    # Buffers (rotary inv_freq) were created on meta: rebuild them on the device.
+    for mod in model.modules():
+        if getattr(mod, "inv_freq", None) is not None and mod.inv_freq.is_meta:
+            inv, _ = mod.compute_default_rope_parameters(mod.config, torch.device(device))
+            mod.inv_freq = inv
+            mod.original_inv_freq = inv.clone()
+    return model.to(device).eval()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -117,33 +151,8 @@ def main():
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
 
-    cfg_json = json.load(open(os.path.join(args.model, "config.json")))
-    tc = dict(cfg_json["text_config"])
-    group = cfg_json["quantization"]["group_size"]
-    keep = [
-        "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "rms_norm_eps", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
-        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-        "moe_intermediate_size", "shared_expert_intermediate_size", "rope_parameters", "full_attention_interval",
-        "attn_output_gate", "tie_word_embeddings",
-    ]
-    config = Qwen3_5MoeTextConfig(**{k: tc[k] for k in keep if k in tc})
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = Qwen3_5MoeForCausalLM(config)
-    state = to_hf_state(load_tensors(args.model), group, args.device, dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    # Buffers (rotary inv_freq) were created on meta: rebuild them on the device.
-    for mod in model.modules():
-        if getattr(mod, "inv_freq", None) is not None and mod.inv_freq.is_meta:
-            inv, _ = mod.compute_default_rope_parameters(mod.config, torch.device(args.device))
-            mod.inv_freq = inv
-            mod.original_inv_freq = inv.clone()
-    model = model.to(args.device).eval()
-    if missing or unexpected:
-        raise SystemExit(f"state dict mismatch: missing={missing[:8]} unexpected={unexpected[:8]}")
-
-    vocab = config.vocab_size
+    model = build_model(args.model, args.device, dtype, "eager")
+    vocab = model.config.vocab_size
     ids = prompt_ids(args.positions, vocab)
     probes = probe_ids(vocab)
     with torch.no_grad():
