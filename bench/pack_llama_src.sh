@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Download the llama-cpp-python sdist (PyPI) and pack the parts of its vendor/llama.cpp needed on the
-# GPU machine (CMake sources of ggml/llama/common/tools, gguf-py, convert_hf_to_gguf.py) into
-# .whl/llama-src.tar.xz, small enough for one `carry` (< 64 MiB). Run on the development machine.
+# GPU machine (CMake sources of ggml (CPU + CUDA backends), llama, common, tools; gguf-py;
+# convert_hf_to_gguf.py) into .whl/llama-src.tar.xz (~5 MB), small enough for one `carry`.
+# Run on the development machine.
 #   bash bench/pack_llama_src.sh [VERSION]      (default 0.3.36, the version the harness was built against)
+# The sdist is fetched as a file from PyPI's simple index: `pip download` of this sdist would first
+# build its build dependencies (CMake from source) just to read its metadata.
 set -euo pipefail
 VER=${1:-0.3.36}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TMP=$(mktemp -d)
-PY=${PYTHON:-python3}
-"$PY" -m pip download "llama-cpp-python==$VER" --no-binary :all: --no-deps --no-build-isolation -d "$TMP" >/dev/null 2>&1 \
-  || "$PY" -m pip download "llama-cpp-python==$VER" --no-binary :all: --no-deps -d "$TMP"
-tar -C "$TMP" -xzf "$TMP/llama_cpp_python-$VER.tar.gz"
+trap 'rm -rf "$TMP"' EXIT
+url=$(curl -fsSL https://pypi.org/simple/llama-cpp-python/ | grep -o "https://[^\"#]*llama_cpp_python-$VER\.tar\.gz" | head -1)
+[ -n "$url" ] || { echo "pack_llama_src: llama_cpp_python-$VER.tar.gz not on PyPI's simple index" >&2; exit 1; }
+curl -fsSL -o "$TMP/sdist.tar.gz" "$url"
+tar -C "$TMP" -xzf "$TMP/sdist.tar.gz"
 SRC="$TMP/llama_cpp_python-$VER/vendor/llama.cpp"
-rm -rf "$SRC/models" "$SRC/media" "$SRC/docs" "$SRC/examples/"*/*.gguf "$SRC"/build* 2>/dev/null || true
+# Not needed for llama-bench / llama-quantize with GGML_CUDA=ON and the server, tests, examples off.
+rm -rf "$SRC/models" "$SRC/media" "$SRC/docs" "$SRC/benches" "$SRC/tools/ui" "$SRC"/build* "$SRC/tests/"*.gguf
+for b in et metal hexagon sycl vulkan opencl cann musa hip webgpu zdnn openvino virtgpu; do rm -rf "$SRC/ggml/src/ggml-$b"; done
 mkdir -p "$SRC/models"   # some CMake files glob it
 mkdir -p "$ROOT/.whl"
-tar -C "$SRC/.." -cJf "$ROOT/.whl/llama-src.tar.xz" llama.cpp
+tar -C "$SRC/.." -cf - llama.cpp | xz -6 -T0 > "$ROOT/.whl/llama-src.tar.xz"
 ls -la "$ROOT/.whl/llama-src.tar.xz"
-rm -rf "$TMP"
