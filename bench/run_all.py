@@ -56,6 +56,19 @@ def load_records(out):
     return recs
 
 
+def load_manifests(out):
+    """The manifest of every run_all invocation that wrote to OUT, oldest first."""
+    ms = []
+    if os.path.isdir(out):
+        for f in sorted(os.listdir(out)):
+            if f.startswith("manifest-") and f.endswith(".json"):
+                try:
+                    ms.append(json.load(open(os.path.join(out, f))))
+                except (OSError, ValueError):
+                    pass
+    return sorted(ms, key=lambda m: m.get("started", ""))
+
+
 def summarize(records, rounds):
     """{(label, ctx): cell}; a cell is published only with `rounds` records and one digest."""
     groups = {}
@@ -374,7 +387,9 @@ def main():
     arms, missing, versions = discover(args)
     complete = True
     if not args.report_only:
-        json.dump({"argv": sys.argv, "arms": sorted(arms), "missing": missing, "versions": versions, "machine": machine(),
+        from common import text_config as _tc
+        json.dump({"argv": sys.argv, "arms": sorted(arms), "missing": missing, "versions": versions | {"python": sys.version.split()[0]}, "machine": machine(),
+                   "host": platform.node(), "text_config": _tc(args.model),
                    "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                   open(os.path.join(args.out, f"manifest-{int(time.time())}.json"), "w"), indent=1)
         complete = run_matrix(args, arms, contexts)
@@ -387,17 +402,40 @@ def main():
     records = [r for r in load_records(args.out) if r["prompt_len"] in contexts]
     cells = summarize(records, args.rounds)
     labels = ENGINES_ORDER({key_of(r): 1 for r in records} | {l: 1 for l in arms})
+    manifests = load_manifests(args.out)
+    if args.report_only and manifests:
+        # What the GPU runs could not find, not what this machine lacks.
+        missing = {}
+        for m in manifests:
+            missing.update({k: v for k, v in m.get("missing", {}).items() if not any(key_of(r) == k for r in records)})
     for l in missing:
         if l not in labels:
             labels.append(l)
     backends = {}
     for r in records:
         backends[key_of(r)] = r.get("backend", "")
+    # The runs' own manifests say where they ran: --report-only on another machine (no checkpoint,
+    # no engines) still renders the GPU machine, its engine versions and the checkpoint's shapes.
     from common import text_config
-    tc = text_config(args.model)
-    meta = {"title": args.title, "note": args.note, "date": today, "host": platform.node(), "machine": machine(),
+    if os.path.exists(os.path.join(args.model, "config.json")):
+        tc = text_config(args.model)
+    elif manifests and manifests[-1].get("text_config"):
+        tc = manifests[-1]["text_config"]
+    else:
+        raise SystemExit(f"no config.json in {args.model} and no manifest in {args.out} records one")
+    run_versions, run_machine, run_host = {}, None, None
+    for m in manifests:
+        run_versions.update(m.get("versions", {}))
+        run_machine, run_host = m.get("machine", run_machine), m.get("host", run_host)
+    if args.report_only and run_machine:
+        machine_txt, host = run_machine, run_host or "unrecorded"
+    else:
+        machine_txt, host = machine(), platform.node()
+    dates = sorted({r["recorded_at"][:10] for r in records if r.get("recorded_at")})
+    meta = {"title": args.title, "note": args.note, "date": " / ".join(dates) or today, "host": host, "machine": machine_txt,
             "out_rel": os.path.relpath(args.out, ROOT), "model": args.model, "rounds": args.rounds,
-            "decode_steps": args.decode_steps, "versions": versions | {"python": sys.version.split()[0]}, "backends": backends}
+            "decode_steps": args.decode_steps, "versions": run_versions if args.report_only and manifests else versions | {"python": sys.version.split()[0]},
+            "backends": backends}
     md = render(cells, contexts, labels, missing, accuracy, meta, tc)
     os.makedirs(os.path.dirname(args.doc), exist_ok=True)
     with open(args.doc, "w") as f:
