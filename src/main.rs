@@ -181,7 +181,7 @@ fn cmd_run(args: RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
-    let stats = generate(backend.as_mut(), &mut seq, &prompt, args.max_tokens, &mut sampler, &eos, |tok, _| {
+    let stats = generate(backend.as_mut(), &mut seq, &prompt, args.max_tokens, &mut sampler, &eos, false, |tok, _| {
         let piece = stream.push(&tokenizer, tok);
         if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
             write_error = Some(e);

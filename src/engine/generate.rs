@@ -53,6 +53,11 @@ pub enum Next {
 /// Feeds `prompt` (the tokens not yet in `seq`) and generates up to `max_tokens` tokens.
 /// `on_token(token, logits)` sees every generated token except a stop token, with the logits
 /// it was sampled from (after penalties).
+///
+/// When the sampler is plain greedy and the caller does not need the logits (`want_logits`
+/// false), the tokens after the first come from `Backend::decode_greedy`: on CUDA the argmax
+/// stays on the device and step N+1 is queued before token N is read, and `on_token` then gets
+/// an empty logits slice. The tokens are the same either way (argmax, ties to the lowest id).
 pub fn generate(
     backend: &mut dyn Backend,
     seq: &mut Sequence,
@@ -60,6 +65,7 @@ pub fn generate(
     max_tokens: usize,
     sampler: &mut Sampler,
     stop_ids: &[u32],
+    want_logits: bool,
     mut on_token: impl FnMut(u32, &[f32]) -> Next,
 ) -> Result<GenerationStats> {
     if prompt.is_empty() {
@@ -71,6 +77,7 @@ pub fn generate(
     let t1 = Instant::now();
     let mut produced = 0;
     let mut finish = FinishReason::Length;
+    let on_device = !want_logits && sampler.is_plain_greedy();
     while produced < max_tokens {
         let tok = sampler.sample(&mut logits);
         if stop_ids.contains(&tok) {
@@ -84,6 +91,22 @@ pub fn generate(
             break;
         }
         if produced == max_tokens {
+            break;
+        }
+        if on_device {
+            backend.decode_greedy(seq, tok, max_tokens - produced, &mut |t| {
+                if stop_ids.contains(&t) {
+                    finish = FinishReason::Stop;
+                    return false;
+                }
+                produced += 1;
+                sampler.observe(t);
+                if on_token(t, &[]) == Next::Stop {
+                    finish = FinishReason::Cancelled;
+                    return false;
+                }
+                true
+            })?;
             break;
         }
         logits = backend.forward(seq, &[tok], LogitsWanted::Last)?;

@@ -90,6 +90,13 @@ impl Sampler {
         Sampler { params, rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new() }
     }
 
+    /// Plain greedy: temperature 0 and no penalty, so every token is the argmax of the raw
+    /// logits and a backend may pick it on its own device (`Backend::decode_greedy`).
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0
+    }
+
     /// Records a token of the generated text (penalties apply to generated tokens).
     pub fn observe(&mut self, token: u32) {
         *self.counts.entry(token).or_insert(0) += 1;

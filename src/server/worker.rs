@@ -221,7 +221,7 @@ impl Worker {
         let want_lp = req.logprobs;
         let top_lp = req.top_logprobs;
 
-        let stats = generate(self.backend.as_mut(), &mut seq, rest, job.max_tokens, &mut sampler, &self.cfg.stop_ids, |tok, logits| {
+        let stats = generate(self.backend.as_mut(), &mut seq, rest, job.max_tokens, &mut sampler, &self.cfg.stop_ids, want_lp, |tok, logits| {
             let now = Instant::now();
             match last_tok {
                 None => metrics.ttft.observe(now.duration_since(arrived).as_secs_f64()),
