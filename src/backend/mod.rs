@@ -93,6 +93,12 @@ pub trait Backend: Send {
     /// its caches. Returns the requested logits (f32, `vocab_size` per row).
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
 
+    /// Device memory in use and the device's total, in bytes (`None` for the host backend).
+    /// "In use" is the whole device's (cuMemGetInfo), i.e. ours on a dedicated GPU.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Greedy decoding without handing logits to the caller: feeds `first_token` at the
     /// sequence's current position, then produces up to `steps` tokens, each the argmax (ties ->
     /// lowest id) of the previous step's logits, calling `on_token(token)` for each in order;

@@ -26,6 +26,10 @@ struct Args {
     decode_steps: usize,
     #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
+    /// Capacity of the measured sequence (default: prompt + decode steps + 1). A larger value
+    /// allocates the whole KV cache for it up front, e.g. 262144 to show the longest context fits.
+    #[arg(long)]
+    max_seq: Option<usize>,
     /// Skip the exact-shape warmup (CPU smoke runs in CI).
     #[arg(long)]
     no_warmup: bool,
@@ -59,7 +63,15 @@ fn run(args: Args) -> Result<()> {
     let ck = Checkpoint::open(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
     let vocab = backend.config().vocab_size;
-    let max_seq = args.prompt_len.checked_add(args.decode_steps + 1).context("context too large")?;
+    let needed = args.prompt_len.checked_add(args.decode_steps + 1).context("context too large")?;
+    let max_seq = args.max_seq.unwrap_or(needed);
+    if max_seq < needed {
+        bail!("--max-seq {max_seq} is smaller than prompt + decode steps + 1 = {needed}");
+    }
+    // Device memory is sampled outside the timed regions: after loading, with the warmup
+    // sequence alive, and with the measured sequence alive at the end.
+    let mut mem_samples = Vec::new();
+    mem_samples.extend(backend.device_memory());
     let prompt = prompt_tokens(args.prompt_len, vocab);
 
     // The last prompt token goes through the greedy decode path (Backend::decode_greedy), so
@@ -72,6 +84,7 @@ fn run(args: Args) -> Result<()> {
             backend.forward(&mut warm, prefix, LogitsWanted::None)?;
         }
         backend.decode_greedy(&mut warm, last_prompt, 3, &mut |_| true)?;
+        mem_samples.extend(backend.device_memory());
     }
 
     let mut seq = backend.new_sequence(max_seq)?;
@@ -103,7 +116,14 @@ fn run(args: Args) -> Result<()> {
     if produced != args.decode_steps + 1 || tokens.len() != args.decode_steps {
         bail!("decode stopped after {produced} tokens");
     }
+    mem_samples.extend(backend.device_memory());
     let first = first.unwrap_or(0);
+    let device_memory = match (mem_samples.first(), mem_samples.iter().map(|m| m.0).max()) {
+        (Some(&(loaded, total)), Some(peak)) => {
+            json!({"total_bytes": total, "used_after_load_bytes": loaded, "used_max_sampled_bytes": peak})
+        }
+        _ => serde_json::Value::Null,
+    };
     let decode_secs = last.duration_since(t1).as_secs_f64();
     let digest = format!("{:016x}", fnv1a(&tokens));
     let line = json!({
@@ -118,7 +138,9 @@ fn run(args: Args) -> Result<()> {
         "warmup": !args.no_warmup,
         "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
         "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
+        "max_seq": max_seq,
         "sequence_state_bytes": seq.memory_bytes(),
+        "device_memory": device_memory,
     });
     let text = serde_json::to_string(&line)?;
     println!("{text}");
@@ -129,6 +151,9 @@ fn run(args: Args) -> Result<()> {
         args.prompt_len as f64 / prefill_secs,
         args.decode_steps as f64 / decode_secs
     );
+    if let Some(peak) = mem_samples.iter().map(|m| m.0).max() {
+        eprintln!("lily-bench: device memory in use: {:.2} GiB after loading, {:.2} GiB at most (max-seq {max_seq})", mem_samples[0].0 as f64 / (1u64 << 30) as f64, peak as f64 / (1u64 << 30) as f64);
+    }
     if let Some(p) = args.json_out {
         std::fs::write(&p, text + "\n").with_context(|| format!("cannot write {}", p.display()))?;
     }

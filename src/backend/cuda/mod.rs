@@ -344,6 +344,11 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        let (free, total) = self.gpu.mem_info().ok()?;
+        Some(((total - free) as u64, total as u64))
+    }
+
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
         let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
