@@ -132,6 +132,242 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 }
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM: the same product as pf_gemm with bf16 operands and f32 accumulation
+// (mma.sync m16n8k16). Per k-tile of 64 columns the weight tile (128 rows) is dequantised
+// (s*q + b, f32) and rounded to bf16 into shared memory, the activation tile (64 tokens) is
+// rounded to bf16 on the way in; the next tile's global loads are issued before the current
+// tile's mma so their latency hides behind the math. 8 warps as 4 (rows) x 2 (tokens), 32x32
+// outputs per warp. Needs cols % 64 == 0 and group % 32 == 0.
+// Grouped (MoE) mode: `tiles` = [ntiles, (expert, first token)...] from pf_scan; blockIdx.y is
+// the tile (blocks past ntiles exit).
+// SwiGLU mode (w2 != nullptr): the block's 128 shared-memory rows are 64 rows of W (gate) and the
+// same 64 rows of W2 (up), interleaved per 16 so every warp holds both for the same outputs; the
+// epilogue writes silu(gate) * up. grid.x = ceil(rows / 64) then, else ceil(rows / 128).
+#define TC_BM 128
+#define TC_BN 64
+#define TC_BK 64
+#define TC_LD (TC_BK + 8)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// Two floats to packed bf16 (round to nearest even); `lo` lands at the lower address.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
+__device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, (float)(q & 15u), bi), fmaf(sc, (float)((q >> 4) & 15u), bi));
+    r.y = pack_bf16(fmaf(sc, (float)((q >> 8) & 15u), bi), fmaf(sc, (float)((q >> 12) & 15u), bi));
+    r.z = pack_bf16(fmaf(sc, (float)((q >> 16) & 15u), bi), fmaf(sc, (float)((q >> 20) & 15u), bi));
+    r.w = pack_bf16(fmaf(sc, (float)((q >> 24) & 15u), bi), fmaf(sc, (float)(q >> 28), bi));
+    return r;
+}
+// 8 bytes (two words, columns 0..7) dequantised and packed.
+__device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, (float)(q0 & 255u), bi), fmaf(sc, (float)((q0 >> 8) & 255u), bi));
+    r.y = pack_bf16(fmaf(sc, (float)((q0 >> 16) & 255u), bi), fmaf(sc, (float)(q0 >> 24), bi));
+    r.z = pack_bf16(fmaf(sc, (float)(q1 & 255u), bi), fmaf(sc, (float)((q1 >> 8) & 255u), bi));
+    r.w = pack_bf16(fmaf(sc, (float)((q1 >> 16) & 255u), bi), fmaf(sc, (float)(q1 >> 24), bi));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+           const u32* __restrict__ w2, const u16* __restrict__ s2, const u16* __restrict__ b2, int bits, int rows,
+           int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy,
+           int accumulate, const int* __restrict__ counts, const int* __restrict__ offsets,
+           const int* __restrict__ list, const int* __restrict__ tiles, int xdiv) {
+    __shared__ __align__(16) u16 As[TC_BM * TC_LD];
+    __shared__ __align__(16) u16 Bs[TC_BN * TC_LD];
+    __shared__ int xrow[TC_BN], yrow[TC_BN];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool glu = w2 != nullptr;
+    int n = ntok, e = 0, t0 = blockIdx.y * TC_BN;
+    const int* lst = nullptr;
+    if (tiles) {
+        if ((int)blockIdx.y >= tiles[0]) return;
+        e = tiles[1 + 2 * blockIdx.y];
+        t0 = tiles[2 + 2 * blockIdx.y];
+        n = counts[e];
+        lst = list + offsets[e];
+    }
+    if (t0 >= n) return;
+    if (tid < TC_BN) {
+        int t = t0 + tid;
+        if (t < n) {
+            int slot = lst ? lst[t] : t;
+            xrow[tid] = slot / xdiv;
+            yrow[tid] = slot;
+        } else {
+            xrow[tid] = -1;
+            yrow[tid] = -1;
+        }
+    }
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    const size_t rbase = (size_t)e * rows;
+    // Loader role: shared-memory row lrow, columns lhalf*32 .. +32 of each k-tile.
+    const int lrow = tid >> 1, lhalf = tid & 1;
+    int gr;
+    const u32* W = w;
+    const u16* S = s;
+    const u16* B = b;
+    if (glu) {
+        const int mt = lrow >> 4;
+        gr = blockIdx.x * (TC_BM / 2) + (mt >> 1) * 16 + (lrow & 15);
+        if (mt & 1) { W = w2; S = s2; B = b2; }
+    } else {
+        gr = blockIdx.x * TC_BM + lrow;
+    }
+    const bool rvalid = gr < rows;
+    const size_t grow = rbase + (rvalid ? gr : 0);
+    const u32* wrow = W + grow * wpr;
+    const u16* srow = S + grow * gpr;
+    const u16* brow = B + grow * gpr;
+    __syncthreads();
+
+    uint4 qa = make_uint4(0, 0, 0, 0), qb = qa;
+    float sc = 0.f, bi = 0.f;
+    float4 xv[4];
+    auto load = [&](int k0) {
+        if (rvalid) {
+            const int g = (k0 + lhalf * 32) / group;
+            sc = bf16f(__ldg(srow + g));
+            bi = bf16f(__ldg(brow + g));
+            if (bits == 4) {
+                qa = __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 3)) + lhalf);
+            } else {
+                const uint4* p = reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf * 2;
+                qa = __ldg(p);
+                qb = __ldg(p + 1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            const int xr = xrow[tok];
+            xv[i] = xr >= 0 ? __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + f)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    auto store = [&]() {
+        uint4* dst = reinterpret_cast<uint4*>(As + lrow * TC_LD + lhalf * 32);
+        if (!rvalid) {
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            dst[0] = z; dst[1] = z; dst[2] = z; dst[3] = z;
+        } else if (bits == 4) {
+            dst[0] = deq_nib8(qa.x, sc, bi);
+            dst[1] = deq_nib8(qa.y, sc, bi);
+            dst[2] = deq_nib8(qa.z, sc, bi);
+            dst[3] = deq_nib8(qa.w, sc, bi);
+        } else {
+            dst[0] = deq_byte8(qa.x, qa.y, sc, bi);
+            dst[1] = deq_byte8(qa.z, qa.w, sc, bi);
+            dst[2] = deq_byte8(qb.x, qb.y, sc, bi);
+            dst[3] = deq_byte8(qb.z, qb.w, sc, bi);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            uint2 v;
+            v.x = pack_bf16(xv[i].x, xv[i].y);
+            v.y = pack_bf16(xv[i].z, xv[i].w);
+            *reinterpret_cast<uint2*>(Bs + tok * TC_LD + f * 4) = v;
+        }
+    };
+
+    const int wm = warp & 3, wn = warp >> 2;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
+    // ldmatrix addresses (bytes, shared space) of this lane at k = 0.
+    const u32 a_base = smem_u32(As) + ((wm * 32 + (lane & 15)) * TC_LD + ((lane >> 4) << 3)) * 2;
+    const u32 b_base =
+        smem_u32(Bs) + ((wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * TC_LD + (((lane >> 3) & 1) << 3)) * 2;
+
+    load(0);
+    store();
+    __syncthreads();
+    for (int k0 = 0; k0 < cols; k0 += TC_BK) {
+        const bool more = k0 + TC_BK < cols;
+        if (more) load(k0 + TC_BK);
+#pragma unroll
+        for (int ks = 0; ks < TC_BK / 16; ++ks) {
+            u32 af[2][4], bfr[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                ldsm_x4(a_base + (mt * 16 * TC_LD + ks * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np)
+                ldsm_x4(b_base + (np * 16 * TC_LD + ks * 16) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                        bfr[2 * np + 1][1]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bfr[nt][0], bfr[nt][1]);
+        }
+        if (more) {
+            __syncthreads();
+            store();
+            __syncthreads();
+        }
+    }
+    // Epilogue. acc[mt][nt]: rows (lane>>2) and +8 of m-tile mt, tokens 2*(lane&3), +1 of n-tile nt.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const int tl = wn * 32 + nt * 8 + 2 * (lane & 3) + cc;
+                const int yr = yrow[tl];
+                if (yr < 0) continue;
+                if (glu) {
+                    const int r = blockIdx.x * (TC_BM / 2) + wm * 16 + (lane >> 2) + hv * 8;
+                    if (r < rows) {
+                        const float g = acc[0][nt][hv * 2 + cc], u = acc[1][nt][hv * 2 + cc];
+                        float* p = y + (size_t)yr * ldy + r;
+                        const float v = silu_f(g) * u;
+                        *p = accumulate ? *p + v : v;
+                    }
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        const int r = blockIdx.x * TC_BM + wm * 32 + mt * 16 + (lane >> 2) + hv * 8;
+                        if (r < rows) {
+                            float* p = y + (size_t)yr * ldy + r;
+                            const float v = acc[mt][nt][hv * 2 + cc];
+                            *p = accumulate ? *p + v : v;
+                        }
+                    }
+                }
+            }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Embedding gather for T tokens: grid (ceil(cols/256), T).
 extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
                                     const int* __restrict__ tokens, int cols, int bits, int group, float* __restrict__ x) {
@@ -500,12 +736,31 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
-// Exclusive scan of the per-expert counts (E <= 512, one thread: trivial work); zeroes `fill`.
+// Exclusive scan of the per-expert counts (E <= 512; counts staged in shared memory, the scan
+// itself is one thread: trivial work); zeroes `fill`. When `tiles` is set it also lists the
+// (expert, first token) tiles of 64 tokens for pf_gemm_tc's grouped mode: tiles[0] = count.
+// block 256.
 extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
-                                   int* __restrict__ fill) {
+                                   int* __restrict__ fill, int* __restrict__ tiles) {
+    __shared__ int c[512];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        c[e] = counts[e];
+        fill[e] = 0;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) { offsets[e] = acc; acc += counts[e]; fill[e] = 0; }
+        int acc = 0, nt = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = acc;
+            acc += c[e];
+            if (tiles)
+                for (int t0 = 0; t0 < c[e]; t0 += TC_BN) {
+                    tiles[1 + 2 * nt] = e;
+                    tiles[2 + 2 * nt] = t0;
+                    ++nt;
+                }
+        }
+        if (tiles) tiles[0] = nt;
     }
 }
 
