@@ -437,61 +437,108 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
     kn[(size_t)t * key_dim + kh * dk + i] = k * ik;
 }
 
-// The delta-rule recurrence over T tokens: one warp per (value head, 32 value columns); lane c
-// owns column c and all DK rows of the state in registers (read once, written once). Per token:
-// S = aS; d = b(v - S^T k); S += k d^T; o = S^T q (gdn::recurrent_step). q/k of TB tokens are
-// staged in shared memory at a time. grid (nv, dv/32), block 32.
-#define PF_GDN_TB 8
+// The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);
+// S += k d^T; o = S^T q). Every state column evolves on its own, so a column is split over PARTS
+// lanes, each holding R = DK/PARTS rows of it in registers (read once, written once; no spills),
+// and the two dot products per token are reduced with PARTS-wide shuffles. Block = 4 warps =
+// 4*32/PARTS columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory
+// with cp.async one block of tokens ahead (double buffer), v and the raw gates through registers,
+// so no global load sits on the per-token dependency chain. q/k rows are stored padded per part
+// (stride R+4 floats) so the PARTS distinct float4 reads of a step hit distinct banks.
+// grid (nv, ceil(dv / (128/PARTS))), block 128.
+#define PF_GDN_TB 16
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
 template <int DK>
 __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
                          const float* __restrict__ braw, const float* __restrict__ araw,
                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
                          float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
-    __shared__ __align__(16) float qs[PF_GDN_TB][DK];
-    __shared__ __align__(16) float ks[PF_GDN_TB][DK];
-    const int n = blockIdx.x, lane = threadIdx.x, c = blockIdx.y * 32 + lane;
+    constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
+    constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
+    constexpr int TB = PF_GDN_TB, NV = TB * BC / 128;
+    __shared__ __align__(16) float qs[2][TB][KS];
+    __shared__ __align__(16) float ks[2][TB][KS];
+    __shared__ float vs[2][TB][BC];
+    __shared__ float gb[2][TB], ga[2][TB];
+    const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int part = lane % PARTS, cl = warp * CPW + lane / PARTS;
+    const int c0 = blockIdx.y * BC, c = c0 + cl;
+    const bool cvalid = c < dv;
     const int kh = n / (nv / nk), key_dim = nk * DK;
     float* S = state + (size_t)n * DK * dv;
-    float sreg[DK];
+    float sreg[R];
 #pragma unroll
-    for (int i = 0; i < DK; ++i) sreg[i] = S[(size_t)i * dv + c];
+    for (int i = 0; i < R; ++i) sreg[i] = cvalid ? S[(size_t)(part * R + i) * dv + c] : 0.f;
     const float nega = neg_a[n], dtb = dt_bias[n];
-    for (int tb = 0; tb < T; tb += PF_GDN_TB) {
-        const int nt = min(PF_GDN_TB, T - tb);
-        __syncwarp();
-        for (int idx = lane; idx < nt * (DK / 4); idx += 32) {
-            int tt = idx / (DK / 4), f = idx % (DK / 4);
-            size_t off = (size_t)(tb + tt) * key_dim + kh * DK;
-            reinterpret_cast<float4*>(qs[tt])[f] = reinterpret_cast<const float4*>(qn + off)[f];
-            reinterpret_cast<float4*>(ks[tt])[f] = reinterpret_cast<const float4*>(kn + off)[f];
+    const float* vsrc = conv + 2 * key_dim + (size_t)n * dv + c0;
+    float pv[NV];
+    float pb = 0.f, pa = 0.f;
+    auto issue = [&](int tb, int bf) {
+        const int nt = min(TB, T - tb);
+        for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
+            const int tt = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            const int d = (i / R) * RS + (i % R);
+            const size_t off = (size_t)(tb + tt) * key_dim + kh * DK + i;
+            cp_async16(&qs[bf][tt][d], qn + off);
+            cp_async16(&ks[bf][tt][d], kn + off);
         }
-        __syncwarp();
-        for (int tt = 0; tt < nt; ++tt) {
-            const int t = tb + tt;
-            const float beta = sigmoid_f(braw[(size_t)t * nv + n]);
-            const float g = nega * softplus_f(araw[(size_t)t * nv + n] + dtb);
-            const float alpha = expf(g);
-            const float v = conv[(size_t)t * C + 2 * key_dim + n * dv + c];
-            const float4* k4 = reinterpret_cast<const float4*>(ks[tt]);
-            const float4* q4 = reinterpret_cast<const float4*>(qs[tt]);
-            float kv0 = 0.f, kv1 = 0.f, kv2 = 0.f, kv3 = 0.f;
+        cp_async_commit();
 #pragma unroll
-            for (int f = 0; f < DK / 4; ++f) {
-                float4 kk = k4[f];
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j, tt = idx / BC, cc = idx % BC;
+            pv[j] = (tt < nt && c0 + cc < dv) ? vsrc[(size_t)(tb + tt) * C + cc] : 0.f;
+        }
+        if (tid < nt) {
+            pb = braw[(size_t)(tb + tid) * nv + n];
+            pa = araw[(size_t)(tb + tid) * nv + n];
+        }
+    };
+    issue(0, 0);
+    int bf = 0;
+    for (int tb = 0; tb < T; tb += TB) {
+        const int nt = min(TB, T - tb);
+        cp_async_wait_all();
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j;
+            vs[bf][idx / BC][idx % BC] = pv[j];
+        }
+        if (tid < nt) {
+            gb[bf][tid] = sigmoid_f(pb);
+            ga[bf][tid] = expf(nega * softplus_f(pa + dtb));
+        }
+        __syncthreads();
+        if (tb + TB < T) issue(tb + TB, bf ^ 1);
+        for (int tt = 0; tt < nt; ++tt) {
+            const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
+            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
+            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+            for (int f = 0; f < R / 4; ++f) {
+                const float4 kk = k4[f];
                 sreg[4 * f] *= alpha;
                 sreg[4 * f + 1] *= alpha;
                 sreg[4 * f + 2] *= alpha;
                 sreg[4 * f + 3] *= alpha;
-                kv0 = fmaf(sreg[4 * f], kk.x, kv0);
-                kv1 = fmaf(sreg[4 * f + 1], kk.y, kv1);
-                kv2 = fmaf(sreg[4 * f + 2], kk.z, kv2);
-                kv3 = fmaf(sreg[4 * f + 3], kk.w, kv3);
+                a0 = fmaf(sreg[4 * f], kk.x, a0);
+                a1 = fmaf(sreg[4 * f + 1], kk.y, a1);
+                a2 = fmaf(sreg[4 * f + 2], kk.z, a2);
+                a3 = fmaf(sreg[4 * f + 3], kk.w, a3);
             }
-            const float delta = beta * (v - ((kv0 + kv1) + (kv2 + kv3)));
+            float kv = (a0 + a1) + (a2 + a3);
+#pragma unroll
+            for (int m = 1; m < PARTS; m <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, m);
+            const float delta = beta * (v - kv);
             float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
 #pragma unroll
-            for (int f = 0; f < DK / 4; ++f) {
-                float4 kk = k4[f], qq = q4[f];
+            for (int f = 0; f < R / 4; ++f) {
+                const float4 kk = k4[f], qq = q4[f];
                 sreg[4 * f] = fmaf(kk.x, delta, sreg[4 * f]);
                 sreg[4 * f + 1] = fmaf(kk.y, delta, sreg[4 * f + 1]);
                 sreg[4 * f + 2] = fmaf(kk.z, delta, sreg[4 * f + 2]);
@@ -501,15 +548,22 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
                 o2 = fmaf(sreg[4 * f + 2], qq.z, o2);
                 o3 = fmaf(sreg[4 * f + 3], qq.w, o3);
             }
-            o[(size_t)t * nv * dv + n * dv + c] = (o0 + o1) + (o2 + o3);
-        }
-    }
+            float ov = (o0 + o1) + (o2 + o3);
 #pragma unroll
-    for (int i = 0; i < DK; ++i) S[(size_t)i * dv + c] = sreg[i];
+            for (int m = 1; m < PARTS; m <<= 1) ov += __shfl_xor_sync(0xffffffffu, ov, m);
+            if (part == 0 && cvalid) o[(size_t)(tb + tt) * nv * dv + (size_t)n * dv + c] = ov;
+        }
+        __syncthreads();
+        bf ^= 1;
+    }
+    if (cvalid) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) S[(size_t)(part * R + i) * dv + c] = sreg[i];
+    }
 }
 
 #define PF_GDN_SCAN(DK)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32) pf_gdn_scan_##DK(                                            \
+    extern "C" __global__ void __launch_bounds__(128) pf_gdn_scan_##DK(                                           \
         const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
         const float* dt_bias, const float* neg_a, float* state, float* o, int T, int nk, int nv, int dv, int C) {   \
         gdn_scan<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, state, o, T, nk, nv, dv, C);                        \

@@ -566,7 +566,9 @@ fn gdn_scan(
         Arg::I(dv as i32),
         Arg::I(c as i32),
     ]);
-    kern.launch(name, (nv as u32, (dv / 32) as u32, 1), 32, 0, &args)
+    // Columns per block: 4 warps x 32 / PARTS (PARTS = lanes per state column, see gdn_scan).
+    let bc = 4 * 32 / (dk / 16).clamp(2, 8);
+    kern.launch(name, (nv as u32, dv.div_ceil(bc) as u32, 1), 128, 0, &args)
 }
 
 /// Runs `tokens` (already validated: in vocabulary, room in the sequence) through the model in
