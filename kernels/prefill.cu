@@ -367,6 +367,29 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
             }
 }
 
+// Few-row GEMMs kept in f32 in both modes (router, shared-expert gate, GDN b/a projections: they
+// pick experts and gates): one block per token, x staged in shared memory, one warp per row with
+// the decode path's row dot (bias folded per group, as the CPU qmatmul). Rows r = blockIdx.y*256 +
+// warp + 8i. grid (T, ceil(rows / 256)), block 256, dynamic smem (cols + cols/group + 33) floats.
+extern "C" __global__ void __launch_bounds__(256)
+pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
+               int cols, int group, const float* __restrict__ x, float* __restrict__ y, int ldy) {
+    extern __shared__ __align__(16) float sk_sm[];
+    float* xs = sk_sm;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    const int t = blockIdx.x;
+    stage_x(x + (size_t)t * cols, cols, nullptr, 0.f, group, xs, gsum, red);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    for (int r = blockIdx.y * 256 + warp; r < min(rows, (int)blockIdx.y * 256 + 256); r += 8) {
+        const float v = qrow_dot(w + (size_t)r * wpr, s + (size_t)r * gpr, b + (size_t)r * gpr, xs, gsum, cols, bits,
+                                 group);
+        if (lane == 0) y[(size_t)t * ldy + r] = v;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding gather for T tokens: grid (ceil(cols/256), T).
 extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
@@ -734,6 +757,179 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
 PF_ATTN(64)
 PF_ATTN(128)
 PF_ATTN(256)
+
+// Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
+// block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
+// head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
+// 64 keys, K and V are read from the f32 cache, rounded to bf16 into shared memory; S = Q K^T
+// and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
+// softmax in exp2. grid (ceil(T / (64/group)), nkv), block 128, dynamic smem 3*64*(HD+8) bf16.
+#define PFA_LD(HD) ((HD) + 8)
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <int HD>
+__device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
+                           const float* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                           float* __restrict__ out) {
+    constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
+    extern __shared__ __align__(16) u16 pfa_tc_sm[];
+    u16* Qs = pfa_tc_sm;
+    u16* Ks = Qs + 64 * LD;
+    u16* Vs = Ks + 64 * LD;
+    const int group = nh / nkv, qt = 64 / group;
+    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const size_t kv_dim = (size_t)nkv * HD;
+    const float qscale = scale * 1.4426950408889634f;
+    for (int idx = tid; idx < 64 * F4; idx += 128) {
+        const int r = idx / F4, f = idx % F4;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        uint2 pk;
+        pk.x = pack_bf16(v.x * qscale, v.y * qscale);
+        pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        *reinterpret_cast<uint2*>(Qs + r * LD + f * 4) = pk;
+    }
+    // This lane's two rows (g and g+8 of the warp's 16) and their query positions.
+    const int g = lane >> 2;
+    int pq[2];
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int t = tok0 + (warp * 16 + g + 8 * hv) / group;
+        pq[hv] = t < T ? pos0 + t : -1;
+    }
+    const int warp_last_t = min(T - 1, tok0 + (warp * 16 + 15) / group);
+    const int warp_pq = pos0 + warp_last_t;
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
+    const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
+    const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
+    for (int kt = 0; kt < nkeys; kt += 64) {
+        __syncthreads();
+#pragma unroll 8
+        for (int idx = tid; idx < 64 * F4; idx += 128) {
+            const int kr = idx / F4, f = idx % F4, p = kt + kr;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            if (p < nkeys) {
+                kv = reinterpret_cast<const float4*>(kc + (size_t)p * kv_dim + kvh * HD)[f];
+                vv = reinterpret_cast<const float4*>(vc + (size_t)p * kv_dim + kvh * HD)[f];
+            }
+            uint2 a, b;
+            a.x = pack_bf16(kv.x, kv.y);
+            a.y = pack_bf16(kv.z, kv.w);
+            b.x = pack_bf16(vv.x, vv.y);
+            b.y = pack_bf16(vv.z, vv.w);
+            *reinterpret_cast<uint2*>(Ks + kr * LD + f * 4) = a;
+            *reinterpret_cast<uint2*>(Vs + kr * LD + f * 4) = b;
+        }
+        __syncthreads();
+        if (kt > warp_pq) continue;  // every row of this warp is before the whole tile
+        float s[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(q_addr + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(k_addr + (np * 16 * LD + ks * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(s[2 * np], a, b0, b1);
+                mma_bf16(s[2 * np + 1], a, b2, b3);
+            }
+        }
+        // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
+        float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
+                mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
+            }
+        float base[2], corr[2];
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+            const float mn = fmaxf(m[hv], mt[hv]);
+            base[hv] = mn == NEG_INF ? 0.f : mn;
+            corr[hv] = exp2f(m[hv] - base[hv]);
+            m[hv] = mn;
+            l[hv] *= corr[hv];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            o[nt][0] *= corr[0];
+            o[nt][1] *= corr[0];
+            o[nt][2] *= corr[1];
+            o[nt][3] *= corr[1];
+        }
+        u32 pa[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
+            const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+            pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(v_addr + (kk * 16 * LD + dp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], pa[kk], b0, b1);
+                mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
+            }
+        }
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 1);
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 2);
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int r = warp * 16 + g + 8 * hv;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        const float il = 1.f / l[hv];
+        const size_t rb = ((size_t)t * nh + h) * HD;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
+                out[idx] = (o[nt][hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
+            }
+    }
+}
+
+#define PF_ATTN_TC(HD)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD(const float* q, const float* gate,          \
+                                                                      const float* kc, const float* vc, int T,    \
+                                                                      int pos0, int nh, int nkv, float scale,     \
+                                                                      float* out) {                                \
+        pf_attn_tc<HD>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                             \
+    }
+PF_ATTN_TC(64)
+PF_ATTN_TC(128)
+PF_ATTN_TC(256)
 
 // ---------------------------------------------------------------------------------------------
 // MoE.

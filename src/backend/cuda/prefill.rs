@@ -33,6 +33,7 @@ pub const SOURCE: &str = include_str!("../../../kernels/prefill.cu");
 pub const ENTRIES: &[&str] = &[
     "pf_gemm",
     "pf_gemm_tc",
+    "pf_gemm_skinny",
     "pf_embed",
     "pf_rmsnorm",
     "pf_gdn_conv",
@@ -46,6 +47,9 @@ pub const ENTRIES: &[&str] = &[
     "pf_attn_64",
     "pf_attn_128",
     "pf_attn_256",
+    "pf_attn_tc_64",
+    "pf_attn_tc_128",
+    "pf_attn_tc_256",
     "pf_route",
     "pf_scan",
     "pf_scatter",
@@ -115,6 +119,12 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
                 attn_smem(hd) as i32,
             )
             .map_err(|e| anyhow!("pf_attn_{hd}: shared memory opt-in: {e:?}"))?;
+        funcs[format!("pf_attn_tc_{hd}").as_str()]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attn_tc_smem(hd) as i32,
+            )
+            .map_err(|e| anyhow!("pf_attn_tc_{hd}: shared memory opt-in: {e:?}"))?;
     }
     let k = Arc::new(Kern {
         ctx: gpu.ctx.clone(),
@@ -351,20 +361,34 @@ impl Mm<'_> {
         }
     }
 
-    /// The f32 kernel whatever the mode (the router and the shared-expert gate: tiny GEMMs whose
-    /// outputs pick experts, kept exact so routing matches the reference).
-    #[allow(clippy::too_many_arguments)]
-    fn exact(
-        &self,
-        q: &DevQ,
-        rows: usize,
-        x: u64,
-        ntok: usize,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        gemm(
-            self.kern, self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None,
+    /// f32 whatever the mode, for the few-row GEMMs whose outputs pick experts and gates (router,
+    /// shared-expert gate, GDN b/a): pf_gemm_skinny, one block per token (the 128-row tiles of
+    /// pf_gemm would leave most of the GPU idle on them).
+    fn exact(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
+        let (w, s, b) = q.ptrs(self.gpu);
+        let smem = (q.cols + q.cols / self.group + 33) * 4;
+        if smem > 48 * 1024 || !q.cols.is_multiple_of(32) {
+            return gemm(
+                self.kern, self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None,
+            );
+        }
+        self.kern.launch(
+            "pf_gemm_skinny",
+            (ntok as u32, rows.div_ceil(256) as u32, 1),
+            256,
+            smem as u32,
+            &[
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::I(q.bits as i32),
+                Arg::I(rows as i32),
+                Arg::I(q.cols as i32),
+                Arg::I(self.group as i32),
+                Arg::P(x),
+                Arg::P(y),
+                Arg::I(ldy as i32),
+            ],
         )
     }
 
@@ -538,6 +562,11 @@ fn rmsnorm(
 
 fn attn_smem(hd: usize) -> usize {
     (64 * hd + 32 * (hd + 4) + 32 * hd) * 4
+}
+
+/// Q, K and V tiles of 64 rows in bf16 with 8 columns of padding (pf_attn_tc).
+fn attn_tc_smem(hd: usize) -> usize {
+    3 * 64 * (hd + 8) * 2
 }
 
 /// GDN scan launch (also used by the test hook).
@@ -887,11 +916,16 @@ fn run_chunk(
                 )?;
                 prof.mark(gpu, "attn.prep")?;
                 let qt = 64 / (nh / nkv);
+                let (name, threads, smem) = if exact {
+                    (format!("pf_attn_{hd}"), 256, attn_smem(hd))
+                } else {
+                    (format!("pf_attn_tc_{hd}"), 128, attn_tc_smem(hd))
+                };
                 kern.launch(
-                    &format!("pf_attn_{hd}"),
+                    &name,
                     (n.div_ceil(qt) as u32, nkv as u32, 1),
-                    256,
-                    attn_smem(hd) as u32,
+                    threads,
+                    smem as u32,
                     &[
                         Arg::P(p(&buf.q)),
                         Arg::P(p(&buf.gate)),
