@@ -463,11 +463,13 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
 // The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);
 // S += k d^T; o = S^T q). Every state column evolves on its own, so a column is split over PARTS
 // lanes, each holding R = DK/PARTS rows of it in registers (read once, written once; no spills),
-// and the two dot products per token are reduced with PARTS-wide shuffles. Block = 4 warps =
-// 4*32/PARTS columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory
-// with cp.async one block of tokens ahead (double buffer), v and the raw gates through registers,
-// so no global load sits on the per-token dependency chain. q/k rows are stored padded per part
-// (stride R+4 floats) so the PARTS distinct float4 reads of a step hit distinct banks.
+// and the dot products are reduced with PARTS-wide shuffles. One pass over the state per token:
+// S_t = a_t S_{t-1} + k_t d_t, then o_t = S_t^T q_t and p = S_t^T k_{t+1} (the next token's
+// S^T k is a_{t+1} p) in the same loop, both reduced together. Block = 4 warps = 4*32/PARTS
+// columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory with
+// cp.async a block of tokens ahead (double buffer), v and the raw gates through registers, so no
+// global load sits on the per-token chain. q/k rows are stored padded per part (stride R+4
+// floats) so the PARTS distinct float4 reads of a step hit distinct banks.
 // grid (nv, ceil(dv / (128/PARTS))), block 128.
 #define PF_GDN_TB 16
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -501,6 +503,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     const float* vsrc = conv + 2 * key_dim + (size_t)n * dv + c0;
     float pv[NV];
     float pb = 0.f, pa = 0.f;
+    // Starts the copies of block tb into buffer bf (q/k by cp.async, v and raw gates to registers).
     auto issue = [&](int tb, int bf) {
         const int nt = min(TB, T - tb);
         for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
@@ -521,9 +524,8 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
             pa = araw[(size_t)(tb + tid) * nv + n];
         }
     };
-    issue(0, 0);
-    int bf = 0;
-    for (int tb = 0; tb < T; tb += TB) {
+    // Completes block tb in buffer bf: waits for its copies, stores v and the gates. Ends synced.
+    auto stage = [&](int tb, int bf) {
         const int nt = min(TB, T - tb);
         cp_async_wait_all();
 #pragma unroll
@@ -536,47 +538,68 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
             ga[bf][tid] = expf(nega * softplus_f(pa + dtb));
         }
         __syncthreads();
-        if (tb + TB < T) issue(tb + TB, bf ^ 1);
+    };
+    issue(0, 0);
+    stage(0, 0);
+    if (TB < T) issue(TB, 1);
+    // p = S_0^T k_0.
+    float p;
+    {
+        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][part * RS]);
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int f = 0; f < R / 4; ++f) {
+            const float4 kk = k4[f];
+            a0 = fmaf(sreg[4 * f], kk.x, a0);
+            a1 = fmaf(sreg[4 * f + 1], kk.y, a1);
+            a2 = fmaf(sreg[4 * f + 2], kk.z, a2);
+            a3 = fmaf(sreg[4 * f + 3], kk.w, a3);
+        }
+        p = (a0 + a1) + (a2 + a3);
+#pragma unroll
+        for (int m = 1; m < PARTS; m <<= 1) p += __shfl_xor_sync(0xffffffffu, p, m);
+    }
+    int bf = 0;
+    for (int tb = 0; tb < T; tb += TB) {
+        const int nt = min(TB, T - tb);
+        const bool more = tb + TB < T;
         for (int tt = 0; tt < nt; ++tt) {
+            const bool last = tt == nt - 1;
+            if (last && more) stage(tb + TB, bf ^ 1);  // the next token's k lives there
             const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
+            const float delta = beta * (v - alpha * p);
             const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
             const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][part * RS]
+                                                                    : &ks[bf][tt + 1][part * RS]);
+            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
 #pragma unroll
             for (int f = 0; f < R / 4; ++f) {
-                const float4 kk = k4[f];
-                sreg[4 * f] *= alpha;
-                sreg[4 * f + 1] *= alpha;
-                sreg[4 * f + 2] *= alpha;
-                sreg[4 * f + 3] *= alpha;
-                a0 = fmaf(sreg[4 * f], kk.x, a0);
-                a1 = fmaf(sreg[4 * f + 1], kk.y, a1);
-                a2 = fmaf(sreg[4 * f + 2], kk.z, a2);
-                a3 = fmaf(sreg[4 * f + 3], kk.w, a3);
-            }
-            float kv = (a0 + a1) + (a2 + a3);
-#pragma unroll
-            for (int m = 1; m < PARTS; m <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, m);
-            const float delta = beta * (v - kv);
-            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-#pragma unroll
-            for (int f = 0; f < R / 4; ++f) {
-                const float4 kk = k4[f], qq = q4[f];
-                sreg[4 * f] = fmaf(kk.x, delta, sreg[4 * f]);
-                sreg[4 * f + 1] = fmaf(kk.y, delta, sreg[4 * f + 1]);
-                sreg[4 * f + 2] = fmaf(kk.z, delta, sreg[4 * f + 2]);
-                sreg[4 * f + 3] = fmaf(kk.w, delta, sreg[4 * f + 3]);
+                const float4 kk = k4[f], qq = q4[f], nn = n4[f];
+                sreg[4 * f] = fmaf(sreg[4 * f], alpha, kk.x * delta);
+                sreg[4 * f + 1] = fmaf(sreg[4 * f + 1], alpha, kk.y * delta);
+                sreg[4 * f + 2] = fmaf(sreg[4 * f + 2], alpha, kk.z * delta);
+                sreg[4 * f + 3] = fmaf(sreg[4 * f + 3], alpha, kk.w * delta);
                 o0 = fmaf(sreg[4 * f], qq.x, o0);
                 o1 = fmaf(sreg[4 * f + 1], qq.y, o1);
                 o2 = fmaf(sreg[4 * f + 2], qq.z, o2);
                 o3 = fmaf(sreg[4 * f + 3], qq.w, o3);
+                p0 = fmaf(sreg[4 * f], nn.x, p0);
+                p1 = fmaf(sreg[4 * f + 1], nn.y, p1);
+                p2 = fmaf(sreg[4 * f + 2], nn.z, p2);
+                p3 = fmaf(sreg[4 * f + 3], nn.w, p3);
             }
             float ov = (o0 + o1) + (o2 + o3);
+            p = (p0 + p1) + (p2 + p3);
 #pragma unroll
-            for (int m = 1; m < PARTS; m <<= 1) ov += __shfl_xor_sync(0xffffffffu, ov, m);
+            for (int m = 1; m < PARTS; m <<= 1) {
+                ov += __shfl_xor_sync(0xffffffffu, ov, m);
+                p += __shfl_xor_sync(0xffffffffu, p, m);
+            }
             if (part == 0 && cvalid) o[(size_t)(tb + tt) * nv * dv + (size_t)n * dv + c] = ov;
         }
-        __syncthreads();
+        __syncthreads();  // buffer bf is free again
+        if (tb + 2 * TB < T) issue(tb + 2 * TB, bf);
         bf ^= 1;
     }
     if (cvalid) {
