@@ -1270,6 +1270,60 @@ impl CudaBackend {
         st.clone_dtoh(&y).map_err(|e| anyhow!("{e:?}"))
     }
 
+    /// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and
+    /// rotated), caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`.
+    /// `exact`: the f32 SIMT kernel, else the tensor-core one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention_host(
+        &self,
+        q: &[f32],
+        gate: &[f32],
+        kc: &[f32],
+        vc: &[f32],
+        t: usize,
+        pos0: usize,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        exact: bool,
+    ) -> Result<Vec<f32>> {
+        let gpu = &self.gpu;
+        let st = &gpu.stream;
+        if ![64, 128, 256].contains(&hd) || 64 % (nh / nkv) != 0 {
+            bail!("prefill_attention_host: unsupported shape");
+        }
+        let kern = kernels(gpu)?;
+        let kern = &*kern;
+        let (qd, gd, kd, vd) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.upload(kc)?, gpu.upload(vc)?);
+        let od = gpu.zeros::<f32>(t * nh * hd)?;
+        let qt = 64 / (nh / nkv);
+        let (name, threads, smem) = if exact {
+            (format!("pf_attn_{hd}"), 256, attn_smem(hd))
+        } else {
+            (format!("pf_attn_tc_{hd}"), 128, attn_tc_smem(hd))
+        };
+        let pp = |s: &CudaSlice<f32>| ptr(s, st);
+        kern.launch(
+            &name,
+            (t.div_ceil(qt) as u32, nkv as u32, 1),
+            threads,
+            smem as u32,
+            &[
+                Arg::P(pp(&qd)),
+                Arg::P(pp(&gd)),
+                Arg::P(pp(&kd)),
+                Arg::P(pp(&vd)),
+                Arg::I(t as i32),
+                Arg::I(pos0 as i32),
+                Arg::I(nh as i32),
+                Arg::I(nkv as i32),
+                Arg::F(1.0 / (hd as f32).sqrt()),
+                Arg::P(pp(&od)),
+            ],
+        )?;
+        st.clone_dtoh(&od).map_err(|e| anyhow!("{e:?}"))
+    }
+
     /// The prefill GDN scan for one value head over T tokens: q, k `[T][dk]` (normalised,
     /// q pre-scaled), v `[T][dv]`, raw gate inputs b, a `[T]`, state `s0` `[dk][dv]`.
     /// Returns (outputs `[T][dv]`, final state).
