@@ -171,22 +171,25 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// Small unsigned integer (< 2^23) to float without I2F: 2^23 + v has v in the mantissa bits,
+// subtracting 2^23 is exact.
+__device__ __forceinline__ float code_f(u32 v) { return __uint_as_float(v | 0x4B000000u) - 8388608.f; }
 // 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
 __device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
     uint4 r;
-    r.x = pack_bf16(fmaf(sc, (float)(q & 15u), bi), fmaf(sc, (float)((q >> 4) & 15u), bi));
-    r.y = pack_bf16(fmaf(sc, (float)((q >> 8) & 15u), bi), fmaf(sc, (float)((q >> 12) & 15u), bi));
-    r.z = pack_bf16(fmaf(sc, (float)((q >> 16) & 15u), bi), fmaf(sc, (float)((q >> 20) & 15u), bi));
-    r.w = pack_bf16(fmaf(sc, (float)((q >> 24) & 15u), bi), fmaf(sc, (float)(q >> 28), bi));
+    r.x = pack_bf16(fmaf(sc, code_f(q & 15u), bi), fmaf(sc, code_f((q >> 4) & 15u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q >> 8) & 15u), bi), fmaf(sc, code_f((q >> 12) & 15u), bi));
+    r.z = pack_bf16(fmaf(sc, code_f((q >> 16) & 15u), bi), fmaf(sc, code_f((q >> 20) & 15u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q >> 24) & 15u), bi), fmaf(sc, code_f(q >> 28), bi));
     return r;
 }
 // 8 bytes (two words, columns 0..7) dequantised and packed.
 __device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
     uint4 r;
-    r.x = pack_bf16(fmaf(sc, (float)(q0 & 255u), bi), fmaf(sc, (float)((q0 >> 8) & 255u), bi));
-    r.y = pack_bf16(fmaf(sc, (float)((q0 >> 16) & 255u), bi), fmaf(sc, (float)(q0 >> 24), bi));
-    r.z = pack_bf16(fmaf(sc, (float)(q1 & 255u), bi), fmaf(sc, (float)((q1 >> 8) & 255u), bi));
-    r.w = pack_bf16(fmaf(sc, (float)((q1 >> 16) & 255u), bi), fmaf(sc, (float)(q1 >> 24), bi));
+    r.x = pack_bf16(fmaf(sc, code_f(q0 & 255u), bi), fmaf(sc, code_f((q0 >> 8) & 255u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q0 >> 16) & 255u), bi), fmaf(sc, code_f(q0 >> 24), bi));
+    r.z = pack_bf16(fmaf(sc, code_f(q1 & 255u), bi), fmaf(sc, code_f((q1 >> 8) & 255u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q1 >> 16) & 255u), bi), fmaf(sc, code_f(q1 >> 24), bi));
     return r;
 }
 
@@ -196,8 +199,10 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
            int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy,
            int accumulate, const int* __restrict__ counts, const int* __restrict__ offsets,
            const int* __restrict__ list, const int* __restrict__ tiles, int xdiv) {
-    __shared__ __align__(16) u16 As[TC_BM * TC_LD];
-    __shared__ __align__(16) u16 Bs[TC_BN * TC_LD];
+    // Double-buffered tiles (dynamic, 2 * (TC_BM + TC_BN) * TC_LD bf16): one barrier per k-tile.
+    extern __shared__ __align__(16) u16 tc_sm[];
+    u16* As = tc_sm;
+    u16* Bs = tc_sm + 2 * TC_BM * TC_LD;
     __shared__ int xrow[TC_BN], yrow[TC_BN];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool glu = w2 != nullptr;
@@ -269,8 +274,8 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
                             : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
-    auto store = [&]() {
-        uint4* dst = reinterpret_cast<uint4*>(As + lrow * TC_LD + lhalf * 32);
+    auto store = [&](int buf) {
+        uint4* dst = reinterpret_cast<uint4*>(As + buf * TC_BM * TC_LD + lrow * TC_LD + lhalf * 32);
         if (!rvalid) {
             const uint4 z = make_uint4(0, 0, 0, 0);
             dst[0] = z; dst[1] = z; dst[2] = z; dst[3] = z;
@@ -291,7 +296,7 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
             uint2 v;
             v.x = pack_bf16(xv[i].x, xv[i].y);
             v.y = pack_bf16(xv[i].z, xv[i].w);
-            *reinterpret_cast<uint2*>(Bs + tok * TC_LD + f * 4) = v;
+            *reinterpret_cast<uint2*>(Bs + buf * TC_BN * TC_LD + tok * TC_LD + f * 4) = v;
         }
     };
 
@@ -309,31 +314,32 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
         smem_u32(Bs) + ((wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * TC_LD + (((lane >> 3) & 1) << 3)) * 2;
 
     load(0);
-    store();
+    store(0);
     __syncthreads();
+    int cur = 0;
     for (int k0 = 0; k0 < cols; k0 += TC_BK) {
         const bool more = k0 + TC_BK < cols;
         if (more) load(k0 + TC_BK);
+        const u32 ab = a_base + cur * (TC_BM * TC_LD * 2), bb = b_base + cur * (TC_BN * TC_LD * 2);
 #pragma unroll
         for (int ks = 0; ks < TC_BK / 16; ++ks) {
             u32 af[2][4], bfr[4][2];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
-                ldsm_x4(a_base + (mt * 16 * TC_LD + ks * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+                ldsm_x4(ab + (mt * 16 * TC_LD + ks * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
 #pragma unroll
             for (int np = 0; np < 2; ++np)
-                ldsm_x4(b_base + (np * 16 * TC_LD + ks * 16) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                ldsm_x4(bb + (np * 16 * TC_LD + ks * 16) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
                         bfr[2 * np + 1][1]);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bfr[nt][0], bfr[nt][1]);
         }
-        if (more) {
-            __syncthreads();
-            store();
-            __syncthreads();
-        }
+        // The other buffer was last read before the previous barrier.
+        if (more) store(cur ^ 1);
+        __syncthreads();
+        cur ^= 1;
     }
     // Epilogue. acc[mt][nt]: rows (lane>>2) and +8 of m-tile mt, tokens 2*(lane&3), +1 of n-tile nt.
 #pragma unroll

@@ -112,6 +112,12 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
         funcs.insert(e, f);
     }
     // Kernels over 48 KiB of dynamic shared memory need the opt-in.
+    funcs["pf_gemm_tc"]
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GEMM_TC_SMEM as i32,
+        )
+        .map_err(|e| anyhow!("pf_gemm_tc: shared memory opt-in: {e:?}"))?;
     for hd in [64usize, 128, 256] {
         funcs[format!("pf_attn_{hd}").as_str()]
             .set_attribute(
@@ -244,6 +250,9 @@ impl Buf {
     }
 }
 
+/// pf_gemm_tc's double-buffered bf16 tiles: 2 x (128 rows + 64 tokens) x (64 + 8 padding).
+const GEMM_TC_SMEM: usize = 2 * (128 + 64) * 72 * 2;
+
 /// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens.
 fn max_tiles(n: usize, cfg: &ModelConfig) -> usize {
     (n * cfg.num_experts_per_tok).div_ceil(64) + cfg.num_experts
@@ -302,7 +311,7 @@ fn gemm_tc(
         "pf_gemm_tc",
         (rows.div_ceil(bm) as u32, gy as u32, 1),
         256,
-        0,
+        GEMM_TC_SMEM as u32,
         &[
             Arg::P(w),
             Arg::P(s),
