@@ -110,7 +110,10 @@ fn cuda_prefill_gemm_tc_matches_cpu_qmatmul() {
                 "tc {name} ({}-bit) T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})",
                 q.bits
             );
-            assert!(r < 1e-2 && e <= 3e-2 * scale, "{name} T={t}: rel {r} max {e}");
+            assert!(
+                r < 1e-2 && e <= 3e-2 * scale,
+                "{name} T={t}: rel {r} max {e}"
+            );
         }
     }
 }
@@ -170,7 +173,10 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
                 if exact {
                     assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
                 } else {
-                    assert!(r < 1e-2 && e <= 3e-2 * scale, "{name} T={t}: rel {r} max {e}");
+                    assert!(
+                        r < 1e-2 && e <= 3e-2 * scale,
+                        "{name} T={t}: rel {r} max {e}"
+                    );
                 }
             }
         }
@@ -340,7 +346,12 @@ fn cuda_prefill_logits_match_cpu() {
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (e, r, t1) = (max_abs_diff(&tc, &want), rel_rms(&tc, &want), top1(&tc));
     let mut per_pos: Vec<f32> = (0..200)
-        .map(|t| rel_rms(&tc[t * vocab..(t + 1) * vocab], &want[t * vocab..(t + 1) * vocab]))
+        .map(|t| {
+            rel_rms(
+                &tc[t * vocab..(t + 1) * vocab],
+                &want[t * vocab..(t + 1) * vocab],
+            )
+        })
         .collect();
     per_pos.sort_by(f32::total_cmp);
     eprintln!(

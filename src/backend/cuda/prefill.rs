@@ -18,9 +18,7 @@ use super::CudaBackend;
 use crate::backend::{LogitsWanted, Sequence};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -361,7 +359,8 @@ impl Mm<'_> {
     ) -> Result<()> {
         if !self.exact && tc_ok(q, self.group) {
             gemm_tc(
-                self.kern, self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate, grouped,
+                self.kern, self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate,
+                grouped,
             )
         } else {
             gemm(
@@ -1034,7 +1033,16 @@ fn run_chunk(
             Some(gr(k)),
         )?;
         prof.mark(gpu, "moe.gate_up")?;
-        mm.run(&m.down_exps, h, p(&buf.g), n, p(&buf.d), h, false, Some(gr(1)))?;
+        mm.run(
+            &m.down_exps,
+            h,
+            p(&buf.g),
+            n,
+            p(&buf.d),
+            h,
+            false,
+            Some(gr(1)),
+        )?;
         prof.mark(gpu, "moe.down")?;
         mm.glu(
             &m.shared_gate,
@@ -1143,7 +1151,8 @@ impl CudaBackend {
     ) -> Result<Vec<f32>> {
         let gpu = &self.gpu;
         let st = &gpu.stream;
-        if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) {
+        if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts)
+        {
             bail!("prefill_grouped_gemm_host: bad shapes");
         }
         let rows = q.rows / experts;
@@ -1223,7 +1232,16 @@ impl CudaBackend {
                 tokens * k,
                 Some(g),
             )?,
-            None => mm.run(&dq, rows, ptr(&xd, st), tokens, ptr(&y, st), rows, false, Some(g))?,
+            None => mm.run(
+                &dq,
+                rows,
+                ptr(&xd, st),
+                tokens,
+                ptr(&y, st),
+                rows,
+                false,
+                Some(g),
+            )?,
         }
         st.clone_dtoh(&y).map_err(|e| anyhow!("{e:?}"))
     }
@@ -1303,7 +1321,12 @@ impl CudaBackend {
         }
         let kern = kernels(gpu)?;
         let kern = &*kern;
-        let (qd, gd, kd, vd) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.upload(kc)?, gpu.upload(vc)?);
+        let (qd, gd, kd, vd) = (
+            gpu.upload(q)?,
+            gpu.upload(gate)?,
+            gpu.upload(kc)?,
+            gpu.upload(vc)?,
+        );
         let od = gpu.zeros::<f32>(t * nh * hd)?;
         let qt = 64 / (nh / nkv);
         let (name, threads, smem) = if exact {
