@@ -132,6 +132,271 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 }
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM: the same product as pf_gemm with bf16 operands and f32 accumulation
+// (mma.sync m16n8k16). Per k-tile of 64 columns the weight tile (128 rows) is dequantised
+// (s*q + b, f32) and rounded to bf16 into shared memory, the activation tile (64 tokens) is
+// rounded to bf16 on the way in; the next tile's global loads are issued before the current
+// tile's mma so their latency hides behind the math. 8 warps as 4 (rows) x 2 (tokens), 32x32
+// outputs per warp. Needs cols % 64 == 0 and group % 32 == 0.
+// Grouped (MoE) mode: `tiles` = [ntiles, (expert, first token)...] from pf_scan; blockIdx.y is
+// the tile (blocks past ntiles exit).
+// SwiGLU mode (w2 != nullptr): the block's 128 shared-memory rows are 64 rows of W (gate) and the
+// same 64 rows of W2 (up), interleaved per 16 so every warp holds both for the same outputs; the
+// epilogue writes silu(gate) * up. grid.x = ceil(rows / 64) then, else ceil(rows / 128).
+#define TC_BM 128
+#define TC_BN 64
+#define TC_BK 64
+#define TC_LD (TC_BK + 8)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// Two floats to packed bf16 (round to nearest even); `lo` lands at the lower address.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Small unsigned integer (< 2^23) to float without I2F: 2^23 + v has v in the mantissa bits,
+// subtracting 2^23 is exact.
+__device__ __forceinline__ float code_f(u32 v) { return __uint_as_float(v | 0x4B000000u) - 8388608.f; }
+// 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
+__device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, code_f(q & 15u), bi), fmaf(sc, code_f((q >> 4) & 15u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q >> 8) & 15u), bi), fmaf(sc, code_f((q >> 12) & 15u), bi));
+    r.z = pack_bf16(fmaf(sc, code_f((q >> 16) & 15u), bi), fmaf(sc, code_f((q >> 20) & 15u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q >> 24) & 15u), bi), fmaf(sc, code_f(q >> 28), bi));
+    return r;
+}
+// 8 bytes (two words, columns 0..7) dequantised and packed.
+__device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, code_f(q0 & 255u), bi), fmaf(sc, code_f((q0 >> 8) & 255u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q0 >> 16) & 255u), bi), fmaf(sc, code_f(q0 >> 24), bi));
+    r.z = pack_bf16(fmaf(sc, code_f(q1 & 255u), bi), fmaf(sc, code_f((q1 >> 8) & 255u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q1 >> 16) & 255u), bi), fmaf(sc, code_f(q1 >> 24), bi));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+           const u32* __restrict__ w2, const u16* __restrict__ s2, const u16* __restrict__ b2, int bits, int rows,
+           int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy,
+           int accumulate, const int* __restrict__ counts, const int* __restrict__ offsets,
+           const int* __restrict__ list, const int* __restrict__ tiles, int xdiv) {
+    // Double-buffered tiles (dynamic, 2 * (TC_BM + TC_BN) * TC_LD bf16): one barrier per k-tile.
+    extern __shared__ __align__(16) u16 tc_sm[];
+    u16* As = tc_sm;
+    u16* Bs = tc_sm + 2 * TC_BM * TC_LD;
+    __shared__ int xrow[TC_BN], yrow[TC_BN];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool glu = w2 != nullptr;
+    int n = ntok, e = 0, t0 = blockIdx.y * TC_BN;
+    const int* lst = nullptr;
+    if (tiles) {
+        if ((int)blockIdx.y >= tiles[0]) return;
+        e = tiles[1 + 2 * blockIdx.y];
+        t0 = tiles[2 + 2 * blockIdx.y];
+        n = counts[e];
+        lst = list + offsets[e];
+    }
+    if (t0 >= n) return;
+    if (tid < TC_BN) {
+        int t = t0 + tid;
+        if (t < n) {
+            int slot = lst ? lst[t] : t;
+            xrow[tid] = slot / xdiv;
+            yrow[tid] = slot;
+        } else {
+            xrow[tid] = -1;
+            yrow[tid] = -1;
+        }
+    }
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    const size_t rbase = (size_t)e * rows;
+    // Loader role: shared-memory row lrow, columns lhalf*32 .. +32 of each k-tile.
+    const int lrow = tid >> 1, lhalf = tid & 1;
+    int gr;
+    const u32* W = w;
+    const u16* S = s;
+    const u16* B = b;
+    if (glu) {
+        const int mt = lrow >> 4;
+        gr = blockIdx.x * (TC_BM / 2) + (mt >> 1) * 16 + (lrow & 15);
+        if (mt & 1) { W = w2; S = s2; B = b2; }
+    } else {
+        gr = blockIdx.x * TC_BM + lrow;
+    }
+    const bool rvalid = gr < rows;
+    const size_t grow = rbase + (rvalid ? gr : 0);
+    const u32* wrow = W + grow * wpr;
+    const u16* srow = S + grow * gpr;
+    const u16* brow = B + grow * gpr;
+    __syncthreads();
+
+    uint4 qa = make_uint4(0, 0, 0, 0), qb = qa;
+    float sc = 0.f, bi = 0.f;
+    float4 xv[4];
+    auto load = [&](int k0) {
+        if (rvalid) {
+            const int g = (k0 + lhalf * 32) / group;
+            sc = bf16f(__ldg(srow + g));
+            bi = bf16f(__ldg(brow + g));
+            if (bits == 4) {
+                qa = __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 3)) + lhalf);
+            } else {
+                const uint4* p = reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf * 2;
+                qa = __ldg(p);
+                qb = __ldg(p + 1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            const int xr = xrow[tok];
+            xv[i] = xr >= 0 ? __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + f)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    auto store = [&](int buf) {
+        uint4* dst = reinterpret_cast<uint4*>(As + buf * TC_BM * TC_LD + lrow * TC_LD + lhalf * 32);
+        if (!rvalid) {
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            dst[0] = z; dst[1] = z; dst[2] = z; dst[3] = z;
+        } else if (bits == 4) {
+            dst[0] = deq_nib8(qa.x, sc, bi);
+            dst[1] = deq_nib8(qa.y, sc, bi);
+            dst[2] = deq_nib8(qa.z, sc, bi);
+            dst[3] = deq_nib8(qa.w, sc, bi);
+        } else {
+            dst[0] = deq_byte8(qa.x, qa.y, sc, bi);
+            dst[1] = deq_byte8(qa.z, qa.w, sc, bi);
+            dst[2] = deq_byte8(qb.x, qb.y, sc, bi);
+            dst[3] = deq_byte8(qb.z, qb.w, sc, bi);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            uint2 v;
+            v.x = pack_bf16(xv[i].x, xv[i].y);
+            v.y = pack_bf16(xv[i].z, xv[i].w);
+            *reinterpret_cast<uint2*>(Bs + buf * TC_BN * TC_LD + tok * TC_LD + f * 4) = v;
+        }
+    };
+
+    const int wm = warp & 3, wn = warp >> 2;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
+    // ldmatrix addresses (bytes, shared space) of this lane at k = 0.
+    const u32 a_base = smem_u32(As) + ((wm * 32 + (lane & 15)) * TC_LD + ((lane >> 4) << 3)) * 2;
+    const u32 b_base =
+        smem_u32(Bs) + ((wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * TC_LD + (((lane >> 3) & 1) << 3)) * 2;
+
+    load(0);
+    store(0);
+    __syncthreads();
+    int cur = 0;
+    for (int k0 = 0; k0 < cols; k0 += TC_BK) {
+        const bool more = k0 + TC_BK < cols;
+        if (more) load(k0 + TC_BK);
+        const u32 ab = a_base + cur * (TC_BM * TC_LD * 2), bb = b_base + cur * (TC_BN * TC_LD * 2);
+#pragma unroll
+        for (int ks = 0; ks < TC_BK / 16; ++ks) {
+            u32 af[2][4], bfr[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                ldsm_x4(ab + (mt * 16 * TC_LD + ks * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np)
+                ldsm_x4(bb + (np * 16 * TC_LD + ks * 16) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                        bfr[2 * np + 1][1]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bfr[nt][0], bfr[nt][1]);
+        }
+        // The other buffer was last read before the previous barrier.
+        if (more) store(cur ^ 1);
+        __syncthreads();
+        cur ^= 1;
+    }
+    // Epilogue. acc[mt][nt]: rows (lane>>2) and +8 of m-tile mt, tokens 2*(lane&3), +1 of n-tile nt.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const int tl = wn * 32 + nt * 8 + 2 * (lane & 3) + cc;
+                const int yr = yrow[tl];
+                if (yr < 0) continue;
+                if (glu) {
+                    const int r = blockIdx.x * (TC_BM / 2) + wm * 16 + (lane >> 2) + hv * 8;
+                    if (r < rows) {
+                        const float g = acc[0][nt][hv * 2 + cc], u = acc[1][nt][hv * 2 + cc];
+                        float* p = y + (size_t)yr * ldy + r;
+                        const float v = silu_f(g) * u;
+                        *p = accumulate ? *p + v : v;
+                    }
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        const int r = blockIdx.x * TC_BM + wm * 32 + mt * 16 + (lane >> 2) + hv * 8;
+                        if (r < rows) {
+                            float* p = y + (size_t)yr * ldy + r;
+                            const float v = acc[mt][nt][hv * 2 + cc];
+                            *p = accumulate ? *p + v : v;
+                        }
+                    }
+                }
+            }
+}
+
+// Few-row GEMMs kept in f32 in both modes (router, shared-expert gate, GDN b/a projections: they
+// pick experts and gates): one block per token, x staged in shared memory, one warp per row with
+// the decode path's row dot (bias folded per group, as the CPU qmatmul). Rows r = blockIdx.y*256 +
+// warp + 8i. grid (T, ceil(rows / 256)), block 256, dynamic smem (cols + cols/group + 33) floats.
+extern "C" __global__ void __launch_bounds__(256)
+pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
+               int cols, int group, const float* __restrict__ x, float* __restrict__ y, int ldy) {
+    extern __shared__ __align__(16) float sk_sm[];
+    float* xs = sk_sm;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    const int t = blockIdx.x;
+    stage_x(x + (size_t)t * cols, cols, nullptr, 0.f, group, xs, gsum, red);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    for (int r = blockIdx.y * 256 + warp; r < min(rows, (int)blockIdx.y * 256 + 256); r += 8) {
+        const float v = qrow_dot(w + (size_t)r * wpr, s + (size_t)r * gpr, b + (size_t)r * gpr, xs, gsum, cols, bits,
+                                 group);
+        if (lane == 0) y[(size_t)t * ldy + r] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Embedding gather for T tokens: grid (ceil(cols/256), T).
 extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
                                     const int* __restrict__ tokens, int cols, int bits, int group, float* __restrict__ x) {
@@ -201,79 +466,156 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
     kn[(size_t)t * key_dim + kh * dk + i] = k * ik;
 }
 
-// The delta-rule recurrence over T tokens: one warp per (value head, 32 value columns); lane c
-// owns column c and all DK rows of the state in registers (read once, written once). Per token:
-// S = aS; d = b(v - S^T k); S += k d^T; o = S^T q (gdn::recurrent_step). q/k of TB tokens are
-// staged in shared memory at a time. grid (nv, dv/32), block 32.
-#define PF_GDN_TB 8
+// The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);
+// S += k d^T; o = S^T q). Every state column evolves on its own, so a column is split over PARTS
+// lanes, each holding R = DK/PARTS rows of it in registers (read once, written once; no spills),
+// and the dot products are reduced with PARTS-wide shuffles. One pass over the state per token:
+// S_t = a_t S_{t-1} + k_t d_t, then o_t = S_t^T q_t and p = S_t^T k_{t+1} (the next token's
+// S^T k is a_{t+1} p) in the same loop, both reduced together. Block = 4 warps = 4*32/PARTS
+// columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory with
+// cp.async a block of tokens ahead (double buffer), v and the raw gates through registers, so no
+// global load sits on the per-token chain. q/k rows are stored padded per part (stride R+4
+// floats) so the PARTS distinct float4 reads of a step hit distinct banks.
+// grid (nv, ceil(dv / (128/PARTS))), block 128.
+#define PF_GDN_TB 16
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
 template <int DK>
 __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
                          const float* __restrict__ braw, const float* __restrict__ araw,
                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
                          float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
-    __shared__ __align__(16) float qs[PF_GDN_TB][DK];
-    __shared__ __align__(16) float ks[PF_GDN_TB][DK];
-    const int n = blockIdx.x, lane = threadIdx.x, c = blockIdx.y * 32 + lane;
+    constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
+    constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
+    constexpr int TB = PF_GDN_TB, NV = TB * BC / 128;
+    __shared__ __align__(16) float qs[2][TB][KS];
+    __shared__ __align__(16) float ks[2][TB][KS];
+    __shared__ float vs[2][TB][BC];
+    __shared__ float gb[2][TB], ga[2][TB];
+    const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int part = lane % PARTS, cl = warp * CPW + lane / PARTS;
+    const int c0 = blockIdx.y * BC, c = c0 + cl;
+    const bool cvalid = c < dv;
     const int kh = n / (nv / nk), key_dim = nk * DK;
     float* S = state + (size_t)n * DK * dv;
-    float sreg[DK];
+    float sreg[R];
 #pragma unroll
-    for (int i = 0; i < DK; ++i) sreg[i] = S[(size_t)i * dv + c];
+    for (int i = 0; i < R; ++i) sreg[i] = cvalid ? S[(size_t)(part * R + i) * dv + c] : 0.f;
     const float nega = neg_a[n], dtb = dt_bias[n];
-    for (int tb = 0; tb < T; tb += PF_GDN_TB) {
-        const int nt = min(PF_GDN_TB, T - tb);
-        __syncwarp();
-        for (int idx = lane; idx < nt * (DK / 4); idx += 32) {
-            int tt = idx / (DK / 4), f = idx % (DK / 4);
-            size_t off = (size_t)(tb + tt) * key_dim + kh * DK;
-            reinterpret_cast<float4*>(qs[tt])[f] = reinterpret_cast<const float4*>(qn + off)[f];
-            reinterpret_cast<float4*>(ks[tt])[f] = reinterpret_cast<const float4*>(kn + off)[f];
+    const float* vsrc = conv + 2 * key_dim + (size_t)n * dv + c0;
+    float pv[NV];
+    float pb = 0.f, pa = 0.f;
+    // Starts the copies of block tb into buffer bf (q/k by cp.async, v and raw gates to registers).
+    auto issue = [&](int tb, int bf) {
+        const int nt = min(TB, T - tb);
+        for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
+            const int tt = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            const int d = (i / R) * RS + (i % R);
+            const size_t off = (size_t)(tb + tt) * key_dim + kh * DK + i;
+            cp_async16(&qs[bf][tt][d], qn + off);
+            cp_async16(&ks[bf][tt][d], kn + off);
         }
-        __syncwarp();
+        cp_async_commit();
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j, tt = idx / BC, cc = idx % BC;
+            pv[j] = (tt < nt && c0 + cc < dv) ? vsrc[(size_t)(tb + tt) * C + cc] : 0.f;
+        }
+        if (tid < nt) {
+            pb = braw[(size_t)(tb + tid) * nv + n];
+            pa = araw[(size_t)(tb + tid) * nv + n];
+        }
+    };
+    // Completes block tb in buffer bf: waits for its copies, stores v and the gates. Ends synced.
+    auto stage = [&](int tb, int bf) {
+        const int nt = min(TB, T - tb);
+        cp_async_wait_all();
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j;
+            vs[bf][idx / BC][idx % BC] = pv[j];
+        }
+        if (tid < nt) {
+            gb[bf][tid] = sigmoid_f(pb);
+            ga[bf][tid] = expf(nega * softplus_f(pa + dtb));
+        }
+        __syncthreads();
+    };
+    issue(0, 0);
+    stage(0, 0);
+    if (TB < T) issue(TB, 1);
+    // p = S_0^T k_0.
+    float p;
+    {
+        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][part * RS]);
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int f = 0; f < R / 4; ++f) {
+            const float4 kk = k4[f];
+            a0 = fmaf(sreg[4 * f], kk.x, a0);
+            a1 = fmaf(sreg[4 * f + 1], kk.y, a1);
+            a2 = fmaf(sreg[4 * f + 2], kk.z, a2);
+            a3 = fmaf(sreg[4 * f + 3], kk.w, a3);
+        }
+        p = (a0 + a1) + (a2 + a3);
+#pragma unroll
+        for (int m = 1; m < PARTS; m <<= 1) p += __shfl_xor_sync(0xffffffffu, p, m);
+    }
+    int bf = 0;
+    for (int tb = 0; tb < T; tb += TB) {
+        const int nt = min(TB, T - tb);
+        const bool more = tb + TB < T;
         for (int tt = 0; tt < nt; ++tt) {
-            const int t = tb + tt;
-            const float beta = sigmoid_f(braw[(size_t)t * nv + n]);
-            const float g = nega * softplus_f(araw[(size_t)t * nv + n] + dtb);
-            const float alpha = expf(g);
-            const float v = conv[(size_t)t * C + 2 * key_dim + n * dv + c];
-            const float4* k4 = reinterpret_cast<const float4*>(ks[tt]);
-            const float4* q4 = reinterpret_cast<const float4*>(qs[tt]);
-            float kv0 = 0.f, kv1 = 0.f, kv2 = 0.f, kv3 = 0.f;
+            const bool last = tt == nt - 1;
+            if (last && more) stage(tb + TB, bf ^ 1);  // the next token's k lives there
+            const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
+            const float delta = beta * (v - alpha * p);
+            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
+            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
+            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][part * RS]
+                                                                    : &ks[bf][tt + 1][part * RS]);
+            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
 #pragma unroll
-            for (int f = 0; f < DK / 4; ++f) {
-                float4 kk = k4[f];
-                sreg[4 * f] *= alpha;
-                sreg[4 * f + 1] *= alpha;
-                sreg[4 * f + 2] *= alpha;
-                sreg[4 * f + 3] *= alpha;
-                kv0 = fmaf(sreg[4 * f], kk.x, kv0);
-                kv1 = fmaf(sreg[4 * f + 1], kk.y, kv1);
-                kv2 = fmaf(sreg[4 * f + 2], kk.z, kv2);
-                kv3 = fmaf(sreg[4 * f + 3], kk.w, kv3);
-            }
-            const float delta = beta * (v - ((kv0 + kv1) + (kv2 + kv3)));
-            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-#pragma unroll
-            for (int f = 0; f < DK / 4; ++f) {
-                float4 kk = k4[f], qq = q4[f];
-                sreg[4 * f] = fmaf(kk.x, delta, sreg[4 * f]);
-                sreg[4 * f + 1] = fmaf(kk.y, delta, sreg[4 * f + 1]);
-                sreg[4 * f + 2] = fmaf(kk.z, delta, sreg[4 * f + 2]);
-                sreg[4 * f + 3] = fmaf(kk.w, delta, sreg[4 * f + 3]);
+            for (int f = 0; f < R / 4; ++f) {
+                const float4 kk = k4[f], qq = q4[f], nn = n4[f];
+                sreg[4 * f] = fmaf(sreg[4 * f], alpha, kk.x * delta);
+                sreg[4 * f + 1] = fmaf(sreg[4 * f + 1], alpha, kk.y * delta);
+                sreg[4 * f + 2] = fmaf(sreg[4 * f + 2], alpha, kk.z * delta);
+                sreg[4 * f + 3] = fmaf(sreg[4 * f + 3], alpha, kk.w * delta);
                 o0 = fmaf(sreg[4 * f], qq.x, o0);
                 o1 = fmaf(sreg[4 * f + 1], qq.y, o1);
                 o2 = fmaf(sreg[4 * f + 2], qq.z, o2);
                 o3 = fmaf(sreg[4 * f + 3], qq.w, o3);
+                p0 = fmaf(sreg[4 * f], nn.x, p0);
+                p1 = fmaf(sreg[4 * f + 1], nn.y, p1);
+                p2 = fmaf(sreg[4 * f + 2], nn.z, p2);
+                p3 = fmaf(sreg[4 * f + 3], nn.w, p3);
             }
-            o[(size_t)t * nv * dv + n * dv + c] = (o0 + o1) + (o2 + o3);
-        }
-    }
+            float ov = (o0 + o1) + (o2 + o3);
+            p = (p0 + p1) + (p2 + p3);
 #pragma unroll
-    for (int i = 0; i < DK; ++i) S[(size_t)i * dv + c] = sreg[i];
+            for (int m = 1; m < PARTS; m <<= 1) {
+                ov += __shfl_xor_sync(0xffffffffu, ov, m);
+                p += __shfl_xor_sync(0xffffffffu, p, m);
+            }
+            if (part == 0 && cvalid) o[(size_t)(tb + tt) * nv * dv + (size_t)n * dv + c] = ov;
+        }
+        __syncthreads();  // buffer bf is free again
+        if (tb + 2 * TB < T) issue(tb + 2 * TB, bf);
+        bf ^= 1;
+    }
+    if (cvalid) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) S[(size_t)(part * R + i) * dv + c] = sreg[i];
+    }
 }
 
 #define PF_GDN_SCAN(DK)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32) pf_gdn_scan_##DK(                                            \
+    extern "C" __global__ void __launch_bounds__(128) pf_gdn_scan_##DK(                                           \
         const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
         const float* dt_bias, const float* neg_a, float* state, float* o, int T, int nk, int nv, int dv, int C) {   \
         gdn_scan<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, state, o, T, nk, nv, dv, C);                        \
@@ -445,6 +787,179 @@ PF_ATTN(64)
 PF_ATTN(128)
 PF_ATTN(256)
 
+// Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
+// block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
+// head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
+// 64 keys, K and V are read from the f32 cache, rounded to bf16 into shared memory; S = Q K^T
+// and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
+// softmax in exp2. grid (ceil(T / (64/group)), nkv), block 128, dynamic smem 3*64*(HD+8) bf16.
+#define PFA_LD(HD) ((HD) + 8)
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <int HD>
+__device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
+                           const float* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                           float* __restrict__ out) {
+    constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
+    extern __shared__ __align__(16) u16 pfa_tc_sm[];
+    u16* Qs = pfa_tc_sm;
+    u16* Ks = Qs + 64 * LD;
+    u16* Vs = Ks + 64 * LD;
+    const int group = nh / nkv, qt = 64 / group;
+    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const size_t kv_dim = (size_t)nkv * HD;
+    const float qscale = scale * 1.4426950408889634f;
+    for (int idx = tid; idx < 64 * F4; idx += 128) {
+        const int r = idx / F4, f = idx % F4;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        uint2 pk;
+        pk.x = pack_bf16(v.x * qscale, v.y * qscale);
+        pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        *reinterpret_cast<uint2*>(Qs + r * LD + f * 4) = pk;
+    }
+    // This lane's two rows (g and g+8 of the warp's 16) and their query positions.
+    const int g = lane >> 2;
+    int pq[2];
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int t = tok0 + (warp * 16 + g + 8 * hv) / group;
+        pq[hv] = t < T ? pos0 + t : -1;
+    }
+    const int warp_last_t = min(T - 1, tok0 + (warp * 16 + 15) / group);
+    const int warp_pq = pos0 + warp_last_t;
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
+    const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
+    const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
+    for (int kt = 0; kt < nkeys; kt += 64) {
+        __syncthreads();
+#pragma unroll 8
+        for (int idx = tid; idx < 64 * F4; idx += 128) {
+            const int kr = idx / F4, f = idx % F4, p = kt + kr;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            if (p < nkeys) {
+                kv = reinterpret_cast<const float4*>(kc + (size_t)p * kv_dim + kvh * HD)[f];
+                vv = reinterpret_cast<const float4*>(vc + (size_t)p * kv_dim + kvh * HD)[f];
+            }
+            uint2 a, b;
+            a.x = pack_bf16(kv.x, kv.y);
+            a.y = pack_bf16(kv.z, kv.w);
+            b.x = pack_bf16(vv.x, vv.y);
+            b.y = pack_bf16(vv.z, vv.w);
+            *reinterpret_cast<uint2*>(Ks + kr * LD + f * 4) = a;
+            *reinterpret_cast<uint2*>(Vs + kr * LD + f * 4) = b;
+        }
+        __syncthreads();
+        if (kt > warp_pq) continue;  // every row of this warp is before the whole tile
+        float s[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(q_addr + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(k_addr + (np * 16 * LD + ks * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(s[2 * np], a, b0, b1);
+                mma_bf16(s[2 * np + 1], a, b2, b3);
+            }
+        }
+        // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
+        float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
+                mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
+            }
+        float base[2], corr[2];
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+            const float mn = fmaxf(m[hv], mt[hv]);
+            base[hv] = mn == NEG_INF ? 0.f : mn;
+            corr[hv] = exp2f(m[hv] - base[hv]);
+            m[hv] = mn;
+            l[hv] *= corr[hv];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            o[nt][0] *= corr[0];
+            o[nt][1] *= corr[0];
+            o[nt][2] *= corr[1];
+            o[nt][3] *= corr[1];
+        }
+        u32 pa[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
+            const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+            pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(v_addr + (kk * 16 * LD + dp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], pa[kk], b0, b1);
+                mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
+            }
+        }
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 1);
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 2);
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int r = warp * 16 + g + 8 * hv;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        const float il = 1.f / l[hv];
+        const size_t rb = ((size_t)t * nh + h) * HD;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
+                out[idx] = (o[nt][hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
+            }
+    }
+}
+
+#define PF_ATTN_TC(HD)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD(const float* q, const float* gate,          \
+                                                                      const float* kc, const float* vc, int T,    \
+                                                                      int pos0, int nh, int nkv, float scale,     \
+                                                                      float* out) {                                \
+        pf_attn_tc<HD>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                             \
+    }
+PF_ATTN_TC(64)
+PF_ATTN_TC(128)
+PF_ATTN_TC(256)
+
 // ---------------------------------------------------------------------------------------------
 // MoE.
 // Routing: one warp per token: softmax top-k (ties -> lower id), renormalised weights, sorted by
@@ -500,12 +1015,31 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
-// Exclusive scan of the per-expert counts (E <= 512, one thread: trivial work); zeroes `fill`.
+// Exclusive scan of the per-expert counts (E <= 512; counts staged in shared memory, the scan
+// itself is one thread: trivial work); zeroes `fill`. When `tiles` is set it also lists the
+// (expert, first token) tiles of 64 tokens for pf_gemm_tc's grouped mode: tiles[0] = count.
+// block 256.
 extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
-                                   int* __restrict__ fill) {
+                                   int* __restrict__ fill, int* __restrict__ tiles) {
+    __shared__ int c[512];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        c[e] = counts[e];
+        fill[e] = 0;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) { offsets[e] = acc; acc += counts[e]; fill[e] = 0; }
+        int acc = 0, nt = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = acc;
+            acc += c[e];
+            if (tiles)
+                for (int t0 = 0; t0 < c[e]; t0 += TC_BN) {
+                    tiles[1 + 2 * nt] = e;
+                    tiles[2 + 2 * nt] = t0;
+                    ++nt;
+                }
+        }
+        if (tiles) tiles[0] = nt;
     }
 }
 

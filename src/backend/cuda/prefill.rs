@@ -18,9 +18,7 @@ use super::CudaBackend;
 use crate::backend::{LogitsWanted, Sequence};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -32,6 +30,8 @@ pub const SOURCE: &str = include_str!("../../../kernels/prefill.cu");
 /// Entry points of kernels/prefill.cu.
 pub const ENTRIES: &[&str] = &[
     "pf_gemm",
+    "pf_gemm_tc",
+    "pf_gemm_skinny",
     "pf_embed",
     "pf_rmsnorm",
     "pf_gdn_conv",
@@ -45,6 +45,9 @@ pub const ENTRIES: &[&str] = &[
     "pf_attn_64",
     "pf_attn_128",
     "pf_attn_256",
+    "pf_attn_tc_64",
+    "pf_attn_tc_128",
+    "pf_attn_tc_256",
     "pf_route",
     "pf_scan",
     "pf_scatter",
@@ -58,6 +61,8 @@ pub(crate) struct Kern {
     stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     _module: Arc<CudaModule>,
+    /// Activation scratch kept across calls (grown when a call needs more).
+    bufs: Mutex<Option<Buf>>,
 }
 
 impl Kern {
@@ -105,6 +110,12 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
         funcs.insert(e, f);
     }
     // Kernels over 48 KiB of dynamic shared memory need the opt-in.
+    funcs["pf_gemm_tc"]
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GEMM_TC_SMEM as i32,
+        )
+        .map_err(|e| anyhow!("pf_gemm_tc: shared memory opt-in: {e:?}"))?;
     for hd in [64usize, 128, 256] {
         funcs[format!("pf_attn_{hd}").as_str()]
             .set_attribute(
@@ -112,12 +123,19 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
                 attn_smem(hd) as i32,
             )
             .map_err(|e| anyhow!("pf_attn_{hd}: shared memory opt-in: {e:?}"))?;
+        funcs[format!("pf_attn_tc_{hd}").as_str()]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attn_tc_smem(hd) as i32,
+            )
+            .map_err(|e| anyhow!("pf_attn_tc_{hd}: shared memory opt-in: {e:?}"))?;
     }
     let k = Arc::new(Kern {
         ctx: gpu.ctx.clone(),
         stream: gpu.stream.clone(),
         funcs,
         _module: module,
+        bufs: Mutex::new(None),
     });
     list.push(k.clone());
     Ok(k)
@@ -145,6 +163,10 @@ pub fn supported(cfg: &ModelConfig) -> bool {
 
 /// Activations of one chunk, token-major.
 struct Buf {
+    /// What it was sized for: the model, tokens per chunk, logit rows.
+    cfg: ModelConfig,
+    cap: usize,
+    cap_rows: usize,
     tokens: CudaSlice<i32>,
     x: CudaSlice<f32>,
     u: CudaSlice<f32>,
@@ -169,6 +191,8 @@ struct Buf {
     offsets: CudaSlice<i32>,
     fill: CudaSlice<i32>,
     list: CudaSlice<i32>,
+    /// pf_scan's tile list for the tensor-core grouped GEMM: [count, (expert, first token)...].
+    tiles: CudaSlice<i32>,
     g: CudaSlice<f32>,
     up: CudaSlice<f32>,
     d: CudaSlice<f32>,
@@ -185,6 +209,9 @@ impl Buf {
         let k = cfg.num_experts_per_tok;
         let e = cfg.num_experts;
         Ok(Buf {
+            cfg: cfg.clone(),
+            cap: n,
+            cap_rows: logit_rows.max(1),
             tokens: i(n)?,
             x: f(cfg.hidden_size)?,
             u: f(cfg.hidden_size)?,
@@ -209,6 +236,7 @@ impl Buf {
             offsets: i(e)?,
             fill: i(e)?,
             list: i(n * k)?,
+            tiles: i(1 + 2 * max_tiles(n, cfg))?,
             g: f(k * cfg.moe_intermediate_size)?,
             up: f(k * cfg.moe_intermediate_size)?,
             d: f(k * cfg.hidden_size)?,
@@ -220,6 +248,14 @@ impl Buf {
     }
 }
 
+/// pf_gemm_tc's double-buffered bf16 tiles: 2 x (128 rows + 64 tokens) x (64 + 8 padding).
+const GEMM_TC_SMEM: usize = 2 * (128 + 64) * 72 * 2;
+
+/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens.
+fn max_tiles(n: usize, cfg: &ModelConfig) -> usize {
+    (n * cfg.num_experts_per_tok).div_ceil(64) + cfg.num_experts
+}
+
 /// Per-expert token lists for a grouped GEMM.
 #[derive(Clone, Copy)]
 struct Grouped {
@@ -228,6 +264,233 @@ struct Grouped {
     offsets: u64,
     list: u64,
     xdiv: usize,
+    /// pf_scan's tile list and its capacity (tensor-core path).
+    tiles: u64,
+    max_tiles: usize,
+}
+
+/// LILY_PREFILL_F32=1: the f32 FMA GEMMs (exact to rounding against the CPU reference) instead
+/// of the bf16 tensor-core ones.
+pub fn exact_from_env() -> bool {
+    std::env::var("LILY_PREFILL_F32").is_ok_and(|v| v == "1")
+}
+
+/// Whether the tensor-core GEMM covers this matrix (k-tiles of 64 columns, one scale per
+/// 32-column half tile).
+fn tc_ok(q: &DevQ, group: usize) -> bool {
+    q.cols.is_multiple_of(64) && group.is_multiple_of(32) && (q.bits == 4 || q.bits == 8)
+}
+
+/// `y[t][0..rows] (+)= W · x[t]` through the tensor-core kernel; with `up`, the fused
+/// `silu(W·x) * (Up·x)` (rows of both). Grouped: per-expert tiles from pf_scan.
+#[allow(clippy::too_many_arguments)]
+fn gemm_tc(
+    kern: &Kern,
+    gpu: &Gpu,
+    q: &DevQ,
+    up: Option<&DevQ>,
+    rows: usize,
+    group: usize,
+    x: u64,
+    ntok: usize,
+    y: u64,
+    ldy: usize,
+    accumulate: bool,
+    grouped: Option<Grouped>,
+) -> Result<()> {
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let (gy, counts, offsets, list, tiles, xdiv) = match grouped {
+        Some(g) => (g.max_tiles, g.counts, g.offsets, g.list, g.tiles, g.xdiv),
+        None => (ntok.div_ceil(64), 0, 0, 0, 0, 1),
+    };
+    let bm = if up.is_some() { 64 } else { 128 };
+    kern.launch(
+        "pf_gemm_tc",
+        (rows.div_ceil(bm) as u32, gy as u32, 1),
+        256,
+        GEMM_TC_SMEM as u32,
+        &[
+            Arg::P(w),
+            Arg::P(s),
+            Arg::P(b),
+            Arg::P(w2),
+            Arg::P(s2),
+            Arg::P(b2),
+            Arg::I(q.bits as i32),
+            Arg::I(rows as i32),
+            Arg::I(q.cols as i32),
+            Arg::I(group as i32),
+            Arg::P(x),
+            Arg::I(ntok as i32),
+            Arg::P(y),
+            Arg::I(ldy as i32),
+            Arg::I(accumulate as i32),
+            Arg::P(counts),
+            Arg::P(offsets),
+            Arg::P(list),
+            Arg::P(tiles),
+            Arg::I(xdiv as i32),
+        ],
+    )
+}
+
+/// The GEMM dispatcher of one forward call: tensor cores unless `exact` (or the matrix does not
+/// fit the tensor-core tiling).
+struct Mm<'a> {
+    kern: &'a Kern,
+    gpu: &'a Gpu,
+    group: usize,
+    exact: bool,
+}
+
+impl Mm<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        q: &DevQ,
+        rows: usize,
+        x: u64,
+        ntok: usize,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+        grouped: Option<Grouped>,
+    ) -> Result<()> {
+        if !self.exact && tc_ok(q, self.group) {
+            gemm_tc(
+                self.kern, self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate,
+                grouped,
+            )
+        } else {
+            gemm(
+                self.kern, self.gpu, q, rows, self.group, x, ntok, y, ldy, accumulate, grouped,
+            )
+        }
+    }
+
+    /// f32 whatever the mode, for the few-row GEMMs whose outputs pick experts and gates (router,
+    /// shared-expert gate, GDN b/a): pf_gemm_skinny, one block per token (the 128-row tiles of
+    /// pf_gemm would leave most of the GPU idle on them).
+    fn exact(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
+        let (w, s, b) = q.ptrs(self.gpu);
+        let smem = (q.cols + q.cols / self.group + 33) * 4;
+        if smem > 48 * 1024 || !q.cols.is_multiple_of(32) {
+            return gemm(
+                self.kern, self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None,
+            );
+        }
+        self.kern.launch(
+            "pf_gemm_skinny",
+            (ntok as u32, rows.div_ceil(256) as u32, 1),
+            256,
+            smem as u32,
+            &[
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::I(q.bits as i32),
+                Arg::I(rows as i32),
+                Arg::I(q.cols as i32),
+                Arg::I(self.group as i32),
+                Arg::P(x),
+                Arg::P(y),
+                Arg::I(ldy as i32),
+            ],
+        )
+    }
+
+    /// `out = silu(gate·x) * (up·x)` (`tmp`: room for the up projection on the f32 path).
+    #[allow(clippy::too_many_arguments)]
+    fn glu(
+        &self,
+        gate: &DevQ,
+        up: &DevQ,
+        rows: usize,
+        x: u64,
+        ntok: usize,
+        out: u64,
+        tmp: u64,
+        slots: usize,
+        grouped: Option<Grouped>,
+    ) -> Result<()> {
+        if !self.exact && tc_ok(gate, self.group) && tc_ok(up, self.group) && gate.bits == up.bits {
+            return gemm_tc(
+                self.kern,
+                self.gpu,
+                gate,
+                Some(up),
+                rows,
+                self.group,
+                x,
+                ntok,
+                out,
+                rows,
+                false,
+                grouped,
+            );
+        }
+        gemm(
+            self.kern, self.gpu, gate, rows, self.group, x, ntok, out, rows, false, grouped,
+        )?;
+        gemm(
+            self.kern, self.gpu, up, rows, self.group, x, ntok, tmp, rows, false, grouped,
+        )?;
+        swiglu(self.kern, out, tmp, slots * rows)
+    }
+}
+
+/// LILY_CUDA_PROFILE=1: an event after every phase of the prefill, summed per phase name and
+/// printed (stderr) at the end of each forward call.
+struct Prof {
+    marks: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+}
+
+impl Prof {
+    fn new(gpu: &Gpu) -> Result<Self> {
+        let on = std::env::var("LILY_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let mut p = Prof {
+            marks: on.then(Vec::new),
+        };
+        p.mark(gpu, "start")?;
+        Ok(p)
+    }
+
+    fn mark(&mut self, gpu: &Gpu, name: &'static str) -> Result<()> {
+        if let Some(m) = self.marks.as_mut() {
+            let ev = gpu
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow!("{e:?}"))?;
+            ev.record(&gpu.stream).map_err(|e| anyhow!("{e:?}"))?;
+            m.push((name, ev));
+        }
+        Ok(())
+    }
+
+    fn report(&self, gpu: &Gpu, tokens: usize) -> Result<()> {
+        let Some(m) = &self.marks else {
+            return Ok(());
+        };
+        gpu.sync()?;
+        let mut phases: Vec<(&'static str, f64)> = Vec::new();
+        for w in m.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(|e| anyhow!("{e:?}"))? as f64;
+            match phases.iter_mut().find(|(n, _)| *n == w[1].0) {
+                Some(e) => e.1 += ms,
+                None => phases.push((w[1].0, ms)),
+            }
+        }
+        let total: f64 = phases.iter().map(|(_, t)| t).sum();
+        eprintln!(
+            "lily: CUDA prefill profile, {tokens} tokens: {total:.2} ms GPU ({:.0} tok/s)",
+            tokens as f64 / (total / 1000.0)
+        );
+        for (name, t) in &phases {
+            eprintln!("  {name:<14} {t:>9.3} ms  {:>5.1}%", 100.0 * t / total);
+        }
+        Ok(())
+    }
 }
 
 /// `y[t][0..rows] (+)= W[rows of expert e] · x[t]` (see `pf_gemm`). `ntok`: tokens (dense) or the
@@ -309,6 +572,11 @@ fn attn_smem(hd: usize) -> usize {
     (64 * hd + 32 * (hd + 4) + 32 * hd) * 4
 }
 
+/// Q, K and V tiles of 64 rows in bf16 with 8 columns of padding (pf_attn_tc).
+fn attn_tc_smem(hd: usize) -> usize {
+    3 * 64 * (hd + 8) * 2
+}
+
 /// GDN scan launch (also used by the test hook).
 #[allow(clippy::too_many_arguments)]
 fn gdn_scan(
@@ -335,7 +603,9 @@ fn gdn_scan(
         Arg::I(dv as i32),
         Arg::I(c as i32),
     ]);
-    kern.launch(name, (nv as u32, (dv / 32) as u32, 1), 32, 0, &args)
+    // Columns per block: 4 warps x 32 / PARTS (PARTS = lanes per state column, see gdn_scan).
+    let bc = 4 * 32 / (dk / 16).clamp(2, 8);
+    kern.launch(name, (nv as u32, dv.div_ceil(bc) as u32, 1), 128, 0, &args)
 }
 
 /// Runs `tokens` (already validated: in vocabulary, room in the sequence) through the model in
@@ -347,6 +617,18 @@ pub fn forward(
     wanted: LogitsWanted,
     chunk: usize,
 ) -> Result<Vec<f32>> {
+    forward_mode(b, seq, tokens, wanted, chunk, exact_from_env())
+}
+
+/// [`forward`] with the GEMM precision chosen by the caller (`exact`: f32 FMA GEMMs).
+pub fn forward_mode(
+    b: &mut CudaBackend,
+    seq: &mut Sequence,
+    tokens: &[u32],
+    wanted: LogitsWanted,
+    chunk: usize,
+    exact: bool,
+) -> Result<Vec<f32>> {
     let cfg = b.cfg.clone();
     let gpu = &b.gpu;
     let chunk = chunk.max(1);
@@ -355,9 +637,22 @@ pub fn forward(
         LogitsWanted::All => nmax.min(LOGIT_ROWS),
         _ => 1,
     };
-    let mut buf = Buf::new(gpu, &cfg, nmax, logit_rows)?;
     let kern = kernels(gpu)?;
     let kern = &*kern;
+    let mut cached = kern.bufs.lock().unwrap_or_else(|e| e.into_inner());
+    let fits = cached
+        .as_ref()
+        .is_some_and(|c| c.cfg == cfg && c.cap >= nmax && c.cap_rows >= logit_rows);
+    if !fits {
+        let (cap, rows) = match cached.as_ref() {
+            Some(c) if c.cfg == cfg => (c.cap.max(nmax), c.cap_rows.max(logit_rows)),
+            _ => (nmax, logit_rows),
+        };
+        *cached = None; // free the old scratch before allocating the new one
+        *cached = Some(Buf::new(gpu, &cfg, cap, rows)?);
+    }
+    let buf = cached.as_mut().unwrap();
+    let mut prof = Prof::new(gpu)?;
     let mut out = Vec::new();
     let mut start = 0;
     while start < tokens.len() {
@@ -368,7 +663,16 @@ pub fn forward(
         gpu.stream
             .memcpy_htod(&ids, &mut buf.tokens)
             .map_err(|e| anyhow!("token upload: {e:?}"))?;
-        run_chunk(kern, b, seq.state_mut::<CudaSequence>(), &mut buf, n, pos0)?;
+        run_chunk(
+            kern,
+            b,
+            seq.state_mut::<CudaSequence>(),
+            buf,
+            n,
+            pos0,
+            exact,
+            &mut prof,
+        )?;
         let gpu = &b.gpu;
         let st = &gpu.stream;
         let h = cfg.hidden_size;
@@ -381,18 +685,21 @@ pub fn forward(
             _ => None,
         };
         if let Some((r0, r1)) = rows {
+            let mm = Mm {
+                kern,
+                gpu,
+                group,
+                exact,
+            };
             let mut r = r0;
             while r < r1 {
                 let m = (r1 - r).min(logit_rows);
                 let xr = ptr(&buf.x, st) + (r * h * 4) as u64;
                 let ur = ptr(&buf.u, st);
                 rmsnorm(kern, xr, ptr(&b.w.final_norm, st), ur, m, h, eps)?;
-                gemm(
-                    kern,
-                    gpu,
+                mm.run(
                     &b.w.lm_head,
                     vocab,
-                    group,
                     ur,
                     m,
                     ptr(&buf.logits, st),
@@ -400,6 +707,7 @@ pub fn forward(
                     false,
                     None,
                 )?;
+                prof.mark(gpu, "head")?;
                 let mut host = vec![0.0f32; m * vocab];
                 st.memcpy_dtoh(&buf.logits.slice(0..m * vocab), &mut host)
                     .map_err(|e| anyhow!("CUDA error during prefill: {e:?}"))?;
@@ -412,11 +720,13 @@ pub fn forward(
         start += n;
     }
     b.gpu.sync()?;
+    prof.report(&b.gpu, tokens.len())?;
     Ok(out)
 }
 
 /// All layers for one chunk of `n` tokens at positions `pos0..pos0+n` (tokens already in
 /// `buf.tokens`); the final hidden states end up in `buf.x`.
+#[allow(clippy::too_many_arguments)]
 fn run_chunk(
     kern: &Kern,
     b: &CudaBackend,
@@ -424,6 +734,8 @@ fn run_chunk(
     buf: &mut Buf,
     n: usize,
     pos0: usize,
+    exact: bool,
+    prof: &mut Prof,
 ) -> Result<()> {
     let gpu = &b.gpu;
     let cfg = &b.cfg;
@@ -431,6 +743,12 @@ fn run_chunk(
     let h = cfg.hidden_size;
     let eps = cfg.rms_norm_eps as f32;
     let group = cfg.quant.group_size;
+    let mm = Mm {
+        kern,
+        gpu,
+        group,
+        exact,
+    };
     let p = |s: &CudaSlice<f32>| ptr(s, st);
     let (x, u) = (p(&buf.x), p(&buf.u));
     let e = &b.w.embed;
@@ -451,6 +769,7 @@ fn run_chunk(
             Arg::P(x),
         ],
     )?;
+    prof.mark(gpu, "embed")?;
     let (nk, nv, dk, dv) = (
         cfg.linear_num_key_heads,
         cfg.linear_num_value_heads,
@@ -470,62 +789,17 @@ fn run_chunk(
         cfg.moe_intermediate_size,
         cfg.shared_expert_intermediate_size,
     );
+    let mtiles = max_tiles(n, cfg);
     for (li, lw) in b.w.layers.iter().enumerate() {
         rmsnorm(kern, x, p(&lw.input_norm), u, n, h, eps)?;
+        prof.mark(gpu, "norm")?;
         match (&lw.mixer, &seq.layers[li]) {
             (DevMixer::Gdn(g), DevLayerState::Gdn { ring, state }) => {
-                gemm(
-                    kern,
-                    gpu,
-                    &g.in_qkv,
-                    cdim,
-                    group,
-                    u,
-                    n,
-                    p(&buf.qkv),
-                    cdim,
-                    false,
-                    None,
-                )?;
-                gemm(
-                    kern,
-                    gpu,
-                    &g.in_z,
-                    vd,
-                    group,
-                    u,
-                    n,
-                    p(&buf.z),
-                    vd,
-                    false,
-                    None,
-                )?;
-                gemm(
-                    kern,
-                    gpu,
-                    &g.in_b,
-                    nv,
-                    group,
-                    u,
-                    n,
-                    p(&buf.gb),
-                    nv,
-                    false,
-                    None,
-                )?;
-                gemm(
-                    kern,
-                    gpu,
-                    &g.in_a,
-                    nv,
-                    group,
-                    u,
-                    n,
-                    p(&buf.ga),
-                    nv,
-                    false,
-                    None,
-                )?;
+                mm.run(&g.in_qkv, cdim, u, n, p(&buf.qkv), cdim, false, None)?;
+                mm.run(&g.in_z, vd, u, n, p(&buf.z), vd, false, None)?;
+                mm.exact(&g.in_b, nv, u, n, p(&buf.gb), nv)?;
+                mm.exact(&g.in_a, nv, u, n, p(&buf.ga), nv)?;
+                prof.mark(gpu, "gdn.proj")?;
                 kern.launch(
                     "pf_gdn_conv",
                     (cdim.div_ceil(256) as u32, n as u32, 1),
@@ -570,6 +844,7 @@ fn run_chunk(
                         Arg::P(p(&buf.kn)),
                     ],
                 )?;
+                prof.mark(gpu, "gdn.conv")?;
                 gdn_scan(
                     kern,
                     dk,
@@ -590,6 +865,7 @@ fn run_chunk(
                     dv,
                     cdim,
                 )?;
+                prof.mark(gpu, "gdn.scan")?;
                 kern.launch(
                     "pf_gdn_norm",
                     (n as u32, nv as u32, 1),
@@ -605,7 +881,9 @@ fn run_chunk(
                         Arg::F(eps),
                     ],
                 )?;
-                gemm(kern, gpu, &g.out, h, group, p(&buf.y), n, x, h, true, None)?;
+                prof.mark(gpu, "gdn.norm")?;
+                mm.run(&g.out, h, p(&buf.y), n, x, h, true, None)?;
+                prof.mark(gpu, "gdn.out")?;
             }
             (
                 DevMixer::Attn(a),
@@ -616,45 +894,10 @@ fn run_chunk(
             ) => {
                 let qrows = cfg.q_proj_rows();
                 let kvd = cfg.kv_dim();
-                gemm(
-                    kern,
-                    gpu,
-                    &a.q,
-                    qrows,
-                    group,
-                    u,
-                    n,
-                    p(&buf.qkv),
-                    qrows,
-                    false,
-                    None,
-                )?;
-                gemm(
-                    kern,
-                    gpu,
-                    &a.k,
-                    kvd,
-                    group,
-                    u,
-                    n,
-                    p(&buf.kr),
-                    kvd,
-                    false,
-                    None,
-                )?;
-                gemm(
-                    kern,
-                    gpu,
-                    &a.v,
-                    kvd,
-                    group,
-                    u,
-                    n,
-                    p(&buf.vr),
-                    kvd,
-                    false,
-                    None,
-                )?;
+                mm.run(&a.q, qrows, u, n, p(&buf.qkv), qrows, false, None)?;
+                mm.run(&a.k, kvd, u, n, p(&buf.kr), kvd, false, None)?;
+                mm.run(&a.v, kvd, u, n, p(&buf.vr), kvd, false, None)?;
+                prof.mark(gpu, "attn.proj")?;
                 kern.launch(
                     "pf_attn_prep",
                     (n as u32, (nh + nkv) as u32, 1),
@@ -679,12 +922,18 @@ fn run_chunk(
                         Arg::F(eps),
                     ],
                 )?;
+                prof.mark(gpu, "attn.prep")?;
                 let qt = 64 / (nh / nkv);
+                let (name, threads, smem) = if exact {
+                    (format!("pf_attn_{hd}"), 256, attn_smem(hd))
+                } else {
+                    (format!("pf_attn_tc_{hd}"), 128, attn_tc_smem(hd))
+                };
                 kern.launch(
-                    &format!("pf_attn_{hd}"),
+                    &name,
                     (n.div_ceil(qt) as u32, nkv as u32, 1),
-                    256,
-                    attn_smem(hd) as u32,
+                    threads,
+                    smem as u32,
                     &[
                         Arg::P(p(&buf.q)),
                         Arg::P(p(&buf.gate)),
@@ -698,48 +947,28 @@ fn run_chunk(
                         Arg::P(p(&buf.y)),
                     ],
                 )?;
-                gemm(kern, gpu, &a.o, h, group, p(&buf.y), n, x, h, true, None)?;
+                prof.mark(gpu, "attn.core")?;
+                mm.run(&a.o, h, p(&buf.y), n, x, h, true, None)?;
+                prof.mark(gpu, "attn.out")?;
             }
             _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
         }
         // MoE.
         let m = &lw.moe;
         rmsnorm(kern, x, p(&lw.post_norm), u, n, h, eps)?;
-        gemm(
-            kern,
-            gpu,
-            &m.router,
-            ne,
-            group,
-            u,
-            n,
-            p(&buf.rl),
-            ne,
-            false,
-            None,
-        )?;
-        gemm(
-            kern,
-            gpu,
-            &m.shared_expert_gate,
-            1,
-            group,
-            u,
-            n,
-            p(&buf.sgl),
-            1,
-            false,
-            None,
-        )?;
+        prof.mark(gpu, "norm")?;
+        mm.exact(&m.router, ne, u, n, p(&buf.rl), ne)?;
+        mm.exact(&m.shared_expert_gate, 1, u, n, p(&buf.sgl), 1)?;
         st.memset_zeros(&mut buf.counts)
             .map_err(|e| anyhow!("memset: {e:?}"))?;
-        let (ti, tw, cnt, off, fill, list) = (
+        let (ti, tw, cnt, off, fill, list, tiles) = (
             ptr(&buf.top_ids, st),
             p(&buf.top_w),
             ptr(&buf.counts, st),
             ptr(&buf.offsets, st),
             ptr(&buf.fill, st),
             ptr(&buf.list, st),
+            ptr(&buf.tiles, st),
         );
         kern.launch(
             "pf_route",
@@ -759,9 +988,15 @@ fn run_chunk(
         kern.launch(
             "pf_scan",
             (1, 1, 1),
-            32,
+            256,
             0,
-            &[Arg::P(cnt), Arg::I(ne as i32), Arg::P(off), Arg::P(fill)],
+            &[
+                Arg::P(cnt),
+                Arg::I(ne as i32),
+                Arg::P(off),
+                Arg::P(fill),
+                Arg::P(tiles),
+            ],
         )?;
         kern.launch(
             "pf_scatter",
@@ -776,46 +1011,31 @@ fn run_chunk(
                 Arg::P(list),
             ],
         )?;
+        prof.mark(gpu, "moe.route")?;
         let gr = |xdiv| Grouped {
             experts: ne,
             counts: cnt,
             offsets: off,
             list,
             xdiv,
+            tiles,
+            max_tiles: mtiles,
         };
-        gemm(
-            kern,
-            gpu,
+        mm.glu(
             &m.gate_exps,
+            &m.up_exps,
             inter,
-            group,
             u,
             n,
             p(&buf.g),
-            inter,
-            false,
-            Some(gr(k)),
-        )?;
-        gemm(
-            kern,
-            gpu,
-            &m.up_exps,
-            inter,
-            group,
-            u,
-            n,
             p(&buf.up),
-            inter,
-            false,
+            n * k,
             Some(gr(k)),
         )?;
-        swiglu(kern, p(&buf.g), p(&buf.up), n * k * inter)?;
-        gemm(
-            kern,
-            gpu,
+        prof.mark(gpu, "moe.gate_up")?;
+        mm.run(
             &m.down_exps,
             h,
-            group,
             p(&buf.g),
             n,
             p(&buf.d),
@@ -823,46 +1043,20 @@ fn run_chunk(
             false,
             Some(gr(1)),
         )?;
-        gemm(
-            kern,
-            gpu,
+        prof.mark(gpu, "moe.down")?;
+        mm.glu(
             &m.shared_gate,
-            sinter,
-            group,
-            u,
-            n,
-            p(&buf.sg),
-            sinter,
-            false,
-            None,
-        )?;
-        gemm(
-            kern,
-            gpu,
             &m.shared_up,
             sinter,
-            group,
             u,
             n,
-            p(&buf.su),
-            sinter,
-            false,
-            None,
-        )?;
-        swiglu(kern, p(&buf.sg), p(&buf.su), n * sinter)?;
-        gemm(
-            kern,
-            gpu,
-            &m.shared_down,
-            h,
-            group,
             p(&buf.sg),
+            p(&buf.su),
             n,
-            p(&buf.sh),
-            h,
-            false,
             None,
         )?;
+        mm.run(&m.shared_down, h, p(&buf.sg), n, p(&buf.sh), h, false, None)?;
+        prof.mark(gpu, "shared")?;
         kern.launch(
             "pf_moe_combine",
             (h.div_ceil(256) as u32, n as u32, 1),
@@ -878,6 +1072,7 @@ fn run_chunk(
                 Arg::I(h as i32),
             ],
         )?;
+        prof.mark(gpu, "combine")?;
     }
     Ok(())
 }
@@ -915,12 +1110,159 @@ impl CudaBackend {
         forward(self, seq, tokens, wanted, chunk)
     }
 
+    /// [`Self::prefill_chunked`] with the GEMM precision given (`exact`: the f32 FMA GEMMs, as
+    /// LILY_PREFILL_F32=1) instead of read from the environment.
+    pub fn prefill_mode(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+        chunk: usize,
+        exact: bool,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            bail!("prefill called with no tokens");
+        }
+        if !supported(&self.cfg) {
+            bail!("the batched prefill does not support this model's shapes");
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary");
+        }
+        seq.check_room(tokens.len())?;
+        forward_mode(self, seq, tokens, wanted, chunk, exact)
+    }
+
+    /// The grouped (MoE) GEMM as the prefill runs it: `q` stacks `experts` matrices of
+    /// `q.rows / experts` rows; token t's k-th slot (`ids[t*k + j]`, distinct per token) gets
+    /// `W_e · x[t]`, or with `up` the fused `silu(W_e·x) * (Up_e·x)`. Returns `[tokens*k][rows]`.
+    /// `exact`: the f32 kernel, else the tensor-core one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_grouped_gemm_host(
+        &self,
+        q: &crate::checkpoint::store::QuantTensor,
+        up: Option<&crate::checkpoint::store::QuantTensor>,
+        experts: usize,
+        x: &[f32],
+        tokens: usize,
+        ids: &[u32],
+        k: usize,
+        exact: bool,
+    ) -> Result<Vec<f32>> {
+        let gpu = &self.gpu;
+        let st = &gpu.stream;
+        if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts)
+        {
+            bail!("prefill_grouped_gemm_host: bad shapes");
+        }
+        let rows = q.rows / experts;
+        let kern = kernels(gpu)?;
+        let kern = &*kern;
+        let dq = DevQ::upload(gpu, q)?;
+        let du = match up {
+            Some(u) => Some(DevQ::upload(gpu, u)?),
+            None => None,
+        };
+        let mut counts = vec![0i32; experts];
+        for &e in ids {
+            counts[e as usize] += 1;
+        }
+        let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
+        let mt = (tokens * k).div_ceil(64) + experts;
+        let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
+        let (od, fd, ld) = (
+            gpu.zeros::<i32>(experts)?,
+            gpu.zeros::<i32>(experts)?,
+            gpu.zeros::<i32>(tokens * k)?,
+        );
+        let td = gpu.zeros::<i32>(1 + 2 * mt)?;
+        let pi = |s: &CudaSlice<i32>| ptr(s, st);
+        kern.launch(
+            "pf_scan",
+            (1, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(pi(&cd)),
+                Arg::I(experts as i32),
+                Arg::P(pi(&od)),
+                Arg::P(pi(&fd)),
+                Arg::P(pi(&td)),
+            ],
+        )?;
+        kern.launch(
+            "pf_scatter",
+            ((tokens * k).div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(pi(&idd)),
+                Arg::I((tokens * k) as i32),
+                Arg::P(pi(&od)),
+                Arg::P(pi(&fd)),
+                Arg::P(pi(&ld)),
+            ],
+        )?;
+        let y = gpu.zeros::<f32>(tokens * k * rows)?;
+        let tmp = gpu.zeros::<f32>(tokens * k * rows)?;
+        let g = Grouped {
+            experts,
+            counts: pi(&cd),
+            offsets: pi(&od),
+            list: pi(&ld),
+            xdiv: k,
+            tiles: pi(&td),
+            max_tiles: mt,
+        };
+        let mm = Mm {
+            kern,
+            gpu,
+            group: q.group,
+            exact,
+        };
+        match &du {
+            Some(u) => mm.glu(
+                &dq,
+                u,
+                rows,
+                ptr(&xd, st),
+                tokens,
+                ptr(&y, st),
+                ptr(&tmp, st),
+                tokens * k,
+                Some(g),
+            )?,
+            None => mm.run(
+                &dq,
+                rows,
+                ptr(&xd, st),
+                tokens,
+                ptr(&y, st),
+                rows,
+                false,
+                Some(g),
+            )?,
+        }
+        st.clone_dtoh(&y).map_err(|e| anyhow!("{e:?}"))
+    }
+
     /// `x` is `[tokens][q.cols]`; returns `[tokens][q.rows]` through the prefill GEMM.
     pub fn prefill_gemm_host(
         &self,
         q: &crate::checkpoint::store::QuantTensor,
         x: &[f32],
         tokens: usize,
+    ) -> Result<Vec<f32>> {
+        self.prefill_gemm_host_mode(q, x, tokens, true)
+    }
+
+    /// [`Self::prefill_gemm_host`] through the tensor-core kernel unless `exact`.
+    pub fn prefill_gemm_host_mode(
+        &self,
+        q: &crate::checkpoint::store::QuantTensor,
+        x: &[f32],
+        tokens: usize,
+        exact: bool,
     ) -> Result<Vec<f32>> {
         let gpu = &self.gpu;
         let st = &gpu.stream;
@@ -936,12 +1278,15 @@ impl CudaBackend {
         let dq = DevQ::upload(gpu, q)?;
         let xd = gpu.upload(x)?;
         let y = gpu.zeros::<f32>(tokens * q.rows)?;
-        gemm(
+        let mm = Mm {
             kern,
             gpu,
+            group: q.group,
+            exact,
+        };
+        mm.run(
             &dq,
             q.rows,
-            q.group,
             ptr(&xd, st),
             tokens,
             ptr(&y, st),
@@ -950,6 +1295,65 @@ impl CudaBackend {
             None,
         )?;
         st.clone_dtoh(&y).map_err(|e| anyhow!("{e:?}"))
+    }
+
+    /// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and
+    /// rotated), caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`.
+    /// `exact`: the f32 SIMT kernel, else the tensor-core one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention_host(
+        &self,
+        q: &[f32],
+        gate: &[f32],
+        kc: &[f32],
+        vc: &[f32],
+        t: usize,
+        pos0: usize,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        exact: bool,
+    ) -> Result<Vec<f32>> {
+        let gpu = &self.gpu;
+        let st = &gpu.stream;
+        if ![64, 128, 256].contains(&hd) || 64 % (nh / nkv) != 0 {
+            bail!("prefill_attention_host: unsupported shape");
+        }
+        let kern = kernels(gpu)?;
+        let kern = &*kern;
+        let (qd, gd, kd, vd) = (
+            gpu.upload(q)?,
+            gpu.upload(gate)?,
+            gpu.upload(kc)?,
+            gpu.upload(vc)?,
+        );
+        let od = gpu.zeros::<f32>(t * nh * hd)?;
+        let qt = 64 / (nh / nkv);
+        let (name, threads, smem) = if exact {
+            (format!("pf_attn_{hd}"), 256, attn_smem(hd))
+        } else {
+            (format!("pf_attn_tc_{hd}"), 128, attn_tc_smem(hd))
+        };
+        let pp = |s: &CudaSlice<f32>| ptr(s, st);
+        kern.launch(
+            &name,
+            (t.div_ceil(qt) as u32, nkv as u32, 1),
+            threads,
+            smem as u32,
+            &[
+                Arg::P(pp(&qd)),
+                Arg::P(pp(&gd)),
+                Arg::P(pp(&kd)),
+                Arg::P(pp(&vd)),
+                Arg::I(t as i32),
+                Arg::I(pos0 as i32),
+                Arg::I(nh as i32),
+                Arg::I(nkv as i32),
+                Arg::F(1.0 / (hd as f32).sqrt()),
+                Arg::P(pp(&od)),
+            ],
+        )?;
+        st.clone_dtoh(&od).map_err(|e| anyhow!("{e:?}"))
     }
 
     /// The prefill GDN scan for one value head over T tokens: q, k `[T][dk]` (normalised,
