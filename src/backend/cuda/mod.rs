@@ -38,6 +38,10 @@ pub struct CudaBackend {
     /// LILY_CUDA_PROFILE=1: direct launches with an event after every phase; per-phase GPU time
     /// is accumulated here and printed when the backend is dropped.
     profile: Option<Profile>,
+    /// Prefill GEMM/attention precision: false = bf16 tensor cores (the default), true = the
+    /// f32 FMA kernels that agree with the CPU reference to rounding (LILY_PREFILL_F32=1 at
+    /// start-up, or [`CudaBackend::set_exact_prefill`]).
+    pub(crate) exact_prefill: bool,
 }
 
 #[derive(Default)]
@@ -160,7 +164,14 @@ impl CudaBackend {
             readback: None,
             use_graphs,
             profile,
+            exact_prefill: prefill::exact_from_env(),
         })
+    }
+
+    /// Chooses the prefill precision: `true` for the f32 kernels (exact to rounding against the
+    /// CPU backend, ~3x slower), `false` for the bf16 tensor-core kernels.
+    pub fn set_exact_prefill(&mut self, exact: bool) {
+        self.exact_prefill = exact;
     }
 
     pub fn gpu(&self) -> &Gpu {

@@ -270,7 +270,7 @@ struct Grouped {
 }
 
 /// LILY_PREFILL_F32=1: the f32 FMA GEMMs (exact to rounding against the CPU reference) instead
-/// of the bf16 tensor-core ones.
+/// of the bf16 tensor-core ones. Read once when the backend is made (`CudaBackend::exact_prefill`).
 pub fn exact_from_env() -> bool {
     std::env::var("LILY_PREFILL_F32").is_ok_and(|v| v == "1")
 }
@@ -617,7 +617,8 @@ pub fn forward(
     wanted: LogitsWanted,
     chunk: usize,
 ) -> Result<Vec<f32>> {
-    forward_mode(b, seq, tokens, wanted, chunk, exact_from_env())
+    let exact = b.exact_prefill;
+    forward_mode(b, seq, tokens, wanted, chunk, exact)
 }
 
 /// [`forward`] with the GEMM precision chosen by the caller (`exact`: f32 FMA GEMMs).
