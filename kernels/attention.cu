@@ -13,6 +13,10 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
     extern __shared__ float sm[];
     float* xs = sm;         // hd
     float* red = sm + hd;   // 33
+    // Trigger before waiting: attn_split may then start (and prefetch its K/V rows, which only
+    // depend on earlier steps) while the q|k|v GEMV before this kernel still runs.
+    pdl_trigger();
+    pdl_wait();
     const int h = blockIdx.x, j = threadIdx.x, pos = step[1];
     const bool is_q = h < nh;
     const int kvh = h - nh;
@@ -40,37 +44,70 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
 }
 
 // Split-KV decode attention: grid (kv heads, splits); one warp per q head of the GQA group (so
-// the group's warps read each K/V row once from DRAM and share it through L1). Each split walks
+// the group's warps read each K/V row once from DRAM and share it through L1/L2). Each split walks
 // its slice of positions 0..=pos with an online softmax and writes (max, sum, partial output).
-// Lane owns dims lane, lane + 32, ... (coalesced rows).
+// Lane owns HD/32 dims: float4 pieces (dims t*128 + 4*lane + c) for HD >= 128, a float2 for 64.
+template <int HD>
+__device__ __forceinline__ int attn_dim(int lane, int i) {
+    if constexpr (HD % 128 == 0) return (i >> 2) * 128 + lane * 4 + (i & 3);
+    else return lane * 2 + i;
+}
+template <int HD>
+__device__ __forceinline__ void attn_ld(const float* __restrict__ row, int lane, float (&r)[HD / 32]) {
+    if constexpr (HD % 128 == 0) {
+#pragma unroll
+        for (int t = 0; t < HD / 128; ++t) {
+            float4 v = __ldg(reinterpret_cast<const float4*>(row + t * 128 + lane * 4));
+            r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
+        }
+    } else {
+        float2 v = __ldg(reinterpret_cast<const float2*>(row + lane * 2));
+        r[0] = v.x; r[1] = v.y;
+    }
+}
+
+// Positions prefetched into L2 ahead of the loop (before the PDL wait: rows of earlier steps
+// never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
+#define ATTN_PF 32
+
 template <int HD>
 __device__ void attn_split(const float* __restrict__ q, const float* __restrict__ kcache,
                            const float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
                            int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int P = HD / 32;
+    constexpr int LPR = HD / 32;  // 128-byte lines per K or V row
     const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = nh / nkv, h = kvh * group + warp;
-    if (warp >= group) return;
     const int len = step[1] + 1;
     const int chunk = (len + splits - 1) / splits;
     const int p0 = sp * chunk, p1 = min(len, p0 + chunk);
     const size_t kv_dim = (size_t)nkv * HD;
+    auto pf = [&](int pa, int pb, int t, int nt) {  // lines of positions [pa, pb) over threads t of nt
+        for (int i = t; i < (pb - pa) * 2 * LPR; i += nt) {
+            int pp = pa + i / (2 * LPR), rem = i % (2 * LPR);
+            const float* base = rem < LPR ? kcache : vcache;
+            prefetch_l2(base + (size_t)pp * kv_dim + kvh * HD + (rem % LPR) * 32);
+        }
+    };
+    pf(p0, min(p1, p0 + ATTN_PF), threadIdx.x, blockDim.x);
+    pdl_wait();
+    pdl_trigger();
+    if (warp >= group) return;
     float qr[P], o[P];
 #pragma unroll
-    for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + t * 32 + lane]; o[t] = 0.f; }
+    for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + attn_dim<HD>(lane, t)]; o[t] = 0.f; }
     float m = NEG_INF, l = 0.f;
-    // Four positions per iteration: their K and V rows are loaded together (one DRAM round trip
-    // per 4 positions instead of per position), then one online-softmax update.
+    // Four positions per iteration: their K and V rows are loaded together (one round trip per 4
+    // positions), then one online-softmax update; positions ATTN_PF ahead go into L2 meanwhile.
     constexpr int U = 4;
     int p = p0;
     for (; p + U <= p1; p += U) {
+        if (p + ATTN_PF < p1) pf(p + ATTN_PF, min(p1, p + ATTN_PF + U), threadIdx.x, group * 32);
         float kr[U][P], vr[U][P], sc[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const float* kp = kcache + (size_t)(p + u) * kv_dim + kvh * HD;
-            const float* vp = vcache + (size_t)(p + u) * kv_dim + kvh * HD;
-#pragma unroll
-            for (int t = 0; t < P; ++t) { kr[u][t] = kp[t * 32 + lane]; vr[u][t] = vp[t * 32 + lane]; }
+            attn_ld<HD>(kcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, kr[u]);
+            attn_ld<HD>(vcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, vr[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -93,22 +130,23 @@ __device__ void attn_split(const float* __restrict__ q, const float* __restrict_
         m = mn;
     }
     for (; p < p1; ++p) {
-        const float* kr = kcache + (size_t)p * kv_dim + kvh * HD;
+        float kr[P], vr[P];
+        attn_ld<HD>(kcache + (size_t)p * kv_dim + kvh * HD, lane, kr);
+        attn_ld<HD>(vcache + (size_t)p * kv_dim + kvh * HD, lane, vr);
         float d = 0.f;
 #pragma unroll
-        for (int t = 0; t < P; ++t) d += qr[t] * kr[t * 32 + lane];
+        for (int t = 0; t < P; ++t) d += qr[t] * kr[t];
         float sc = warp_sum(d) * scale;
         float mn = fmaxf(m, sc);
         float corr = expf(m - mn), e = expf(sc - mn);
         l = l * corr + e;
-        const float* vr = vcache + (size_t)p * kv_dim + kvh * HD;
 #pragma unroll
-        for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t * 32 + lane];
+        for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t];
         m = mn;
     }
     size_t base = (size_t)h * splits + sp;
 #pragma unroll
-    for (int t = 0; t < P; ++t) part_o[base * HD + t * 32 + lane] = o[t];
+    for (int t = 0; t < P; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
     if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
 }
 
@@ -125,20 +163,46 @@ extern "C" __global__ void attn_split_64(const float* q, const float* kc, const 
     attn_split<64>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);
 }
 
-// Merges the splits of each q head (grid nh, block hd) and applies the sigmoid output gate.
+// Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
+// 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
+// all splits are in flight together instead of one dependent load per split); the 8 warp sums are
+// added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
+#define ATTN_MAX_SPLITS 256
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ gate, int splits, int hd, float* __restrict__ out) {
-    const int h = blockIdx.x, j = threadIdx.x;
+    __shared__ float wsh[ATTN_MAX_SPLITS];
+    __shared__ float red[33];
+    __shared__ float accs[8][32];
+    pdl_wait();
+    pdl_trigger();
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+    const float* ml = part_ml + 2 * (size_t)h * splits;
+    float mx = NEG_INF;
+    for (int s = tid; s < splits; s += nt) mx = fmaxf(mx, ml[2 * s]);
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
     float M = NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * ((size_t)h * splits + s)]);
-    float L = 0.f, acc = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        size_t b = (size_t)h * splits + s;
-        float m = part_ml[2 * b];
-        if (m == NEG_INF) continue;  // empty split
-        float w = expf(m - M);
-        L += part_ml[2 * b + 1] * w;
-        acc += part_o[b * hd + j] * w;
+    for (int w = 0; w < (nt >> 5); ++w) M = fmaxf(M, red[w]);
+    float lsum = 0.f;
+    for (int s = tid; s < splits; s += nt) {
+        float m = ml[2 * s];
+        float w = m == NEG_INF ? 0.f : expf(m - M);  // empty split
+        wsh[s] = w;
+        lsum += w * ml[2 * s + 1];
     }
-    out[(size_t)h * hd + j] = (acc / L) * sigmoid_f(gate[(size_t)h * hd + j]);
+    const float L = block_sum(lsum, red);  // its barriers also publish wsh
+    const int j = blockIdx.y * 32 + lane;
+    const float* po = part_o + (size_t)h * splits * hd + j;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = warp; s < splits; s += 8) acc += wsh[s] * po[(size_t)s * hd];
+    accs[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        float a = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) a += accs[w][lane];
+        out[(size_t)h * hd + j] = (a / L) * sigmoid_f(gate[(size_t)h * hd + j]);
+    }
 }

@@ -155,3 +155,13 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
     const char* c = reinterpret_cast<const char*>(p);
     for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128) prefetch_l2(c + off);
 }
+
+// ---- programmatic dependent launch (decode kernels, sm_90) ----
+// Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (context::launch_ex), a
+// decode kernel may start while the previous kernel of the stream still runs. Before pdl_wait()
+// it may only touch what no kernel of the current step writes (weights, descriptors, the step
+// buffer, state written at earlier steps) -- typically L2 prefetches of its weights; pdl_wait()
+// returns once the previous kernel has completed and its writes are visible. pdl_trigger() lets
+// the next kernel be scheduled. Both are no-ops when the kernel was launched normally.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -39,6 +39,10 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
     }
+    // The state was written by this layer's step of the previous token (an earlier step), so it
+    // is read before the PDL wait; the projections (qkv, z, b, a) only after it.
+    pdl_wait();
+    pdl_trigger();
 
     for (int idx = tid; idx < 2 * dk + dv; idx += nt) {
         int ch;

@@ -41,6 +41,9 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
     // The first row pair's weights start streaming before the activation prologue.
     prefetch_row(blockIdx.x * warps + warp);
     prefetch_row(blockIdx.x * warps + warp + nw);
+    // With PDL the prefetches above overlap the previous kernel; x is only read after it ends.
+    pdl_wait();
+    pdl_trigger();
     stage_x(x, cols, gain, eps, group, xs, gsum, red);
     if (xnorm_out && blockIdx.x == 0)
         for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
@@ -83,6 +86,8 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
 // qmatmul::dequantize_row). The token id lives on the device (the decode loop never reads it back).
 extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
                                    const int* __restrict__ step, int cols, int bits, int group, float* __restrict__ x) {
+    pdl_wait();
+    pdl_trigger();
     int tok = step[0];
     size_t wpr = (size_t)cols * bits / 32;
     int gpr = cols / group, per = 32 / bits;

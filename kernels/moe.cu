@@ -60,7 +60,9 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
                                        const u32* sgw, const u16* sgs, const u16* sgb,
                                        const u32* suw, const u16* sus, const u16* sub, int sinter,
                                        const float* __restrict__ x, int cols, int group,
-                                       float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w) {
+                                       float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w,
+                                       const u32* dw, const u16* ds, const u16* db, const u32* sdw, const u16* sds,
+                                       const u16* sdb, int hidden) {
     extern __shared__ float smem[];
     __shared__ int ids[MOE_MAXK];
     __shared__ float wts[MOE_MAXK];
@@ -79,12 +81,26 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     // Weights into L2 before the prologue: the shared expert's rows at once; the routed rows as
     // soon as warp 0 knows the expert (it prefetches the whole block's rows while the other
     // warps stage x). The top-k result is published by stage_x's barriers.
+    // Each block also pulls a 1/gridDim.x share of its expert's down rows (moe_down's weights)
+    // into L2 once the expert is known, so moe_down reads them from L2.
+    const int drows = (hidden + gridDim.x - 1) / gridDim.x;
+    const int d0 = blockIdx.x * drows, dn = max(0, min(hidden, d0 + drows) - d0);
     if (slot >= K) {
+        // The shared expert does not depend on the router: prefetched before the PDL wait.
         for (int rr = r; rr < min(rows, base + 2 * warps); rr += warps) {
             prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
             prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
         }
-    } else if (warp == 0) {
+        if (warp == warps - 1 && dn > 0) {
+            const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / group;
+            prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
+    if (slot < K && warp == 0) {
         route_topk(logits, E, K, ids, wts);
         __syncwarp();
         const size_t row0 = (size_t)ids[slot] * inter + (size_t)base;
@@ -92,6 +108,13 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
         if (nrows > 0) {
             prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
             prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
+        }
+        if (dn > 0) {
+            const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / group;
+            const size_t drow0 = (size_t)ids[slot] * hidden + d0;
+            prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(ds + drow0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(db + drow0 * dgpr, dn * dgpr * 2, lane);
         }
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
@@ -137,18 +160,20 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     float* xs = smem;
     float* gsum = xs + n_act;
     {
-        // This warp's K expert rows and shared row into L2 before staging the activations.
+        // This warp's shared row (before the PDL wait: no dependency) and K expert rows (after it:
+        // top_ids comes from moe_gate_up, which already pulled them into L2) before staging.
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int r = blockIdx.x * (blockDim.x >> 5) + warp;
-        if (r < hidden) {
-            const size_t wpr = (size_t)inter / 8, swpr = (size_t)sinter / 8;
-            if (lane < K) {
-                const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
-                for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
-            } else if (lane == K) {
-                const u32* p = sdw + (size_t)r * swpr;
-                for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
-            }
+        const size_t wpr = (size_t)inter / 8, swpr = (size_t)sinter / 8;
+        if (r < hidden && lane == K) {
+            const u32* p = sdw + (size_t)r * swpr;
+            for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
+        }
+        pdl_wait();
+        pdl_trigger();
+        if (r < hidden && lane < K) {
+            const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
+            for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
         }
     }
     // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base).

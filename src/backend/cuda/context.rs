@@ -202,6 +202,10 @@ pub struct Gpu {
     pub name: String,
     funcs: HashMap<&'static str, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
+    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): on unless
+    /// `LILY_CUDA_PDL=0`. Every kernel launched through `Gpu::launch` executes
+    /// `griddepcontrol.wait` before touching anything the previous kernel writes.
+    pdl: std::sync::atomic::AtomicBool,
 }
 
 impl Gpu {
@@ -262,6 +266,9 @@ impl Gpu {
             name,
             funcs,
             _modules: modules,
+            pdl: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_CUDA_PDL").map(|v| v != "0").unwrap_or(true),
+            ),
         })
     }
 
@@ -271,7 +278,9 @@ impl Gpu {
             .with_context(|| format!("kernel {name} not loaded"))
     }
 
-    /// Launches `name` on the stream.
+    /// Launches decode kernel `name` on the stream, as a programmatic dependent launch when PDL
+    /// is on (the kernels in gemv/gdn/attention/moe/sample.cu all wait with
+    /// `griddepcontrol.wait` before reading their inputs).
     pub fn launch(
         &self,
         name: &str,
@@ -280,7 +289,19 @@ impl Gpu {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        launch_on(&self.stream, self.func(name)?, name, grid, block, smem, args)
+        let f = self.func(name)?;
+        launch_ex(&self.stream, f, name, grid, block, smem, args, self.pdl())
+    }
+
+    /// Whether decode kernels are launched with programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch of the decode kernels on or off (graphs captured
+    /// before keep what they were captured with).
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -343,6 +364,67 @@ pub fn launch_on(
     // to match the `extern "C"` signature; pointers are live device allocations owned by the
     // backend that outlive the stream work.
     unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    Ok(())
+}
+
+/// Like [`launch_on`], through `cuLaunchKernelEx`; with `pdl` the launch carries
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the kernel may start while the
+/// previous kernel of the stream is still running (once all of its blocks have executed
+/// `griddepcontrol.launch_dependents` or exited). The kernel must then execute
+/// `griddepcontrol.wait` before reading anything the previous kernels write (and before writing
+/// anything they read). Under stream capture the graph edge becomes a programmatic one.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_ex(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+    pdl: bool,
+) -> Result<()> {
+    use std::ffi::c_void;
+    // Argument values at stable addresses for the duration of the call.
+    let vals: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = vals
+        .iter()
+        .map(|a| match a {
+            Arg::P(p) => p as *const u64 as *mut c_void,
+            Arg::I(i) => i as *const i32 as *mut c_void,
+            Arg::F(x) => x as *const f32 as *mut c_void,
+        })
+        .collect();
+    // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the
+    // attribute id selects.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+        numAttrs: pdl as u32,
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    // SAFETY: the argument list is built by the kernel's Rust wrapper (kernels.rs) to match its
+    // `extern "C"` signature; `params` points into `vals`, both alive until the call returns
+    // (the driver copies the values at launch); pointers are live device allocations owned by the
+    // backend that outlive the stream work.
+    unsafe {
+        sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut())
+    }
+    .result()
+    .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
     Ok(())
 }
 

@@ -356,8 +356,12 @@ pub fn enqueue(
                     part_ml: ptr(&s.part_ml, st),
                     out: ptr(&s.ao, st),
                 };
-                kernels::attention(gpu, ad, &p, splits)?;
-                mark("attn core")?;
+                kernels::attn_prep(gpu, ad, &p)?;
+                mark("attn prep")?;
+                kernels::attn_split(gpu, ad, &p, splits)?;
+                mark("attn split")?;
+                kernels::attn_combine(gpu, ad, &p, splits)?;
+                mark("attn combine")?;
                 kernels::gemv(
                     gpu,
                     ls.mixer_out,

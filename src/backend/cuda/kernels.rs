@@ -231,6 +231,13 @@ pub struct AttnPtrs {
 
 /// Norms + RoPE + KV append, split-KV attention, combine with the output gate.
 pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
+    attn_prep(gpu, d, p)?;
+    attn_split(gpu, d, p, splits)?;
+    attn_combine(gpu, d, p, splits)
+}
+
+/// q/k RMSNorm + partial RoPE + KV append at the current position.
+pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     gpu.launch(
         "attn_prep",
         ((d.nh + d.nkv) as u32, 1, 1),
@@ -254,7 +261,11 @@ pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<
             Arg::I(d.half_rot as i32),
             Arg::F(d.eps),
         ],
-    )?;
+    )
+}
+
+/// Split-KV online-softmax partials (`splits` per KV head).
+pub fn attn_split(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
     let name = match d.hd {
         256 => "attn_split_256",
         128 => "attn_split_128",
@@ -278,11 +289,15 @@ pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<
             Arg::P(p.part_o),
             Arg::P(p.part_ml),
         ],
-    )?;
+    )
+}
+
+/// Merge of the splits + sigmoid output gate (grid: q heads x 32-dim slices, 8 warps).
+pub fn attn_combine(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
     gpu.launch(
         "attn_combine",
-        (d.nh as u32, 1, 1),
-        d.hd as u32,
+        (d.nh as u32, (d.hd / 32) as u32, 1),
+        256,
         0,
         &[
             Arg::P(p.part_o),
@@ -354,6 +369,13 @@ pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
             Arg::P(p.act),
             Arg::P(p.top_ids),
             Arg::P(p.top_w),
+            Arg::P(p.down.0),
+            Arg::P(p.down.1),
+            Arg::P(p.down.2),
+            Arg::P(p.sdown.0),
+            Arg::P(p.sdown.1),
+            Arg::P(p.sdown.2),
+            Arg::I(d.hidden as i32),
         ],
     )?;
     let n_act = d.k * d.inter + d.sinter;
