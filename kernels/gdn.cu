@@ -40,21 +40,42 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
         for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
     }
     // The state was written by this layer's step of the previous token (an earlier step), so it
-    // is read before the PDL wait; the projections (qkv, z, b, a) only after it.
-    pdl_wait();
-    pdl_trigger();
+    // is read before the PDL wait, like the static parameters and the conv history of this
+    // thread's first channel (ring slots of earlier positions): its conv sum over the history
+    // taps is formed here, in the same order as the full sum below. The projections (qkv, z, b,
+    // a) are read only after the wait.
+    const int nch = 2 * dk + dv;
+    auto chan = [&](int idx) {
+        if (idx < dk) return kh * dk + idx;
+        if (idx < 2 * dk) return key_dim + kh * dk + (idx - dk);
+        return 2 * key_dim + n * dv + (idx - 2 * dk);
+    };
+    float pre = 0.f, tap_last = 0.f;
+    const int ch0 = tid < nch ? chan(tid) : 0;
+    if (tid < nch) {
+        for (int jj = 0; jj < KC - 1; ++jj) {
+            int p = pos - (KC - 1) + jj;
+            float in = p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch0];
+            pre += taps[(size_t)jj * conv_dim + ch0] * in;
+        }
+        tap_last = taps[(size_t)(KC - 1) * conv_dim + ch0];
+    }
+    const float dtb = dt_bias[n], nega = neg_a[n], nwj = norm_w[j];
+    pdl_wait_trigger();
 
-    for (int idx = tid; idx < 2 * dk + dv; idx += nt) {
-        int ch;
-        if (idx < dk) ch = kh * dk + idx;
-        else if (idx < 2 * dk) ch = key_dim + kh * dk + (idx - dk);
-        else ch = 2 * key_dim + n * dv + (idx - 2 * dk);
+    for (int idx = tid; idx < nch; idx += nt) {
+        const int ch = idx == tid ? ch0 : chan(idx);
         float cur = qkv[ch];
-        float acc = 0.f;
-        for (int j = 0; j < KC; ++j) {
-            int p = pos - (KC - 1) + j;
-            float in = (j == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
-            acc += taps[(size_t)j * conv_dim + ch] * in;
+        float acc;
+        if (idx == tid) {
+            acc = pre + tap_last * cur;
+        } else {
+            acc = 0.f;
+            for (int jj = 0; jj < KC; ++jj) {
+                int p = pos - (KC - 1) + jj;
+                float in = (jj == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
+                acc += taps[(size_t)jj * conv_dim + ch] * in;
+            }
         }
         float o = silu_f(acc);
         if (idx < dk) qs[idx] = o;
@@ -76,7 +97,7 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     __syncthreads();
 
     const float beta = sigmoid_f(braw[n]);
-    const float g = neg_a[n] * softplus_f(araw[n] + dt_bias[n]);
+    const float g = nega * softplus_f(araw[n] + dtb);
     const float alpha = expf(g);
     float kv = 0.f;
     if (active) {
@@ -110,6 +131,6 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     float ss = block_sum(r == 0 ? o * o : 0.f, red);
     if (r == 0) {
         float inv = inv_rms_from(ss, dv, eps);
-        y[(size_t)n * dv + j] = o * inv * norm_w[j] * silu_f(z[(size_t)n * dv + j]);
+        y[(size_t)n * dv + j] = o * inv * nwj * silu_f(z[(size_t)n * dv + j]);
     }
 }

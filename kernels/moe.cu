@@ -9,6 +9,11 @@
 // Same math as src/backend/cpu/moe.rs.
 
 #define MOE_MAXK 16
+// moe_gate_up pulls the chosen experts' down rows into L2 for moe_down (measurement knob:
+// LILY_CUDA_NVRTC_DEFS=-DMOE_DOWN_PF=0 turns it off).
+#ifndef MOE_DOWN_PF
+#define MOE_DOWN_PF 1
+#endif
 #define MOE_MAXE_PER_LANE 16  // E <= 512
 
 // Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
@@ -91,15 +96,14 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
             prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
         }
-        if (warp == warps - 1 && dn > 0) {
+        if (MOE_DOWN_PF && warp == warps - 1 && dn > 0) {
             const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / group;
             prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
             prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
             prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
         }
     }
-    pdl_wait();
-    pdl_trigger();
+    pdl_wait_trigger();
     if (slot < K && warp == 0) {
         route_topk(logits, E, K, ids, wts);
         __syncwarp();
@@ -109,7 +113,7 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
             prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
         }
-        if (dn > 0) {
+        if (MOE_DOWN_PF && dn > 0) {
             const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / group;
             const size_t drow0 = (size_t)ids[slot] * hidden + d0;
             prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
@@ -169,8 +173,7 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
             const u32* p = sdw + (size_t)r * swpr;
             for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
         }
-        pdl_wait();
-        pdl_trigger();
+        pdl_wait_trigger();
         if (r < hidden && lane < K) {
             const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
             for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);

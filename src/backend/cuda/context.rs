@@ -39,6 +39,9 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
             "attn_split_256",
             "attn_split_128",
             "attn_split_64",
+            "attn_split_reg_256",
+            "attn_split_reg_128",
+            "attn_split_reg_64",
             "attn_combine",
         ],
     ),
@@ -58,11 +61,17 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
 pub const ARCH: &str = "sm_90a";
 
 fn nvrtc_options() -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={ARCH}"),
         "-std=c++17".into(),
         "-lineinfo".into(),
-    ]
+    ];
+    // Measurement knob: extra NVRTC options (e.g. `-DPDL_TRIGGER=2 -DMOE_DOWN_PF=0`); part of
+    // the cubin cache key like every option.
+    if let Ok(extra) = std::env::var("LILY_CUDA_NVRTC_DEFS") {
+        o.extend(extra.split_whitespace().map(String::from));
+    }
+    o
 }
 
 /// True when libnvrtc can be loaded (the CI compile check skips otherwise).
@@ -206,6 +215,9 @@ pub struct Gpu {
     /// `LILY_CUDA_PDL=0`. Every kernel launched through `Gpu::launch` executes
     /// `griddepcontrol.wait` before touching anything the previous kernel writes.
     pdl: std::sync::atomic::AtomicBool,
+    /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
+    /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
+    pub attn_tiled: bool,
 }
 
 impl Gpu {
@@ -259,6 +271,19 @@ impl Gpu {
             }
             modules.push(module);
         }
+        // The tiled split-KV kernels stage K/V through more than 48 KiB of shared memory.
+        for hd in [64usize, 128, 256] {
+            let name = format!("attn_split_{hd}");
+            funcs[name.as_str()]
+                .set_attribute(
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    super::kernels::attn_tiled_smem(hd) as i32,
+                )
+                .map_err(|e| anyhow!("{name}: shared memory opt-in: {e:?}"))?;
+        }
+        let attn_tiled = std::env::var("LILY_CUDA_ATTN_TILED")
+            .map(|v| v != "0")
+            .unwrap_or(true);
         Ok(Gpu {
             ctx,
             stream,
@@ -266,6 +291,7 @@ impl Gpu {
             name,
             funcs,
             _modules: modules,
+            attn_tiled,
             pdl: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_CUDA_PDL").map(|v| v != "0").unwrap_or(true),
             ),

@@ -53,10 +53,19 @@ pub fn gemv(
         .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
         .unwrap_or(4)
         .clamp(1, 8) as usize;
+    // Measurement knob: LILY_CUDA_GEMV_WAVES=n allows n waves of blocks (default 1).
+    static WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let waves = *WAVES.get_or_init(|| {
+        std::env::var("LILY_CUDA_GEMV_WAVES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1usize)
+            .max(1)
+    });
     let blocks = set
         .rows
         .div_ceil(2 * warps)
-        .min(gpu.sms as usize * per_sm)
+        .min(gpu.sms as usize * per_sm * waves)
         .max(1) as u32;
     gpu.launch(
         "gemv_q",
@@ -264,19 +273,32 @@ pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     )
 }
 
+/// Dynamic shared memory of the tiled split kernel: ATTN_NS stages x (K + V) x ATTN_TP rows.
+pub fn attn_tiled_smem(hd: usize) -> u32 {
+    (3 * 2 * 16 * hd * 4) as u32
+}
+
 /// Split-KV online-softmax partials (`splits` per KV head).
 pub fn attn_split(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
-    let name = match d.hd {
-        256 => "attn_split_256",
-        128 => "attn_split_128",
-        _ => "attn_split_64",
+    let name = match (gpu.attn_tiled, d.hd) {
+        (true, 256) => "attn_split_256",
+        (true, 128) => "attn_split_128",
+        (true, _) => "attn_split_64",
+        (false, 256) => "attn_split_reg_256",
+        (false, 128) => "attn_split_reg_128",
+        (false, _) => "attn_split_reg_64",
+    };
+    let smem = if gpu.attn_tiled {
+        attn_tiled_smem(d.hd)
+    } else {
+        0
     };
     let group = d.nh / d.nkv;
     gpu.launch(
         name,
         (d.nkv as u32, splits as u32, 1),
         (group * 32) as u32,
-        0,
+        smem,
         &[
             Arg::P(p.q),
             Arg::P(p.kcache),
