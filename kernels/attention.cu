@@ -73,6 +73,21 @@ __device__ __forceinline__ void attn_ld(const float* __restrict__ row, int lane,
     }
 }
 
+// The same lane pieces from shared memory (plain loads: __ldg is global-only).
+template <int HD>
+__device__ __forceinline__ void attn_ld_sm(const float* row, int lane, float (&r)[HD / 32]) {
+    if constexpr (HD % 128 == 0) {
+#pragma unroll
+        for (int t = 0; t < HD / 128; ++t) {
+            float4 v = *reinterpret_cast<const float4*>(row + t * 128 + lane * 4);
+            r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
+        }
+    } else {
+        float2 v = *reinterpret_cast<const float2*>(row + lane * 2);
+        r[0] = v.x; r[1] = v.y;
+    }
+}
+
 // Positions prefetched into L2 ahead of the loop (before the PDL wait: rows of earlier steps
 // never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
 #define ATTN_PF 32
@@ -228,7 +243,7 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
 #pragma unroll
             for (int u = 0; u < TP; ++u) {
                 float kr[P];
-                attn_ld<HD>(ks + u * HD, lane, kr);
+                attn_ld_sm<HD>(ks + u * HD, lane, kr);
                 float d = 0.f;
 #pragma unroll
                 for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
@@ -252,10 +267,12 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
             for (int i = 0; i < P; ++i) acc[i] = 0.f;
 #pragma unroll
             for (int u = 0; u < TP; ++u) {
-                float vr[P];
-                attn_ld<HD>(vs + u * HD, lane, vr);
+                if (u < nr) {  // rows past nr hold stale or uninitialised data (0 * NaN = NaN)
+                    float vr[P];
+                    attn_ld_sm<HD>(vs + u * HD, lane, vr);
 #pragma unroll
-                for (int i = 0; i < P; ++i) acc[i] += sc[u] * vr[i];
+                    for (int i = 0; i < P; ++i) acc[i] += sc[u] * vr[i];
+                }
             }
 #pragma unroll
             for (int i = 0; i < P; ++i) o[i] = o[i] * corr + acc[i];
