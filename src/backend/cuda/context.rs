@@ -211,9 +211,10 @@ pub struct Gpu {
     pub name: String,
     funcs: HashMap<&'static str, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
-    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): on unless
-    /// `LILY_CUDA_PDL=0`. Every kernel launched through `Gpu::launch` executes
-    /// `griddepcontrol.wait` before touching anything the previous kernel writes.
+    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): off unless
+    /// `LILY_CUDA_PDL=1` (measured on the H200: neutral at 4K, 1% slower at 256; see
+    /// docs/cuda.md). Every kernel launched through `Gpu::launch` executes `griddepcontrol.wait`
+    /// before touching anything the previous kernel writes, so either setting is correct.
     pdl: std::sync::atomic::AtomicBool,
     /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
     /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
@@ -293,7 +294,7 @@ impl Gpu {
             _modules: modules,
             attn_tiled,
             pdl: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_CUDA_PDL").map(|v| v != "0").unwrap_or(true),
+                std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
             ),
         })
     }
