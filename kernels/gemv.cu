@@ -14,13 +14,6 @@ struct QMat {
     int pad;
 };
 
-// One-pass staging for gemv_q: each thread loads its float2 pieces of x (and of the norm gain)
-// at once (c = k * 2 * blockDim + 2 * tid: a warp covers 64 contiguous floats per k, i.e. one
-// 64-group or two 32-groups, so the group sums are warp reductions of the staged values), writes
-// x * gain to shared memory and returns the RMS factor inv = 1/rms(x) after ONE barrier: the
-// caller multiplies the finished dot products by inv (sum(w (x inv g)) = inv sum(w (x g))), so
-// the sum-of-squares reduction is off the critical path. Needs n % 64 == 0, n <= 16 * blockDim,
-// group 32 or 64 (gemv_q falls back to stage_x otherwise). inv is 1 without a gain.
 #define STAGE_MAXK 8
 // Measurement knobs (LILY_CUDA_NVRTC_DEFS=-DGEMV_FAST_STAGE=0 / -DGEMV_PAIR=0): the one-pass
 // staging below, and the two-row inner loop (qrow_part2) of gemv_q.
@@ -36,49 +29,6 @@ struct QMat {
 #else
 #define GEMV_BOUNDS
 #endif
-__device__ float stage_x_fast(const float* __restrict__ x, int n, const float* __restrict__ gain, float eps,
-                              int group, float* xs, float* gsum, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int per = 2 * blockDim.x;
-    float2 v[STAGE_MAXK], gn[STAGE_MAXK];
-#pragma unroll
-    for (int k = 0; k < STAGE_MAXK; ++k) {
-        const int c = k * per + 2 * threadIdx.x;
-        v[k] = c < n ? *reinterpret_cast<const float2*>(x + c) : make_float2(0.f, 0.f);
-        gn[k] = (gain && c < n) ? *reinterpret_cast<const float2*>(gain + c) : make_float2(1.f, 1.f);
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < STAGE_MAXK; ++k) {
-        const int c = k * per + 2 * threadIdx.x;
-        if (k * per + 64 * warp < n) {  // warp-uniform (n % 64 == 0)
-            float a = v[k].x, b = v[k].y;
-            ss += a * a + b * b;
-            if (gain) { a *= gn[k].x; b *= gn[k].y; }
-            xs[swz_elem(c)] = a;
-            xs[swz_elem(c + 1)] = b;
-            float gs = a + b;
-            gs += __shfl_xor_sync(0xffffffffu, gs, 8);
-            gs += __shfl_xor_sync(0xffffffffu, gs, 4);
-            gs += __shfl_xor_sync(0xffffffffu, gs, 2);
-            gs += __shfl_xor_sync(0xffffffffu, gs, 1);
-            if (group == 64) {
-                gs += __shfl_xor_sync(0xffffffffu, gs, 16);
-                if (lane == 0) gsum[c / 64] = gs;
-            } else if ((lane & 15) == 0) {
-                gsum[c / 32] = gs;
-            }
-        }
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (!gain) return 1.f;
-    float t = 0.f;
-    for (int w = 0; w < nw; ++w) t += red[w];
-    return inv_rms_from(t, n, eps);
-}
-
 // Dynamic shared memory: cols + cols/group + 33 floats.
 // Each warp owns one row at a time and walks the concatenated rows of all matrices.
 extern "C" __global__ void GEMV_BOUNDS gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
@@ -112,7 +62,7 @@ extern "C" __global__ void GEMV_BOUNDS gemv_q(const QMat* __restrict__ mats, int
     float inv = 1.f;
     const bool fast = GEMV_FAST_STAGE && (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
     if (fast) {
-        inv = stage_x_fast(x, cols, gain, eps, group, xs, gsum, red);
+        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
         if (xnorm_out && blockIdx.x == 0)
             for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
     } else {

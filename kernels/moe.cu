@@ -14,6 +14,13 @@
 #ifndef MOE_DOWN_PF
 #define MOE_DOWN_PF 1
 #endif
+// -DMOE_FAST=1 (not yet measured on the GPU, off by default): one-pass staging (stage_x_fast) in
+// both kernels; -DMOE_FAST=2 also reads the staged input once for an expert row's gate and up
+// rows (qrow_part2; 96 registers: moe_gate_up then fits 2 blocks per SM instead of 3).
+#ifndef MOE_FAST
+#define MOE_FAST 0
+#endif
+#define MOE_STAGE_MAXK 12
 #define MOE_MAXE_PER_LANE 16  // E <= 512
 
 // Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
@@ -122,7 +129,10 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
         }
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
-    stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    const bool fast = MOE_FAST && (cols & 63) == 0 && cols <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
+                      (group == 32 || group == 64);
+    if (fast) stage_x_fast<MOE_STAGE_MAXK>(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    else stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
     if (r >= rows) return;
     const int r2 = r + warps;
     const bool two = r2 < rows;
@@ -135,12 +145,20 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     } else {
         GW = sgw; GS = sgs; GB = sgb; UW = suw; US = sus; UB = sub;
     }
-    float g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
-    float u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
-    float g2 = 0.f, u2 = 0.f;
-    if (two) {
-        g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
-        u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
+    float g, u, g2 = 0.f, u2 = 0.f;
+    if (MOE_FAST >= 2) {
+        qrow_part2(GW + row * wpr, GS + row * gpr, GB + row * gpr, UW + row * wpr, US + row * gpr, UB + row * gpr, xs,
+                   gsum, cols, 4, group, g, u);
+        if (two)
+            qrow_part2(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, UW + row2 * wpr, US + row2 * gpr,
+                       UB + row2 * gpr, xs, gsum, cols, 4, group, g2, u2);
+    } else {
+        g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
+        u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
+        if (two) {
+            g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
+            u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
+        }
     }
     g = warp_sum(g);  // all rows' loads were issued before any reduction
     u = warp_sum(u);
@@ -179,13 +197,22 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
             for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
         }
     }
-    // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base).
-    for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
-        int base = c < K * inter ? (c / inter) * inter : K * inter;
-        xs[base + swz_elem(c - base)] = act[c];
+    // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base). Slot
+    // bases are multiples of 32 floats, and the swizzle permutes within 32-float blocks, so this
+    // equals swizzling the whole vector at once (what stage_x_fast does).
+    const bool fast = MOE_FAST && (n_act & 63) == 0 && n_act <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
+                      (group == 32 || group == 64);
+    if (fast) {
+        __shared__ float red[33];
+        stage_x_fast<MOE_STAGE_MAXK>(act, n_act, nullptr, 0.f, group, xs, gsum, red);
+    } else {
+        for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
+            int base = c < K * inter ? (c / inter) * inter : K * inter;
+            xs[base + swz_elem(c - base)] = act[c];
+        }
+        __syncthreads();
+        group_sums(xs, n_act, group, gsum);
     }
-    __syncthreads();
-    group_sums(xs, n_act, group, gsum);
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = blockIdx.x * warps + warp;
     if (r >= hidden) return;
