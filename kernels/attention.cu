@@ -13,21 +13,32 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
     extern __shared__ float sm[];
     float* xs = sm;         // hd
     float* red = sm + hd;   // 33
+    // Trigger before waiting: attn_split may then start (and prefetch its K/V rows, which only
+    // depend on earlier steps) while the q|k|v GEMV before this kernel still runs. The norm
+    // weight and the RoPE angle (position and inverse frequencies only) are done before the wait.
+    pdl_trigger_early();
     const int h = blockIdx.x, j = threadIdx.x, pos = step[1];
     const bool is_q = h < nh;
     const int kvh = h - nh;
+    const float nwj = is_q ? q_norm[j] : k_norm[j];
+    float c = 1.f, sn = 0.f;
+    if (j < 2 * half_rot) {
+        int i = j < half_rot ? j : j - half_rot;
+        double ang = (double)pos * inv_freq[i];
+        c = (float)cos(ang);
+        sn = (float)sin(ang);
+    }
+    pdl_wait();
     float v = is_q ? qg[(size_t)h * 2 * hd + j] : kraw[(size_t)kvh * hd + j];
     float ss = block_sum(v * v, red);
     float inv = inv_rms_from(ss, hd, eps);
-    xs[j] = v * inv * (is_q ? q_norm[j] : k_norm[j]);
+    xs[j] = v * inv * nwj;
     __syncthreads();
     float out = xs[j];
     if (j < 2 * half_rot) {
         int i = j < half_rot ? j : j - half_rot;
-        double ang = (double)pos * inv_freq[i];
-        float c = (float)cos(ang), s = (float)sin(ang);
         float a = xs[i], b = xs[i + half_rot];
-        out = j < half_rot ? a * c - b * s : b * c + a * s;
+        out = j < half_rot ? a * c - b * sn : b * c + a * sn;
     }
     if (is_q) {
         qout[(size_t)h * hd + j] = out;
@@ -40,37 +51,84 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
 }
 
 // Split-KV decode attention: grid (kv heads, splits); one warp per q head of the GQA group (so
-// the group's warps read each K/V row once from DRAM and share it through L1). Each split walks
+// the group's warps read each K/V row once from DRAM and share it through L1/L2). Each split walks
 // its slice of positions 0..=pos with an online softmax and writes (max, sum, partial output).
-// Lane owns dims lane, lane + 32, ... (coalesced rows).
+// Lane owns HD/32 dims: float4 pieces (dims t*128 + 4*lane + c) for HD >= 128, a float2 for 64.
+template <int HD>
+__device__ __forceinline__ int attn_dim(int lane, int i) {
+    if constexpr (HD % 128 == 0) return (i >> 2) * 128 + lane * 4 + (i & 3);
+    else return lane * 2 + i;
+}
+template <int HD>
+__device__ __forceinline__ void attn_ld(const float* __restrict__ row, int lane, float (&r)[HD / 32]) {
+    if constexpr (HD % 128 == 0) {
+#pragma unroll
+        for (int t = 0; t < HD / 128; ++t) {
+            float4 v = __ldg(reinterpret_cast<const float4*>(row + t * 128 + lane * 4));
+            r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
+        }
+    } else {
+        float2 v = __ldg(reinterpret_cast<const float2*>(row + lane * 2));
+        r[0] = v.x; r[1] = v.y;
+    }
+}
+
+// The same lane pieces from shared memory (plain loads: __ldg is global-only).
+template <int HD>
+__device__ __forceinline__ void attn_ld_sm(const float* row, int lane, float (&r)[HD / 32]) {
+    if constexpr (HD % 128 == 0) {
+#pragma unroll
+        for (int t = 0; t < HD / 128; ++t) {
+            float4 v = *reinterpret_cast<const float4*>(row + t * 128 + lane * 4);
+            r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
+        }
+    } else {
+        float2 v = *reinterpret_cast<const float2*>(row + lane * 2);
+        r[0] = v.x; r[1] = v.y;
+    }
+}
+
+// Positions prefetched into L2 ahead of the loop (before the PDL wait: rows of earlier steps
+// never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
+#define ATTN_PF 32
+
 template <int HD>
 __device__ void attn_split(const float* __restrict__ q, const float* __restrict__ kcache,
                            const float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
                            int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int P = HD / 32;
+    constexpr int LPR = HD / 32;  // 128-byte lines per K or V row
     const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = nh / nkv, h = kvh * group + warp;
-    if (warp >= group) return;
     const int len = step[1] + 1;
     const int chunk = (len + splits - 1) / splits;
     const int p0 = sp * chunk, p1 = min(len, p0 + chunk);
     const size_t kv_dim = (size_t)nkv * HD;
+    auto pf = [&](int pa, int pb, int t, int nt) {  // lines of positions [pa, pb) over threads t of nt
+        for (int i = t; i < (pb - pa) * 2 * LPR; i += nt) {
+            int pp = pa + i / (2 * LPR), rem = i % (2 * LPR);
+            const float* base = rem < LPR ? kcache : vcache;
+            prefetch_l2(base + (size_t)pp * kv_dim + kvh * HD + (rem % LPR) * 32);
+        }
+    };
+    pf(p0, min(p1, p0 + ATTN_PF), threadIdx.x, blockDim.x);
+    pdl_wait_trigger();
+    if (warp >= group) return;
     float qr[P], o[P];
 #pragma unroll
-    for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + t * 32 + lane]; o[t] = 0.f; }
+    for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + attn_dim<HD>(lane, t)]; o[t] = 0.f; }
     float m = NEG_INF, l = 0.f;
-    // Four positions per iteration: their K and V rows are loaded together (one DRAM round trip
-    // per 4 positions instead of per position), then one online-softmax update.
+    // Four positions per iteration: their K and V rows are loaded together (one round trip per 4
+    // positions), then one online-softmax update; positions ATTN_PF ahead go into L2 meanwhile.
     constexpr int U = 4;
     int p = p0;
     for (; p + U <= p1; p += U) {
+        if (p + ATTN_PF < p1) pf(p + ATTN_PF, min(p1, p + ATTN_PF + U), threadIdx.x, group * 32);
         float kr[U][P], vr[U][P], sc[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const float* kp = kcache + (size_t)(p + u) * kv_dim + kvh * HD;
-            const float* vp = vcache + (size_t)(p + u) * kv_dim + kvh * HD;
-#pragma unroll
-            for (int t = 0; t < P; ++t) { kr[u][t] = kp[t * 32 + lane]; vr[u][t] = vp[t * 32 + lane]; }
+            attn_ld<HD>(kcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, kr[u]);
+            attn_ld<HD>(vcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, vr[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -93,52 +151,210 @@ __device__ void attn_split(const float* __restrict__ q, const float* __restrict_
         m = mn;
     }
     for (; p < p1; ++p) {
-        const float* kr = kcache + (size_t)p * kv_dim + kvh * HD;
+        float kr[P], vr[P];
+        attn_ld<HD>(kcache + (size_t)p * kv_dim + kvh * HD, lane, kr);
+        attn_ld<HD>(vcache + (size_t)p * kv_dim + kvh * HD, lane, vr);
         float d = 0.f;
 #pragma unroll
-        for (int t = 0; t < P; ++t) d += qr[t] * kr[t * 32 + lane];
+        for (int t = 0; t < P; ++t) d += qr[t] * kr[t];
         float sc = warp_sum(d) * scale;
         float mn = fmaxf(m, sc);
         float corr = expf(m - mn), e = expf(sc - mn);
         l = l * corr + e;
-        const float* vr = vcache + (size_t)p * kv_dim + kvh * HD;
 #pragma unroll
-        for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t * 32 + lane];
+        for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t];
         m = mn;
     }
     size_t base = (size_t)h * splits + sp;
 #pragma unroll
-    for (int t = 0; t < P; ++t) part_o[base * HD + t * 32 + lane] = o[t];
+    for (int t = 0; t < P; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
     if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
 }
 
-extern "C" __global__ void attn_split_256(const float* q, const float* kc, const float* vc, const int* step, int nh,
-                                          int nkv, int splits, float scale, float* po, float* pml) {
-    attn_split<256>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);
+// Tiled variant (the default): K/V rows of each split stream through a ring of ATTN_NS shared
+// memory stages of ATTN_TP positions with cp.async (16-byte copies, no registers held, all the
+// stage's rows in flight at once); the rows of earlier steps (every position but the current one)
+// are issued before the PDL wait. The current position, written by attn_prep just before, is
+// read directly after the wait by the split that owns it. Per tile each warp (q head) computes
+// ATTN_TP scores, one online-softmax update and the V accumulation from shared memory.
+#define ATTN_TP 16
+#define ATTN_NS 3
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
 }
-extern "C" __global__ void attn_split_128(const float* q, const float* kc, const float* vc, const int* step, int nh,
-                                          int nkv, int splits, float scale, float* po, float* pml) {
-    attn_split<128>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);
+__device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
 }
-extern "C" __global__ void attn_split_64(const float* q, const float* kc, const float* vc, const int* step, int nh,
-                                         int nkv, int splits, float scale, float* po, float* pml) {
-    attn_split<64>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+template <int HD>
+__device__ void attn_split_tiled(const float* __restrict__ q, const float* __restrict__ kcache,
+                                 const float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
+                                 int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
+    extern __shared__ float4 attn_sm4[];
+    float* sm = reinterpret_cast<float*>(attn_sm4);
+    constexpr int P = HD / 32, TP = ATTN_TP, NS = ATTN_NS, C4 = HD / 4, STAGE = 2 * TP * HD;
+    const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = nh / nkv, h = kvh * group + warp;
+    const bool active = warp < group;
+    const int pos = step[1], len = pos + 1;
+    const int chunk = (len + splits - 1) / splits;
+    const int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    const int pe = min(p1, pos);  // tiled part [p0, pe): rows of earlier steps only
+    const int ntiles = pe > p0 ? (pe - p0 + TP - 1) / TP : 0;
+    const size_t kv_dim = (size_t)nkv * HD;
+    auto issue = [&](int t) {
+        if (t < ntiles) {
+            const int tp0 = p0 + t * TP, nr = min(TP, pe - tp0);
+            float* st = sm + (t % NS) * STAGE;
+            for (int i = threadIdx.x; i < 2 * TP * C4; i += blockDim.x) {
+                const int isv = i / (TP * C4), rem = i % (TP * C4), r = rem / C4, c = rem % C4;
+                if (r < nr) {
+                    const float* g = (isv ? vcache : kcache) + (size_t)(tp0 + r) * kv_dim + kvh * HD + c * 4;
+                    cp_async16(smem_u32(st + isv * TP * HD + r * HD + c * 4), g);
+                }
+            }
+        }
+        cp_commit();  // always (possibly empty), so wait_group counts tiles
+    };
+#pragma unroll
+    for (int t = 0; t < NS - 1; ++t) issue(t);
+    pdl_wait_trigger();
+    float qr[P], o[P];
+#pragma unroll
+    for (int t = 0; t < P; ++t) {
+        qr[t] = active ? q[(size_t)h * HD + attn_dim<HD>(lane, t)] : 0.f;
+        o[t] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    for (int t = 0; t < ntiles; ++t) {
+        issue(t + NS - 1);
+        cp_wait<NS - 1>();
+        __syncthreads();
+        if (active) {
+            const float* ks = sm + (t % NS) * STAGE;
+            const float* vs = ks + TP * HD;
+            const int nr = min(TP, pe - (p0 + t * TP));
+            float sc[TP];
+#pragma unroll
+            for (int u = 0; u < TP; ++u) {
+                float kr[P];
+                attn_ld_sm<HD>(ks + u * HD, lane, kr);
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
+                sc[u] = d;
+            }
+#pragma unroll
+            for (int u = 0; u < TP; ++u) sc[u] = u < nr ? warp_sum(sc[u]) * scale : NEG_INF;
+            float mx = m;
+#pragma unroll
+            for (int u = 0; u < TP; ++u) mx = fmaxf(mx, sc[u]);
+            const float corr = expf(m - mx);
+            float es = 0.f;
+#pragma unroll
+            for (int u = 0; u < TP; ++u) {
+                sc[u] = expf(sc[u] - mx);
+                es += sc[u];
+            }
+            l = l * corr + es;
+            float acc[P];
+#pragma unroll
+            for (int i = 0; i < P; ++i) acc[i] = 0.f;
+#pragma unroll
+            for (int u = 0; u < TP; ++u) {
+                if (u < nr) {  // rows past nr hold stale or uninitialised data (0 * NaN = NaN)
+                    float vr[P];
+                    attn_ld_sm<HD>(vs + u * HD, lane, vr);
+#pragma unroll
+                    for (int i = 0; i < P; ++i) acc[i] += sc[u] * vr[i];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < P; ++i) o[i] = o[i] * corr + acc[i];
+            m = mx;
+        }
+        __syncthreads();  // the stage is refilled by the next iteration's issue
+    }
+    if (!active) return;
+    if (pos >= p0 && pos < p1) {
+        float kr[P], vr[P];
+        attn_ld<HD>(kcache + (size_t)pos * kv_dim + kvh * HD, lane, kr);
+        attn_ld<HD>(vcache + (size_t)pos * kv_dim + kvh * HD, lane, vr);
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
+        const float sc = warp_sum(d) * scale;
+        const float mn = fmaxf(m, sc);
+        const float corr = expf(m - mn), e = expf(sc - mn);
+        l = l * corr + e;
+#pragma unroll
+        for (int i = 0; i < P; ++i) o[i] = o[i] * corr + e * vr[i];
+        m = mn;
+    }
+    size_t base = (size_t)h * splits + sp;
+#pragma unroll
+    for (int t = 0; t < P; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
+    if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
 }
 
-// Merges the splits of each q head (grid nh, block hd) and applies the sigmoid output gate.
+#define ATTN_SPLIT_ENTRY(HD)                                                                                      \
+    extern "C" __global__ void attn_split_##HD(const float* q, const float* kc, const float* vc, const int* step,  \
+                                               int nh, int nkv, int splits, float scale, float* po, float* pml) { \
+        attn_split_tiled<HD>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                   \
+    }                                                                                                             \
+    extern "C" __global__ void attn_split_reg_##HD(const float* q, const float* kc, const float* vc,               \
+                                                   const int* step, int nh, int nkv, int splits, float scale,     \
+                                                   float* po, float* pml) {                                       \
+        attn_split<HD>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                         \
+    }
+ATTN_SPLIT_ENTRY(256)
+ATTN_SPLIT_ENTRY(128)
+ATTN_SPLIT_ENTRY(64)
+
+// Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
+// 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
+// all splits are in flight together instead of one dependent load per split); the 8 warp sums are
+// added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
+#define ATTN_MAX_SPLITS 256
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ gate, int splits, int hd, float* __restrict__ out) {
-    const int h = blockIdx.x, j = threadIdx.x;
+    __shared__ float wsh[ATTN_MAX_SPLITS];
+    __shared__ float red[33];
+    __shared__ float accs[8][32];
+    pdl_wait_trigger();
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+    const float* ml = part_ml + 2 * (size_t)h * splits;
+    float mx = NEG_INF;
+    for (int s = tid; s < splits; s += nt) mx = fmaxf(mx, ml[2 * s]);
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
     float M = NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * ((size_t)h * splits + s)]);
-    float L = 0.f, acc = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        size_t b = (size_t)h * splits + s;
-        float m = part_ml[2 * b];
-        if (m == NEG_INF) continue;  // empty split
-        float w = expf(m - M);
-        L += part_ml[2 * b + 1] * w;
-        acc += part_o[b * hd + j] * w;
+    for (int w = 0; w < (nt >> 5); ++w) M = fmaxf(M, red[w]);
+    float lsum = 0.f;
+    for (int s = tid; s < splits; s += nt) {
+        float m = ml[2 * s];
+        float w = m == NEG_INF ? 0.f : expf(m - M);  // empty split
+        wsh[s] = w;
+        lsum += w * ml[2 * s + 1];
     }
-    out[(size_t)h * hd + j] = (acc / L) * sigmoid_f(gate[(size_t)h * hd + j]);
+    const float L = block_sum(lsum, red);  // its barriers also publish wsh
+    const int j = blockIdx.y * 32 + lane;
+    const float* po = part_o + (size_t)h * splits * hd + j;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = warp; s < splits; s += 8) acc += wsh[s] * po[(size_t)s * hd];
+    accs[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        float a = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) a += accs[w][lane];
+        out[(size_t)h * hd + j] = (a / L) * sigmoid_f(gate[(size_t)h * hd + j]);
+    }
 }

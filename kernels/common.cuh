@@ -106,6 +106,60 @@ __device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16
     return acc;
 }
 
+// Two rows of the same width and bits against the same activations: each activation float4 is
+// read from shared memory once for both rows (half the shared-memory traffic and load
+// instructions of two qrow_part calls); per row the arithmetic is exactly qrow_part's.
+__device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16* __restrict__ sa,
+                                           const u16* __restrict__ ba, const u32* __restrict__ wb,
+                                           const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
+                                           const float* gsum, int cols, int bits, int group, float& outa, float& outb) {
+    int lane = threadIdx.x & 31;
+    const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
+    const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    float acca = 0.f, accb = 0.f;
+    if (bits == 4) {
+        int n4 = cols >> 5, cpg = group >> 5;
+#pragma unroll 2
+        for (int i = lane; i < n4; i += 32) {
+            uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
+            int f = i << 3;
+            float4 x0 = x4[swz(f)], x1 = x4[swz(f + 1)], x2 = x4[swz(f + 2)], x3 = x4[swz(f + 3)];
+            float4 x4_ = x4[swz(f + 4)], x5 = x4[swz(f + 5)], x6 = x4[swz(f + 6)], x7 = x4[swz(f + 7)];
+            float da = dot_nib(qa.x, x0, x1) + dot_nib(qa.y, x2, x3) + dot_nib(qa.z, x4_, x5) + dot_nib(qa.w, x6, x7);
+            float db = dot_nib(qb.x, x0, x1) + dot_nib(qb.y, x2, x3) + dot_nib(qb.z, x4_, x5) + dot_nib(qb.w, x6, x7);
+            int g = i / cpg;
+            acca += bf16f(__ldg(sa + g)) * da;
+            accb += bf16f(__ldg(sb + g)) * db;
+            if (i - g * cpg == 0) {
+                float gs = gsum[g];
+                acca += bf16f(__ldg(ba + g)) * gs;
+                accb += bf16f(__ldg(bb + g)) * gs;
+            }
+        }
+    } else {
+        int n4 = cols >> 4, cpg = group >> 4;
+#pragma unroll 2
+        for (int i = lane; i < n4; i += 32) {
+            uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
+            int f = i << 2;
+            float4 x0 = x4[swz(f)], x1 = x4[swz(f + 1)], x2 = x4[swz(f + 2)], x3 = x4[swz(f + 3)];
+            float da = dot_byte(qa.x, x0) + dot_byte(qa.y, x1) + dot_byte(qa.z, x2) + dot_byte(qa.w, x3);
+            float db = dot_byte(qb.x, x0) + dot_byte(qb.y, x1) + dot_byte(qb.z, x2) + dot_byte(qb.w, x3);
+            int g = i / cpg;
+            acca += bf16f(__ldg(sa + g)) * da;
+            accb += bf16f(__ldg(sb + g)) * db;
+            if (i - g * cpg == 0) {
+                float gs = gsum[g];
+                acca += bf16f(__ldg(ba + g)) * gs;
+                accb += bf16f(__ldg(bb + g)) * gs;
+            }
+        }
+    }
+    outa = acca;
+    outb = accb;
+}
+
 __device__ __forceinline__ float qrow_dot(const u32* __restrict__ wr, const u16* __restrict__ sr,
                                          const u16* __restrict__ br, const float* xs, const float* gsum,
                                          int cols, int bits, int group) {
@@ -155,3 +209,91 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
     const char* c = reinterpret_cast<const char*>(p);
     for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128) prefetch_l2(c + off);
 }
+
+// ---- programmatic dependent launch (decode kernels, sm_90) ----
+// Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (context::launch_ex), a
+// decode kernel may start while the previous kernel of the stream still runs. Before pdl_wait()
+// it may only touch what no kernel of the current step writes (weights, descriptors, the step
+// buffer, state written at earlier steps) -- typically L2 prefetches of its weights; pdl_wait()
+// returns once the previous kernel has completed and its writes are visible. pdl_trigger() lets
+// the next kernel be scheduled. Both are no-ops when the kernel was launched normally.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// Where a decode kernel lets the next one launch (compile-time, for measurements:
+// LILY_CUDA_NVRTC_DEFS=-DPDL_TRIGGER=n): 0 right after the wait (at most one kernel runs ahead),
+// 1 never explicitly (the next kernel launches as the blocks exit), 2 before the wait (kernels
+// cascade ahead as far as resources allow; every pre-wait section only reads data of earlier steps).
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+__device__ __forceinline__ void pdl_wait_trigger() {
+#if PDL_TRIGGER == 2
+    pdl_trigger();
+    pdl_wait();
+#elif PDL_TRIGGER == 1
+    pdl_wait();
+#else
+    pdl_wait();
+    pdl_trigger();
+#endif
+}
+// attn_prep lets attn_split (whose pre-wait part only prefetches K/V rows of earlier steps) start
+// during the q|k|v GEMV.
+__device__ __forceinline__ void pdl_trigger_early() {
+#if PDL_TRIGGER != 1
+    pdl_trigger();
+#endif
+}
+
+// One-pass staging (gemv_q; moe kernels with MOE_FAST): each thread loads its float2 pieces of x (and of the norm gain)
+// at once (c = k * 2 * blockDim + 2 * tid: a warp covers 64 contiguous floats per k, i.e. one
+// 64-group or two 32-groups, so the group sums are warp reductions of the staged values), writes
+// x * gain to shared memory and returns the RMS factor inv = 1/rms(x) after ONE barrier: the
+// caller multiplies the finished dot products by inv (sum(w (x inv g)) = inv sum(w (x g))), so
+// the sum-of-squares reduction is off the critical path. Needs n % 64 == 0, n <= 2 * MAXK * blockDim,
+// group 32 or 64 (callers fall back to stage_x otherwise). inv is 1 without a gain.
+template <int MAXK>
+__device__ float stage_x_fast(const float* __restrict__ x, int n, const float* __restrict__ gain, float eps,
+                              int group, float* xs, float* gsum, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int per = 2 * blockDim.x;
+    float2 v[MAXK], gn[MAXK];
+#pragma unroll
+    for (int k = 0; k < MAXK; ++k) {
+        const int c = k * per + 2 * threadIdx.x;
+        v[k] = c < n ? *reinterpret_cast<const float2*>(x + c) : make_float2(0.f, 0.f);
+        gn[k] = (gain && c < n) ? *reinterpret_cast<const float2*>(gain + c) : make_float2(1.f, 1.f);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXK; ++k) {
+        const int c = k * per + 2 * threadIdx.x;
+        if (k * per + 64 * warp < n) {  // warp-uniform (n % 64 == 0)
+            float a = v[k].x, b = v[k].y;
+            ss += a * a + b * b;
+            if (gain) { a *= gn[k].x; b *= gn[k].y; }
+            xs[swz_elem(c)] = a;
+            xs[swz_elem(c + 1)] = b;
+            float gs = a + b;
+            gs += __shfl_xor_sync(0xffffffffu, gs, 8);
+            gs += __shfl_xor_sync(0xffffffffu, gs, 4);
+            gs += __shfl_xor_sync(0xffffffffu, gs, 2);
+            gs += __shfl_xor_sync(0xffffffffu, gs, 1);
+            if (group == 64) {
+                gs += __shfl_xor_sync(0xffffffffu, gs, 16);
+                if (lane == 0) gsum[c / 64] = gs;
+            } else if ((lane & 15) == 0) {
+                gsum[c / 32] = gs;
+            }
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (!gain) return 1.f;
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += red[w];
+    return inv_rms_from(t, n, eps);
+}
+

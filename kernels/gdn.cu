@@ -39,18 +39,43 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
     }
+    // The state was written by this layer's step of the previous token (an earlier step), so it
+    // is read before the PDL wait, like the static parameters and the conv history of this
+    // thread's first channel (ring slots of earlier positions): its conv sum over the history
+    // taps is formed here, in the same order as the full sum below. The projections (qkv, z, b,
+    // a) are read only after the wait.
+    const int nch = 2 * dk + dv;
+    auto chan = [&](int idx) {
+        if (idx < dk) return kh * dk + idx;
+        if (idx < 2 * dk) return key_dim + kh * dk + (idx - dk);
+        return 2 * key_dim + n * dv + (idx - 2 * dk);
+    };
+    float pre = 0.f, tap_last = 0.f;
+    const int ch0 = tid < nch ? chan(tid) : 0;
+    if (tid < nch) {
+        for (int jj = 0; jj < KC - 1; ++jj) {
+            int p = pos - (KC - 1) + jj;
+            float in = p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch0];
+            pre += taps[(size_t)jj * conv_dim + ch0] * in;
+        }
+        tap_last = taps[(size_t)(KC - 1) * conv_dim + ch0];
+    }
+    const float dtb = dt_bias[n], nega = neg_a[n], nwj = norm_w[j];
+    pdl_wait_trigger();
 
-    for (int idx = tid; idx < 2 * dk + dv; idx += nt) {
-        int ch;
-        if (idx < dk) ch = kh * dk + idx;
-        else if (idx < 2 * dk) ch = key_dim + kh * dk + (idx - dk);
-        else ch = 2 * key_dim + n * dv + (idx - 2 * dk);
+    for (int idx = tid; idx < nch; idx += nt) {
+        const int ch = idx == tid ? ch0 : chan(idx);
         float cur = qkv[ch];
-        float acc = 0.f;
-        for (int j = 0; j < KC; ++j) {
-            int p = pos - (KC - 1) + j;
-            float in = (j == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
-            acc += taps[(size_t)j * conv_dim + ch] * in;
+        float acc;
+        if (idx == tid) {
+            acc = pre + tap_last * cur;
+        } else {
+            acc = 0.f;
+            for (int jj = 0; jj < KC; ++jj) {
+                int p = pos - (KC - 1) + jj;
+                float in = (jj == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
+                acc += taps[(size_t)jj * conv_dim + ch] * in;
+            }
         }
         float o = silu_f(acc);
         if (idx < dk) qs[idx] = o;
@@ -72,7 +97,7 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     __syncthreads();
 
     const float beta = sigmoid_f(braw[n]);
-    const float g = neg_a[n] * softplus_f(araw[n] + dt_bias[n]);
+    const float g = nega * softplus_f(araw[n] + dtb);
     const float alpha = expf(g);
     float kv = 0.f;
     if (active) {
@@ -106,6 +131,150 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     float ss = block_sum(r == 0 ? o * o : 0.f, red);
     if (r == 0) {
         float inv = inv_rms_from(ss, dv, eps);
-        y[(size_t)n * dv + j] = o * inv * norm_w[j] * silu_f(z[(size_t)n * dv + j]);
+        y[(size_t)n * dv + j] = o * inv * nwj * silu_f(z[(size_t)n * dv + j]);
+    }
+}
+
+// gdn_step_c4 (LILY_CUDA_GDN_SPLIT=1; off by default, compile-checked only so far): the same
+// step with each value head's dv columns split over the CS = gridDim.y CTAs of one thread-block
+// cluster (launched with cluster dims (1, CS, 1)), so 4x more SMs share the state traffic and each
+// CTA is 4x smaller. Every CTA of the head recomputes the (cheap) q/k conv + L2 norms; it owns
+// dv / CS value channels and state columns. The gated RMSNorm needs the whole head's sum of
+// squares: each CTA publishes its partial in shared memory, and after a cluster barrier every CTA
+// adds the CS partials in rank order (distributed shared memory), so all agree bit for bit.
+__device__ __forceinline__ unsigned gdn_smem_u32(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float gdn_ld_cluster(const float* p, unsigned rank) {
+    unsigned ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(gdn_smem_u32(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+__device__ __forceinline__ void gdn_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+extern "C" __global__ void gdn_step_c4(const float* __restrict__ qkv, const float* __restrict__ z,
+                                       const float* __restrict__ braw, const float* __restrict__ araw,
+                                       float* __restrict__ ring, const float* __restrict__ taps,
+                                       const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                       const float* __restrict__ norm_w, float* __restrict__ state,
+                                       float* __restrict__ y, const int* __restrict__ step, int nk, int nv, int dk,
+                                       int dv, int KC, float eps) {
+    extern __shared__ float sm[];
+    const int CS = gridDim.y, c = blockIdx.y, dvs = dv / CS;
+    float* qs = sm;                               // dk
+    float* ks = qs + dk;                          // dk
+    float* vs = ks + dk;                          // dvs
+    float* part = vs + dvs;                       // (dk/32) * dvs
+    float* red = part + (dk / GDN_SL) * dvs;      // 33
+    float* ssx = red + 33;                        // 1: this CTA's sum of squares, read by the cluster
+    const int n = blockIdx.x, group = nv / nk, kh = n / group;
+    const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
+    const int pos = step[1], slot = pos % KC;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int j = tid % dvs, r = tid / dvs, i0 = r * GDN_SL, jg = c * dvs + j;
+    const bool active = r < dk / GDN_SL;
+    float* S = state + (size_t)n * dk * dv;
+    float s[GDN_SL];
+    if (active) {
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + jg];
+    }
+    const int nch = 2 * dk + dvs;
+    auto chan = [&](int idx) {
+        if (idx < dk) return kh * dk + idx;
+        if (idx < 2 * dk) return key_dim + kh * dk + (idx - dk);
+        return 2 * key_dim + n * dv + c * dvs + (idx - 2 * dk);
+    };
+    float pre = 0.f, tap_last = 0.f;
+    const int ch0 = tid < nch ? chan(tid) : 0;
+    if (tid < nch) {
+        for (int jj = 0; jj < KC - 1; ++jj) {
+            int p = pos - (KC - 1) + jj;
+            float in = p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch0];
+            pre += taps[(size_t)jj * conv_dim + ch0] * in;
+        }
+        tap_last = taps[(size_t)(KC - 1) * conv_dim + ch0];
+    }
+    const float dtb = dt_bias[n], nega = neg_a[n], nwj = norm_w[jg];
+    pdl_wait_trigger();
+
+    for (int idx = tid; idx < nch; idx += nt) {
+        const int ch = idx == tid ? ch0 : chan(idx);
+        float cur = qkv[ch];
+        float acc;
+        if (idx == tid) {
+            acc = pre + tap_last * cur;
+        } else {
+            acc = 0.f;
+            for (int jj = 0; jj < KC; ++jj) {
+                int p = pos - (KC - 1) + jj;
+                float in = (jj == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
+                acc += taps[(size_t)jj * conv_dim + ch] * in;
+            }
+        }
+        float o = silu_f(acc);
+        if (idx < dk) qs[idx] = o;
+        else if (idx < 2 * dk) ks[idx - dk] = o;
+        else vs[idx - 2 * dk] = o;
+        // q/k history: the first CTA of the first value head of the key head; v: each CTA its own.
+        if (idx >= 2 * dk || (n % group == 0 && c == 0)) ring[(size_t)slot * conv_dim + ch] = cur;
+    }
+    __syncthreads();
+    float sq = 0.f, sk = 0.f;
+    for (int i = tid; i < dk; i += nt) { sq += qs[i] * qs[i]; sk += ks[i] * ks[i]; }
+    sq = block_sum(sq, red);
+    sk = block_sum(sk, red);
+    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    float qscale = 1.f / sqrtf((float)dk);
+    __syncthreads();
+    for (int i = tid; i < dk; i += nt) { qs[i] = qs[i] * iq * qscale; ks[i] = ks[i] * ik; }
+    __syncthreads();
+
+    const float beta = sigmoid_f(braw[n]);
+    const float g = nega * softplus_f(araw[n] + dtb);
+    const float alpha = expf(g);
+    float kv = 0.f;
+    if (active) {
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) {
+            s[ii] = s[ii] * alpha;
+            kv += s[ii] * ks[i0 + ii];
+        }
+        part[r * dvs + j] = kv;
+    }
+    __syncthreads();
+    float o = 0.f;
+    if (active) {
+        kv = 0.f;
+        for (int rr = 0; rr < dk / GDN_SL; ++rr) kv += part[rr * dvs + j];
+        float delta = beta * (vs[j] - kv);
+#pragma unroll
+        for (int ii = 0; ii < GDN_SL; ++ii) {
+            s[ii] += ks[i0 + ii] * delta;
+            o += s[ii] * qs[i0 + ii];
+            S[(size_t)(i0 + ii) * dv + jg] = s[ii];
+        }
+    }
+    __syncthreads();
+    if (active) part[r * dvs + j] = o;
+    __syncthreads();
+    o = 0.f;
+    if (r == 0)
+        for (int rr = 0; rr < dk / GDN_SL; ++rr) o += part[rr * dvs + j];
+    const float ssl = block_sum(r == 0 ? o * o : 0.f, red);
+    if (tid == 0) ssx[0] = ssl;
+    gdn_cluster_sync();
+    float ss = 0.f;
+    for (int b = 0; b < CS; ++b) ss += gdn_ld_cluster(ssx, (unsigned)b);
+    gdn_cluster_sync();  // no CTA leaves (freeing its shared memory) before all have read it
+    if (r == 0) {
+        float inv = inv_rms_from(ss, dv, eps);
+        y[(size_t)n * dv + jg] = o * inv * nwj * silu_f(z[(size_t)n * dv + jg]);
     }
 }

@@ -14,9 +14,24 @@ struct QMat {
     int pad;
 };
 
+#define STAGE_MAXK 8
+// Measurement knobs (LILY_CUDA_NVRTC_DEFS=-DGEMV_FAST_STAGE=0 / -DGEMV_PAIR=0): the one-pass
+// staging below, and the two-row inner loop (qrow_part2) of gemv_q.
+#ifndef GEMV_FAST_STAGE
+#define GEMV_FAST_STAGE 1
+#endif
+#ifndef GEMV_PAIR
+#define GEMV_PAIR 1
+#endif
+// -DGEMV_MIN_BLOCKS=n: resident blocks per SM the register allocation must allow (256 threads).
+#ifdef GEMV_MIN_BLOCKS
+#define GEMV_BOUNDS __launch_bounds__(256, GEMV_MIN_BLOCKS)
+#else
+#define GEMV_BOUNDS
+#endif
 // Dynamic shared memory: cols + cols/group + 33 floats.
 // Each warp owns one row at a time and walks the concatenated rows of all matrices.
-extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
+extern "C" __global__ void GEMV_BOUNDS gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
                                   const float* __restrict__ gain, float eps, int group, float* __restrict__ xnorm_out) {
     extern __shared__ float smem[];
     float* xs = smem;
@@ -41,33 +56,55 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
     // The first row pair's weights start streaming before the activation prologue.
     prefetch_row(blockIdx.x * warps + warp);
     prefetch_row(blockIdx.x * warps + warp + nw);
-    stage_x(x, cols, gain, eps, group, xs, gsum, red);
-    if (xnorm_out && blockIdx.x == 0)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    if (gain && (int)threadIdx.x * 32 < cols) prefetch_l2(gain + threadIdx.x * 32);
+    // With PDL the prefetches above overlap the previous kernel; x is only read after it ends.
+    pdl_wait_trigger();
+    float inv = 1.f;
+    const bool fast = GEMV_FAST_STAGE && (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
+    if (fast) {
+        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    } else {
+        stage_x(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    }
     // Two rows per warp per iteration, reduced together, so two rows' loads are in flight; the
     // next pair is prefetched into L2 one iteration ahead.
     for (int r = blockIdx.x * warps + warp; r < total; r += 2 * nw) {
         prefetch_row(r + 2 * nw);
         prefetch_row(r + 3 * nw);
-        float d[2];
-        int mi[2], ri[2];
+        float d[2] = {0.f, 0.f};
+        int mi[2] = {-1, -1}, ri[2] = {0, 0};
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
             int rr = r + t * nw, m = 0;
-            d[t] = 0.f;
-            mi[t] = -1;
             if (rr < total) {
                 while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
-                const QMat& M = mats[m];
-                size_t wpr = (size_t)cols * M.bits / 32;
-                d[t] = qrow_part(M.w + (size_t)rr * wpr, M.s + (size_t)rr * gpr, M.b + (size_t)rr * gpr, xs, gsum, cols,
-                                 M.bits, group);
                 mi[t] = m;
                 ri[t] = rr;
             }
         }
-        d[0] = warp_sum(d[0]);
-        d[1] = warp_sum(d[1]);
+        if (GEMV_PAIR && mi[1] >= 0 && mats[mi[0]].bits == mats[mi[1]].bits) {
+            const QMat& A = mats[mi[0]];
+            const QMat& B = mats[mi[1]];
+            const size_t wpr = (size_t)cols * A.bits / 32;
+            qrow_part2(A.w + (size_t)ri[0] * wpr, A.s + (size_t)ri[0] * gpr, A.b + (size_t)ri[0] * gpr,
+                       B.w + (size_t)ri[1] * wpr, B.s + (size_t)ri[1] * gpr, B.b + (size_t)ri[1] * gpr, xs, gsum, cols,
+                       A.bits, group, d[0], d[1]);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                if (mi[t] >= 0) {
+                    const QMat& M = mats[mi[t]];
+                    const size_t wpr = (size_t)cols * M.bits / 32;
+                    d[t] = qrow_part(M.w + (size_t)ri[t] * wpr, M.s + (size_t)ri[t] * gpr, M.b + (size_t)ri[t] * gpr, xs,
+                                     gsum, cols, M.bits, group);
+                }
+        }
+        d[0] = warp_sum(d[0]) * inv;
+        d[1] = warp_sum(d[1]) * inv;
         if (lane == 0) {
 #pragma unroll
             for (int t = 0; t < 2; ++t)
@@ -83,6 +120,7 @@ extern "C" __global__ void gemv_q(const QMat* __restrict__ mats, int nmats, cons
 // qmatmul::dequantize_row). The token id lives on the device (the decode loop never reads it back).
 extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
                                    const int* __restrict__ step, int cols, int bits, int group, float* __restrict__ x) {
+    pdl_wait_trigger();
     int tok = step[0];
     size_t wpr = (size_t)cols * bits / 32;
     int gpr = cols / group, per = 32 / bits;

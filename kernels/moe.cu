@@ -9,6 +9,18 @@
 // Same math as src/backend/cpu/moe.rs.
 
 #define MOE_MAXK 16
+// moe_gate_up pulls the chosen experts' down rows into L2 for moe_down (measurement knob:
+// LILY_CUDA_NVRTC_DEFS=-DMOE_DOWN_PF=0 turns it off).
+#ifndef MOE_DOWN_PF
+#define MOE_DOWN_PF 1
+#endif
+// -DMOE_FAST=1 (not yet measured on the GPU, off by default): one-pass staging (stage_x_fast) in
+// both kernels; -DMOE_FAST=2 also reads the staged input once for an expert row's gate and up
+// rows (qrow_part2; 96 registers: moe_gate_up then fits 2 blocks per SM instead of 3).
+#ifndef MOE_FAST
+#define MOE_FAST 0
+#endif
+#define MOE_STAGE_MAXK 12
 #define MOE_MAXE_PER_LANE 16  // E <= 512
 
 // Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
@@ -60,7 +72,9 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
                                        const u32* sgw, const u16* sgs, const u16* sgb,
                                        const u32* suw, const u16* sus, const u16* sub, int sinter,
                                        const float* __restrict__ x, int cols, int group,
-                                       float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w) {
+                                       float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w,
+                                       const u32* dw, const u16* ds, const u16* db, const u32* sdw, const u16* sds,
+                                       const u16* sdb, int hidden) {
     extern __shared__ float smem[];
     __shared__ int ids[MOE_MAXK];
     __shared__ float wts[MOE_MAXK];
@@ -79,12 +93,25 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     // Weights into L2 before the prologue: the shared expert's rows at once; the routed rows as
     // soon as warp 0 knows the expert (it prefetches the whole block's rows while the other
     // warps stage x). The top-k result is published by stage_x's barriers.
+    // Each block also pulls a 1/gridDim.x share of its expert's down rows (moe_down's weights)
+    // into L2 once the expert is known, so moe_down reads them from L2.
+    const int drows = (hidden + gridDim.x - 1) / gridDim.x;
+    const int d0 = blockIdx.x * drows, dn = max(0, min(hidden, d0 + drows) - d0);
     if (slot >= K) {
+        // The shared expert does not depend on the router: prefetched before the PDL wait.
         for (int rr = r; rr < min(rows, base + 2 * warps); rr += warps) {
             prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
             prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
         }
-    } else if (warp == 0) {
+        if (MOE_DOWN_PF && warp == warps - 1 && dn > 0) {
+            const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / group;
+            prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+        }
+    }
+    pdl_wait_trigger();
+    if (slot < K && warp == 0) {
         route_topk(logits, E, K, ids, wts);
         __syncwarp();
         const size_t row0 = (size_t)ids[slot] * inter + (size_t)base;
@@ -93,9 +120,19 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
             prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
         }
+        if (MOE_DOWN_PF && dn > 0) {
+            const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / group;
+            const size_t drow0 = (size_t)ids[slot] * hidden + d0;
+            prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(ds + drow0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(db + drow0 * dgpr, dn * dgpr * 2, lane);
+        }
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
-    stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    const bool fast = MOE_FAST && (cols & 63) == 0 && cols <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
+                      (group == 32 || group == 64);
+    if (fast) stage_x_fast<MOE_STAGE_MAXK>(x, cols, nullptr, 0.f, group, xs, gsum, red);
+    else stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
     if (r >= rows) return;
     const int r2 = r + warps;
     const bool two = r2 < rows;
@@ -108,12 +145,20 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     } else {
         GW = sgw; GS = sgs; GB = sgb; UW = suw; US = sus; UB = sub;
     }
-    float g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
-    float u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
-    float g2 = 0.f, u2 = 0.f;
-    if (two) {
-        g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
-        u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
+    float g, u, g2 = 0.f, u2 = 0.f;
+    if (MOE_FAST >= 2) {
+        qrow_part2(GW + row * wpr, GS + row * gpr, GB + row * gpr, UW + row * wpr, US + row * gpr, UB + row * gpr, xs,
+                   gsum, cols, 4, group, g, u);
+        if (two)
+            qrow_part2(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, UW + row2 * wpr, US + row2 * gpr,
+                       UB + row2 * gpr, xs, gsum, cols, 4, group, g2, u2);
+    } else {
+        g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
+        u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
+        if (two) {
+            g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
+            u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
+        }
     }
     g = warp_sum(g);  // all rows' loads were issued before any reduction
     u = warp_sum(u);
@@ -137,27 +182,37 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     float* xs = smem;
     float* gsum = xs + n_act;
     {
-        // This warp's K expert rows and shared row into L2 before staging the activations.
+        // This warp's shared row (before the PDL wait: no dependency) and K expert rows (after it:
+        // top_ids comes from moe_gate_up, which already pulled them into L2) before staging.
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int r = blockIdx.x * (blockDim.x >> 5) + warp;
-        if (r < hidden) {
-            const size_t wpr = (size_t)inter / 8, swpr = (size_t)sinter / 8;
-            if (lane < K) {
-                const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
-                for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
-            } else if (lane == K) {
-                const u32* p = sdw + (size_t)r * swpr;
-                for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
-            }
+        const size_t wpr = (size_t)inter / 8, swpr = (size_t)sinter / 8;
+        if (r < hidden && lane == K) {
+            const u32* p = sdw + (size_t)r * swpr;
+            for (size_t off = 0; off < swpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
+        }
+        pdl_wait_trigger();
+        if (r < hidden && lane < K) {
+            const u32* p = dw + ((size_t)top_ids[lane] * hidden + r) * wpr;
+            for (size_t off = 0; off < wpr * 4; off += 128) prefetch_l2(reinterpret_cast<const char*>(p) + off);
         }
     }
-    // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base).
-    for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
-        int base = c < K * inter ? (c / inter) * inter : K * inter;
-        xs[base + swz_elem(c - base)] = act[c];
+    // Each slot's vector is swizzled on its own (qrow_dot is called with the slot's base). Slot
+    // bases are multiples of 32 floats, and the swizzle permutes within 32-float blocks, so this
+    // equals swizzling the whole vector at once (what stage_x_fast does).
+    const bool fast = MOE_FAST && (n_act & 63) == 0 && n_act <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
+                      (group == 32 || group == 64);
+    if (fast) {
+        __shared__ float red[33];
+        stage_x_fast<MOE_STAGE_MAXK>(act, n_act, nullptr, 0.f, group, xs, gsum, red);
+    } else {
+        for (int c = threadIdx.x; c < n_act; c += blockDim.x) {
+            int base = c < K * inter ? (c / inter) * inter : K * inter;
+            xs[base + swz_elem(c - base)] = act[c];
+        }
+        __syncthreads();
+        group_sums(xs, n_act, group, gsum);
     }
-    __syncthreads();
-    group_sums(xs, n_act, group, gsum);
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = blockIdx.x * warps + warp;
     if (r >= hidden) return;

@@ -7,6 +7,7 @@
 // the stream with it so the host can queue a whole step first; no extra entry point needed).
 extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, int* __restrict__ step,
                                        float* __restrict__ part) {
+    pdl_wait_trigger();
     if (n <= 0) {
         if (blockIdx.x != 0 || threadIdx.x != 0) return;
         unsigned long long t0, t;

@@ -29,7 +29,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "gdn",
         include_str!("../../../kernels/gdn.cu"),
-        &["gdn_step"],
+        &["gdn_step", "gdn_step_c4"],
     ),
     (
         "attention",
@@ -39,6 +39,9 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
             "attn_split_256",
             "attn_split_128",
             "attn_split_64",
+            "attn_split_reg_256",
+            "attn_split_reg_128",
+            "attn_split_reg_64",
             "attn_combine",
         ],
     ),
@@ -58,11 +61,17 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
 pub const ARCH: &str = "sm_90a";
 
 fn nvrtc_options() -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={ARCH}"),
         "-std=c++17".into(),
         "-lineinfo".into(),
-    ]
+    ];
+    // Measurement knob: extra NVRTC options (e.g. `-DPDL_TRIGGER=2 -DMOE_DOWN_PF=0`); part of
+    // the cubin cache key like every option.
+    if let Ok(extra) = std::env::var("LILY_CUDA_NVRTC_DEFS") {
+        o.extend(extra.split_whitespace().map(String::from));
+    }
+    o
 }
 
 /// True when libnvrtc can be loaded (the CI compile check skips otherwise).
@@ -202,6 +211,17 @@ pub struct Gpu {
     pub name: String,
     funcs: HashMap<&'static str, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
+    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): off unless
+    /// `LILY_CUDA_PDL=1` (measured on the H200: neutral at 4K, 1% slower at 256; see
+    /// docs/cuda.md). Every kernel launched through `Gpu::launch` executes `griddepcontrol.wait`
+    /// before touching anything the previous kernel writes, so either setting is correct.
+    pdl: std::sync::atomic::AtomicBool,
+    /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
+    /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
+    pub attn_tiled: bool,
+    /// `LILY_CUDA_GDN_SPLIT=1`: the GDN step runs as `gdn_step_c4` (each value head over a
+    /// cluster of 4 CTAs). Off by default (not yet measured on the GPU).
+    gdn_split: std::sync::atomic::AtomicBool,
 }
 
 impl Gpu {
@@ -255,6 +275,19 @@ impl Gpu {
             }
             modules.push(module);
         }
+        // The tiled split-KV kernels stage K/V through more than 48 KiB of shared memory.
+        for hd in [64usize, 128, 256] {
+            let name = format!("attn_split_{hd}");
+            funcs[name.as_str()]
+                .set_attribute(
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    super::kernels::attn_tiled_smem(hd) as i32,
+                )
+                .map_err(|e| anyhow!("{name}: shared memory opt-in: {e:?}"))?;
+        }
+        let attn_tiled = std::env::var("LILY_CUDA_ATTN_TILED")
+            .map(|v| v != "0")
+            .unwrap_or(true);
         Ok(Gpu {
             ctx,
             stream,
@@ -262,6 +295,13 @@ impl Gpu {
             name,
             funcs,
             _modules: modules,
+            attn_tiled,
+            gdn_split: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_CUDA_GDN_SPLIT").is_ok_and(|v| v == "1"),
+            ),
+            pdl: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
+            ),
         })
     }
 
@@ -271,7 +311,9 @@ impl Gpu {
             .with_context(|| format!("kernel {name} not loaded"))
     }
 
-    /// Launches `name` on the stream.
+    /// Launches decode kernel `name` on the stream, as a programmatic dependent launch when PDL
+    /// is on (the kernels in gemv/gdn/attention/moe/sample.cu all wait with
+    /// `griddepcontrol.wait` before reading their inputs).
     pub fn launch(
         &self,
         name: &str,
@@ -280,7 +322,54 @@ impl Gpu {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        launch_on(&self.stream, self.func(name)?, name, grid, block, smem, args)
+        let f = self.func(name)?;
+        launch_ex(&self.stream, f, name, grid, block, smem, args, self.pdl())
+    }
+
+    /// [`Gpu::launch`] as a cluster launch (`cluster` CTAs per cluster).
+    pub fn launch_cluster(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+        cluster: (u32, u32, u32),
+    ) -> Result<()> {
+        let f = self.func(name)?;
+        launch_ex_cluster(
+            &self.stream,
+            f,
+            name,
+            grid,
+            block,
+            smem,
+            args,
+            self.pdl(),
+            Some(cluster),
+        )
+    }
+
+    /// Whether the GDN step runs as `gdn_step_c4` (4-CTA clusters per value head).
+    pub fn gdn_split(&self) -> bool {
+        self.gdn_split.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Selects `gdn_step_c4` (true) or `gdn_step` for steps enqueued from now on (graphs
+    /// captured before keep what they were captured with).
+    pub fn set_gdn_split(&self, on: bool) {
+        self.gdn_split.store(on, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether decode kernels are launched with programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch of the decode kernels on or off (graphs captured
+    /// before keep what they were captured with).
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -343,6 +432,103 @@ pub fn launch_on(
     // to match the `extern "C"` signature; pointers are live device allocations owned by the
     // backend that outlive the stream work.
     unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    Ok(())
+}
+
+/// Like [`launch_on`], through `cuLaunchKernelEx`; with `pdl` the launch carries
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the kernel may start while the
+/// previous kernel of the stream is still running (once all of its blocks have executed
+/// `griddepcontrol.launch_dependents` or exited). The kernel must then execute
+/// `griddepcontrol.wait` before reading anything the previous kernels write (and before writing
+/// anything they read). Under stream capture the graph edge becomes a programmatic one.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_ex(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+    pdl: bool,
+) -> Result<()> {
+    launch_ex_cluster(stream, f, name, grid, block, smem, args, pdl, None)
+}
+
+/// [`launch_ex`] with an optional thread-block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_ex_cluster(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+    pdl: bool,
+    cluster: Option<(u32, u32, u32)>,
+) -> Result<()> {
+    use std::ffi::c_void;
+    // Argument values at stable addresses for the duration of the call.
+    let vals: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = vals
+        .iter()
+        .map(|a| match a {
+            Arg::P(p) => p as *const u64 as *mut c_void,
+            Arg::I(i) => i as *const i32 as *mut c_void,
+            Arg::F(x) => x as *const f32 as *mut c_void,
+        })
+        .collect();
+    // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the
+    // attribute id selects.
+    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut n_attrs = 0usize;
+    if pdl {
+        attrs[n_attrs].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+        n_attrs += 1;
+    }
+    if let Some((x, y, z)) = cluster {
+        attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n_attrs].value.clusterDim =
+            sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+        n_attrs += 1;
+    }
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: if n_attrs > 0 {
+            attrs.as_mut_ptr()
+        } else {
+            std::ptr::null_mut()
+        },
+        numAttrs: n_attrs as u32,
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    // SAFETY: the argument list is built by the kernel's Rust wrapper (kernels.rs) to match its
+    // `extern "C"` signature; `params` points into `vals`, both alive until the call returns
+    // (the driver copies the values at launch); pointers are live device allocations owned by the
+    // backend that outlive the stream work.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
     Ok(())
 }
 

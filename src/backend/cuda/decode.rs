@@ -199,9 +199,19 @@ impl Scratch {
     }
 }
 
+/// Most KV splits per head with the tiled split kernel: 2 KV heads x 128 splits x 96 KiB of
+/// shared memory is about one wave at two blocks per SM; each split streams its rows through the
+/// cp.async ring, so longer splits cost bandwidth, not latency.
+pub const MAX_SPLITS_TILED: usize = 128;
+
 /// Splits used for a context of `len` positions.
-pub fn splits_for(len: usize) -> usize {
-    len.div_ceil(POS_PER_SPLIT).clamp(1, MAX_SPLITS)
+pub fn splits_for(gpu: &Gpu, len: usize) -> usize {
+    let cap = if gpu.attn_tiled {
+        MAX_SPLITS_TILED
+    } else {
+        MAX_SPLITS
+    };
+    len.div_ceil(POS_PER_SPLIT).clamp(1, cap)
 }
 
 /// Writes `[token, pos]` into the sequence's device step buffer (read by every kernel of the step).
@@ -227,7 +237,7 @@ pub fn step(
     trace: Option<&mut Vec<Vec<f32>>>,
 ) -> Result<()> {
     upload_step(&b.gpu, seq, token, pos)?;
-    enqueue(b, seq, splits_for(pos + 1), logits, trace, None)
+    enqueue(b, seq, splits_for(&b.gpu, pos + 1), logits, trace, None)
 }
 
 /// Events recorded after each phase when profiling (LILY_CUDA_PROFILE=1).
@@ -356,8 +366,12 @@ pub fn enqueue(
                     part_ml: ptr(&s.part_ml, st),
                     out: ptr(&s.ao, st),
                 };
-                kernels::attention(gpu, ad, &p, splits)?;
-                mark("attn core")?;
+                kernels::attn_prep(gpu, ad, &p)?;
+                mark("attn prep")?;
+                kernels::attn_split(gpu, ad, &p, splits)?;
+                mark("attn split")?;
+                kernels::attn_combine(gpu, ad, &p, splits)?;
+                mark("attn combine")?;
                 kernels::gemv(
                     gpu,
                     ls.mixer_out,

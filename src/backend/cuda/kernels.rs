@@ -53,10 +53,19 @@ pub fn gemv(
         .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
         .unwrap_or(4)
         .clamp(1, 8) as usize;
+    // Measurement knob: LILY_CUDA_GEMV_WAVES=n allows n waves of blocks (default 1).
+    static WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let waves = *WAVES.get_or_init(|| {
+        std::env::var("LILY_CUDA_GEMV_WAVES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1usize)
+            .max(1)
+    });
     let blocks = set
         .rows
         .div_ceil(2 * warps)
-        .min(gpu.sms as usize * per_sm)
+        .min(gpu.sms as usize * per_sm * waves)
         .max(1) as u32;
     gpu.launch(
         "gemv_q",
@@ -174,33 +183,47 @@ pub struct GdnPtrs {
     pub step: u64,
 }
 
+/// CTAs per value head of `gdn_step_c4` (one thread-block cluster).
+const GDN_SPLIT: usize = 4;
+
 pub fn gdn_step(gpu: &Gpu, d: GdnDims, p: &GdnPtrs) -> Result<()> {
-    gpu.launch(
-        "gdn_step",
-        (d.nv as u32, 1, 1),
-        d.threads(),
-        d.smem(),
-        &[
-            Arg::P(p.qkv),
-            Arg::P(p.z),
-            Arg::P(p.b),
-            Arg::P(p.a),
-            Arg::P(p.ring),
-            Arg::P(p.taps),
-            Arg::P(p.dt_bias),
-            Arg::P(p.neg_a),
-            Arg::P(p.norm),
-            Arg::P(p.state),
-            Arg::P(p.y),
-            Arg::P(p.step),
-            Arg::I(d.nk as i32),
-            Arg::I(d.nv as i32),
-            Arg::I(d.dk as i32),
-            Arg::I(d.dv as i32),
-            Arg::I(d.kc as i32),
-            Arg::F(d.eps),
-        ],
-    )
+    let split = gpu.gdn_split() && d.dv % (GDN_SPLIT * 8) == 0;
+    let (name, grid, threads, smem) = if split {
+        let dvs = d.dv / GDN_SPLIT;
+        (
+            "gdn_step_c4",
+            (d.nv as u32, GDN_SPLIT as u32, 1),
+            (dvs * (d.dk / 32)) as u32,
+            ((2 * d.dk + dvs + (d.dk / 32) * dvs + 34) * 4) as u32,
+        )
+    } else {
+        ("gdn_step", (d.nv as u32, 1, 1), d.threads(), d.smem())
+    };
+    let args = [
+        Arg::P(p.qkv),
+        Arg::P(p.z),
+        Arg::P(p.b),
+        Arg::P(p.a),
+        Arg::P(p.ring),
+        Arg::P(p.taps),
+        Arg::P(p.dt_bias),
+        Arg::P(p.neg_a),
+        Arg::P(p.norm),
+        Arg::P(p.state),
+        Arg::P(p.y),
+        Arg::P(p.step),
+        Arg::I(d.nk as i32),
+        Arg::I(d.nv as i32),
+        Arg::I(d.dk as i32),
+        Arg::I(d.dv as i32),
+        Arg::I(d.kc as i32),
+        Arg::F(d.eps),
+    ];
+    if split {
+        gpu.launch_cluster(name, grid, threads, smem, &args, (1, GDN_SPLIT as u32, 1))
+    } else {
+        gpu.launch(name, grid, threads, smem, &args)
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -231,6 +254,13 @@ pub struct AttnPtrs {
 
 /// Norms + RoPE + KV append, split-KV attention, combine with the output gate.
 pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
+    attn_prep(gpu, d, p)?;
+    attn_split(gpu, d, p, splits)?;
+    attn_combine(gpu, d, p, splits)
+}
+
+/// q/k RMSNorm + partial RoPE + KV append at the current position.
+pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     gpu.launch(
         "attn_prep",
         ((d.nh + d.nkv) as u32, 1, 1),
@@ -254,18 +284,35 @@ pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<
             Arg::I(d.half_rot as i32),
             Arg::F(d.eps),
         ],
-    )?;
-    let name = match d.hd {
-        256 => "attn_split_256",
-        128 => "attn_split_128",
-        _ => "attn_split_64",
+    )
+}
+
+/// Dynamic shared memory of the tiled split kernel: ATTN_NS stages x (K + V) x ATTN_TP rows.
+pub fn attn_tiled_smem(hd: usize) -> u32 {
+    (3 * 2 * 16 * hd * 4) as u32
+}
+
+/// Split-KV online-softmax partials (`splits` per KV head).
+pub fn attn_split(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
+    let name = match (gpu.attn_tiled, d.hd) {
+        (true, 256) => "attn_split_256",
+        (true, 128) => "attn_split_128",
+        (true, _) => "attn_split_64",
+        (false, 256) => "attn_split_reg_256",
+        (false, 128) => "attn_split_reg_128",
+        (false, _) => "attn_split_reg_64",
+    };
+    let smem = if gpu.attn_tiled {
+        attn_tiled_smem(d.hd)
+    } else {
+        0
     };
     let group = d.nh / d.nkv;
     gpu.launch(
         name,
         (d.nkv as u32, splits as u32, 1),
         (group * 32) as u32,
-        0,
+        smem,
         &[
             Arg::P(p.q),
             Arg::P(p.kcache),
@@ -278,11 +325,15 @@ pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<
             Arg::P(p.part_o),
             Arg::P(p.part_ml),
         ],
-    )?;
+    )
+}
+
+/// Merge of the splits + sigmoid output gate (grid: q heads x 32-dim slices, 8 warps).
+pub fn attn_combine(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
     gpu.launch(
         "attn_combine",
-        (d.nh as u32, 1, 1),
-        d.hd as u32,
+        (d.nh as u32, (d.hd / 32) as u32, 1),
+        256,
         0,
         &[
             Arg::P(p.part_o),
@@ -354,6 +405,13 @@ pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
             Arg::P(p.act),
             Arg::P(p.top_ids),
             Arg::P(p.top_w),
+            Arg::P(p.down.0),
+            Arg::P(p.down.1),
+            Arg::P(p.down.2),
+            Arg::P(p.sdown.0),
+            Arg::P(p.sdown.1),
+            Arg::P(p.sdown.2),
+            Arg::I(d.hidden as i32),
         ],
     )?;
     let n_act = d.k * d.inter + d.sinter;

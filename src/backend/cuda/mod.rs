@@ -181,7 +181,7 @@ impl CudaBackend {
     /// Runs one decode step of `seq` (step buffer already written) through its CUDA graph,
     /// capturing it on first use; falls back to direct launches if capture fails.
     fn run_step(&mut self, seq: &CudaSequence, logits: StepOut) -> Result<()> {
-        let splits = decode::splits_for(seq.max_seq);
+        let splits = decode::splits_for(&self.gpu, seq.max_seq);
         if self.profile.is_some() {
             // Hold the stream for a few ms so the host queues the whole step before the GPU
             // starts: the events then time the kernels back to back, not the host's launch rate.
