@@ -24,8 +24,13 @@ fn ck() -> Checkpoint {
     Checkpoint::open(tiny_checkpoint()).unwrap()
 }
 
+/// These tests hold the decode kernels and the whole model to the CPU at rounding level
+/// (LOGIT_TOL), so their multi-token forwards use the f32 prefill; the bf16 tensor-core prefill
+/// (the default) is measured against the CPU with its own tolerances in tests/cuda_prefill.rs.
 fn cuda() -> CudaBackend {
-    CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
+    let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
+    b.set_exact_prefill(true);
+    b
 }
 
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
