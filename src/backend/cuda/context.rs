@@ -29,7 +29,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "gdn",
         include_str!("../../../kernels/gdn.cu"),
-        &["gdn_step", "gdn_step_c4"],
+        &["gdn_step"],
     ),
     (
         "attention",
@@ -219,9 +219,6 @@ pub struct Gpu {
     /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
     /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
     pub attn_tiled: bool,
-    /// `LILY_CUDA_GDN_SPLIT=1`: the GDN step runs as `gdn_step_c4` (each value head over a
-    /// cluster of 4 CTAs). Off by default (not yet measured on the GPU).
-    gdn_split: std::sync::atomic::AtomicBool,
 }
 
 impl Gpu {
@@ -296,9 +293,6 @@ impl Gpu {
             funcs,
             _modules: modules,
             attn_tiled,
-            gdn_split: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_CUDA_GDN_SPLIT").is_ok_and(|v| v == "1"),
-            ),
             pdl: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
             ),
@@ -324,41 +318,6 @@ impl Gpu {
     ) -> Result<()> {
         let f = self.func(name)?;
         launch_ex(&self.stream, f, name, grid, block, smem, args, self.pdl())
-    }
-
-    /// [`Gpu::launch`] as a cluster launch (`cluster` CTAs per cluster).
-    pub fn launch_cluster(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-        cluster: (u32, u32, u32),
-    ) -> Result<()> {
-        let f = self.func(name)?;
-        launch_ex_cluster(
-            &self.stream,
-            f,
-            name,
-            grid,
-            block,
-            smem,
-            args,
-            self.pdl(),
-            Some(cluster),
-        )
-    }
-
-    /// Whether the GDN step runs as `gdn_step_c4` (4-CTA clusters per value head).
-    pub fn gdn_split(&self) -> bool {
-        self.gdn_split.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Selects `gdn_step_c4` (true) or `gdn_step` for steps enqueued from now on (graphs
-    /// captured before keep what they were captured with).
-    pub fn set_gdn_split(&self, on: bool) {
-        self.gdn_split.store(on, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether decode kernels are launched with programmatic dependent launch.
@@ -452,22 +411,6 @@ pub fn launch_ex(
     args: &[Arg],
     pdl: bool,
 ) -> Result<()> {
-    launch_ex_cluster(stream, f, name, grid, block, smem, args, pdl, None)
-}
-
-/// [`launch_ex`] with an optional thread-block cluster shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`).
-#[allow(clippy::too_many_arguments)]
-pub fn launch_ex_cluster(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    name: &str,
-    grid: (u32, u32, u32),
-    block: u32,
-    smem: u32,
-    args: &[Arg],
-    pdl: bool,
-    cluster: Option<(u32, u32, u32)>,
-) -> Result<()> {
     use std::ffi::c_void;
     // Argument values at stable addresses for the duration of the call.
     let vals: Vec<Arg> = args.to_vec();
@@ -481,18 +424,12 @@ pub fn launch_ex_cluster(
         .collect();
     // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the
     // attribute id selects.
-    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut attrs: [sys::CUlaunchAttribute; 1] = unsafe { std::mem::zeroed() };
     let mut n_attrs = 0usize;
     if pdl {
         attrs[n_attrs].id =
             sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
-        n_attrs += 1;
-    }
-    if let Some((x, y, z)) = cluster {
-        attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attrs[n_attrs].value.clusterDim =
-            sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
         n_attrs += 1;
     }
     let cfg = sys::CUlaunchConfig {

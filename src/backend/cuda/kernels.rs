@@ -183,22 +183,7 @@ pub struct GdnPtrs {
     pub step: u64,
 }
 
-/// CTAs per value head of `gdn_step_c4` (one thread-block cluster).
-const GDN_SPLIT: usize = 4;
-
 pub fn gdn_step(gpu: &Gpu, d: GdnDims, p: &GdnPtrs) -> Result<()> {
-    let split = gpu.gdn_split() && d.dv % (GDN_SPLIT * 8) == 0;
-    let (name, grid, threads, smem) = if split {
-        let dvs = d.dv / GDN_SPLIT;
-        (
-            "gdn_step_c4",
-            (d.nv as u32, GDN_SPLIT as u32, 1),
-            (dvs * (d.dk / 32)) as u32,
-            ((2 * d.dk + dvs + (d.dk / 32) * dvs + 34) * 4) as u32,
-        )
-    } else {
-        ("gdn_step", (d.nv as u32, 1, 1), d.threads(), d.smem())
-    };
     let args = [
         Arg::P(p.qkv),
         Arg::P(p.z),
@@ -219,11 +204,7 @@ pub fn gdn_step(gpu: &Gpu, d: GdnDims, p: &GdnPtrs) -> Result<()> {
         Arg::I(d.kc as i32),
         Arg::F(d.eps),
     ];
-    if split {
-        gpu.launch_cluster(name, grid, threads, smem, &args, (1, GDN_SPLIT as u32, 1))
-    } else {
-        gpu.launch(name, grid, threads, smem, &args)
-    }
+    gpu.launch("gdn_step", (d.nv as u32, 1, 1), d.threads(), d.smem(), &args)
 }
 
 #[derive(Clone, Copy, Debug)]
