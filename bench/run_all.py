@@ -141,7 +141,10 @@ def render(cells, contexts, labels, missing, accuracy, meta, tc):
           "config): decode = 4.3 TB/s ÷ bytes touched per token (weights of the 8 routed + shared experts, attention/GDN "
           "projections, lm_head, GDN state read+write, KV of the context; 1.88 GB/token → ~2,290 tok/s for the 35B at 4K); "
           "prefill = 790 TFLOP/s (measured H200 dense bf16) ÷ FLOPs per prompt token (~150K tok/s for the 35B at short "
-          "prompts). Both are H200 figures.", ""]
+          "prompts). Both are H200 figures.", "",
+          "Cells: a number is the median of the rounds, published only when every round ran and the digests repeat; "
+          "\"refused\" = recorded but not publishable (a round missing or digests differ; the per-round figures are "
+          "below); \"missing\" = the engine was not installed; \"—\" = not run.", ""]
     L += ["## Rounds and digests", "",
           "| Engine | Context | Status | Decode tok/s per round | Prefill tok/s per round | Digest(s) | Backend |",
           "|---|---:|---|---|---|---|---|"]
