@@ -21,25 +21,11 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
     const bool is_q = h < nh;
     const int kvh = h - nh;
     const float nwj = is_q ? q_norm[j] : k_norm[j];
-    float c = 1.f, sn = 0.f;
-    if (j < 2 * half_rot) {
-        int i = j < half_rot ? j : j - half_rot;
-        double ang = (double)pos * inv_freq[i];
-        c = (float)cos(ang);
-        sn = (float)sin(ang);
-    }
+    float c, sn;
+    rope_cos_sin(pos, inv_freq, j, half_rot, c, sn);
     pdl_wait();
-    float v = is_q ? qg[(size_t)h * 2 * hd + j] : kraw[(size_t)kvh * hd + j];
-    float ss = block_sum(v * v, red);
-    float inv = inv_rms_from(ss, hd, eps);
-    xs[j] = v * inv * nwj;
-    __syncthreads();
-    float out = xs[j];
-    if (j < 2 * half_rot) {
-        int i = j < half_rot ? j : j - half_rot;
-        float a = xs[i], b = xs[i + half_rot];
-        out = j < half_rot ? a * c - b * sn : b * c + a * sn;
-    }
+    const float v = is_q ? qg[(size_t)h * 2 * hd + j] : kraw[(size_t)kvh * hd + j];
+    const float out = head_norm_rope(v, nwj, c, sn, hd, half_rot, eps, xs, red);
     if (is_q) {
         qout[(size_t)h * hd + j] = out;
         gate[(size_t)h * hd + j] = qg[(size_t)h * 2 * hd + hd + j];

@@ -197,6 +197,82 @@ __device__ void stage_x(const float* __restrict__ x, int n, const float* __restr
 
 #define NEG_INF __int_as_float(0xff800000u)
 
+// Partial NeoX RoPE angle of element j of a head (the first 2*half_rot elements rotate), in f64
+// like the CPU (pos * inv_freq can be ~2.6e5 rad at long context). c = 1, sn = 0 outside.
+__device__ __forceinline__ void rope_cos_sin(int pos, const double* __restrict__ inv_freq, int j, int half_rot,
+                                             float& c, float& sn) {
+    c = 1.f;
+    sn = 0.f;
+    if (j < 2 * half_rot) {
+        const int i = j < half_rot ? j : j - half_rot;
+        const double ang = (double)pos * inv_freq[i];
+        c = (float)cos(ang);
+        sn = (float)sin(ang);
+    }
+}
+
+// One attention head row over a block of hd threads (thread j owns element j, value v): RMSNorm
+// with gain nwj, then the partial NeoX rotation with this thread's (c, sn) from rope_cos_sin.
+// xs: hd floats, red: 33 floats of shared memory. Returns element j of the result.
+__device__ float head_norm_rope(float v, float nwj, float c, float sn, int hd, int half_rot, float eps, float* xs,
+                                float* red) {
+    const int j = threadIdx.x;
+    const float ss = block_sum(v * v, red);
+    const float inv = inv_rms_from(ss, hd, eps);
+    xs[j] = v * inv * nwj;
+    __syncthreads();
+    float out = xs[j];
+    if (j < 2 * half_rot) {
+        const int i = j < half_rot ? j : j - half_rot;
+        const float a = xs[i], b = xs[i + half_rot];
+        out = j < half_rot ? a * c - b * sn : b * c + a * sn;
+    }
+    return out;
+}
+
+// Routing of one token by one whole warp: top-k of the E router logits (ties -> lower id), the
+// renormalised softmax weights exp(l - max) / sum_topk exp(l - max), then sorted by expert id
+// (the CPU accumulates experts in ascending id order). ids/wts (K entries) are written by lane 0
+// and valid for lane 0 on return. E <= 512, K <= 16. Used by decode (moe.cu) and prefill
+// (prefill.cu), so both pick the same experts with the same weights.
+#define ROUTE_MAXE_PER_LANE 16
+__device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    float v[ROUTE_MAXE_PER_LANE];
+#pragma unroll
+    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
+    float top = 0.f;
+    for (int k = 0; k < K; ++k) {
+        float best = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+            if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+        }
+        if (k == 0) top = best;
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+            if (lane + 32 * t == bi) v[t] = NEG_INF;
+        if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float sum = 0.f;
+        for (int k = 0; k < K; ++k) sum += wts[k];
+        for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
+        // insertion sort by expert id (K <= 16)
+        for (int a = 1; a < K; ++a) {
+            int id = ids[a]; float w = wts[a]; int b = a - 1;
+            while (b >= 0 && ids[b] > id) { ids[b + 1] = ids[b]; wts[b + 1] = wts[b]; --b; }
+            ids[b + 1] = id; wts[b + 1] = w;
+        }
+    }
+}
+
 // ---- appended (decode fixed-cost work) ----
 // Starts pulling one 128-byte line into L2 (no registers, no completion wait). The decode kernels
 // issue their first weight rows this way before the activation prologue, since weights never

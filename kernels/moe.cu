@@ -23,48 +23,11 @@
 #define MOE_FAST 0
 #endif
 #define MOE_STAGE_MAXK 12
-#define MOE_MAXE_PER_LANE 16  // E <= 512
 
-// Warp 0 computes top-k (ties -> lower id) of the logits and the renormalised softmax weights
-// exp(l - max) / sum_topk exp(l - max). Results go to shared ids/wts, sorted by expert id.
+// Warp 0 computes the routing of the block (warp_route_topk, common.cuh) into shared ids/wts.
 // No trailing barrier: the caller synchronises before other warps read ids/wts.
 __device__ void route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
-    int lane = threadIdx.x & 31;
-    if ((threadIdx.x >> 5) == 0) {
-        float v[MOE_MAXE_PER_LANE];
-#pragma unroll
-        for (int t = 0; t < MOE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
-        float top = 0.f;
-        for (int k = 0; k < K; ++k) {
-            float best = NEG_INF;
-            int bi = 0x7fffffff;
-#pragma unroll
-            for (int t = 0; t < MOE_MAXE_PER_LANE; ++t)
-                if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-            }
-            if (k == 0) top = best;
-#pragma unroll
-            for (int t = 0; t < MOE_MAXE_PER_LANE; ++t)
-                if (lane + 32 * t == bi) v[t] = NEG_INF;
-            if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
-        }
-        __syncwarp();
-        if (lane == 0) {
-            float sum = 0.f;
-            for (int k = 0; k < K; ++k) sum += wts[k];
-            for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
-            // insertion sort by expert id (K <= 16)
-            for (int a = 1; a < K; ++a) {
-                int id = ids[a]; float w = wts[a]; int b = a - 1;
-                while (b >= 0 && ids[b] > id) { ids[b + 1] = ids[b]; wts[b + 1] = wts[b]; --b; }
-                ids[b + 1] = id; wts[b + 1] = w;
-            }
-        }
-    }
+    if ((threadIdx.x >> 5) == 0) warp_route_topk(logits, E, K, ids, wts);
 }
 
 // Dynamic shared memory: cols + cols/group + 33 floats. act: [K*inter + sinter].

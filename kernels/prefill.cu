@@ -4,6 +4,21 @@
 // (gdn::recurrent_step) run over the chunk with the state in registers.
 
 // ---------------------------------------------------------------------------------------------
+// Row maps of a GEMM tile's token `tid` (token t0 + tid of the n the tile covers): x row slot / xdiv
+// and y row slot, where slot is the expert's slot list entry (grouped mode, lst) or the token itself;
+// -1 past the end.
+__device__ __forceinline__ void tile_row(int tid, int t0, int n, const int* lst, int xdiv, int* xrow, int* yrow) {
+    const int t = t0 + tid;
+    if (t < n) {
+        const int slot = lst ? lst[t] : t;
+        xrow[tid] = slot / xdiv;
+        yrow[tid] = slot;
+    } else {
+        xrow[tid] = -1;
+        yrow[tid] = -1;
+    }
+}
+
 // Quantized GEMM: Y[yrow(t)][r] (+)= sum_c W[e*rows + r][c] * X[xrow(t)][c]
 // Tile 128 rows x 64 tokens x 32 columns; the weight tile is dequantised (s*q + b) into shared
 // memory once per block and reused by all 64 tokens. 256 threads, 8 rows x 4 tokens each.
@@ -32,17 +47,7 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
     const int t0 = blockIdx.y * PF_BN;
     if (t0 >= n) return;
-    if (tid < PF_BN) {
-        int t = t0 + tid;
-        if (t < n) {
-            int slot = lst ? lst[t] : t;
-            xrow[tid] = slot / xdiv;
-            yrow[tid] = slot;
-        } else {
-            xrow[tid] = -1;
-            yrow[tid] = -1;
-        }
-    }
+    if (tid < PF_BN) tile_row(tid, t0, n, lst, xdiv, xrow, yrow);
     __syncthreads();
     const size_t wpr = (size_t)cols * bits / 32;
     const int gpr = cols / group;
@@ -216,17 +221,7 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
         lst = list + offsets[e];
     }
     if (t0 >= n) return;
-    if (tid < TC_BN) {
-        int t = t0 + tid;
-        if (t < n) {
-            int slot = lst ? lst[t] : t;
-            xrow[tid] = slot / xdiv;
-            yrow[tid] = slot;
-        } else {
-            xrow[tid] = -1;
-            yrow[tid] = -1;
-        }
-    }
+    if (tid < TC_BN) tile_row(tid, t0, n, lst, xdiv, xrow, yrow);
     const size_t wpr = (size_t)cols * bits / 32;
     const int gpr = cols / group;
     const size_t rbase = (size_t)e * rows;
@@ -654,19 +649,10 @@ extern "C" __global__ void pf_attn_prep(const float* __restrict__ qg, const floa
     const int kvh = h - nh;
     const size_t kv_dim = (size_t)nkv * hd;
     const float* qrow = qg + (size_t)t * 2 * nh * hd;
-    float v = is_q ? qrow[(size_t)h * 2 * hd + j] : kraw[(size_t)t * kv_dim + kvh * hd + j];
-    float ss = block_sum(v * v, red);
-    float inv = inv_rms_from(ss, hd, eps);
-    xs[j] = v * inv * (is_q ? q_norm[j] : k_norm[j]);
-    __syncthreads();
-    float out = xs[j];
-    if (j < 2 * half_rot) {
-        int i = j < half_rot ? j : j - half_rot;
-        double ang = (double)pos * inv_freq[i];
-        float c = (float)cos(ang), s = (float)sin(ang);
-        float a = xs[i], b = xs[i + half_rot];
-        out = j < half_rot ? a * c - b * s : b * c + a * s;
-    }
+    const float v = is_q ? qrow[(size_t)h * 2 * hd + j] : kraw[(size_t)t * kv_dim + kvh * hd + j];
+    float c, sn;
+    rope_cos_sin(pos, inv_freq, j, half_rot, c, sn);
+    const float out = head_norm_rope(v, is_q ? q_norm[j] : k_norm[j], c, sn, hd, half_rot, eps, xs, red);
     if (is_q) {
         qout[((size_t)t * nh + h) * hd + j] = out;
         gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
@@ -975,38 +961,8 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     if (t >= T) return;
     int* ids = sids[warp];
     float* wts = swts[warp];
-    const float* lg = logits + (size_t)t * E;
-    float v[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = (lane + 32 * i < E) ? lg[lane + 32 * i] : NEG_INF;
-    float top = 0.f;
-    for (int k = 0; k < K; ++k) {
-        float best = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (v[i] > best) { best = v[i]; bi = lane + 32 * i; }
-        for (int off = 16; off > 0; off >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, off);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        if (k == 0) top = best;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (lane + 32 * i == bi) v[i] = NEG_INF;
-        if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
-    }
-    __syncwarp();
+    warp_route_topk(logits + (size_t)t * E, E, K, ids, wts);
     if (lane == 0) {
-        float sum = 0.f;
-        for (int k = 0; k < K; ++k) sum += wts[k];
-        for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
-        for (int a = 1; a < K; ++a) {
-            int id = ids[a]; float w = wts[a]; int bb = a - 1;
-            while (bb >= 0 && ids[bb] > id) { ids[bb + 1] = ids[bb]; wts[bb + 1] = wts[bb]; --bb; }
-            ids[bb + 1] = id; wts[bb + 1] = w;
-        }
         for (int k = 0; k < K; ++k) {
             top_ids[(size_t)t * K + k] = ids[k];
             top_w[(size_t)t * K + k] = wts[k];
