@@ -214,7 +214,7 @@ fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, out: 
     let mut backend = open_backend(kind, &ck)?;
     let vocab = backend.config().vocab_size;
     // The goldens' prompt: the benchmark formula, kept below the special-token range.
-    let ids: Vec<u32> = (0..positions as u64).map(|i| ((i * 2_654_435_761 % (1 << 32)) % vocab.min(248_044) as u64) as u32).collect();
+    let ids = lily::engine::contract::contract_prompt(positions, vocab.min(248_044));
     let probes: std::collections::BTreeSet<u32> = (0..256u64).map(|j| ((j * 7919 * 104_729 + 12_345) % vocab as u64) as u32).collect();
     let mut seq = backend.new_sequence(positions + 1)?;
     let t0 = std::time::Instant::now();

@@ -101,8 +101,9 @@ fn greedy_continuation_matches_transformers() {
     assert!(worst <= LOGIT_TOL, "{worst}");
 }
 
+/// The goldens' prompt: the contract formula below the special-token range.
 fn prompt(n: usize) -> Vec<u32> {
-    (0..n as u64).map(|i| ((i * 2_654_435_761 % (1 << 32)) % 248_044) as u32).collect()
+    lily::engine::contract::contract_prompt(n, 248_044)
 }
 
 #[test]

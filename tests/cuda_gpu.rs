@@ -34,9 +34,7 @@ fn cuda() -> CudaBackend {
 }
 
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n as u64)
-        .map(|i| (((i * 2_654_435_761) % (1u64 << 32)) % vocab as u64) as u32)
-        .collect()
+    lily::engine::contract::contract_prompt(n, vocab)
 }
 
 #[test]

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lily::backend::{open_backend, BackendKind, LogitsWanted};
 use lily::checkpoint::Checkpoint;
+use lily::engine::contract::{contract_prompt, token_digest};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -38,16 +39,6 @@ struct Args {
     json_out: Option<PathBuf>,
 }
 
-/// The contract's deterministic prompt.
-fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n as u64).map(|i| (((i * 2_654_435_761) % (1u64 << 32)) % vocab as u64) as u32).collect()
-}
-
-/// 64-bit FNV-1a over whole u32 token values.
-fn fnv1a(tokens: &[u32]) -> u64 {
-    tokens.iter().fold(0xcbf29ce484222325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x100000001b3))
-}
-
 fn main() {
     if let Err(e) = run(Args::parse()) {
         eprintln!("lily-bench: error: {e:#}");
@@ -72,7 +63,7 @@ fn run(args: Args) -> Result<()> {
     // sequence alive, and with the measured sequence alive at the end.
     let mut mem_samples = Vec::new();
     mem_samples.extend(backend.device_memory());
-    let prompt = prompt_tokens(args.prompt_len, vocab);
+    let prompt = contract_prompt(args.prompt_len, vocab);
 
     // The last prompt token goes through the greedy decode path (Backend::decode_greedy), so
     // the first generated token comes out of the same pipelined loop as the decode tokens.
@@ -125,7 +116,7 @@ fn run(args: Args) -> Result<()> {
         _ => serde_json::Value::Null,
     };
     let decode_secs = last.duration_since(t1).as_secs_f64();
-    let digest = format!("{:016x}", fnv1a(&tokens));
+    let digest = format!("{:016x}", token_digest(&tokens));
     let line = json!({
         "schema_version": 1,
         "engine": "lily",
@@ -158,18 +149,4 @@ fn run(args: Args) -> Result<()> {
         std::fs::write(&p, text + "\n").with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn contract_prompt_and_digest() {
-        let p = prompt_tokens(4, 248_320);
-        assert_eq!(p[0], 0);
-        assert_eq!(p[1], (2_654_435_761u64 % 248_320) as u32);
-        assert_eq!(fnv1a(&[]), 0xcbf29ce484222325);
-        assert_eq!(fnv1a(&[1]), (0xcbf29ce484222325u64 ^ 1).wrapping_mul(0x100000001b3));
-    }
 }

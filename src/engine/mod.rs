@@ -1,5 +1,6 @@
 //! Generation on top of a backend: token selection and the prefill/decode loop.
 
+pub mod contract;
 pub mod default_model;
 pub mod generate;
 pub mod sampling;
