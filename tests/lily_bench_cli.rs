@@ -1,0 +1,36 @@
+//! lily-bench on the CPU backend: one JSON line with the contract's fields, and a clear error
+//! (exit 1, no panic) for a --max-seq that cannot hold the run.
+
+mod common;
+
+use common::tiny_checkpoint;
+use std::process::Command;
+
+fn bench(extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_lily-bench"))
+        .args(["--model", tiny_checkpoint().to_str().unwrap(), "--backend", "cpu", "--prompt-len", "8", "--decode-steps", "4"])
+        .args(extra)
+        .output()
+        .expect("run lily-bench")
+}
+
+#[test]
+fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
+    let out = bench(&["--max-seq", "64"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(line["max_seq"], 64);
+    assert_eq!(line["prompt_len"], 8);
+    assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 4);
+    assert!(line["device_memory"].is_null());
+}
+
+#[test]
+fn too_small_max_seq_is_a_one_line_error() {
+    let out = bench(&["--max-seq", "6"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--max-seq 6 is smaller than prompt + decode steps + 1 = 13"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.stdout.is_empty());
+}
