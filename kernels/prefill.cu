@@ -369,25 +369,107 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
 }
 
 // Few-row GEMMs kept in f32 in both modes (router, shared-expert gate, GDN b/a projections: they
-// pick experts and gates): one block per token, x staged in shared memory, one warp per row with
-// the decode path's row dot (bias folded per group, as the CPU qmatmul). Rows r = blockIdx.y*256 +
-// warp + 8i. grid (T, ceil(rows / 256)), block 256, dynamic smem (cols + cols/group + 33) floats.
-extern "C" __global__ void __launch_bounds__(256)
+// pick experts and gates). A block stages PF_SK_T tokens' rows of x in shared memory (swizzled
+// as stage_x) with their per-group sums; each warp takes rows r = blockIdx.y*256 + warp + 8i and
+// dots every weight chunk it loads with all PF_SK_T tokens, so the weights are read once per
+// PF_SK_T tokens. Bias folded per group, as the CPU qmatmul and the decode row dot.
+// grid (ceil(T / PF_SK_T), ceil(rows / 256)), block 256,
+// dynamic smem PF_SK_T * (cols + cols/group) floats.
+#define PF_SK_T 8
+extern "C" __global__ void __launch_bounds__(256, 1)
 pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
-               int cols, int group, const float* __restrict__ x, float* __restrict__ y, int ldy) {
+               int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy) {
     extern __shared__ __align__(16) float sk_sm[];
-    float* xs = sk_sm;
-    float* gsum = xs + cols;
-    float* red = gsum + cols / group;
-    const int t = blockIdx.x;
-    stage_x(x + (size_t)t * cols, cols, nullptr, 0.f, group, xs, gsum, red);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const size_t wpr = (size_t)cols * bits / 32;
     const int gpr = cols / group;
-    for (int r = blockIdx.y * 256 + warp; r < min(rows, (int)blockIdx.y * 256 + 256); r += 8) {
-        const float v = qrow_dot(w + (size_t)r * wpr, s + (size_t)r * gpr, b + (size_t)r * gpr, xs, gsum, cols, bits,
-                                 group);
-        if (lane == 0) y[(size_t)t * ldy + r] = v;
+    float* xs = sk_sm;
+    float* gs = sk_sm + PF_SK_T * cols;
+    const int t0 = blockIdx.x * PF_SK_T, nt = min(PF_SK_T, ntok - t0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < PF_SK_T * cols; i += 256) {
+        const int j = i / cols, c = i % cols;
+        xs[j * cols + swz_elem(c)] = j < nt ? x[(size_t)(t0 + j) * cols + c] : 0.f;
+    }
+    __syncthreads();
+    for (int gi = warp; gi < PF_SK_T * gpr; gi += 8) {
+        const int j = gi / gpr, g = gi % gpr;
+        float v = 0.f;
+        for (int c = lane; c < group; c += 32) v += xs[j * cols + g * group + c];  // swizzle stays in the group
+        v = warp_sum(v);
+        if (lane == 0) gs[j * gpr + g] = v;
+    }
+    __syncthreads();
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int rend = min(rows, (int)blockIdx.y * 256 + 256);
+    for (int r = blockIdx.y * 256 + warp; r < rend; r += 8) {
+        const uint4* w4 = reinterpret_cast<const uint4*>(w + (size_t)r * wpr);
+        const u16* sr = s + (size_t)r * gpr;
+        const u16* br = b + (size_t)r * gpr;
+        float acc[PF_SK_T];
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) acc[j] = 0.f;
+        // Codes are converted to float once per chunk and reused by the PF_SK_T tokens.
+        if (bits == 4) {
+            const int n4 = cols >> 5, cpg = group >> 5;  // 32 codes per uint4
+            for (int i = lane; i < n4; i += 32) {
+                const uint4 q = __ldg(w4 + i);
+                const int f = i << 3, g = i / cpg;
+                const float sc = bf16f(__ldg(sr + g));
+                const bool first = i - g * cpg == 0;
+                const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
+                const u32 qw[4] = {q.x, q.y, q.z, q.w};
+                float wq[32];
+#pragma unroll
+                for (int k = 0; k < 32; ++k) wq[k] = code_f((qw[k >> 3] >> (4 * (k & 7))) & 15u);
+#pragma unroll
+                for (int j = 0; j < PF_SK_T; ++j) {
+                    const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
+                    float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float4 xv = x4[swz(f + k)];
+                        d0 = fmaf(wq[4 * k], xv.x, d0);
+                        d1 = fmaf(wq[4 * k + 1], xv.y, d1);
+                        d0 = fmaf(wq[4 * k + 2], xv.z, d0);
+                        d1 = fmaf(wq[4 * k + 3], xv.w, d1);
+                    }
+                    acc[j] = fmaf(sc, d0 + d1, acc[j]);
+                    if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
+                }
+            }
+        } else {
+            const int n4 = cols >> 4, cpg = group >> 4;  // 16 codes per uint4
+            for (int i = lane; i < n4; i += 32) {
+                const uint4 q = __ldg(w4 + i);
+                const int f = i << 2, g = i / cpg;
+                const float sc = bf16f(__ldg(sr + g));
+                const bool first = i - g * cpg == 0;
+                const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
+                const u32 qw[4] = {q.x, q.y, q.z, q.w};
+                float wq[16];
+#pragma unroll
+                for (int k = 0; k < 16; ++k) wq[k] = code_f((qw[k >> 2] >> (8 * (k & 3))) & 255u);
+#pragma unroll
+                for (int j = 0; j < PF_SK_T; ++j) {
+                    const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
+                    float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const float4 xv = x4[swz(f + k)];
+                        d0 = fmaf(wq[4 * k], xv.x, d0);
+                        d1 = fmaf(wq[4 * k + 1], xv.y, d1);
+                        d0 = fmaf(wq[4 * k + 2], xv.z, d0);
+                        d1 = fmaf(wq[4 * k + 3], xv.w, d1);
+                    }
+                    acc[j] = fmaf(sc, d0 + d1, acc[j]);
+                    if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) {
+            const float v = warp_sum(acc[j]);
+            if (lane == j && j < nt) y[(size_t)(t0 + j) * ldy + r] = v;
+        }
     }
 }
 
@@ -469,8 +551,9 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
 // S^T k is a_{t+1} p) in the same loop, both reduced together. Block = 4 warps = 4*32/PARTS
 // columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory with
 // cp.async a block of tokens ahead (double buffer), v and the raw gates through registers, so no
-// global load sits on the per-token chain. q/k rows are stored padded per part (stride R+4
-// floats) so the PARTS distinct float4 reads of a step hit distinct banks.
+// global load sits on the per-token chain. R = 8 rows per lane (PARTS = DK/8: 16 at DK 128, for
+// 2048 warps at 32 value heads); part p's rows of a q/k vector start at 8p + 4*((p>>2)&1) floats
+// so the 8 float4 reads of a shared-memory phase (8 consecutive parts) hit distinct banks.
 // grid (nv, ceil(dv / (128/PARTS))), block 128.
 #define PF_GDN_TB 16
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -484,8 +567,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
                          const float* __restrict__ braw, const float* __restrict__ araw,
                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
                          float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
-    constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
-    constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
+    constexpr int R = 8, PARTS = DK / R, KS = DK + 4, CPW = 32 / PARTS, BC = 4 * CPW;
     constexpr int TB = PF_GDN_TB, NV = TB * BC / 128;
     __shared__ __align__(16) float qs[2][TB][KS];
     __shared__ __align__(16) float ks[2][TB][KS];
@@ -493,6 +575,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     __shared__ float gb[2][TB], ga[2][TB];
     const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int part = lane % PARTS, cl = warp * CPW + lane / PARTS;
+    const int seg = part * R + 4 * ((part >> 2) & 1);
     const int c0 = blockIdx.y * BC, c = c0 + cl;
     const bool cvalid = c < dv;
     const int kh = n / (nv / nk), key_dim = nk * DK;
@@ -509,7 +592,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
         const int nt = min(TB, T - tb);
         for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
             const int tt = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-            const int d = (i / R) * RS + (i % R);
+            const int d = i + 4 * (((i / R) >> 2) & 1);
             const size_t off = (size_t)(tb + tt) * key_dim + kh * DK + i;
             cp_async16(&qs[bf][tt][d], qn + off);
             cp_async16(&ks[bf][tt][d], kn + off);
@@ -546,7 +629,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     // p = S_0^T k_0.
     float p;
     {
-        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][part * RS]);
+        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][seg]);
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
         for (int f = 0; f < R / 4; ++f) {
@@ -569,10 +652,10 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
             if (last && more) stage(tb + TB, bf ^ 1);  // the next token's k lives there
             const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
             const float delta = beta * (v - alpha * p);
-            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
-            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
-            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][part * RS]
-                                                                    : &ks[bf][tt + 1][part * RS]);
+            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][seg]);
+            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][seg]);
+            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][seg]
+                                                                    : &ks[bf][tt + 1][seg]);
             float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
 #pragma unroll
             for (int f = 0; f < R / 4; ++f) {

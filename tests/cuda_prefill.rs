@@ -76,8 +76,17 @@ fn cuda_prefill_gemm_matches_cpu_qmatmul() {
             let got = b.prefill_gemm_host(q, &x, t).unwrap();
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
             let e = max_abs_diff(&got, &want);
-            eprintln!("{name} T={t}: max abs err {e:.3e} (max |y| {scale:.3})");
+            // The few-row kernel (router, shared-expert gate, GDN b/a in both precisions).
+            let sk = b.prefill_skinny_gemm_host(q, &x, t).unwrap();
+            let es = max_abs_diff(&sk, &want);
+            eprintln!(
+                "{name} T={t}: max abs err {e:.3e}, few-row kernel {es:.3e} (max |y| {scale:.3})"
+            );
             assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
+            assert!(
+                es <= 1e-4 * scale.max(1.0),
+                "{name} T={t}: few-row error {es}"
+            );
         }
     }
 }

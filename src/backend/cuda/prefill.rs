@@ -116,6 +116,12 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
             GEMM_TC_SMEM as i32,
         )
         .map_err(|e| anyhow!("pf_gemm_tc: shared memory opt-in: {e:?}"))?;
+    funcs["pf_gemm_skinny"]
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            SKINNY_SMEM_MAX as i32,
+        )
+        .map_err(|e| anyhow!("pf_gemm_skinny: shared memory opt-in: {e:?}"))?;
     for hd in [64usize, 128, 256] {
         funcs[format!("pf_attn_{hd}").as_str()]
             .set_attribute(
@@ -248,6 +254,10 @@ impl Buf {
     }
 }
 
+/// Tokens per block of pf_gemm_skinny (PF_SK_T) and its dynamic shared memory limit.
+const SKINNY_T: usize = 8;
+const SKINNY_SMEM_MAX: usize = 160 * 1024;
+
 /// pf_gemm_tc's double-buffered bf16 tiles: 2 x (128 rows + 64 tokens) x (64 + 8 padding).
 const GEMM_TC_SMEM: usize = 2 * (128 + 64) * 72 * 2;
 
@@ -370,19 +380,19 @@ impl Mm<'_> {
     }
 
     /// f32 whatever the mode, for the few-row GEMMs whose outputs pick experts and gates (router,
-    /// shared-expert gate, GDN b/a): pf_gemm_skinny, one block per token (the 128-row tiles of
+    /// shared-expert gate, GDN b/a): pf_gemm_skinny, one block per 8 tokens (the 128-row tiles of
     /// pf_gemm would leave most of the GPU idle on them).
     fn exact(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
         let (w, s, b) = q.ptrs(self.gpu);
-        let smem = (q.cols + q.cols / self.group + 33) * 4;
-        if smem > 48 * 1024 || !q.cols.is_multiple_of(32) {
+        let smem = SKINNY_T * (q.cols + q.cols / self.group) * 4;
+        if smem > SKINNY_SMEM_MAX || !q.cols.is_multiple_of(32) || !self.group.is_multiple_of(32) {
             return gemm(
                 self.kern, self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None,
             );
         }
         self.kern.launch(
             "pf_gemm_skinny",
-            (ntok as u32, rows.div_ceil(256) as u32, 1),
+            (ntok.div_ceil(SKINNY_T) as u32, rows.div_ceil(256) as u32, 1),
             256,
             smem as u32,
             &[
@@ -394,6 +404,7 @@ impl Mm<'_> {
                 Arg::I(q.cols as i32),
                 Arg::I(self.group as i32),
                 Arg::P(x),
+                Arg::I(ntok as i32),
                 Arg::P(y),
                 Arg::I(ldy as i32),
             ],
@@ -604,7 +615,7 @@ fn gdn_scan(
         Arg::I(c as i32),
     ]);
     // Columns per block: 4 warps x 32 / PARTS (PARTS = lanes per state column, see gdn_scan).
-    let bc = 4 * 32 / (dk / 16).clamp(2, 8);
+    let bc = 4 * 32 / (dk / 8);
     kern.launch(name, (nv as u32, dv.div_ceil(bc) as u32, 1), 128, 0, &args)
 }
 
@@ -1265,6 +1276,28 @@ impl CudaBackend {
         tokens: usize,
         exact: bool,
     ) -> Result<Vec<f32>> {
+        self.prefill_gemm_host_kind(q, x, tokens, if exact { 1 } else { 0 })
+    }
+
+    /// [`Self::prefill_gemm_host`] through the few-row f32 kernel (router, gates).
+    pub fn prefill_skinny_gemm_host(
+        &self,
+        q: &crate::checkpoint::store::QuantTensor,
+        x: &[f32],
+        tokens: usize,
+    ) -> Result<Vec<f32>> {
+        self.prefill_gemm_host_kind(q, x, tokens, 2)
+    }
+
+    /// kind 0: tensor cores, 1: f32 tiles, 2: few-row f32.
+    fn prefill_gemm_host_kind(
+        &self,
+        q: &crate::checkpoint::store::QuantTensor,
+        x: &[f32],
+        tokens: usize,
+        kind: u8,
+    ) -> Result<Vec<f32>> {
+        let exact = kind != 0;
         let gpu = &self.gpu;
         let st = &gpu.stream;
         if x.len() != tokens * q.cols {
@@ -1285,16 +1318,20 @@ impl CudaBackend {
             group: q.group,
             exact,
         };
-        mm.run(
-            &dq,
-            q.rows,
-            ptr(&xd, st),
-            tokens,
-            ptr(&y, st),
-            q.rows,
-            false,
-            None,
-        )?;
+        if kind == 2 {
+            mm.exact(&dq, q.rows, ptr(&xd, st), tokens, ptr(&y, st), q.rows)?;
+        } else {
+            mm.run(
+                &dq,
+                q.rows,
+                ptr(&xd, st),
+                tokens,
+                ptr(&y, st),
+                q.rows,
+                false,
+                None,
+            )?;
+        }
         st.clone_dtoh(&y).map_err(|e| anyhow!("{e:?}"))
     }
 
