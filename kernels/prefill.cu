@@ -551,9 +551,8 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
 // S^T k is a_{t+1} p) in the same loop, both reduced together. Block = 4 warps = 4*32/PARTS
 // columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory with
 // cp.async a block of tokens ahead (double buffer), v and the raw gates through registers, so no
-// global load sits on the per-token chain. R = 8 rows per lane (PARTS = DK/8: 16 at DK 128, for
-// 2048 warps at 32 value heads); part p's rows of a q/k vector start at 8p + 4*((p>>2)&1) floats
-// so the 8 float4 reads of a shared-memory phase (8 consecutive parts) hit distinct banks.
+// global load sits on the per-token chain. q/k rows are stored padded per part (stride R+4
+// floats) so the PARTS distinct float4 reads of a step hit distinct banks.
 // grid (nv, ceil(dv / (128/PARTS))), block 128.
 #define PF_GDN_TB 16
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -567,7 +566,8 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
                          const float* __restrict__ braw, const float* __restrict__ araw,
                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
                          float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
-    constexpr int R = 8, PARTS = DK / R, KS = DK + 4, CPW = 32 / PARTS, BC = 4 * CPW;
+    constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
+    constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
     constexpr int TB = PF_GDN_TB, NV = TB * BC / 128;
     __shared__ __align__(16) float qs[2][TB][KS];
     __shared__ __align__(16) float ks[2][TB][KS];
@@ -575,7 +575,6 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     __shared__ float gb[2][TB], ga[2][TB];
     const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int part = lane % PARTS, cl = warp * CPW + lane / PARTS;
-    const int seg = part * R + 4 * ((part >> 2) & 1);
     const int c0 = blockIdx.y * BC, c = c0 + cl;
     const bool cvalid = c < dv;
     const int kh = n / (nv / nk), key_dim = nk * DK;
@@ -592,7 +591,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
         const int nt = min(TB, T - tb);
         for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
             const int tt = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-            const int d = i + 4 * (((i / R) >> 2) & 1);
+            const int d = (i / R) * RS + (i % R);
             const size_t off = (size_t)(tb + tt) * key_dim + kh * DK + i;
             cp_async16(&qs[bf][tt][d], qn + off);
             cp_async16(&ks[bf][tt][d], kn + off);
@@ -629,7 +628,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     // p = S_0^T k_0.
     float p;
     {
-        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][seg]);
+        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][part * RS]);
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
         for (int f = 0; f < R / 4; ++f) {
@@ -652,10 +651,10 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
             if (last && more) stage(tb + TB, bf ^ 1);  // the next token's k lives there
             const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
             const float delta = beta * (v - alpha * p);
-            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][seg]);
-            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][seg]);
-            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][seg]
-                                                                    : &ks[bf][tt + 1][seg]);
+            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
+            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
+            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][part * RS]
+                                                                    : &ks[bf][tt + 1][part * RS]);
             float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
 #pragma unroll
             for (int f = 0; f < R / 4; ++f) {

@@ -615,7 +615,7 @@ fn gdn_scan(
         Arg::I(c as i32),
     ]);
     // Columns per block: 4 warps x 32 / PARTS (PARTS = lanes per state column, see gdn_scan).
-    let bc = 4 * 32 / (dk / 8);
+    let bc = 4 * 32 / (dk / 16).clamp(2, 8);
     kern.launch(name, (nv as u32, dv.div_ceil(bc) as u32, 1), 128, 0, &args)
 }
 
