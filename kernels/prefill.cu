@@ -80,8 +80,8 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
                 uint2 q = rvalid ? __ldg(reinterpret_cast<const uint2*>(wrow + (k0 >> 3)) + lhalf) : make_uint2(0, 0);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    Ws[c0 + j][lrow] = rvalid ? fmaf(sc, (float)((q.x >> (4 * j)) & 15u), bi) : 0.f;
-                    Ws[c0 + 8 + j][lrow] = rvalid ? fmaf(sc, (float)((q.y >> (4 * j)) & 15u), bi) : 0.f;
+                    Ws[c0 + j][lrow] = rvalid ? fmaf(sc, code_f((q.x >> (4 * j)) & 15u), bi) : 0.f;
+                    Ws[c0 + 8 + j][lrow] = rvalid ? fmaf(sc, code_f((q.y >> (4 * j)) & 15u), bi) : 0.f;
                 }
             } else {
                 uint4 q = rvalid ? __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf) : make_uint4(0, 0, 0, 0);
@@ -90,7 +90,7 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
                 for (int wd = 0; wd < 4; ++wd)
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
-                        Ws[c0 + wd * 4 + j][lrow] = rvalid ? fmaf(sc, (float)((qq[wd] >> (8 * j)) & 255u), bi) : 0.f;
+                        Ws[c0 + wd * 4 + j][lrow] = rvalid ? fmaf(sc, code_f((qq[wd] >> (8 * j)) & 255u), bi) : 0.f;
             }
         }
         // activations: 64 tokens x 32 columns = 512 float4
@@ -176,9 +176,6 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// Small unsigned integer (< 2^23) to float without I2F: 2^23 + v has v in the mantissa bits,
-// subtracting 2^23 is exact.
-__device__ __forceinline__ float code_f(u32 v) { return __uint_as_float(v | 0x4B000000u) - 8388608.f; }
 // 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
 __device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
     uint4 r;
