@@ -74,6 +74,8 @@ __device__ __forceinline__ float dot_byte(u32 q, float4 a) {
 // times the activation vector `xs` (shared memory, swizzled, `cols` floats), with the bias
 // folded per group: sum((s q + b) x) = s sum(q x) + b sum(x); `gsum` holds sum(x) per group.
 // Each lane loads 16 bytes of codes at a time (row starts are 16-byte aligned: cols % 32 == 0).
+// `group` is a power of two (the loader accepts 64 only), so chunk -> group is a shift: a division
+// by the runtime value compiled to ~40 instructions per 16-byte chunk, more than its dot product.
 // Called by all 32 lanes of a warp; returns the full dot product in every lane.
 // qrow_part returns this lane's share (no reduction), so callers can keep several rows' loads in
 // flight and reduce once; qrow_dot reduces over the warp.
@@ -85,28 +87,28 @@ __device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16
     const float4* x4 = reinterpret_cast<const float4*>(xs);
     float acc = 0.f;
     if (bits == 4) {
-        int n4 = cols >> 5, cpg = group >> 5;  // 32 codes per uint4
+        int n4 = cols >> 5, cpg = group >> 5, lcpg = __ffs(cpg) - 1;  // 32 codes per uint4
 #pragma unroll 2
         for (int i = lane; i < n4; i += 32) {
             uint4 q = __ldg(w4 + i);
             int f = i << 3;
             float d = dot_nib(q.x, x4[swz(f)], x4[swz(f + 1)]) + dot_nib(q.y, x4[swz(f + 2)], x4[swz(f + 3)]) +
                       dot_nib(q.z, x4[swz(f + 4)], x4[swz(f + 5)]) + dot_nib(q.w, x4[swz(f + 6)], x4[swz(f + 7)]);
-            int g = i / cpg;
+            int g = i >> lcpg;
             acc += bf16f(__ldg(sr + g)) * d;
-            if (i - g * cpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+            if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
         }
     } else {
-        int n4 = cols >> 4, cpg = group >> 4;  // 16 codes per uint4
+        int n4 = cols >> 4, cpg = group >> 4, lcpg = __ffs(cpg) - 1;  // 16 codes per uint4
 #pragma unroll 2
         for (int i = lane; i < n4; i += 32) {
             uint4 q = __ldg(w4 + i);
             int f = i << 2;
             float d = dot_byte(q.x, x4[swz(f)]) + dot_byte(q.y, x4[swz(f + 1)]) + dot_byte(q.z, x4[swz(f + 2)]) +
                       dot_byte(q.w, x4[swz(f + 3)]);
-            int g = i / cpg;
+            int g = i >> lcpg;
             acc += bf16f(__ldg(sr + g)) * d;
-            if (i - g * cpg == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+            if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
         }
     }
     return acc;
@@ -125,7 +127,7 @@ __device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16
     const float4* x4 = reinterpret_cast<const float4*>(xs);
     float acca = 0.f, accb = 0.f;
     if (bits == 4) {
-        int n4 = cols >> 5, cpg = group >> 5;
+        int n4 = cols >> 5, cpg = group >> 5, lcpg = __ffs(cpg) - 1;
 #pragma unroll 2
         for (int i = lane; i < n4; i += 32) {
             uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
@@ -134,17 +136,17 @@ __device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16
             float4 x4_ = x4[swz(f + 4)], x5 = x4[swz(f + 5)], x6 = x4[swz(f + 6)], x7 = x4[swz(f + 7)];
             float da = dot_nib(qa.x, x0, x1) + dot_nib(qa.y, x2, x3) + dot_nib(qa.z, x4_, x5) + dot_nib(qa.w, x6, x7);
             float db = dot_nib(qb.x, x0, x1) + dot_nib(qb.y, x2, x3) + dot_nib(qb.z, x4_, x5) + dot_nib(qb.w, x6, x7);
-            int g = i / cpg;
+            int g = i >> lcpg;
             acca += bf16f(__ldg(sa + g)) * da;
             accb += bf16f(__ldg(sb + g)) * db;
-            if (i - g * cpg == 0) {
+            if ((i & (cpg - 1)) == 0) {
                 float gs = gsum[g];
                 acca += bf16f(__ldg(ba + g)) * gs;
                 accb += bf16f(__ldg(bb + g)) * gs;
             }
         }
     } else {
-        int n4 = cols >> 4, cpg = group >> 4;
+        int n4 = cols >> 4, cpg = group >> 4, lcpg = __ffs(cpg) - 1;
 #pragma unroll 2
         for (int i = lane; i < n4; i += 32) {
             uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
@@ -152,10 +154,10 @@ __device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16
             float4 x0 = x4[swz(f)], x1 = x4[swz(f + 1)], x2 = x4[swz(f + 2)], x3 = x4[swz(f + 3)];
             float da = dot_byte(qa.x, x0) + dot_byte(qa.y, x1) + dot_byte(qa.z, x2) + dot_byte(qa.w, x3);
             float db = dot_byte(qb.x, x0) + dot_byte(qb.y, x1) + dot_byte(qb.z, x2) + dot_byte(qb.w, x3);
-            int g = i / cpg;
+            int g = i >> lcpg;
             acca += bf16f(__ldg(sa + g)) * da;
             accb += bf16f(__ldg(sb + g)) * db;
-            if (i - g * cpg == 0) {
+            if ((i & (cpg - 1)) == 0) {
                 float gs = gsum[g];
                 acca += bf16f(__ldg(ba + g)) * gs;
                 accb += bf16f(__ldg(bb + g)) * gs;
@@ -238,8 +240,8 @@ __device__ float head_norm_rope(float v, float nwj, float c, float sn, int hd, i
 
 // Routing of one token by one whole warp: top-k of the E router logits (ties -> lower id), the
 // renormalised softmax weights exp(l - max) / sum_topk exp(l - max), then sorted by expert id
-// (the CPU accumulates experts in ascending id order). ids/wts (K entries) are written by lane 0
-// and valid for lane 0 on return. E <= 512, K <= 16. Used by decode (moe.cu) and prefill
+// (the CPU accumulates experts in ascending id order). ids/wts (K entries, shared memory) are
+// valid for every lane of the warp on return. E <= 512, K <= 16. Used by decode (moe.cu) and prefill
 // (prefill.cu), so both pick the same experts with the same weights.
 #define ROUTE_MAXE_PER_LANE 16
 __device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
@@ -247,7 +249,8 @@ __device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, 
     float v[ROUTE_MAXE_PER_LANE];
 #pragma unroll
     for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
-    float top = 0.f;
+    float top = 0.f, my_e = 0.f;
+    int my_id = 0x7fffffff;
     for (int k = 0; k < K; ++k) {
         float best = NEG_INF;
         int bi = 0x7fffffff;
@@ -263,20 +266,19 @@ __device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, 
 #pragma unroll
         for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
             if (lane + 32 * t == bi) v[t] = NEG_INF;
-        if (lane == 0) { ids[k] = bi; wts[k] = expf(best - top); }
+        if (lane == k) { my_id = bi; my_e = expf(best - top); }
     }
+    // Lane k < K holds the k-th pick. The normaliser is summed in pick order (as the CPU does),
+    // and each pick's place in id order is its rank among the picks (ids are distinct): a few
+    // shuffles instead of lane 0's serial sum and insertion sort through shared memory.
+    float sum = 0.f;
+    int rank = 0;
+    for (int k = 0; k < K; ++k) {
+        sum += __shfl_sync(0xffffffffu, my_e, k);
+        rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
+    }
+    if (lane < K) { ids[rank] = my_id; wts[rank] = my_e / sum; }
     __syncwarp();
-    if (lane == 0) {
-        float sum = 0.f;
-        for (int k = 0; k < K; ++k) sum += wts[k];
-        for (int k = 0; k < K; ++k) wts[k] = wts[k] / sum;
-        // insertion sort by expert id (K <= 16)
-        for (int a = 1; a < K; ++a) {
-            int id = ids[a]; float w = wts[a]; int b = a - 1;
-            while (b >= 0 && ids[b] > id) { ids[b + 1] = ids[b]; wts[b + 1] = wts[b]; --b; }
-            ids[b + 1] = id; wts[b + 1] = w;
-        }
-    }
 }
 
 // ---- appended (decode fixed-cost work) ----

@@ -23,8 +23,6 @@
 #define MOE_FAST 1
 #endif
 #define MOE_STAGE_MAXK 12
-// moe_down: most (expert, 32-column chunk) items per lane on the all-lanes path.
-#define DOWN_MAXI 8
 
 // Warp 0 computes the routing of the block (warp_route_topk, common.cuh) into shared ids/wts.
 // No trailing barrier: the caller synchronises before other warps read ids/wts.
@@ -185,69 +183,19 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = blockIdx.x * warps + warp;
     if (r >= hidden) return;
-    float acc = 0.f, sd = 0.f;
+    // Per-lane weighted partials of all K experts and the shared expert, reduced once at the end,
+    // so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
+    float acc = 0.f;
     const size_t wpr = (size_t)inter / 8, gpr = inter / group;
-    const size_t swpr = (size_t)sinter / 8, sgpr = sinter / group;
-    const int n4 = inter >> 5, sn4 = sinter >> 5, cpg = group >> 5, items = K * n4;
-    if (items <= 32 * DOWN_MAXI && sn4 <= 32 && cpg > 0) {
-        // Lane l owns the (expert slot, 32-column chunk) items l, l + 32, ...: a row of the 35B's
-        // down projection (inter 512) is only 16 chunks, so a warp covers two experts per pass with
-        // all 32 lanes busy. Every lane issues all its loads (codes, scales, biases, and one chunk
-        // of the shared expert's row) before the first dot product.
-        uint4 q[DOWN_MAXI];
-        float sc[DOWN_MAXI], bi[DOWN_MAXI];
-#pragma unroll
-        for (int j = 0; j < DOWN_MAXI; ++j) {
-            const int it = lane + 32 * j;
-            q[j] = make_uint4(0u, 0u, 0u, 0u);
-            sc[j] = 0.f;
-            bi[j] = 0.f;
-            if (it < items) {
-                const int k = it / n4, i = it - k * n4, g = i / cpg;
-                const size_t row = (size_t)top_ids[k] * hidden + r;
-                q[j] = __ldg(reinterpret_cast<const uint4*>(dw + row * wpr) + i);
-                sc[j] = bf16f(__ldg(ds + row * gpr + g));
-                if (i == g * cpg) bi[j] = bf16f(__ldg(db + row * gpr + g));
-            }
-        }
-        uint4 sq = make_uint4(0u, 0u, 0u, 0u);
-        float ssc = 0.f, sbi = 0.f;
-        const int sg = lane / cpg;
-        if (lane < sn4) {
-            sq = __ldg(reinterpret_cast<const uint4*>(sdw + r * swpr) + lane);
-            ssc = bf16f(__ldg(sds + r * sgpr + sg));
-            if (lane == sg * cpg) sbi = bf16f(__ldg(sdb + r * sgpr + sg));
-        }
-#pragma unroll
-        for (int j = 0; j < DOWN_MAXI; ++j) {
-            const int it = lane + 32 * j;
-            if (it < items) {
-                const int k = it / n4, i = it - k * n4, g = i / cpg, f = i << 3;
-                const float4* x4 = reinterpret_cast<const float4*>(xs + k * inter);
-                const float d = dot_nib(q[j].x, x4[swz(f)], x4[swz(f + 1)]) + dot_nib(q[j].y, x4[swz(f + 2)], x4[swz(f + 3)]) +
-                                dot_nib(q[j].z, x4[swz(f + 4)], x4[swz(f + 5)]) + dot_nib(q[j].w, x4[swz(f + 6)], x4[swz(f + 7)]);
-                acc += top_w[k] * (sc[j] * d + bi[j] * gsum[k * (inter / group) + g]);
-            }
-        }
-        if (lane < sn4) {
-            const int f = lane << 3;
-            const float4* x4 = reinterpret_cast<const float4*>(xs + K * inter);
-            const float d = dot_nib(sq.x, x4[swz(f)], x4[swz(f + 1)]) + dot_nib(sq.y, x4[swz(f + 2)], x4[swz(f + 3)]) +
-                            dot_nib(sq.z, x4[swz(f + 4)], x4[swz(f + 5)]) + dot_nib(sq.w, x4[swz(f + 6)], x4[swz(f + 7)]);
-            sd = ssc * d + sbi * gsum[K * (inter / group) + sg];
-        }
-    } else {
-        // Per-lane weighted partials of all K experts and the shared expert, reduced once at the
-        // end, so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
 #pragma unroll 4
-        for (int k = 0; k < K; ++k) {
-            size_t row = (size_t)top_ids[k] * hidden + r;
-            acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
-                                        gsum + k * inter / group, inter, 4, group);
-        }
-        sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * inter / group, sinter, 4,
-                       group);
+    for (int k = 0; k < K; ++k) {
+        size_t row = (size_t)top_ids[k] * hidden + r;
+        acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
+                                    gsum + k * gpr, inter, 4, group);
     }
+    const size_t swpr = (size_t)sinter / 8, sgpr = sinter / group;
+    float sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * gpr, sinter, 4,
+                         group);
     acc = warp_sum(acc);
     sd = warp_sum(sd);
     if (lane == 0) x[r] = x[r] + (acc + sigmoid_f(shared_gate_logit[0]) * sd);

@@ -1041,12 +1041,10 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     int* ids = sids[warp];
     float* wts = swts[warp];
     warp_route_topk(logits + (size_t)t * E, E, K, ids, wts);
-    if (lane == 0) {
-        for (int k = 0; k < K; ++k) {
-            top_ids[(size_t)t * K + k] = ids[k];
-            top_w[(size_t)t * K + k] = wts[k];
-            atomicAdd(&counts[ids[k]], 1);
-        }
+    if (lane < K) {
+        top_ids[(size_t)t * K + lane] = ids[lane];
+        top_w[(size_t)t * K + lane] = wts[lane];
+        atomicAdd(&counts[ids[lane]], 1);
     }
 }
 

@@ -62,10 +62,16 @@ pub fn gemv(
             .unwrap_or(1usize)
             .max(1)
     });
+    // Two rows per warp when the set fills the resident blocks that way; smaller sets (the
+    // router, the out-projections) get one row per warp and twice the blocks, so more SMs have
+    // loads in flight (ncu 2026-11-29: the 257-row router ran on 17 SMs, the 2048-row
+    // out-projection at 8 warps per SM).
+    let wave = gpu.sms as usize * per_sm * waves;
+    let rows_per_warp = if set.rows.div_ceil(2 * warps) >= wave { 2 } else { 1 };
     let blocks = set
         .rows
-        .div_ceil(2 * warps)
-        .min(gpu.sms as usize * per_sm * waves)
+        .div_ceil(rows_per_warp * warps)
+        .min(wave)
         .max(1) as u32;
     gpu.launch(
         "gemv_q",
