@@ -23,6 +23,12 @@
 #define MOE_FAST 1
 #endif
 #define MOE_STAGE_MAXK 12
+// moe_down over all 32 lanes ((expert, chunk) items, up to DOWN_MAXI per lane). Knob:
+// LILY_CUDA_NVRTC_DEFS=-DDOWN_ALL_LANES=1.
+#ifndef DOWN_ALL_LANES
+#define DOWN_ALL_LANES 0
+#endif
+#define DOWN_MAXI 4
 
 // Warp 0 computes the routing of the block (warp_route_topk, common.cuh) into shared ids/wts.
 // No trailing barrier: the caller synchronises before other warps read ids/wts.
@@ -183,19 +189,78 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = blockIdx.x * warps + warp;
     if (r >= hidden) return;
-    // Per-lane weighted partials of all K experts and the shared expert, reduced once at the end,
-    // so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
-    float acc = 0.f;
     const size_t wpr = (size_t)inter / 8, gpr = inter / group;
-#pragma unroll 4
-    for (int k = 0; k < K; ++k) {
-        size_t row = (size_t)top_ids[k] * hidden + r;
-        acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
-                                    gsum + k * gpr, inter, 4, group);
-    }
     const size_t swpr = (size_t)sinter / 8, sgpr = sinter / group;
-    float sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * gpr, sinter, 4,
-                         group);
+    const int n4 = inter >> 5, sn4 = sinter >> 5, cpg = group >> 5;
+    float acc = 0.f, sd = 0.f;
+    if (DOWN_ALL_LANES && K * n4 <= 32 * DOWN_MAXI && sn4 <= 32 && (n4 & (n4 - 1)) == 0) {
+        // Lane l owns the (expert slot, 32-column chunk) items l, l + 32, ...: a down row of the
+        // 35B (inter 512) is 16 chunks, so the per-expert loop below leaves half the lanes idle
+        // and gives each active lane 9 dependent chunks; here all 32 lanes take 4 (+ 1 of the
+        // shared expert), every load issued before the first dot product. Index math by shifts
+        // (n4 and the group are powers of two).
+        const int ln4 = __ffs(n4) - 1, lcpg = __ffs(cpg) - 1;
+        uint4 q[DOWN_MAXI];
+        float sc[DOWN_MAXI], bi[DOWN_MAXI];
+#pragma unroll
+        for (int j = 0; j < DOWN_MAXI; ++j) {
+            const int it = lane + 32 * j, k = it >> ln4, i = it & (n4 - 1), g = i >> lcpg;
+            q[j] = make_uint4(0u, 0u, 0u, 0u);
+            sc[j] = 0.f;
+            bi[j] = 0.f;
+            if (k < K) {
+                const size_t row = (size_t)top_ids[k] * hidden + r;
+                q[j] = __ldg(reinterpret_cast<const uint4*>(dw + row * wpr) + i);
+                sc[j] = bf16f(__ldg(ds + row * gpr + g));
+                if ((i & (cpg - 1)) == 0) bi[j] = bf16f(__ldg(db + row * gpr + g));
+            }
+        }
+        const int sg = lane >> lcpg;
+        uint4 sq = make_uint4(0u, 0u, 0u, 0u);
+        float ssc = 0.f, sbi = 0.f;
+        if (lane < sn4) {
+            sq = __ldg(reinterpret_cast<const uint4*>(sdw + r * swpr) + lane);
+            ssc = bf16f(__ldg(sds + r * sgpr + sg));
+            if ((lane & (cpg - 1)) == 0) sbi = bf16f(__ldg(sdb + r * sgpr + sg));
+        }
+#pragma unroll
+        for (int j = 0; j < DOWN_MAXI; ++j) {
+            const int it = lane + 32 * j, k = it >> ln4, i = it & (n4 - 1);
+            if (k < K) {
+                const float4* x4 = reinterpret_cast<const float4*>(xs + k * inter) + (i << 3);
+                const int rot = i & 7;
+                float d = 0.f;
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    const u32 w = h == 0 ? q[j].x : h == 1 ? q[j].y : h == 2 ? q[j].z : q[j].w;
+                    d += dot_nib(w, x4[(2 * h + rot) & 7], x4[(2 * h + 1 + rot) & 7]);
+                }
+                acc += top_w[k] * (sc[j] * d + bi[j] * gsum[k * (int)gpr + (i >> lcpg)]);
+            }
+        }
+        if (lane < sn4) {
+            const float4* x4 = reinterpret_cast<const float4*>(xs + K * inter) + (lane << 3);
+            const int rot = lane & 7;
+            float d = 0.f;
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                const u32 w = h == 0 ? sq.x : h == 1 ? sq.y : h == 2 ? sq.z : sq.w;
+                d += dot_nib(w, x4[(2 * h + rot) & 7], x4[(2 * h + 1 + rot) & 7]);
+            }
+            sd = ssc * d + sbi * gsum[K * (int)gpr + sg];
+        }
+    } else {
+        // Per-lane weighted partials of all K experts and the shared expert, reduced once at the
+        // end, so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
+#pragma unroll 4
+        for (int k = 0; k < K; ++k) {
+            size_t row = (size_t)top_ids[k] * hidden + r;
+            acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
+                                        gsum + k * gpr, inter, 4, group);
+        }
+        sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * gpr, sinter, 4,
+                       group);
+    }
     acc = warp_sum(acc);
     sd = warp_sum(sd);
     if (lane == 0) x[r] = x[r] + (acc + sigmoid_f(shared_gate_logit[0]) * sd);
