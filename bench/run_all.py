@@ -88,11 +88,25 @@ def summarize(records, rounds):
         elif all(d is None for d in digests):
             cell["status"] = "ok (digest n/a)"
         elif len(set(digests)) != 1:
-            cell["status"] = "refused: digests differ between rounds"
+            cell["status"] = "refused: digests differ between rounds" + first_divergence(rs)
+            ops = sorted({o for r in rs for o in r.get("nondeterministic_ops") or []})
+            if ops:
+                cell["nondeterministic_ops"] = ops
         else:
             cell["status"] = "ok"
         cells[k] = cell
     return cells
+
+
+def first_divergence(rs):
+    """' (first at decode step N)': where the rounds' greedy tokens first differ (1-based), if known."""
+    ids = [r["decode"].get("token_ids") for r in rs]
+    if any(not t for t in ids):
+        return ""
+    for i in range(min(len(t) for t in ids)):
+        if len({t[i] for t in ids}) > 1:
+            return f" (first at decode step {i + 1})"
+    return ""
 
 
 def fmt(v, nd=1):
@@ -157,6 +171,10 @@ def render(cells, contexts, labels, missing, accuracy, meta, tc):
             L.append(f"| {l} | {ctx:,} | {c['status']} | {' / '.join(fmt(x, 2) for x in c['decode'])} | "
                      f"{' / '.join(fmt(x) for x in c['prefill'])} | {', '.join('`' + d + '`' for d in dg)} | {meta['backends'].get(l, '')} |")
     L.append("")
+    nondet = sorted({(l, o) for (l, _), c in cells.items() for o in c.get("nondeterministic_ops", [])})
+    if nondet:
+        L += ["Ops that ran without a deterministic kernel in refused cells (the engine's own warnings): "
+              + "; ".join(f"{l}: `{o}`" for l, o in nondet), ""]
     L += ["## Accuracy (teacher-forced logits)", ""]
     if accuracy:
         L += ["| Reference | Candidate | Positions | Top-1 agreement | Relative logit error | Max abs logit error | Mean abs top-1 log-prob error |",
