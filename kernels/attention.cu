@@ -4,12 +4,13 @@
 // interleaved [q | gate] rows, RMSNorm(q_norm), partial NeoX RoPE; kv heads: RMSNorm(k_norm),
 // RoPE, append k and v to the cache at the current position (read from the device step buffer).
 // RoPE angles in f64 like the CPU (pos * inv_freq can be ~2.6e5 rad at long context).
-extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ kraw,
-                                     const float* __restrict__ vraw, const float* __restrict__ q_norm,
-                                     const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
-                                     float* __restrict__ qout, float* __restrict__ gate, float* __restrict__ kcache,
-                                     float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv, int hd,
-                                     int half_rot, float eps) {
+template <typename KV>
+__device__ void attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
+                               const float* __restrict__ vraw, const float* __restrict__ q_norm,
+                               const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+                               float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
+                               KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv, int hd,
+                               int half_rot, float eps) {
     extern __shared__ float sm[];
     float* xs = sm;         // hd
     float* red = sm + hd;   // 33
@@ -31,10 +32,20 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
         gate[(size_t)h * hd + j] = qg[(size_t)h * 2 * hd + hd + j];
     } else {
         size_t kv_dim = (size_t)nkv * hd;
-        kcache[(size_t)pos * kv_dim + kvh * hd + j] = out;
-        vcache[(size_t)pos * kv_dim + kvh * hd + j] = vraw[(size_t)kvh * hd + j];
+        kv_st(kcache + (size_t)pos * kv_dim + kvh * hd + j, out);
+        kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)kvh * hd + j]);
     }
 }
+#define ATTN_PREP_ENTRY(NAME, KV)                                                                                \
+    extern "C" __global__ void NAME(const float* qg, const float* kraw, const float* vraw, const float* q_norm,   \
+                                    const float* k_norm, const double* inv_freq, float* qout, float* gate,        \
+                                    KV* kcache, KV* vcache, const int* step, int nh, int nkv, int hd,             \
+                                    int half_rot, float eps) {                                                    \
+        attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate, kcache, vcache, step, nh, nkv,  \
+                           hd, half_rot, eps);                                                                    \
+    }
+ATTN_PREP_ENTRY(attn_prep, float)
+ATTN_PREP_ENTRY(attn_prep_bf16, u16)
 
 // Split-KV decode attention: grid (kv heads, splits); one warp per q head of the GQA group (so
 // the group's warps read each K/V row once from DRAM and share it through L1/L2). Each split walks
@@ -45,31 +56,18 @@ __device__ __forceinline__ int attn_dim(int lane, int i) {
     if constexpr (HD % 128 == 0) return (i >> 2) * 128 + lane * 4 + (i & 3);
     else return lane * 2 + i;
 }
-template <int HD>
-__device__ __forceinline__ void attn_ld(const float* __restrict__ row, int lane, float (&r)[HD / 32]) {
+// `global`: read through the read-only path (__ldg faults on shared memory, so the shared-memory
+// stage reads with plain loads). KV is float or u16 (bf16).
+template <int HD, typename KV>
+__device__ __forceinline__ void attn_ld(const KV* __restrict__ row, int lane, float (&r)[HD / 32], bool global = true) {
     if constexpr (HD % 128 == 0) {
 #pragma unroll
         for (int t = 0; t < HD / 128; ++t) {
-            float4 v = __ldg(reinterpret_cast<const float4*>(row + t * 128 + lane * 4));
+            float4 v = kv_ld4(row + t * 128 + lane * 4, global);
             r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
         }
     } else {
-        float2 v = __ldg(reinterpret_cast<const float2*>(row + lane * 2));
-        r[0] = v.x; r[1] = v.y;
-    }
-}
-
-// The same lane pieces from shared memory (plain loads: __ldg is global-only).
-template <int HD>
-__device__ __forceinline__ void attn_ld_sm(const float* row, int lane, float (&r)[HD / 32]) {
-    if constexpr (HD % 128 == 0) {
-#pragma unroll
-        for (int t = 0; t < HD / 128; ++t) {
-            float4 v = *reinterpret_cast<const float4*>(row + t * 128 + lane * 4);
-            r[4 * t] = v.x; r[4 * t + 1] = v.y; r[4 * t + 2] = v.z; r[4 * t + 3] = v.w;
-        }
-    } else {
-        float2 v = *reinterpret_cast<const float2*>(row + lane * 2);
+        float2 v = kv_ld2(row + lane * 2, global);
         r[0] = v.x; r[1] = v.y;
     }
 }
@@ -78,12 +76,13 @@ __device__ __forceinline__ void attn_ld_sm(const float* row, int lane, float (&r
 // never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
 #define ATTN_PF 32
 
-template <int HD>
-__device__ void attn_split(const float* __restrict__ q, const float* __restrict__ kcache,
-                           const float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
+template <int HD, typename KV>
+__device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ kcache,
+                           const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
                            int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int P = HD / 32;
-    constexpr int LPR = HD / 32;  // 128-byte lines per K or V row
+    constexpr int EPL = 128 / (int)sizeof(KV);        // elements per 128-byte line
+    constexpr int LPR = HD / EPL > 0 ? HD / EPL : 1;  // 128-byte lines per K or V row
     const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = nh / nkv, h = kvh * group + warp;
     const int len = step[1] + 1;
@@ -93,8 +92,8 @@ __device__ void attn_split(const float* __restrict__ q, const float* __restrict_
     auto pf = [&](int pa, int pb, int t, int nt) {  // lines of positions [pa, pb) over threads t of nt
         for (int i = t; i < (pb - pa) * 2 * LPR; i += nt) {
             int pp = pa + i / (2 * LPR), rem = i % (2 * LPR);
-            const float* base = rem < LPR ? kcache : vcache;
-            prefetch_l2(base + (size_t)pp * kv_dim + kvh * HD + (rem % LPR) * 32);
+            const KV* base = rem < LPR ? kcache : vcache;
+            prefetch_l2(base + (size_t)pp * kv_dim + kvh * HD + (rem % LPR) * EPL);
         }
     };
     pf(p0, min(p1, p0 + ATTN_PF), threadIdx.x, blockDim.x);
@@ -113,8 +112,8 @@ __device__ void attn_split(const float* __restrict__ q, const float* __restrict_
         float kr[U][P], vr[U][P], sc[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            attn_ld<HD>(kcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, kr[u]);
-            attn_ld<HD>(vcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, vr[u]);
+            attn_ld<HD, KV>(kcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, kr[u]);
+            attn_ld<HD, KV>(vcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, vr[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -177,13 +176,15 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <int HD>
-__device__ void attn_split_tiled(const float* __restrict__ q, const float* __restrict__ kcache,
-                                 const float* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
+template <int HD, typename KV>
+__device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restrict__ kcache,
+                                 const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
                                  int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
     extern __shared__ float4 attn_sm4[];
-    float* sm = reinterpret_cast<float*>(attn_sm4);
-    constexpr int P = HD / 32, TP = ATTN_TP, NS = ATTN_NS, C4 = HD / 4, STAGE = 2 * TP * HD;
+    KV* sm = reinterpret_cast<KV*>(attn_sm4);
+    // C4: 16-byte copies per K or V row, EPC: elements per copy; the stage holds KV elements.
+    constexpr int P = HD / 32, TP = ATTN_TP, NS = ATTN_NS, EPC = 16 / (int)sizeof(KV), C4 = HD / EPC,
+                  STAGE = 2 * TP * HD;
     const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = nh / nkv, h = kvh * group + warp;
     const bool active = warp < group;
@@ -196,12 +197,12 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
     auto issue = [&](int t) {
         if (t < ntiles) {
             const int tp0 = p0 + t * TP, nr = min(TP, pe - tp0);
-            float* st = sm + (t % NS) * STAGE;
+            KV* st = sm + (t % NS) * STAGE;
             for (int i = threadIdx.x; i < 2 * TP * C4; i += blockDim.x) {
                 const int isv = i / (TP * C4), rem = i % (TP * C4), r = rem / C4, c = rem % C4;
                 if (r < nr) {
-                    const float* g = (isv ? vcache : kcache) + (size_t)(tp0 + r) * kv_dim + kvh * HD + c * 4;
-                    cp_async16(smem_u32(st + isv * TP * HD + r * HD + c * 4), g);
+                    const KV* g = (isv ? vcache : kcache) + (size_t)(tp0 + r) * kv_dim + kvh * HD + c * EPC;
+                    cp_async16(smem_u32(st + isv * TP * HD + r * HD + c * EPC), g);
                 }
             }
         }
@@ -222,14 +223,14 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
         cp_wait<NS - 1>();
         __syncthreads();
         if (active) {
-            const float* ks = sm + (t % NS) * STAGE;
-            const float* vs = ks + TP * HD;
+            const KV* ks = sm + (t % NS) * STAGE;
+            const KV* vs = ks + TP * HD;
             const int nr = min(TP, pe - (p0 + t * TP));
             float sc[TP];
 #pragma unroll
             for (int u = 0; u < TP; ++u) {
                 float kr[P];
-                attn_ld_sm<HD>(ks + u * HD, lane, kr);
+                attn_ld<HD>(ks + u * HD, lane, kr, false);
                 float d = 0.f;
 #pragma unroll
                 for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
@@ -255,7 +256,7 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
             for (int u = 0; u < TP; ++u) {
                 if (u < nr) {  // rows past nr hold stale or uninitialised data (0 * NaN = NaN)
                     float vr[P];
-                    attn_ld_sm<HD>(vs + u * HD, lane, vr);
+                    attn_ld<HD>(vs + u * HD, lane, vr, false);
 #pragma unroll
                     for (int i = 0; i < P; ++i) acc[i] += sc[u] * vr[i];
                 }
@@ -288,19 +289,23 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const float* __res
     if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
 }
 
-#define ATTN_SPLIT_ENTRY(HD)                                                                                      \
-    extern "C" __global__ void attn_split_##HD(const float* q, const float* kc, const float* vc, const int* step,  \
-                                               int nh, int nkv, int splits, float scale, float* po, float* pml) { \
-        attn_split_tiled<HD>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                   \
+#define ATTN_SPLIT_ENTRY(HD, KV, SUFFIX)                                                                          \
+    extern "C" __global__ void attn_split_##HD##SUFFIX(const float* q, const KV* kc, const KV* vc,                \
+                                                       const int* step, int nh, int nkv, int splits, float scale, \
+                                                       float* po, float* pml) {                                   \
+        attn_split_tiled<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                               \
     }                                                                                                             \
-    extern "C" __global__ void attn_split_reg_##HD(const float* q, const float* kc, const float* vc,               \
-                                                   const int* step, int nh, int nkv, int splits, float scale,     \
-                                                   float* po, float* pml) {                                       \
-        attn_split<HD>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                         \
+    extern "C" __global__ void attn_split_reg_##HD##SUFFIX(const float* q, const KV* kc, const KV* vc,            \
+                                                           const int* step, int nh, int nkv, int splits,          \
+                                                           float scale, float* po, float* pml) {                  \
+        attn_split<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                     \
     }
-ATTN_SPLIT_ENTRY(256)
-ATTN_SPLIT_ENTRY(128)
-ATTN_SPLIT_ENTRY(64)
+ATTN_SPLIT_ENTRY(256, float, )
+ATTN_SPLIT_ENTRY(128, float, )
+ATTN_SPLIT_ENTRY(64, float, )
+ATTN_SPLIT_ENTRY(256, u16, _bf16)
+ATTN_SPLIT_ENTRY(128, u16, _bf16)
+ATTN_SPLIT_ENTRY(64, u16, _bf16)
 
 // Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
 // 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of

@@ -205,6 +205,35 @@ __device__ void stage_x(const float* __restrict__ x, int n, const float* __restr
 
 #define NEG_INF __int_as_float(0xff800000u)
 
+// Two floats to packed bf16 (round to nearest even); `lo` lands at the lower address.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// ---- attention KV cache elements: f32, or bf16 (u16) for sequences made with the bf16 KV cache
+// (CudaBackend::set_kv_bf16). The attention kernels are templates over the element type; these
+// load 4 (or 2) consecutive elements as floats and store one, rounding to nearest even exactly as
+// the CPU reference does when its KV cache is bf16.
+__device__ __forceinline__ float4 kv_ld4(const float* p, bool global) {
+    return global ? __ldg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 kv_ld4(const u16* p, bool global) {
+    const uint2 v = global ? __ldg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+__device__ __forceinline__ float2 kv_ld2(const float* p, bool global) {
+    return global ? __ldg(reinterpret_cast<const float2*>(p)) : *reinterpret_cast<const float2*>(p);
+}
+__device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
+    const u32 v = global ? __ldg(reinterpret_cast<const unsigned int*>(p)) : *reinterpret_cast<const u32*>(p);
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
+
 // Partial NeoX RoPE angle of element j of a head (the first 2*half_rot elements rotate), in f64
 // like the CPU (pos * inv_freq can be ~2.6e5 rad at long context). c = 1, sn = 0 outside.
 __device__ __forceinline__ void rope_cos_sin(int pos, const double* __restrict__ inv_freq, int j, int half_rot,

@@ -158,12 +158,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-// Two floats to packed bf16 (round to nearest even); `lo` lands at the lower address.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -714,12 +708,14 @@ extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float*
 // ---------------------------------------------------------------------------------------------
 // Attention.
 // q/k RMSNorm + partial NeoX RoPE + KV append for T tokens: grid (T, nh + nkv), block hd.
-extern "C" __global__ void pf_attn_prep(const float* __restrict__ qg, const float* __restrict__ kraw,
-                                        const float* __restrict__ vraw, const float* __restrict__ q_norm,
-                                        const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
-                                        float* __restrict__ qout, float* __restrict__ gate, float* __restrict__ kcache,
-                                        float* __restrict__ vcache, int pos0, int nh, int nkv, int hd, int half_rot,
-                                        float eps) {
+// KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; common.cuh kv_st).
+template <typename KV>
+__device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
+                                  const float* __restrict__ vraw, const float* __restrict__ q_norm,
+                                  const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+                                  float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
+                                  KV* __restrict__ vcache, int pos0, int nh, int nkv, int hd, int half_rot,
+                                  float eps) {
     extern __shared__ float sm[];
     float* xs = sm;
     float* red = sm + hd;
@@ -736,10 +732,20 @@ extern "C" __global__ void pf_attn_prep(const float* __restrict__ qg, const floa
         qout[((size_t)t * nh + h) * hd + j] = out;
         gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
     } else {
-        kcache[(size_t)pos * kv_dim + kvh * hd + j] = out;
-        vcache[(size_t)pos * kv_dim + kvh * hd + j] = vraw[(size_t)t * kv_dim + kvh * hd + j];
+        kv_st(kcache + (size_t)pos * kv_dim + kvh * hd + j, out);
+        kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)t * kv_dim + kvh * hd + j]);
     }
 }
+#define PF_ATTN_PREP(NAME, KV)                                                                                   \
+    extern "C" __global__ void NAME(const float* qg, const float* kraw, const float* vraw, const float* q_norm,  \
+                                    const float* k_norm, const double* inv_freq, float* qout, float* gate,       \
+                                    KV* kcache, KV* vcache, int pos0, int nh, int nkv, int hd, int half_rot,     \
+                                    float eps) {                                                                 \
+        pf_attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate, kcache, vcache, pos0, nh,   \
+                              nkv, hd, half_rot, eps);                                                           \
+    }
+PF_ATTN_PREP(pf_attn_prep, float)
+PF_ATTN_PREP(pf_attn_prep_bf16, u16)
 
 // Causal attention over the cache (positions 0..=pos0+t), flash style: block = (64 / group query
 // tokens) x (the group's q heads) = 64 rows of one kv head; 8 warps, 8 rows each. K/V tiles of 32
@@ -747,9 +753,9 @@ extern "C" __global__ void pf_attn_prep(const float* __restrict__ qg, const floa
 // sum reduction per tile per row), lane = dims for the output. Online softmax, then the sigmoid
 // output gate. grid (ceil(T / (64/group)), nkv), block 256,
 // dynamic smem (64*HD + 32*(HD+4) + 32*HD) floats.
-template <int HD>
-__device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
-                        const float* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+template <int HD, typename KV>
+__device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
+                        const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                         float* __restrict__ out) {
     constexpr int P = HD / 32, KS = HD + 4;
     extern __shared__ __align__(16) float pfa_sm[];
@@ -784,8 +790,8 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
             int p = kt + kr;
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
             if (p < nkeys) {
-                kv = reinterpret_cast<const float4*>(kc + (size_t)p * kv_dim + kvh * HD)[f];
-                vv = reinterpret_cast<const float4*>(vc + (size_t)p * kv_dim + kvh * HD)[f];
+                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
+                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
             }
             reinterpret_cast<float4*>(Ks + kr * KS)[f] = kv;
             reinterpret_cast<float4*>(Vs + kr * HD)[f] = vv;
@@ -841,16 +847,19 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
     }
 }
 
-#define PF_ATTN(HD)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD(const float* q, const float* gate,             \
-                                                                   const float* kc, const float* vc, int T,       \
-                                                                   int pos0, int nh, int nkv, float scale,        \
-                                                                   float* out) {                                   \
-        pf_attn<HD>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                                \
+#define PF_ATTN(HD, KV, SUFFIX)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD##SUFFIX(const float* q, const float* gate,     \
+                                                                           const KV* kc, const KV* vc, int T,     \
+                                                                           int pos0, int nh, int nkv,             \
+                                                                           float scale, float* out) {             \
+        pf_attn<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                            \
     }
-PF_ATTN(64)
-PF_ATTN(128)
-PF_ATTN(256)
+PF_ATTN(64, float, )
+PF_ATTN(128, float, )
+PF_ATTN(256, float, )
+PF_ATTN(64, u16, _bf16)
+PF_ATTN(128, u16, _bf16)
+PF_ATTN(256, u16, _bf16)
 
 // Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
@@ -865,9 +874,9 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "r"(addr));
 }
 
-template <int HD>
-__device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
-                           const float* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+template <int HD, typename KV>
+__device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
+                           const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                            float* __restrict__ out) {
     constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
     extern __shared__ __align__(16) u16 pfa_tc_sm[];
@@ -915,8 +924,8 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
             const int kr = idx / F4, f = idx % F4, p = kt + kr;
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
             if (p < nkeys) {
-                kv = reinterpret_cast<const float4*>(kc + (size_t)p * kv_dim + kvh * HD)[f];
-                vv = reinterpret_cast<const float4*>(vc + (size_t)p * kv_dim + kvh * HD)[f];
+                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
+                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
             }
             uint2 a, b;
             a.x = pack_bf16(kv.x, kv.y);
@@ -1014,16 +1023,19 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     }
 }
 
-#define PF_ATTN_TC(HD)                                                                                             \
-    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD(const float* q, const float* gate,          \
-                                                                      const float* kc, const float* vc, int T,    \
-                                                                      int pos0, int nh, int nkv, float scale,     \
-                                                                      float* out) {                                \
-        pf_attn_tc<HD>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                             \
+#define PF_ATTN_TC(HD, KV, SUFFIX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(const float* q, const float* gate,  \
+                                                                              const KV* kc, const KV* vc, int T,  \
+                                                                              int pos0, int nh, int nkv,          \
+                                                                              float scale, float* out) {          \
+        pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                         \
     }
-PF_ATTN_TC(64)
-PF_ATTN_TC(128)
-PF_ATTN_TC(256)
+PF_ATTN_TC(64, float, )
+PF_ATTN_TC(128, float, )
+PF_ATTN_TC(256, float, )
+PF_ATTN_TC(64, u16, _bf16)
+PF_ATTN_TC(128, u16, _bf16)
+PF_ATTN_TC(256, u16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // MoE.

@@ -433,3 +433,51 @@ fn cuda_pdl_and_many_splits_match_cpu() {
     assert!(on == off, "PDL on/off logits differ");
     gpu.gpu().set_pdl(true);
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_bf16_kv_matches_cpu_bf16_kv() {
+    // The bf16 KV cache (LILY_KV_BF16 / set_kv_bf16): the CPU reference rounds K and V to bf16 as
+    // it appends them, so both backends compute the same thing and LOGIT_TOL still applies. A
+    // 300-token prompt through the exact prefill (pf_attn_prep_bf16, pf_attn_{hd}_bf16), then
+    // greedy decode steps through the graph (attn_prep_bf16, the tiled attn_split_{hd}_bf16) at
+    // max-seq 8192 (the most KV splits). Then the default tensor-core prefill with a bf16 cache
+    // (pf_attn_tc_{hd}_bf16) against the same CPU logits, with the bf16-prefill tolerance of
+    // tests/cuda_prefill.rs.
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    cpu.set_kv_bf16(true);
+    let mut gpu = cuda();
+    gpu.set_kv_bf16(true);
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(300, vocab);
+    let steps = 12;
+    let mut s1 = cpu.new_sequence(8192).unwrap();
+    let mut s2 = gpu.new_sequence(8192).unwrap();
+    let mut want = cpu.forward(&mut s1, &toks, LogitsWanted::Last).unwrap();
+    let first = want.clone();
+    let mut got = gpu.forward(&mut s2, &toks, LogitsWanted::Last).unwrap();
+    let mut worst = 0.0f32;
+    for i in 0..steps {
+        worst = worst.max(max_abs_diff(&got, &want));
+        let (a, b) = (argmax(&want), argmax(&got));
+        assert_eq!(a, b, "greedy diverged at step {i} with the bf16 KV cache");
+        want = cpu.forward(&mut s1, &[a], LogitsWanted::Last).unwrap();
+        got = gpu.forward(&mut s2, &[b], LogitsWanted::Last).unwrap();
+    }
+    eprintln!("bf16 KV: 300-token prompt + {steps} greedy steps: max |logit err| {worst:.3e}");
+    assert!(worst <= LOGIT_TOL, "bf16 KV: max |logit error| {worst} > {LOGIT_TOL}");
+
+    let mut tc = CudaBackend::new(&ck).unwrap();
+    tc.set_kv_bf16(true);
+    let mut s3 = tc.new_sequence(320).unwrap();
+    let fast = tc.forward(&mut s3, &toks, LogitsWanted::Last).unwrap();
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (a, w) in fast.iter().zip(&first) {
+        num += ((a - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    let rel = (num / den).sqrt();
+    eprintln!("bf16 KV + tensor-core prefill vs CPU: last-position logits relative RMS {rel:.2e}");
+    assert!(rel.is_finite() && rel < 0.1, "tensor-core prefill with a bf16 KV cache: relative RMS {rel}");
+}

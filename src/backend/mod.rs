@@ -83,6 +83,13 @@ pub enum LogitsWanted {
 }
 
 /// A compute backend for the qwen3_5_moe model.
+/// `LILY_KV_BF16=1`: new sequences keep their attention KV cache in bf16 (the CUDA backend
+/// stores bf16; the CPU reference rounds K and V to bf16 when it appends them, so both compute
+/// the same thing). Off by default.
+pub fn kv_bf16_from_env() -> bool {
+    std::env::var("LILY_KV_BF16").is_ok_and(|v| v == "1")
+}
+
 pub trait Backend: Send {
     /// Short name for logs ("cpu", "cuda").
     fn name(&self) -> &'static str;

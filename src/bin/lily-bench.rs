@@ -31,6 +31,10 @@ struct Args {
     /// allocates the whole KV cache for it up front, e.g. 262144 to show the longest context fits.
     #[arg(long)]
     max_seq: Option<usize>,
+    /// Keep the attention KV cache in bf16 (same as LILY_KV_BF16=1; the peer-benchmark runner
+    /// clears LILY_* variables, so it passes this flag instead).
+    #[arg(long)]
+    kv_bf16: bool,
     /// Skip the exact-shape warmup (CPU smoke runs in CI).
     #[arg(long)]
     no_warmup: bool,
@@ -50,6 +54,12 @@ fn run(args: Args) -> Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         bail!("--prompt-len and --decode-steps must be positive");
     }
+    if args.kv_bf16 {
+        // Read by both backends when they are created (backend::kv_bf16_from_env); set before
+        // any thread starts.
+        std::env::set_var("LILY_KV_BF16", "1");
+    }
+    let kv_cache = if lily::backend::kv_bf16_from_env() { "bf16" } else { "f32" };
     let dir = lily::engine::default_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
@@ -130,6 +140,7 @@ fn run(args: Args) -> Result<()> {
         "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
         "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
         "max_seq": max_seq,
+        "kv_cache": kv_cache,
         "sequence_state_bytes": seq.memory_bytes(),
         "device_memory": device_memory,
     });

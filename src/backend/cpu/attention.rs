@@ -13,6 +13,9 @@ use rayon::prelude::*;
 pub struct KvCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    /// K and V are rounded to bf16 (nearest even) as they are appended: the reference for the
+    /// CUDA backend's bf16 KV cache (`LILY_KV_BF16=1`). Storage stays f32.
+    pub bf16: bool,
 }
 
 impl KvCache {
@@ -50,8 +53,14 @@ pub fn forward(w: &AttentionWeights, cfg: &ModelConfig, inv_freq: &[f64], u: &[f
         }
     }
     debug_assert_eq!(cache.k.len(), pos0 * nkv * hd, "KV cache out of step with the sequence");
-    cache.k.extend_from_slice(&k);
-    cache.v.extend_from_slice(&v);
+    if cache.bf16 {
+        let round = |x: &f32| half::bf16::from_f32(*x).to_f32();
+        cache.k.extend(k.iter().map(round));
+        cache.v.extend(v.iter().map(round));
+    } else {
+        cache.k.extend_from_slice(&k);
+        cache.v.extend_from_slice(&v);
+    }
 
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / nkv;

@@ -60,6 +60,9 @@ pub struct CpuBackend {
     weights: ModelWeights,
     inv_freq: Vec<f64>,
     prefill_block: usize,
+    /// New sequences round their attention KV cache to bf16 (`LILY_KV_BF16=1`, or
+    /// [`CpuBackend::set_kv_bf16`]).
+    kv_bf16: bool,
 }
 
 impl CpuBackend {
@@ -67,7 +70,13 @@ impl CpuBackend {
         let weights = ModelWeights::from_checkpoint(ck)?;
         let cfg = &weights.config;
         let inv_freq = ops::rope_inv_freq(cfg.rotary_dim(), cfg.rope_theta);
-        Ok(CpuBackend { weights, inv_freq, prefill_block: PREFILL_BLOCK })
+        Ok(CpuBackend { weights, inv_freq, prefill_block: PREFILL_BLOCK, kv_bf16: crate::backend::kv_bf16_from_env() })
+    }
+
+    /// Rounds the attention KV cache of sequences created from now on to bf16 (the reference
+    /// for the CUDA backend's bf16 KV cache).
+    pub fn set_kv_bf16(&mut self, bf16: bool) {
+        self.kv_bf16 = bf16;
     }
 
     /// Changes the prefill block length (tests use it to move block boundaries).
@@ -143,7 +152,7 @@ impl Backend for CpuBackend {
             .iter()
             .map(|l| match l.mixer {
                 MixerWeights::Gdn(_) => LayerCache::Gdn(GdnState::new(cfg)),
-                MixerWeights::Attention(_) => LayerCache::Attention(KvCache::default()),
+                MixerWeights::Attention(_) => LayerCache::Attention(KvCache { bf16: self.kv_bf16, ..KvCache::default() }),
             })
             .collect();
         Ok(Sequence::new(max_seq, Box::new(CpuSequence { layers })))

@@ -42,6 +42,13 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
             "attn_split_reg_256",
             "attn_split_reg_128",
             "attn_split_reg_64",
+            "attn_prep_bf16",
+            "attn_split_256_bf16",
+            "attn_split_128_bf16",
+            "attn_split_64_bf16",
+            "attn_split_reg_256_bf16",
+            "attn_split_reg_128_bf16",
+            "attn_split_reg_64_bf16",
             "attn_combine",
         ],
     ),
@@ -274,13 +281,15 @@ impl Gpu {
         }
         // The tiled split-KV kernels stage K/V through more than 48 KiB of shared memory.
         for hd in [64usize, 128, 256] {
-            let name = format!("attn_split_{hd}");
-            funcs[name.as_str()]
-                .set_attribute(
-                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    super::kernels::attn_tiled_smem(hd) as i32,
-                )
-                .map_err(|e| anyhow!("{name}: shared memory opt-in: {e:?}"))?;
+            for bf16 in [false, true] {
+                let name = format!("attn_split_{hd}{}", super::kernels::kv_suffix(bf16));
+                funcs[name.as_str()]
+                    .set_attribute(
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        super::kernels::attn_tiled_smem(hd, bf16) as i32,
+                    )
+                    .map_err(|e| anyhow!("{name}: shared memory opt-in: {e:?}"))?;
+            }
         }
         let attn_tiled = std::env::var("LILY_CUDA_ATTN_TILED")
             .map(|v| v != "0")

@@ -293,6 +293,7 @@ pub fn enqueue(
         hd: cfg.head_dim,
         half_rot: cfg.rotary_dim() / 2,
         eps,
+        kv_bf16: seq.kv_bf16,
     };
     let md = MoeDims {
         e: cfg.num_experts,

@@ -220,6 +220,17 @@ pub struct AttnDims {
     pub hd: usize,
     pub half_rot: usize,
     pub eps: f32,
+    /// The sequence's KV cache holds bf16 (the `_bf16` kernel instances) instead of f32.
+    pub kv_bf16: bool,
+}
+
+/// Suffix of the attention kernel instances for a KV cache element type.
+pub fn kv_suffix(kv_bf16: bool) -> &'static str {
+    if kv_bf16 {
+        "_bf16"
+    } else {
+        ""
+    }
 }
 
 pub struct AttnPtrs {
@@ -249,7 +260,7 @@ pub fn attention(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<
 /// q/k RMSNorm + partial RoPE + KV append at the current position.
 pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     gpu.launch(
-        "attn_prep",
+        if d.kv_bf16 { "attn_prep_bf16" } else { "attn_prep" },
         ((d.nh + d.nkv) as u32, 1, 1),
         d.hd as u32,
         ((d.hd + 33) * 4) as u32,
@@ -274,29 +285,28 @@ pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     )
 }
 
-/// Dynamic shared memory of the tiled split kernel: ATTN_NS stages x (K + V) x ATTN_TP rows.
-pub fn attn_tiled_smem(hd: usize) -> u32 {
-    (3 * 2 * 16 * hd * 4) as u32
+/// Dynamic shared memory of the tiled split kernel: ATTN_NS stages x (K + V) x ATTN_TP rows of
+/// the cache's element type.
+pub fn attn_tiled_smem(hd: usize, kv_bf16: bool) -> u32 {
+    (3 * 2 * 16 * hd * super::state::kv_elem_bytes(kv_bf16)) as u32
 }
 
 /// Split-KV online-softmax partials (`splits` per KV head).
 pub fn attn_split(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result<()> {
-    let name = match (gpu.attn_tiled, d.hd) {
-        (true, 256) => "attn_split_256",
-        (true, 128) => "attn_split_128",
-        (true, _) => "attn_split_64",
-        (false, 256) => "attn_split_reg_256",
-        (false, 128) => "attn_split_reg_128",
-        (false, _) => "attn_split_reg_64",
-    };
+    let name = format!(
+        "attn_split_{}{}{}",
+        if gpu.attn_tiled { "" } else { "reg_" },
+        d.hd,
+        kv_suffix(d.kv_bf16)
+    );
     let smem = if gpu.attn_tiled {
-        attn_tiled_smem(d.hd)
+        attn_tiled_smem(d.hd, d.kv_bf16)
     } else {
         0
     };
     let group = d.nh / d.nkv;
     gpu.launch(
-        name,
+        &name,
         (d.nkv as u32, splits as u32, 1),
         (group * 32) as u32,
         smem,

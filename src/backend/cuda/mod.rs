@@ -42,6 +42,10 @@ pub struct CudaBackend {
     /// f32 FMA kernels that agree with the CPU reference to rounding (LILY_PREFILL_F32=1 at
     /// start-up, or [`CudaBackend::set_exact_prefill`]).
     pub(crate) exact_prefill: bool,
+    /// Attention KV cache element type of new sequences: bf16 (half the memory and half the
+    /// long-context attention traffic) or f32. `LILY_KV_BF16=1` at start-up, or
+    /// [`CudaBackend::set_kv_bf16`].
+    kv_bf16: bool,
 }
 
 #[derive(Default)]
@@ -165,7 +169,15 @@ impl CudaBackend {
             use_graphs,
             profile,
             exact_prefill: prefill::exact_from_env(),
+            kv_bf16: crate::backend::kv_bf16_from_env(),
         })
+    }
+
+    /// Chooses the KV cache element type of sequences created from now on (existing sequences
+    /// keep theirs): `true` stores K and V rounded to bf16, as the CPU backend does with the
+    /// same setting.
+    pub fn set_kv_bf16(&mut self, bf16: bool) {
+        self.kv_bf16 = bf16;
     }
 
     /// Chooses the prefill precision: `true` for the f32 kernels (exact to rounding against the
@@ -361,7 +373,7 @@ impl Backend for CudaBackend {
     }
 
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
-        let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq)?;
+        let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq, self.kv_bf16)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
     }
 

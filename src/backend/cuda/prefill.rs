@@ -48,6 +48,13 @@ pub const ENTRIES: &[&str] = &[
     "pf_attn_tc_64",
     "pf_attn_tc_128",
     "pf_attn_tc_256",
+    "pf_attn_prep_bf16",
+    "pf_attn_64_bf16",
+    "pf_attn_128_bf16",
+    "pf_attn_256_bf16",
+    "pf_attn_tc_64_bf16",
+    "pf_attn_tc_128_bf16",
+    "pf_attn_tc_256_bf16",
     "pf_route",
     "pf_scan",
     "pf_scatter",
@@ -123,18 +130,20 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
         )
         .map_err(|e| anyhow!("pf_gemm_skinny: shared memory opt-in: {e:?}"))?;
     for hd in [64usize, 128, 256] {
-        funcs[format!("pf_attn_{hd}").as_str()]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attn_smem(hd) as i32,
-            )
-            .map_err(|e| anyhow!("pf_attn_{hd}: shared memory opt-in: {e:?}"))?;
-        funcs[format!("pf_attn_tc_{hd}").as_str()]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attn_tc_smem(hd) as i32,
-            )
-            .map_err(|e| anyhow!("pf_attn_tc_{hd}: shared memory opt-in: {e:?}"))?;
+        for sfx in ["", "_bf16"] {
+            funcs[format!("pf_attn_{hd}{sfx}").as_str()]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attn_smem(hd) as i32,
+                )
+                .map_err(|e| anyhow!("pf_attn_{hd}{sfx}: shared memory opt-in: {e:?}"))?;
+            funcs[format!("pf_attn_tc_{hd}{sfx}").as_str()]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attn_tc_smem(hd) as i32,
+                )
+                .map_err(|e| anyhow!("pf_attn_tc_{hd}{sfx}: shared memory opt-in: {e:?}"))?;
+        }
     }
     let k = Arc::new(Kern {
         ctx: gpu.ctx.clone(),
@@ -910,8 +919,9 @@ fn run_chunk(
                 mm.run(&a.k, kvd, u, n, p(&buf.kr), kvd, false, None)?;
                 mm.run(&a.v, kvd, u, n, p(&buf.vr), kvd, false, None)?;
                 prof.mark(gpu, "attn.proj")?;
+                let kv_sfx = super::kernels::kv_suffix(seq.kv_bf16);
                 kern.launch(
-                    "pf_attn_prep",
+                    &format!("pf_attn_prep{kv_sfx}"),
                     (n as u32, (nh + nkv) as u32, 1),
                     hd as u32,
                     ((hd + 33) * 4) as u32,
@@ -924,8 +934,8 @@ fn run_chunk(
                         Arg::P(ptr(&b.scratch.inv_freq, st)),
                         Arg::P(p(&buf.q)),
                         Arg::P(p(&buf.gate)),
-                        Arg::P(p(kcache)),
-                        Arg::P(p(vcache)),
+                        Arg::P(ptr(kcache, st)),
+                        Arg::P(ptr(vcache, st)),
                         Arg::I(pos0 as i32),
                         Arg::I(nh as i32),
                         Arg::I(nkv as i32),
@@ -937,9 +947,9 @@ fn run_chunk(
                 prof.mark(gpu, "attn.prep")?;
                 let qt = 64 / (nh / nkv);
                 let (name, threads, smem) = if exact {
-                    (format!("pf_attn_{hd}"), 256, attn_smem(hd))
+                    (format!("pf_attn_{hd}{kv_sfx}"), 256, attn_smem(hd))
                 } else {
-                    (format!("pf_attn_tc_{hd}"), 128, attn_tc_smem(hd))
+                    (format!("pf_attn_tc_{hd}{kv_sfx}"), 128, attn_tc_smem(hd))
                 };
                 kern.launch(
                     &name,
@@ -949,8 +959,8 @@ fn run_chunk(
                     &[
                         Arg::P(p(&buf.q)),
                         Arg::P(p(&buf.gate)),
-                        Arg::P(p(kcache)),
-                        Arg::P(p(vcache)),
+                        Arg::P(ptr(kcache, st)),
+                        Arg::P(ptr(vcache, st)),
                         Arg::I(n as i32),
                         Arg::I(pos0 as i32),
                         Arg::I(nh as i32),

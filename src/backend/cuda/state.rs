@@ -1,6 +1,6 @@
 //! Per-sequence device state: the step buffer (token id, position), Gated DeltaNet conv rings and
-//! fp32 recurrent states, and the attention KV caches (f32, `[max_seq][kv_heads * head_dim]`,
-//! allocated for the full max-seq up front so nothing allocates mid-request).
+//! fp32 recurrent states, and the attention KV caches (`[max_seq][kv_heads * head_dim]`, f32 or
+//! bf16 per sequence, allocated for the full max-seq up front so nothing allocates mid-request).
 
 use super::context::Gpu;
 use crate::backend::SequenceState;
@@ -16,9 +16,11 @@ pub enum DevLayerState {
         ring: CudaSlice<f32>,
         state: CudaSlice<f32>,
     },
+    /// K and V caches as raw bytes: f32 or bf16 elements (`CudaSequence::kv_bf16`); the kernels
+    /// take raw pointers and are instantiated for both element types.
     Attn {
-        k: CudaSlice<f32>,
-        v: CudaSlice<f32>,
+        k: CudaSlice<u8>,
+        v: CudaSlice<u8>,
     },
 }
 
@@ -28,6 +30,8 @@ pub struct CudaSequence {
     pub step: CudaSlice<i32>,
     pub layers: Vec<DevLayerState>,
     pub max_seq: usize,
+    /// KV cache elements are bf16 (the `_bf16` attention kernels) instead of f32.
+    pub kv_bf16: bool,
     /// Unique per sequence (and per clone): decode graphs are keyed by it, since they bake in
     /// this sequence's device addresses.
     pub id: u64,
@@ -38,12 +42,21 @@ fn next_id() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Bytes per KV cache element.
+pub fn kv_elem_bytes(kv_bf16: bool) -> usize {
+    if kv_bf16 {
+        2
+    } else {
+        4
+    }
+}
+
 /// Bytes of device memory one sequence of `max_seq` tokens needs.
-pub fn sequence_bytes(cfg: &ModelConfig, max_seq: usize) -> usize {
+pub fn sequence_bytes(cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> usize {
     let gdn = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim()
         + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
         * 4;
-    let attn = 2 * max_seq * cfg.kv_dim() * 4;
+    let attn = 2 * max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16);
     cfg.layer_types
         .iter()
         .map(|k| {
@@ -58,14 +71,14 @@ pub fn sequence_bytes(cfg: &ModelConfig, max_seq: usize) -> usize {
 }
 
 impl CudaSequence {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> Result<Self> {
         if max_seq == 0 {
             bail!("max-seq must be positive");
         }
         if max_seq > i32::MAX as usize / cfg.kv_dim().max(1) {
             bail!("max-seq {max_seq} is too large for the CUDA backend's 32-bit positions");
         }
-        let need = sequence_bytes(cfg, max_seq);
+        let need = sequence_bytes(cfg, max_seq, kv_bf16);
         let (free, _) = gpu.mem_info()?;
         // Keep 256 MiB for the driver and transient allocations.
         if need + (256 << 20) > free {
@@ -87,8 +100,8 @@ impl CudaSequence {
                     )?,
                 },
                 LayerKind::FullAttention => DevLayerState::Attn {
-                    k: gpu.zeros(max_seq * cfg.kv_dim())?,
-                    v: gpu.zeros(max_seq * cfg.kv_dim())?,
+                    k: gpu.zeros(max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
+                    v: gpu.zeros(max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
                 },
             });
         }
@@ -97,26 +110,31 @@ impl CudaSequence {
             step: gpu.zeros(2)?,
             layers,
             max_seq,
+            kv_bf16,
             id: next_id(),
         })
     }
 
     fn try_clone(&self) -> Result<Self> {
-        let c = |s: &CudaSlice<f32>| {
-            self.stream
+        fn c<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> Result<CudaSlice<T>> {
+            stream
                 .clone_dtod(s)
                 .map_err(|e| anyhow!("device copy failed: {e:?}"))
-        };
+        }
+        let st = &self.stream;
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
                     DevLayerState::Gdn { ring, state } => DevLayerState::Gdn {
-                        ring: c(ring)?,
-                        state: c(state)?,
+                        ring: c(st, ring)?,
+                        state: c(st, state)?,
                     },
-                    DevLayerState::Attn { k, v } => DevLayerState::Attn { k: c(k)?, v: c(v)? },
+                    DevLayerState::Attn { k, v } => DevLayerState::Attn {
+                        k: c(st, k)?,
+                        v: c(st, v)?,
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -130,6 +148,7 @@ impl CudaSequence {
             step,
             layers,
             max_seq: self.max_seq,
+            kv_bf16: self.kv_bf16,
             id: next_id(),
         })
     }
@@ -148,7 +167,7 @@ impl SequenceState for CudaSequence {
             .iter()
             .map(|l| match l {
                 DevLayerState::Gdn { ring, state } => (ring.len() + state.len()) * 4,
-                DevLayerState::Attn { k, v } => (k.len() + v.len()) * 4,
+                DevLayerState::Attn { k, v } => k.len() + v.len(),
             })
             .sum::<usize>()
             + 8
