@@ -367,6 +367,44 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
 // grid (ceil(T / PF_SK_T), ceil(rows / 256)), block 256,
 // dynamic smem PF_SK_T * (cols + cols/group) floats.
 #define PF_SK_T 8
+// One weight row of pf_gemm_skinny against the PF_SK_T staged tokens (this lane's share in acc):
+// a 16-byte chunk holds 128 / BITS codes (CPC), converted once and dotted with every token.
+// `group` is a power of two, so chunk -> group is a shift (the loader accepts group 64 only).
+template <int BITS>
+__device__ __forceinline__ void skinny_row(const uint4* __restrict__ w4, const u16* __restrict__ sr,
+                                           const u16* __restrict__ br, const float* xs, const float* gs, int cols,
+                                           int group, int lane, float (&acc)[PF_SK_T]) {
+    constexpr int CPC = 128 / BITS, CPW = 32 / BITS, F4 = CPC / 4;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+    const int n4 = cols / CPC, cpg = group / CPC, lcpg = __ffs(cpg) - 1, gpr = cols / group;
+    for (int i = lane; i < n4; i += 32) {
+        const uint4 q = __ldg(w4 + i);
+        const int f = i * F4, g = i >> lcpg;
+        const float sc = bf16f(__ldg(sr + g));
+        const bool first = (i & (cpg - 1)) == 0;
+        const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float wq[CPC];
+#pragma unroll
+        for (int k = 0; k < CPC; ++k) wq[k] = code_f((qw[k / CPW] >> (BITS * (k % CPW))) & MASK);
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) {
+            const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+            for (int k = 0; k < F4; ++k) {
+                const float4 xv = x4[swz(f + k)];
+                d0 = fmaf(wq[4 * k], xv.x, d0);
+                d1 = fmaf(wq[4 * k + 1], xv.y, d1);
+                d0 = fmaf(wq[4 * k + 2], xv.z, d0);
+                d1 = fmaf(wq[4 * k + 3], xv.w, d1);
+            }
+            acc[j] = fmaf(sc, d0 + d1, acc[j]);
+            if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 1)
 pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
                int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy) {
@@ -399,63 +437,8 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
 #pragma unroll
         for (int j = 0; j < PF_SK_T; ++j) acc[j] = 0.f;
         // Codes are converted to float once per chunk and reused by the PF_SK_T tokens.
-        if (bits == 4) {
-            const int n4 = cols >> 5, cpg = group >> 5;  // 32 codes per uint4
-            for (int i = lane; i < n4; i += 32) {
-                const uint4 q = __ldg(w4 + i);
-                const int f = i << 3, g = i / cpg;
-                const float sc = bf16f(__ldg(sr + g));
-                const bool first = i - g * cpg == 0;
-                const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
-                const u32 qw[4] = {q.x, q.y, q.z, q.w};
-                float wq[32];
-#pragma unroll
-                for (int k = 0; k < 32; ++k) wq[k] = code_f((qw[k >> 3] >> (4 * (k & 7))) & 15u);
-#pragma unroll
-                for (int j = 0; j < PF_SK_T; ++j) {
-                    const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
-                    float d0 = 0.f, d1 = 0.f;
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        const float4 xv = x4[swz(f + k)];
-                        d0 = fmaf(wq[4 * k], xv.x, d0);
-                        d1 = fmaf(wq[4 * k + 1], xv.y, d1);
-                        d0 = fmaf(wq[4 * k + 2], xv.z, d0);
-                        d1 = fmaf(wq[4 * k + 3], xv.w, d1);
-                    }
-                    acc[j] = fmaf(sc, d0 + d1, acc[j]);
-                    if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
-                }
-            }
-        } else {
-            const int n4 = cols >> 4, cpg = group >> 4;  // 16 codes per uint4
-            for (int i = lane; i < n4; i += 32) {
-                const uint4 q = __ldg(w4 + i);
-                const int f = i << 2, g = i / cpg;
-                const float sc = bf16f(__ldg(sr + g));
-                const bool first = i - g * cpg == 0;
-                const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
-                const u32 qw[4] = {q.x, q.y, q.z, q.w};
-                float wq[16];
-#pragma unroll
-                for (int k = 0; k < 16; ++k) wq[k] = code_f((qw[k >> 2] >> (8 * (k & 3))) & 255u);
-#pragma unroll
-                for (int j = 0; j < PF_SK_T; ++j) {
-                    const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
-                    float d0 = 0.f, d1 = 0.f;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const float4 xv = x4[swz(f + k)];
-                        d0 = fmaf(wq[4 * k], xv.x, d0);
-                        d1 = fmaf(wq[4 * k + 1], xv.y, d1);
-                        d0 = fmaf(wq[4 * k + 2], xv.z, d0);
-                        d1 = fmaf(wq[4 * k + 3], xv.w, d1);
-                    }
-                    acc[j] = fmaf(sc, d0 + d1, acc[j]);
-                    if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
-                }
-            }
-        }
+        if (bits == 4) skinny_row<4>(w4, sr, br, xs, gs, cols, group, lane, acc);
+        else skinny_row<8>(w4, sr, br, xs, gs, cols, group, lane, acc);
 #pragma unroll
         for (int j = 0; j < PF_SK_T; ++j) {
             const float v = warp_sum(acc[j]);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{max_abs_diff, tiny_checkpoint};
+use common::{max_abs_diff, rel_rms, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsWanted};
 use lily::checkpoint::Checkpoint;
@@ -198,12 +198,7 @@ fn bf16_kv_cache_rounds_keys_and_values_only() {
     let mut bf16_seq = b.new_sequence(128).unwrap();
     let want = b.forward(&mut f32_seq, &p, LogitsWanted::All).unwrap();
     let got = b.forward(&mut bf16_seq, &p, LogitsWanted::All).unwrap();
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (a, w) in got.iter().zip(&want) {
-        num += ((a - w) as f64).powi(2);
-        den += (*w as f64).powi(2);
-    }
-    let rel = (num / den).sqrt();
+    let rel = rel_rms(&got, &want);
     let agree = (0..p.len())
         .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab]))
         .count();

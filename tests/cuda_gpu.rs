@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{max_abs_diff, rnd, tiny_checkpoint};
+use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::CudaBackend;
 use lily::backend::{Backend, LogitsWanted};
@@ -472,12 +472,7 @@ fn cuda_bf16_kv_matches_cpu_bf16_kv() {
     tc.set_kv_bf16(true);
     let mut s3 = tc.new_sequence(320).unwrap();
     let fast = tc.forward(&mut s3, &toks, LogitsWanted::Last).unwrap();
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (a, w) in fast.iter().zip(&first) {
-        num += ((a - w) as f64).powi(2);
-        den += (*w as f64).powi(2);
-    }
-    let rel = (num / den).sqrt();
+    let rel = rel_rms(&fast, &first);
     eprintln!("bf16 KV + tensor-core prefill vs CPU: last-position logits relative RMS {rel:.2e}");
     assert!(rel.is_finite() && rel < 0.1, "tensor-core prefill with a bf16 KV cache: relative RMS {rel}");
 }

@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{max_abs_diff, rnd, tiny_checkpoint};
+use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::{prefill::DEFAULT_CHUNK, CudaBackend};
 use lily::backend::{Backend, LogitsWanted};
@@ -35,16 +35,6 @@ fn cuda() -> CudaBackend {
     CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
 }
 
-/// RMS of (got - want) over RMS of want.
-fn rel_rms(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (g, w) in got.iter().zip(want) {
-        num += ((g - w) as f64).powi(2);
-        den += (*w as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt() as f32
-}
 
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64)

@@ -51,6 +51,17 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// RMS of (got - want) over RMS of want.
+pub fn rel_rms(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(want) {
+        num += ((g - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt() as f32
+}
+
 /// Deterministic pseudo-random values in [-1, 1) (xorshift; kernel tests' inputs).
 pub fn rnd(seed: u64, n: usize) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
