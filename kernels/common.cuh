@@ -56,8 +56,9 @@ __device__ __forceinline__ int swz_elem(int c) { return (swz(c >> 2) << 2) | (c 
 
 // Small unsigned integer (< 2^23) to float without I2F: 2^23 + v has v in the mantissa bits and
 // subtracting 2^23 is exact, so code_f(v) == (float)v bit for bit. I2F runs at 16 per SM per clock
-// on Hopper (a quarter of the integer pipe, an eighth of FP32): with one conversion per weight it
-// was the decode GEMVs' arithmetic bottleneck. This costs one LOP3 and one FADD instead.
+// on Hopper (a quarter of the integer pipe, an eighth of FP32); this is one LOP3 and one FADD. In
+// decode it measured neutral on its own (2026-11-29: those kernels are latency-bound, not
+// ALU-bound), but it is exact and takes the conversion unit out of every weight.
 __device__ __forceinline__ float code_f(u32 v) { return __uint_as_float(v | 0x4B000000u) - 8388608.f; }
 
 __device__ __forceinline__ float dot_nib(u32 q, float4 a, float4 b) {
