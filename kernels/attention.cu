@@ -183,7 +183,11 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
     extern __shared__ float4 attn_sm4[];
     KV* sm = reinterpret_cast<KV*>(attn_sm4);
     // C4: 16-byte copies per K or V row, EPC: elements per copy; the stage holds KV elements.
-    constexpr int P = HD / 32, TP = ATTN_TP, NS = ATTN_NS, EPC = 16 / (int)sizeof(KV), C4 = HD / EPC,
+    // A bf16 cache gets twice the stages in the same shared memory (ATTN_NS f32 stages' bytes):
+    // at long context a split streams ~64 tiles one after the other and the tiles in flight, not
+    // the bytes per tile, set its pace.
+    constexpr int P = HD / 32, TP = ATTN_TP, NS = ATTN_NS * 4 / (int)sizeof(KV), EPC = 16 / (int)sizeof(KV),
+                  C4 = HD / EPC,
                   STAGE = 2 * TP * HD;
     const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = nh / nkv, h = kvh * group + warp;

@@ -285,10 +285,10 @@ pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
     )
 }
 
-/// Dynamic shared memory of the tiled split kernel: ATTN_NS stages x (K + V) x ATTN_TP rows of
-/// the cache's element type.
-pub fn attn_tiled_smem(hd: usize, kv_bf16: bool) -> u32 {
-    (3 * 2 * 16 * hd * super::state::kv_elem_bytes(kv_bf16)) as u32
+/// Dynamic shared memory of the tiled split kernel: ATTN_NS (3) f32 stages x (K + V) x ATTN_TP
+/// (16) rows; a bf16 cache uses the same bytes as twice the stages (kernels/attention.cu).
+pub fn attn_tiled_smem(hd: usize, _kv_bf16: bool) -> u32 {
+    (3 * 2 * 16 * hd * 4) as u32
 }
 
 /// Split-KV online-softmax partials (`splits` per KV head).
