@@ -370,7 +370,16 @@ pub struct MoePtrs {
 }
 
 pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
-    let warps = 8usize;
+    // Measurement knob: LILY_CUDA_MOE_WARPS=4 runs both MoE kernels in blocks of 4 warps (twice
+    // the blocks; ncu put them at ~17-24 warps per SM with 8). Must be 1..=32.
+    static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let warps = *WARPS.get_or_init(|| {
+        std::env::var("LILY_CUDA_MOE_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|w| (1..=32).contains(w))
+            .unwrap_or(8usize)
+    });
     let rows = d.inter.max(d.sinter);
     let smem = ((d.hidden + d.hidden / d.group + 33) * 4) as u32;
     gpu.launch(
