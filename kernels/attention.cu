@@ -164,6 +164,10 @@ __device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ k
 // ATTN_TP scores, one online-softmax update and the V accumulation from shared memory.
 #define ATTN_TP 16
 #define ATTN_NS 3
+// -DATTN_XRED=1 (measurement knob): the tile's 16 score reductions by recursive halving.
+#ifndef ATTN_XRED
+#define ATTN_XRED 0
+#endif
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned r;
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
@@ -175,6 +179,19 @@ __device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// One recursive-halving step over xor distance MSK: the lane keeps values [0, H) or [H, 2H)
+// (by its MSK bit) in slots [0, H), each plus the partner's copy (ATTN_XRED).
+template <int H, int MSK>
+__device__ __forceinline__ void halve_scores(float (&sc)[ATTN_TP], int lane) {
+    const bool up = lane & MSK;
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+        const float send = up ? sc[j] : sc[j + H];
+        const float keep = up ? sc[j + H] : sc[j];
+        sc[j] = keep + __shfl_xor_sync(0xffffffffu, send, MSK);
+    }
+}
 
 template <int HD, typename KV>
 __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restrict__ kcache,
@@ -240,6 +257,32 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
                 for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
                 sc[u] = d;
             }
+#if ATTN_XRED
+            // The TP = 16 scores reduced together by recursive halving: at each xor distance a
+            // lane keeps half of its values and adds its partner's copy of them (8 + 4 + 2 + 1 + 1
+            // shuffles instead of 16 x 5); lanes 2u and 2u+1 end with score u. Max and sum then
+            // run over 16 distinct lanes' values, one exp per lane, and P V fetches each
+            // probability from lane 2u.
+            static_assert(TP == 16, "ATTN_XRED reduces 16 scores");
+            halve_scores<8, 16>(sc, lane);
+            halve_scores<4, 8>(sc, lane);
+            halve_scores<2, 4>(sc, lane);
+            halve_scores<1, 2>(sc, lane);
+            sc[0] += __shfl_xor_sync(0xffffffffu, sc[0], 1);
+            const int my_u = (lane >> 1) & 15;
+            const float su = my_u < nr ? sc[0] * scale : NEG_INF;
+            float tmx = su;
+#pragma unroll
+            for (int msk = 2; msk <= 16; msk <<= 1) tmx = fmaxf(tmx, __shfl_xor_sync(0xffffffffu, tmx, msk));
+            const float mx = fmaxf(m, tmx);
+            const float corr = expf(m - mx);
+            const float eu = expf(su - mx);
+            float es = eu;
+#pragma unroll
+            for (int msk = 2; msk <= 16; msk <<= 1) es += __shfl_xor_sync(0xffffffffu, es, msk);
+#pragma unroll
+            for (int u = 0; u < TP; ++u) sc[u] = __shfl_sync(0xffffffffu, eu, 2 * u);
+#else
 #pragma unroll
             for (int u = 0; u < TP; ++u) sc[u] = u < nr ? warp_sum(sc[u]) * scale : NEG_INF;
             float mx = m;
@@ -252,6 +295,7 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
                 sc[u] = expf(sc[u] - mx);
                 es += sc[u];
             }
+#endif
             l = l * corr + es;
             float acc[P];
 #pragma unroll

@@ -21,7 +21,7 @@ ck=${LILY_CK:-/root/ck}
 synth=$!
 timeout 150 bash .device/run test -E 'test(cuda)' --no-fail-fast > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
 el "tests"; grep -E "^\s+FAIL|Summary|rc=" "$out/tests.log" | tail -8
-variants=("-DDOWN_ALL_LANES=1" "-DMOE_FAST=2")
+variants=("-DDOWN_ALL_LANES=1" "-DMOE_FAST=2" "-DATTN_XRED=1")
 for v in "${variants[@]}"; do
   LILY_CUDA_NVRTC_DEFS="$v" timeout 60 bash .device/run test -E 'binary(cuda_gpu)' --no-fail-fast > /tmp/tv.log 2>&1
   echo "== [$v] rc=$?" >> "$out/tests.log"; grep -E "^\s+FAIL|Summary" /tmp/tv.log | tee -a "$out/tests.log" | tail -3
@@ -39,5 +39,6 @@ LILY_CUDA_MOE_WARPS=4 timeout 60 "${B[@]}" --prompt-len 4096 2>/dev/null | tee -
 el "ab 4K"
 for c in 32768 131072; do
   for kv in "" "--kv-bf16"; do timeout 90 "${B[@]}" --prompt-len $c $kv 2>/dev/null | tee -a "$out/ab.jsonl" | show "[$kv]"; done
+  LILY_CUDA_NVRTC_DEFS=-DATTN_XRED=1 timeout 90 "${B[@]}" --prompt-len $c --kv-bf16 2>/dev/null | tee -a "$out/ab.jsonl" | show "[--kv-bf16 -DATTN_XRED=1]"
 done
 el "kv 32K/131K"
