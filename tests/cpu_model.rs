@@ -162,7 +162,7 @@ fn sequence_clone_is_a_snapshot() {
     let mut b = backend();
     let mut s = b.new_sequence(64).unwrap();
     b.forward(&mut s, &p[..30], LogitsWanted::None).unwrap();
-    let mut snap = s.clone();
+    let mut snap = s.try_clone().unwrap();
     let a = b.forward(&mut s, &p[30..], LogitsWanted::Last).unwrap();
     let c = b.forward(&mut snap, &p[30..], LogitsWanted::Last).unwrap();
     assert_eq!(a, c);

@@ -251,7 +251,7 @@ fn cuda_greedy_matches_cpu_and_clone_continues() {
     // A cloned sequence continues exactly like the original.
     let mut seq = gpu.new_sequence(toks.len() + 8).unwrap();
     gpu.forward(&mut seq, &toks, LogitsWanted::None).unwrap();
-    let mut fork = seq.clone();
+    let mut fork = seq.try_clone().unwrap();
     let a = gpu
         .forward(&mut seq, &[5, 6, 7], LogitsWanted::All)
         .unwrap();

@@ -486,3 +486,62 @@ async fn a_panicking_request_does_not_stop_the_server() {
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3], "max_tokens": 2})).await;
     assert_eq!(st, 200, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
+    // The prefix cache copies the sequence after the prompt (a device allocation on the GPU).
+    // When that copy fails the request must still be answered, from an uncached prefill.
+    use lily::backend::{Backend, LogitsWanted, Sequence, SequenceState};
+    use std::any::Any;
+    struct NoCopy;
+    impl SequenceState for NoCopy {
+        fn try_clone_state(&self) -> anyhow::Result<Box<dyn SequenceState>> {
+            anyhow::bail!("out of device memory (simulated)")
+        }
+        fn memory_bytes(&self) -> usize {
+            64
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+    struct Fixed {
+        cfg: lily::checkpoint::ModelConfig,
+    }
+    impl Backend for Fixed {
+        fn name(&self) -> &'static str {
+            "fixed"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            &self.cfg
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            Ok(Sequence::new(max_seq, Box::new(NoCopy)))
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            seq.check_room(tokens.len())?;
+            seq.advance(tokens.len());
+            let mut row = vec![0.0f32; self.cfg.vocab_size];
+            row[7] = 10.0;
+            Ok(match w {
+                LogitsWanted::None => vec![],
+                LogitsWanted::Last => row,
+                LogitsWanted::All => row.repeat(tokens.len()),
+            })
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let s = lily::server::spawn_with_backend(args(), Box::new(Fixed { cfg: ck.config.clone() })).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    for _ in 0..2 {
+        let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+    }
+    let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lily_prefix_cache_hits_total 0"), "{metrics}");
+}

@@ -15,7 +15,9 @@ use std::any::Any;
 
 /// Backend-specific caches of one sequence.
 pub trait SequenceState: Any + Send + Sync {
-    fn clone_state(&self) -> Box<dyn SequenceState>;
+    /// A deep copy (prefix-cache snapshots, forks). Fails, rather than panics, when the copy
+    /// cannot be allocated (device memory).
+    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>>;
     /// Bytes of host or device memory held by this state.
     fn memory_bytes(&self) -> usize;
     fn as_any(&self) -> &dyn Any;
@@ -65,9 +67,10 @@ impl Sequence {
     }
 }
 
-impl Clone for Sequence {
-    fn clone(&self) -> Self {
-        Sequence { len: self.len, max_seq: self.max_seq, state: self.state.clone_state() }
+impl Sequence {
+    /// A snapshot that continues independently (an error when its state cannot be allocated).
+    pub fn try_clone(&self) -> Result<Self> {
+        Ok(Sequence { len: self.len, max_seq: self.max_seq, state: self.state.try_clone_state()? })
     }
 }
 
@@ -82,7 +85,6 @@ pub enum LogitsWanted {
     All,
 }
 
-/// A compute backend for the qwen3_5_moe model.
 /// `LILY_KV_BF16=1`: new sequences keep their attention KV cache in bf16 (the CUDA backend
 /// stores bf16; the CPU reference rounds K and V to bf16 when it appends them, so both compute
 /// the same thing). Off by default.
@@ -90,6 +92,7 @@ pub fn kv_bf16_from_env() -> bool {
     std::env::var("LILY_KV_BF16").is_ok_and(|v| v == "1")
 }
 
+/// A compute backend for the qwen3_5_moe model.
 pub trait Backend: Send {
     /// Short name for logs ("cpu", "cuda").
     fn name(&self) -> &'static str;

@@ -23,7 +23,7 @@ pub struct PrefixCache<T> {
     pub hits: u64,
 }
 
-impl<T: Clone> PrefixCache<T> {
+impl<T> PrefixCache<T> {
     pub fn new(budget_bytes: usize) -> Self {
         PrefixCache { entries: Vec::new(), budget: budget_bytes, clock: 0, lookups: 0, hits: 0 }
     }
@@ -40,8 +40,9 @@ impl<T: Clone> PrefixCache<T> {
         self.entries.iter().map(|e| e.bytes).sum()
     }
 
-    /// Best entry for `prompt`: a copy of its item and the number of tokens it covers.
-    pub fn lookup(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(T, usize)> {
+    /// Best entry for `prompt`: its item (the caller copies it to resume from it) and the
+    /// number of tokens it covers.
+    pub fn lookup(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(&T, usize)> {
         self.lookups += 1;
         let best = self
             .entries
@@ -54,7 +55,7 @@ impl<T: Clone> PrefixCache<T> {
         let e = &mut self.entries[best];
         e.last_used = self.clock;
         self.hits += 1;
-        Some((e.item.clone(), e.tokens.len()))
+        Some((&e.item, e.tokens.len()))
     }
 
     /// Stores `item` holding exactly `tokens`. Replaces an entry with the same tokens; evicts
@@ -82,18 +83,23 @@ impl<T: Clone> PrefixCache<T> {
 mod tests {
     use super::*;
 
+    /// `lookup` with the item copied out (the items here are string literals).
+    fn find(c: &mut PrefixCache<&'static str>, prompt: &[u32], key: Option<&str>) -> Option<(&'static str, usize)> {
+        c.lookup(prompt, key).map(|(t, n)| (*t, n))
+    }
+
     #[test]
     fn longest_strict_prefix_and_key_preference() {
         let mut c = PrefixCache::new(100);
         c.insert(vec![1, 2], "a", 10, None);
         c.insert(vec![1, 2, 3, 4], "b", 10, None);
         c.insert(vec![1, 2, 3], "k", 10, Some("conv".into()));
-        assert_eq!(c.lookup(&[1, 2, 3, 4, 5], None), Some(("b", 4)));
-        assert_eq!(c.lookup(&[1, 2, 3, 4, 5], Some("conv")), Some(("k", 3)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], None), Some(("b", 4)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], Some("conv")), Some(("k", 3)));
         // Exact length is not a hit (one token must remain); the shorter prefix is.
-        assert_eq!(c.lookup(&[1, 2, 3, 4], None), Some(("k", 3)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4], None), Some(("k", 3)));
         // A key never bypasses token equality.
-        assert_eq!(c.lookup(&[9, 9, 9, 9, 9], Some("conv")), None);
+        assert_eq!(find(&mut c, &[9, 9, 9, 9, 9], Some("conv")), None);
         assert_eq!(c.lookups, 4);
         assert_eq!(c.hits, 3);
     }
@@ -112,6 +118,6 @@ mod tests {
         c.insert(vec![4], "big", 26, None); // larger than the budget: not stored
         assert_eq!(c.len(), 2);
         c.insert(vec![3], "3b", 10, None); // same tokens: replaced
-        assert_eq!(c.lookup(&[3, 0], None), Some(("3b", 1)));
+        assert_eq!(find(&mut c, &[3, 0], None), Some(("3b", 1)));
     }
 }

@@ -32,8 +32,8 @@ struct ScriptState {
 }
 
 impl SequenceState for ScriptState {
-    fn clone_state(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
+    fn try_clone_state(&self) -> anyhow::Result<Box<dyn SequenceState>> {
+        Ok(Box::new(self.clone()))
     }
     fn memory_bytes(&self) -> usize {
         (self.tokens.capacity() + self.reply.capacity()) * 4 + 64

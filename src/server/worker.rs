@@ -171,10 +171,22 @@ impl Worker {
         let req = &job.req;
         let prompt = &job.prompt;
         self.metrics.cache_lookups.fetch_add(1, Relaxed);
-        let (mut seq, cached) = match self.cache.lookup(prompt, req.prompt_cache_key.as_deref()) {
-            Some((seq, n)) => {
+        // A cached snapshot is copied to resume from; if the copy cannot be allocated (device
+        // memory), the request just prefills from scratch.
+        let hit = match self.cache.lookup(prompt, req.prompt_cache_key.as_deref()) {
+            Some((snap, n)) => match snap.try_clone() {
+                Ok(seq) => Some((seq, n)),
+                Err(e) => {
+                    eprintln!("lily: prefix cache hit not used (copying the snapshot failed: {e:#})");
+                    None
+                }
+            },
+            None => None,
+        };
+        let (mut seq, cached) = match hit {
+            Some(h) => {
                 self.metrics.cache_hits.fetch_add(1, Relaxed);
-                (seq, n)
+                h
             }
             None => (self.backend.new_sequence(self.cfg.max_seq)?, 0),
         };
@@ -197,9 +209,14 @@ impl Worker {
                 return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() });
             }
             self.backend.forward(&mut seq, head, LogitsWanted::None)?;
-            let snap = seq.clone();
-            let bytes = snap.memory_bytes();
-            self.cache.insert(prompt[..prompt.len() - 1].to_vec(), snap, bytes, req.prompt_cache_key.clone());
+            // A snapshot that cannot be allocated is simply not cached.
+            match seq.try_clone() {
+                Ok(snap) => {
+                    let bytes = snap.memory_bytes();
+                    self.cache.insert(prompt[..prompt.len() - 1].to_vec(), snap, bytes, req.prompt_cache_key.clone());
+                }
+                Err(e) => eprintln!("lily: prompt not cached (copying the sequence failed: {e:#})"),
+            }
             rest = last;
         }
         self.metrics.active_seq_bytes.store(seq.memory_bytes() as u64, Relaxed);

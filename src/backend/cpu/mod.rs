@@ -36,8 +36,8 @@ pub struct CpuSequence {
 }
 
 impl SequenceState for CpuSequence {
-    fn clone_state(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
+    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>> {
+        Ok(Box::new(self.clone()))
     }
     fn memory_bytes(&self) -> usize {
         self.layers

@@ -155,12 +155,8 @@ impl CudaSequence {
 }
 
 impl SequenceState for CudaSequence {
-    fn clone_state(&self) -> Box<dyn SequenceState> {
-        // The trait cannot return an error; a failed device copy (out of memory) is fatal here.
-        Box::new(
-            self.try_clone()
-                .unwrap_or_else(|e| panic!("cloning a CUDA sequence: {e:#}")),
-        )
+    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>> {
+        Ok(Box::new(self.try_clone()?))
     }
     fn memory_bytes(&self) -> usize {
         self.layers
