@@ -165,35 +165,35 @@ impl ModelConfig {
         need(self.quant.group_size == 64, format!("quantization group_size {} (only 64 is supported)", g));
         need(self.vocab_size > 0 && self.vocab_size <= u32::MAX as usize, format!("vocab_size {}", self.vocab_size));
         need(self.num_layers() > 0, "num_hidden_layers is 0".into());
-        need(self.hidden_size % g == 0, format!("hidden_size {} is not a multiple of the group size {g}", self.hidden_size));
+        need(self.hidden_size.is_multiple_of(g), format!("hidden_size {} is not a multiple of the group size {g}", self.hidden_size));
         need(self.num_attention_heads > 0 && self.num_key_value_heads > 0, "attention heads must be positive".into());
         need(
-            self.num_key_value_heads > 0 && self.num_attention_heads % self.num_key_value_heads == 0,
+            self.num_key_value_heads > 0 && self.num_attention_heads.is_multiple_of(self.num_key_value_heads),
             format!("num_attention_heads {} not divisible by num_key_value_heads {}", self.num_attention_heads, self.num_key_value_heads),
         );
-        need(self.attn_inner() % g == 0, format!("num_attention_heads*head_dim {} not a multiple of {g}", self.attn_inner()));
+        need(self.attn_inner().is_multiple_of(g), format!("num_attention_heads*head_dim {} not a multiple of {g}", self.attn_inner()));
         let rd = self.rotary_dim();
-        need(rd % 2 == 0 && rd <= self.head_dim && rd > 0, format!("rotary dim {rd} (head_dim {} x partial_rotary_factor {})", self.head_dim, self.partial_rotary_factor));
+        need(rd.is_multiple_of(2) && rd <= self.head_dim && rd > 0, format!("rotary dim {rd} (head_dim {} x partial_rotary_factor {})", self.head_dim, self.partial_rotary_factor));
         need(
-            self.linear_num_key_heads > 0 && self.linear_num_value_heads % self.linear_num_key_heads.max(1) == 0,
+            self.linear_num_key_heads > 0 && self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads.max(1)),
             format!("linear_num_value_heads {} not a multiple of linear_num_key_heads {}", self.linear_num_value_heads, self.linear_num_key_heads),
         );
-        need(self.gdn_value_dim() % g == 0, format!("GDN value width {} not a multiple of {g}", self.gdn_value_dim()));
+        need(self.gdn_value_dim().is_multiple_of(g), format!("GDN value width {} not a multiple of {g}", self.gdn_value_dim()));
         need(self.linear_conv_kernel_dim >= 1, "linear_conv_kernel_dim must be >= 1".into());
         need(self.num_experts > 0, "num_experts is 0 (dense checkpoints are not supported)".into());
         need(
             self.num_experts_per_tok >= 1 && self.num_experts_per_tok <= self.num_experts,
             format!("num_experts_per_tok {} with {} experts", self.num_experts_per_tok, self.num_experts),
         );
-        need(self.moe_intermediate_size % g == 0 && self.moe_intermediate_size > 0, format!("moe_intermediate_size {} not a positive multiple of {g}", self.moe_intermediate_size));
+        need(self.moe_intermediate_size.is_multiple_of(g) && self.moe_intermediate_size > 0, format!("moe_intermediate_size {} not a positive multiple of {g}", self.moe_intermediate_size));
         need(
-            self.shared_expert_intermediate_size % g == 0 && self.shared_expert_intermediate_size > 0,
+            self.shared_expert_intermediate_size.is_multiple_of(g) && self.shared_expert_intermediate_size > 0,
             format!("shared_expert_intermediate_size {} not a positive multiple of {g}", self.shared_expert_intermediate_size),
         );
         need(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0, "rms_norm_eps and rope_theta must be positive".into());
         need(
-            self.layer_types.iter().any(|k| *k == LayerKind::FullAttention)
-                || self.layer_types.iter().any(|k| *k == LayerKind::LinearAttention),
+            self.layer_types.contains(&LayerKind::FullAttention)
+                || self.layer_types.contains(&LayerKind::LinearAttention),
             "no layers".into(),
         );
         if !problems.is_empty() {

@@ -39,7 +39,7 @@ impl TensorBytes {
     /// Copies to aligned storage if the mapped window is not 4-byte aligned (safetensors only
     /// guarantees alignment by convention).
     fn aligned(self) -> Self {
-        if self.as_bytes().as_ptr() as usize % 8 == 0 {
+        if (self.as_bytes().as_ptr() as usize).is_multiple_of(8) {
             return self;
         }
         let bytes = self.as_bytes();

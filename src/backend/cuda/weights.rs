@@ -30,7 +30,7 @@ impl DevQ {
         }
         // The GEMV kernels load 16 bytes of codes per lane and stage activations in 32-float
         // swizzle blocks, so rows and groups must be multiples of 32 columns.
-        if q.cols % q.group != 0 || q.group % 32 != 0 || q.cols % 32 != 0 {
+        if !q.cols.is_multiple_of(q.group) || !q.group.is_multiple_of(32) || !q.cols.is_multiple_of(32) {
             bail!(
                 "{}: {} columns / group {} not supported by the CUDA backend",
                 q.name,
