@@ -23,6 +23,16 @@ fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
     assert_eq!(line["prompt_len"], 8);
     assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 4);
     assert!(line["device_memory"].is_null());
+    assert_eq!(line["kv_cache"], "f32");
+}
+
+#[test]
+fn kv_bf16_flag_is_reported() {
+    let out = bench(&["--kv-bf16"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(line["kv_cache"], "bf16");
+    assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 4);
 }
 
 #[test]

@@ -175,3 +175,20 @@ impl SequenceState for CudaSequence {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_kv_halves_only_the_attention_cache() {
+        let cfg = ModelConfig::qwen36_35b_a3b();
+        let (f32_bytes, bf16_bytes) = (sequence_bytes(&cfg, 262_144, false), sequence_bytes(&cfg, 262_144, true));
+        let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
+        let kv_f32 = attn_layers * 2 * 262_144 * cfg.kv_dim() * 4;
+        assert_eq!(f32_bytes - bf16_bytes, kv_f32 / 2);
+        // 35B at 262,144 tokens: 10 attention layers x K and V x 512 x 4 bytes = 10.7 GB of f32 KV.
+        assert_eq!(kv_f32, 10_737_418_240);
+    }
+}
+
