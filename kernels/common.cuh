@@ -80,93 +80,92 @@ __device__ __forceinline__ float dot_byte(u32 q, float4 a) {
 // Called by all 32 lanes of a warp; returns the full dot product in every lane.
 // qrow_part returns this lane's share (no reduction), so callers can keep several rows' loads in
 // flight and reduce once; qrow_dot reduces over the warp.
+// The activations of one 16-byte chunk of codes (32 at 4 bits, 16 at 8), from the swizzled
+// vector: f is the chunk's first float4 (chunk index * 32 / BITS).
+template <int BITS>
+__device__ __forceinline__ void chunk_x(const float4* x4, int f, float4 (&xv)[32 / BITS]) {
+#pragma unroll
+    for (int j = 0; j < 32 / BITS; ++j) xv[j] = x4[swz(f + j)];
+}
+// One chunk's codes dotted with its activations (no scale, no bias).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(uint4 q, const float4 (&xv)[32 / BITS]) {
+    if constexpr (BITS == 4)
+        return dot_nib(q.x, xv[0], xv[1]) + dot_nib(q.y, xv[2], xv[3]) + dot_nib(q.z, xv[4], xv[5]) +
+               dot_nib(q.w, xv[6], xv[7]);
+    else
+        return dot_byte(q.x, xv[0]) + dot_byte(q.y, xv[1]) + dot_byte(q.z, xv[2]) + dot_byte(q.w, xv[3]);
+}
+
+template <int BITS>
+__device__ __forceinline__ float qrow_part_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
+                                            const u16* __restrict__ br, const float* xs, const float* gsum,
+                                            int cols, int group) {
+    constexpr int LCPC = BITS == 4 ? 5 : 4;  // log2 codes per uint4
+    const int lane = threadIdx.x & 31;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    const int n4 = cols >> LCPC, cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
+    float acc = 0.f;
+#pragma unroll 2
+    for (int i = lane; i < n4; i += 32) {
+        uint4 q = __ldg(w4 + i);
+        float4 xv[32 / BITS];
+        chunk_x<BITS>(x4, i * (32 / BITS), xv);
+        float d = chunk_dot<BITS>(q, xv);
+        int g = i >> lcpg;
+        acc += bf16f(__ldg(sr + g)) * d;
+        if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+    }
+    return acc;
+}
 __device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16* __restrict__ sr,
                                           const u16* __restrict__ br, const float* xs, const float* gsum,
                                           int cols, int bits, int group) {
-    int lane = threadIdx.x & 31;
-    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
-    const float4* x4 = reinterpret_cast<const float4*>(xs);
-    float acc = 0.f;
-    if (bits == 4) {
-        int n4 = cols >> 5, cpg = group >> 5, lcpg = __ffs(cpg) - 1;  // 32 codes per uint4
-#pragma unroll 2
-        for (int i = lane; i < n4; i += 32) {
-            uint4 q = __ldg(w4 + i);
-            int f = i << 3;
-            float d = dot_nib(q.x, x4[swz(f)], x4[swz(f + 1)]) + dot_nib(q.y, x4[swz(f + 2)], x4[swz(f + 3)]) +
-                      dot_nib(q.z, x4[swz(f + 4)], x4[swz(f + 5)]) + dot_nib(q.w, x4[swz(f + 6)], x4[swz(f + 7)]);
-            int g = i >> lcpg;
-            acc += bf16f(__ldg(sr + g)) * d;
-            if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
-        }
-    } else {
-        int n4 = cols >> 4, cpg = group >> 4, lcpg = __ffs(cpg) - 1;  // 16 codes per uint4
-#pragma unroll 2
-        for (int i = lane; i < n4; i += 32) {
-            uint4 q = __ldg(w4 + i);
-            int f = i << 2;
-            float d = dot_byte(q.x, x4[swz(f)]) + dot_byte(q.y, x4[swz(f + 1)]) + dot_byte(q.z, x4[swz(f + 2)]) +
-                      dot_byte(q.w, x4[swz(f + 3)]);
-            int g = i >> lcpg;
-            acc += bf16f(__ldg(sr + g)) * d;
-            if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
-        }
-    }
-    return acc;
+    return bits == 4 ? qrow_part_t<4>(wr, sr, br, xs, gsum, cols, group)
+                     : qrow_part_t<8>(wr, sr, br, xs, gsum, cols, group);
 }
 
 // Two rows of the same width and bits against the same activations: each activation float4 is
 // read from shared memory once for both rows (half the shared-memory traffic and load
 // instructions of two qrow_part calls); per row the arithmetic is exactly qrow_part's.
-__device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16* __restrict__ sa,
-                                           const u16* __restrict__ ba, const u32* __restrict__ wb,
-                                           const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
-                                           const float* gsum, int cols, int bits, int group, float& outa, float& outb) {
-    int lane = threadIdx.x & 31;
+template <int BITS>
+__device__ __forceinline__ void qrow_part2_t(const u32* __restrict__ wa, const u16* __restrict__ sa,
+                                             const u16* __restrict__ ba, const u32* __restrict__ wb,
+                                             const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
+                                             const float* gsum, int cols, int group, float& outa, float& outb) {
+    constexpr int LCPC = BITS == 4 ? 5 : 4;
+    const int lane = threadIdx.x & 31;
     const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
     const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
     const float4* x4 = reinterpret_cast<const float4*>(xs);
+    const int n4 = cols >> LCPC, cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
     float acca = 0.f, accb = 0.f;
-    if (bits == 4) {
-        int n4 = cols >> 5, cpg = group >> 5, lcpg = __ffs(cpg) - 1;
 #pragma unroll 2
-        for (int i = lane; i < n4; i += 32) {
-            uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
-            int f = i << 3;
-            float4 x0 = x4[swz(f)], x1 = x4[swz(f + 1)], x2 = x4[swz(f + 2)], x3 = x4[swz(f + 3)];
-            float4 x4_ = x4[swz(f + 4)], x5 = x4[swz(f + 5)], x6 = x4[swz(f + 6)], x7 = x4[swz(f + 7)];
-            float da = dot_nib(qa.x, x0, x1) + dot_nib(qa.y, x2, x3) + dot_nib(qa.z, x4_, x5) + dot_nib(qa.w, x6, x7);
-            float db = dot_nib(qb.x, x0, x1) + dot_nib(qb.y, x2, x3) + dot_nib(qb.z, x4_, x5) + dot_nib(qb.w, x6, x7);
-            int g = i >> lcpg;
-            acca += bf16f(__ldg(sa + g)) * da;
-            accb += bf16f(__ldg(sb + g)) * db;
-            if ((i & (cpg - 1)) == 0) {
-                float gs = gsum[g];
-                acca += bf16f(__ldg(ba + g)) * gs;
-                accb += bf16f(__ldg(bb + g)) * gs;
-            }
-        }
-    } else {
-        int n4 = cols >> 4, cpg = group >> 4, lcpg = __ffs(cpg) - 1;
-#pragma unroll 2
-        for (int i = lane; i < n4; i += 32) {
-            uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
-            int f = i << 2;
-            float4 x0 = x4[swz(f)], x1 = x4[swz(f + 1)], x2 = x4[swz(f + 2)], x3 = x4[swz(f + 3)];
-            float da = dot_byte(qa.x, x0) + dot_byte(qa.y, x1) + dot_byte(qa.z, x2) + dot_byte(qa.w, x3);
-            float db = dot_byte(qb.x, x0) + dot_byte(qb.y, x1) + dot_byte(qb.z, x2) + dot_byte(qb.w, x3);
-            int g = i >> lcpg;
-            acca += bf16f(__ldg(sa + g)) * da;
-            accb += bf16f(__ldg(sb + g)) * db;
-            if ((i & (cpg - 1)) == 0) {
-                float gs = gsum[g];
-                acca += bf16f(__ldg(ba + g)) * gs;
-                accb += bf16f(__ldg(bb + g)) * gs;
-            }
+    for (int i = lane; i < n4; i += 32) {
+        uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
+        float4 xv[32 / BITS];
+        chunk_x<BITS>(x4, i * (32 / BITS), xv);
+        float da = chunk_dot<BITS>(qa, xv);
+        float db = chunk_dot<BITS>(qb, xv);
+        int g = i >> lcpg;
+        acca += bf16f(__ldg(sa + g)) * da;
+        accb += bf16f(__ldg(sb + g)) * db;
+        if ((i & (cpg - 1)) == 0) {
+            float gs = gsum[g];
+            acca += bf16f(__ldg(ba + g)) * gs;
+            accb += bf16f(__ldg(bb + g)) * gs;
         }
     }
     outa = acca;
     outb = accb;
+}
+__device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16* __restrict__ sa,
+                                           const u16* __restrict__ ba, const u32* __restrict__ wb,
+                                           const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
+                                           const float* gsum, int cols, int bits, int group, float& outa, float& outb) {
+    if (bits == 4) qrow_part2_t<4>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
+    else qrow_part2_t<8>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
 }
 
 __device__ __forceinline__ float qrow_dot(const u32* __restrict__ wr, const u16* __restrict__ sr,

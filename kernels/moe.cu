@@ -141,15 +141,6 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     }
 }
 
-// 4-bit chunk i (32 codes) of a row against a swizzled activation slot: the float4s of the chunk
-// sit at i*8 + ((j + i) & 7) (common.cuh swz), summed in qrow_part's order.
-__device__ __forceinline__ float chunk_dot(uint4 q, const float4* slot, int i) {
-    const float4* x4 = slot + (i << 3);
-    const int rot = i & 7;
-    return dot_nib(q.x, x4[rot], x4[(1 + rot) & 7]) + dot_nib(q.y, x4[(2 + rot) & 7], x4[(3 + rot) & 7]) +
-           dot_nib(q.z, x4[(4 + rot) & 7], x4[(5 + rot) & 7]) + dot_nib(q.w, x4[(6 + rot) & 7], x4[(7 + rot) & 7]);
-}
-
 // Dynamic shared memory: (K*inter + sinter) * (1 + 1/group) + 33 floats.
 extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __restrict__ top_ids,
                                     const float* __restrict__ top_w, int K, int inter, int sinter,
@@ -236,12 +227,16 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
         for (int j = 0; j < DOWN_MAXI; ++j) {
             const int it = lane + 32 * j, k = it >> ln4, i = it & (n4 - 1);
             if (k < K) {
-                const float d = chunk_dot(q[j], reinterpret_cast<const float4*>(xs + k * inter), i);
+                float4 xv[8];
+                chunk_x<4>(reinterpret_cast<const float4*>(xs + k * inter), i << 3, xv);
+                const float d = chunk_dot<4>(q[j], xv);
                 acc += top_w[k] * (sc[j] * d + bi[j] * gsum[k * (int)gpr + (i >> lcpg)]);
             }
         }
         if (lane < sn4) {
-            const float d = chunk_dot(sq, reinterpret_cast<const float4*>(xs + K * inter), lane);
+            float4 xv[8];
+            chunk_x<4>(reinterpret_cast<const float4*>(xs + K * inter), lane << 3, xv);
+            const float d = chunk_dot<4>(sq, xv);
             sd = ssc * d + sbi * gsum[K * (int)gpr + sg];
         }
     } else {
