@@ -72,6 +72,38 @@ __device__ __forceinline__ void attn_ld(const KV* __restrict__ row, int lane, fl
     }
 }
 
+// One position's online-softmax update of a warp's running (m, l, o): the K row's score against
+// q, then o <- o * exp(m - m') + exp(s - m') v. Both split kernels use it for single positions.
+template <int HD, typename KV>
+__device__ __forceinline__ void attn_one(const float (&qr)[HD / 32], const KV* krow, const KV* vrow, int lane,
+                                         float scale, float& m, float& l, float (&o)[HD / 32]) {
+    constexpr int P = HD / 32;
+    float kr[P], vr[P];
+    attn_ld<HD>(krow, lane, kr);
+    attn_ld<HD>(vrow, lane, vr);
+    float d = 0.f;
+#pragma unroll
+    for (int t = 0; t < P; ++t) d += qr[t] * kr[t];
+    const float sc = warp_sum(d) * scale;
+    const float mn = fmaxf(m, sc);
+    const float corr = expf(m - mn), e = expf(sc - mn);
+    l = l * corr + e;
+#pragma unroll
+    for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t];
+    m = mn;
+}
+
+// A split's partial result: o (this lane's dims) and, from lane 0, (m, l).
+template <int HD>
+__device__ __forceinline__ void attn_store_partial(const float (&o)[HD / 32], float m, float l, int h, int sp,
+                                                   int splits, int lane, float* __restrict__ part_o,
+                                                   float* __restrict__ part_ml) {
+    const size_t base = (size_t)h * splits + sp;
+#pragma unroll
+    for (int t = 0; t < HD / 32; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
+    if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
+}
+
 // Positions prefetched into L2 ahead of the loop (before the PDL wait: rows of earlier steps
 // never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
 #define ATTN_PF 32
@@ -135,25 +167,10 @@ __device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ k
             o[t] = o[t] * corr + ((e[0] * vr[0][t] + e[1] * vr[1][t]) + (e[2] * vr[2][t] + e[3] * vr[3][t]));
         m = mn;
     }
-    for (; p < p1; ++p) {
-        float kr[P], vr[P];
-        attn_ld<HD>(kcache + (size_t)p * kv_dim + kvh * HD, lane, kr);
-        attn_ld<HD>(vcache + (size_t)p * kv_dim + kvh * HD, lane, vr);
-        float d = 0.f;
-#pragma unroll
-        for (int t = 0; t < P; ++t) d += qr[t] * kr[t];
-        float sc = warp_sum(d) * scale;
-        float mn = fmaxf(m, sc);
-        float corr = expf(m - mn), e = expf(sc - mn);
-        l = l * corr + e;
-#pragma unroll
-        for (int t = 0; t < P; ++t) o[t] = o[t] * corr + e * vr[t];
-        m = mn;
-    }
-    size_t base = (size_t)h * splits + sp;
-#pragma unroll
-    for (int t = 0; t < P; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
-    if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
+    for (; p < p1; ++p)
+        attn_one<HD>(qr, kcache + (size_t)p * kv_dim + kvh * HD, vcache + (size_t)p * kv_dim + kvh * HD, lane, scale,
+                     m, l, o);
+    attn_store_partial<HD>(o, m, l, h, sp, splits, lane, part_o, part_ml);
 }
 
 // Tiled variant (the default): K/V rows of each split stream through a ring of ATTN_NS shared
@@ -316,25 +333,10 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
         __syncthreads();  // the stage is refilled by the next iteration's issue
     }
     if (!active) return;
-    if (pos >= p0 && pos < p1) {
-        float kr[P], vr[P];
-        attn_ld<HD>(kcache + (size_t)pos * kv_dim + kvh * HD, lane, kr);
-        attn_ld<HD>(vcache + (size_t)pos * kv_dim + kvh * HD, lane, vr);
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
-        const float sc = warp_sum(d) * scale;
-        const float mn = fmaxf(m, sc);
-        const float corr = expf(m - mn), e = expf(sc - mn);
-        l = l * corr + e;
-#pragma unroll
-        for (int i = 0; i < P; ++i) o[i] = o[i] * corr + e * vr[i];
-        m = mn;
-    }
-    size_t base = (size_t)h * splits + sp;
-#pragma unroll
-    for (int t = 0; t < P; ++t) part_o[base * HD + attn_dim<HD>(lane, t)] = o[t];
-    if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
+    if (pos >= p0 && pos < p1)
+        attn_one<HD>(qr, kcache + (size_t)pos * kv_dim + kvh * HD, vcache + (size_t)pos * kv_dim + kvh * HD, lane,
+                     scale, m, l, o);
+    attn_store_partial<HD>(o, m, l, h, sp, splits, lane, part_o, part_ml);
 }
 
 #define ATTN_SPLIT_ENTRY(HD, KV, SUFFIX)                                                                          \
