@@ -340,6 +340,16 @@ impl Gpu {
         self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// An event recorded on the stream now (timing marks of the decode and prefill profiles).
+    pub fn record_event(&self) -> Result<cudarc::driver::CudaEvent> {
+        let ev = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| anyhow!("{e:?}"))?;
+        ev.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+        Ok(ev)
+    }
+
     pub fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()

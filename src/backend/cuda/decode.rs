@@ -258,12 +258,7 @@ pub fn enqueue(
     let gpu = &b.gpu;
     let mut mark = |name: &'static str| -> Result<()> {
         if let Some(m) = marks.as_deref_mut() {
-            let ev = gpu
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("{e:?}"))?;
-            ev.record(&gpu.stream).map_err(|e| anyhow!("{e:?}"))?;
-            m.push((name, ev));
+            m.push((name, gpu.record_event()?));
         }
         Ok(())
     };

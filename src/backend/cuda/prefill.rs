@@ -478,12 +478,7 @@ impl Prof {
 
     fn mark(&mut self, gpu: &Gpu, name: &'static str) -> Result<()> {
         if let Some(m) = self.marks.as_mut() {
-            let ev = gpu
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("{e:?}"))?;
-            ev.record(&gpu.stream).map_err(|e| anyhow!("{e:?}"))?;
-            m.push((name, ev));
+            m.push((name, gpu.record_event()?));
         }
         Ok(())
     }
