@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
+use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::CudaBackend;
 use lily::backend::{Backend, LogitsWanted};
@@ -43,18 +43,8 @@ fn cuda_gemv_matches_cpu_qmatmul() {
     let ck = ck();
     let mw = ModelWeights::from_checkpoint(&ck).unwrap();
     let b = cuda();
-    let l0 = &mw.layers[0];
-    let mut cases = vec![
-        ("router (8-bit)", &l0.moe.router),
-        ("shared_expert_gate (8-bit)", &l0.moe.shared_expert_gate),
-        ("lm_head", &mw.lm_head),
-        ("gate_exps", &l0.moe.gate_exps),
-        ("down_exps", &l0.moe.down_exps),
-    ];
-    if let MixerWeights::Gdn(g) = &l0.mixer {
-        cases.push(("in_proj_qkv", &g.in_qkv));
-        cases.push(("out_proj", &g.out));
-    }
+    let mut cases = layer0_matrices(&mw);
+    cases.push(("lm_head", &mw.lm_head));
     for (name, q) in cases {
         let x = rnd(7, q.cols);
         let want = qmatmul::qmatmul_all(q, &x, 1);
@@ -71,7 +61,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
         );
         // With the RMSNorm prologue.
         if q.cols == mw.config.hidden_size {
-            let gain = &l0.input_norm;
+            let gain = &mw.layers[0].input_norm;
             let mut u = vec![0.0; q.cols];
             ops::rms_norm(&x, gain, mw.config.rms_norm_eps as f32, &mut u);
             let want = qmatmul::qmatmul_all(q, &u, 1);

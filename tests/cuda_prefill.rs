@@ -17,13 +17,13 @@
 
 mod common;
 
-use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
+use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::{prefill::DEFAULT_CHUNK, CudaBackend};
 use lily::backend::{Backend, LogitsWanted};
 use lily::checkpoint::Checkpoint;
 use lily::engine::sampling::argmax;
-use lily::model::{MixerWeights, ModelWeights};
+use lily::model::ModelWeights;
 
 const LOGIT_TOL: f32 = 1e-3;
 
@@ -48,18 +48,7 @@ fn cuda_prefill_gemm_matches_cpu_qmatmul() {
     let ck = ck();
     let mw = ModelWeights::from_checkpoint(&ck).unwrap();
     let b = cuda();
-    let l0 = &mw.layers[0];
-    let mut cases = vec![
-        ("router (8-bit)", &l0.moe.router),
-        ("shared_expert_gate (8-bit)", &l0.moe.shared_expert_gate),
-        ("gate_exps", &l0.moe.gate_exps),
-        ("down_exps", &l0.moe.down_exps),
-    ];
-    if let MixerWeights::Gdn(g) = &l0.mixer {
-        cases.push(("in_proj_qkv", &g.in_qkv));
-        cases.push(("out_proj", &g.out));
-    }
-    for (name, q) in cases {
+    for (name, q) in layer0_matrices(&mw) {
         for t in [1usize, 7, 64, 133] {
             let x = rnd(7 + t as u64, t * q.cols);
             let want = qmatmul::qmatmul_all(q, &x, t);
@@ -87,18 +76,7 @@ fn cuda_prefill_gemm_tc_matches_cpu_qmatmul() {
     let ck = ck();
     let mw = ModelWeights::from_checkpoint(&ck).unwrap();
     let b = cuda();
-    let l0 = &mw.layers[0];
-    let mut cases = vec![
-        ("router (8-bit)", &l0.moe.router),
-        ("shared_expert_gate (8-bit)", &l0.moe.shared_expert_gate),
-        ("gate_exps", &l0.moe.gate_exps),
-        ("down_exps", &l0.moe.down_exps),
-    ];
-    if let MixerWeights::Gdn(g) = &l0.mixer {
-        cases.push(("in_proj_qkv", &g.in_qkv));
-        cases.push(("out_proj", &g.out));
-    }
-    for (name, q) in cases {
+    for (name, q) in layer0_matrices(&mw) {
         for t in [1usize, 7, 64, 133] {
             let x = rnd(7 + t as u64, t * q.cols);
             let want = qmatmul::qmatmul_all(q, &x, t);

@@ -62,6 +62,24 @@ pub fn rel_rms(got: &[f32], want: &[f32]) -> f32 {
     (num / den.max(1e-30)).sqrt() as f32
 }
 
+/// The quantized matrices of layer 0 the kernel tests multiply against the CPU's qmatmul: the
+/// 8-bit router and shared-expert gate, the expert gate and down stacks, and (on a Gated DeltaNet
+/// layer) the in- and out-projections.
+pub fn layer0_matrices(mw: &lily::model::ModelWeights) -> Vec<(&'static str, &lily::checkpoint::store::QuantTensor)> {
+    let l0 = &mw.layers[0];
+    let mut cases = vec![
+        ("router (8-bit)", &l0.moe.router),
+        ("shared_expert_gate (8-bit)", &l0.moe.shared_expert_gate),
+        ("gate_exps", &l0.moe.gate_exps),
+        ("down_exps", &l0.moe.down_exps),
+    ];
+    if let lily::model::MixerWeights::Gdn(g) = &l0.mixer {
+        cases.push(("in_proj_qkv", &g.in_qkv));
+        cases.push(("out_proj", &g.out));
+    }
+    cases
+}
+
 /// Deterministic pseudo-random values in [-1, 1) (xorshift; kernel tests' inputs).
 pub fn rnd(seed: u64, n: usize) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
