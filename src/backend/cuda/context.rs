@@ -286,7 +286,7 @@ impl Gpu {
                 funcs[name.as_str()]
                     .set_attribute(
                         sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        super::kernels::attn_tiled_smem(hd, bf16) as i32,
+                        super::kernels::attn_tiled_smem(hd) as i32,
                     )
                     .map_err(|e| anyhow!("{name}: shared memory opt-in: {e:?}"))?;
             }

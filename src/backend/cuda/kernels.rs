@@ -287,7 +287,7 @@ pub fn attn_prep(gpu: &Gpu, d: AttnDims, p: &AttnPtrs) -> Result<()> {
 
 /// Dynamic shared memory of the tiled split kernel: ATTN_NS (3) f32 stages x (K + V) x ATTN_TP
 /// (16) rows; a bf16 cache uses the same bytes as twice the stages (kernels/attention.cu).
-pub fn attn_tiled_smem(hd: usize, _kv_bf16: bool) -> u32 {
+pub fn attn_tiled_smem(hd: usize) -> u32 {
     (3 * 2 * 16 * hd * 4) as u32
 }
 
@@ -300,7 +300,7 @@ pub fn attn_split(gpu: &Gpu, d: AttnDims, p: &AttnPtrs, splits: usize) -> Result
         kv_suffix(d.kv_bf16)
     );
     let smem = if gpu.attn_tiled {
-        attn_tiled_smem(d.hd, d.kv_bf16)
+        attn_tiled_smem(d.hd)
     } else {
         0
     };
