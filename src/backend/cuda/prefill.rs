@@ -130,7 +130,7 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
         )
         .map_err(|e| anyhow!("pf_gemm_skinny: shared memory opt-in: {e:?}"))?;
     for hd in [64usize, 128, 256] {
-        for sfx in ["", "_bf16"] {
+        for sfx in [false, true].map(super::kernels::kv_suffix) {
             funcs[format!("pf_attn_{hd}{sfx}").as_str()]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
