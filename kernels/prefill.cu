@@ -189,6 +189,62 @@ __device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
     return r;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Operands of the cuBLAS GEMMs (src/backend/cuda/blas.rs), used for chunks of many tokens.
+// A whole quantised matrix dequantised to bf16 [rows][cols], with exactly pf_gemm_tc's rounding
+// (deq_nib8 / deq_byte8), or to f32 for the few-row GEMMs that pick experts and gates.
+// One thread per 8 columns (never straddles a group: groups are multiples of 32).
+// grid ceil(rows * cols / 8 / 256), block 256.
+extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16* __restrict__ s,
+                                           const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                           uint4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = cols >> 3;
+    if (i >= (size_t)rows * per_row) return;
+    const size_t r = i / per_row;
+    const int c = (int)(i - r * per_row) << 3, g = c / group;
+    const float sc = bf16f(__ldg(s + r * (cols / group) + g)), bi = bf16f(__ldg(b + r * (cols / group) + g));
+    if (bits == 4) {
+        out[i] = deq_nib8(__ldg(w + r * (cols >> 3) + (c >> 3)), sc, bi);
+    } else {
+        const u32* q = w + r * (cols >> 2) + (c >> 2);
+        out[i] = deq_byte8(__ldg(q), __ldg(q + 1), sc, bi);
+    }
+}
+extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* __restrict__ s,
+                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                          float4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = cols >> 3;
+    if (i >= (size_t)rows * per_row) return;
+    const size_t r = i / per_row;
+    const int c = (int)(i - r * per_row) << 3, g = c / group;
+    const float sc = bf16f(__ldg(s + r * (cols / group) + g)), bi = bf16f(__ldg(b + r * (cols / group) + g));
+    float v[8];
+    if (bits == 4) {
+        const u32 q = __ldg(w + r * (cols >> 3) + (c >> 3));
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(sc, code_f((q >> (4 * k)) & 15u), bi);
+    } else {
+        const u32* q = w + r * (cols >> 2) + (c >> 2);
+        const u32 q0 = __ldg(q), q1 = __ldg(q + 1);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = fmaf(sc, code_f((q0 >> (8 * k)) & 255u), bi);
+            v[4 + k] = fmaf(sc, code_f((q1 >> (8 * k)) & 255u), bi);
+        }
+    }
+    out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+    out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+// f32 activations to bf16 (round to nearest even, as pf_gemm_tc stages them), 4 per thread.
+extern "C" __global__ void pf_to_bf16(const float4* __restrict__ x, uint2* __restrict__ y, int n4) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const float4 v = __ldg(x + i);
+    y[i] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
            const u32* __restrict__ w2, const u16* __restrict__ s2, const u16* __restrict__ b2, int bits, int rows,

@@ -30,6 +30,8 @@ fn ck() -> Checkpoint {
 fn cuda() -> CudaBackend {
     let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
     b.set_exact_prefill(true);
+    // f32 KV like the CPU reference (the default bf16 cache has its own test below).
+    b.set_kv_bf16(false);
     b
 }
 

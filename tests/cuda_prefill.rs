@@ -32,7 +32,10 @@ fn ck() -> Checkpoint {
 }
 
 fn cuda() -> CudaBackend {
-    CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)")
+    let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
+    // f32 KV like the CPU reference (the default bf16 cache: tests/cuda_gpu.rs).
+    b.set_kv_bf16(false);
+    b
 }
 
 
@@ -91,6 +94,37 @@ fn cuda_prefill_gemm_tc_matches_cpu_qmatmul() {
                 r < 1e-2 && e <= 3e-2 * scale,
                 "{name} T={t}: rel {r} max {e}"
             );
+        }
+    }
+}
+
+/// The cuBLAS route of long prefills: the same bf16 operands as the tensor-core kernel (so the two
+/// agree to accumulation order), and the pedantic f32 GEMM of the few-row matrices (exact to
+/// rounding against the CPU). Fails where cuBLAS cannot be loaded: the GPU machine must have it.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_cublas_gemm_matches_cpu_qmatmul() {
+    let ck = ck();
+    let mw = ModelWeights::from_checkpoint(&ck).unwrap();
+    let b = cuda();
+    for (name, q) in layer0_matrices(&mw) {
+        for t in [1usize, 7, 133, 300] {
+            let x = rnd(11 + t as u64, t * q.cols);
+            let want = qmatmul::qmatmul_all(q, &x, t);
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let bf = b.prefill_cublas_gemm_host(q, &x, t, false).unwrap();
+            let tc = b.prefill_gemm_host_mode(q, &x, t, false).unwrap();
+            let f = b.prefill_cublas_gemm_host(q, &x, t, true).unwrap();
+            let (r, e) = (rel_rms(&bf, &want), max_abs_diff(&bf, &want));
+            let r_tc = rel_rms(&bf, &tc);
+            let ef = max_abs_diff(&f, &want);
+            eprintln!(
+                "cublas {name} ({}-bit) T={t}: bf16 rel RMS {r:.2e} max abs {e:.3e}, vs tc kernel rel RMS {r_tc:.2e}; f32 max abs {ef:.3e} (max |y| {scale:.3})",
+                q.bits
+            );
+            assert!(r < 1e-2 && e <= 3e-2 * scale, "{name} T={t}: rel {r} max {e}");
+            assert!(r_tc < 1e-4, "{name} T={t}: cuBLAS vs tc kernel rel {r_tc}");
+            assert!(ef <= 1e-4 * scale.max(1.0), "{name} T={t}: f32 error {ef}");
         }
     }
 }

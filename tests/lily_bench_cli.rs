@@ -27,8 +27,8 @@ fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
 }
 
 #[test]
-fn kv_bf16_flag_is_reported() {
-    let out = bench(&["--kv-bf16"]);
+fn kv_cache_flag_is_reported() {
+    let out = bench(&["--kv-cache", "bf16"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
     assert_eq!(line["kv_cache"], "bf16");

@@ -85,11 +85,15 @@ pub enum LogitsWanted {
     All,
 }
 
-/// `LILY_KV_BF16=1`: new sequences keep their attention KV cache in bf16 (the CUDA backend
-/// stores bf16; the CPU reference rounds K and V to bf16 when it appends them, so both compute
-/// the same thing). Off by default.
-pub fn kv_bf16_from_env() -> bool {
-    std::env::var("LILY_KV_BF16").is_ok_and(|v| v == "1")
+/// `LILY_KV_BF16=1` / `=0`: new sequences keep their attention KV cache in bf16 / f32 (the CUDA
+/// backend stores bf16; the CPU reference rounds K and V to bf16 when it appends them, so both
+/// compute the same thing). Unset: the backend's `default` (CUDA bf16, CPU f32).
+pub fn kv_bf16_from_env(default: bool) -> bool {
+    match std::env::var("LILY_KV_BF16").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => default,
+    }
 }
 
 /// A compute backend for the qwen3_5_moe model.
@@ -108,6 +112,16 @@ pub trait Backend: Send {
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Whether sequences created from now on keep their attention KV cache in bf16.
+    fn kv_bf16(&self) -> bool {
+        false
+    }
+
+    /// Chooses the KV cache element type of sequences created from now on (existing sequences
+    /// keep theirs): `true` stores K and V rounded to bf16. Backends without a KV cache of their
+    /// own (scripted test backends) ignore it.
+    fn set_kv_bf16(&mut self, _bf16: bool) {}
 
     /// Greedy decoding without handing logits to the caller: feeds `first_token` at the
     /// sequence's current position, then produces up to `steps` tokens, each the argmax (ties ->

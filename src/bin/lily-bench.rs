@@ -31,10 +31,10 @@ struct Args {
     /// allocates the whole KV cache for it up front, e.g. 262144 to show the longest context fits.
     #[arg(long)]
     max_seq: Option<usize>,
-    /// Keep the attention KV cache in bf16 (same as LILY_KV_BF16=1; the peer-benchmark runner
-    /// clears LILY_* variables, so it passes this flag instead).
-    #[arg(long)]
-    kv_bf16: bool,
+    /// Attention KV cache element: bf16 or f32 (default: the backend's, CUDA bf16 and CPU f32,
+    /// or LILY_KV_BF16). Reported as `kv_cache`.
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    kv_cache: Option<String>,
     /// Skip the exact-shape warmup (CPU smoke runs in CI).
     #[arg(long)]
     no_warmup: bool,
@@ -54,15 +54,13 @@ fn run(args: Args) -> Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         bail!("--prompt-len and --decode-steps must be positive");
     }
-    if args.kv_bf16 {
-        // Read by both backends when they are created (backend::kv_bf16_from_env); set before
-        // any thread starts.
-        std::env::set_var("LILY_KV_BF16", "1");
-    }
-    let kv_cache = if lily::backend::kv_bf16_from_env() { "bf16" } else { "f32" };
     let dir = lily::engine::default_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
+    if let Some(kv) = &args.kv_cache {
+        backend.set_kv_bf16(kv == "bf16");
+    }
+    let kv_cache = if backend.kv_bf16() { "bf16" } else { "f32" };
     let vocab = backend.config().vocab_size;
     let needed = args.prompt_len.checked_add(args.decode_steps + 1).context("context too large")?;
     let max_seq = args.max_seq.unwrap_or(needed);

@@ -70,13 +70,7 @@ impl CpuBackend {
         let weights = ModelWeights::from_checkpoint(ck)?;
         let cfg = &weights.config;
         let inv_freq = ops::rope_inv_freq(cfg.rotary_dim(), cfg.rope_theta);
-        Ok(CpuBackend { weights, inv_freq, prefill_block: PREFILL_BLOCK, kv_bf16: crate::backend::kv_bf16_from_env() })
-    }
-
-    /// Rounds the attention KV cache of sequences created from now on to bf16 (the reference
-    /// for the CUDA backend's bf16 KV cache).
-    pub fn set_kv_bf16(&mut self, bf16: bool) {
-        self.kv_bf16 = bf16;
+        Ok(CpuBackend { weights, inv_freq, prefill_block: PREFILL_BLOCK, kv_bf16: crate::backend::kv_bf16_from_env(false) })
     }
 
     /// Changes the prefill block length (tests use it to move block boundaries).
@@ -138,6 +132,16 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn kv_bf16(&self) -> bool {
+        self.kv_bf16
+    }
+
+    /// `true` rounds K and V to bf16 as they are appended (the reference for the CUDA backend's
+    /// bf16 KV cache); the storage stays f32.
+    fn set_kv_bf16(&mut self, bf16: bool) {
+        self.kv_bf16 = bf16;
     }
 
     fn config(&self) -> &ModelConfig {

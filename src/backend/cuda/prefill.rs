@@ -11,6 +11,7 @@
 //! the rows whose logits are wanted. The sequence state (KV cache, GDN state, conv ring) is left
 //! exactly as the decode path expects it.
 
+use super::blas::Blas;
 use super::context::{cubin_cached, launch_on, module_source, ptr, Arg, Gpu};
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevMixer, DevQ};
@@ -20,6 +21,7 @@ use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -32,6 +34,9 @@ pub const ENTRIES: &[&str] = &[
     "pf_gemm",
     "pf_gemm_tc",
     "pf_gemm_skinny",
+    "pf_dequant_bf16",
+    "pf_dequant_f32",
+    "pf_to_bf16",
     "pf_embed",
     "pf_rmsnorm",
     "pf_gdn_conv",
@@ -70,6 +75,9 @@ pub(crate) struct Kern {
     _module: Arc<CudaModule>,
     /// Activation scratch kept across calls (grown when a call needs more).
     bufs: Mutex<Option<Buf>>,
+    /// cuBLAS for the dense GEMMs of chunks of at least `blas_min_tokens` tokens (blas.rs).
+    blas: Option<Blas>,
+    blas_min_tokens: usize,
 }
 
 impl Kern {
@@ -151,10 +159,19 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
         funcs,
         _module: module,
         bufs: Mutex::new(None),
+        blas: Blas::open(&gpu.stream),
+        blas_min_tokens: std::env::var("LILY_CUDA_CUBLAS_MIN_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(BLAS_MIN_TOKENS),
     });
     list.push(k.clone());
     Ok(k)
 }
+
+/// Fewest tokens per chunk for which dequantising a matrix for cuBLAS beats the fused
+/// tensor-core kernel (`LILY_CUDA_CUBLAS_MIN_TOKENS` overrides).
+const BLAS_MIN_TOKENS: usize = 128;
 
 /// Tokens per chunk (bounds the scratch: ~350 MB for the 35B model at 2048).
 pub const DEFAULT_CHUNK: usize = 2048;
@@ -215,10 +232,47 @@ struct Buf {
     su: CudaSlice<f32>,
     sh: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+    /// Operands of the cuBLAS GEMMs, when cuBLAS is loaded.
+    blas: Option<BlasBufs>,
+}
+
+/// Scratch of the cuBLAS route: the dequantised weights of the current GEMM and the bf16 copies
+/// of its input.
+struct BlasBufs {
+    /// bf16 weights, room for the largest dense matrix of a layer.
+    wb: CudaSlice<u16>,
+    /// f32 weights, room for the largest few-row matrix (router, GDN b/a).
+    wf: CudaSlice<f32>,
+    /// bf16 copy of the normed hidden states `u` (staged once per norm) and of any other input.
+    ub: CudaSlice<u16>,
+    xb: CudaSlice<u16>,
+}
+
+impl BlasBufs {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (vd, inner, sinter) = (
+            cfg.gdn_value_dim(),
+            cfg.attn_inner(),
+            cfg.shared_expert_intermediate_size,
+        );
+        let dense = [cfg.gdn_conv_dim(), vd, cfg.q_proj_rows(), cfg.kv_dim(), inner, sinter]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+            * h;
+        let few = cfg.num_experts.max(cfg.linear_num_value_heads).max(1) * h;
+        Ok(BlasBufs {
+            wb: gpu.zeros::<u16>(dense)?,
+            wf: gpu.zeros::<f32>(few)?,
+            ub: gpu.zeros::<u16>(n * h)?,
+            xb: gpu.zeros::<u16>(n * vd.max(inner).max(sinter).max(h))?,
+        })
+    }
 }
 
 impl Buf {
-    fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize, logit_rows: usize) -> Result<Self> {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize, logit_rows: usize, blas: bool) -> Result<Self> {
         let f = |k: usize| gpu.zeros::<f32>(n * k);
         let i = |k: usize| gpu.zeros::<i32>(k);
         let k = cfg.num_experts_per_tok;
@@ -259,6 +313,11 @@ impl Buf {
             su: f(cfg.shared_expert_intermediate_size)?,
             sh: f(cfg.hidden_size)?,
             logits: gpu.zeros::<f32>(logit_rows.max(1) * cfg.vocab_size)?,
+            blas: if blas {
+                Some(BlasBufs::new(gpu, cfg, n)?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -354,16 +413,114 @@ fn gemm_tc(
     )
 }
 
+/// The cuBLAS route of one forward call: the library and the scratch its operands live in.
+struct BlasRoute<'a> {
+    blas: &'a Blas,
+    min_tokens: usize,
+    wb: (u64, usize),
+    wf: (u64, usize),
+    ub: (u64, usize),
+    xb: (u64, usize),
+    /// The f32 input (pointer, values) whose bf16 copy is in `ub` (see [`Mm::stage`]).
+    staged: Cell<Option<(u64, usize)>>,
+}
+
+impl<'a> BlasRoute<'a> {
+    fn new(kern: &'a Kern, bufs: &BlasBufs, st: &CudaStream) -> Option<Self> {
+        let blas = kern.blas.as_ref()?;
+        let p = |s: &CudaSlice<u16>| (ptr(s, st), s.len());
+        Some(BlasRoute {
+            blas,
+            min_tokens: kern.blas_min_tokens,
+            wb: p(&bufs.wb),
+            wf: (ptr(&bufs.wf, st), bufs.wf.len()),
+            ub: p(&bufs.ub),
+            xb: p(&bufs.xb),
+            staged: Cell::new(None),
+        })
+    }
+
+    /// The bf16 copy of `x` (`len` values): the staged one, else converted into `xb`.
+    fn bf16_input(&self, kern: &Kern, x: u64, len: usize) -> Result<u64> {
+        if self.staged.get() == Some((x, len)) {
+            return Ok(self.ub.0);
+        }
+        if len > self.xb.1 {
+            bail!("cuBLAS input scratch too small ({len} > {})", self.xb.1);
+        }
+        to_bf16(kern, x, self.xb.0, len)?;
+        Ok(self.xb.0)
+    }
+}
+
 /// The GEMM dispatcher of one forward call: tensor cores unless `exact` (or the matrix does not
-/// fit the tensor-core tiling).
+/// fit the tensor-core tiling); cuBLAS on dequantised weights for dense GEMMs over many tokens.
 struct Mm<'a> {
     kern: &'a Kern,
     gpu: &'a Gpu,
     group: usize,
     exact: bool,
+    blas: Option<BlasRoute<'a>>,
 }
 
 impl Mm<'_> {
+    /// The cuBLAS route for this GEMM, if it takes it: a dense (not per-expert) product over at
+    /// least `min_tokens` tokens whose dequantised weights fit `scratch`, outside the exact mode.
+    fn route(
+        &self,
+        q: &DevQ,
+        rows: usize,
+        ntok: usize,
+        grouped: &Option<Grouped>,
+        scratch: fn(&BlasRoute) -> usize,
+    ) -> Option<&BlasRoute<'_>> {
+        self.blas.as_ref().filter(|r| {
+            !self.exact
+                && grouped.is_none()
+                && ntok >= r.min_tokens
+                && rows <= q.rows
+                && rows * q.cols <= scratch(r)
+                && q.cols.is_multiple_of(8)
+                && self.group.is_multiple_of(8)
+        })
+    }
+
+    /// Keeps a bf16 copy of the normed hidden states `u` (`ntok` x `cols`) for every GEMM that
+    /// reads them until the next norm rewrites `u` (the next `stage`). No-op without the route.
+    fn stage(&self, u: u64, ntok: usize, cols: usize) -> Result<()> {
+        let Some(r) = self.blas.as_ref() else {
+            return Ok(());
+        };
+        r.staged.set(None);
+        let len = ntok * cols;
+        if ntok >= r.min_tokens && len <= r.ub.1 {
+            to_bf16(self.kern, u, r.ub.0, len)?;
+            r.staged.set(Some((u, len)));
+        }
+        Ok(())
+    }
+
+    /// `q` (first `rows` rows) dequantised into a cuBLAS scratch (`kernel`: bf16 or f32).
+    fn dequant(&self, q: &DevQ, rows: usize, kernel: &str, out: u64) -> Result<()> {
+        let (w, s, b) = q.ptrs(self.gpu);
+        self.kern.launch(
+            kernel,
+            ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::I(q.bits as i32),
+                Arg::I(rows as i32),
+                Arg::I(q.cols as i32),
+                Arg::I(self.group as i32),
+                Arg::P(out),
+            ],
+        )
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -376,6 +533,13 @@ impl Mm<'_> {
         accumulate: bool,
         grouped: Option<Grouped>,
     ) -> Result<()> {
+        if let Some(r) = self.route(q, rows, ntok, &grouped, |r| r.wb.1) {
+            let xb = r.bf16_input(self.kern, x, ntok * q.cols)?;
+            self.dequant(q, rows, "pf_dequant_bf16", r.wb.0)?;
+            return r
+                .blas
+                .gemm_bf16(r.wb.0, xb, y, rows, q.cols, ntok, ldy, accumulate);
+        }
         if !self.exact && tc_ok(q, self.group) {
             gemm_tc(
                 self.kern, self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate,
@@ -391,7 +555,12 @@ impl Mm<'_> {
     /// f32 whatever the mode, for the few-row GEMMs whose outputs pick experts and gates (router,
     /// shared-expert gate, GDN b/a): pf_gemm_skinny, one block per 8 tokens (the 128-row tiles of
     /// pf_gemm would leave most of the GPU idle on them).
+    /// With cuBLAS and many tokens: the f32 weights and a pedantic f32 GEMM.
     fn exact(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
+        if let Some(r) = self.route(q, rows, ntok, &None, |r| r.wf.1) {
+            self.dequant(q, rows, "pf_dequant_f32", r.wf.0)?;
+            return r.blas.gemm_f32(r.wf.0, x, y, rows, q.cols, ntok, ldy);
+        }
         let (w, s, b) = q.ptrs(self.gpu);
         let smem = SKINNY_T * (q.cols + q.cols / self.group) * 4;
         if smem > SKINNY_SMEM_MAX || !q.cols.is_multiple_of(32) || !self.group.is_multiple_of(32) {
@@ -434,6 +603,14 @@ impl Mm<'_> {
         slots: usize,
         grouped: Option<Grouped>,
     ) -> Result<()> {
+        let wb = |r: &BlasRoute| r.wb.1;
+        if self.route(gate, rows, ntok, &grouped, wb).is_some()
+            && self.route(up, rows, ntok, &grouped, wb).is_some()
+        {
+            self.run(gate, rows, x, ntok, out, rows, false, None)?;
+            self.run(up, rows, x, ntok, tmp, rows, false, None)?;
+            return swiglu(self.kern, out, tmp, slots * rows);
+        }
         if !self.exact && tc_ok(gate, self.group) && tc_ok(up, self.group) && gate.bits == up.bits {
             return gemm_tc(
                 self.kern,
@@ -665,7 +842,7 @@ pub fn forward_mode(
             _ => (nmax, logit_rows),
         };
         *cached = None; // free the old scratch before allocating the new one
-        *cached = Some(Buf::new(gpu, &cfg, cap, rows)?);
+        *cached = Some(Buf::new(gpu, &cfg, cap, rows, kern.blas.is_some())?);
     }
     let buf = cached.as_mut().unwrap();
     let mut prof = Prof::new(gpu)?;
@@ -701,11 +878,13 @@ pub fn forward_mode(
             _ => None,
         };
         if let Some((r0, r1)) = rows {
+            // lm_head stays on the fused kernel: its bf16 copy would need ~1 GB of scratch.
             let mm = Mm {
                 kern,
                 gpu,
                 group,
                 exact,
+                blas: None,
             };
             let mut r = r0;
             while r < r1 {
@@ -764,6 +943,10 @@ fn run_chunk(
         gpu,
         group,
         exact,
+        blas: buf
+            .blas
+            .as_ref()
+            .and_then(|bb| BlasRoute::new(kern, bb, st)),
     };
     let p = |s: &CudaSlice<f32>| ptr(s, st);
     let (x, u) = (p(&buf.x), p(&buf.u));
@@ -808,6 +991,7 @@ fn run_chunk(
     let mtiles = max_tiles(n, cfg);
     for (li, lw) in b.w.layers.iter().enumerate() {
         rmsnorm(kern, x, p(&lw.input_norm), u, n, h, eps)?;
+        mm.stage(u, n, h)?;
         prof.mark(gpu, "norm")?;
         match (&lw.mixer, &seq.layers[li]) {
             (DevMixer::Gdn(g), DevLayerState::Gdn { ring, state }) => {
@@ -973,6 +1157,7 @@ fn run_chunk(
         // MoE.
         let m = &lw.moe;
         rmsnorm(kern, x, p(&lw.post_norm), u, n, h, eps)?;
+        mm.stage(u, n, h)?;
         prof.mark(gpu, "norm")?;
         mm.exact(&m.router, ne, u, n, p(&buf.rl), ne)?;
         mm.exact(&m.shared_expert_gate, 1, u, n, p(&buf.sgl), 1)?;
@@ -1092,6 +1277,18 @@ fn run_chunk(
         prof.mark(gpu, "combine")?;
     }
     Ok(())
+}
+
+/// `len` f32 values at `x` to bf16 at `y` (`len` is a multiple of 4: rows of 64-column matrices).
+fn to_bf16(kern: &Kern, x: u64, y: u64, len: usize) -> Result<()> {
+    let n4 = len / 4;
+    kern.launch(
+        "pf_to_bf16",
+        (n4.div_ceil(256) as u32, 1, 1),
+        256,
+        0,
+        &[Arg::P(x), Arg::P(y), Arg::I(n4 as i32)],
+    )
 }
 
 fn swiglu(kern: &Kern, g: u64, u: u64, n: usize) -> Result<()> {
@@ -1236,6 +1433,7 @@ impl CudaBackend {
             gpu,
             group: q.group,
             exact,
+            blas: None,
         };
         match &du {
             Some(u) => mm.glu(
@@ -1294,7 +1492,20 @@ impl CudaBackend {
         self.prefill_gemm_host_kind(q, x, tokens, 2)
     }
 
-    /// kind 0: tensor cores, 1: f32 tiles, 2: few-row f32.
+    /// [`Self::prefill_gemm_host`] through cuBLAS on the dequantised weights, whatever the token
+    /// count: bf16 tensor cores, or (`f32`) the pedantic f32 GEMM of the few-row matrices. An
+    /// error when cuBLAS is not loaded.
+    pub fn prefill_cublas_gemm_host(
+        &self,
+        q: &crate::checkpoint::store::QuantTensor,
+        x: &[f32],
+        tokens: usize,
+        f32: bool,
+    ) -> Result<Vec<f32>> {
+        self.prefill_gemm_host_kind(q, x, tokens, if f32 { 4 } else { 3 })
+    }
+
+    /// kind 0: tensor cores, 1: f32 tiles, 2: few-row f32, 3: cuBLAS bf16, 4: cuBLAS f32.
     fn prefill_gemm_host_kind(
         &self,
         q: &crate::checkpoint::store::QuantTensor,
@@ -1302,7 +1513,7 @@ impl CudaBackend {
         tokens: usize,
         kind: u8,
     ) -> Result<Vec<f32>> {
-        let exact = kind != 0;
+        let exact = kind == 1 || kind == 2;
         let gpu = &self.gpu;
         let st = &gpu.stream;
         if x.len() != tokens * q.cols {
@@ -1317,13 +1528,32 @@ impl CudaBackend {
         let dq = DevQ::upload(gpu, q)?;
         let xd = gpu.upload(x)?;
         let y = gpu.zeros::<f32>(tokens * q.rows)?;
+        let bufs = if kind >= 3 {
+            if kern.blas.is_none() {
+                bail!("cuBLAS is not loaded (libcublas missing or LILY_CUDA_CUBLAS=0)");
+            }
+            let sz = q.rows * q.cols;
+            Some(BlasBufs {
+                wb: gpu.zeros::<u16>(sz)?,
+                wf: gpu.zeros::<f32>(sz)?,
+                ub: gpu.zeros::<u16>(tokens * q.cols)?,
+                xb: gpu.zeros::<u16>(tokens * q.cols)?,
+            })
+        } else {
+            None
+        };
+        let mut blas = bufs.as_ref().and_then(|bb| BlasRoute::new(kern, bb, st));
+        if let Some(r) = blas.as_mut() {
+            r.min_tokens = 0;
+        }
         let mm = Mm {
             kern,
             gpu,
             group: q.group,
             exact,
+            blas,
         };
-        if kind == 2 {
+        if kind == 2 || kind == 4 {
             mm.exact(&dq, q.rows, ptr(&xd, st), tokens, ptr(&y, st), q.rows)?;
         } else {
             mm.run(

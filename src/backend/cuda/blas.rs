@@ -1,0 +1,163 @@
+//! cuBLAS for the dense GEMMs of long prefills, loaded at run time like the driver.
+//!
+//! Why: at thousands of tokens the dense projections (GDN in/out, attention q/k/v/o, shared
+//! expert) are compute-bound, and cuBLAS's bf16 tensor-core GEMMs run them several times faster
+//! than our dequantising `pf_gemm_tc` (docs/cuda-prefill.md). The weights are dequantised once per
+//! chunk into a bf16 scratch (same rounding as `pf_gemm_tc`'s tiles) and the library multiplies.
+//! The routed experts stay on our grouped kernels: cuBLAS's grouped GEMM needs the per-expert
+//! token counts on the host, i.e. a synchronisation inside every layer. Decode never calls this.
+//!
+//! Off with `LILY_CUDA_CUBLAS=0`; without libcublas the prefill keeps its own kernels (one
+//! notice on stderr).
+
+use anyhow::{anyhow, Result};
+use cudarc::cublas::{result as blas, sys};
+use cudarc::driver::CudaStream;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// One cuBLAS handle bound to the backend's stream.
+pub struct Blas {
+    handle: Mutex<Handle>,
+}
+
+/// The raw handle. cuBLAS handles may be used from any thread as long as calls do not overlap,
+/// which the mutex guarantees.
+struct Handle(sys::cublasHandle_t);
+// SAFETY: see above; the handle is only touched under the mutex.
+unsafe impl Send for Handle {}
+
+impl Blas {
+    /// Opens cuBLAS on `stream`, or `None` when it is switched off or cannot be loaded (then the
+    /// reason is printed once).
+    pub fn open(stream: &CudaStream) -> Option<Self> {
+        if std::env::var("LILY_CUDA_CUBLAS").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        match Self::try_open(stream) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                eprintln!("lily: prefill without cuBLAS ({e}); using the built-in GEMM kernels");
+                None
+            }
+        }
+    }
+
+    fn try_open(stream: &CudaStream) -> Result<Self> {
+        // SAFETY: only tries to dlopen the library by its standard names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(anyhow!("libcublas.so not found"));
+        }
+        let h = blas::create_handle().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
+        let handle = Handle(h);
+        // SAFETY: `h` is a live handle and the stream outlives the backend that owns both.
+        unsafe { blas::set_stream(h, stream.cu_stream() as _) }
+            .map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
+        Ok(Blas {
+            handle: Mutex::new(handle),
+        })
+    }
+
+    /// `y[t][0..rows] (+)= W · x[t]` for `t < ntok`: W bf16 `[rows][cols]`, x bf16 `[ntok][cols]`,
+    /// y f32 with row stride `ldy`; f32 accumulation on tensor cores.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        ntok: usize,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.gemm(
+            w,
+            x,
+            y,
+            (rows, cols, ntok, ldy),
+            accumulate,
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+    }
+
+    /// The same product in f32 throughout (pedantic: no TF32 even under NVIDIA_TF32_OVERRIDE),
+    /// for the few-row GEMMs whose outputs pick experts and gates.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_f32(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        ntok: usize,
+        ldy: usize,
+    ) -> Result<()> {
+        self.gemm(
+            w,
+            x,
+            y,
+            (rows, cols, ntok, ldy),
+            false,
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        )
+    }
+
+    /// Row-major `y[ntok][ldy] = x[ntok][cols] · W[rows][cols]ᵀ` is column-major
+    /// `y'[rows][ntok] = Wᵀ' · x'` with W read transposed: m = rows, n = ntok, k = cols.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        (rows, cols, ntok, ldy): (usize, usize, usize, usize),
+        accumulate: bool,
+        ab_type: sys::cudaDataType,
+        compute: sys::cublasComputeType_t,
+    ) -> Result<()> {
+        let int = |v: usize| i32::try_from(v).map_err(|_| anyhow!("GEMM dimension {v} too large"));
+        let (m, n, k, ldc) = (int(rows)?, int(ntok)?, int(cols)?, int(ldy)?);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: w, x, y are live device allocations of at least rows*cols, ntok*cols and
+        // ntok*ldy elements (the callers size them so); alpha/beta are host scalars that outlive
+        // the call (cuBLAS reads them before returning in host pointer mode).
+        unsafe {
+            blas::gemm_ex(
+                h.0,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                ab_type,
+                k,
+                x as *const c_void,
+                ab_type,
+                k,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                ldc,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cublasGemmEx ({rows}x{cols} by {ntok} tokens): {e:?}"))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let h = self.handle.get_mut().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle is live and dropped once.
+        let _ = unsafe { blas::destroy_handle(h.0) };
+    }
+}
