@@ -829,8 +829,8 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
             int p = kt + kr;
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
             if (p < nkeys) {
-                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
-                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
+                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
+                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
             }
             reinterpret_cast<float4*>(Ks + kr * KS)[f] = kv;
             reinterpret_cast<float4*>(Vs + kr * HD)[f] = vv;
@@ -963,8 +963,8 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
             const int kr = idx / F4, f = idx % F4, p = kt + kr;
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
             if (p < nkeys) {
-                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
-                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, true);
+                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
+                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
             }
             uint2 a, b;
             a.x = pack_bf16(kv.x, kv.y);

@@ -23,7 +23,7 @@ ck=${LILY_CK:-/root/ck}
 [ -f "$ck/config.json" ] || ( ./.device/bin/lily synth --preset 35b-a3b --out "$ck" > /tmp/synth.log 2>&1 ) &
 synth=$!
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 200 bash .device/run test -E 'test(cuda)' --no-fail-fast > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
+  timeout 200 bash .device/run test -E "test(cuda)" --no-fail-fast --success-output final > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
   el "tests"; grep -E "^\s+FAIL|Summary|rc=" "$out/tests.log" | tail -8
 fi
 wait $synth

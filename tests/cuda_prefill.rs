@@ -476,7 +476,11 @@ fn cuda_prefill_chunks_equal_one_call() {
         // Tokens after the first see the first token's KV/state from the f32 decode step on both
         // sides only in `parts`, so on the bf16 path they carry that difference too.
         let tol = if exact { 1e-4 } else { 0.15 };
-        assert!(e0 < tol && e1 < tol && e2 < 1e-4 && e3 < tol);
+        // Internal chunking is exact on the f32 path; on the bf16 path the route depends on the
+        // chunk's token count (cuBLAS at >= 128 tokens, the fused tensor-core kernel below, with
+        // the same bf16 operands but another summation order), so it gets the bf16 tolerance.
+        let tol2 = if exact { 1e-4 } else { tol };
+        assert!(e0 < tol && e1 < tol && e2 < tol2 && e3 < tol);
     }
 }
 

@@ -43,6 +43,8 @@ pub struct CudaBackend {
     /// f32 FMA kernels that agree with the CPU reference to rounding (LILY_PREFILL_F32=1 at
     /// start-up, or [`CudaBackend::set_exact_prefill`]).
     pub(crate) exact_prefill: bool,
+    /// Tokens per prefill chunk (`LILY_CUDA_PREFILL_CHUNK`, default [`prefill::DEFAULT_CHUNK`]).
+    prefill_chunk: usize,
     /// Attention KV cache element type of new sequences: bf16 (half the memory and half the
     /// long-context attention traffic) or f32. `LILY_KV_BF16=1` at start-up, or
     /// [`CudaBackend::set_kv_bf16`].
@@ -170,6 +172,7 @@ impl CudaBackend {
             use_graphs,
             profile,
             exact_prefill: prefill::exact_from_env(),
+            prefill_chunk: prefill::chunk_from_env(),
             // bf16 by default: half the KV traffic of long-context decode (+30% decode at 131K on
             // the H200, docs/cuda.md); LILY_KV_BF16=0 keeps f32.
             kv_bf16: crate::backend::kv_bf16_from_env(true),
@@ -397,7 +400,7 @@ impl Backend for CudaBackend {
         }
         seq.check_room(tokens.len())?;
         if tokens.len() > 1 && prefill::supported(&self.cfg) {
-            return prefill::forward(self, seq, tokens, wanted, prefill::DEFAULT_CHUNK);
+            return prefill::forward(self, seq, tokens, wanted, self.prefill_chunk);
         }
         let mut out = Vec::new();
         // Single tokens, and shapes the prefill kernels do not cover, run the decode step per token.

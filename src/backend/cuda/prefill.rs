@@ -173,8 +173,19 @@ pub(crate) fn kernels(gpu: &Gpu) -> Result<Arc<Kern>> {
 /// tensor-core kernel (`LILY_CUDA_CUBLAS_MIN_TOKENS` overrides).
 const BLAS_MIN_TOKENS: usize = 128;
 
-/// Tokens per chunk (bounds the scratch: ~350 MB for the 35B model at 2048).
-pub const DEFAULT_CHUNK: usize = 2048;
+/// Tokens per chunk (bounds the scratch: ~0.8 GB for the 35B model at 4096). Longer chunks fill
+/// the grouped expert tiles better (4096 tokens put ~128 on each of the 256 experts) and dequantise
+/// the dense weights for cuBLAS half as often. `LILY_CUDA_PREFILL_CHUNK` overrides it.
+pub const DEFAULT_CHUNK: usize = 4096;
+
+/// The chunk length of the backend's prefill: `LILY_CUDA_PREFILL_CHUNK`, else [`DEFAULT_CHUNK`].
+pub fn chunk_from_env() -> usize {
+    std::env::var("LILY_CUDA_PREFILL_CHUNK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&c: &usize| c > 0)
+        .unwrap_or(DEFAULT_CHUNK)
+}
 
 /// Rows of logits computed per lm_head pass when all positions' logits are wanted.
 const LOGIT_ROWS: usize = 64;
