@@ -956,23 +956,34 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
     const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
     const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
+    // Tile loads in batches of KB: every load of a batch is issued before the first is used. The
+    // rows past the last key are read clamped to it (always valid memory, no branch around the
+    // load, which would serialise the batch) and zeroed by a select.
+    constexpr int KB = 4, KITER = 64 * F4 / 128;
+    static_assert(KITER % KB == 0, "tile load batches");
     for (int kt = 0; kt < nkeys; kt += 64) {
         __syncthreads();
-#pragma unroll 8
-        for (int idx = tid; idx < 64 * F4; idx += 128) {
-            const int kr = idx / F4, f = idx % F4, p = kt + kr;
-            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-            if (p < nkeys) {
-                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
-                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
+#pragma unroll 2
+        for (int i0 = 0; i0 < KITER; i0 += KB) {
+            float4 kv[KB], vv[KB];
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                const int idx = tid + (i0 + j) * 128, kr = idx / F4, f = idx % F4;
+                const size_t off = (size_t)min(kt + kr, nkeys - 1) * kv_dim + kvh * HD + 4 * f;
+                kv[j] = kv_ld4(kc + off, false);
+                vv[j] = kv_ld4(vc + off, false);
             }
-            uint2 a, b;
-            a.x = pack_bf16(kv.x, kv.y);
-            a.y = pack_bf16(kv.z, kv.w);
-            b.x = pack_bf16(vv.x, vv.y);
-            b.y = pack_bf16(vv.z, vv.w);
-            *reinterpret_cast<uint2*>(Ks + kr * LD + f * 4) = a;
-            *reinterpret_cast<uint2*>(Vs + kr * LD + f * 4) = b;
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                const int idx = tid + (i0 + j) * 128, kr = idx / F4, f = idx % F4;
+                const bool ok = kt + kr < nkeys;
+                const float4 k4 = ok ? kv[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                const float4 v4 = ok ? vv[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                *reinterpret_cast<uint2*>(Ks + kr * LD + f * 4) =
+                    make_uint2(pack_bf16(k4.x, k4.y), pack_bf16(k4.z, k4.w));
+                *reinterpret_cast<uint2*>(Vs + kr * LD + f * 4) =
+                    make_uint2(pack_bf16(v4.x, v4.y), pack_bf16(v4.z, v4.w));
+            }
         }
         __syncthreads();
         if (kt > warp_pq) continue;  // every row of this warp is before the whole tile
