@@ -88,6 +88,39 @@ EOF
   chmod +x "$W/mlxpy"
   "$W/mlxpy" -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
   ;;
+ck)
+  # Light alternative to `setup` when only the MLX-LM arm is wanted: carry .whl and .device-lead (lily).
+  log "ck: stash wheels, synthetic 35b-a3b checkpoint"
+  cp .whl/* "$W/whl/" && mkdir -p "$W/bin" && cp .device-lead/bin/lily "$W/bin/"
+  [ -f "$CK/config.json" ] || "$W/bin/lily" synth --preset 35b-a3b --out "$CK" > /dev/null || exit 1
+  log "ck: done"
+  ;;
+mlx-arms)
+  # After `ck` (back to back, carry .whl-b): install MLX, then until DEADLINE seconds have passed,
+  # MLX-LM at CONTEXTS (2 rounds each, one process per arm) and its teacher-forced logits.
+  # Results: $OUT/mlx-lm.jsonl, $OUT/mlx-logits.json, $OUT/mlx.log.
+  start=$(date +%s); deadline=${DEADLINE:-540}
+  left() { echo $(( deadline - ($(date +%s) - start) )); }
+  bash "$0" mlx > "$OUT/mlx.log" 2>&1 || { tail -20 "$OUT/mlx.log"; exit 1; }
+  tail -1 "$OUT/mlx.log"
+  export MLX_PTX_CACHE_DIR=$W/ptx-cache
+  for c in ${CONTEXTS:-4096 256}; do
+    for r in 1 2; do
+      t=$(left); [ "$t" -gt 30 ] || break 2
+      log "mlx-lm $c round $r (limit ${t}s)"
+      timeout "$t" "$W/mlxpy" bench/mlx_arm.py --model "$CK" --prompt-len "$c" --decode-steps 64 \
+        >> "$OUT/mlx-lm.jsonl" 2>> "$OUT/mlx.log"; echo "rc=$?"
+    done
+    if [ "$c" = 4096 ] && [ "$(left)" -gt 30 ]; then
+      log "mlx-lm logits (limit $(left)s)"
+      timeout "$(left)" "$W/mlxpy" scripts/mlx_logits.py --model "$CK" --positions 192 --out "$OUT/mlx-logits.json" \
+        >> "$OUT/mlx.log" 2>&1; echo "rc=$?"
+    fi
+  done
+  python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$OUT/mlx-lm.jsonl"
+  ;;
 quantize-km)
   [ -f "$W/m-Q4_K_M.gguf" ] || "$W/llama/llama.cpp/build/bin/llama-quantize" --allow-requantize "$W/m-Q4_0.gguf" "$W/m-Q4_K_M.gguf" Q4_K_M 16 > "$W/quantize.log" 2>&1
   tail -3 "$W/quantize.log"; ls -la "$W"/*.gguf; df -h /root | tail -1
@@ -102,5 +135,5 @@ out)
   tail -c 200000 "$W/llama-build.log" > "$OUT/llama-build.log" 2>/dev/null
   ls -la "$RES"
   ;;
-*) echo "usage: bash bench/h200_steps.sh setup|mlx|quantize-km|matrix [run_all args]|out" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_steps.sh setup|ck|mlx|mlx-arms|quantize-km|matrix [run_all args]|out" >&2; exit 2 ;;
 esac
