@@ -195,32 +195,16 @@ __device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
 // (deq_nib8 / deq_byte8), or to f32 for the few-row GEMMs that pick experts and gates.
 // One thread per 8 columns (never straddles a group: groups are multiples of 32).
 // grid ceil(rows * cols / 8 / 256), block 256.
-extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16* __restrict__ s,
-                                           const u16* __restrict__ b, int bits, int rows, int cols, int group,
-                                           uint4* __restrict__ out) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+// Item i = row r, columns 8k..8k+7: the 8 values s*q + b in f32, each one fmaf as in deq_nib8 /
+// deq_byte8 (so the bf16 kernel's rounding is pf_gemm_tc's exactly). False past the matrix.
+__device__ __forceinline__ bool deq_item(const u32* __restrict__ w, const u16* __restrict__ s,
+                                         const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                         size_t i, float (&v)[8]) {
     const int per_row = cols >> 3;
-    if (i >= (size_t)rows * per_row) return;
+    if (i >= (size_t)rows * per_row) return false;
     const size_t r = i / per_row;
     const int c = (int)(i - r * per_row) << 3, g = c / group;
     const float sc = bf16f(__ldg(s + r * (cols / group) + g)), bi = bf16f(__ldg(b + r * (cols / group) + g));
-    if (bits == 4) {
-        out[i] = deq_nib8(__ldg(w + r * (cols >> 3) + (c >> 3)), sc, bi);
-    } else {
-        const u32* q = w + r * (cols >> 2) + (c >> 2);
-        out[i] = deq_byte8(__ldg(q), __ldg(q + 1), sc, bi);
-    }
-}
-extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* __restrict__ s,
-                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
-                                          float4* __restrict__ out) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int per_row = cols >> 3;
-    if (i >= (size_t)rows * per_row) return;
-    const size_t r = i / per_row;
-    const int c = (int)(i - r * per_row) << 3, g = c / group;
-    const float sc = bf16f(__ldg(s + r * (cols / group) + g)), bi = bf16f(__ldg(b + r * (cols / group) + g));
-    float v[8];
     if (bits == 4) {
         const u32 q = __ldg(w + r * (cols >> 3) + (c >> 3));
 #pragma unroll
@@ -234,6 +218,22 @@ extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* 
             v[4 + k] = fmaf(sc, code_f((q1 >> (8 * k)) & 255u), bi);
         }
     }
+    return true;
+}
+extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16* __restrict__ s,
+                                           const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                           uint4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float v[8];
+    if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
+    out[i] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+}
+extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* __restrict__ s,
+                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                          float4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float v[8];
+    if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
     out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
     out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
 }

@@ -49,77 +49,40 @@ impl Blas {
             return Err(anyhow!("libcublas.so not found"));
         }
         let h = blas::create_handle().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
-        let handle = Handle(h);
+        // Owned from here on: an error below destroys the handle (Drop).
+        let b = Blas {
+            handle: Mutex::new(Handle(h)),
+        };
         // SAFETY: `h` is a live handle and the stream outlives the backend that owns both.
         unsafe { blas::set_stream(h, stream.cu_stream() as _) }
             .map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
-        Ok(Blas {
-            handle: Mutex::new(handle),
-        })
+        Ok(b)
     }
 
-    /// `y[t][0..rows] (+)= W · x[t]` for `t < ntok`: W bf16 `[rows][cols]`, x bf16 `[ntok][cols]`,
-    /// y f32 with row stride `ldy`; f32 accumulation on tensor cores.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bf16(
-        &self,
-        w: u64,
-        x: u64,
-        y: u64,
-        rows: usize,
-        cols: usize,
-        ntok: usize,
-        ldy: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        self.gemm(
-            w,
-            x,
-            y,
-            (rows, cols, ntok, ldy),
-            accumulate,
-            sys::cudaDataType::CUDA_R_16BF,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        )
-    }
-
-    /// The same product in f32 throughout (pedantic: no TF32 even under NVIDIA_TF32_OVERRIDE),
-    /// for the few-row GEMMs whose outputs pick experts and gates.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_f32(
-        &self,
-        w: u64,
-        x: u64,
-        y: u64,
-        rows: usize,
-        cols: usize,
-        ntok: usize,
-        ldy: usize,
-    ) -> Result<()> {
-        self.gemm(
-            w,
-            x,
-            y,
-            (rows, cols, ntok, ldy),
-            false,
-            sys::cudaDataType::CUDA_R_32F,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-        )
-    }
-
+    /// `y[t][0..rows] (+)= W · x[t]` for `t < ntok`: W `[rows][cols]` and x `[ntok][cols]` in
+    /// `prec`'s element type, y f32 with row stride `ldy`.
+    ///
     /// Row-major `y[ntok][ldy] = x[ntok][cols] · W[rows][cols]ᵀ` is column-major
     /// `y'[rows][ntok] = Wᵀ' · x'` with W read transposed: m = rows, n = ntok, k = cols.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
+    pub fn gemm(
         &self,
+        prec: Precision,
         w: u64,
         x: u64,
         y: u64,
         (rows, cols, ntok, ldy): (usize, usize, usize, usize),
         accumulate: bool,
-        ab_type: sys::cudaDataType,
-        compute: sys::cublasComputeType_t,
     ) -> Result<()> {
+        let (ab_type, compute) = match prec {
+            Precision::Bf16 => (
+                sys::cudaDataType::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            Precision::F32 => (
+                sys::cudaDataType::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+        };
         let int = |v: usize| i32::try_from(v).map_err(|_| anyhow!("GEMM dimension {v} too large"));
         let (m, n, k, ldc) = (int(rows)?, int(ntok)?, int(cols)?, int(ldy)?);
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
@@ -152,6 +115,16 @@ impl Blas {
         }
         .map_err(|e| anyhow!("cublasGemmEx ({rows}x{cols} by {ntok} tokens): {e:?}"))
     }
+}
+
+/// Operand precision of [`Blas::gemm`] (f32 accumulation either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 operands on tensor cores: the dense projections.
+    Bf16,
+    /// f32 operands, pedantic (no TF32 even under NVIDIA_TF32_OVERRIDE): the few-row GEMMs whose
+    /// outputs pick experts and gates.
+    F32,
 }
 
 impl Drop for Blas {

@@ -11,7 +11,7 @@
 //! the rows whose logits are wanted. The sequence state (KV cache, GDN state, conv ring) is left
 //! exactly as the decode path expects it.
 
-use super::blas::Blas;
+use super::blas::{Blas, Precision};
 use super::context::{cubin_cached, launch_on, module_source, ptr, Arg, Gpu};
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevMixer, DevQ};
@@ -547,9 +547,14 @@ impl Mm<'_> {
         if let Some(r) = self.route(q, rows, ntok, &grouped, |r| r.wb.1) {
             let xb = r.bf16_input(self.kern, x, ntok * q.cols)?;
             self.dequant(q, rows, "pf_dequant_bf16", r.wb.0)?;
-            return r
-                .blas
-                .gemm_bf16(r.wb.0, xb, y, rows, q.cols, ntok, ldy, accumulate);
+            return r.blas.gemm(
+                Precision::Bf16,
+                r.wb.0,
+                xb,
+                y,
+                (rows, q.cols, ntok, ldy),
+                accumulate,
+            );
         }
         if !self.exact && tc_ok(q, self.group) {
             gemm_tc(
@@ -570,7 +575,7 @@ impl Mm<'_> {
     fn exact(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
         if let Some(r) = self.route(q, rows, ntok, &None, |r| r.wf.1) {
             self.dequant(q, rows, "pf_dequant_f32", r.wf.0)?;
-            return r.blas.gemm_f32(r.wf.0, x, y, rows, q.cols, ntok, ldy);
+            return r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false);
         }
         let (w, s, b) = q.ptrs(self.gpu);
         let smem = SKINNY_T * (q.cols + q.cols / self.group) * 4;
