@@ -3,7 +3,8 @@
 //!
 //! Per chunk of up to [`DEFAULT_CHUNK`] tokens at positions `pos0..pos0+n`:
 //! embed → per layer { RMSNorm → 4-bit GEMMs (weights dequantised once per 128x32 tile and reused
-//! by 64 tokens) → GDN (conv over the chunk + ring history, L2 norms, register-resident exact
+//! by 64 tokens; for chunks of >= 128 tokens the dense ones dequantise the whole matrix to bf16
+//! once and run on cuBLAS, blas.rs) → GDN (conv over the chunk + ring history, L2 norms, register-resident exact
 //! recurrence per (value head, 32 columns), gated norm) or attention (norm + RoPE + KV append,
 //! flash-style causal attention) → out-proj GEMM accumulated into the residual → RMSNorm → router
 //! GEMM → GPU top-k + per-expert slot lists (counts, scan, scatter: no host sync) → grouped expert
