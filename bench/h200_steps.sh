@@ -93,6 +93,8 @@ ck)
   log "ck: stash wheels, synthetic 35b-a3b checkpoint"
   cp .whl/* "$W/whl/" && mkdir -p "$W/bin" && cp .device-lead/bin/lily "$W/bin/"
   [ -f "$CK/config.json" ] || "$W/bin/lily" synth --preset 35b-a3b --out "$CK" > /dev/null || exit 1
+  # MLX's JIT caches from an earlier run (mlx-arms leaves them in $OUT): skips its ~4 min compile.
+  if [ -f "$W/whl/mlx-jit-cache.tgz" ]; then tar -C / -xzf "$W/whl/mlx-jit-cache.tgz" && log "ck: MLX JIT cache restored"; fi
   log "ck: done"
   ;;
 mlx-arms)
@@ -117,6 +119,9 @@ mlx-arms)
         >> "$OUT/mlx.log" 2>&1; echo "rc=$?"
     fi
   done
+  # The JIT caches (MLX's PTX, the driver's SASS) for the next session: carry the archive in .whl.
+  tar -C / -czf "$OUT/mlx-jit-cache.tgz" "${W#/}/ptx-cache" root/.nv/ComputeCache 2>/dev/null
+  ls -la "$OUT/mlx-jit-cache.tgz" 2>/dev/null
   python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$OUT/mlx-lm.jsonl"
