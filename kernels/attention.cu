@@ -352,12 +352,7 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
                                                            float scale, float* po, float* pml) {                  \
         attn_split<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                     \
     }
-ATTN_SPLIT_ENTRY(256, float, )
-ATTN_SPLIT_ENTRY(128, float, )
-ATTN_SPLIT_ENTRY(64, float, )
-ATTN_SPLIT_ENTRY(256, u16, _bf16)
-ATTN_SPLIT_ENTRY(128, u16, _bf16)
-ATTN_SPLIT_ENTRY(64, u16, _bf16)
+FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_ENTRY)
 
 // Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
 // 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of

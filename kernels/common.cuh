@@ -233,6 +233,10 @@ __device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
 }
 __device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
+// Every attention entry point exists for each head dim and cache element; the `_bf16` suffix is
+// the one the host appends for bf16-KV sequences (kernels::kv_suffix). M(HD, KV, SUFFIX).
+#define FOR_EACH_ATTN_INSTANCE(M) \
+    M(64, float, ) M(128, float, ) M(256, float, ) M(64, u16, _bf16) M(128, u16, _bf16) M(256, u16, _bf16)
 
 // Partial NeoX RoPE angle of element j of a head (the first 2*half_rot elements rotate), in f64
 // like the CPU (pos * inv_freq can be ~2.6e5 rad at long context). c = 1, sn = 0 outside.

@@ -893,12 +893,7 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
                                                                            float scale, float* out) {             \
         pf_attn<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                            \
     }
-PF_ATTN(64, float, )
-PF_ATTN(128, float, )
-PF_ATTN(256, float, )
-PF_ATTN(64, u16, _bf16)
-PF_ATTN(128, u16, _bf16)
-PF_ATTN(256, u16, _bf16)
+FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 
 // Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
@@ -1080,12 +1075,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                                                                               float scale, float* out) {          \
         pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                         \
     }
-PF_ATTN_TC(64, float, )
-PF_ATTN_TC(128, float, )
-PF_ATTN_TC(256, float, )
-PF_ATTN_TC(64, u16, _bf16)
-PF_ATTN_TC(128, u16, _bf16)
-PF_ATTN_TC(256, u16, _bf16)
+FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)
 
 // ---------------------------------------------------------------------------------------------
 // MoE.

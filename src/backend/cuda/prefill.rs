@@ -514,22 +514,12 @@ impl Mm<'_> {
 
     /// `q` (first `rows` rows) dequantised into a cuBLAS scratch (`kernel`: bf16 or f32).
     fn dequant(&self, q: &DevQ, rows: usize, kernel: &str, out: u64) -> Result<()> {
-        let (w, s, b) = q.ptrs(self.gpu);
         self.kern.launch(
             kernel,
             ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1),
             256,
             0,
-            &[
-                Arg::P(w),
-                Arg::P(s),
-                Arg::P(b),
-                Arg::I(q.bits as i32),
-                Arg::I(rows as i32),
-                Arg::I(q.cols as i32),
-                Arg::I(self.group as i32),
-                Arg::P(out),
-            ],
+            &[&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(out)]].concat(),
         )
     }
 
@@ -578,7 +568,6 @@ impl Mm<'_> {
             self.dequant(q, rows, "pf_dequant_f32", r.wf.0)?;
             return r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false);
         }
-        let (w, s, b) = q.ptrs(self.gpu);
         let smem = SKINNY_T * (q.cols + q.cols / self.group) * 4;
         if smem > SKINNY_SMEM_MAX || !q.cols.is_multiple_of(32) || !self.group.is_multiple_of(32) {
             return gemm(
@@ -591,18 +580,10 @@ impl Mm<'_> {
             256,
             smem as u32,
             &[
-                Arg::P(w),
-                Arg::P(s),
-                Arg::P(b),
-                Arg::I(q.bits as i32),
-                Arg::I(rows as i32),
-                Arg::I(q.cols as i32),
-                Arg::I(self.group as i32),
-                Arg::P(x),
-                Arg::I(ntok as i32),
-                Arg::P(y),
-                Arg::I(ldy as i32),
-            ],
+                &qmat_args(q, self.gpu, rows, self.group)[..],
+                &[Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32)],
+            ]
+            .concat(),
         )
     }
 
@@ -718,7 +699,6 @@ fn gemm(
     accumulate: bool,
     grouped: Option<Grouped>,
 ) -> Result<()> {
-    let (w, s, b) = q.ptrs(gpu);
     let (gz, counts, offsets, list, xdiv) = match grouped {
         Some(g) => (g.experts, g.counts, g.offsets, g.list, g.xdiv),
         None => (1, 0, 0, 0, 1),
@@ -733,24 +713,37 @@ fn gemm(
         256,
         0,
         &[
-            Arg::P(w),
-            Arg::P(s),
-            Arg::P(b),
-            Arg::I(q.bits as i32),
-            Arg::I(rows as i32),
-            Arg::I(q.cols as i32),
-            Arg::I(group as i32),
-            Arg::P(x),
-            Arg::I(ntok as i32),
-            Arg::P(y),
-            Arg::I(ldy as i32),
-            Arg::I(accumulate as i32),
-            Arg::P(counts),
-            Arg::P(offsets),
-            Arg::P(list),
-            Arg::I(xdiv as i32),
-        ],
+            &qmat_args(q, gpu, rows, group)[..],
+            &[
+                Arg::P(x),
+                Arg::I(ntok as i32),
+                Arg::P(y),
+                Arg::I(ldy as i32),
+                Arg::I(accumulate as i32),
+                Arg::P(counts),
+                Arg::P(offsets),
+                Arg::P(list),
+                Arg::I(xdiv as i32),
+            ],
+        ]
+        .concat(),
     )
+}
+
+/// The leading arguments every quantised-matrix kernel of this module takes (pf_gemm,
+/// pf_gemm_skinny, pf_dequant_*): codes, scales, biases, bits, the first `rows` rows, columns,
+/// group size.
+fn qmat_args(q: &DevQ, gpu: &Gpu, rows: usize, group: usize) -> [Arg; 7] {
+    let (w, s, b) = q.ptrs(gpu);
+    [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::I(q.bits as i32),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::I(group as i32),
+    ]
 }
 
 fn rmsnorm(
