@@ -414,3 +414,200 @@ __device__ float stage_x_fast(const float* __restrict__ x, int n, const float* _
     return inv_rms_from(t, n, eps);
 }
 
+
+// ---- tensor-core decode GEMV (4-bit codes, group 64) ----
+// D += A B on the tensor cores: A 16x16 bf16 (4 registers of pairs), B 16x8 bf16 (2), f32 C/D.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Why: a decode GEMV on the CUDA cores spends ~4.5 instructions per 4-bit weight (extract,
+// convert, FMA); over the ~1.9 GB a token reads that is ~0.5 ms of pure issue time, and the
+// decode kernels were issue- and instruction-fetch-bound (docs/cuda.md, round 3). Here a warp
+// takes 16 rows at a time and lets mma.sync do the multiply-adds: per 32-bit word of codes
+// (8 weights) 4 shifts + 4 LOP3 turn the nibbles into bf16 pairs, and one mma consumes 256
+// weights. About 1.3 instructions per weight instead of 4.5.
+//
+// Exactness: the codes become bf16 1 + q/16 (exact: the nibble lands in the top mantissa bits),
+// and the activation is split into three bf16 terms x = hi + mid + lo (exact to ~2^-24 relative),
+// which ride in the B operand's columns 0, 1, 2 (columns 3..7 are zero: batch 1 leaves them free
+// anyway). The tensor core multiplies exactly and accumulates in f32, so per group of 64
+// columns C = sum (1 + q/16) x = gsum + sum(q x)/16, and the group's contribution to the row is
+// s sum(q x) + b gsum = 16 s C + (b - 16 s) gsum: the same math as qrow_part to f32 rounding.
+//
+// Layout. Lane (g = lane/4, t = lane%4) holds rows g and g + 8 of the tile. Of each 64-column
+// group, lane t reads the 16 columns 16t..16t+15 of both rows (two u32 words each); word h,
+// shifted by 4s, gives the pair (column 8h + s, column 8h + s + 4) of its 16. mma step i (0..3)
+// of a group takes the pairs s = 2(i&1) (k slots 2t, 2t+1) and s + 1 (k slots 2t+8, 2t+9) of
+// word h = i/2. The sum over k does not care which column sits in which slot, as long as B
+// holds x of the same column there: stage_x_tc writes x in exactly that order.
+//
+// Activation fragments in shared memory (u32 words of bf16 pairs): word
+//   G*96 + i*24 + n*8 + t*2 + reg
+// holds term n (0 hi, 1 mid, 2 lo) of the pair (column 64G + 16t + 8h + s, + 4), h = i/2,
+// s = 2(i&1) + reg: lane (g < 3, t) loads B of step i as one uint2 at G*96 + i*24 + g*8 + 2t.
+#define TCX_WORDS 96  // fragment words per 64-column group
+#define TC_NG 8       // groups per warp work item (512 columns)
+
+// Nibbles s and s + 4 of `w` as the bf16 pair (1 + q/16): the nibble goes to mantissa bits 3..6.
+template <int S>
+__device__ __forceinline__ u32 nib_pair_bf16(u32 w) {
+    const u32 v = S == 0 ? (w << 3) : (w >> (4 * S - 3));
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "r"(0x00780078u), "r"(0x3F803F80u));  // (a & b) | c
+    return r;
+}
+
+// Stages n floats of x (times `gain` when given; n % 64 == 0) as tensor-core B fragments into
+// xf (n/64 * TCX_WORDS words) and the per-group sums into gsum; returns inv = 1/rms(x) (1
+// without a gain: the caller scales the finished dot products, as with stage_x_fast). Warps
+// from `skip` on stage groups round robin (warps below it are busy elsewhere, e.g. routing, and
+// only meet the one barrier at the end). red: >= 33 floats.
+__device__ float stage_x_tc(const float* __restrict__ x, int n, const float* __restrict__ gain, float eps, u32* xf,
+                            float* gsum, float* red, int skip = 0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int t = lane >> 3, h = (lane >> 2) & 1, s = lane & 3;
+    const int woff = (2 * h + (s >> 1)) * 24 + t * 2 + (s & 1);
+    float ss = 0.f;
+#pragma unroll 4
+    for (int G = warp - skip; G >= 0 && G < (n >> 6); G += nw - skip) {
+        const int c = 64 * G + 16 * t + 8 * h + s;
+        float a0 = x[c], a1 = x[c + 4];
+        ss += a0 * a0 + a1 * a1;
+        if (gain) { a0 *= gain[c]; a1 *= gain[c + 4]; }
+        const float gs = warp_sum(a0 + a1);
+        if (lane == 0) gsum[G] = gs;
+        const u32 w0 = pack_bf16(a0, a1);
+        float r0 = a0 - __uint_as_float(w0 << 16), r1 = a1 - __uint_as_float(w0 & 0xffff0000u);
+        const u32 w1 = pack_bf16(r0, r1);
+        r0 -= __uint_as_float(w1 << 16);
+        r1 -= __uint_as_float(w1 & 0xffff0000u);
+        u32* o = xf + G * TCX_WORDS + woff;
+        o[0] = w0;
+        o[8] = w1;
+        o[16] = pack_bf16(r0, r1);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (!gain) return 1.f;
+    float tot = 0.f;
+    for (int w = 0; w < nw; ++w) tot += red[w];
+    return inv_rms_from(tot, n, eps);
+}
+
+// Group j's bf16 of a row's scales/biases loaded 8 at a time (uint4).
+__device__ __forceinline__ float bf16_of(const uint4& v, int j) {
+    const u32 w = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+
+// One warp's work item: rows r0 + g and r0 + g + 8 (lane g = lane/4) of a 4-bit matrix
+// [rows][cols] (group 64) over the groups [G0, G1) (G1 - G0 <= TC_NG). tc_load issues every
+// load of the item (codes, scales, biases) into registers, so a caller can start them before
+// its activation prologue; tc_mma then multiplies them with the staged activation.
+// Rows past `rows` load nothing and add zero.
+struct TcItem {
+    uint2 qa[TC_NG], qb[TC_NG];  // codes of rows g and g + 8: lane t's 16 columns of each group
+    uint4 sa, sb, ba, bb;        // bf16 scales / biases of the item's groups (one per 16 bits)
+};
+
+__device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, const u16* __restrict__ sc,
+                                        const u16* __restrict__ bi, int rows, int r0, int cols, int G0, int G1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int gpr = cols >> 6;
+    const int ra = r0 + g, rb = ra + 8;
+    const bool va = ra < rows, vb = rb < rows;
+    const size_t wpr = (size_t)cols >> 3;
+    const uint2* pa = reinterpret_cast<const uint2*>(w + (size_t)ra * wpr + 8 * G0) + t;
+    const uint2* pb = reinterpret_cast<const uint2*>(w + (size_t)rb * wpr + 8 * G0) + t;
+#pragma unroll
+    for (int j = 0; j < TC_NG; ++j) {
+        const bool in = G0 + j < G1;
+        it.qa[j] = (va && in) ? __ldg(pa + 4 * j) : make_uint2(0u, 0u);
+        it.qb[j] = (vb && in) ? __ldg(pb + 4 * j) : make_uint2(0u, 0u);
+    }
+    // One uint4 per row when the item is 8 whole, 16-byte aligned groups (every 35B matrix),
+    // else one bf16 at a time.
+    it.sa = it.sb = it.ba = it.bb = make_uint4(0u, 0u, 0u, 0u);
+    if ((gpr & 7) == 0 && (G0 & 7) == 0 && G1 - G0 == TC_NG) {
+        if (va) {
+            it.sa = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)ra * gpr + G0));
+            it.ba = __ldg(reinterpret_cast<const uint4*>(bi + (size_t)ra * gpr + G0));
+        }
+        if (vb) {
+            it.sb = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)rb * gpr + G0));
+            it.bb = __ldg(reinterpret_cast<const uint4*>(bi + (size_t)rb * gpr + G0));
+        }
+    } else {
+        u32 v[4][TC_NG / 2];
+#pragma unroll
+        for (int j = 0; j < TC_NG; j += 2) {
+            u32 e[4][2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const bool in = G0 + j + u < G1;
+                const size_t ga = (size_t)ra * gpr + G0 + j + u, gb = (size_t)rb * gpr + G0 + j + u;
+                e[0][u] = (va && in) ? (u32)sc[ga] : 0u;
+                e[1][u] = (vb && in) ? (u32)sc[gb] : 0u;
+                e[2][u] = (va && in) ? (u32)bi[ga] : 0u;
+                e[3][u] = (vb && in) ? (u32)bi[gb] : 0u;
+            }
+#pragma unroll
+            for (int m = 0; m < 4; ++m) v[m][j / 2] = e[m][0] | (e[m][1] << 16);
+        }
+        it.sa = make_uint4(v[0][0], v[0][1], v[0][2], v[0][3]);
+        it.sb = make_uint4(v[1][0], v[1][1], v[1][2], v[1][3]);
+        it.ba = make_uint4(v[2][0], v[2][1], v[2][2], v[2][3]);
+        it.bb = make_uint4(v[3][0], v[3][1], v[3][2], v[3][3]);
+    }
+}
+
+// The item against the staged activation: xf/gsum are the fragments and group sums of the
+// vector whose group 0 meets the matrix's group 0. Adds this lane's share, times wscale, to
+// acc0 (row r0 + g) and acc1 (row r0 + g + 8); the row's dot product is the sum over the 4
+// lanes t (t = 2, 3 add exactly zero, so acc += shfl_xor(acc, 1) leaves it in lane t = 0).
+__device__ __forceinline__ void tc_mma(const TcItem& it, const u32* xf, const float* gsum, int G0, int G1,
+                                       float wscale, float& acc0, float& acc1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32* xl = xf + g * 8 + 2 * t;
+#pragma unroll
+    for (int j = 0; j < TC_NG; ++j) {
+        if (G0 + j >= G1) break;  // warp-uniform
+        const int G = G0 + j;
+        const u32* xg = xl + G * TCX_WORDS;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+            u32 a[4];
+            if (i & 1) {
+                a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
+                a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
+            } else {
+                a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
+                a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
+            }
+            const uint2 bx = g < 3 ? *reinterpret_cast<const uint2*>(xg + i * 24) : make_uint2(0u, 0u);
+            mma_bf16(c, a, bx.x, bx.y);
+        }
+        const float s0 = bf16_of(it.sa, j) * wscale, s1 = bf16_of(it.sb, j) * wscale;
+        acc0 = fmaf(16.f * s0, c[0] + c[1], acc0);
+        acc1 = fmaf(16.f * s1, c[2] + c[3], acc1);
+        if (t == 0) {
+            const float gs = gsum[G];
+            acc0 = fmaf(fmaf(bf16_of(it.ba, j), wscale, -16.f * s0), gs, acc0);
+            acc1 = fmaf(fmaf(bf16_of(it.bb, j), wscale, -16.f * s1), gs, acc1);
+        }
+    }
+}
+
+// The tile's lane partials summed over t (into lanes t = 0).
+__device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+}

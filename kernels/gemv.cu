@@ -137,3 +137,96 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
         x[c] = bf16f(s[(size_t)tok * gpr + g]) * (float)q + bf16f(b[(size_t)tok * gpr + g]);
     }
 }
+
+// Tensor-core variant of gemv_q for sets of 4-bit matrices (group 64; tc_load/tc_mma in
+// common.cuh). Work item = (16-row tile, 512-column chunk); a tile is `slices` warps of one
+// block, each taking `kc` consecutive chunks (slices * kc = chunks per row), so a block does
+// warps / slices tiles per iteration and sums the slices through shared memory. Small sets (the
+// out-projections: 128 tiles) get 8 slices of one chunk (~1,000 warps, one wave), large ones
+// (GDN in-proj, q|k|v: 4 chunks per row) 4 slices, the lm_head (15,520 tiles) one slice of 4
+// chunks per warp and no barriers. The first item's loads are issued before the prologue.
+// Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
+extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
+                                               int cols, const float* __restrict__ gain, float eps, int slices, int kc,
+                                               float* __restrict__ xnorm_out) {
+    extern __shared__ float smem[];
+    const int gpr = cols >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + gpr * TCX_WORDS;
+    float* red = gsum + gpr;
+    float* part = red + 33;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
+    int tiles = 0;
+    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
+    // Tile -> (matrix, first row); m = -1 past the set.
+    auto locate = [&](int tile, int& m, int& r0) {
+        m = -1;
+        r0 = 0;
+        if (tile >= tiles) return;
+        m = 0;
+        while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
+        r0 = tile << 4;
+    };
+    auto load = [&](TcItem& it, int m, int r0, int k) {
+        const QMat& M = mats[m];
+        const int G0 = (my_slice * kc + k) * TC_NG;
+        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+    };
+    TcItem it;
+    int m, r0;
+    const int bt0 = blockIdx.x * tpb;
+    locate(bt0 + my_tile, m, r0);
+    if (m >= 0) load(it, m, r0, 0);
+    pdl_wait_trigger();
+    const float inv = stage_x_tc(x, cols, gain, eps, xf, gsum, red);
+    if (xnorm_out && blockIdx.x == 0)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    const int g = lane >> 2;
+    for (int bt = bt0; bt < tiles; bt += gridDim.x * tpb) {
+        if (bt != bt0) {
+            locate(bt + my_tile, m, r0);
+            if (m >= 0) load(it, m, r0, 0);
+        }
+        float acc0 = 0.f, acc1 = 0.f;
+        if (m >= 0) {
+            if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
+                // The later chunks of this warp's 16 rows into L2 while the first is computed.
+                const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(r0 + lane) * (cols >> 3)) +
+                                (size_t)(my_slice * kc + 1) * TC_NG * 32;
+                for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
+            }
+            for (int k = 0; k < kc; ++k) {
+                if (k > 0) load(it, m, r0, k);
+                const int G0 = (my_slice * kc + k) * TC_NG;
+                tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
+            }
+        }
+        tc_reduce(acc0, acc1);
+        if (slices == 1) {
+            if (m >= 0 && (lane & 3) == 0) {
+                const QMat& M = mats[m];
+                if (r0 + g < M.rows) M.y[r0 + g] = M.accumulate ? M.y[r0 + g] + acc0 * inv : acc0 * inv;
+                if (r0 + g + 8 < M.rows) M.y[r0 + g + 8] = M.accumulate ? M.y[r0 + g + 8] + acc1 * inv : acc1 * inv;
+            }
+            continue;
+        }
+        if ((lane & 3) == 0) {
+            part[warp * 16 + g] = acc0;
+            part[warp * 16 + g + 8] = acc1;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < tpb * 16) {
+            const int tl = threadIdx.x >> 4, row = threadIdx.x & 15;
+            int mm, rr;
+            locate(bt + tl, mm, rr);
+            if (mm >= 0 && rr + row < mats[mm].rows) {
+                float v = 0.f;
+                for (int sl = 0; sl < slices; ++sl) v += part[(tl * slices + sl) * 16 + row];
+                const QMat& M = mats[mm];
+                M.y[rr + row] = M.accumulate ? M.y[rr + row] + v * inv : v * inv;
+            }
+        }
+        __syncthreads();
+    }
+}

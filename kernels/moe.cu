@@ -255,3 +255,152 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     sd = warp_sum(sd);
     if (lane == 0) x[r] = x[r] + (acc + sigmoid_f(shared_gate_logit[0]) * sd);
 }
+
+// ---- tensor-core variants (4-bit experts, group 64; tc_load/tc_mma in common.cuh) ----
+// moe_gate_up_tc: grid (ceil(max(inter, sinter) / 16), K + 1), 2 * slices warps: warps
+// [0, slices) take the slot's gate rows r0..r0+15, warps [slices, 2 slices) the same up rows,
+// each over `kc` chunks of 512 columns (slices * kc = chunks of the hidden size); the slices are
+// summed through shared memory and 16 threads write silu(gate) * up. Routing as in
+// moe_gate_up: warp 0 of a routed slot computes top-k while the other warps stage x.
+// Dynamic shared memory: hidden/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_tc(const float* __restrict__ logits, int E, int K,
+                                          const u32* gw, const u16* gs, const u16* gb,
+                                          const u32* uw, const u16* us, const u16* ub, int inter,
+                                          const u32* sgw, const u16* sgs, const u16* sgb,
+                                          const u32* suw, const u16* sus, const u16* sub, int sinter,
+                                          const float* __restrict__ x, int cols, int slices, int kc,
+                                          float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w,
+                                          const u32* dw, const u16* ds, const u16* db, const u32* sdw, const u16* sds,
+                                          const u16* sdb, int hidden) {
+    extern __shared__ float smem[];
+    __shared__ int ids[MOE_MAXK];
+    __shared__ float wts[MOE_MAXK];
+    const int gpr = cols >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + gpr * TCX_WORDS;
+    float* red = gsum + gpr;
+    float* part = red + 33;
+    const int slot = blockIdx.y, routed = slot < K;
+    const int rows = routed ? inter : sinter;
+    const int r0 = blockIdx.x * 16;
+    if (r0 >= rows) return;  // block-uniform
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int up = warp >= slices, my_slice = warp - (up ? slices : 0);
+    const size_t wpr = (size_t)cols / 8;
+    const int drows = (hidden + gridDim.x - 1) / gridDim.x;
+    const int d0 = blockIdx.x * drows, dn = max(0, min(hidden, d0 + drows) - d0);
+    if (!routed && warp == 0) {
+        // The shared expert does not depend on the router: its rows go to L2 before the wait.
+        const int nrows = min(16, rows - r0);
+        prefetch_l2_warp(sgw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
+        prefetch_l2_warp(suw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
+        if (MOE_DOWN_PF && dn > 0) {
+            const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / 64;
+            prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
+        }
+    }
+    pdl_wait_trigger();
+    if (routed && warp == 0) {
+        route_topk(logits, E, K, ids, wts);
+        __syncwarp();
+        // The block's 16 gate and up rows into L2 at once, and its share of the expert's down rows
+        // (moe_down's weights).
+        const size_t row0 = (size_t)ids[slot] * inter + r0;
+        const int nrows = min(16, rows - r0);
+        prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
+        prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
+        if (MOE_DOWN_PF && dn > 0) {
+            const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / 64;
+            const size_t drow0 = (size_t)ids[slot] * hidden + d0;
+            prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
+            prefetch_l2_warp(ds + drow0 * dgpr, dn * dgpr * 2, lane);
+            prefetch_l2_warp(db + drow0 * dgpr, dn * dgpr * 2, lane);
+        }
+        if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
+    }
+    stage_x_tc(x, cols, nullptr, 0.f, xf, gsum, red, routed ? 1 : 0);  // its barrier publishes ids
+    const u32* W = up ? suw : sgw;
+    const u16 *S = up ? sus : sgs, *B = up ? sub : sgb;
+    if (routed) {
+        const size_t e = (size_t)ids[slot] * inter;
+        W = (up ? uw : gw) + e * wpr;
+        S = (up ? us : gs) + e * gpr;
+        B = (up ? ub : gb) + e * gpr;
+    }
+    float acc0 = 0.f, acc1 = 0.f;
+    TcItem it;
+    for (int k = 0; k < kc; ++k) {
+        const int G0 = (my_slice * kc + k) * TC_NG, G1 = min(gpr, G0 + TC_NG);
+        tc_load(it, W, S, B, rows, r0, cols, G0, G1);
+        tc_mma(it, xf, gsum, G0, G1, 1.f, acc0, acc1);
+    }
+    tc_reduce(acc0, acc1);
+    const int g = lane >> 2;
+    if ((lane & 3) == 0) {
+        part[warp * 16 + g] = acc0;
+        part[warp * 16 + g + 8] = acc1;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < 16 && r0 + (int)threadIdx.x < rows) {
+        float gv = 0.f, uv = 0.f;
+        for (int sl = 0; sl < slices; ++sl) {
+            gv += part[sl * 16 + threadIdx.x];
+            uv += part[(slices + sl) * 16 + threadIdx.x];
+        }
+        act[(size_t)slot * inter + r0 + threadIdx.x] = silu_f(gv) * uv;
+    }
+}
+
+// moe_down_tc: grid ceil(hidden / 16), (K + 1) * split warps: warp w takes slot w / split (K
+// routed experts in ascending id, then the shared expert) and the (w % split)-th share of its
+// inter/64 groups (split 1 or 2; at most TC_NG groups per warp) for output rows r0..r0+15, with
+// the routing weight (or the shared expert's sigmoid gate) folded into the scales; the warps are
+// summed through shared memory into the residual stream. act = [K * inter + sinter] with
+// inter == sinter (the host checks). Every warp's loads are issued before act is staged.
+// Dynamic shared memory: n_act/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
+extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int* __restrict__ top_ids,
+                                       const float* __restrict__ top_w, int K, int inter, int split,
+                                       const u32* dw, const u16* ds, const u16* db,
+                                       const u32* sdw, const u16* sds, const u16* sdb,
+                                       const float* __restrict__ shared_gate_logit, int hidden,
+                                       float* __restrict__ x) {
+    extern __shared__ float smem[];
+    const int n_act = (K + 1) * inter, gpe = inter >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + (n_act >> 6) * TCX_WORDS;
+    float* red = gsum + (n_act >> 6);
+    float* part = red + 33;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slot = warp / split, share = warp % split;
+    const int per = (gpe + split - 1) / split;
+    const int G0 = share * per, G1 = min(gpe, G0 + per);
+    const int r0 = blockIdx.x * 16;
+    TcItem it;
+    if (slot == K) tc_load(it, sdw, sds, sdb, hidden, r0, inter, G0, G1);
+    pdl_wait_trigger();
+    float wscale;
+    if (slot < K) {
+        const size_t e = (size_t)top_ids[slot] * hidden;
+        tc_load(it, dw + e * (inter / 8), ds + e * gpe, db + e * gpe, hidden, r0, inter, G0, G1);
+        wscale = top_w[slot];
+    } else {
+        wscale = sigmoid_f(shared_gate_logit[0]);
+    }
+    stage_x_tc(act, n_act, nullptr, 0.f, xf, gsum, red);
+    float acc0 = 0.f, acc1 = 0.f;
+    tc_mma(it, xf + slot * gpe * TCX_WORDS, gsum + slot * gpe, G0, G1, wscale, acc0, acc1);
+    tc_reduce(acc0, acc1);
+    const int g = lane >> 2;
+    if ((lane & 3) == 0) {
+        part[warp * 16 + g] = acc0;
+        part[warp * 16 + g + 8] = acc1;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < 16 && r0 + (int)threadIdx.x < hidden) {
+        float v = 0.f;
+        for (int w = 0; w < warps; ++w) v += part[w * 16 + threadIdx.x];
+        x[r0 + threadIdx.x] += v;
+    }
+}

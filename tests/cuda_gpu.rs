@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
+use common::{layer0_matrices, max_abs_diff, random_quant, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::CudaBackend;
 use lily::backend::{Backend, LogitsWanted};
@@ -72,6 +72,35 @@ fn cuda_gemv_matches_cpu_qmatmul() {
             eprintln!("gemv+norm {name}: max |err| {e:.3e}");
             assert!(e <= 1e-4 * scale.max(1.0), "{name} with norm: max err {e}");
         }
+    }
+}
+
+/// The decode GEMV at the 35B's widths, which the tiny checkpoint does not reach: the
+/// tensor-core kernel's aligned scale loads (512-column chunks), its 1/4/8-slice splits and
+/// partial tiles (row counts not multiples of 16), and the 8-bit fallback.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
+    let b = cuda();
+    // (rows, cols, bits): few tiles -> 8 or 4 slices; 60,000 rows -> one slice of 4 chunks.
+    for (rows, cols, bits, seed) in [
+        (2048usize, 4096usize, 4usize, 1u64),
+        (300, 2048, 4, 2),
+        (8200, 2048, 4, 3),
+        (60_000, 2048, 4, 4),
+        (257, 2048, 8, 5),
+    ] {
+        let q = random_quant(rows, cols, bits, seed);
+        let x = rnd(100 + seed, cols);
+        let want = qmatmul::qmatmul_all(&q, &x, 1);
+        let got = b.gemv_host(&q, &x, None).unwrap();
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let e = max_abs_diff(&got, &want);
+        eprintln!("gemv [{rows}x{cols}, {bits}-bit]: max |err| {e:.3e} (max |y| {scale:.3})");
+        assert!(
+            e <= 1e-5 * scale.max(1.0) * (cols as f32 / 64.0).sqrt(),
+            "[{rows}x{cols}]: max err {e}"
+        );
     }
 }
 

@@ -92,3 +92,34 @@ pub fn rnd(seed: u64, n: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A random MLX-quantized matrix [rows, cols] (values in [-1, 1), bf16 scales/biases), for
+/// kernel tests at shapes the tiny checkpoint does not have (the 35B's widths).
+pub fn random_quant(rows: usize, cols: usize, bits: usize, seed: u64) -> lily::checkpoint::store::QuantTensor {
+    use lily::checkpoint::store::{QuantTensor, TensorBytes};
+    let group = 64;
+    let (mut words, mut scales, mut biases) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rows {
+        let w = rnd(seed.wrapping_mul(1_000_003).wrapping_add(r as u64), cols);
+        let (codes, s, b) = lily::quant::quantize_row(&w, bits, group);
+        lily::quant::pack_codes(&codes, bits, &mut words);
+        scales.extend(s.iter().map(|v| v.to_bits()));
+        biases.extend(b.iter().map(|v| v.to_bits()));
+    }
+    let owned = |bytes: &[u8]| {
+        let mut w = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..bytes.len()].copy_from_slice(bytes);
+        TensorBytes::Owned { words: std::sync::Arc::new(w), len: bytes.len() }
+    };
+    QuantTensor {
+        name: format!("random_{rows}x{cols}_{bits}bit"),
+        rows,
+        cols,
+        bits,
+        group,
+        weight: owned(bytemuck::cast_slice(&words)),
+        scales: owned(bytemuck::cast_slice(&scales)),
+        biases: owned(bytemuck::cast_slice(&biases)),
+        scale_dtype: lily::checkpoint::layout::DType::BF16,
+    }
+}

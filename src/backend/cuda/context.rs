@@ -24,7 +24,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "gemv",
         include_str!("../../../kernels/gemv.cu"),
-        &["gemv_q", "embed_q"],
+        &["gemv_q", "gemv_tc", "embed_q"],
     ),
     (
         "gdn",
@@ -55,7 +55,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "moe",
         include_str!("../../../kernels/moe.cu"),
-        &["moe_gate_up", "moe_down"],
+        &["moe_gate_up", "moe_down", "moe_gate_up_tc", "moe_down_tc"],
     ),
     (
         "sample",
@@ -226,6 +226,10 @@ pub struct Gpu {
     /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
     /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
     pub attn_tiled: bool,
+    /// Decode GEMVs and MoE experts on the tensor cores (`gemv_tc`, `moe_*_tc`) wherever the
+    /// matrices are 4-bit with group 64, unless `LILY_CUDA_DECODE_TC=0` (then the CUDA-core
+    /// `gemv_q` / `moe_gate_up` / `moe_down` everywhere).
+    pub decode_tc: bool,
 }
 
 impl Gpu {
@@ -294,7 +298,11 @@ impl Gpu {
         let attn_tiled = std::env::var("LILY_CUDA_ATTN_TILED")
             .map(|v| v != "0")
             .unwrap_or(true);
+        let decode_tc = std::env::var("LILY_CUDA_DECODE_TC")
+            .map(|v| v != "0")
+            .unwrap_or(true);
         Ok(Gpu {
+            decode_tc,
             ctx,
             stream,
             sms,

@@ -105,15 +105,18 @@ impl Scratch {
                 descs: 0,
                 count: 0,
                 rows: 0,
+                tiles: 0,
+                all4: false,
             },
         };
         // Descriptor sets: (matrix, output, accumulate) lists, laid out back to back.
         let st = &gpu.stream;
         let mut all: Vec<QMatDesc> = Vec::new();
-        let mut sets: Vec<(usize, usize, usize)> = Vec::new(); // (first, count, rows)
+        // (first, count, rows, 16-row tiles, all 4-bit)
+        let mut sets: Vec<(usize, usize, usize, usize, bool)> = Vec::new();
         let mut add = |list: &[(&DevQ, u64, bool)]| {
             let first = all.len();
-            let mut rows = 0;
+            let (mut rows, mut tiles, mut all4) = (0, 0, true);
             for (q, y, acc) in list {
                 let (wp, sp, bp) = q.ptrs(gpu);
                 all.push(QMatDesc {
@@ -127,8 +130,10 @@ impl Scratch {
                     pad: 0,
                 });
                 rows += q.rows;
+                tiles += q.rows.div_ceil(16);
+                all4 &= q.bits == 4;
             }
-            sets.push((first, list.len(), rows));
+            sets.push((first, list.len(), rows, tiles, all4));
         };
         let (x, qkv, z, gb, ga, gy) = (
             ptr(&s.x, st),
@@ -173,11 +178,13 @@ impl Scratch {
         s.descs = gpu.upload(&all)?;
         let base = ptr(&s.descs, st);
         let set = |i: usize| {
-            let (first, count, rows) = sets[i];
+            let (first, count, rows, tiles, all4) = sets[i];
             GemvSet {
                 descs: base + (first * std::mem::size_of::<QMatDesc>()) as u64,
                 count,
                 rows,
+                tiles,
+                all4,
             }
         };
         for i in 0..w.layers.len() {
@@ -297,6 +304,7 @@ pub fn enqueue(
         sinter: cfg.shared_expert_intermediate_size,
         hidden: h,
         group,
+        all4: false,
     };
     for (li, (lw, ls)) in b.w.layers.iter().zip(&s.layers).enumerate() {
         let lstate = &seq.layers[li];
@@ -387,6 +395,19 @@ pub fn enqueue(
         kernels::gemv(gpu, ls.router, x, h, ptr(&lw.post_norm, st), eps, group, u)?;
         mark("moe router")?;
         let m = &lw.moe;
+        let md = MoeDims {
+            all4: [
+                &m.gate_exps,
+                &m.up_exps,
+                &m.down_exps,
+                &m.shared_gate,
+                &m.shared_up,
+                &m.shared_down,
+            ]
+            .iter()
+            .all(|q| q.bits == 4),
+            ..md
+        };
         let p = MoePtrs {
             logits: ptr(&s.rlog, st),
             gate: m.gate_exps.ptrs(gpu),

@@ -28,6 +28,10 @@ pub struct GemvSet {
     pub descs: u64,
     pub count: usize,
     pub rows: usize,
+    /// 16-row tiles over the set (each matrix rounded up on its own): `gemv_tc`'s work.
+    pub tiles: usize,
+    /// Every matrix is 4-bit (the tensor-core GEMV applies; the 8-bit router does not).
+    pub all4: bool,
 }
 
 /// `y_m (+)= W_m · norm(x)` for every matrix of the set (norm only when `gain` is non-zero);
@@ -43,6 +47,9 @@ pub fn gemv(
     group: usize,
     xnorm_out: u64,
 ) -> Result<()> {
+    if gpu.decode_tc && set.all4 && group == 64 && cols.is_multiple_of(64) {
+        return gemv_tc(gpu, set, x, cols, gain, eps, xnorm_out);
+    }
     let warps = (GEMV_THREADS / 32) as usize;
     let smem = ((cols + cols / group + 33) * 4) as u32;
     // Each warp takes two rows per iteration (kernels/gemv.cu). At most one wave of resident
@@ -86,6 +93,73 @@ pub fn gemv(
             Arg::P(gain),
             Arg::F(eps),
             Arg::I(group as i32),
+            Arg::P(xnorm_out),
+        ],
+    )
+}
+
+/// Shared memory of the tensor-core decode kernels: activation fragments and group sums of `n`
+/// values, the reduction scratch, and 16 partial sums per warp (kernels/common.cuh, gemv.cu).
+fn tc_smem(n: usize, warps: usize) -> u32 {
+    ((n / 64 * (TCX_WORDS + 1) + 33 + warps * 16) * 4) as u32
+}
+/// Fragment words per 64-column group (TCX_WORDS in kernels/common.cuh).
+const TCX_WORDS: usize = 96;
+/// Groups of 64 columns per tensor-core work item (TC_NG in kernels/common.cuh).
+const TC_NG: usize = 8;
+
+/// `gemv` on the tensor cores (kernels/gemv.cu `gemv_tc`). Each 16-row tile is split into
+/// `slices` warps of `kc` 512-column chunks: the fewest slices that still give about one wave
+/// of warps (the lm_head needs none; the 2,048-row out-projections take 8), so every SM has
+/// loads in flight and no warp walks a long row alone.
+fn gemv_tc(
+    gpu: &Gpu,
+    set: GemvSet,
+    x: u64,
+    cols: usize,
+    gain: u64,
+    eps: f32,
+    xnorm_out: u64,
+) -> Result<()> {
+    let warps = (GEMV_THREADS / 32) as usize;
+    let smem = tc_smem(cols, warps);
+    let per_sm = gpu
+        .func("gemv_tc")?
+        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
+        .unwrap_or(3)
+        .clamp(1, 8) as usize;
+    let wave_warps = gpu.sms as usize * per_sm * warps;
+    let chunks = (cols / 64).div_ceil(TC_NG);
+    let allowed: Vec<usize> = [1usize, 2, 4, 8]
+        .into_iter()
+        .filter(|s| chunks.is_multiple_of(*s))
+        .collect();
+    let slices = allowed
+        .iter()
+        .copied()
+        .find(|s| set.tiles * s >= wave_warps)
+        .unwrap_or(*allowed.last().unwrap());
+    let kc = chunks / slices;
+    let tiles_per_block = warps / slices;
+    let blocks = set
+        .tiles
+        .div_ceil(tiles_per_block)
+        .min(gpu.sms as usize * per_sm)
+        .max(1) as u32;
+    gpu.launch(
+        "gemv_tc",
+        (blocks, 1, 1),
+        GEMV_THREADS,
+        smem,
+        &[
+            Arg::P(set.descs),
+            Arg::I(set.count as i32),
+            Arg::P(x),
+            Arg::I(cols as i32),
+            Arg::P(gain),
+            Arg::F(eps),
+            Arg::I(slices as i32),
+            Arg::I(kc as i32),
             Arg::P(xnorm_out),
         ],
     )
@@ -351,6 +425,8 @@ pub struct MoeDims {
     pub sinter: usize,
     pub hidden: usize,
     pub group: usize,
+    /// Every expert matrix (routed and shared) is 4-bit.
+    pub all4: bool,
 }
 
 pub struct MoePtrs {
@@ -369,7 +445,110 @@ pub struct MoePtrs {
     pub x: u64,
 }
 
+/// Whether the tensor-core MoE kernels take this model: 4-bit experts with group 64 (the loader
+/// only accepts that), widths in whole groups, routed and shared experts of one width, and the
+/// staged activations within the default 48 KiB of shared memory.
+fn moe_tc_applies(gpu: &Gpu, d: &MoeDims) -> bool {
+    let warps_down = d.k + 1;
+    gpu.decode_tc
+        && d.all4
+        && d.group == 64
+        && d.hidden.is_multiple_of(64)
+        && d.inter.is_multiple_of(64)
+        && d.inter == d.sinter
+        && d.inter / 64 <= TC_NG
+        && warps_down <= 32
+        && tc_smem((d.k + 1) * d.inter, warps_down) as usize <= 48 * 1024
+        && tc_smem(d.hidden, 8) as usize <= 48 * 1024
+}
+
+/// Tensor-core MoE decode (kernels/moe.cu `moe_gate_up_tc`, `moe_down_tc`).
+fn moe_tc(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
+    let chunks = (d.hidden / 64).div_ceil(TC_NG);
+    let slices = [4usize, 2, 1]
+        .into_iter()
+        .find(|s| chunks.is_multiple_of(*s))
+        .unwrap_or(1);
+    let kc = chunks / slices;
+    let warps = 2 * slices;
+    gpu.launch(
+        "moe_gate_up_tc",
+        (d.inter.max(d.sinter).div_ceil(16) as u32, (d.k + 1) as u32, 1),
+        (warps * 32) as u32,
+        tc_smem(d.hidden, warps),
+        &[
+            Arg::P(p.logits),
+            Arg::I(d.e as i32),
+            Arg::I(d.k as i32),
+            Arg::P(p.gate.0),
+            Arg::P(p.gate.1),
+            Arg::P(p.gate.2),
+            Arg::P(p.up.0),
+            Arg::P(p.up.1),
+            Arg::P(p.up.2),
+            Arg::I(d.inter as i32),
+            Arg::P(p.sgate.0),
+            Arg::P(p.sgate.1),
+            Arg::P(p.sgate.2),
+            Arg::P(p.sup.0),
+            Arg::P(p.sup.1),
+            Arg::P(p.sup.2),
+            Arg::I(d.sinter as i32),
+            Arg::P(p.u),
+            Arg::I(d.hidden as i32),
+            Arg::I(slices as i32),
+            Arg::I(kc as i32),
+            Arg::P(p.act),
+            Arg::P(p.top_ids),
+            Arg::P(p.top_w),
+            Arg::P(p.down.0),
+            Arg::P(p.down.1),
+            Arg::P(p.down.2),
+            Arg::P(p.sdown.0),
+            Arg::P(p.sdown.1),
+            Arg::P(p.sdown.2),
+            Arg::I(d.hidden as i32),
+        ],
+    )?;
+    // Measurement knob: LILY_CUDA_MOE_DOWN_SPLIT=2 gives each expert's down rows two warps.
+    static SPLIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let split = *SPLIT.get_or_init(|| {
+        std::env::var("LILY_CUDA_MOE_DOWN_SPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|s| (1..=2).contains(s))
+            .unwrap_or(1usize)
+    });
+    let warps = (d.k + 1) * split;
+    gpu.launch(
+        "moe_down_tc",
+        (d.hidden.div_ceil(16) as u32, 1, 1),
+        (warps * 32) as u32,
+        tc_smem((d.k + 1) * d.inter, warps),
+        &[
+            Arg::P(p.act),
+            Arg::P(p.top_ids),
+            Arg::P(p.top_w),
+            Arg::I(d.k as i32),
+            Arg::I(d.inter as i32),
+            Arg::I(split as i32),
+            Arg::P(p.down.0),
+            Arg::P(p.down.1),
+            Arg::P(p.down.2),
+            Arg::P(p.sdown.0),
+            Arg::P(p.sdown.1),
+            Arg::P(p.sdown.2),
+            Arg::P(p.shared_gate_logit),
+            Arg::I(d.hidden as i32),
+            Arg::P(p.x),
+        ],
+    )
+}
+
 pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
+    if moe_tc_applies(gpu, &d) {
+        return moe_tc(gpu, d, p);
+    }
     // Measurement knob: LILY_CUDA_MOE_WARPS=4 runs both MoE kernels in blocks of 4 warps (twice
     // the blocks; ncu put them at ~17-24 warps per SM with 8). Must be 1..=32.
     static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

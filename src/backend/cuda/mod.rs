@@ -45,6 +45,10 @@ pub struct CudaBackend {
     pub(crate) exact_prefill: bool,
     /// Tokens per prefill chunk (`LILY_CUDA_PREFILL_CHUNK`, default [`prefill::DEFAULT_CHUNK`]).
     prefill_chunk: usize,
+    /// Verification knob (`LILY_CUDA_DECODE_FORWARD=1`): multi-token forwards run the decode
+    /// step once per token instead of the prefill kernels, so `lily logits` measures the decode
+    /// kernels on a full-size checkpoint against transformers (scripts/device_accuracy.sh).
+    decode_forward: bool,
     /// Attention KV cache element type of new sequences: bf16 (half the memory and half the
     /// long-context attention traffic) or f32. `LILY_KV_BF16=1` at start-up, or
     /// [`CudaBackend::set_kv_bf16`].
@@ -173,6 +177,7 @@ impl CudaBackend {
             profile,
             exact_prefill: prefill::exact_from_env(),
             prefill_chunk: prefill::chunk_from_env(),
+            decode_forward: std::env::var("LILY_CUDA_DECODE_FORWARD").is_ok_and(|v| v == "1"),
             // bf16 by default: half the KV traffic of long-context decode (+30% decode at 131K on
             // the H200, docs/cuda.md); LILY_KV_BF16=0 keeps f32.
             kv_bf16: crate::backend::kv_bf16_from_env(true),
@@ -322,6 +327,8 @@ impl CudaBackend {
             descs: context::ptr(&dd, st),
             count: 1,
             rows: q.rows,
+            tiles: q.rows.div_ceil(16),
+            all4: q.bits == 4,
         };
         let gp = gd.as_ref().map(|g| context::ptr(g, st)).unwrap_or(0);
         kernels::gemv(
@@ -399,7 +406,7 @@ impl Backend for CudaBackend {
             bail!("token id {bad} is outside the vocabulary ({vocab} entries)");
         }
         seq.check_room(tokens.len())?;
-        if tokens.len() > 1 && prefill::supported(&self.cfg) {
+        if tokens.len() > 1 && prefill::supported(&self.cfg) && !self.decode_forward {
             return prefill::forward(self, seq, tokens, wanted, self.prefill_chunk);
         }
         let mut out = Vec::new();
