@@ -532,9 +532,23 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
         it.qb[j] = (vb && in) ? __ldg(pb + 4 * j) : make_uint2(0u, 0u);
     }
     // One uint4 per row when the item is 8 whole, 16-byte aligned groups (every 35B matrix),
-    // else one bf16 at a time.
+    // one uint2 for 4 aligned groups (the 35B's down rows split over two warps), else one bf16
+    // at a time.
     it.sa = it.sb = it.ba = it.bb = make_uint4(0u, 0u, 0u, 0u);
-    if ((gpr & 7) == 0 && (G0 & 7) == 0 && G1 - G0 == TC_NG) {
+    if ((gpr & 3) == 0 && (G0 & 3) == 0 && G1 - G0 == 4) {
+        auto ld2 = [](const u16* p) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+            return make_uint4(v.x, v.y, 0u, 0u);
+        };
+        if (va) {
+            it.sa = ld2(sc + (size_t)ra * gpr + G0);
+            it.ba = ld2(bi + (size_t)ra * gpr + G0);
+        }
+        if (vb) {
+            it.sb = ld2(sc + (size_t)rb * gpr + G0);
+            it.bb = ld2(bi + (size_t)rb * gpr + G0);
+        }
+    } else if ((gpr & 7) == 0 && (G0 & 7) == 0 && G1 - G0 == TC_NG) {
         if (va) {
             it.sa = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)ra * gpr + G0));
             it.ba = __ldg(reinterpret_cast<const uint4*>(bi + (size_t)ra * gpr + G0));

@@ -263,7 +263,12 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
 // summed through shared memory and 16 threads write silu(gate) * up. Routing as in
 // moe_gate_up: warp 0 of a routed slot computes top-k while the other warps stage x.
 // Dynamic shared memory: hidden/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_tc(const float* __restrict__ logits, int E, int K,
+// MOE_TC_MINB: resident blocks per SM moe_gate_up_tc's registers must allow (3: 80 registers,
+// one wave of the 35B's 288 blocks; measurement knob -DMOE_TC_MINB=2).
+#ifndef MOE_TC_MINB
+#define MOE_TC_MINB 3
+#endif
+extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(const float* __restrict__ logits, int E, int K,
                                           const u32* gw, const u16* gs, const u16* gb,
                                           const u32* uw, const u16* us, const u16* ub, int inter,
                                           const u32* sgw, const u16* sgs, const u16* sgb,
@@ -329,15 +334,18 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_tc(const float*
         S = (up ? us : gs) + e * gpr;
         B = (up ? ub : gb) + e * gpr;
     }
+    const int g = lane >> 2;
     float acc0 = 0.f, acc1 = 0.f;
     TcItem it;
-    for (int k = 0; k < kc; ++k) {
-        const int G0 = (my_slice * kc + k) * TC_NG, G1 = min(gpr, G0 + TC_NG);
-        tc_load(it, W, S, B, rows, r0, cols, G0, G1);
-        tc_mma(it, xf, gsum, G0, G1, 1.f, acc0, acc1);
+    int G0 = my_slice * kc * TC_NG;
+    tc_load(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+    tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
+    for (int k = 1; k < kc; ++k) {  // hidden sizes past 512 * slices (not the 35B's)
+        G0 += TC_NG;
+        tc_load(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+        tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
     }
     tc_reduce(acc0, acc1);
-    const int g = lane >> 2;
     if ((lane & 3) == 0) {
         part[warp * 16 + g] = acc0;
         part[warp * 16 + g + 8] = acc1;
