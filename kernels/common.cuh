@@ -585,39 +585,56 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
 // vector whose group 0 meets the matrix's group 0. Adds this lane's share, times wscale, to
 // acc0 (row r0 + g) and acc1 (row r0 + g + 8); the row's dot product is the sum over the 4
 // lanes t (t = 2, 3 add exactly zero, so acc += shfl_xor(acc, 1) leaves it in lane t = 0).
+// Groups j < n of the item (N: the unroll; with CHECK, j >= n is skipped, warp-uniform). The
+// bias term goes to lane t = 0 only, through gsum scaled by 0 or 1 (no branch).
+template <int N, bool CHECK>
+__device__ __forceinline__ void tc_mma_n(const TcItem& it, const u32* xg0, const float* gs0, int n, float wscale,
+                                         float& acc0, float& acc1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float tz = t == 0 ? 1.f : 0.f;
+    const bool bx_on = g < 3;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        if (!CHECK || j < n) {
+            const u32* xg = xg0 + j * TCX_WORDS;
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+                u32 a[4];
+                if (i & 1) {
+                    a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
+                    a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
+                } else {
+                    a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
+                    a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
+                }
+                const uint2 bx = bx_on ? *reinterpret_cast<const uint2*>(xg + i * 24) : make_uint2(0u, 0u);
+                mma_bf16(c, a, bx.x, bx.y);
+            }
+            const float s0 = 16.f * wscale * bf16_of(it.sa, j), s1 = 16.f * wscale * bf16_of(it.sb, j);
+            const float gs = gs0[j] * tz;
+            acc0 = fmaf(s0, c[0] + c[1], acc0);
+            acc1 = fmaf(s1, c[2] + c[3], acc1);
+            acc0 = fmaf(fmaf(bf16_of(it.ba, j), wscale, -s0), gs, acc0);
+            acc1 = fmaf(fmaf(bf16_of(it.bb, j), wscale, -s1), gs, acc1);
+        }
+    }
+}
+
+// The item against the staged activation: xf/gsum are the fragments and group sums of the
+// vector whose group 0 meets the matrix's group 0. Adds this lane's share, times wscale, to
+// acc0 (row r0 + g) and acc1 (row r0 + g + 8); the row's dot product is the sum over the 4
+// lanes t (t = 2, 3 add exactly zero, so acc += shfl_xor(acc, 1) leaves it in lane t = 0).
+// Whole items of 8 or 4 groups (every 35B matrix) run without per-group checks.
 __device__ __forceinline__ void tc_mma(const TcItem& it, const u32* xf, const float* gsum, int G0, int G1,
                                        float wscale, float& acc0, float& acc1) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32* xl = xf + g * 8 + 2 * t;
-#pragma unroll
-    for (int j = 0; j < TC_NG; ++j) {
-        if (G0 + j >= G1) break;  // warp-uniform
-        const int G = G0 + j;
-        const u32* xg = xl + G * TCX_WORDS;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
-            u32 a[4];
-            if (i & 1) {
-                a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
-                a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
-            } else {
-                a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
-                a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
-            }
-            const uint2 bx = g < 3 ? *reinterpret_cast<const uint2*>(xg + i * 24) : make_uint2(0u, 0u);
-            mma_bf16(c, a, bx.x, bx.y);
-        }
-        const float s0 = bf16_of(it.sa, j) * wscale, s1 = bf16_of(it.sb, j) * wscale;
-        acc0 = fmaf(16.f * s0, c[0] + c[1], acc0);
-        acc1 = fmaf(16.f * s1, c[2] + c[3], acc1);
-        if (t == 0) {
-            const float gs = gsum[G];
-            acc0 = fmaf(fmaf(bf16_of(it.ba, j), wscale, -16.f * s0), gs, acc0);
-            acc1 = fmaf(fmaf(bf16_of(it.bb, j), wscale, -16.f * s1), gs, acc1);
-        }
-    }
+    const u32* xg0 = xf + G0 * TCX_WORDS + g * 8 + 2 * t;
+    const int n = G1 - G0;
+    if (n == TC_NG) tc_mma_n<TC_NG, false>(it, xg0, gsum + G0, n, wscale, acc0, acc1);
+    else if (n == 4) tc_mma_n<4, false>(it, xg0, gsum + G0, n, wscale, acc0, acc1);
+    else tc_mma_n<TC_NG, true>(it, xg0, gsum + G0, n, wscale, acc0, acc1);
 }
 
 // The tile's lane partials summed over t (into lanes t = 0).

@@ -139,16 +139,17 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
 }
 
 // Tensor-core variant of gemv_q for sets of 4-bit matrices (group 64; tc_load/tc_mma in
-// common.cuh). Work item = (16-row tile, 512-column chunk); a tile is `slices` warps of one
-// block, each taking `kc` consecutive chunks (slices * kc = chunks per row), so a block does
-// warps / slices tiles per iteration and sums the slices through shared memory. Small sets (the
-// out-projections: 128 tiles) get 8 slices of one chunk (~1,000 warps, one wave), large ones
-// (GDN in-proj, q|k|v: 4 chunks per row) 4 slices, the lm_head (15,520 tiles) one slice of 4
-// chunks per warp and no barriers. The first item's loads are issued before the prologue.
+// common.cuh). Work item = (16-row tile, chunk of `ng` <= 8 groups of 64 columns); a tile is
+// `slices` warps of one block, each taking `kc` consecutive chunks (slices * kc = chunks per
+// row), so a block does warps / slices tiles per iteration and sums the slices through shared
+// memory. Large sets (GDN in-proj, q|k|v: 4 chunks of 512 columns per row) get 4 slices, the
+// lm_head (15,520 tiles) one slice of 4 chunks per warp and no barriers; small ones (the
+// out-projections: 128 tiles of 4,096 columns) run as gemv_tc16, 16 warps of 256 columns per
+// tile (2,048 warps, one wave). The first item's loads are issued before the prologue.
 // Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
-                                               int cols, const float* __restrict__ gain, float eps, int slices, int kc,
-                                               float* __restrict__ xnorm_out) {
+__device__ __forceinline__ void gemv_tc_body(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
+                                             int cols, const float* __restrict__ gain, float eps, int slices, int kc,
+                                             int ng, float* __restrict__ xnorm_out) {
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -170,8 +171,8 @@ extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, in
     };
     auto load = [&](TcItem& it, int m, int r0, int k) {
         const QMat& M = mats[m];
-        const int G0 = (my_slice * kc + k) * TC_NG;
-        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+        const int G0 = (my_slice * kc + k) * ng;
+        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + ng));
     };
     TcItem it;
     int m, r0;
@@ -193,13 +194,13 @@ extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, in
             if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
                 // The later chunks of this warp's 16 rows into L2 while the first is computed.
                 const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(r0 + lane) * (cols >> 3)) +
-                                (size_t)(my_slice * kc + 1) * TC_NG * 32;
-                for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
+                                (size_t)(my_slice * kc + 1) * ng * 32;
+                for (int off = 0; off < (kc - 1) * ng * 32; off += 128) prefetch_l2(p + off);
             }
             for (int k = 0; k < kc; ++k) {
                 if (k > 0) load(it, m, r0, k);
-                const int G0 = (my_slice * kc + k) * TC_NG;
-                tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
+                const int G0 = (my_slice * kc + k) * ng;
+                tc_mma(it, xf, gsum, G0, min(gpr, G0 + ng), 1.f, acc0, acc1);
             }
         }
         tc_reduce(acc0, acc1);
@@ -229,4 +230,16 @@ extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, in
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
+                                               int cols, const float* __restrict__ gain, float eps, int slices, int kc,
+                                               int ng, float* __restrict__ xnorm_out) {
+    gemv_tc_body(mats, nmats, x, cols, gain, eps, slices, kc, ng, xnorm_out);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gemv_tc16(const QMat* __restrict__ mats, int nmats,
+                                                               const float* __restrict__ x, int cols,
+                                                               const float* __restrict__ gain, float eps, int slices,
+                                                               int kc, int ng, float* __restrict__ xnorm_out) {
+    gemv_tc_body(mats, nmats, x, cols, gain, eps, slices, kc, ng, xnorm_out);
 }

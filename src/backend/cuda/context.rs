@@ -24,7 +24,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "gemv",
         include_str!("../../../kernels/gemv.cu"),
-        &["gemv_q", "gemv_tc", "embed_q"],
+        &["gemv_q", "gemv_tc", "gemv_tc16", "embed_q"],
     ),
     (
         "gdn",
