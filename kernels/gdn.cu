@@ -23,8 +23,8 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     float* qs = sm;            // dk
     float* ks = qs + dk;       // dk
     float* vs = ks + dk;       // dv
-    float* part = vs + dv;     // (dk/32) * dv
-    float* red = part + (dk / GDN_SL) * dv;  // 33
+    float* part = vs + dv;     // 2 * (dk/32) * dv: kv partials, then o partials
+    float* red = part + 2 * (dk / GDN_SL) * dv;  // 33
     const int n = blockIdx.x, group = nv / nk, kh = n / group;
     const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
     const int pos = step[1], slot = pos % KC;
@@ -85,16 +85,21 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
         if (idx >= 2 * dk || n % group == 0) ring[(size_t)slot * conv_dim + ch] = cur;
     }
     __syncthreads();
-    // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale.
+    // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale: the first dk threads
+    // (whole warps) reduce q*q and k*k, one barrier publishes the warp sums, and every thread
+    // forms the same factors. q and k are normalised where they are read (the same products,
+    // qs[i] * iq * qscale and ks[i] * ik, as a separate normalisation pass, without its barrier).
+    const int lane = tid & 31, warp = tid >> 5, kw = dk >> 5;
+    if (tid < dk) {
+        const float q = qs[tid], k = ks[tid];
+        const float wq = warp_sum(q * q), wk = warp_sum(k * k);
+        if (lane == 0) { red[warp] = wq; red[kw + warp] = wk; }
+    }
+    __syncthreads();
     float sq = 0.f, sk = 0.f;
-    for (int i = tid; i < dk; i += nt) { sq += qs[i] * qs[i]; sk += ks[i] * ks[i]; }
-    sq = block_sum(sq, red);
-    sk = block_sum(sk, red);
-    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
-    float qscale = 1.f / sqrtf((float)dk);
-    __syncthreads();
-    for (int i = tid; i < dk; i += nt) { qs[i] = qs[i] * iq * qscale; ks[i] = ks[i] * ik; }
-    __syncthreads();
+    for (int w = 0; w < kw; ++w) { sq += red[w]; sk += red[kw + w]; }
+    const float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    const float qscale = 1.f / sqrtf((float)dk);
 
     const float beta = sigmoid_f(braw[n]);
     const float g = nega * softplus_f(araw[n] + dtb);
@@ -104,33 +109,39 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
             s[ii] = s[ii] * alpha;
-            kv += s[ii] * ks[i0 + ii];
+            kv += s[ii] * (ks[i0 + ii] * ik);
         }
         part[r * dv + j] = kv;
     }
     __syncthreads();
-    float o = 0.f;
+    // o's partial sums go to a second buffer, so no barrier is needed before writing them.
+    float* part_o = part + (dk / GDN_SL) * dv;
     if (active) {
         kv = 0.f;
         for (int rr = 0; rr < dk / GDN_SL; ++rr) kv += part[rr * dv + j];
-        float delta = beta * (vs[j] - kv);
+        const float delta = beta * (vs[j] - kv);
+        float o = 0.f;
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
-            s[ii] += ks[i0 + ii] * delta;
-            o += s[ii] * qs[i0 + ii];
+            s[ii] += (ks[i0 + ii] * ik) * delta;
+            o += s[ii] * (qs[i0 + ii] * iq * qscale);
             S[(size_t)(i0 + ii) * dv + j] = s[ii];
         }
+        part_o[r * dv + j] = o;
     }
     __syncthreads();
-    if (active) part[r * dv + j] = o;
-    __syncthreads();
-    o = 0.f;
-    if (r == 0)
-        for (int rr = 0; rr < dk / GDN_SL; ++rr) o += part[rr * dv + j];
-    // Gated RMSNorm over the head's dv outputs.
-    float ss = block_sum(r == 0 ? o * o : 0.f, red);
+    // Gated RMSNorm over the head's dv outputs: threads r = 0 (the first dv threads, whole warps).
+    float o = 0.f;
     if (r == 0) {
-        float inv = inv_rms_from(ss, dv, eps);
+        for (int rr = 0; rr < dk / GDN_SL; ++rr) o += part_o[rr * dv + j];
+        const float w = warp_sum(o * o);
+        if (lane == 0) red[2 * kw + warp] = w;
+    }
+    __syncthreads();
+    if (r == 0) {
+        float ss = 0.f;
+        for (int w = 0; w < (dv >> 5); ++w) ss += red[2 * kw + w];
+        const float inv = inv_rms_from(ss, dv, eps);
         y[(size_t)n * dv + j] = o * inv * nwj * silu_f(z[(size_t)n * dv + j]);
     }
 }

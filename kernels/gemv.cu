@@ -139,17 +139,18 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
 }
 
 // Tensor-core variant of gemv_q for sets of 4-bit matrices (group 64; tc_load/tc_mma in
-// common.cuh). Work item = (16-row tile, chunk of `ng` <= 8 groups of 64 columns); a tile is
+// common.cuh). Work item = (16-row tile, chunk of TC_NG = 8 groups of 64 columns); a tile is
 // `slices` warps of one block, each taking `kc` consecutive chunks (slices * kc = chunks per
 // row), so a block does warps / slices tiles per iteration and sums the slices through shared
 // memory. Large sets (GDN in-proj, q|k|v: 4 chunks of 512 columns per row) get 4 slices, the
-// lm_head (15,520 tiles) one slice of 4 chunks per warp and no barriers; small ones (the
-// out-projections: 128 tiles of 4,096 columns) run as gemv_tc16, 16 warps of 256 columns per
-// tile (2,048 warps, one wave). The first item's loads are issued before the prologue.
+// lm_head (15,520 tiles) one slice of 4 chunks per warp and no barriers. The first item's loads
+// are issued before the prologue. (The host keeps sets of few tiles, the out-projections, on
+// gemv_q: kernels.rs `gemv`.)
 // Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-__device__ __forceinline__ void gemv_tc_body(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
-                                             int cols, const float* __restrict__ gain, float eps, int slices, int kc,
-                                             int ng, float* __restrict__ xnorm_out) {
+extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
+                                               int cols, const float* __restrict__ gain, float eps, int slices, int kc,
+                                               float* __restrict__ xnorm_out) {
+    const int ng = TC_NG;
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -230,16 +231,4 @@ __device__ __forceinline__ void gemv_tc_body(const QMat* __restrict__ mats, int 
         }
         __syncthreads();
     }
-}
-
-extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
-                                               int cols, const float* __restrict__ gain, float eps, int slices, int kc,
-                                               int ng, float* __restrict__ xnorm_out) {
-    gemv_tc_body(mats, nmats, x, cols, gain, eps, slices, kc, ng, xnorm_out);
-}
-extern "C" __global__ void __launch_bounds__(512, 1) gemv_tc16(const QMat* __restrict__ mats, int nmats,
-                                                               const float* __restrict__ x, int cols,
-                                                               const float* __restrict__ gain, float eps, int slices,
-                                                               int kc, int ng, float* __restrict__ xnorm_out) {
-    gemv_tc_body(mats, nmats, x, cols, gain, eps, slices, kc, ng, xnorm_out);
 }

@@ -32,6 +32,8 @@ fn cuda() -> CudaBackend {
     b.set_exact_prefill(true);
     // f32 KV like the CPU reference (the default bf16 cache has its own test below).
     b.set_kv_bf16(false);
+    // Every 4-bit GEMV set on the tensor-core kernel (the tiny model's sets are all small).
+    b.gpu().set_gemv_tc_min_tiles(0);
     b
 }
 
@@ -93,14 +95,20 @@ fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
         let q = random_quant(rows, cols, bits, seed);
         let x = rnd(100 + seed, cols);
         let want = qmatmul::qmatmul_all(&q, &x, 1);
-        let got = b.gemv_host(&q, &x, None).unwrap();
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-        let e = max_abs_diff(&got, &want);
-        eprintln!("gemv [{rows}x{cols}, {bits}-bit]: max |err| {e:.3e} (max |y| {scale:.3})");
-        assert!(
-            e <= 1e-5 * scale.max(1.0) * (cols as f32 / 64.0).sqrt(),
-            "[{rows}x{cols}]: max err {e}"
-        );
+        // The tensor-core kernel for every size, then the default routing (small sets on gemv_q).
+        for min_tiles in [0usize, 256] {
+            b.gpu().set_gemv_tc_min_tiles(min_tiles);
+            let got = b.gemv_host(&q, &x, None).unwrap();
+            let e = max_abs_diff(&got, &want);
+            eprintln!(
+                "gemv [{rows}x{cols}, {bits}-bit] (tc min tiles {min_tiles}): max |err| {e:.3e} (max |y| {scale:.3})"
+            );
+            assert!(
+                e <= 1e-5 * scale.max(1.0) * (cols as f32 / 64.0).sqrt(),
+                "[{rows}x{cols}]: max err {e}"
+            );
+        }
     }
 }
 

@@ -24,7 +24,7 @@ pub const MODULES: &[(&str, &str, &[&str])] = &[
     (
         "gemv",
         include_str!("../../../kernels/gemv.cu"),
-        &["gemv_q", "gemv_tc", "gemv_tc16", "embed_q"],
+        &["gemv_q", "gemv_tc", "embed_q"],
     ),
     (
         "gdn",
@@ -230,6 +230,10 @@ pub struct Gpu {
     /// matrices are 4-bit with group 64, unless `LILY_CUDA_DECODE_TC=0` (then the CUDA-core
     /// `gemv_q` / `moe_gate_up` / `moe_down` everywhere).
     pub decode_tc: bool,
+    /// Sets of fewer 16-row tiles than this stay on `gemv_q` (`LILY_CUDA_GEMV_TC_MIN_TILES`,
+    /// default 256: the 2,048-row out-projections, 128 tiles, measured faster there; tests set 0
+    /// so the tiny model's small sets run the tensor-core kernel too).
+    gemv_tc_min_tiles: std::sync::atomic::AtomicUsize,
 }
 
 impl Gpu {
@@ -301,8 +305,13 @@ impl Gpu {
         let decode_tc = std::env::var("LILY_CUDA_DECODE_TC")
             .map(|v| v != "0")
             .unwrap_or(true);
+        let gemv_tc_min_tiles = std::env::var("LILY_CUDA_GEMV_TC_MIN_TILES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(256usize);
         Ok(Gpu {
             decode_tc,
+            gemv_tc_min_tiles: std::sync::atomic::AtomicUsize::new(gemv_tc_min_tiles),
             ctx,
             stream,
             sms,
@@ -344,6 +353,16 @@ impl Gpu {
 
     /// Turns programmatic dependent launch of the decode kernels on or off (graphs captured
     /// before keep what they were captured with).
+    /// See `gemv_tc_min_tiles` (tests: 0 puts every 4-bit set on the tensor-core GEMV).
+    pub fn set_gemv_tc_min_tiles(&self, tiles: usize) {
+        self.gemv_tc_min_tiles
+            .store(tiles, std::sync::atomic::Ordering::Relaxed);
+    }
+    pub fn gemv_tc_min_tiles(&self) -> usize {
+        self.gemv_tc_min_tiles
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }

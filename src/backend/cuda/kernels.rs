@@ -47,16 +47,14 @@ pub fn gemv(
     group: usize,
     xnorm_out: u64,
 ) -> Result<()> {
-    // Measurement knob: LILY_CUDA_GEMV_TC_MIN_TILES=n keeps sets of fewer 16-row tiles on
-    // gemv_q (the out-projections have 128).
-    static MIN_TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let min_tiles = *MIN_TILES.get_or_init(|| {
-        std::env::var("LILY_CUDA_GEMV_TC_MIN_TILES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0usize)
-    });
-    if gpu.decode_tc && set.all4 && group == 64 && cols.is_multiple_of(64) && set.tiles >= min_tiles
+    // Sets of few tiles (the out-projections) stay on gemv_q: 430.5 vs 426.8 tok/s at 4K with the
+    // 128-tile out-projections on gemv_tc (16 warps of 256 columns per tile; 418.6 with 8 of
+    // 512), H200 2026-11-29.
+    if gpu.decode_tc
+        && set.all4
+        && group == 64
+        && cols.is_multiple_of(64)
+        && set.tiles >= gpu.gemv_tc_min_tiles()
     {
         return gemv_tc(gpu, set, x, cols, gain, eps, xnorm_out);
     }
@@ -119,11 +117,8 @@ const TCX_WORDS: usize = 96;
 const TC_NG: usize = 8;
 
 /// `gemv` on the tensor cores (kernels/gemv.cu `gemv_tc`). Each 16-row tile is split into
-/// `slices` warps of `kc` chunks of `ng` groups: the fewest slices that still give about one
-/// wave of warps (the lm_head needs none). Sets too small for that even at 8 slices of 512
-/// columns (the 2,048-row out-projections: 128 tiles) run as `gemv_tc16`: 16 warps per block,
-/// 256 columns each, so twice the warps have loads in flight and each does half the math
-/// (`LILY_CUDA_GEMV_TC16=0`: 8 warps of 512 columns).
+/// `slices` warps of `kc` 512-column chunks: the fewest slices that still give about one wave
+/// of warps (the lm_head needs none; GDN in-proj and q|k|v take 4).
 fn gemv_tc(
     gpu: &Gpu,
     set: GemvSet,
@@ -133,38 +128,18 @@ fn gemv_tc(
     eps: f32,
     xnorm_out: u64,
 ) -> Result<()> {
-    static TC16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let tc16_on = *TC16.get_or_init(|| std::env::var("LILY_CUDA_GEMV_TC16").map(|v| v != "0").unwrap_or(true));
-    let occupancy = |name: &str, threads: u32, smem: u32| -> Result<usize> {
-        Ok(gpu
-            .func(name)?
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-            .unwrap_or(1)
-            .clamp(1, 8) as usize)
-    };
-    let gpr = cols / 64;
-    let warps8 = (GEMV_THREADS / 32) as usize;
-    let smem8 = tc_smem(cols, warps8);
-    let per_sm8 = occupancy("gemv_tc", GEMV_THREADS, smem8)?;
-    let wave8 = gpu.sms as usize * per_sm8 * warps8;
-    let small = set.tiles * gpr.div_ceil(TC_NG) * 2 < wave8;
-    let (name, warps, ng, smem, per_sm) = if tc16_on && small && gpr >= 4 {
-        let smem = tc_smem(cols, 16);
-        (
-            "gemv_tc16",
-            16usize,
-            4usize,
-            smem,
-            occupancy("gemv_tc16", 512, smem)?,
-        )
-    } else {
-        ("gemv_tc", warps8, TC_NG, smem8, per_sm8)
-    };
+    let warps = (GEMV_THREADS / 32) as usize;
+    let smem = tc_smem(cols, warps);
+    let per_sm = gpu
+        .func("gemv_tc")?
+        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
+        .unwrap_or(1)
+        .clamp(1, 8) as usize;
     let wave_warps = gpu.sms as usize * per_sm * warps;
-    let chunks = gpr.div_ceil(ng);
-    let allowed: Vec<usize> = [1usize, 2, 4, 8, 16]
+    let chunks = (cols / 64).div_ceil(TC_NG);
+    let allowed: Vec<usize> = [1usize, 2, 4, 8]
         .into_iter()
-        .filter(|s| *s <= warps && chunks.is_multiple_of(*s))
+        .filter(|s| chunks.is_multiple_of(*s))
         .collect();
     let slices = allowed
         .iter()
@@ -179,9 +154,9 @@ fn gemv_tc(
         .min(gpu.sms as usize * per_sm)
         .max(1) as u32;
     gpu.launch(
-        name,
+        "gemv_tc",
         (blocks, 1, 1),
-        (warps * 32) as u32,
+        GEMV_THREADS,
         smem,
         &[
             Arg::P(set.descs),
@@ -192,7 +167,6 @@ fn gemv_tc(
             Arg::F(eps),
             Arg::I(slices as i32),
             Arg::I(kc as i32),
-            Arg::I(ng as i32),
             Arg::P(xnorm_out),
         ],
     )
@@ -275,7 +249,7 @@ impl GdnDims {
         (self.dv * (self.dk / 32)) as u32
     }
     pub fn smem(&self) -> u32 {
-        ((2 * self.dk + self.dv + (self.dk / 32) * self.dv + 33) * 4) as u32
+        ((2 * self.dk + self.dv + 2 * (self.dk / 32) * self.dv + 33) * 4) as u32
     }
 }
 
