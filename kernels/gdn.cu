@@ -62,6 +62,10 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     }
     const float dtb = dt_bias[n], nega = neg_a[n], nwj = norm_w[j];
     pdl_wait_trigger();
+    // This step's gate inputs and the output gate z, read now so their L2 round trips overlap
+    // the conv instead of adding to the tail.
+    const float bn = braw[n], an = araw[n];
+    const float zj = z[(size_t)n * dv + j];
 
     for (int idx = tid; idx < nch; idx += nt) {
         const int ch = idx == tid ? ch0 : chan(idx);
@@ -101,8 +105,8 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
     const float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
     const float qscale = 1.f / sqrtf((float)dk);
 
-    const float beta = sigmoid_f(braw[n]);
-    const float g = nega * softplus_f(araw[n] + dtb);
+    const float beta = sigmoid_f(bn);
+    const float g = nega * softplus_f(an + dtb);
     const float alpha = expf(g);
     float kv = 0.f;
     if (active) {
@@ -142,6 +146,6 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
         float ss = 0.f;
         for (int w = 0; w < (dv >> 5); ++w) ss += red[2 * kw + w];
         const float inv = inv_rms_from(ss, dv, eps);
-        y[(size_t)n * dv + j] = o * inv * nwj * silu_f(z[(size_t)n * dv + j]);
+        y[(size_t)n * dv + j] = o * inv * nwj * silu_f(zj);
     }
 }
