@@ -218,10 +218,13 @@ pub struct Gpu {
     pub name: String,
     funcs: HashMap<&'static str, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
-    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): off unless
-    /// `LILY_CUDA_PDL=1` (measured on the H200: neutral at 4K, 1% slower at 256; see
-    /// docs/cuda.md). Every kernel launched through `Gpu::launch` executes `griddepcontrol.wait`
-    /// before touching anything the previous kernel writes, so either setting is correct.
+    /// Programmatic dependent launch for the decode kernels (`Gpu::launch`): on unless
+    /// `LILY_CUDA_PDL=0`. Every kernel launched through `Gpu::launch` executes
+    /// `griddepcontrol.wait` before touching anything the previous kernel writes, so either
+    /// setting is correct. Since the tensor-core decode kernels issue their weight loads into
+    /// registers before that wait, the next kernel's loads overlap the current one's tail:
+    /// 471.7 vs 436.7 tok/s decode at 4K, 482.2 vs 447.1 at 256 on the H200, same digests
+    /// (2026-11-29; it was neutral when the kernels only prefetched into L2).
     pdl: std::sync::atomic::AtomicBool,
     /// Decode attention uses the cp.async-tiled split kernel (`attn_split_{hd}`) unless
     /// `LILY_CUDA_ATTN_TILED=0` (then the register-streaming `attn_split_reg_{hd}`).
@@ -320,7 +323,7 @@ impl Gpu {
             _modules: modules,
             attn_tiled,
             pdl: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
+                std::env::var("LILY_CUDA_PDL").map(|v| v != "0").unwrap_or(true),
             ),
         })
     }
