@@ -36,6 +36,17 @@ __device__ void route_topk(const float* __restrict__ logits, int E, int K, int* 
     if ((threadIdx.x >> 5) == 0) warp_route_topk(logits, E, K, ids, wts);
 }
 
+// Rows [row0, row0 + n) of a 4-bit matrix with `cols` columns (codes, scales, biases) into L2,
+// spread over the warp's lanes: the share of the chosen experts' down rows that each
+// gate|up block pulls in for moe_down.
+__device__ __forceinline__ void prefetch_q4_rows(const u32* w, const u16* s, const u16* b, size_t row0, int n,
+                                                 int cols, int group, int lane) {
+    const size_t wpr = (size_t)cols / 8, gpr = (size_t)cols / group;
+    prefetch_l2_warp(w + row0 * wpr, n * wpr * 4, lane);
+    prefetch_l2_warp(s + row0 * gpr, n * gpr * 2, lane);
+    prefetch_l2_warp(b + row0 * gpr, n * gpr * 2, lane);
+}
+
 // Dynamic shared memory: cols + cols/group + 33 floats. act: [K*inter + sinter].
 extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, int K,
                                        const u32* gw, const u16* gs, const u16* gb,
@@ -74,12 +85,7 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
             prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
         }
-        if (MOE_DOWN_PF && warp == warps - 1 && dn > 0) {
-            const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / group;
-            prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
-            prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
-            prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
-        }
+        if (MOE_DOWN_PF && warp == warps - 1 && dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, group, lane);
     }
     pdl_wait_trigger();
     if (slot < K && warp == 0) {
@@ -91,13 +97,8 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
             prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
         }
-        if (MOE_DOWN_PF && dn > 0) {
-            const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / group;
-            const size_t drow0 = (size_t)ids[slot] * hidden + d0;
-            prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
-            prefetch_l2_warp(ds + drow0 * dgpr, dn * dgpr * 2, lane);
-            prefetch_l2_warp(db + drow0 * dgpr, dn * dgpr * 2, lane);
-        }
+        if (MOE_DOWN_PF && dn > 0)
+            prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, group, lane);
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
     const bool fast = MOE_FAST && (cols & 63) == 0 && cols <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
@@ -299,12 +300,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(sgw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(suw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
-        if (MOE_DOWN_PF && dn > 0) {
-            const size_t dwpr = (size_t)sinter / 8, dgpr = (size_t)sinter / 64;
-            prefetch_l2_warp(sdw + (size_t)d0 * dwpr, dn * dwpr * 4, lane);
-            prefetch_l2_warp(sds + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
-            prefetch_l2_warp(sdb + (size_t)d0 * dgpr, dn * dgpr * 2, lane);
-        }
+        if (MOE_DOWN_PF && dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, 64, lane);
     }
     pdl_wait_trigger();
     if (routed && warp == 0) {
@@ -316,13 +312,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
-        if (MOE_DOWN_PF && dn > 0) {
-            const size_t dwpr = (size_t)inter / 8, dgpr = (size_t)inter / 64;
-            const size_t drow0 = (size_t)ids[slot] * hidden + d0;
-            prefetch_l2_warp(dw + drow0 * dwpr, dn * dwpr * 4, lane);
-            prefetch_l2_warp(ds + drow0 * dgpr, dn * dgpr * 2, lane);
-            prefetch_l2_warp(db + drow0 * dgpr, dn * dgpr * 2, lane);
-        }
+        if (MOE_DOWN_PF && dn > 0)
+            prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, 64, lane);
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
     stage_x_tc(x, cols, nullptr, 0.f, xf, gsum, red, routed ? 1 : 0);  // its barrier publishes ids

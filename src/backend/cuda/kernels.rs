@@ -469,6 +469,70 @@ fn moe_tc_applies(gpu: &Gpu, d: &MoeDims) -> bool {
         && tc_smem(d.hidden, 8) as usize <= 48 * 1024
 }
 
+/// Arguments of `moe_gate_up` and `moe_gate_up_tc` (kernels/moe.cu): one list, with the
+/// kernel's own tuning parameters (`group`, or `slices, kc`) after the input width.
+fn gate_up_args(d: &MoeDims, p: &MoePtrs, tuning: &[Arg]) -> Vec<Arg> {
+    let mut a = vec![
+        Arg::P(p.logits),
+        Arg::I(d.e as i32),
+        Arg::I(d.k as i32),
+        Arg::P(p.gate.0),
+        Arg::P(p.gate.1),
+        Arg::P(p.gate.2),
+        Arg::P(p.up.0),
+        Arg::P(p.up.1),
+        Arg::P(p.up.2),
+        Arg::I(d.inter as i32),
+        Arg::P(p.sgate.0),
+        Arg::P(p.sgate.1),
+        Arg::P(p.sgate.2),
+        Arg::P(p.sup.0),
+        Arg::P(p.sup.1),
+        Arg::P(p.sup.2),
+        Arg::I(d.sinter as i32),
+        Arg::P(p.u),
+        Arg::I(d.hidden as i32),
+    ];
+    a.extend_from_slice(tuning);
+    a.extend([
+        Arg::P(p.act),
+        Arg::P(p.top_ids),
+        Arg::P(p.top_w),
+        Arg::P(p.down.0),
+        Arg::P(p.down.1),
+        Arg::P(p.down.2),
+        Arg::P(p.sdown.0),
+        Arg::P(p.sdown.1),
+        Arg::P(p.sdown.2),
+        Arg::I(d.hidden as i32),
+    ]);
+    a
+}
+
+/// Arguments of `moe_down` and `moe_down_tc`: one list; `third` is the shared expert's width
+/// (`moe_down`) or the warps per expert (`moe_down_tc`), `tuning` goes before the output.
+fn down_args(d: &MoeDims, p: &MoePtrs, third: Arg, tuning: &[Arg]) -> Vec<Arg> {
+    let mut a = vec![
+        Arg::P(p.act),
+        Arg::P(p.top_ids),
+        Arg::P(p.top_w),
+        Arg::I(d.k as i32),
+        Arg::I(d.inter as i32),
+        third,
+        Arg::P(p.down.0),
+        Arg::P(p.down.1),
+        Arg::P(p.down.2),
+        Arg::P(p.sdown.0),
+        Arg::P(p.sdown.1),
+        Arg::P(p.sdown.2),
+        Arg::P(p.shared_gate_logit),
+        Arg::I(d.hidden as i32),
+    ];
+    a.extend_from_slice(tuning);
+    a.push(Arg::P(p.x));
+    a
+}
+
 /// Tensor-core MoE decode (kernels/moe.cu `moe_gate_up_tc`, `moe_down_tc`).
 fn moe_tc(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
     let chunks = (d.hidden / 64).div_ceil(TC_NG);
@@ -483,39 +547,7 @@ fn moe_tc(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
         (d.inter.max(d.sinter).div_ceil(16) as u32, (d.k + 1) as u32, 1),
         (warps * 32) as u32,
         tc_smem(d.hidden, warps),
-        &[
-            Arg::P(p.logits),
-            Arg::I(d.e as i32),
-            Arg::I(d.k as i32),
-            Arg::P(p.gate.0),
-            Arg::P(p.gate.1),
-            Arg::P(p.gate.2),
-            Arg::P(p.up.0),
-            Arg::P(p.up.1),
-            Arg::P(p.up.2),
-            Arg::I(d.inter as i32),
-            Arg::P(p.sgate.0),
-            Arg::P(p.sgate.1),
-            Arg::P(p.sgate.2),
-            Arg::P(p.sup.0),
-            Arg::P(p.sup.1),
-            Arg::P(p.sup.2),
-            Arg::I(d.sinter as i32),
-            Arg::P(p.u),
-            Arg::I(d.hidden as i32),
-            Arg::I(slices as i32),
-            Arg::I(kc as i32),
-            Arg::P(p.act),
-            Arg::P(p.top_ids),
-            Arg::P(p.top_w),
-            Arg::P(p.down.0),
-            Arg::P(p.down.1),
-            Arg::P(p.down.2),
-            Arg::P(p.sdown.0),
-            Arg::P(p.sdown.1),
-            Arg::P(p.sdown.2),
-            Arg::I(d.hidden as i32),
-        ],
+        &gate_up_args(&d, p, &[Arg::I(slices as i32), Arg::I(kc as i32)]),
     )?;
     // Each expert's down rows over two warps (LILY_CUDA_MOE_DOWN_SPLIT=1: one): 2,304 warps
     // instead of 1,152 for the 35B; 404.1 vs 398.9 tok/s decode at 4K on the H200 (2026-11-29).
@@ -533,23 +565,7 @@ fn moe_tc(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
         (d.hidden.div_ceil(16) as u32, 1, 1),
         (warps * 32) as u32,
         tc_smem((d.k + 1) * d.inter, warps),
-        &[
-            Arg::P(p.act),
-            Arg::P(p.top_ids),
-            Arg::P(p.top_w),
-            Arg::I(d.k as i32),
-            Arg::I(d.inter as i32),
-            Arg::I(split as i32),
-            Arg::P(p.down.0),
-            Arg::P(p.down.1),
-            Arg::P(p.down.2),
-            Arg::P(p.sdown.0),
-            Arg::P(p.sdown.1),
-            Arg::P(p.sdown.2),
-            Arg::P(p.shared_gate_logit),
-            Arg::I(d.hidden as i32),
-            Arg::P(p.x),
-        ],
+        &down_args(&d, p, Arg::I(split as i32), &[]),
     )
 }
 
@@ -574,38 +590,7 @@ pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
         (rows.div_ceil(2 * warps) as u32, (d.k + 1) as u32, 1),
         (warps * 32) as u32,
         smem,
-        &[
-            Arg::P(p.logits),
-            Arg::I(d.e as i32),
-            Arg::I(d.k as i32),
-            Arg::P(p.gate.0),
-            Arg::P(p.gate.1),
-            Arg::P(p.gate.2),
-            Arg::P(p.up.0),
-            Arg::P(p.up.1),
-            Arg::P(p.up.2),
-            Arg::I(d.inter as i32),
-            Arg::P(p.sgate.0),
-            Arg::P(p.sgate.1),
-            Arg::P(p.sgate.2),
-            Arg::P(p.sup.0),
-            Arg::P(p.sup.1),
-            Arg::P(p.sup.2),
-            Arg::I(d.sinter as i32),
-            Arg::P(p.u),
-            Arg::I(d.hidden as i32),
-            Arg::I(d.group as i32),
-            Arg::P(p.act),
-            Arg::P(p.top_ids),
-            Arg::P(p.top_w),
-            Arg::P(p.down.0),
-            Arg::P(p.down.1),
-            Arg::P(p.down.2),
-            Arg::P(p.sdown.0),
-            Arg::P(p.sdown.1),
-            Arg::P(p.sdown.2),
-            Arg::I(d.hidden as i32),
-        ],
+        &gate_up_args(&d, p, &[Arg::I(d.group as i32)]),
     )?;
     let n_act = d.k * d.inter + d.sinter;
     let smem = ((n_act + n_act / d.group + 33) * 4) as u32;
@@ -614,24 +599,7 @@ pub fn moe(gpu: &Gpu, d: MoeDims, p: &MoePtrs) -> Result<()> {
         (d.hidden.div_ceil(warps) as u32, 1, 1),
         (warps * 32) as u32,
         smem,
-        &[
-            Arg::P(p.act),
-            Arg::P(p.top_ids),
-            Arg::P(p.top_w),
-            Arg::I(d.k as i32),
-            Arg::I(d.inter as i32),
-            Arg::I(d.sinter as i32),
-            Arg::P(p.down.0),
-            Arg::P(p.down.1),
-            Arg::P(p.down.2),
-            Arg::P(p.sdown.0),
-            Arg::P(p.sdown.1),
-            Arg::P(p.sdown.2),
-            Arg::P(p.shared_gate_logit),
-            Arg::I(d.hidden as i32),
-            Arg::I(d.group as i32),
-            Arg::P(p.x),
-        ],
+        &down_args(&d, p, Arg::I(d.sinter as i32), &[Arg::I(d.group as i32)]),
     )
 }
 
