@@ -430,7 +430,7 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
 // decode kernels were issue- and instruction-fetch-bound (docs/cuda.md, round 3). Here a warp
 // takes 16 rows at a time and lets mma.sync do the multiply-adds: per 32-bit word of codes
 // (8 weights) 4 shifts + 4 LOP3 turn the nibbles into bf16 pairs, and one mma consumes 256
-// weights. About 1.3 instructions per weight instead of 4.5.
+// weights. About 1.75 instructions per weight and lane (56 per group of 16 rows) instead of 4.5.
 //
 // Exactness: the codes become bf16 1 + q/16 (exact: the nibble lands in the top mantissa bits),
 // and the activation is split into three bf16 terms x = hi + mid + lo (exact to ~2^-24 relative),
@@ -581,12 +581,9 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
     }
 }
 
-// The item against the staged activation: xf/gsum are the fragments and group sums of the
-// vector whose group 0 meets the matrix's group 0. Adds this lane's share, times wscale, to
-// acc0 (row r0 + g) and acc1 (row r0 + g + 8); the row's dot product is the sum over the 4
-// lanes t (t = 2, 3 add exactly zero, so acc += shfl_xor(acc, 1) leaves it in lane t = 0).
-// Groups j < n of the item (N: the unroll; with CHECK, j >= n is skipped, warp-uniform). The
-// bias term goes to lane t = 0 only, through gsum scaled by 0 or 1 (no branch).
+// tc_mma's groups j < n (N: the unroll; with CHECK, j >= n is skipped, warp-uniform). xg0 and
+// gs0 point at the item's first group. The bias term goes to lane t = 0 only, through the group
+// sum scaled by 0 or 1 (no branch).
 template <int N, bool CHECK>
 __device__ __forceinline__ void tc_mma_n(const TcItem& it, const u32* xg0, const float* gs0, int n, float wscale,
                                          float& acc0, float& acc1) {
