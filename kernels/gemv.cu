@@ -150,7 +150,6 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
 extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x,
                                                int cols, const float* __restrict__ gain, float eps, int slices, int kc,
                                                float* __restrict__ xnorm_out) {
-    const int ng = TC_NG;
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -172,8 +171,8 @@ extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, in
     };
     auto load = [&](TcItem& it, int m, int r0, int k) {
         const QMat& M = mats[m];
-        const int G0 = (my_slice * kc + k) * ng;
-        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + ng));
+        const int G0 = (my_slice * kc + k) * TC_NG;
+        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
     };
     TcItem it;
     int m, r0;
@@ -195,13 +194,13 @@ extern "C" __global__ void GEMV_BOUNDS gemv_tc(const QMat* __restrict__ mats, in
             if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
                 // The later chunks of this warp's 16 rows into L2 while the first is computed.
                 const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(r0 + lane) * (cols >> 3)) +
-                                (size_t)(my_slice * kc + 1) * ng * 32;
-                for (int off = 0; off < (kc - 1) * ng * 32; off += 128) prefetch_l2(p + off);
+                                (size_t)(my_slice * kc + 1) * TC_NG * 32;
+                for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
             }
             for (int k = 0; k < kc; ++k) {
                 if (k > 0) load(it, m, r0, k);
-                const int G0 = (my_slice * kc + k) * ng;
-                tc_mma(it, xf, gsum, G0, min(gpr, G0 + ng), 1.f, acc0, acc1);
+                const int G0 = (my_slice * kc + k) * TC_NG;
+                tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
             }
         }
         tc_reduce(acc0, acc1);

@@ -137,15 +137,11 @@ fn gemv_tc(
         .clamp(1, 8) as usize;
     let wave_warps = gpu.sms as usize * per_sm * warps;
     let chunks = (cols / 64).div_ceil(TC_NG);
-    let allowed: Vec<usize> = [1usize, 2, 4, 8]
-        .into_iter()
-        .filter(|s| chunks.is_multiple_of(*s))
-        .collect();
-    let slices = allowed
-        .iter()
-        .copied()
+    // Slice counts that divide the chunks (1 always does); the most of them as the fallback.
+    let allowed = || [1usize, 2, 4, 8].into_iter().filter(|s| chunks.is_multiple_of(*s));
+    let slices = allowed()
         .find(|s| set.tiles * s >= wave_warps)
-        .unwrap_or(*allowed.last().unwrap());
+        .unwrap_or_else(|| allowed().next_back().unwrap_or(1));
     let kc = chunks / slices;
     let tiles_per_block = warps / slices;
     let blocks = set
