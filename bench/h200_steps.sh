@@ -5,9 +5,12 @@
 # step carries. Run from the repository root on the GPU machine:
 #
 #   bash bench/h200_steps.sh setup      carry .whl (mlx part aa, mlx + mlx-lm wheels, llama-src) and .device-lead
-#                                       (lily, lily-bench): llama.cpp CUDA build, 35B checkpoint, Q4_0 GGUF,
-#                                       then the llama.cpp Q4_0 arm
-#   bash bench/h200_steps.sh mlx        carry .whl-b (mlx parts ab, ac): MLX-LM venv, then MLX-LM + transformers arms
+#                                       (lily, lily-bench): 35B checkpoint, Q4_0 GGUF; llama.cpp builds and the
+#                                       Q4_K_M quantization start detached and run on into the next calls
+#   bash bench/h200_steps.sh wait JOB   until a detached job (llama-cuda-build, quantize-km) has ended
+#   bash bench/h200_steps.sh mlx        carry .whl-b (mlx parts ab, ac): MLX-LM install
+#   bash bench/h200_steps.sh ck / mlx-arms   the MLX-LM arm alone (see bench/README.md)
+#   bash bench/h200_steps.sh tf-determinism  where transformers' greedy rounds diverge; tf-arms ...: its arm
 #   bash bench/h200_steps.sh matrix ... run_all.py with every arm found, extra arguments passed on
 #   bash bench/h200_steps.sh out        copy results + doc to $OUT
 set -uo pipefail
@@ -32,11 +35,31 @@ PY
 
 gguf_py() { PYTHONPATH=$W/llama/llama.cpp/gguf-py python3 "$@"; }
 
+LLAMA_CMAKE="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON"
+
+# detach NAME CMD: CMD in a new process session (the device tool kills a call's other processes when
+# it returns, not these: they run on while the machine stays warm), niced below the timed arms;
+# output in $W/NAME.log, exit status in $W/NAME.rc once it ends.
+detach() {
+  local name=$1; shift
+  rm -f "$W/$name.rc"
+  setsid nohup nice -n 10 bash -c "$*; echo \$? > $W/$name.rc" > "$W/$name.log" 2>&1 < /dev/null &
+}
+
+# wait_rc NAME SECONDS: wait for a detached job; succeeds when it ended with status 0.
+wait_rc() {
+  local name=$1 t=${2:-540} i=0
+  while [ ! -f "$W/$name.rc" ] && [ "$i" -lt "$t" ]; do sleep 2; i=$((i + 2)); done
+  if [ ! -f "$W/$name.rc" ]; then log "$name: still running after ${t}s"; return 1; fi
+  log "$name: rc=$(cat "$W/$name.rc")"; [ "$(cat "$W/$name.rc")" = 0 ]
+}
+
 matrix() {
   local engines="lily" extra=()
   [ -x "$W/bin/lily-bench" ] || { echo "no lily binaries in $W/bin" >&2; return 1; }
   extra+=(--lily-bench "$W/bin/lily-bench" --lily "$W/bin/lily" --lily-backend cuda)
-  if [ -x "$W/llama/llama.cpp/build/bin/llama-bench" ]; then
+  if [ "$(cat "$W/llama-cuda-build.rc" 2>/dev/null)" = 0 ]; then
     engines+=",llama.cpp"
     local g=""
     [ -f "$W/m-Q4_0.gguf" ] && g="Q4_0=$W/m-Q4_0.gguf"
@@ -57,20 +80,29 @@ setup)
   log "setup: unpack"
   cp .whl/* "$W/whl/" && mkdir -p "$W/bin" && cp .device-lead/bin/lily .device-lead/bin/lily-bench "$W/bin/"
   mkdir -p "$W/llama" && tar -C "$W/llama" -xJf "$W/whl/llama-src.tar.xz"
-  log "setup: llama.cpp CUDA build (background)"
-  ( cd "$W/llama/llama.cpp" && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON \
-    && cmake --build build -j16 --target llama-bench llama-quantize ) > "$W/llama-build.log" 2>&1 &
-  build=$!
+  # Two builds in their own sessions, so they outlive this call: llama-quantize without CUDA (a
+  # minute; it needs no GPU, and the CUDA libllama it would otherwise link takes the ggml-cuda build
+  # first), and llama-bench with CUDA (~8 minutes on 16 cores).
+  log "setup: llama.cpp builds (detached)"
+  detach llama-cpu-build "cd $W/llama/llama.cpp && cmake -B build-cpu -DGGML_CUDA=OFF $LLAMA_CMAKE \
+    && cmake --build build-cpu -j8 --target llama-quantize"
+  detach llama-cuda-build "cd $W/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc $LLAMA_CMAKE && cmake --build build -j16 --target llama-bench"
   log "setup: synthetic 35b-a3b checkpoint"
-  [ -f "$CK/config.json" ] || "$W/bin/lily" synth --preset 35b-a3b --out "$CK" || exit 1
+  [ -f "$CK/config.json" ] || "$W/bin/lily" synth --preset 35b-a3b --out "$CK" > /dev/null || exit 1
   log "setup: Q4_0 GGUF"
   [ -f "$W/m-Q4_0.gguf" ] || gguf_py bench/write_gguf.py --model "$CK" --out "$W/m-Q4_0.gguf" --outtype q4_0 || exit 1
   ls -la "$W/m-Q4_0.gguf"; df -h /root | tail -1
-  log "setup: waiting for the llama.cpp build"
-  wait $build; rc=$?
-  tail -5 "$W/llama-build.log"; log "llama.cpp build rc=$rc"
+  # Q4_K_M by llama-quantize from the Q4_0 file (the weights are random; the types, hence the speed,
+  # are a real Q4_K_M's), detached too; `wait quantize-km` waits for it.
+  wait_rc llama-cpu-build 300 || { tail -20 "$W/llama-cpu-build.log"; exit 1; }
+  [ -f "$W/m-Q4_K_M.gguf" ] || detach quantize-km "$W/llama/llama.cpp/build-cpu/bin/llama-quantize --allow-requantize \
+    $W/m-Q4_0.gguf $W/m-Q4_K_M.gguf.part Q4_K_M 16 && mv $W/m-Q4_K_M.gguf.part $W/m-Q4_K_M.gguf"
+  log "setup: done (the CUDA build and the Q4_K_M quantization go on)"
+  ;;
+wait)
+  # wait JOB [SECONDS]: until a detached job (llama-cuda-build, quantize-km, ...) has ended.
+  wait_rc "$2" "${3:-540}"; rc=$?; tail -3 "$W/$2.log"; exit $rc
   ;;
 mlx)
   log "mlx: assemble mlx-cuda-13 and install"
@@ -126,9 +158,22 @@ mlx-arms)
 for l in open(sys.argv[1]):
     d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$OUT/mlx-lm.jsonl"
   ;;
-quantize-km)
-  [ -f "$W/m-Q4_K_M.gguf" ] || "$W/llama/llama.cpp/build/bin/llama-quantize" --allow-requantize "$W/m-Q4_0.gguf" "$W/m-Q4_K_M.gguf" Q4_K_M 16 > "$W/quantize.log" 2>&1
-  tail -3 "$W/quantize.log"; ls -la "$W"/*.gguf; df -h /root | tail -1
+tf-determinism)
+  # Why transformers' bf16 greedy tokens differ between rounds: two processes of
+  # scripts/tf_determinism.py (traces in $OUT), then the cross-process comparison.
+  for p in a b; do
+    timeout "${TF_LIMIT:-240}" python3 scripts/tf_determinism.py --model "$CK" --out "$OUT/tf-det-$p.json" \
+      --prompt-len 256 --steps 40 --experts "${TF_EXPERTS:-grouped_mm,eager}" 2>&1 | grep -v Warning
+    echo "rc=${PIPESTATUS[0]}"
+  done
+  # The last line names the first implementation that repeats (the one to run the arm with).
+  python3 scripts/tf_determinism.py --compare "$OUT/tf-det-a.json" "$OUT/tf-det-b.json" --pick | tee "$W/tf-experts"
+  ;;
+tf-arms)
+  # The transformers arm with the experts implementation tf-determinism found repeating; none: no run.
+  impl=$(tail -1 "$W/tf-experts" 2>/dev/null)
+  case "$impl" in grouped_mm|eager|batched_mm) ;; *) echo "no repeating experts implementation: transformers not run"; exit 1 ;; esac
+  shift; matrix --engines transformers --tf-experts "$impl" --no-accuracy "$@"
   ;;
 matrix)
   shift; matrix "$@"
@@ -137,8 +182,8 @@ out)
   # $OUT takes at most 8 files: the results folder travels as one archive.
   tar -C "$W/results" -czf "$OUT/results-$DAY.tgz" "$DAY"
   cp docs/benchmarks-peers.md "$OUT/" 2>/dev/null
-  tail -c 200000 "$W/llama-build.log" > "$OUT/llama-build.log" 2>/dev/null
+  for j in llama-cpu-build llama-cuda-build quantize-km; do tail -c 100000 "$W/$j.log" > "$OUT/$j.log" 2>/dev/null; done
   ls -la "$RES"
   ;;
-*) echo "usage: bash bench/h200_steps.sh setup|ck|mlx|mlx-arms|quantize-km|matrix [run_all args]|out" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_steps.sh setup|wait JOB [SECONDS]|ck|mlx|mlx-arms|tf-determinism|tf-arms [run_all args]|matrix [run_all args]|out" >&2; exit 2 ;;
 esac

@@ -249,7 +249,8 @@ def discover(args):
         if ok:
             versions["torch, transformers, device"] = out
             arms["transformers"] = lambda ctx: [args.torch_python, os.path.join(HERE, "transformers_arm.py"), "--model", args.model,
-                                                "--prompt-len", str(ctx), "--decode-steps", str(args.decode_steps)]
+                                                "--prompt-len", str(ctx), "--decode-steps", str(args.decode_steps)] + \
+                (["--experts", args.tf_experts] if args.tf_experts else [])
         else:
             missing["transformers"] = f"not installed for {args.torch_python}: {out}"
     if "llama.cpp" in want:
@@ -396,6 +397,7 @@ def main():
     ap.add_argument("--note", default="")
     ap.add_argument("--accuracy-positions", type=int, default=192)
     ap.add_argument("--accuracy-tf-cuda", action="store_true", help="transformers reference in bf16 on CUDA (default f32 on CPU)")
+    ap.add_argument("--tf-experts", default=None, help="transformers arm's experts implementation (grouped_mm, eager, ...)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--arm-timeout", type=int, default=1800)
     ap.add_argument("--max-seconds", type=float, default=0, help="start no new arm after this many seconds (resume later)")

@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--attn", default=None, help="attention implementation (default: sdpa on cuda, eager on cpu)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--nondeterministic", action="store_true", help="leave torch's default (faster, not run-to-run exact) kernels")
+    ap.add_argument("--experts", default=None,
+                    help="transformers experts implementation (grouped_mm, eager, batched_mm; default: the model's own choice)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.prompt_len <= 0 or args.decode_steps <= 0:
@@ -61,6 +63,9 @@ def main():
     import transformers_goldens as tg
 
     model = tg.build_model(args.model, device, getattr(torch, dtype_name), attn)
+    if args.experts:
+        model.set_experts_implementation(args.experts)
+    experts = model.config._experts_implementation
     vocab = text_config(args.model)["vocab_size"]
     ids = torch.tensor([prompt_tokens(args.prompt_len, vocab)], device=device)
 
@@ -111,7 +116,7 @@ def main():
     caught.__exit__(None, None, None)
     nondet = sorted({str(w.message).splitlines()[0][:240] for w in seen if "determinis" in str(w.message)})
     extra = {"decode_mode": "hf_forward_with_cache_greedy", "dtype": dtype_name, "attn_implementation": attn,
-             "deterministic_algorithms": not args.nondeterministic, "nondeterministic_ops": nondet,
+             "deterministic_algorithms": not args.nondeterministic, "experts_implementation": experts, "nondeterministic_ops": nondet,
              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     if cuda:
         extra["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
