@@ -159,21 +159,18 @@ for l in open(sys.argv[1]):
     d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$OUT/mlx-lm.jsonl"
   ;;
 tf-determinism)
-  # Why transformers' bf16 greedy tokens differ between rounds: two processes of
-  # scripts/tf_determinism.py (traces in $OUT), then the cross-process comparison.
-  for p in a b; do
-    timeout "${TF_LIMIT:-240}" python3 scripts/tf_determinism.py --model "$CK" --out "$OUT/tf-det-$p.json" \
-      --prompt-len 256 --steps 40 --experts "${TF_EXPERTS:-grouped_mm,eager}" 2>&1 | grep -v Warning
-    echo "rc=${PIPESTATUS[0]}"
-  done
-  # The last line names the first implementation that repeats (the one to run the arm with).
-  python3 scripts/tf_determinism.py --compare "$OUT/tf-det-a.json" "$OUT/tf-det-b.json" --pick | tee "$W/tf-experts"
+  # Why transformers' bf16 greedy tokens differ between rounds, and which attention kernel repeats:
+  # scripts/tf_determinism.py (trace in $OUT); its last line, the arm arguments of the first
+  # variant that repeats, goes to $W/tf-args for tf-arms.
+  timeout "${TF_LIMIT:-300}" python3 scripts/tf_determinism.py --model "$CK" --out "$OUT/tf-det.json" --prompt-len 256 \
+    --steps 64 --variants "${TF_VARIANTS:-sdpa-flash,sdpa-efficient,sdpa-math,eager}" --pick 2>&1 \
+    | grep -v "Warning\|falling back" | tee "$W/tf-determinism.log"
+  tail -1 "$W/tf-determinism.log" | grep -q -- "--attn" && tail -1 "$W/tf-determinism.log" > "$W/tf-args"
   ;;
 tf-arms)
-  # The transformers arm with the experts implementation tf-determinism found repeating; none: no run.
-  impl=$(tail -1 "$W/tf-experts" 2>/dev/null)
-  case "$impl" in grouped_mm|eager|batched_mm) ;; *) echo "no repeating experts implementation: transformers not run"; exit 1 ;; esac
-  shift; matrix --engines transformers --tf-experts "$impl" --no-accuracy "$@"
+  # The transformers arm with the arguments tf-determinism found repeating; none: no run.
+  [ -s "$W/tf-args" ] || { echo "no repeating transformers variant: transformers not run"; exit 1; }
+  shift; matrix --engines transformers --tf-args="$(cat "$W/tf-args")" --no-accuracy "$@"
   ;;
 matrix)
   shift; matrix "$@"

@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -250,7 +251,7 @@ def discover(args):
             versions["torch, transformers, device"] = out
             arms["transformers"] = lambda ctx: [args.torch_python, os.path.join(HERE, "transformers_arm.py"), "--model", args.model,
                                                 "--prompt-len", str(ctx), "--decode-steps", str(args.decode_steps)] + \
-                (["--experts", args.tf_experts] if args.tf_experts else [])
+                shlex.split(args.tf_args)
         else:
             missing["transformers"] = f"not installed for {args.torch_python}: {out}"
     if "llama.cpp" in want:
@@ -397,7 +398,7 @@ def main():
     ap.add_argument("--note", default="")
     ap.add_argument("--accuracy-positions", type=int, default=192)
     ap.add_argument("--accuracy-tf-cuda", action="store_true", help="transformers reference in bf16 on CUDA (default f32 on CPU)")
-    ap.add_argument("--tf-experts", default=None, help="transformers arm's experts implementation (grouped_mm, eager, ...)")
+    ap.add_argument("--tf-args", default="", help="extra transformers_arm.py arguments, e.g. '--attn sdpa --sdpa-backend flash'")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--arm-timeout", type=int, default=1800)
     ap.add_argument("--max-seconds", type=float, default=0, help="start no new arm after this many seconds (resume later)")

@@ -38,6 +38,9 @@ def main():
     ap.add_argument("--attn", default=None, help="attention implementation (default: sdpa on cuda, eager on cpu)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--nondeterministic", action="store_true", help="leave torch's default (faster, not run-to-run exact) kernels")
+    ap.add_argument("--sdpa-backend", default=None, choices=["flash", "efficient", "math", "cudnn"],
+                    help="pin sdpa to one kernel (default: torch's choice, which did not repeat run to run on the H200: "
+                         "scripts/tf_determinism.py)")
     ap.add_argument("--experts", default=None,
                     help="transformers experts implementation (grouped_mm, eager, batched_mm; default: the model's own choice)")
     ap.add_argument("--json-out")
@@ -66,6 +69,15 @@ def main():
     if args.experts:
         model.set_experts_implementation(args.experts)
     experts = model.config._experts_implementation
+    if args.sdpa_backend:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"}
+        attention_kernels = sdpa_kernel(getattr(SDPBackend, names[args.sdpa_backend]))
+    else:
+        import contextlib
+
+        attention_kernels = contextlib.nullcontext()
     vocab = text_config(args.model)["vocab_size"]
     ids = torch.tensor([prompt_tokens(args.prompt_len, vocab)], device=device)
 
@@ -84,7 +96,7 @@ def main():
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels:
         if not args.no_warmup:
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             t, cache = int(torch.argmax(out.logits[0, -1])), out.past_key_values
@@ -116,7 +128,8 @@ def main():
     caught.__exit__(None, None, None)
     nondet = sorted({str(w.message).splitlines()[0][:240] for w in seen if "determinis" in str(w.message)})
     extra = {"decode_mode": "hf_forward_with_cache_greedy", "dtype": dtype_name, "attn_implementation": attn,
-             "deterministic_algorithms": not args.nondeterministic, "experts_implementation": experts, "nondeterministic_ops": nondet,
+             "deterministic_algorithms": not args.nondeterministic, "experts_implementation": experts,
+             "sdpa_backend": args.sdpa_backend, "nondeterministic_ops": nondet,
              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     if cuda:
         extra["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())

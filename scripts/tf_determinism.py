@@ -2,19 +2,26 @@
 """Where does transformers' bf16 greedy decode stop repeating? (the transformers arm's refusal)
 
 bench/transformers_arm.py publishes a cell only when two fresh processes produce the same greedy
-tokens; on the H200 (2026-11-29) its bf16 rounds diverged after 8 to 38 decode steps even with
-torch's deterministic algorithms on. This tool finds the first module whose output differs:
+tokens; on the H200 (2026-11-29) its bf16 rounds diverged after 6 to 38 decode steps even with
+torch's deterministic algorithms on. This tool finds the first module whose output differs, and
+which attention / experts variant repeats:
 
-    python scripts/tf_determinism.py --model DIR --out a.json      # process 1
-    python scripts/tf_determinism.py --model DIR --out b.json      # process 2
+    python scripts/tf_determinism.py --model DIR --out a.json [--variants sdpa,sdpa-flash,eager] [--pick]
     python scripts/tf_determinism.py --compare a.json b.json       # across processes
 
-Each process loads the model once (as the arm does: bf16, sdpa, deterministic algorithms) and,
-for every experts implementation asked for, runs the prompt plus --steps greedy decode steps
-twice. Forward hooks record a bitwise checksum of every decoder-layer mixer / MoE / router /
-experts / shared-expert output and of the logits, in call order. The JSON holds the traces;
-the process prints the first difference between its own two repeats, --compare the first
-difference between two processes' traces of the same implementation.
+A variant is ATTN[/EXPERTS]: ATTN is `sdpa` (torch picks the kernel), `sdpa-flash`,
+`sdpa-efficient`, `sdpa-math`, `sdpa-cudnn` (torch.nn.attention.sdpa_kernel pins one) or
+`eager`; EXPERTS a transformers experts implementation (default: the model's, grouped_mm).
+The process loads the model once (as the arm does: bf16, deterministic algorithms) and, for
+each variant, runs the prompt plus --steps greedy decode steps twice. Forward hooks record a
+bitwise checksum of every decoder layer's mixer / MoE / router / experts / shared-expert output
+and of the logits, in call order; the first difference between the two repeats is printed.
+With --pick the last line is the transformers_arm.py arguments of the first variant whose
+repeats are identical (exit 1 if none is).
+
+First finding (H200, torch 2.11, 2026-11-29): with sdpa's default kernel choice, the first
+difference is a full-attention layer's output at a decode step (6, 16 or 24 in three of four
+runs), for grouped_mm and eager experts alike.
 """
 import argparse
 import json
@@ -57,23 +64,39 @@ def describe(label, trace_a, trace_b, tokens_a, tokens_b):
         print(f"{label}: first checksum difference at entry {i}: {x} vs {y}; first token difference at step {first_tok}")
 
 
-def compare(a_path, b_path, pick):
-    """Print where two processes' traces part; with `pick`, print (last line) the first experts
-    implementation whose tokens repeat within each process and across them, and fail if none does."""
+def compare(a_path, b_path):
+    """Print where two processes' traces of each variant part."""
     a, b = json.load(open(a_path)), json.load(open(b_path))
-    stable = []
-    for impl in a["runs"]:
-        if impl not in b["runs"]:
-            continue
-        ra, rb = a["runs"][impl][0], b["runs"][impl][0]
-        describe(f"{impl} across processes", ra["trace"], rb["trace"], ra["tokens"], rb["tokens"])
-        reps = a["runs"][impl] + b["runs"][impl]
-        if all(r["tokens"] == reps[0]["tokens"] for r in reps):
-            stable.append(impl)
-    if pick:
-        if not stable:
-            raise SystemExit("no experts implementation repeats its greedy tokens")
-        print(stable[0])
+    for variant in a["runs"]:
+        if variant in b["runs"]:
+            ra, rb = a["runs"][variant][0], b["runs"][variant][0]
+            describe(f"{variant} across processes", ra["trace"], rb["trace"], ra["tokens"], rb["tokens"])
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"}
+
+
+def variant_setup(model, variant):
+    """Configure `model` for `variant`; returns (context manager factory, transformers_arm.py args)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attn, _, experts = variant.partition("/")
+    arm_args = []
+    if experts:
+        model.set_experts_implementation(experts)
+        arm_args += ["--experts", experts]
+    if attn == "eager":
+        model.config._attn_implementation = "eager"
+        return contextlib.nullcontext, arm_args + ["--attn", "eager"]
+    model.config._attn_implementation = "sdpa"
+    if attn == "sdpa":
+        return contextlib.nullcontext, arm_args + ["--attn", "sdpa"]
+    backend = attn.removeprefix("sdpa-")
+    if backend not in SDPA_BACKENDS:
+        raise SystemExit(f"unknown variant {variant}")
+    return (lambda: sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))), arm_args + ["--attn", "sdpa", "--sdpa-backend", backend]
 
 
 def run(args):
@@ -108,10 +131,10 @@ def run(args):
             if mod is not None:
                 mod.register_forward_hook(hook(f"{i}.{sub}"))
 
-    def greedy():
+    def greedy(ctx):
         trace.clear()
         tokens, gaps = [], []
-        with torch.inference_mode():
+        with torch.inference_mode(), ctx():
             state["step"] = 0
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             for step in range(args.steps + 1):
@@ -130,13 +153,20 @@ def run(args):
 
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "prompt_len": args.prompt_len,
               "steps": args.steps, "runs": {}}
-    for impl in args.experts.split(","):
-        model.set_experts_implementation(impl)
-        reps = [greedy() for _ in range(2)]
-        result["runs"][impl] = reps
-        describe(f"{impl} within one process", reps[0]["trace"], reps[1]["trace"], reps[0]["tokens"], reps[1]["tokens"])
-        print(f"{impl}: tokens {reps[0]['tokens'][:12]}..., smallest top-2 gap {min(reps[0]['top2_gaps']):.4g}")
+    picked = None
+    for variant in args.variants.split(","):
+        ctx, arm_args = variant_setup(model, variant)
+        reps = [greedy(ctx) for _ in range(2)]
+        result["runs"][variant] = reps
+        describe(f"{variant} within one process", reps[0]["trace"], reps[1]["trace"], reps[0]["tokens"], reps[1]["tokens"])
+        print(f"{variant}: tokens {reps[0]['tokens'][:12]}..., smallest top-2 gap {min(reps[0]['top2_gaps']):.4g}")
+        if picked is None and reps[0]["trace"] == reps[1]["trace"]:
+            picked = arm_args
     json.dump(result, open(args.out, "w"))
+    if args.pick:
+        if picked is None:
+            raise SystemExit("no variant repeats its greedy tokens")
+        print(" ".join(picked))
 
 
 def main():
@@ -145,12 +175,13 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--experts", default="grouped_mm,eager", help="experts implementations to try, in order")
+    ap.add_argument("--variants", default="sdpa,sdpa-flash,sdpa-efficient,sdpa-math,eager",
+                    help="ATTN[/EXPERTS] variants to try, in order (see the module doc)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
-    ap.add_argument("--pick", action="store_true", help="with --compare: print the first implementation that repeats")
+    ap.add_argument("--pick", action="store_true", help="print the first variant that repeats (its arm arguments)")
     args = ap.parse_args()
     if args.compare:
-        compare(*args.compare, args.pick)
+        compare(*args.compare)
     elif args.model and args.out:
         run(args)
     else:
