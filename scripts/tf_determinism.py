@@ -156,7 +156,11 @@ def run(args):
     picked = None
     for variant in args.variants.split(","):
         ctx, arm_args = variant_setup(model, variant)
-        reps = [greedy(ctx) for _ in range(2)]
+        try:
+            reps = [greedy(ctx) for _ in range(2)]
+        except RuntimeError as e:  # e.g. "No available kernel": the pinned sdpa kernel cannot take these inputs
+            print(f"{variant}: cannot run: {str(e).splitlines()[0][:200]}")
+            continue
         result["runs"][variant] = reps
         describe(f"{variant} within one process", reps[0]["trace"], reps[1]["trace"], reps[0]["tokens"], reps[1]["tokens"])
         print(f"{variant}: tokens {reps[0]['tokens'][:12]}..., smallest top-2 gap {min(reps[0]['top2_gaps']):.4g}")
