@@ -203,7 +203,9 @@ def render(cells, contexts, labels, missing, accuracy, meta, tc):
           "`mx.synchronize` outside the timers; greedy on the bf16 logprobs; includes its full-vocabulary logsumexp.",
           "* **transformers** (bench/transformers_arm.py): `Qwen3_5MoeForCausalLM` on the exactly dequantized weights "
           "(bf16 + sdpa on CUDA, f32 + eager on CPU), one forward of the prompt then single-token forwards with its cache. "
-          "A general-runtime baseline: without flash-linear-attention it runs the torch GDN fallback (no fused GDN kernels).",
+          "A general-runtime baseline: without flash-linear-attention it runs the torch GDN fallback (no fused GDN kernels). "
+          "torch's default sdpa kernel choice did not repeat its greedy tokens run to run on the H200, so the arm runs with "
+          "the kernel scripts/tf_determinism.py found repeating (`--tf-args`; the Backend column names it).",
           "* **llama.cpp** (bench/gguf_arm.py): `llama-bench` on a GGUF written by bench/write_gguf.py from the same "
           "checkpoint; prefill = `-p N -n 0`, decode = `-p 0 -n 64 -d N`. llama-bench uses random prompt ids and returns no "
           "tokens, so these cells have no digest and its prefill is pure prompt processing (no first-token sampling).", ""]
@@ -437,7 +439,10 @@ def main():
             labels.append(l)
     backends = {}
     for r in records:
-        backends[key_of(r)] = r.get("backend", "")
+        b = r.get("backend", "")
+        if r.get("attn_implementation"):  # transformers: which attention ran (the kernel, when pinned)
+            b += f", {r['attn_implementation']}" + (f" {r['sdpa_backend']} kernel" if r.get("sdpa_backend") else "")
+        backends[key_of(r)] = b
     # The runs' own manifests say where they ran: --report-only on another machine (no checkpoint,
     # no engines) still renders the GPU machine, its engine versions and the checkpoint's shapes.
     from common import text_config
