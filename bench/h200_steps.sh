@@ -9,7 +9,7 @@
 #                                       Q4_K_M quantization start detached and run on into the next calls
 #   bash bench/h200_steps.sh wait JOB   until a detached job (llama-cuda-build, quantize-km) has ended
 #   bash bench/h200_steps.sh mlx        carry .whl-b (mlx parts ab, ac): MLX-LM install
-#   bash bench/h200_steps.sh ck / mlx-arms   the MLX-LM arm alone (see bench/README.md)
+#   bash bench/h200_steps.sh ck / mlx-arms / mlx-detach   the MLX-LM arm alone (see bench/README.md)
 #   bash bench/h200_steps.sh tf-determinism  where transformers' greedy rounds diverge; tf-arms ...: its arm
 #   bash bench/h200_steps.sh matrix ... run_all.py with every arm found, extra arguments passed on
 #   bash bench/h200_steps.sh out        copy results + doc to $OUT
@@ -44,7 +44,7 @@ LLAMA_CMAKE="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DL
 detach() {
   local name=$1; shift
   rm -f "$W/$name.rc"
-  setsid nohup nice -n 10 bash -c "$*; echo \$? > $W/$name.rc" > "$W/$name.log" 2>&1 < /dev/null &
+  setsid nohup nice -n 10 bash -c "( $* ); echo \$? > $W/$name.rc" > "$W/$name.log" 2>&1 < /dev/null &
 }
 
 # wait_rc NAME SECONDS: wait for a detached job; succeeds when it ended with status 0.
@@ -132,31 +132,40 @@ ck)
 mlx-arms)
   # After `ck` (back to back, carry .whl-b): install MLX, then until DEADLINE seconds have passed,
   # MLX-LM at CONTEXTS (2 rounds each, one process per arm) and its teacher-forced logits.
-  # Results: $OUT/mlx-lm.jsonl, $OUT/mlx-logits.json, $OUT/mlx.log.
+  # Results: mlx-lm.jsonl, mlx-logits.json, mlx.log, mlx-jit-cache.tgz in $MLX_OUT (default $OUT).
+  MO=${MLX_OUT:-$OUT}; mkdir -p "$MO"
   start=$(date +%s); deadline=${DEADLINE:-540}
   left() { echo $(( deadline - ($(date +%s) - start) )); }
-  bash "$0" mlx > "$OUT/mlx.log" 2>&1 || { tail -20 "$OUT/mlx.log"; exit 1; }
-  tail -1 "$OUT/mlx.log"
+  bash "$0" mlx > "$MO/mlx.log" 2>&1 || { tail -20 "$MO/mlx.log"; exit 1; }
+  tail -1 "$MO/mlx.log"
   export MLX_PTX_CACHE_DIR=$W/ptx-cache
   for c in ${CONTEXTS:-4096 256}; do
     for r in 1 2; do
       t=$(left); [ "$t" -gt 30 ] || break 2
       log "mlx-lm $c round $r (limit ${t}s)"
       timeout "$t" "$W/mlxpy" bench/mlx_arm.py --model "$CK" --prompt-len "$c" --decode-steps 64 \
-        >> "$OUT/mlx-lm.jsonl" 2>> "$OUT/mlx.log"; echo "rc=$?"
+        >> "$MO/mlx-lm.jsonl" 2>> "$MO/mlx.log"; echo "rc=$?"
     done
     if [ "$c" = 4096 ] && [ "$(left)" -gt 30 ]; then
       log "mlx-lm logits (limit $(left)s)"
-      timeout "$(left)" "$W/mlxpy" scripts/mlx_logits.py --model "$CK" --positions 192 --out "$OUT/mlx-logits.json" \
-        >> "$OUT/mlx.log" 2>&1; echo "rc=$?"
+      timeout "$(left)" "$W/mlxpy" scripts/mlx_logits.py --model "$CK" --positions 192 --out "$MO/mlx-logits.json" \
+        >> "$MO/mlx.log" 2>&1; echo "rc=$?"
     fi
   done
   # The JIT caches (MLX's PTX, the driver's SASS) for the next session: carry the archive in .whl.
-  tar -C / -czf "$OUT/mlx-jit-cache.tgz" "${W#/}/ptx-cache" root/.nv/ComputeCache 2>/dev/null
-  ls -la "$OUT/mlx-jit-cache.tgz" 2>/dev/null
+  tar -C / -czf "$MO/mlx-jit-cache.tgz" "${W#/}/ptx-cache" root/.nv/ComputeCache 2>/dev/null
+  ls -la "$MO/mlx-jit-cache.tgz" 2>/dev/null
   python3 -c 'import json,sys
 for l in open(sys.argv[1]):
-    d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$OUT/mlx-lm.jsonl"
+    d=json.loads(l); print(d["prompt_len"], round(d["prefill"]["tok_s"],1), round(d["decode"]["tok_s"],2), d["decode"]["token_digest"])' "$MO/mlx-lm.jsonl"
+  ;;
+mlx-detach)
+  # After `ck` (back to back, carry .whl-b): mlx-arms in its own session, so that one context's
+  # two rounds (32K: ~10 minutes) need not fit one call. Results gather in $W/mlx-out; later calls
+  # run `wait mlx-arms SECONDS`, and `out` brings them back. DEADLINE defaults to 1500 s here.
+  rm -rf "$W/mlx-out"; mkdir -p "$W/mlx-out"
+  detach mlx-arms "MLX_OUT=$W/mlx-out DEADLINE=${DEADLINE:-1500} CONTEXTS='${CONTEXTS:-1024 16384 32768}' bash $0 mlx-arms"
+  log "mlx-arms detached (log: $W/mlx-arms.log)"
   ;;
 tf-determinism)
   # Why transformers' bf16 greedy tokens differ between rounds, and which attention kernel repeats:
@@ -179,8 +188,11 @@ out)
   # $OUT takes at most 8 files: the results folder travels as one archive.
   tar -C "$W/results" -czf "$OUT/results-$DAY.tgz" "$DAY"
   cp docs/benchmarks-peers.md "$OUT/" 2>/dev/null
-  for j in llama-cpu-build llama-cuda-build quantize-km; do tail -c 100000 "$W/$j.log" > "$OUT/$j.log" 2>/dev/null; done
+  for j in llama-cpu-build llama-cuda-build quantize-km mlx-arms; do
+    [ -f "$W/$j.log" ] && tail -c 100000 "$W/$j.log" > "$OUT/$j.log"
+  done
+  [ -d "$W/mlx-out" ] && cp "$W"/mlx-out/* "$OUT/" 2>/dev/null
   ls -la "$RES"
   ;;
-*) echo "usage: bash bench/h200_steps.sh setup|wait JOB [SECONDS]|ck|mlx|mlx-arms|tf-determinism|tf-arms [run_all args]|matrix [run_all args]|out" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_steps.sh setup|wait JOB [SECONDS]|ck|mlx|mlx-arms|mlx-detach|tf-determinism|tf-arms [run_all args]|matrix [run_all args]|out" >&2; exit 2 ;;
 esac
