@@ -28,6 +28,21 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 from common import emit, make_record, prompt_tokens, text_config  # noqa: E402
 
+# sdpa kernels that --sdpa-backend can pin (torch.nn.attention.SDPBackend member names).
+SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"}
+
+
+def attention_kernels(backend):
+    """A context manager that pins sdpa to one kernel (a key of SDPA_KERNELS); None: torch's choice."""
+    import contextlib
+
+    if not backend:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[backend]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -38,7 +53,7 @@ def main():
     ap.add_argument("--attn", default=None, help="attention implementation (default: sdpa on cuda, eager on cpu)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--nondeterministic", action="store_true", help="leave torch's default (faster, not run-to-run exact) kernels")
-    ap.add_argument("--sdpa-backend", default=None, choices=["flash", "efficient", "math", "cudnn"],
+    ap.add_argument("--sdpa-backend", default=None, choices=list(SDPA_KERNELS),
                     help="pin sdpa to one kernel (default: torch's choice, which did not repeat run to run on the H200: "
                          "scripts/tf_determinism.py)")
     ap.add_argument("--experts", default=None,
@@ -69,15 +84,6 @@ def main():
     if args.experts:
         model.set_experts_implementation(args.experts)
     experts = model.config._experts_implementation
-    if args.sdpa_backend:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"}
-        attention_kernels = sdpa_kernel(getattr(SDPBackend, names[args.sdpa_backend]))
-    else:
-        import contextlib
-
-        attention_kernels = contextlib.nullcontext()
     vocab = text_config(args.model)["vocab_size"]
     ids = torch.tensor([prompt_tokens(args.prompt_len, vocab)], device=device)
 
@@ -96,7 +102,7 @@ def main():
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
-    with torch.inference_mode(), attention_kernels:
+    with torch.inference_mode(), attention_kernels(args.sdpa_backend):
         if not args.no_warmup:
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             t, cache = int(torch.argmax(out.logits[0, -1])), out.past_key_values

@@ -73,14 +73,9 @@ def compare(a_path, b_path):
             describe(f"{variant} across processes", ra["trace"], rb["trace"], ra["tokens"], rb["tokens"])
 
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"}
-
-
 def variant_setup(model, variant):
     """Configure `model` for `variant`; returns (context manager factory, transformers_arm.py args)."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers_arm import SDPA_KERNELS, attention_kernels
 
     attn, _, experts = variant.partition("/")
     arm_args = []
@@ -89,14 +84,14 @@ def variant_setup(model, variant):
         arm_args += ["--experts", experts]
     if attn == "eager":
         model.config._attn_implementation = "eager"
-        return contextlib.nullcontext, arm_args + ["--attn", "eager"]
+        return (lambda: attention_kernels(None)), arm_args + ["--attn", "eager"]
     model.config._attn_implementation = "sdpa"
     if attn == "sdpa":
-        return contextlib.nullcontext, arm_args + ["--attn", "sdpa"]
+        return (lambda: attention_kernels(None)), arm_args + ["--attn", "sdpa"]
     backend = attn.removeprefix("sdpa-")
-    if backend not in SDPA_BACKENDS:
+    if backend not in SDPA_KERNELS:
         raise SystemExit(f"unknown variant {variant}")
-    return (lambda: sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))), arm_args + ["--attn", "sdpa", "--sdpa-backend", backend]
+    return (lambda: attention_kernels(backend)), arm_args + ["--attn", "sdpa", "--sdpa-backend", backend]
 
 
 def run(args):
