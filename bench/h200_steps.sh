@@ -80,9 +80,9 @@ setup)
   log "setup: unpack"
   cp .whl/* "$W/whl/" && mkdir -p "$W/bin" && cp .device-lead/bin/lily .device-lead/bin/lily-bench "$W/bin/"
   mkdir -p "$W/llama" && tar -C "$W/llama" -xJf "$W/whl/llama-src.tar.xz"
-  # Two builds in their own sessions, so they outlive this call: llama-quantize without CUDA (a
-  # minute; it needs no GPU, and the CUDA libllama it would otherwise link takes the ggml-cuda build
-  # first), and llama-bench with CUDA (~8 minutes on 16 cores).
+  # Two builds in their own sessions, so they outlive this call: llama-quantize without CUDA (2.5
+  # minutes; it needs no GPU, and the CUDA libllama it would otherwise link waits for the whole
+  # ggml-cuda build), and llama-bench with CUDA (under 10 minutes on the 16 cores they share).
   log "setup: llama.cpp builds (detached)"
   detach llama-cpu-build "cd $W/llama/llama.cpp && cmake -B build-cpu -DGGML_CUDA=OFF $LLAMA_CMAKE \
     && cmake --build build-cpu -j8 --target llama-quantize"
@@ -185,7 +185,8 @@ matrix)
   shift; matrix "$@"
   ;;
 out)
-  # $OUT takes at most 8 files: the results folder travels as one archive.
+  # $OUT takes at most 8 files: the results folder travels as one archive (a session that has both
+  # the llama.cpp logs and the MLX-LM files may leave a log behind: `files_left_out` says which).
   tar -C "$W/results" -czf "$OUT/results-$DAY.tgz" "$DAY"
   cp docs/benchmarks-peers.md "$OUT/" 2>/dev/null
   for j in llama-cpu-build llama-cuda-build quantize-km mlx-arms; do
