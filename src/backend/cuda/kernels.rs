@@ -63,11 +63,7 @@ pub fn gemv(
     // Each warp takes two rows per iteration (kernels/gemv.cu). At most one wave of resident
     // blocks: a second wave would repeat the activation prologue on the critical path, while
     // extra rows per warp are prefetched into L2 one iteration ahead.
-    let per_sm = gpu
-        .func("gemv_q")?
-        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
-        .unwrap_or(4)
-        .clamp(1, 8) as usize;
+    let per_sm = gemv_blocks_per_sm(gpu, "gemv_q", smem, 4)?;
     // Measurement knob: LILY_CUDA_GEMV_WAVES=n allows n waves of blocks (default 1).
     static WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let waves = *WAVES.get_or_init(|| {
@@ -94,16 +90,33 @@ pub fn gemv(
         GEMV_THREADS,
         smem,
         &[
-            Arg::P(set.descs),
-            Arg::I(set.count as i32),
-            Arg::P(x),
-            Arg::I(cols as i32),
-            Arg::P(gain),
-            Arg::F(eps),
-            Arg::I(group as i32),
-            Arg::P(xnorm_out),
-        ],
+            &gemv_args(set, x, cols, gain, eps)[..],
+            &[Arg::I(group as i32), Arg::P(xnorm_out)],
+        ]
+        .concat(),
     )
+}
+
+/// The launch arguments `gemv_q` and `gemv_tc` begin with: the set, the input and its norm.
+fn gemv_args(set: GemvSet, x: u64, cols: usize, gain: u64, eps: f32) -> [Arg; 6] {
+    [
+        Arg::P(set.descs),
+        Arg::I(set.count as i32),
+        Arg::P(x),
+        Arg::I(cols as i32),
+        Arg::P(gain),
+        Arg::F(eps),
+    ]
+}
+
+/// Resident blocks per SM of a GEMV kernel with `smem` bytes of shared memory, 1 to 8
+/// (`fallback` when the driver does not say).
+fn gemv_blocks_per_sm(gpu: &Gpu, kernel: &str, smem: u32, fallback: u32) -> Result<usize> {
+    Ok(gpu
+        .func(kernel)?
+        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
+        .unwrap_or(fallback)
+        .clamp(1, 8) as usize)
 }
 
 /// Shared memory of the tensor-core decode kernels: activation fragments and group sums of `n`
@@ -130,11 +143,7 @@ fn gemv_tc(
 ) -> Result<()> {
     let warps = (GEMV_THREADS / 32) as usize;
     let smem = tc_smem(cols, warps);
-    let per_sm = gpu
-        .func("gemv_tc")?
-        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
-        .unwrap_or(1)
-        .clamp(1, 8) as usize;
+    let per_sm = gemv_blocks_per_sm(gpu, "gemv_tc", smem, 1)?;
     let wave_warps = gpu.sms as usize * per_sm * warps;
     let chunks = (cols / 64).div_ceil(TC_NG);
     // Slice counts that divide the chunks (1 always does); the most of them as the fallback.
@@ -155,16 +164,10 @@ fn gemv_tc(
         GEMV_THREADS,
         smem,
         &[
-            Arg::P(set.descs),
-            Arg::I(set.count as i32),
-            Arg::P(x),
-            Arg::I(cols as i32),
-            Arg::P(gain),
-            Arg::F(eps),
-            Arg::I(slices as i32),
-            Arg::I(kc as i32),
-            Arg::P(xnorm_out),
-        ],
+            &gemv_args(set, x, cols, gain, eps)[..],
+            &[Arg::I(slices as i32), Arg::I(kc as i32), Arg::P(xnorm_out)],
+        ]
+        .concat(),
     )
 }
 
