@@ -5,18 +5,16 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+#[path = "../scratch/mod.rs"]
+mod scratch;
+
 /// Seed the committed goldens were generated from.
 pub const GOLDEN_SEED: u64 = 0;
 
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let root = tempfile::Builder::new()
-            .prefix("lily-tiny-")
-            .tempdir()
-            .expect("tempdir")
-            .keep();
-        let dir = root.join("tiny");
+        let dir = scratch::scratch_subdir("tiny-").join("tiny");
         lily::synth::synthesize(
             &lily::synth::Preset::Tiny.config(),
             &dir,
@@ -31,11 +29,7 @@ pub fn tiny_checkpoint() -> &'static Path {
 /// Copies the tiny checkpoint into a fresh directory the test may damage.
 pub fn tiny_copy() -> PathBuf {
     let src = tiny_checkpoint();
-    let dst = tempfile::Builder::new()
-        .prefix("lily-damaged-")
-        .tempdir()
-        .expect("tempdir")
-        .keep();
+    let dst = scratch::scratch_subdir("damaged-");
     for entry in std::fs::read_dir(src).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,10 +68,11 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def model_dir():
+def model_dir(tmp_path_factory):
     if not BIN.exists():
         pytest.fail(f"{BIN} not found: run `cargo build --bin lily` first (or set LILY_BIN)")
-    d = Path(tempfile.mkdtemp(prefix="lily-openai-")) / "tiny"
+    # tmp_path_factory, not mkdtemp: pytest keeps only its last few runs' directories.
+    d = tmp_path_factory.mktemp("lily-openai") / "tiny"
     subprocess.run([str(BIN), "synth", "--preset", "tiny", "--out", str(d), "--seed", "0"], check=True, capture_output=True)
     return d
 

@@ -8,11 +8,13 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+#[path = "../scratch/mod.rs"]
+mod scratch;
+
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let root = tempfile::Builder::new().prefix("lily-server-tiny-").tempdir().expect("tempdir").keep();
-        let dir = root.join("tiny");
+        let dir = scratch::scratch_subdir("tiny-").join("tiny");
         lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, 0, false).expect("synthesize tiny checkpoint");
         dir
     })
@@ -44,7 +46,7 @@ pub const SCRIPT: &str = r#"[
 pub fn script_path() -> PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let dir = tempfile::Builder::new().prefix("lily-script-").tempdir().expect("tempdir").keep();
+        let dir = scratch::scratch_subdir("script-");
         let p = dir.join("script.json");
         std::fs::write(&p, SCRIPT).unwrap();
         p
