@@ -363,6 +363,21 @@ __device__ __forceinline__ void pdl_trigger_early() {
 #endif
 }
 
+// The end of the staging functions below: each thread's sum of squares of x goes to `red` per
+// warp, and the one barrier publishes those sums together with the staged x. Every thread then
+// adds the warp sums itself (no second barrier, unlike block_sum) and gets inv = 1/rms(x), or 1
+// without a gain.
+__device__ __forceinline__ float staged_inv_rms(float ss, float* red, int n, float eps, bool has_gain) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (!has_gain) return 1.f;
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += red[w];
+    return inv_rms_from(t, n, eps);
+}
+
 // One-pass staging (gemv_q; moe kernels with MOE_FAST): each thread loads its float2 pieces of x (and of the norm gain)
 // at once (c = k * 2 * blockDim + 2 * tid: a warp covers 64 contiguous floats per k, i.e. one
 // 64-group or two 32-groups, so the group sums are warp reductions of the staged values), writes
@@ -373,7 +388,7 @@ __device__ __forceinline__ void pdl_trigger_early() {
 template <int MAXK>
 __device__ float stage_x_fast(const float* __restrict__ x, int n, const float* __restrict__ gain, float eps,
                               int group, float* xs, float* gsum, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per = 2 * blockDim.x;
     float2 v[MAXK], gn[MAXK];
 #pragma unroll
@@ -405,13 +420,7 @@ __device__ float stage_x_fast(const float* __restrict__ x, int n, const float* _
             }
         }
     }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (!gain) return 1.f;
-    float t = 0.f;
-    for (int w = 0; w < nw; ++w) t += red[w];
-    return inv_rms_from(t, n, eps);
+    return staged_inv_rms(ss, red, n, eps, gain != nullptr);
 }
 
 
@@ -491,13 +500,7 @@ __device__ float stage_x_tc(const float* __restrict__ x, int n, const float* __r
         o[8] = w1;
         o[16] = pack_bf16(r0, r1);
     }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (!gain) return 1.f;
-    float tot = 0.f;
-    for (int w = 0; w < nw; ++w) tot += red[w];
-    return inv_rms_from(tot, n, eps);
+    return staged_inv_rms(ss, red, n, eps, gain != nullptr);
 }
 
 // Group j's bf16 of a row's scales/biases loaded 8 at a time (uint4).

@@ -14,7 +14,7 @@ pub const GOLDEN_SEED: u64 = 0;
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = scratch::scratch_subdir("tiny-").join("tiny");
+        let dir = scratch::scratch_dir().join("tiny");
         lily::synth::synthesize(
             &lily::synth::Preset::Tiny.config(),
             &dir,

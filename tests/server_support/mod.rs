@@ -14,7 +14,7 @@ mod scratch;
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = scratch::scratch_subdir("tiny-").join("tiny");
+        let dir = scratch::scratch_dir().join("tiny");
         lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, 0, false).expect("synthesize tiny checkpoint");
         dir
     })
@@ -46,8 +46,7 @@ pub const SCRIPT: &str = r#"[
 pub fn script_path() -> PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let dir = scratch::scratch_subdir("script-");
-        let p = dir.join("script.json");
+        let p = scratch::scratch_dir().join("script.json");
         std::fs::write(&p, SCRIPT).unwrap();
         p
     })

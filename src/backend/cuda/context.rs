@@ -354,8 +354,6 @@ impl Gpu {
         self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Turns programmatic dependent launch of the decode kernels on or off (graphs captured
-    /// before keep what they were captured with).
     /// See `gemv_tc_min_tiles` (tests: 0 puts every 4-bit set on the tensor-core GEMV).
     pub fn set_gemv_tc_min_tiles(&self, tiles: usize) {
         self.gemv_tc_min_tiles
@@ -366,6 +364,8 @@ impl Gpu {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Turns programmatic dependent launch of the decode kernels on or off (graphs captured
+    /// before keep what they were captured with).
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }
