@@ -1,5 +1,77 @@
-// Gated full attention, decode (T = 1). Same math as src/backend/cpu/attention.rs.
-//
+// Gated full attention (q/k RMSNorm, partial NeoX RoPE, KV cache append, causal softmax
+// attention, sigmoid output gate). Same math as src/backend/cpu/attention.rs.
+//   decode (T = 1):     attn_prep, attn_prep_bf16, attn_split_{64,128,256}, attn_split_{64,128,256}_bf16,
+//                       attn_combine
+//   prefill (T tokens): pf_attn_prep, pf_attn_prep_bf16, pf_attn_{64,128,256}, pf_attn_{64,128,256}_bf16,
+//                       pf_attn_tc_{64,128,256}, pf_attn_tc_{64,128,256}_bf16
+// The `_bf16` entry points read and write a bf16 KV cache instead of an f32 one.
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---- KV cache elements: f32, or bf16 (u16) for sequences made with the bf16 KV cache
+// (CudaBackend::set_kv_bf16). The attention kernels are templates over the element type; these
+// load 4 (or 2) consecutive elements as floats and store one, rounding to nearest even exactly as
+// the CPU reference does when its KV cache is bf16.
+__device__ __forceinline__ float4 kv_ld4(const float* p, bool global) {
+    return global ? __ldg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 kv_ld4(const u16* p, bool global) {
+    const uint2 v = global ? __ldg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+__device__ __forceinline__ float2 kv_ld2(const float* p, bool global) {
+    return global ? __ldg(reinterpret_cast<const float2*>(p)) : *reinterpret_cast<const float2*>(p);
+}
+__device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
+    const u32 v = global ? __ldg(reinterpret_cast<const unsigned int*>(p)) : *reinterpret_cast<const u32*>(p);
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
+// Every attention entry point exists for each head dim and cache element; the `_bf16` suffix is
+// the one the host appends for bf16-KV sequences (kernels::kv_suffix). M(HD, KV, SUFFIX).
+#define FOR_EACH_ATTN_INSTANCE(M) \
+    M(64, float, ) M(128, float, ) M(256, float, ) M(64, u16, _bf16) M(128, u16, _bf16) M(256, u16, _bf16)
+
+// Partial NeoX RoPE angle of element j of a head (the first 2*half_rot elements rotate), in f64
+// like the CPU (pos * inv_freq can be ~2.6e5 rad at long context). c = 1, sn = 0 outside.
+__device__ __forceinline__ void rope_cos_sin(int pos, const double* __restrict__ inv_freq, int j, int half_rot,
+                                             float& c, float& sn) {
+    c = 1.f;
+    sn = 0.f;
+    if (j < 2 * half_rot) {
+        const int i = j < half_rot ? j : j - half_rot;
+        const double ang = (double)pos * inv_freq[i];
+        c = (float)cos(ang);
+        sn = (float)sin(ang);
+    }
+}
+
+// One attention head row over a block of hd threads (thread j owns element j, value v): RMSNorm
+// with gain nwj, then the partial NeoX rotation with this thread's (c, sn) from rope_cos_sin.
+// xs: hd floats, red: 33 floats of shared memory. Returns element j of the result.
+__device__ float head_norm_rope(float v, float nwj, float c, float sn, int hd, int half_rot, float eps, float* xs,
+                                float* red) {
+    const int j = threadIdx.x;
+    const float ss = block_sum(v * v, red);
+    const float inv = inv_rms_from(ss, hd, eps);
+    xs[j] = v * inv * nwj;
+    __syncthreads();
+    float out = xs[j];
+    if (j < 2 * half_rot) {
+        const int i = j < half_rot ? j : j - half_rot;
+        const float a = xs[i], b = xs[i + half_rot];
+        out = j < half_rot ? a * c - b * sn : b * c + a * sn;
+    }
+    return out;
+}
+
+// ================================ decode (T = 1) ================================
 // attn_prep: one block of hd threads per q head and per kv head. q heads: split the per-head
 // interleaved [q | gate] rows, RMSNorm(q_norm), partial NeoX RoPE; kv heads: RMSNorm(k_norm),
 // RoPE, append k and v to the cache at the current position (read from the device step buffer).
@@ -17,7 +89,7 @@ __device__ void attn_prep_impl(const float* __restrict__ qg, const float* __rest
     // Trigger before waiting: attn_split may then start (and prefetch its K/V rows, which only
     // depend on earlier steps) while the q|k|v GEMV before this kernel still runs. The norm
     // weight and the RoPE angle (position and inverse frequencies only) are done before the wait.
-    pdl_trigger_early();
+    pdl_trigger();
     const int h = blockIdx.x, j = threadIdx.x, pos = step[1];
     const bool is_q = h < nh;
     const int kvh = h - nh;
@@ -73,7 +145,7 @@ __device__ __forceinline__ void attn_ld(const KV* __restrict__ row, int lane, fl
 }
 
 // One position's online-softmax update of a warp's running (m, l, o): the K row's score against
-// q, then o <- o * exp(m - m') + exp(s - m') v. Both split kernels use it for single positions.
+// q, then o <- o * exp(m - m') + exp(s - m') v. attn_split uses it for the current position.
 template <int HD, typename KV>
 __device__ __forceinline__ void attn_one(const float (&qr)[HD / 32], const KV* krow, const KV* vrow, int lane,
                                          float scale, float& m, float& l, float (&o)[HD / 32]) {
@@ -104,94 +176,14 @@ __device__ __forceinline__ void attn_store_partial(const float (&o)[HD / 32], fl
     if (lane == 0) { part_ml[2 * base] = m; part_ml[2 * base + 1] = l; }
 }
 
-// Positions prefetched into L2 ahead of the loop (before the PDL wait: rows of earlier steps
-// never change; the row attn_prep is writing now may be prefetched stale-free, L2 is coherent).
-#define ATTN_PF 32
-
-template <int HD, typename KV>
-__device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ kcache,
-                           const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
-                           int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
-    constexpr int P = HD / 32;
-    constexpr int EPL = 128 / (int)sizeof(KV);        // elements per 128-byte line
-    constexpr int LPR = HD / EPL > 0 ? HD / EPL : 1;  // 128-byte lines per K or V row
-    const int kvh = blockIdx.x, sp = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = nh / nkv, h = kvh * group + warp;
-    const int len = step[1] + 1;
-    const int chunk = (len + splits - 1) / splits;
-    const int p0 = sp * chunk, p1 = min(len, p0 + chunk);
-    const size_t kv_dim = (size_t)nkv * HD;
-    auto pf = [&](int pa, int pb, int t, int nt) {  // lines of positions [pa, pb) over threads t of nt
-        for (int i = t; i < (pb - pa) * 2 * LPR; i += nt) {
-            int pp = pa + i / (2 * LPR), rem = i % (2 * LPR);
-            const KV* base = rem < LPR ? kcache : vcache;
-            prefetch_l2(base + (size_t)pp * kv_dim + kvh * HD + (rem % LPR) * EPL);
-        }
-    };
-    pf(p0, min(p1, p0 + ATTN_PF), threadIdx.x, blockDim.x);
-    pdl_wait_trigger();
-    if (warp >= group) return;
-    float qr[P], o[P];
-#pragma unroll
-    for (int t = 0; t < P; ++t) { qr[t] = q[(size_t)h * HD + attn_dim<HD>(lane, t)]; o[t] = 0.f; }
-    float m = NEG_INF, l = 0.f;
-    // Four positions per iteration: their K and V rows are loaded together (one round trip per 4
-    // positions), then one online-softmax update; positions ATTN_PF ahead go into L2 meanwhile.
-    constexpr int U = 4;
-    int p = p0;
-    for (; p + U <= p1; p += U) {
-        if (p + ATTN_PF < p1) pf(p + ATTN_PF, min(p1, p + ATTN_PF + U), threadIdx.x, group * 32);
-        float kr[U][P], vr[U][P], sc[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            attn_ld<HD, KV>(kcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, kr[u]);
-            attn_ld<HD, KV>(vcache + (size_t)(p + u) * kv_dim + kvh * HD, lane, vr[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float d = 0.f;
-#pragma unroll
-            for (int t = 0; t < P; ++t) d += qr[t] * kr[u][t];
-            sc[u] = d;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) sc[u] = warp_sum(sc[u]) * scale;
-        float mn = fmaxf(fmaxf(m, fmaxf(sc[0], sc[1])), fmaxf(sc[2], sc[3]));
-        float corr = expf(m - mn);
-        float e[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) e[u] = expf(sc[u] - mn);
-        l = l * corr + ((e[0] + e[1]) + (e[2] + e[3]));
-#pragma unroll
-        for (int t = 0; t < P; ++t)
-            o[t] = o[t] * corr + ((e[0] * vr[0][t] + e[1] * vr[1][t]) + (e[2] * vr[2][t] + e[3] * vr[3][t]));
-        m = mn;
-    }
-    for (; p < p1; ++p)
-        attn_one<HD>(qr, kcache + (size_t)p * kv_dim + kvh * HD, vcache + (size_t)p * kv_dim + kvh * HD, lane, scale,
-                     m, l, o);
-    attn_store_partial<HD>(o, m, l, h, sp, splits, lane, part_o, part_ml);
-}
-
-// Tiled variant (the default): K/V rows of each split stream through a ring of ATTN_NS shared
-// memory stages of ATTN_TP positions with cp.async (16-byte copies, no registers held, all the
-// stage's rows in flight at once); the rows of earlier steps (every position but the current one)
-// are issued before the PDL wait. The current position, written by attn_prep just before, is
-// read directly after the wait by the split that owns it. Per tile each warp (q head) computes
-// ATTN_TP scores, one online-softmax update and the V accumulation from shared memory.
+// attn_split: the K/V rows of each split stream through a ring of ATTN_NS shared-memory stages
+// of ATTN_TP positions with cp.async (16-byte copies, no registers held, all the stage's rows in
+// flight at once); the rows of earlier steps (every position but the current one) are issued
+// before the PDL wait. The current position, written by attn_prep just before, is read directly
+// after the wait by the split that owns it. Per tile each warp (q head) computes ATTN_TP scores,
+// one online-softmax update and the V accumulation from shared memory.
 #define ATTN_TP 16
 #define ATTN_NS 3
-// The tile's 16 score reductions by recursive halving (16 shuffles instead of 80, one exp per
-// lane): the default since the H200 A/B (decode +1% at 4K, +7% at 32K and +21% at 131K with the
-// bf16 cache). -DATTN_XRED=0 keeps the per-score butterfly reductions.
-#ifndef ATTN_XRED
-#define ATTN_XRED 1
-#endif
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned r;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
 __device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
 }
@@ -200,7 +192,7 @@ template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // One recursive-halving step over xor distance MSK: the lane keeps values [0, H) or [H, 2H)
-// (by its MSK bit) in slots [0, H), each plus the partner's copy (ATTN_XRED).
+// (by its MSK bit) in slots [0, H), each plus the partner's copy.
 template <int H, int MSK>
 __device__ __forceinline__ void halve_scores(float (&sc)[ATTN_TP], int lane) {
     const bool up = lane & MSK;
@@ -213,9 +205,9 @@ __device__ __forceinline__ void halve_scores(float (&sc)[ATTN_TP], int lane) {
 }
 
 template <int HD, typename KV>
-__device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restrict__ kcache,
-                                 const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
-                                 int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
+__device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ kcache,
+                           const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
+                           int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
     extern __shared__ float4 attn_sm4[];
     KV* sm = reinterpret_cast<KV*>(attn_sm4);
     // C4: 16-byte copies per K or V row, EPC: elements per copy; the stage holds KV elements.
@@ -276,13 +268,12 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
                 for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
                 sc[u] = d;
             }
-#if ATTN_XRED
             // The TP = 16 scores reduced together by recursive halving: at each xor distance a
             // lane keeps half of its values and adds its partner's copy of them (8 + 4 + 2 + 1 + 1
             // shuffles instead of 16 x 5); lanes 2u and 2u+1 end with score u. Max and sum then
             // run over 16 distinct lanes' values, one exp per lane, and P V fetches each
             // probability from lane 2u.
-            static_assert(TP == 16, "ATTN_XRED reduces 16 scores");
+            static_assert(TP == 16, "the recursive halving reduces 16 scores");
             halve_scores<8, 16>(sc, lane);
             halve_scores<4, 8>(sc, lane);
             halve_scores<2, 4>(sc, lane);
@@ -301,20 +292,6 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
             for (int msk = 2; msk <= 16; msk <<= 1) es += __shfl_xor_sync(0xffffffffu, es, msk);
 #pragma unroll
             for (int u = 0; u < TP; ++u) sc[u] = __shfl_sync(0xffffffffu, eu, 2 * u);
-#else
-#pragma unroll
-            for (int u = 0; u < TP; ++u) sc[u] = u < nr ? warp_sum(sc[u]) * scale : NEG_INF;
-            float mx = m;
-#pragma unroll
-            for (int u = 0; u < TP; ++u) mx = fmaxf(mx, sc[u]);
-            const float corr = expf(m - mx);
-            float es = 0.f;
-#pragma unroll
-            for (int u = 0; u < TP; ++u) {
-                sc[u] = expf(sc[u] - mx);
-                es += sc[u];
-            }
-#endif
             l = l * corr + es;
             float acc[P];
 #pragma unroll
@@ -345,11 +322,6 @@ __device__ void attn_split_tiled(const float* __restrict__ q, const KV* __restri
     extern "C" __global__ void attn_split_##HD##SUFFIX(const float* q, const KV* kc, const KV* vc,                \
                                                        const int* step, int nh, int nkv, int splits, float scale, \
                                                        float* po, float* pml) {                                   \
-        attn_split_tiled<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                               \
-    }                                                                                                             \
-    extern "C" __global__ void attn_split_reg_##HD##SUFFIX(const float* q, const KV* kc, const KV* vc,            \
-                                                           const int* step, int nh, int nkv, int splits,          \
-                                                           float scale, float* po, float* pml) {                  \
         attn_split<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                     \
     }
 FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_ENTRY)
@@ -396,3 +368,337 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
         out[(size_t)h * hd + j] = (a / L) * sigmoid_f(gate[(size_t)h * hd + j]);
     }
 }
+
+// ============================== prefill (T tokens) ==============================
+// Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
+
+// q/k RMSNorm + partial NeoX RoPE + KV append for T tokens: grid (T, nh + nkv), block hd.
+// KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; kv_st above).
+template <typename KV>
+__device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
+                                  const float* __restrict__ vraw, const float* __restrict__ q_norm,
+                                  const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+                                  float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
+                                  KV* __restrict__ vcache, int pos0, int nh, int nkv, int hd, int half_rot,
+                                  float eps) {
+    extern __shared__ float sm[];
+    float* xs = sm;
+    float* red = sm + hd;
+    const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x, pos = pos0 + t;
+    const bool is_q = h < nh;
+    const int kvh = h - nh;
+    const size_t kv_dim = (size_t)nkv * hd;
+    const float* qrow = qg + (size_t)t * 2 * nh * hd;
+    const float v = is_q ? qrow[(size_t)h * 2 * hd + j] : kraw[(size_t)t * kv_dim + kvh * hd + j];
+    float c, sn;
+    rope_cos_sin(pos, inv_freq, j, half_rot, c, sn);
+    const float out = head_norm_rope(v, is_q ? q_norm[j] : k_norm[j], c, sn, hd, half_rot, eps, xs, red);
+    if (is_q) {
+        qout[((size_t)t * nh + h) * hd + j] = out;
+        gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
+    } else {
+        kv_st(kcache + (size_t)pos * kv_dim + kvh * hd + j, out);
+        kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)t * kv_dim + kvh * hd + j]);
+    }
+}
+#define PF_ATTN_PREP(NAME, KV)                                                                                   \
+    extern "C" __global__ void NAME(const float* qg, const float* kraw, const float* vraw, const float* q_norm,  \
+                                    const float* k_norm, const double* inv_freq, float* qout, float* gate,       \
+                                    KV* kcache, KV* vcache, int pos0, int nh, int nkv, int hd, int half_rot,     \
+                                    float eps) {                                                                 \
+        pf_attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate, kcache, vcache, pos0, nh,   \
+                              nkv, hd, half_rot, eps);                                                           \
+    }
+PF_ATTN_PREP(pf_attn_prep, float)
+PF_ATTN_PREP(pf_attn_prep_bf16, u16)
+
+// Causal attention over the cache (positions 0..=pos0+t), flash style: block = (64 / group query
+// tokens) x (the group's q heads) = 64 rows of one kv head; 8 warps, 8 rows each. K/V tiles of 32
+// positions in shared memory are shared by all 64 rows; lane = key for the scores (one max and one
+// sum reduction per tile per row), lane = dims for the output. Online softmax, then the sigmoid
+// output gate. grid (ceil(T / (64/group)), nkv), block 256,
+// dynamic smem (64*HD + 32*(HD+4) + 32*HD) floats.
+template <int HD, typename KV>
+__device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
+                        const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                        float* __restrict__ out) {
+    constexpr int P = HD / 32, KS = HD + 4;
+    extern __shared__ __align__(16) float pfa_sm[];
+    float* Qs = pfa_sm;               // [64][HD]
+    float* Ks = Qs + 64 * HD;     // [32][HD+4]
+    float* Vs = Ks + 32 * KS;     // [32][HD]
+    const int group = nh / nkv, qt = 64 / group;
+    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t kv_dim = (size_t)nkv * HD;
+    for (int idx = threadIdx.x; idx < 64 * (HD / 4); idx += blockDim.x) {
+        int r = idx / (HD / 4), f = idx % (HD / 4);
+        int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        reinterpret_cast<float4*>(Qs + r * HD)[f] = v;
+    }
+    float m[8], l[8], o[8][P];
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+        m[rr] = NEG_INF;
+        l[rr] = 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) o[rr][i] = 0.f;
+    }
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    for (int kt = 0; kt < nkeys; kt += 32) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < 32 * (HD / 4); idx += blockDim.x) {
+            int kr = idx / (HD / 4), f = idx % (HD / 4);
+            int p = kt + kr;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            if (p < nkeys) {
+                kv = kv_ld4(kc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
+                vv = kv_ld4(vc + (size_t)p * kv_dim + kvh * HD + 4 * f, false);
+            }
+            reinterpret_cast<float4*>(Ks + kr * KS)[f] = kv;
+            reinterpret_cast<float4*>(Vs + kr * HD)[f] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < 8; ++rr) {
+            const int r = warp + 8 * rr;
+            const int t = tok0 + r / group;
+            if (t >= T) continue;
+            const int pq = pos0 + t;
+            if (kt > pq) continue;
+            const float4* qr = reinterpret_cast<const float4*>(Qs + r * HD);
+            const float4* kr = reinterpret_cast<const float4*>(Ks + lane * KS);
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll 8
+            for (int f = 0; f < HD / 4; ++f) {
+                float4 a = qr[f], bb = kr[f];
+                d0 = fmaf(a.x, bb.x, d0);
+                d1 = fmaf(a.y, bb.y, d1);
+                d0 = fmaf(a.z, bb.z, d0);
+                d1 = fmaf(a.w, bb.w, d1);
+            }
+            float sc = (d0 + d1) * scale;
+            if (kt + lane > pq) sc = NEG_INF;
+            const float mt = warp_max(sc);
+            const float mn = fmaxf(m[rr], mt);
+            const float corr = expf(m[rr] - mn);
+            const float p = expf(sc - mn);
+            l[rr] = l[rr] * corr + warp_sum(p);
+            m[rr] = mn;
+#pragma unroll
+            for (int i = 0; i < P; ++i) o[rr][i] *= corr;
+            const int jmax = min(32, pq - kt + 1);
+            for (int j = 0; j < jmax; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+                for (int i = 0; i < P; ++i) o[rr][i] = fmaf(pj, Vs[j * HD + i * 32 + lane], o[rr][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+        const int r = warp + 8 * rr;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        const float il = 1.f / l[rr];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            size_t idx = ((size_t)t * nh + h) * HD + i * 32 + lane;
+            out[idx] = (o[rr][i] * il) * sigmoid_f(gate[idx]);
+        }
+    }
+}
+
+#define PF_ATTN(HD, KV, SUFFIX)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD##SUFFIX(const float* q, const float* gate,     \
+                                                                           const KV* kc, const KV* vc, int T,     \
+                                                                           int pos0, int nh, int nkv,             \
+                                                                           float scale, float* out) {             \
+        pf_attn<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                            \
+    }
+FOR_EACH_ATTN_INSTANCE(PF_ATTN)
+
+// Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
+// block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
+// head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
+// 64 keys, K and V are read from the f32 cache, rounded to bf16 into shared memory; S = Q K^T
+// and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
+// softmax in exp2. grid (ceil(T / (64/group)), nkv), block 128, dynamic smem 3*64*(HD+8) bf16.
+#define PFA_LD(HD) ((HD) + 8)
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <int HD, typename KV>
+__device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
+                           const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                           float* __restrict__ out) {
+    constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
+    extern __shared__ __align__(16) u16 pfa_tc_sm[];
+    u16* Qs = pfa_tc_sm;
+    u16* Ks = Qs + 64 * LD;
+    u16* Vs = Ks + 64 * LD;
+    const int group = nh / nkv, qt = 64 / group;
+    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const size_t kv_dim = (size_t)nkv * HD;
+    const float qscale = scale * 1.4426950408889634f;
+    for (int idx = tid; idx < 64 * F4; idx += 128) {
+        const int r = idx / F4, f = idx % F4;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        uint2 pk;
+        pk.x = pack_bf16(v.x * qscale, v.y * qscale);
+        pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        *reinterpret_cast<uint2*>(Qs + r * LD + f * 4) = pk;
+    }
+    // This lane's two rows (g and g+8 of the warp's 16) and their query positions.
+    const int g = lane >> 2;
+    int pq[2];
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int t = tok0 + (warp * 16 + g + 8 * hv) / group;
+        pq[hv] = t < T ? pos0 + t : -1;
+    }
+    const int warp_last_t = min(T - 1, tok0 + (warp * 16 + 15) / group);
+    const int warp_pq = pos0 + warp_last_t;
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
+    const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
+    const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
+    // Tile loads in batches of KB: every load of a batch is issued before the first is used. The
+    // rows past the last key are read clamped to it (always valid memory, no branch around the
+    // load, which would serialise the batch) and zeroed by a select.
+    constexpr int KB = 4, KITER = 64 * F4 / 128;
+    static_assert(KITER % KB == 0, "tile load batches");
+    for (int kt = 0; kt < nkeys; kt += 64) {
+        __syncthreads();
+#pragma unroll 2
+        for (int i0 = 0; i0 < KITER; i0 += KB) {
+            float4 kv[KB], vv[KB];
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                const int idx = tid + (i0 + j) * 128, kr = idx / F4, f = idx % F4;
+                const size_t off = (size_t)min(kt + kr, nkeys - 1) * kv_dim + kvh * HD + 4 * f;
+                kv[j] = kv_ld4(kc + off, false);
+                vv[j] = kv_ld4(vc + off, false);
+            }
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                const int idx = tid + (i0 + j) * 128, kr = idx / F4, f = idx % F4;
+                const bool ok = kt + kr < nkeys;
+                const float4 k4 = ok ? kv[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                const float4 v4 = ok ? vv[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                *reinterpret_cast<uint2*>(Ks + kr * LD + f * 4) =
+                    make_uint2(pack_bf16(k4.x, k4.y), pack_bf16(k4.z, k4.w));
+                *reinterpret_cast<uint2*>(Vs + kr * LD + f * 4) =
+                    make_uint2(pack_bf16(v4.x, v4.y), pack_bf16(v4.z, v4.w));
+            }
+        }
+        __syncthreads();
+        if (kt > warp_pq) continue;  // every row of this warp is before the whole tile
+        float s[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(q_addr + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(k_addr + (np * 16 * LD + ks * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(s[2 * np], a, b0, b1);
+                mma_bf16(s[2 * np + 1], a, b2, b3);
+            }
+        }
+        // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
+        float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
+                mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
+            }
+        float base[2], corr[2];
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+            const float mn = fmaxf(m[hv], mt[hv]);
+            base[hv] = mn == NEG_INF ? 0.f : mn;
+            corr[hv] = exp2f(m[hv] - base[hv]);
+            m[hv] = mn;
+            l[hv] *= corr[hv];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            o[nt][0] *= corr[0];
+            o[nt][1] *= corr[0];
+            o[nt][2] *= corr[1];
+            o[nt][3] *= corr[1];
+        }
+        u32 pa[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
+            const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+            pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(v_addr + (kk * 16 * LD + dp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], pa[kk], b0, b1);
+                mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
+            }
+        }
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 1);
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 2);
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int r = warp * 16 + g + 8 * hv;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        const float il = 1.f / l[hv];
+        const size_t rb = ((size_t)t * nh + h) * HD;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
+                out[idx] = (o[nt][hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
+            }
+    }
+}
+
+#define PF_ATTN_TC(HD, KV, SUFFIX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(const float* q, const float* gate,  \
+                                                                              const KV* kc, const KV* vc, int T,  \
+                                                                              int pos0, int nh, int nkv,          \
+                                                                              float scale, float* out) {          \
+        pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                         \
+    }
+FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)

@@ -1,6 +1,8 @@
-// Shared helpers, prepended to every kernel file by src/backend/cuda/context.rs (NVRTC gets one
-// source string per module, so no include paths and no CUDA headers are needed: bf16 is handled
-// as raw u16 bits, which keeps the CI compile check down to libnvrtc alone).
+// Shared device code: what more than one op family uses (qmatmul.cu, gdn.cu, attention.cu,
+// moe.cu, ops.cu, sample.cu). No kernels. Prepended to every module by
+// src/backend/cuda/context.rs (NVRTC gets one source string per module, so no include paths and
+// no CUDA headers are needed: bf16 is handled as raw u16 bits, which keeps the CI compile check
+// down to libnvrtc alone).
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -10,12 +12,6 @@ __device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float(((u32)h) 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -39,7 +35,6 @@ __device__ float block_sum(float v, float* red) {
 // The same formulas as the CPU reference (src/backend/cpu/ops.rs): accurate expf, no fast math.
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
-__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 // 1/sqrt(mean + eps) from a sum of squares; the CPU does this step in f64.
 __device__ __forceinline__ float inv_rms_from(float ss, int n, float eps) {
@@ -56,9 +51,9 @@ __device__ __forceinline__ int swz_elem(int c) { return (swz(c >> 2) << 2) | (c 
 
 // Small unsigned integer (< 2^23) to float without I2F: 2^23 + v has v in the mantissa bits and
 // subtracting 2^23 is exact, so code_f(v) == (float)v bit for bit. I2F runs at 16 per SM per clock
-// on Hopper (a quarter of the integer pipe, an eighth of FP32); this is one LOP3 and one FADD. In
-// decode it measured neutral on its own (2026-11-29: those kernels are latency-bound, not
-// ALU-bound), but it is exact and takes the conversion unit out of every weight.
+// on Hopper (a quarter of the integer pipe, an eighth of FP32); this is one LOP3 and one FADD. The
+// decode kernels are latency-bound rather than ALU-bound, but it is exact and takes the
+// conversion unit out of every weight.
 __device__ __forceinline__ float code_f(u32 v) { return __uint_as_float(v | 0x4B000000u) - 8388608.f; }
 
 __device__ __forceinline__ float dot_nib(u32 q, float4 a, float4 b) {
@@ -79,7 +74,7 @@ __device__ __forceinline__ float dot_byte(u32 q, float4 a) {
 // by the runtime value compiled to ~40 instructions per 16-byte chunk, more than its dot product.
 // Called by all 32 lanes of a warp; returns the full dot product in every lane.
 // qrow_part returns this lane's share (no reduction), so callers can keep several rows' loads in
-// flight and reduce once; qrow_dot reduces over the warp.
+// flight and reduce once.
 // The activations of one 16-byte chunk of codes (32 at 4 bits, 16 at 8), from the swizzled
 // vector: f is the chunk's first float4 (chunk index * 32 / BITS).
 template <int BITS>
@@ -129,53 +124,8 @@ __device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16
 // Two rows of the same width and bits against the same activations: each activation float4 is
 // read from shared memory once for both rows (half the shared-memory traffic and load
 // instructions of two qrow_part calls); per row the arithmetic is exactly qrow_part's.
-template <int BITS>
-__device__ __forceinline__ void qrow_part2_t(const u32* __restrict__ wa, const u16* __restrict__ sa,
-                                             const u16* __restrict__ ba, const u32* __restrict__ wb,
-                                             const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
-                                             const float* gsum, int cols, int group, float& outa, float& outb) {
-    constexpr int LCPC = BITS == 4 ? 5 : 4;
-    const int lane = threadIdx.x & 31;
-    const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
-    const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
-    const float4* x4 = reinterpret_cast<const float4*>(xs);
-    const int n4 = cols >> LCPC, cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
-    float acca = 0.f, accb = 0.f;
-#pragma unroll 2
-    for (int i = lane; i < n4; i += 32) {
-        uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
-        float4 xv[32 / BITS];
-        chunk_x<BITS>(x4, i * (32 / BITS), xv);
-        float da = chunk_dot<BITS>(qa, xv);
-        float db = chunk_dot<BITS>(qb, xv);
-        int g = i >> lcpg;
-        acca += bf16f(__ldg(sa + g)) * da;
-        accb += bf16f(__ldg(sb + g)) * db;
-        if ((i & (cpg - 1)) == 0) {
-            float gs = gsum[g];
-            acca += bf16f(__ldg(ba + g)) * gs;
-            accb += bf16f(__ldg(bb + g)) * gs;
-        }
-    }
-    outa = acca;
-    outb = accb;
-}
-__device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16* __restrict__ sa,
-                                           const u16* __restrict__ ba, const u32* __restrict__ wb,
-                                           const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
-                                           const float* gsum, int cols, int bits, int group, float& outa, float& outb) {
-    if (bits == 4) qrow_part2_t<4>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
-    else qrow_part2_t<8>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
-}
-
-__device__ __forceinline__ float qrow_dot(const u32* __restrict__ wr, const u16* __restrict__ sr,
-                                         const u16* __restrict__ br, const float* xs, const float* gsum,
-                                         int cols, int bits, int group) {
-    return warp_sum(qrow_part(wr, sr, br, xs, gsum, cols, bits, group));
-}
-
 // Per-group sums of `xs` (shared memory) into `gsum`: one warp per group (a serial loop per
-// thread was a ~64-deep dependent chain). Ends with __syncthreads().
+// thread would be a ~64-deep dependent chain). Ends with __syncthreads().
 __device__ void group_sums(const float* xs, int n, int group, float* gsum) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int g = warp; g < n / group; g += nw) {
@@ -212,109 +162,7 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 
-// ---- attention KV cache elements: f32, or bf16 (u16) for sequences made with the bf16 KV cache
-// (CudaBackend::set_kv_bf16). The attention kernels are templates over the element type; these
-// load 4 (or 2) consecutive elements as floats and store one, rounding to nearest even exactly as
-// the CPU reference does when its KV cache is bf16.
-__device__ __forceinline__ float4 kv_ld4(const float* p, bool global) {
-    return global ? __ldg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
-}
-__device__ __forceinline__ float4 kv_ld4(const u16* p, bool global) {
-    const uint2 v = global ? __ldg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
-    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                       __uint_as_float(v.y & 0xffff0000u));
-}
-__device__ __forceinline__ float2 kv_ld2(const float* p, bool global) {
-    return global ? __ldg(reinterpret_cast<const float2*>(p)) : *reinterpret_cast<const float2*>(p);
-}
-__device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
-    const u32 v = global ? __ldg(reinterpret_cast<const unsigned int*>(p)) : *reinterpret_cast<const u32*>(p);
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-}
-__device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
-// Every attention entry point exists for each head dim and cache element; the `_bf16` suffix is
-// the one the host appends for bf16-KV sequences (kernels::kv_suffix). M(HD, KV, SUFFIX).
-#define FOR_EACH_ATTN_INSTANCE(M) \
-    M(64, float, ) M(128, float, ) M(256, float, ) M(64, u16, _bf16) M(128, u16, _bf16) M(256, u16, _bf16)
-
-// Partial NeoX RoPE angle of element j of a head (the first 2*half_rot elements rotate), in f64
-// like the CPU (pos * inv_freq can be ~2.6e5 rad at long context). c = 1, sn = 0 outside.
-__device__ __forceinline__ void rope_cos_sin(int pos, const double* __restrict__ inv_freq, int j, int half_rot,
-                                             float& c, float& sn) {
-    c = 1.f;
-    sn = 0.f;
-    if (j < 2 * half_rot) {
-        const int i = j < half_rot ? j : j - half_rot;
-        const double ang = (double)pos * inv_freq[i];
-        c = (float)cos(ang);
-        sn = (float)sin(ang);
-    }
-}
-
-// One attention head row over a block of hd threads (thread j owns element j, value v): RMSNorm
-// with gain nwj, then the partial NeoX rotation with this thread's (c, sn) from rope_cos_sin.
-// xs: hd floats, red: 33 floats of shared memory. Returns element j of the result.
-__device__ float head_norm_rope(float v, float nwj, float c, float sn, int hd, int half_rot, float eps, float* xs,
-                                float* red) {
-    const int j = threadIdx.x;
-    const float ss = block_sum(v * v, red);
-    const float inv = inv_rms_from(ss, hd, eps);
-    xs[j] = v * inv * nwj;
-    __syncthreads();
-    float out = xs[j];
-    if (j < 2 * half_rot) {
-        const int i = j < half_rot ? j : j - half_rot;
-        const float a = xs[i], b = xs[i + half_rot];
-        out = j < half_rot ? a * c - b * sn : b * c + a * sn;
-    }
-    return out;
-}
-
-// Routing of one token by one whole warp: top-k of the E router logits (ties -> lower id), the
-// renormalised softmax weights exp(l - max) / sum_topk exp(l - max), then sorted by expert id
-// (the CPU accumulates experts in ascending id order). ids/wts (K entries, shared memory) are
-// valid for every lane of the warp on return. E <= 512, K <= 16. Used by decode (moe.cu) and prefill
-// (prefill.cu), so both pick the same experts with the same weights.
-#define ROUTE_MAXE_PER_LANE 16
-__device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
-    const int lane = threadIdx.x & 31;
-    float v[ROUTE_MAXE_PER_LANE];
-#pragma unroll
-    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
-    float top = 0.f, my_e = 0.f;
-    int my_id = 0x7fffffff;
-    for (int k = 0; k < K; ++k) {
-        float best = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-            if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        if (k == 0) top = best;
-#pragma unroll
-        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-            if (lane + 32 * t == bi) v[t] = NEG_INF;
-        if (lane == k) { my_id = bi; my_e = expf(best - top); }
-    }
-    // Lane k < K holds the k-th pick. The normaliser is summed in pick order (as the CPU does),
-    // and each pick's place in id order is its rank among the picks (ids are distinct): a few
-    // shuffles instead of lane 0's serial sum and insertion sort through shared memory.
-    float sum = 0.f;
-    int rank = 0;
-    for (int k = 0; k < K; ++k) {
-        sum += __shfl_sync(0xffffffffu, my_e, k);
-        rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
-    }
-    if (lane < K) { ids[rank] = my_id; wts[rank] = my_e / sum; }
-    __syncwarp();
-}
-
-// ---- appended (decode fixed-cost work) ----
+// ---- L2 prefetch (decode) ----
 // Starts pulling one 128-byte line into L2 (no registers, no completion wait). The decode kernels
 // issue their first weight rows this way before the activation prologue, since weights never
 // depend on the activations: the DRAM latency then overlaps the prologue.
@@ -337,30 +185,11 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// Where a decode kernel lets the next one launch (compile-time, for measurements:
-// LILY_CUDA_NVRTC_DEFS=-DPDL_TRIGGER=n): 0 right after the wait (at most one kernel runs ahead),
-// 1 never explicitly (the next kernel launches as the blocks exit), 2 before the wait (kernels
-// cascade ahead as far as resources allow; every pre-wait section only reads data of earlier steps).
-#ifndef PDL_TRIGGER
-#define PDL_TRIGGER 0
-#endif
+// A decode kernel lets the next one launch right after its own wait, so at most one kernel runs
+// ahead of the one that is computing.
 __device__ __forceinline__ void pdl_wait_trigger() {
-#if PDL_TRIGGER == 2
-    pdl_trigger();
-    pdl_wait();
-#elif PDL_TRIGGER == 1
-    pdl_wait();
-#else
     pdl_wait();
     pdl_trigger();
-#endif
-}
-// attn_prep lets attn_split (whose pre-wait part only prefetches K/V rows of earlier steps) start
-// during the q|k|v GEMV.
-__device__ __forceinline__ void pdl_trigger_early() {
-#if PDL_TRIGGER != 1
-    pdl_trigger();
-#endif
 }
 
 // The end of the staging functions below: each thread's sum of squares of x goes to `red` per
@@ -378,8 +207,8 @@ __device__ __forceinline__ float staged_inv_rms(float ss, float* red, int n, flo
     return inv_rms_from(t, n, eps);
 }
 
-// One-pass staging (gemv_q; moe kernels with MOE_FAST): each thread loads its float2 pieces of x (and of the norm gain)
-// at once (c = k * 2 * blockDim + 2 * tid: a warp covers 64 contiguous floats per k, i.e. one
+// One-pass staging (gemv_q, moe_gate_up, moe_down): each thread loads its float2 pieces of x (and
+// of the norm gain) at once (c = k * 2 * blockDim + 2 * tid: a warp covers 64 contiguous floats per k, i.e. one
 // 64-group or two 32-groups, so the group sums are warp reductions of the staged values), writes
 // x * gain to shared memory and returns the RMS factor inv = 1/rms(x) after ONE barrier: the
 // caller multiplies the finished dot products by inv (sum(w (x inv g)) = inv sum(w (x g))), so
@@ -423,8 +252,19 @@ __device__ float stage_x_fast(const float* __restrict__ x, int n, const float* _
     return staged_inv_rms(ss, red, n, eps, gain != nullptr);
 }
 
-
-// ---- tensor-core decode GEMV (4-bit codes, group 64) ----
+// ---- tensor cores (decode GEMV in qmatmul.cu and moe.cu; prefill GEMM and attention) ----
+// Shared-memory address of a generic pointer to shared memory (for ldmatrix and cp.async).
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// Four 8x8 b16 matrices from shared memory, in mma fragment order.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
 // D += A B on the tensor cores: A 16x16 bf16 (4 registers of pairs), B 16x8 bf16 (2), f32 C/D.
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(
@@ -434,9 +274,10 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- tensor-core decode GEMV (4-bit codes, group 64): gemv_tc, moe_gate_up_tc, moe_down_tc ----
 // Why: a decode GEMV on the CUDA cores spends ~4.5 instructions per 4-bit weight (extract,
 // convert, FMA); over the ~1.9 GB a token reads that is ~0.5 ms of pure issue time, and the
-// decode kernels were issue- and instruction-fetch-bound (docs/cuda.md, round 3). Here a warp
+// CUDA-core decode kernels are issue- and instruction-fetch-bound (docs/cuda.md). Here a warp
 // takes 16 rows at a time and lets mma.sync do the multiply-adds: per 32-bit word of codes
 // (8 weights) 4 shifts + 4 LOP3 turn the nibbles into bf16 pairs, and one mma consumes 256
 // weights. About 1.75 instructions per weight and lane (56 per group of 16 rows) instead of 4.5.
@@ -642,3 +483,7 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
     acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
     acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
 }
+
+// Tokens per pf_gemm_tc tile (qmatmul.cu); pf_scan (moe.cu) lists the grouped-mode tiles in
+// these units.
+#define TC_BN 64

@@ -1,4 +1,14 @@
-// Gated DeltaNet decode step (T = 1), one block per value head, everything fused:
+// Gated DeltaNet (linear attention with the delta rule). Same math and order as
+// src/backend/cpu/gdn.rs.
+//   decode (T = 1):     gdn_step
+//   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_32, pf_gdn_scan_64,
+//                       pf_gdn_scan_128, pf_gdn_norm
+
+// softplus as the CPU reference computes it (src/backend/cpu/ops.rs).
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// ================================ decode (T = 1) ================================
+// Gated DeltaNet decode step, one block per value head, everything fused:
 // causal conv1d step + SiLU on the head's q/k/v channels, L2 norm of q and k, the gates
 // (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)), the delta-rule update of the
 // fp32 state S [dk][dv] and o = S^T q, then the gated RMSNorm norm(o) * w * silu(z).
@@ -148,4 +158,221 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
         const float inv = inv_rms_from(ss, dv, eps);
         y[(size_t)n * dv + j] = o * inv * nwj * silu_f(zj);
     }
+}
+
+// ============================== prefill (T tokens) ==============================
+// Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
+// The scan is the exact recurrence (gdn::recurrent_step) run over the chunk with the state in
+// registers.
+
+// Causal depthwise conv + SiLU over T tokens at positions pos0.. (history from the ring):
+// grid (ceil(C/256), T).
+extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const float* __restrict__ ring,
+                                       const float* __restrict__ taps, int T, int C, int KC, int pos0,
+                                       float* __restrict__ out) {
+    const int t = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float acc = 0.f;
+    for (int j = 0; j < KC; ++j) {
+        int p = pos0 + t - (KC - 1) + j;
+        float in = p >= pos0 ? qkv[(size_t)(p - pos0) * C + ch] : (p < 0 ? 0.f : ring[(size_t)(p % KC) * C + ch]);
+        acc += taps[(size_t)j * C + ch] * in;
+    }
+    out[(size_t)t * C + ch] = silu_f(acc);
+}
+
+// After the conv: the ring slots of the last min(T, KC) positions get their pre-conv inputs.
+// grid (ceil(C/256), min(T, KC)).
+extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, float* __restrict__ ring, int T, int C, int KC,
+                                       int pos0) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int t = T - 1 - blockIdx.y, p = pos0 + t;
+    ring[(size_t)(p % KC) * C + ch] = qkv[(size_t)t * C + ch];
+}
+
+// L2 norm of q and k per (token, key head) (eps 1e-6, in f64 like ops::l2_normalize), q scaled
+// by dk^-1/2: grid (T, nk), block dk.
+extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int nk, int dk, float* __restrict__ qn,
+                                     float* __restrict__ kn) {
+    __shared__ float red[33];
+    const int t = blockIdx.x, kh = blockIdx.y, i = threadIdx.x, key_dim = nk * dk;
+    float q = conv[(size_t)t * C + kh * dk + i];
+    float k = conv[(size_t)t * C + key_dim + kh * dk + i];
+    float sq = block_sum(q * q, red);
+    float sk = block_sum(k * k, red);
+    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    qn[(size_t)t * key_dim + kh * dk + i] = q * iq * (1.f / sqrtf((float)dk));
+    kn[(size_t)t * key_dim + kh * dk + i] = k * ik;
+}
+
+// The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);
+// S += k d^T; o = S^T q). Every state column evolves on its own, so a column is split over PARTS
+// lanes, each holding R = DK/PARTS rows of it in registers (read once, written once; no spills),
+// and the dot products are reduced with PARTS-wide shuffles. One pass over the state per token:
+// S_t = a_t S_{t-1} + k_t d_t, then o_t = S_t^T q_t and p = S_t^T k_{t+1} (the next token's
+// S^T k is a_{t+1} p) in the same loop, both reduced together. Block = 4 warps = 4*32/PARTS
+// columns of one value head; q/k of PF_GDN_TB tokens are copied into shared memory with
+// cp.async a block of tokens ahead (double buffer), v and the raw gates through registers, so no
+// global load sits on the per-token chain. q/k rows are stored padded per part (stride R+4
+// floats) so the PARTS distinct float4 reads of a step hit distinct banks.
+// grid (nv, ceil(dv / (128/PARTS))), block 128.
+#define PF_GDN_TB 16
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+template <int DK>
+__device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
+                         const float* __restrict__ braw, const float* __restrict__ araw,
+                         const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
+                         float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
+    constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
+    constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
+    constexpr int TB = PF_GDN_TB, NV = TB * BC / 128;
+    __shared__ __align__(16) float qs[2][TB][KS];
+    __shared__ __align__(16) float ks[2][TB][KS];
+    __shared__ float vs[2][TB][BC];
+    __shared__ float gb[2][TB], ga[2][TB];
+    const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int part = lane % PARTS, cl = warp * CPW + lane / PARTS;
+    const int c0 = blockIdx.y * BC, c = c0 + cl;
+    const bool cvalid = c < dv;
+    const int kh = n / (nv / nk), key_dim = nk * DK;
+    float* S = state + (size_t)n * DK * dv;
+    float sreg[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) sreg[i] = cvalid ? S[(size_t)(part * R + i) * dv + c] : 0.f;
+    const float nega = neg_a[n], dtb = dt_bias[n];
+    const float* vsrc = conv + 2 * key_dim + (size_t)n * dv + c0;
+    float pv[NV];
+    float pb = 0.f, pa = 0.f;
+    // Starts the copies of block tb into buffer bf (q/k by cp.async, v and raw gates to registers).
+    auto issue = [&](int tb, int bf) {
+        const int nt = min(TB, T - tb);
+        for (int idx = tid; idx < nt * (DK / 4); idx += 128) {
+            const int tt = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            const int d = (i / R) * RS + (i % R);
+            const size_t off = (size_t)(tb + tt) * key_dim + kh * DK + i;
+            cp_async16(&qs[bf][tt][d], qn + off);
+            cp_async16(&ks[bf][tt][d], kn + off);
+        }
+        cp_async_commit();
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j, tt = idx / BC, cc = idx % BC;
+            pv[j] = (tt < nt && c0 + cc < dv) ? vsrc[(size_t)(tb + tt) * C + cc] : 0.f;
+        }
+        if (tid < nt) {
+            pb = braw[(size_t)(tb + tid) * nv + n];
+            pa = araw[(size_t)(tb + tid) * nv + n];
+        }
+    };
+    // Completes block tb in buffer bf: waits for its copies, stores v and the gates. Ends synced.
+    auto stage = [&](int tb, int bf) {
+        const int nt = min(TB, T - tb);
+        cp_async_wait_all();
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int idx = tid + 128 * j;
+            vs[bf][idx / BC][idx % BC] = pv[j];
+        }
+        if (tid < nt) {
+            gb[bf][tid] = sigmoid_f(pb);
+            ga[bf][tid] = expf(nega * softplus_f(pa + dtb));
+        }
+        __syncthreads();
+    };
+    issue(0, 0);
+    stage(0, 0);
+    if (TB < T) issue(TB, 1);
+    // p = S_0^T k_0.
+    float p;
+    {
+        const float4* k4 = reinterpret_cast<const float4*>(&ks[0][0][part * RS]);
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int f = 0; f < R / 4; ++f) {
+            const float4 kk = k4[f];
+            a0 = fmaf(sreg[4 * f], kk.x, a0);
+            a1 = fmaf(sreg[4 * f + 1], kk.y, a1);
+            a2 = fmaf(sreg[4 * f + 2], kk.z, a2);
+            a3 = fmaf(sreg[4 * f + 3], kk.w, a3);
+        }
+        p = (a0 + a1) + (a2 + a3);
+#pragma unroll
+        for (int m = 1; m < PARTS; m <<= 1) p += __shfl_xor_sync(0xffffffffu, p, m);
+    }
+    int bf = 0;
+    for (int tb = 0; tb < T; tb += TB) {
+        const int nt = min(TB, T - tb);
+        const bool more = tb + TB < T;
+        for (int tt = 0; tt < nt; ++tt) {
+            const bool last = tt == nt - 1;
+            if (last && more) stage(tb + TB, bf ^ 1);  // the next token's k lives there
+            const float alpha = ga[bf][tt], beta = gb[bf][tt], v = vs[bf][tt][cl];
+            const float delta = beta * (v - alpha * p);
+            const float4* k4 = reinterpret_cast<const float4*>(&ks[bf][tt][part * RS]);
+            const float4* q4 = reinterpret_cast<const float4*>(&qs[bf][tt][part * RS]);
+            const float4* n4 = reinterpret_cast<const float4*>(last ? &ks[bf ^ 1][0][part * RS]
+                                                                    : &ks[bf][tt + 1][part * RS]);
+            float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+#pragma unroll
+            for (int f = 0; f < R / 4; ++f) {
+                const float4 kk = k4[f], qq = q4[f], nn = n4[f];
+                sreg[4 * f] = fmaf(sreg[4 * f], alpha, kk.x * delta);
+                sreg[4 * f + 1] = fmaf(sreg[4 * f + 1], alpha, kk.y * delta);
+                sreg[4 * f + 2] = fmaf(sreg[4 * f + 2], alpha, kk.z * delta);
+                sreg[4 * f + 3] = fmaf(sreg[4 * f + 3], alpha, kk.w * delta);
+                o0 = fmaf(sreg[4 * f], qq.x, o0);
+                o1 = fmaf(sreg[4 * f + 1], qq.y, o1);
+                o2 = fmaf(sreg[4 * f + 2], qq.z, o2);
+                o3 = fmaf(sreg[4 * f + 3], qq.w, o3);
+                p0 = fmaf(sreg[4 * f], nn.x, p0);
+                p1 = fmaf(sreg[4 * f + 1], nn.y, p1);
+                p2 = fmaf(sreg[4 * f + 2], nn.z, p2);
+                p3 = fmaf(sreg[4 * f + 3], nn.w, p3);
+            }
+            float ov = (o0 + o1) + (o2 + o3);
+            p = (p0 + p1) + (p2 + p3);
+#pragma unroll
+            for (int m = 1; m < PARTS; m <<= 1) {
+                ov += __shfl_xor_sync(0xffffffffu, ov, m);
+                p += __shfl_xor_sync(0xffffffffu, p, m);
+            }
+            if (part == 0 && cvalid) o[(size_t)(tb + tt) * nv * dv + (size_t)n * dv + c] = ov;
+        }
+        __syncthreads();  // buffer bf is free again
+        if (tb + 2 * TB < T) issue(tb + 2 * TB, bf);
+        bf ^= 1;
+    }
+    if (cvalid) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) S[(size_t)(part * R + i) * dv + c] = sreg[i];
+    }
+}
+
+#define PF_GDN_SCAN(DK)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) pf_gdn_scan_##DK(                                           \
+        const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
+        const float* dt_bias, const float* neg_a, float* state, float* o, int T, int nk, int nv, int dv, int C) {   \
+        gdn_scan<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, state, o, T, nk, nv, dv, C);                        \
+    }
+PF_GDN_SCAN(32)
+PF_GDN_SCAN(64)
+PF_GDN_SCAN(128)
+
+// Gated RMSNorm per (token, value head): norm(o) * w * silu(z). grid (T, nv), block dv.
+extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
+                                       const float* __restrict__ norm_w, float* __restrict__ y, int nv, int dv,
+                                       float eps) {
+    __shared__ float red[33];
+    const int t = blockIdx.x, n = blockIdx.y, j = threadIdx.x;
+    size_t idx = (size_t)t * nv * dv + n * dv + j;
+    float v = o[idx];
+    float ss = block_sum(v * v, red);
+    float inv = inv_rms_from(ss, dv, eps);
+    y[idx] = v * inv * norm_w[j] * silu_f(z[idx]);
 }

@@ -1,4 +1,12 @@
-// Sparse MoE decode (T = 1), two launches after the router GEMV (gemv.cu):
+// Sparse mixture of experts: routing (softmax top-k), the experts' SwiGLU MLPs and the shared
+// expert, combined into the residual stream. Same math as src/backend/cpu/moe.rs.
+//   decode (T = 1):     moe_gate_up, moe_down, moe_gate_up_tc, moe_down_tc
+//   prefill (T tokens): pf_route, pf_scan, pf_scatter, pf_moe_combine (the expert GEMMs
+//                       themselves are pf_gemm / pf_gemm_tc in grouped mode, qmatmul.cu; their
+//                       SwiGLU, where not fused, is pf_swiglu in ops.cu)
+
+// ================================ decode (T = 1) ================================
+// Two launches after the router GEMV (gemv_q, qmatmul.cu):
 //   moe_gate_up: every block recomputes softmax + top-k of the router logits in its prologue
 //     (E <= 512 values from L2, one warp), so no separate routing launch or host sync is needed;
 //     grid.y = slot (K routed experts + the shared expert), each warp computes one gate row and
@@ -6,31 +14,56 @@
 //   moe_down: each warp owns one output row; it sums the K experts' down rows weighted by the
 //     renormalised routing weights (ascending expert id, as the CPU accumulates), adds
 //     sigmoid(shared_gate) * shared_down row and adds the result into the residual stream.
-// Same math as src/backend/cpu/moe.rs.
+// Both stage their input with the one-pass stage_x_fast where its conditions hold (moe_down only
+// where every slot base is a multiple of 256 floats, see there), with stage_x otherwise.
 
 #define MOE_MAXK 16
-// moe_gate_up pulls the chosen experts' down rows into L2 for moe_down (measurement knob:
-// LILY_CUDA_NVRTC_DEFS=-DMOE_DOWN_PF=0 turns it off).
-#ifndef MOE_DOWN_PF
-#define MOE_DOWN_PF 1
-#endif
-// MOE_FAST=1 (default since 2026-11-29): one-pass staging (stage_x_fast) in both kernels; +4% at
-// 4K on the H200 with unchanged 35B digests, GPU tests passing (moe_down uses it only where every
-// slot base is a multiple of 256 floats, see there). -DMOE_FAST=0 is the two-pass staging.
-// -DMOE_FAST=2 also reads the staged input once for an expert row's gate and up
-// rows (qrow_part2; 96 registers: moe_gate_up then fits 2 blocks per SM instead of 3).
-#ifndef MOE_FAST
-#define MOE_FAST 1
-#endif
 #define MOE_STAGE_MAXK 12
-// moe_down over all 32 lanes ((expert, chunk) items, up to DOWN_MAXI per lane). Knob:
-// LILY_CUDA_NVRTC_DEFS=-DDOWN_ALL_LANES=1.
-#ifndef DOWN_ALL_LANES
-#define DOWN_ALL_LANES 0
-#endif
-#define DOWN_MAXI 4
 
-// Warp 0 computes the routing of the block (warp_route_topk, common.cuh) into shared ids/wts.
+// Routing of one token by one whole warp: top-k of the E router logits (ties -> lower id), the
+// renormalised softmax weights exp(l - max) / sum_topk exp(l - max), then sorted by expert id
+// (the CPU accumulates experts in ascending id order). ids/wts (K entries, shared memory) are
+// valid for every lane of the warp on return. E <= 512, K <= 16. Used by decode (route_topk) and
+// prefill (pf_route), so both pick the same experts with the same weights.
+#define ROUTE_MAXE_PER_LANE 16
+__device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    float v[ROUTE_MAXE_PER_LANE];
+#pragma unroll
+    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
+    float top = 0.f, my_e = 0.f;
+    int my_id = 0x7fffffff;
+    for (int k = 0; k < K; ++k) {
+        float best = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+            if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+        }
+        if (k == 0) top = best;
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+            if (lane + 32 * t == bi) v[t] = NEG_INF;
+        if (lane == k) { my_id = bi; my_e = expf(best - top); }
+    }
+    // Lane k < K holds the k-th pick. The normaliser is summed in pick order (as the CPU does),
+    // and each pick's place in id order is its rank among the picks (ids are distinct): a few
+    // shuffles instead of lane 0's serial sum and insertion sort through shared memory.
+    float sum = 0.f;
+    int rank = 0;
+    for (int k = 0; k < K; ++k) {
+        sum += __shfl_sync(0xffffffffu, my_e, k);
+        rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
+    }
+    if (lane < K) { ids[rank] = my_id; wts[rank] = my_e / sum; }
+    __syncwarp();
+}
+
+// Warp 0 computes the routing of the block (warp_route_topk) into shared ids/wts.
 // No trailing barrier: the caller synchronises before other warps read ids/wts.
 __device__ void route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
     if ((threadIdx.x >> 5) == 0) warp_route_topk(logits, E, K, ids, wts);
@@ -85,7 +118,7 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(sgw + (size_t)rr * wpr, wpr * 4, lane);
             prefetch_l2_warp(suw + (size_t)rr * wpr, wpr * 4, lane);
         }
-        if (MOE_DOWN_PF && warp == warps - 1 && dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, group, lane);
+        if (warp == warps - 1 && dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, group, lane);
     }
     pdl_wait_trigger();
     if (slot < K && warp == 0) {
@@ -97,12 +130,10 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
             prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
             prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
         }
-        if (MOE_DOWN_PF && dn > 0)
-            prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, group, lane);
+        if (dn > 0) prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, group, lane);
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
-    const bool fast = MOE_FAST && (cols & 63) == 0 && cols <= 2 * MOE_STAGE_MAXK * (int)blockDim.x &&
-                      (group == 32 || group == 64);
+    const bool fast = (cols & 63) == 0 && cols <= 2 * MOE_STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
     if (fast) stage_x_fast<MOE_STAGE_MAXK>(x, cols, nullptr, 0.f, group, xs, gsum, red);
     else stage_x(x, cols, nullptr, 0.f, group, xs, gsum, red);
     if (r >= rows) return;
@@ -117,20 +148,14 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ logits, int E, 
     } else {
         GW = sgw; GS = sgs; GB = sgb; UW = suw; US = sus; UB = sub;
     }
-    float g, u, g2 = 0.f, u2 = 0.f;
-    if (MOE_FAST >= 2) {
-        qrow_part2(GW + row * wpr, GS + row * gpr, GB + row * gpr, UW + row * wpr, US + row * gpr, UB + row * gpr, xs,
-                   gsum, cols, 4, group, g, u);
-        if (two)
-            qrow_part2(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, UW + row2 * wpr, US + row2 * gpr,
-                       UB + row2 * gpr, xs, gsum, cols, 4, group, g2, u2);
-    } else {
-        g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
-        u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
-        if (two) {
-            g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
-            u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
-        }
+    // Gate and up rows as separate qrow_part calls: the paired qrow_part2 (one read of the staged
+    // input for both) needs 96 registers, and moe_gate_up then fits 2 blocks per SM instead of 3.
+    float g = qrow_part(GW + row * wpr, GS + row * gpr, GB + row * gpr, xs, gsum, cols, 4, group);
+    float u = qrow_part(UW + row * wpr, US + row * gpr, UB + row * gpr, xs, gsum, cols, 4, group);
+    float g2 = 0.f, u2 = 0.f;
+    if (two) {
+        g2 = qrow_part(GW + row2 * wpr, GS + row2 * gpr, GB + row2 * gpr, xs, gsum, cols, 4, group);
+        u2 = qrow_part(UW + row2 * wpr, US + row2 * gpr, UB + row2 * gpr, xs, gsum, cols, 4, group);
     }
     g = warp_sum(g);  // all rows' loads were issued before any reduction
     u = warp_sum(u);
@@ -172,9 +197,9 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     // Each slot's vector is read swizzled on its own (qrow_part gets the slot's base), while
     // stage_x_fast swizzles the whole vector at once. The swizzle of float4 f rotates by f >> 3,
     // so the two agree only when every slot base is a multiple of 64 float4s (256 floats): true
-    // for the 35B (inter 512), not for the tiny model (inter 64), where the fast path read
-    // permuted activations (6 cuda_gpu tests failed with MOE_FAST=1 on 2026-11-29).
-    const bool fast = MOE_FAST && (n_act & 63) == 0 && (inter & 255) == 0 &&
+    // for the 35B (inter 512), not for the tiny model (inter 64), where the fast path would read
+    // permuted activations.
+    const bool fast = (n_act & 63) == 0 && (inter & 255) == 0 &&
                       n_act <= 2 * MOE_STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
     if (fast) {
         __shared__ float red[33];
@@ -192,66 +217,17 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
     if (r >= hidden) return;
     const size_t wpr = (size_t)inter / 8, gpr = inter / group;
     const size_t swpr = (size_t)sinter / 8, sgpr = sinter / group;
-    const int n4 = inter >> 5, sn4 = sinter >> 5, cpg = group >> 5;
     float acc = 0.f, sd = 0.f;
-    if (DOWN_ALL_LANES && K * n4 <= 32 * DOWN_MAXI && sn4 <= 32 && (n4 & (n4 - 1)) == 0) {
-        // Lane l owns the (expert slot, 32-column chunk) items l, l + 32, ...: a down row of the
-        // 35B (inter 512) is 16 chunks, so the per-expert loop below leaves half the lanes idle
-        // and gives each active lane 9 dependent chunks; here all 32 lanes take 4 (+ 1 of the
-        // shared expert), every load issued before the first dot product. Index math by shifts
-        // (n4 and the group are powers of two).
-        const int ln4 = __ffs(n4) - 1, lcpg = __ffs(cpg) - 1;
-        uint4 q[DOWN_MAXI];
-        float sc[DOWN_MAXI], bi[DOWN_MAXI];
-#pragma unroll
-        for (int j = 0; j < DOWN_MAXI; ++j) {
-            const int it = lane + 32 * j, k = it >> ln4, i = it & (n4 - 1), g = i >> lcpg;
-            q[j] = make_uint4(0u, 0u, 0u, 0u);
-            sc[j] = 0.f;
-            bi[j] = 0.f;
-            if (k < K) {
-                const size_t row = (size_t)top_ids[k] * hidden + r;
-                q[j] = __ldg(reinterpret_cast<const uint4*>(dw + row * wpr) + i);
-                sc[j] = bf16f(__ldg(ds + row * gpr + g));
-                if ((i & (cpg - 1)) == 0) bi[j] = bf16f(__ldg(db + row * gpr + g));
-            }
-        }
-        const int sg = lane >> lcpg;
-        uint4 sq = make_uint4(0u, 0u, 0u, 0u);
-        float ssc = 0.f, sbi = 0.f;
-        if (lane < sn4) {
-            sq = __ldg(reinterpret_cast<const uint4*>(sdw + r * swpr) + lane);
-            ssc = bf16f(__ldg(sds + r * sgpr + sg));
-            if ((lane & (cpg - 1)) == 0) sbi = bf16f(__ldg(sdb + r * sgpr + sg));
-        }
-#pragma unroll
-        for (int j = 0; j < DOWN_MAXI; ++j) {
-            const int it = lane + 32 * j, k = it >> ln4, i = it & (n4 - 1);
-            if (k < K) {
-                float4 xv[8];
-                chunk_x<4>(reinterpret_cast<const float4*>(xs + k * inter), i << 3, xv);
-                const float d = chunk_dot<4>(q[j], xv);
-                acc += top_w[k] * (sc[j] * d + bi[j] * gsum[k * (int)gpr + (i >> lcpg)]);
-            }
-        }
-        if (lane < sn4) {
-            float4 xv[8];
-            chunk_x<4>(reinterpret_cast<const float4*>(xs + K * inter), lane << 3, xv);
-            const float d = chunk_dot<4>(sq, xv);
-            sd = ssc * d + sbi * gsum[K * (int)gpr + sg];
-        }
-    } else {
-        // Per-lane weighted partials of all K experts and the shared expert, reduced once at the
-        // end, so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
+    // Per-lane weighted partials of all K experts and the shared expert, reduced once at the
+    // end, so the K + 1 rows' loads overlap instead of forming K + 1 dependent reductions.
 #pragma unroll 4
-        for (int k = 0; k < K; ++k) {
-            size_t row = (size_t)top_ids[k] * hidden + r;
-            acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
-                                        gsum + k * gpr, inter, 4, group);
-        }
-        sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * gpr, sinter, 4,
-                       group);
+    for (int k = 0; k < K; ++k) {
+        size_t row = (size_t)top_ids[k] * hidden + r;
+        acc += top_w[k] * qrow_part(dw + row * wpr, ds + row * gpr, db + row * gpr, xs + k * inter,
+                                    gsum + k * gpr, inter, 4, group);
     }
+    sd = qrow_part(sdw + r * swpr, sds + r * sgpr, sdb + r * sgpr, xs + K * inter, gsum + K * gpr, sinter, 4,
+                   group);
     acc = warp_sum(acc);
     sd = warp_sum(sd);
     if (lane == 0) x[r] = x[r] + (acc + sigmoid_f(shared_gate_logit[0]) * sd);
@@ -265,10 +241,8 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
 // moe_gate_up: warp 0 of a routed slot computes top-k while the other warps stage x.
 // Dynamic shared memory: hidden/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
 // MOE_TC_MINB: resident blocks per SM moe_gate_up_tc's registers must allow (3: 80 registers,
-// one wave of the 35B's 288 blocks; measurement knob -DMOE_TC_MINB=2).
-#ifndef MOE_TC_MINB
+// one wave of the 35B's 288 blocks).
 #define MOE_TC_MINB 3
-#endif
 extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(const float* __restrict__ logits, int E, int K,
                                           const u32* gw, const u16* gs, const u16* gb,
                                           const u32* uw, const u16* us, const u16* ub, int inter,
@@ -300,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(sgw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(suw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
-        if (MOE_DOWN_PF && dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, 64, lane);
+        if (dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, 64, lane);
     }
     pdl_wait_trigger();
     if (routed && warp == 0) {
@@ -312,8 +286,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
-        if (MOE_DOWN_PF && dn > 0)
-            prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, 64, lane);
+        if (dn > 0) prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, 64, lane);
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
     stage_x_tc(x, cols, nullptr, 0.f, xf, gsum, red, routed ? 1 : 0);  // its barrier publishes ids
@@ -402,4 +375,78 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
         for (int w = 0; w < warps; ++w) v += part[w * 16 + threadIdx.x];
         x[r0 + threadIdx.x] += v;
     }
+}
+
+// ============================== prefill (T tokens) ==============================
+// Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
+
+// Routing: one warp per token: softmax top-k (ties -> lower id), renormalised weights, sorted by
+// expert id (the CPU accumulates experts in ascending id order); counts[e] += 1 per slot.
+// grid (ceil(T/4)), block 128. E <= 512, K <= 16.
+extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ top_ids,
+                                    float* __restrict__ top_w, int* __restrict__ counts) {
+    __shared__ int sids[4][MOE_MAXK];
+    __shared__ float swts[4][MOE_MAXK];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * 4 + warp;
+    if (t >= T) return;
+    int* ids = sids[warp];
+    float* wts = swts[warp];
+    warp_route_topk(logits + (size_t)t * E, E, K, ids, wts);
+    if (lane < K) {
+        top_ids[(size_t)t * K + lane] = ids[lane];
+        top_w[(size_t)t * K + lane] = wts[lane];
+        atomicAdd(&counts[ids[lane]], 1);
+    }
+}
+
+// Exclusive scan of the per-expert counts (E <= 512; counts staged in shared memory, the scan
+// itself is one thread: trivial work); zeroes `fill`. When `tiles` is set it also lists the
+// (expert, first token) tiles of 64 tokens for pf_gemm_tc's grouped mode: tiles[0] = count.
+// block 256.
+extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
+                                   int* __restrict__ fill, int* __restrict__ tiles) {
+    __shared__ int c[512];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        c[e] = counts[e];
+        fill[e] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0, nt = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = acc;
+            acc += c[e];
+            if (tiles)
+                for (int t0 = 0; t0 < c[e]; t0 += TC_BN) {
+                    tiles[1 + 2 * nt] = e;
+                    tiles[2 + 2 * nt] = t0;
+                    ++nt;
+                }
+        }
+        if (tiles) tiles[0] = nt;
+    }
+}
+
+// Per-expert slot lists (order inside an expert is arbitrary; every slot's result is computed
+// on its own, so the output does not depend on it).
+extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, const int* __restrict__ offsets,
+                                      int* __restrict__ fill, int* __restrict__ list) {
+    int slot = blockIdx.x * blockDim.x + threadIdx.x;
+    if (slot >= TK) return;
+    int e = top_ids[slot];
+    int i = atomicAdd(&fill[e], 1);
+    list[offsets[e] + i] = slot;
+}
+
+// x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
+extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const float* __restrict__ top_w, int K,
+                                          const float* __restrict__ SH, const float* __restrict__ sgl,
+                                          float* __restrict__ x, int h) {
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= h) return;
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) acc += top_w[(size_t)t * K + k] * D[((size_t)t * K + k) * h + c];
+    acc += sigmoid_f(sgl[t]) * SH[(size_t)t * h + c];
+    x[(size_t)t * h + c] += acc;
 }

@@ -1,3 +1,6 @@
+// Sampling.
+//   decode (T = 1): argmax_next
+
 // Greedy sampling on the device: argmax over the logits (ties -> lowest id, like
 // engine::sampling::argmax), written into the step buffer as the next token together with the
 // next position, so a decode loop can run without the host reading anything.

@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use lily::backend::{open_backend, BackendKind};
+use lily::backend::cuda::CudaOptions;
+use lily::backend::{open_backend, open_backend_with, BackendKind, KvCache};
 use lily::checkpoint::Checkpoint;
 use lily::engine::default_model::resolve_model;
 use lily::engine::{generate, Next, Sampler, SamplingParams};
@@ -55,6 +56,16 @@ enum Command {
         backend: BackendKind,
         #[arg(long)]
         out: PathBuf,
+        /// CUDA: every position through the decode step instead of the prefill kernels (measures
+        /// the decode kernels on every position).
+        #[arg(long)]
+        decode_forward: bool,
+        /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
+        #[arg(long)]
+        exact_prefill: bool,
+        /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
+        #[arg(long, value_enum)]
+        kv_cache: Option<KvCache>,
     },
 }
 
@@ -88,6 +99,9 @@ struct RunArgs {
     no_think: bool,
     #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
+    /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
+    #[arg(long, value_enum)]
+    kv_cache: Option<KvCache>,
 }
 
 fn main() {
@@ -97,7 +111,12 @@ fn main() {
         Command::Info { model } => cmd_info(model),
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
-        Command::Logits { model, positions, backend, out } => cmd_logits(model, positions, backend, out),
+        Command::Logits { model, positions, backend, out, decode_forward, exact_prefill, kv_cache } => {
+            let mut opts = CudaOptions::from_env();
+            opts.decode_forward |= decode_forward;
+            opts.exact_prefill |= exact_prefill;
+            cmd_logits(model, positions, backend, opts, kv_cache, out)
+        }
     };
     if let Err(e) = result {
         eprintln!("lily: error: {e:#}");
@@ -148,6 +167,9 @@ fn cmd_run(args: RunArgs) -> Result<()> {
     let ck = Checkpoint::open(&dir)?;
     let tokenizer = Tokenizer::load(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
+    if let Some(kv) = args.kv_cache {
+        kv.apply(backend.as_mut());
+    }
     let text = if args.raw {
         args.prompt.clone()
     } else {
@@ -207,11 +229,14 @@ fn cmd_run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, out: PathBuf) -> Result<()> {
+fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, opts: CudaOptions, kv_cache: Option<KvCache>, out: PathBuf) -> Result<()> {
     use lily::backend::LogitsWanted;
     let dir = resolve_model(model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let mut backend = open_backend(kind, &ck)?;
+    let mut backend = open_backend_with(kind, &ck, opts)?;
+    if let Some(kv) = kv_cache {
+        kv.apply(backend.as_mut());
+    }
     let vocab = backend.config().vocab_size;
     // The goldens' prompt: the benchmark formula, kept below the special-token range.
     let ids = lily::engine::contract::contract_prompt(positions, vocab.min(248_044));

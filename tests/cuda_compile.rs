@@ -1,11 +1,10 @@
-//! CI check (no GPU needed): every kernel in kernels/*.cu compiles with NVRTC to an sm_90a CUBIN.
-//! Needs libnvrtc (CUDA 13) on the loader path; when it cannot be loaded the test prints a
-//! notice and passes (skipped). Set LILY_REQUIRE_NVRTC=1 to turn the skip into a failure (CI).
+//! CI check (no GPU needed): every kernel module (one per op family, kernels/<family>.cu) compiles
+//! with NVRTC to an sm_90a CUBIN holding every entry point the backend loads. Needs libnvrtc
+//! (CUDA 13) on the loader path; when it cannot be loaded the test prints a notice and passes
+//! (skipped). Set LILY_REQUIRE_NVRTC=1 to turn the skip into a failure (CI).
 
-use lily::backend::cuda::context::{
-    compile_cubin, module_source, nvrtc_available, nvrtc_version, MODULES,
-};
-use lily::backend::cuda::prefill;
+use lily::backend::cuda::nvrtc::{compile_cubin, module_source, nvrtc_available, nvrtc_version};
+use lily::backend::cuda::registry::MODULES;
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -19,20 +18,15 @@ fn every_kernel_compiles_for_sm90a() {
     let (maj, min) = nvrtc_version().expect("nvrtcVersion");
     eprintln!("NVRTC {maj}.{min}");
     let mut failures = Vec::new();
-    // The decode modules, loaded at start-up, and the prefill module, loaded on first use.
-    let prefill_module: (&str, &str, &[&str]) = ("prefill", prefill::SOURCE, prefill::ENTRIES);
-    for (name, src, entries) in MODULES.iter().chain(std::iter::once(&prefill_module)) {
-        match compile_cubin(name, &module_source(src)) {
+    for m in MODULES {
+        match compile_cubin(m.name, &module_source(m.source)) {
             Ok(cubin) => {
-                assert!(cubin.len() > 64, "{name}: empty cubin");
+                assert!(cubin.len() > 64, "{}: empty cubin", m.name);
                 // The entry points the backend loads must be present (names are in the ELF symbol table).
-                for e in entries.iter() {
-                    assert!(
-                        cubin.windows(e.len()).any(|w| w == e.as_bytes()),
-                        "{name}: entry point {e} missing from the cubin"
-                    );
+                for e in m.kernels {
+                    assert!(cubin.windows(e.len()).any(|w| w == e.as_bytes()), "{}: entry point {e} missing from the cubin", m.name);
                 }
-                eprintln!("kernels/{name}.cu: {} bytes of sm_90a cubin", cubin.len());
+                eprintln!("kernels/{}.cu: {} bytes of sm_90a cubin", m.name, cubin.len());
             }
             Err(e) => failures.push(format!("{e:#}")),
         }

@@ -12,7 +12,7 @@ mod common;
 
 use common::{layer0_matrices, max_abs_diff, random_quant, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{attention, gdn, moe, ops, qmatmul, CpuBackend};
-use lily::backend::cuda::CudaBackend;
+use lily::backend::cuda::{testing, CudaBackend, CudaOptions};
 use lily::backend::{Backend, LogitsWanted};
 use lily::checkpoint::Checkpoint;
 use lily::engine::sampling::argmax;
@@ -28,13 +28,18 @@ fn ck() -> Checkpoint {
 /// (LOGIT_TOL), so their multi-token forwards use the f32 prefill; the bf16 tensor-core prefill
 /// (the default) is measured against the CPU with its own tolerances in tests/cuda_prefill.rs.
 fn cuda() -> CudaBackend {
-    let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
-    b.set_exact_prefill(true);
-    // f32 KV like the CPU reference (the default bf16 cache has its own test below).
-    b.set_kv_bf16(false);
-    // Every 4-bit GEMV set on the tensor-core kernel (the tiny model's sets are all small).
-    b.gpu().set_gemv_tc_min_tiles(0);
-    b
+    cuda_with(exact_options())
+}
+
+/// Exact f32 prefill, f32 KV like the CPU reference (the default bf16 cache has its own test
+/// below), and every 4-bit GEMV set on the tensor-core kernel (the tiny model's sets are all
+/// small).
+fn exact_options() -> CudaOptions {
+    CudaOptions { exact_prefill: true, kv_bf16: false, gemv_tc_min_tiles: 0, ..CudaOptions::default() }
+}
+
+fn cuda_with(opts: CudaOptions) -> CudaBackend {
+    CudaBackend::with_options(&ck(), opts).expect("CUDA backend (needs an sm_90 GPU)")
 }
 
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
@@ -52,7 +57,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
     for (name, q) in cases {
         let x = rnd(7, q.cols);
         let want = qmatmul::qmatmul_all(q, &x, 1);
-        let got = b.gemv_host(q, &x, None).unwrap();
+        let got = testing::gemv(&b, q, &x, None).unwrap();
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
         let e = max_abs_diff(&got, &want);
         eprintln!(
@@ -69,7 +74,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
             let mut u = vec![0.0; q.cols];
             ops::rms_norm(&x, gain, mw.config.rms_norm_eps as f32, &mut u);
             let want = qmatmul::qmatmul_all(q, &u, 1);
-            let got = b.gemv_host(q, &x, Some(gain)).unwrap();
+            let got = testing::gemv(&b, q, &x, Some(gain)).unwrap();
             let e = max_abs_diff(&got, &want);
             eprintln!("gemv+norm {name}: max |err| {e:.3e}");
             assert!(e <= 1e-4 * scale.max(1.0), "{name} with norm: max err {e}");
@@ -83,7 +88,7 @@ fn cuda_gemv_matches_cpu_qmatmul() {
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
-    let b = cuda();
+    let mut b = cuda();
     // (rows, cols, bits): few tiles -> 8 or 4 slices; 60,000 rows -> one slice of 4 chunks.
     for (rows, cols, bits, seed) in [
         (2048usize, 4096usize, 4usize, 1u64),
@@ -98,8 +103,8 @@ fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
         // The tensor-core kernel for every size, then the default routing (small sets on gemv_q).
         for min_tiles in [0usize, 256] {
-            b.gpu().set_gemv_tc_min_tiles(min_tiles);
-            let got = b.gemv_host(&q, &x, None).unwrap();
+            testing::options_mut(&mut b).gemv_tc_min_tiles = min_tiles;
+            let got = testing::gemv(&b, &q, &x, None).unwrap();
             let e = max_abs_diff(&got, &want);
             eprintln!(
                 "gemv [{rows}x{cols}, {bits}-bit] (tc min tiles {min_tiles}): max |err| {e:.3e} (max |y| {scale:.3})"
@@ -117,10 +122,10 @@ fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
 fn cuda_argmax_matches_host() {
     let b = cuda();
     let mut l = rnd(3, 248_320);
-    assert_eq!(b.argmax_host(&l).unwrap(), argmax(&l));
+    assert_eq!(testing::argmax(&b, &l).unwrap(), argmax(&l));
     l[1000] = 5.0;
     l[200_000] = 5.0; // tie: lowest id wins
-    assert_eq!(b.argmax_host(&l).unwrap(), 1000);
+    assert_eq!(testing::argmax(&b, &l).unwrap(), 1000);
 }
 
 /// CPU reference of one decode token, layer by layer (the same steps as CpuBackend::run_block).
@@ -199,7 +204,7 @@ fn cuda_layers_match_cpu_per_token() {
     let mut worst = vec![0.0f32; cpu.w.layers.len()];
     for (pos, &t) in toks.iter().enumerate() {
         let want = cpu.token(t, pos);
-        let (got, _) = b.forward_traced(&mut seq, t).unwrap();
+        let (got, _) = testing::forward_traced(&mut b, &mut seq, t).unwrap();
         for (l, (g, w)) in got.iter().zip(&want).enumerate() {
             let e = max_abs_diff(g, w);
             worst[l] = worst[l].max(e);
@@ -423,20 +428,25 @@ fn cuda_decode_greedy_matches_forward_argmax() {
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_pdl_and_many_splits_match_cpu() {
-    // A large max-seq gives the decode graph the most KV splits per head (128 with the tiled
-    // kernel) at a 300-token context (chunks of 3 positions, many splits empty): exercises the
-    // parallel split merge (attn_combine) and the split kernel's edge cases. Then the same decode with programmatic dependent launch off must
-    // give bit-identical logits (PDL changes scheduling, never the math).
+    // A large max-seq gives the decode graph the most KV splits per head (128) at a 300-token
+    // context (chunks of 3 positions, many splits empty): exercises the parallel split merge
+    // (attn_combine) and the split kernel's edge cases. Then the same decode with programmatic
+    // dependent launch off must give bit-identical logits (PDL changes scheduling, never the
+    // math), and the CUDA-core MoE kernels (the fallback for shapes the tensor-core ones do not
+    // take) must match the CPU too.
     let ck = ck();
     let mut cpu = CpuBackend::new(&ck).unwrap();
-    let mut gpu = cuda();
     let vocab = cpu.config().vocab_size;
     let toks = prompt(300, vocab);
     let steps = 8;
     let mut s1 = cpu.new_sequence(toks.len() + steps).unwrap();
-    let mut want = cpu.forward(&mut s1, &toks, LogitsWanted::Last).unwrap();
-    let run = |gpu: &mut CudaBackend, pdl: bool| -> Vec<Vec<f32>> {
-        gpu.gpu().set_pdl(pdl);
+    let mut wants = vec![cpu.forward(&mut s1, &toks, LogitsWanted::Last).unwrap()];
+    for _ in 0..steps {
+        let t = argmax(wants.last().unwrap());
+        wants.push(cpu.forward(&mut s1, &[t], LogitsWanted::Last).unwrap());
+    }
+    let run = |opts: CudaOptions| -> Vec<Vec<f32>> {
+        let mut gpu = cuda_with(opts);
         let mut s2 = gpu.new_sequence(8192).unwrap();
         let mut got = gpu.forward(&mut s2, &toks, LogitsWanted::Last).unwrap();
         let mut all = vec![got.clone()];
@@ -447,20 +457,20 @@ fn cuda_pdl_and_many_splits_match_cpu() {
         }
         all
     };
-    let on = run(&mut gpu, true);
-    let mut worst = 0.0f32;
-    for (i, got) in on.iter().enumerate() {
-        worst = worst.max(max_abs_diff(got, &want));
-        assert_eq!(argmax(got), argmax(&want), "greedy diverged at step {i}");
-        if i < steps {
-            want = cpu.forward(&mut s1, &[argmax(&want)], LogitsWanted::Last).unwrap();
+    let check = |what: &str, run: &[Vec<f32>]| {
+        let mut worst = 0.0f32;
+        for (i, (got, want)) in run.iter().zip(&wants).enumerate() {
+            worst = worst.max(max_abs_diff(got, want));
+            assert_eq!(argmax(got), argmax(want), "{what}: greedy diverged at step {i}");
         }
-    }
-    eprintln!("max-seq 8192 (max splits), 300-token prompt + {steps} steps with PDL: max |logit err| {worst:.3e}");
-    assert!(worst <= LOGIT_TOL);
-    let off = run(&mut gpu, false);
+        eprintln!("max-seq 8192 (max splits), 300-token prompt + {steps} steps, {what}: max |logit err| {worst:.3e}");
+        assert!(worst <= LOGIT_TOL, "{what}: {worst}");
+    };
+    let on = run(exact_options());
+    check("PDL", &on);
+    let off = run(CudaOptions { pdl: false, ..exact_options() });
     assert!(on == off, "PDL on/off logits differ");
-    gpu.gpu().set_pdl(true);
+    check("CUDA-core MoE", &run(CudaOptions { force_cuda_core_moe: true, ..exact_options() }));
 }
 
 #[test]

@@ -19,7 +19,9 @@ mod common;
 
 use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
-use lily::backend::cuda::{prefill::DEFAULT_CHUNK, CudaBackend};
+use lily::backend::cuda::options::DEFAULT_PREFILL_CHUNK as DEFAULT_CHUNK;
+use lily::backend::cuda::qmatmul::{FewRowRoute, GemmRoute};
+use lily::backend::cuda::{testing, CudaBackend};
 use lily::backend::{Backend, LogitsWanted};
 use lily::checkpoint::Checkpoint;
 use lily::engine::sampling::argmax;
@@ -55,11 +57,11 @@ fn cuda_prefill_gemm_matches_cpu_qmatmul() {
         for t in [1usize, 7, 64, 133] {
             let x = rnd(7 + t as u64, t * q.cols);
             let want = qmatmul::qmatmul_all(q, &x, t);
-            let got = b.prefill_gemm_host(q, &x, t).unwrap();
+            let got = testing::gemm(&b, q, &x, t, GemmRoute::F32Tiles).unwrap();
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
             let e = max_abs_diff(&got, &want);
             // The few-row kernel (router, shared-expert gate, GDN b/a in both precisions).
-            let sk = b.prefill_skinny_gemm_host(q, &x, t).unwrap();
+            let sk = testing::few_rows(&b, q, &x, t, FewRowRoute::Skinny).unwrap();
             let es = max_abs_diff(&sk, &want);
             eprintln!(
                 "{name} T={t}: max abs err {e:.3e}, few-row kernel {es:.3e} (max |y| {scale:.3})"
@@ -83,7 +85,7 @@ fn cuda_prefill_gemm_tc_matches_cpu_qmatmul() {
         for t in [1usize, 7, 64, 133] {
             let x = rnd(7 + t as u64, t * q.cols);
             let want = qmatmul::qmatmul_all(q, &x, t);
-            let got = b.prefill_gemm_host_mode(q, &x, t, false).unwrap();
+            let got = testing::gemm(&b, q, &x, t, GemmRoute::TensorCore).unwrap();
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
             let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
             eprintln!(
@@ -112,9 +114,9 @@ fn cuda_prefill_cublas_gemm_matches_cpu_qmatmul() {
             let x = rnd(11 + t as u64, t * q.cols);
             let want = qmatmul::qmatmul_all(q, &x, t);
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            let bf = b.prefill_cublas_gemm_host(q, &x, t, false).unwrap();
-            let tc = b.prefill_gemm_host_mode(q, &x, t, false).unwrap();
-            let f = b.prefill_cublas_gemm_host(q, &x, t, true).unwrap();
+            let bf = testing::gemm(&b, q, &x, t, GemmRoute::Cublas).unwrap();
+            let tc = testing::gemm(&b, q, &x, t, GemmRoute::TensorCore).unwrap();
+            let f = testing::few_rows(&b, q, &x, t, FewRowRoute::CublasF32).unwrap();
             let (r, e) = (rel_rms(&bf, &want), max_abs_diff(&bf, &want));
             let r_tc = rel_rms(&bf, &tc);
             let ef = max_abs_diff(&f, &want);
@@ -174,8 +176,7 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
             }
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
             for exact in [true, false] {
-                let got = b
-                    .prefill_grouped_gemm_host(q, up, ne, &x, t, &ids, k, exact)
+                let got = testing::grouped_gemm(&b, q, up, ne, &x, t, &ids, k, exact)
                     .unwrap();
                 let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
                 eprintln!(
@@ -207,11 +208,9 @@ fn cuda_prefill_attention_tc_matches_f32() {
             let gate = rnd(22, t * nh * hd);
             let kc: Vec<f32> = rnd(23, n * nkv * hd).iter().map(|v| 2.0 * v).collect();
             let vc = rnd(24, n * nkv * hd);
-            let f32o = b
-                .prefill_attention_host(&q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true)
+            let f32o = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true)
                 .unwrap();
-            let tc = b
-                .prefill_attention_host(&q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false)
+            let tc = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false)
                 .unwrap();
             // CPU: softmax(q k / sqrt(hd)) v * sigmoid(gate), causal.
             let mut want = vec![0.0f32; t * nh * hd];
@@ -308,8 +307,7 @@ fn cuda_prefill_gdn_scan_matches_cpu() {
                     &mut o_rec[i * dv..(i + 1) * dv],
                 );
             }
-            let (o, s) = b
-                .prefill_gdn_scan_host(&q, &k, &v, &braw, &araw, dt_bias, neg_a, &s0, dk, dv)
+            let (o, s) = testing::gdn_scan(&b, &q, &k, &v, &braw, &araw, dt_bias, neg_a, &s0, dk, dv)
                 .unwrap();
             let (eo, es) = (max_abs_diff(&o, &o_rec), max_abs_diff(&s, &s_rec));
             let (eoc, esc) = (max_abs_diff(&o, &o_ch), max_abs_diff(&s, &s_ch));
@@ -341,8 +339,7 @@ fn cuda_prefill_logits_match_cpu() {
             .count()
     };
     // Exact (f32) path: rounding-level agreement.
-    let got = gpu
-        .prefill_mode(&mut s2, &toks, LogitsWanted::All, DEFAULT_CHUNK, true)
+    let got = testing::prefill(&mut gpu, &mut s2, &toks, LogitsWanted::All, DEFAULT_CHUNK, true)
         .unwrap();
     assert_eq!(got.len(), 200 * vocab);
     let (e, t1) = (max_abs_diff(&got, &want), top1(&got));
@@ -351,8 +348,7 @@ fn cuda_prefill_logits_match_cpu() {
     assert_eq!(t1, 200);
     // Tensor-core (bf16) path.
     let mut s4 = gpu.new_sequence(256).unwrap();
-    let tc = gpu
-        .prefill_mode(&mut s4, &toks, LogitsWanted::All, DEFAULT_CHUNK, false)
+    let tc = testing::prefill(&mut gpu, &mut s4, &toks, LogitsWanted::All, DEFAULT_CHUNK, false)
         .unwrap();
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (e, r, t1) = (max_abs_diff(&tc, &want), rel_rms(&tc, &want), top1(&tc));
@@ -378,8 +374,7 @@ fn cuda_prefill_logits_match_cpu() {
     for exact in [true, false] {
         let all = if exact { &got } else { &tc };
         let mut s3 = gpu.new_sequence(256).unwrap();
-        let last = gpu
-            .prefill_mode(&mut s3, &toks, LogitsWanted::Last, DEFAULT_CHUNK, exact)
+        let last = testing::prefill(&mut gpu, &mut s3, &toks, LogitsWanted::Last, DEFAULT_CHUNK, exact)
             .unwrap();
         assert_eq!(last.len(), vocab);
         assert!(max_abs_diff(&last, &all[199 * vocab..]) < 1e-5);
@@ -409,8 +404,7 @@ fn cuda_prefill_then_decode_matches_cpu() {
     let (want, wl) = greedy(&mut cpu, &mut s, l);
     for exact in [true, false] {
         let mut s = gpu.new_sequence(toks.len() + n + 1).unwrap();
-        let l = gpu
-            .prefill_mode(&mut s, &toks, LogitsWanted::Last, DEFAULT_CHUNK, exact)
+        let l = testing::prefill(&mut gpu, &mut s, &toks, LogitsWanted::Last, DEFAULT_CHUNK, exact)
             .unwrap();
         let (got, gl) = greedy(&mut gpu, &mut s, l);
         let (e, r) = (max_abs_diff(&gl, &wl), rel_rms(&gl, &wl));
@@ -437,8 +431,7 @@ fn cuda_prefill_chunks_equal_one_call() {
     let toks = prompt(260, vocab);
     for exact in [true, false] {
         let mut s1 = gpu.new_sequence(300).unwrap();
-        let whole = gpu
-            .prefill_mode(&mut s1, &toks, LogitsWanted::All, DEFAULT_CHUNK, exact)
+        let whole = testing::prefill(&mut gpu, &mut s1, &toks, LogitsWanted::All, DEFAULT_CHUNK, exact)
             .unwrap();
         // Several calls with odd boundaries (a 1-token call goes through the decode step, which
         // is f32: on the bf16 path its logits differ by bf16 rounding, hence the split below).
@@ -450,7 +443,7 @@ fn cuda_prefill_chunks_equal_one_call() {
             parts.extend(if len == 1 {
                 gpu.forward(&mut s2, t, LogitsWanted::All).unwrap()
             } else {
-                gpu.prefill_mode(&mut s2, t, LogitsWanted::All, DEFAULT_CHUNK, exact)
+                testing::prefill(&mut gpu, &mut s2, t, LogitsWanted::All, DEFAULT_CHUNK, exact)
                     .unwrap()
             });
             start += len;
@@ -460,8 +453,7 @@ fn cuda_prefill_chunks_equal_one_call() {
         let e0 = max_abs_diff(&parts[..vocab], &whole[..vocab]);
         // Internal chunking of one call (chunk 37 < T): same result.
         let mut s3 = gpu.new_sequence(300).unwrap();
-        let chunked = gpu
-            .prefill_mode(&mut s3, &toks, LogitsWanted::All, 37, exact)
+        let chunked = testing::prefill(&mut gpu, &mut s3, &toks, LogitsWanted::All, 37, exact)
             .unwrap();
         let e2 = max_abs_diff(&chunked, &whole);
         // And decode continues identically from all three.

@@ -156,6 +156,20 @@ pub trait Backend: Send {
     }
 }
 
+/// The attention KV cache element type the user asked for (`--kv-cache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCache {
+    F32,
+    Bf16,
+}
+
+impl KvCache {
+    /// Applies the choice to sequences the backend creates from now on.
+    pub fn apply(self, backend: &mut dyn Backend) {
+        backend.set_kv_bf16(self == KvCache::Bf16);
+    }
+}
+
 /// Which backend the user asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
@@ -165,19 +179,25 @@ pub enum BackendKind {
     Cpu,
 }
 
-/// Opens the requested backend on a validated checkpoint.
+/// Opens the requested backend on a validated checkpoint (CUDA with the options of the
+/// environment).
 pub fn open_backend(kind: BackendKind, ck: &crate::checkpoint::Checkpoint) -> Result<Box<dyn Backend>> {
+    open_backend_with(kind, ck, cuda::CudaOptions::from_env())
+}
+
+/// [`open_backend`] with the CUDA backend's options given (the CPU backend ignores them).
+pub fn open_backend_with(kind: BackendKind, ck: &crate::checkpoint::Checkpoint, opts: cuda::CudaOptions) -> Result<Box<dyn Backend>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(ck)?)),
         BackendKind::Auto => match cuda::unavailable_reason() {
-            None => Ok(Box::new(cuda::CudaBackend::new(ck)?)),
+            None => Ok(Box::new(cuda::CudaBackend::with_options(ck, opts)?)),
             Some(why) => {
                 eprintln!("lily: CUDA backend unavailable ({why}); using the CPU backend");
                 Ok(Box::new(cpu::CpuBackend::new(ck)?))
             }
         },
         BackendKind::Cuda => match cuda::unavailable_reason() {
-            None => Ok(Box::new(cuda::CudaBackend::new(ck)?)),
+            None => Ok(Box::new(cuda::CudaBackend::with_options(ck, opts)?)),
             Some(why) => anyhow::bail!("--backend cuda: {why}"),
         },
     }

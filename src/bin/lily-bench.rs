@@ -7,7 +7,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use lily::backend::{open_backend, BackendKind, LogitsWanted};
+use lily::backend::{open_backend, BackendKind, KvCache, LogitsWanted};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
 use serde_json::json;
@@ -33,8 +33,8 @@ struct Args {
     max_seq: Option<usize>,
     /// Attention KV cache element: bf16 or f32 (default: the backend's, CUDA bf16 and CPU f32,
     /// or LILY_KV_BF16). Reported as `kv_cache`.
-    #[arg(long, value_parser = ["f32", "bf16"])]
-    kv_cache: Option<String>,
+    #[arg(long, value_enum)]
+    kv_cache: Option<KvCache>,
     /// Skip the exact-shape warmup (CPU smoke runs in CI).
     #[arg(long)]
     no_warmup: bool,
@@ -57,8 +57,8 @@ fn run(args: Args) -> Result<()> {
     let dir = lily::engine::default_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
-    if let Some(kv) = &args.kv_cache {
-        backend.set_kv_bf16(kv == "bf16");
+    if let Some(kv) = args.kv_cache {
+        kv.apply(backend.as_mut());
     }
     let kv_cache = if backend.kv_bf16() { "bf16" } else { "f32" };
     let vocab = backend.config().vocab_size;

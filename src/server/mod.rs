@@ -26,7 +26,7 @@ pub mod tools;
 pub mod tui;
 pub mod worker;
 
-use crate::backend::{open_backend, Backend, BackendKind};
+use crate::backend::{open_backend, Backend, BackendKind, KvCache};
 use crate::checkpoint::Checkpoint;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use anyhow::{bail, Context, Result};
@@ -61,6 +61,9 @@ pub struct ServeArgs {
     pub max_seq: usize,
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendKind,
+    /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
+    #[arg(long, value_enum)]
+    pub kv_cache: Option<KvCache>,
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from LILY_API_KEY).
     #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -103,6 +106,7 @@ impl ServeArgs {
             bind: "127.0.0.1:0".into(),
             max_seq: 4096,
             backend: BackendKind::Cpu,
+            kv_cache: None,
             api_key: None,
             tui: false,
             max_queue: 256,
@@ -143,7 +147,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
             None
         }
     };
-    let backend: Box<dyn Backend> = match &args.test_script {
+    let mut backend: Box<dyn Backend> = match &args.test_script {
         Some(p) => {
             eprintln!("lily: TEST MODE: replies come from the script {}, not the model", p.display());
             Box::new(scripted::ScriptedBackend::new(config.clone(), tokenizer.clone(), scripted::ScriptedBackend::load_rules(p)?))
@@ -153,6 +157,9 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
             open_backend(args.backend, &ck)?
         }
     };
+    if let Some(kv) = args.kv_cache {
+        kv.apply(backend.as_mut());
+    }
     let backend_name = backend.name();
     let mut max_seq = args.max_seq;
     if config.max_position_embeddings > 0 {

@@ -28,12 +28,8 @@ struct Handle(sys::cublasHandle_t);
 unsafe impl Send for Handle {}
 
 impl Blas {
-    /// Opens cuBLAS on `stream`, or `None` when it is switched off or cannot be loaded (then the
-    /// reason is printed once).
+    /// Opens cuBLAS on `stream`, or `None` when it cannot be loaded (then the reason is printed).
     pub fn open(stream: &CudaStream) -> Option<Self> {
-        if std::env::var("LILY_CUDA_CUBLAS").is_ok_and(|v| v == "0") {
-            return None;
-        }
         match Self::try_open(stream) {
             Ok(b) => Some(b),
             Err(e) => {

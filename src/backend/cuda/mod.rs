@@ -1,27 +1,42 @@
-//! CUDA backend for Hopper (sm_90): the whole decode step on the GPU with hand-written kernels
-//! (`kernels/*.cu`, compiled by NVRTC at start-up, cached on disk), reading the MLX 4-bit
-//! weights directly.
+//! CUDA backend for Hopper (sm_90): hand-written kernels (`kernels/<family>.cu`, compiled by
+//! NVRTC, cached on disk) reading the MLX 4-bit weights directly.
 //!
-//! Decode (T = 1) runs fully on the device as one CUDA graph, one kernel per fused phase (~7 per
-//! layer); greedy decoding keeps the token on the device and pipelines two steps
-//! (`decode_greedy`). Prefill (T > 1) runs whole chunks per layer (`prefill.rs`: grouped 4-bit
-//! GEMMs, register-resident GDN scan, flash attention, GPU-side MoE routing). See docs/cuda.md and
-//! docs/cuda-prefill.md.
+//! Layout, mirroring `cpu/`: one launcher module per op family beside its kernels (`qmatmul`,
+//! `gdn`, `attention`, `moe`, `ops`, `sampling`), each with its kernel choice as a pure, tested
+//! `select` function; `registry` (modules loaded per context) and `device` (the one launch path);
+//! `forward` (the layer loop, written once) with its two passes, `decode` (T = 1, one CUDA graph
+//! per step, greedy tokens kept on the device and two steps in flight) and `prefill` (T tokens in
+//! chunks); `options` (every setting, read once). See docs/cuda.md and docs/cuda-prefill.md.
 
+pub mod activations;
+pub mod attention;
 pub mod blas;
-pub mod context;
 pub mod decode;
-pub mod kernels;
+pub mod device;
+pub mod forward;
+pub mod gdn;
+pub mod moe;
+pub mod nvrtc;
+pub mod ops;
+pub mod options;
 pub mod prefill;
+pub mod qmatmul;
+pub mod registry;
+pub mod sampling;
 pub mod state;
+#[cfg(feature = "cuda-testing")]
+pub mod testing;
 pub mod weights;
 
 use super::{Backend, LogitsWanted, Sequence};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::model::ModelWeights;
 use anyhow::{bail, Result};
-pub use context::Gpu;
-use decode::{Scratch, StepOut};
+use decode::{Decoder, StepOut};
+pub use device::Gpu;
+use forward::Probe;
+pub use options::CudaOptions;
+use prefill::ChunkBuffers;
 use state::CudaSequence;
 use weights::DevWeights;
 
@@ -29,34 +44,24 @@ pub struct CudaBackend {
     pub(crate) gpu: Gpu,
     pub(crate) cfg: ModelConfig,
     pub(crate) w: DevWeights,
-    pub(crate) scratch: Scratch,
+    pub(crate) opts: CudaOptions,
+    decoder: Decoder,
+    /// Prefill buffers, grown to the longest chunk seen.
+    chunk_buffers: Option<ChunkBuffers>,
+    /// cuBLAS for long prefill chunks (when `opts.cublas` and libcublas loads).
+    pub(crate) blas: Option<blas::Blas>,
     /// Captured decode steps, keyed by (sequence id, what the step produces).
     graphs: Vec<(u64, StepOut, StepGraph)>,
     /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
     readback: Option<[Readback; 2]>,
-    /// False after a capture failed (then every step launches directly) or with LILY_CUDA_GRAPH=0.
+    /// False after a capture failed (then every step launches directly) or without graphs.
     use_graphs: bool,
-    /// LILY_CUDA_PROFILE=1: direct launches with an event after every phase; per-phase GPU time
-    /// is accumulated here and printed when the backend is dropped.
-    profile: Option<Profile>,
-    /// Prefill GEMM/attention precision: false = bf16 tensor cores (the default), true = the
-    /// f32 FMA kernels that agree with the CPU reference to rounding (LILY_PREFILL_F32=1 at
-    /// start-up, or [`CudaBackend::set_exact_prefill`]).
-    pub(crate) exact_prefill: bool,
-    /// Tokens per prefill chunk (`LILY_CUDA_PREFILL_CHUNK`, default [`prefill::DEFAULT_CHUNK`]).
-    prefill_chunk: usize,
-    /// Verification knob (`LILY_CUDA_DECODE_FORWARD=1`): multi-token forwards run the decode
-    /// step once per token instead of the prefill kernels, so `lily logits` measures the decode
-    /// kernels on a full-size checkpoint against transformers (scripts/device_accuracy.sh).
-    decode_forward: bool,
-    /// Attention KV cache element type of new sequences: bf16 (half the memory and half the
-    /// long-context attention traffic) or f32. `LILY_KV_BF16=1` at start-up, or
-    /// [`CudaBackend::set_kv_bf16`].
-    kv_bf16: bool,
+    /// With `opts.profile`: per-phase decode GPU time, printed when the backend is dropped.
+    profile: Option<DecodeProfile>,
 }
 
 #[derive(Default)]
-struct Profile {
+struct DecodeProfile {
     steps: usize,
     /// (phase, total ms), in first-seen order.
     phases: Vec<(&'static str, f64)>,
@@ -69,17 +74,9 @@ impl Drop for CudaBackend {
                 return;
             }
             let total: f64 = p.phases.iter().map(|(_, t)| t).sum();
-            eprintln!(
-                "lily: CUDA profile over {} steps (direct launches, {:.3} ms/step):",
-                p.steps,
-                total / p.steps as f64
-            );
+            eprintln!("lily: CUDA profile over {} steps (direct launches, {:.3} ms/step):", p.steps, total / p.steps as f64);
             for (name, t) in &p.phases {
-                eprintln!(
-                    "  {name:<14} {:>9.1} us/step  {:>5.1}%",
-                    1000.0 * t / p.steps as f64,
-                    100.0 * t / total
-                );
+                eprintln!("  {name:<14} {:>9.1} us/step  {:>5.1}%", 1000.0 * t / p.steps as f64, 100.0 * t / total);
             }
         }
     }
@@ -104,7 +101,7 @@ const MAX_GRAPHS: usize = 8;
 /// One-line reason why the CUDA backend cannot run here, or None when it can (cheap: no kernel
 /// compilation, no weights).
 pub fn unavailable_reason() -> Option<String> {
-    if !context::driver_available() {
+    if !device::driver_available() {
         return Some("no NVIDIA driver found".into());
     }
     match cudarc::driver::CudaContext::device_count() {
@@ -114,253 +111,174 @@ pub fn unavailable_reason() -> Option<String> {
     }
     match cudarc::driver::CudaContext::new(0).and_then(|c| c.compute_capability()) {
         Ok((9, 0)) => {}
-        Ok((a, b)) => {
-            return Some(format!(
-                "GPU 0 has compute capability {a}.{b}; the CUDA backend needs sm_90 (H100/H200)"
-            ))
-        }
+        Ok((a, b)) => return Some(format!("GPU 0 has compute capability {a}.{b}; the CUDA backend needs sm_90 (H100/H200)")),
         Err(e) => return Some(format!("cannot open GPU 0: {e:?}")),
     }
-    if !context::nvrtc_available() {
+    if !nvrtc::nvrtc_available() {
         return Some("libnvrtc (CUDA 13) not found; set LD_LIBRARY_PATH to the CUDA lib64".into());
     }
     None
 }
 
+/// Why the CUDA backend cannot run this model's shapes, if it cannot.
+fn unsupported_shapes(cfg: &ModelConfig) -> Option<String> {
+    if !gdn::step_supported(&gdn::GdnDims::new(cfg)) {
+        return Some(format!("GDN head dims {}x{} are not supported by the CUDA backend", cfg.linear_key_head_dim, cfg.linear_value_head_dim));
+    }
+    if attention::select_split(cfg.head_dim, false).is_none() {
+        return Some(format!("attention head_dim {} is not supported by the CUDA backend (64, 128 or 256)", cfg.head_dim));
+    }
+    if cfg.num_experts > 512 || cfg.num_experts_per_tok > 16 || cfg.num_experts_per_tok > cfg.num_experts {
+        return Some(format!(
+            "{} experts / top-{} is not supported by the CUDA backend (at most 512 / 16)",
+            cfg.num_experts, cfg.num_experts_per_tok
+        ));
+    }
+    None
+}
+
 impl CudaBackend {
+    /// The backend with the options of the environment ([`CudaOptions::from_env`]).
     pub fn new(ck: &Checkpoint) -> Result<Self> {
-        let gpu = Gpu::open()?;
+        Self::with_options(ck, CudaOptions::from_env())
+    }
+
+    pub fn with_options(ck: &Checkpoint, opts: CudaOptions) -> Result<Self> {
+        let gpu = Gpu::open(opts.pdl)?;
         let mw = ModelWeights::from_checkpoint(ck)?;
         let cfg = mw.config.clone();
-        if cfg.linear_key_head_dim % 32 != 0
-            || cfg.linear_value_head_dim * (cfg.linear_key_head_dim / 32) > 1024
-        {
-            bail!(
-                "GDN head dims {}x{} are not supported by the CUDA backend",
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim
-            );
+        if let Some(why) = unsupported_shapes(&cfg) {
+            bail!(why);
         }
-        if ![64, 128, 256].contains(&cfg.head_dim) {
-            bail!(
-                "attention head_dim {} is not supported by the CUDA backend (64, 128 or 256)",
-                cfg.head_dim
-            );
-        }
-        if cfg.num_experts > 512
-            || cfg.num_experts_per_tok > 16
-            || cfg.num_experts_per_tok > cfg.num_experts
-        {
-            bail!(
-                "{} experts / top-{} is not supported by the CUDA backend (at most 512 / 16)",
-                cfg.num_experts,
-                cfg.num_experts_per_tok
-            );
-        }
+        gpu.load_all()?;
         let w = DevWeights::upload(&gpu, &mw, ck.total_bytes())?;
-        let scratch = Scratch::new(&gpu, &cfg, &w)?;
+        let decoder = Decoder::new(&gpu, &cfg, &w)?;
+        let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
         gpu.sync()?;
-        let use_graphs = std::env::var("LILY_CUDA_GRAPH")
-            .map(|v| v != "0")
-            .unwrap_or(true);
-        let profile = std::env::var("LILY_CUDA_PROFILE")
-            .is_ok_and(|v| v == "1")
-            .then(Profile::default);
         Ok(CudaBackend {
+            use_graphs: opts.graphs,
+            profile: opts.profile.then(DecodeProfile::default),
             gpu,
             cfg,
             w,
-            scratch,
+            opts,
+            decoder,
+            chunk_buffers: None,
+            blas,
             graphs: Vec::new(),
             readback: None,
-            use_graphs,
-            profile,
-            exact_prefill: prefill::exact_from_env(),
-            prefill_chunk: prefill::chunk_from_env(),
-            decode_forward: std::env::var("LILY_CUDA_DECODE_FORWARD").is_ok_and(|v| v == "1"),
-            // bf16 by default: half the KV traffic of long-context decode (+30% decode at 131K on
-            // the H200, docs/cuda.md); LILY_KV_BF16=0 keeps f32.
-            kv_bf16: crate::backend::kv_bf16_from_env(true),
         })
     }
 
-    /// Chooses the prefill precision: `true` for the f32 kernels (exact to rounding against the
-    /// CPU backend, ~3x slower), `false` for the bf16 tensor-core kernels.
-    pub fn set_exact_prefill(&mut self, exact: bool) {
-        self.exact_prefill = exact;
+    pub fn options(&self) -> &CudaOptions {
+        &self.opts
     }
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
 
+    fn enqueue_step(&self, seq: &CudaSequence, splits: usize, out: StepOut, probe: &mut Probe) -> Result<()> {
+        decode::enqueue(&self.gpu, &self.cfg, &self.opts, &self.w, &self.decoder, seq, splits, out, probe)
+    }
+
     /// Runs one decode step of `seq` (step buffer already written) through its CUDA graph,
     /// capturing it on first use; falls back to direct launches if capture fails.
-    fn run_step(&mut self, seq: &CudaSequence, logits: StepOut) -> Result<()> {
-        let splits = decode::splits_for(&self.gpu, seq.max_seq);
-        if self.profile.is_some() {
+    fn run_step(&mut self, seq: &CudaSequence, out: StepOut) -> Result<()> {
+        let splits = attention::splits_for(seq.max_seq);
+        if let Some(p) = self.profile.as_mut() {
+            p.steps += 1;
             // Hold the stream for a few ms so the host queues the whole step before the GPU
             // starts: the events then time the kernels back to back, not the host's launch rate.
-            kernels::spin_us(&self.gpu, 20_000)?;
-            let mut marks = Vec::new();
-            decode::enqueue(self, seq, splits, logits, None, Some(&mut marks))?;
-            self.gpu.sync()?;
-            let p = self.profile.as_mut().unwrap();
-            p.steps += 1;
-            for w in marks.windows(2) {
-                let ms = w[0]
-                    .1
-                    .elapsed_ms(&w[1].1)
-                    .map_err(|e| anyhow::anyhow!("{e:?}"))? as f64;
-                match p.phases.iter_mut().find(|(n, _)| *n == w[1].0) {
+            sampling::spin_us(&self.gpu, 20_000)?;
+            let mut probe = Probe::profiling(true);
+            self.enqueue_step(seq, splits, out, &mut probe)?;
+            let phases = probe.phase_ms(&self.gpu)?;
+            let p = self.profile.as_mut().expect("profiling");
+            for (name, ms) in phases {
+                match p.phases.iter_mut().find(|(n, _)| *n == name) {
                     Some(e) => e.1 += ms,
-                    None => p.phases.push((w[1].0, ms)),
+                    None => p.phases.push((name, ms)),
                 }
             }
             return Ok(());
         }
         if !self.use_graphs {
-            return decode::enqueue(self, seq, splits, logits, None, None);
+            return self.enqueue_step(seq, splits, out, &mut Probe::default());
         }
-        if let Some(i) = self
-            .graphs
-            .iter()
-            .position(|(id, l, _)| *id == seq.id && *l == logits)
-        {
-            return self.graphs[i]
-                .2
-                 .0
-                .launch()
-                .map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"));
+        if let Some((_, _, g)) = self.graphs.iter().find(|(id, o, _)| *id == seq.id && *o == out) {
+            return g.0.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"));
         }
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let st = self.gpu.stream.clone();
         st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
-        let enq = decode::enqueue(self, seq, splits, logits, None, None);
+        let enq = self.enqueue_step(seq, splits, out, &mut Probe::default());
         let graph = st.end_capture(CUgraphInstantiate_flags(0));
         match (enq, graph) {
             (Ok(()), Ok(Some(g))) => {
                 if self.graphs.len() >= MAX_GRAPHS {
                     self.graphs.remove(0);
                 }
-                g.launch()
-                    .map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))?;
-                self.graphs.push((seq.id, logits, StepGraph(g)));
+                g.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))?;
+                self.graphs.push((seq.id, out, StepGraph(g)));
                 Ok(())
             }
             (enq, graph) => {
-                eprintln!(
-                    "lily: CUDA graph capture failed ({:?} / {:?}); launching kernels directly",
-                    enq.err(),
-                    graph.err()
-                );
+                eprintln!("lily: CUDA graph capture failed ({:?} / {:?}); launching kernels directly", enq.err(), graph.err());
                 self.use_graphs = false;
-                decode::enqueue(self, seq, splits, logits, None, None)
+                self.enqueue_step(seq, splits, out, &mut Probe::default())
             }
         }
     }
 
-    /// Test hook: runs one token and returns the residual stream after every layer and the
-    /// logits (synchronous; for parity tests against the CPU backend).
-    pub fn forward_traced(
-        &mut self,
-        seq: &mut Sequence,
-        token: u32,
-    ) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
-        if token as usize >= self.cfg.vocab_size {
-            bail!("token id {token} is outside the vocabulary");
-        }
-        seq.check_room(1)?;
+    /// The batched prefill of `tokens` at the sequence's position (validated by the caller).
+    fn prefill(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+        let run = prefill::Prefill {
+            gpu: &self.gpu,
+            cfg: &self.cfg,
+            w: &self.w,
+            blas: self.blas.as_ref(),
+            cublas_min_tokens: self.opts.cublas_min_tokens,
+            chunk: self.opts.prefill_chunk,
+            exact: self.opts.exact_prefill,
+            profile: self.opts.profile,
+        };
         let pos = seq.len();
-        let mut trace = Vec::new();
-        decode::step(
-            self,
-            seq.state_mut::<CudaSequence>(),
-            token,
-            pos,
-            StepOut::Logits,
-            Some(&mut trace),
-        )?;
-        let logits = self.scratch.read_logits(&self.gpu)?;
-        seq.advance(1);
-        Ok((trace, logits))
-    }
-
-    /// Test hook: one quantized matrix times `x` (`gain`: optional RMSNorm of x first), through
-    /// the decode GEMV kernel.
-    pub fn gemv_host(
-        &self,
-        q: &crate::checkpoint::store::QuantTensor,
-        x: &[f32],
-        gain: Option<&[f32]>,
-    ) -> Result<Vec<f32>> {
-        let gpu = &self.gpu;
-        let st = &gpu.stream;
-        if x.len() != q.cols {
-            bail!(
-                "gemv_host: x has {} values, matrix has {} columns",
-                x.len(),
-                q.cols
-            );
-        }
-        let dq = weights::DevQ::upload(gpu, q)?;
-        let y = gpu.zeros::<f32>(q.rows)?;
-        let xd = gpu.upload(x)?;
-        let gd = match gain {
-            Some(g) => Some(gpu.upload(g)?),
-            None => None,
-        };
-        let (w, s, b) = dq.ptrs(gpu);
-        let desc = kernels::QMatDesc {
-            w,
-            s,
-            b,
-            y: context::ptr(&y, st),
-            rows: q.rows as i32,
-            bits: q.bits as i32,
-            accumulate: 0,
-            pad: 0,
-        };
-        let dd = gpu.upload(&[desc])?;
-        let set = kernels::GemvSet {
-            descs: context::ptr(&dd, st),
-            count: 1,
-            rows: q.rows,
-            tiles: q.rows.div_ceil(16),
-            all4: q.bits == 4,
-        };
-        let gp = gd.as_ref().map(|g| context::ptr(g, st)).unwrap_or(0);
-        kernels::gemv(
-            gpu,
-            set,
-            context::ptr(&xd, st),
-            q.cols,
-            gp,
-            self.cfg.rms_norm_eps as f32,
-            q.group,
-            0,
-        )?;
-        let out = st.clone_dtoh(&y).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let out = run.run(&mut self.chunk_buffers, seq.state_mut::<CudaSequence>(), pos, tokens, wanted)?;
+        seq.advance(tokens.len());
         Ok(out)
     }
 
-    /// Test hook: the device argmax (ties -> lowest id) of `logits`.
-    pub fn argmax_host(&self, logits: &[f32]) -> Result<u32> {
-        let gpu = &self.gpu;
-        let st = &gpu.stream;
-        let l = gpu.upload(logits)?;
-        let step = gpu.upload(&[0i32, 0i32])?;
-        let part = gpu.zeros::<f32>(2 * kernels::ARGMAX_BLOCKS as usize + 1)?;
-        kernels::argmax_next(
-            gpu,
-            context::ptr(&l, st),
-            logits.len(),
-            context::ptr(&step, st),
-            context::ptr(&part, st),
-        )?;
-        let v = st.clone_dtoh(&step).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        Ok(v[0] as u32)
+    /// Single tokens, and models whose shapes the prefill kernels do not cover (or
+    /// `opts.decode_forward`): the decode step per token.
+    fn forward_per_token(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for (i, &tok) in tokens.iter().enumerate() {
+            let pos = seq.len();
+            let last = i + 1 == tokens.len();
+            let want_logits = matches!(wanted, LogitsWanted::All) || (last && wanted == LogitsWanted::Last);
+            let st = seq.state_mut::<CudaSequence>();
+            decode::upload_step(&self.gpu, st, tok, pos)?;
+            self.run_step(st, if want_logits { StepOut::Logits } else { StepOut::None })?;
+            if want_logits {
+                out.extend(self.decoder.read_logits(&self.gpu)?);
+            }
+            seq.advance(1);
+        }
+        Ok(out)
+    }
+
+    /// Checks tokens and room before a forward.
+    fn check_tokens(&self, seq: &Sequence, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {bad} is outside the vocabulary ({vocab} entries)");
+        }
+        seq.check_room(tokens.len())
     }
 }
 
@@ -370,12 +288,12 @@ impl Backend for CudaBackend {
     }
 
     fn kv_bf16(&self) -> bool {
-        self.kv_bf16
+        self.opts.kv_bf16
     }
 
     /// `true` stores K and V rounded to bf16, as the CPU backend does with the same setting.
     fn set_kv_bf16(&mut self, bf16: bool) {
-        self.kv_bf16 = bf16;
+        self.opts.kv_bf16 = bf16;
     }
 
     fn config(&self) -> &ModelConfig {
@@ -388,48 +306,17 @@ impl Backend for CudaBackend {
     }
 
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
-        let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq, self.kv_bf16)?;
+        let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq, self.opts.kv_bf16)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
     }
 
-    fn forward(
-        &mut self,
-        seq: &mut Sequence,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            bail!("forward called with no tokens");
+    fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+        self.check_tokens(seq, tokens)?;
+        if tokens.len() > 1 && prefill::supported(&self.cfg) && !self.opts.decode_forward {
+            self.prefill(seq, tokens, wanted)
+        } else {
+            self.forward_per_token(seq, tokens, wanted)
         }
-        let vocab = self.cfg.vocab_size;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            bail!("token id {bad} is outside the vocabulary ({vocab} entries)");
-        }
-        seq.check_room(tokens.len())?;
-        if tokens.len() > 1 && prefill::supported(&self.cfg) && !self.decode_forward {
-            return prefill::forward(self, seq, tokens, wanted, self.prefill_chunk);
-        }
-        let mut out = Vec::new();
-        // Single tokens, and shapes the prefill kernels do not cover, run the decode step per token.
-        for (i, &tok) in tokens.iter().enumerate() {
-            let pos = seq.len();
-            let last = i + 1 == tokens.len();
-            let want_logits =
-                matches!(wanted, LogitsWanted::All) || (last && wanted == LogitsWanted::Last);
-            let st = seq.state_mut::<CudaSequence>();
-            decode::upload_step(&self.gpu, st, tok, pos)?;
-            let mode = if want_logits {
-                StepOut::Logits
-            } else {
-                StepOut::None
-            };
-            self.run_step(st, mode)?;
-            if want_logits {
-                out.extend(self.scratch.read_logits(&self.gpu)?);
-            }
-            seq.advance(1);
-        }
-        Ok(out)
     }
 
     /// Greedy decode with the token kept on the device: each step's graph ends with

@@ -2,7 +2,7 @@
 //! fp32 recurrent states, and the attention KV caches (`[max_seq][kv_heads * head_dim]`, f32 or
 //! bf16 per sequence, allocated for the full max-seq up front so nothing allocates mid-request).
 
-use super::context::Gpu;
+use super::device::Gpu;
 use crate::backend::SequenceState;
 use crate::checkpoint::{LayerKind, ModelConfig};
 use anyhow::{anyhow, bail, Result};

@@ -2,7 +2,7 @@
 //! allocation per tensor, plus the small f32 vectors. No repacking yet: the GEMV kernels read the
 //! MLX layout directly (kernels/common.cuh `qrow_dot`).
 
-use super::context::{ptr, Gpu};
+use super::device::{ptr, Gpu};
 use crate::checkpoint::store::QuantTensor;
 use crate::checkpoint::DType;
 use crate::model::{MixerWeights, ModelWeights};
@@ -125,6 +125,8 @@ pub struct DevWeights {
     pub layers: Vec<DevLayer>,
     pub final_norm: CudaSlice<f32>,
     pub lm_head: DevQ,
+    /// RoPE inverse frequencies (f64, as the CPU reference computes them).
+    pub inv_freq: CudaSlice<f64>,
 }
 
 impl DevWeights {
@@ -203,6 +205,10 @@ impl DevWeights {
             layers,
             final_norm: f(&mw.final_norm)?,
             lm_head: q(&mw.lm_head)?,
+            inv_freq: gpu.upload(&crate::backend::cpu::ops::rope_inv_freq(
+                mw.config.rotary_dim(),
+                mw.config.rope_theta,
+            ))?,
         })
     }
 }

@@ -1,0 +1,769 @@
+// Quantized matrix products (MLX affine 4/8-bit codes, bf16 scales and biases) and the
+// embedding gather. Same math as src/backend/cpu/qmatmul.rs.
+//   decode (T = 1):     gemv_q, gemv_tc, embed_q
+//   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_dequant_bf16, pf_dequant_f32,
+//                       pf_to_bf16, pf_embed
+
+// ================================ decode (T = 1) ================================
+// Quantized GEMV: several matrices that share one input vector in a single launch (GDN in_proj
+// qkv|z|b|a, attention q|k|v, router + shared-expert gate, ...), with the input RMSNorm fused
+// into the prologue and an optional residual accumulate in the epilogue. Fewer launches per token
+// is what matters at batch 1 (kernels.md §4.3: the step is sync-bound).
+
+struct QMat {
+    const u32* w;   // [rows][cols*bits/32] MLX packed codes, low bits first
+    const u16* s;   // [rows][cols/group] bf16 scales
+    const u16* b;   // [rows][cols/group] bf16 biases
+    float* y;       // [rows] output
+    int rows;
+    int bits;       // 4 or 8
+    int accumulate; // 1: y += W x (residual add), 0: y = W x
+    int pad;
+};
+
+#define STAGE_MAXK 8
+// Resident blocks per SM (of 256 threads) the register allocation of gemv_q and gemv_tc must
+// allow. 3 caps gemv_q at 80 registers (8 bytes of stack): without the cap the I2F-free dequant
+// grows it to 86, two blocks fit per SM, and the big sets (GDN in_proj, q|k|v, lm_head) lose a
+// third of their warps.
+#define GEMV_MIN_BLOCKS 3
+
+// Two rows of the same width and bits against the same activations: each activation float4 is
+// read from shared memory once for both rows (half the shared-memory traffic and load
+// instructions of two qrow_part calls); per row the arithmetic is exactly qrow_part's.
+template <int BITS>
+__device__ __forceinline__ void qrow_part2_t(const u32* __restrict__ wa, const u16* __restrict__ sa,
+                                             const u16* __restrict__ ba, const u32* __restrict__ wb,
+                                             const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
+                                             const float* gsum, int cols, int group, float& outa, float& outb) {
+    constexpr int LCPC = BITS == 4 ? 5 : 4;
+    const int lane = threadIdx.x & 31;
+    const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
+    const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    const int n4 = cols >> LCPC, cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
+    float acca = 0.f, accb = 0.f;
+#pragma unroll 2
+    for (int i = lane; i < n4; i += 32) {
+        uint4 qa = __ldg(wa4 + i), qb = __ldg(wb4 + i);
+        float4 xv[32 / BITS];
+        chunk_x<BITS>(x4, i * (32 / BITS), xv);
+        float da = chunk_dot<BITS>(qa, xv);
+        float db = chunk_dot<BITS>(qb, xv);
+        int g = i >> lcpg;
+        acca += bf16f(__ldg(sa + g)) * da;
+        accb += bf16f(__ldg(sb + g)) * db;
+        if ((i & (cpg - 1)) == 0) {
+            float gs = gsum[g];
+            acca += bf16f(__ldg(ba + g)) * gs;
+            accb += bf16f(__ldg(bb + g)) * gs;
+        }
+    }
+    outa = acca;
+    outb = accb;
+}
+__device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16* __restrict__ sa,
+                                           const u16* __restrict__ ba, const u32* __restrict__ wb,
+                                           const u16* __restrict__ sb, const u16* __restrict__ bb, const float* xs,
+                                           const float* gsum, int cols, int bits, int group, float& outa, float& outb) {
+    if (bits == 4) qrow_part2_t<4>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
+    else qrow_part2_t<8>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
+}
+
+// Dynamic shared memory: cols + cols/group + 33 floats.
+// Each warp owns one row at a time and walks the concatenated rows of all matrices.
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
+gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,
+       float eps, int group, float* __restrict__ xnorm_out) {
+    extern __shared__ float smem[];
+    float* xs = smem;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    int total = 0;
+    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int gpr = cols / group;
+    const int nw = gridDim.x * warps;
+    // Row rr (of the concatenated matrices) into L2, codes and scales/biases.
+    auto prefetch_row = [&](int rr) {
+        if (rr >= total) return;
+        int m = 0;
+        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+        const QMat& M = mats[m];
+        size_t wpr = (size_t)cols * M.bits / 32;
+        prefetch_l2_warp(M.w + (size_t)rr * wpr, wpr * 4, lane);
+        if (lane == 0) prefetch_l2(M.s + (size_t)rr * gpr);
+        if (lane == 1) prefetch_l2(M.b + (size_t)rr * gpr);
+    };
+    // The first row pair's weights start streaming before the activation prologue.
+    prefetch_row(blockIdx.x * warps + warp);
+    prefetch_row(blockIdx.x * warps + warp + nw);
+    if (gain && (int)threadIdx.x * 32 < cols) prefetch_l2(gain + threadIdx.x * 32);
+    // With PDL the prefetches above overlap the previous kernel; x is only read after it ends.
+    pdl_wait_trigger();
+    float inv = 1.f;
+    const bool fast = (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
+    if (fast) {
+        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    } else {
+        stage_x(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    }
+    // Two rows per warp per iteration, reduced together, so two rows' loads are in flight; the
+    // next pair is prefetched into L2 one iteration ahead.
+    for (int r = blockIdx.x * warps + warp; r < total; r += 2 * nw) {
+        prefetch_row(r + 2 * nw);
+        prefetch_row(r + 3 * nw);
+        float d[2] = {0.f, 0.f};
+        int mi[2] = {-1, -1}, ri[2] = {0, 0};
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            int rr = r + t * nw, m = 0;
+            if (rr < total) {
+                while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+                mi[t] = m;
+                ri[t] = rr;
+            }
+        }
+        if (mi[1] >= 0 && mats[mi[0]].bits == mats[mi[1]].bits) {
+            const QMat& A = mats[mi[0]];
+            const QMat& B = mats[mi[1]];
+            const size_t wpr = (size_t)cols * A.bits / 32;
+            qrow_part2(A.w + (size_t)ri[0] * wpr, A.s + (size_t)ri[0] * gpr, A.b + (size_t)ri[0] * gpr,
+                       B.w + (size_t)ri[1] * wpr, B.s + (size_t)ri[1] * gpr, B.b + (size_t)ri[1] * gpr, xs, gsum, cols,
+                       A.bits, group, d[0], d[1]);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                if (mi[t] >= 0) {
+                    const QMat& M = mats[mi[t]];
+                    const size_t wpr = (size_t)cols * M.bits / 32;
+                    d[t] = qrow_part(M.w + (size_t)ri[t] * wpr, M.s + (size_t)ri[t] * gpr, M.b + (size_t)ri[t] * gpr, xs,
+                                     gsum, cols, M.bits, group);
+                }
+        }
+        d[0] = warp_sum(d[0]) * inv;
+        d[1] = warp_sum(d[1]) * inv;
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                if (mi[t] >= 0) {
+                    const QMat& M = mats[mi[t]];
+                    M.y[ri[t]] = M.accumulate ? M.y[ri[t]] + d[t] : d[t];
+                }
+        }
+    }
+}
+
+// Embedding gather: x = dequantized row `token` of the 4/8-bit table (s*q + b, as
+// qmatmul::dequantize_row). The token id lives on the device (the decode loop never reads it back).
+extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+                                   const int* __restrict__ step, int cols, int bits, int group, float* __restrict__ x) {
+    pdl_wait_trigger();
+    int tok = step[0];
+    size_t wpr = (size_t)cols * bits / 32;
+    int gpr = cols / group, per = 32 / bits;
+    u32 mask = (1u << bits) - 1u;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        u32 q = (w[(size_t)tok * wpr + c / per] >> (bits * (c % per))) & mask;
+        int g = c / group;
+        x[c] = bf16f(s[(size_t)tok * gpr + g]) * (float)q + bf16f(b[(size_t)tok * gpr + g]);
+    }
+}
+
+// Tensor-core variant of gemv_q for sets of 4-bit matrices (group 64; tc_load/tc_mma in
+// common.cuh). Work item = (16-row tile, chunk of TC_NG = 8 groups of 64 columns); a tile is
+// `slices` warps of one block, each taking `kc` consecutive chunks (slices * kc = chunks per
+// row), so a block does warps / slices tiles per iteration and sums the slices through shared
+// memory. Large sets (GDN in-proj, q|k|v: 4 chunks of 512 columns per row) get 4 slices, the
+// lm_head (15,520 tiles) one slice of 4 chunks per warp and no barriers. The first item's loads
+// are issued before the prologue. (The host keeps sets of few tiles, the out-projections, on
+// gemv_q: kernels.rs `gemv`.)
+// Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
+gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,
+        float eps, int slices, int kc, float* __restrict__ xnorm_out) {
+    extern __shared__ float smem[];
+    const int gpr = cols >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + gpr * TCX_WORDS;
+    float* red = gsum + gpr;
+    float* part = red + 33;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
+    int tiles = 0;
+    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
+    // Tile -> (matrix, first row); m = -1 past the set.
+    auto locate = [&](int tile, int& m, int& r0) {
+        m = -1;
+        r0 = 0;
+        if (tile >= tiles) return;
+        m = 0;
+        while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
+        r0 = tile << 4;
+    };
+    auto load = [&](TcItem& it, int m, int r0, int k) {
+        const QMat& M = mats[m];
+        const int G0 = (my_slice * kc + k) * TC_NG;
+        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+    };
+    TcItem it;
+    int m, r0;
+    const int bt0 = blockIdx.x * tpb;
+    locate(bt0 + my_tile, m, r0);
+    if (m >= 0) load(it, m, r0, 0);
+    pdl_wait_trigger();
+    const float inv = stage_x_tc(x, cols, gain, eps, xf, gsum, red);
+    if (xnorm_out && blockIdx.x == 0)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    const int g = lane >> 2;
+    for (int bt = bt0; bt < tiles; bt += gridDim.x * tpb) {
+        if (bt != bt0) {
+            locate(bt + my_tile, m, r0);
+            if (m >= 0) load(it, m, r0, 0);
+        }
+        float acc0 = 0.f, acc1 = 0.f;
+        if (m >= 0) {
+            if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
+                // The later chunks of this warp's 16 rows into L2 while the first is computed.
+                const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(r0 + lane) * (cols >> 3)) +
+                                (size_t)(my_slice * kc + 1) * TC_NG * 32;
+                for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
+            }
+            for (int k = 0; k < kc; ++k) {
+                if (k > 0) load(it, m, r0, k);
+                const int G0 = (my_slice * kc + k) * TC_NG;
+                tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
+            }
+        }
+        tc_reduce(acc0, acc1);
+        if (slices == 1) {
+            if (m >= 0 && (lane & 3) == 0) {
+                const QMat& M = mats[m];
+                if (r0 + g < M.rows) M.y[r0 + g] = M.accumulate ? M.y[r0 + g] + acc0 * inv : acc0 * inv;
+                if (r0 + g + 8 < M.rows) M.y[r0 + g + 8] = M.accumulate ? M.y[r0 + g + 8] + acc1 * inv : acc1 * inv;
+            }
+            continue;
+        }
+        if ((lane & 3) == 0) {
+            part[warp * 16 + g] = acc0;
+            part[warp * 16 + g + 8] = acc1;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < tpb * 16) {
+            const int tl = threadIdx.x >> 4, row = threadIdx.x & 15;
+            int mm, rr;
+            locate(bt + tl, mm, rr);
+            if (mm >= 0 && rr + row < mats[mm].rows) {
+                float v = 0.f;
+                for (int sl = 0; sl < slices; ++sl) v += part[(tl * slices + sl) * 16 + row];
+                const QMat& M = mats[mm];
+                M.y[rr + row] = M.accumulate ? M.y[rr + row] + v * inv : v * inv;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ============================== prefill (T tokens) ==============================
+// Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
+
+// Row maps of a GEMM tile's token `tid` (token t0 + tid of the n the tile covers): x row slot / xdiv
+// and y row slot, where slot is the expert's slot list entry (grouped mode, lst) or the token itself;
+// -1 past the end.
+__device__ __forceinline__ void tile_row(int tid, int t0, int n, const int* lst, int xdiv, int* xrow, int* yrow) {
+    const int t = t0 + tid;
+    if (t < n) {
+        const int slot = lst ? lst[t] : t;
+        xrow[tid] = slot / xdiv;
+        yrow[tid] = slot;
+    } else {
+        xrow[tid] = -1;
+        yrow[tid] = -1;
+    }
+}
+
+// Quantized GEMM: Y[yrow(t)][r] (+)= sum_c W[e*rows + r][c] * X[xrow(t)][c]
+// Tile 128 rows x 64 tokens x 32 columns; the weight tile is dequantised (s*q + b) into shared
+// memory once per block and reused by all 64 tokens. 256 threads, 8 rows x 4 tokens each.
+// Dense mode (counts == nullptr): tokens 0..ntok, xrow = yrow = t.
+// Grouped (MoE) mode: blockIdx.z = expert e, its tokens are list[offsets[e] .. + counts[e]]
+// (slot ids); xrow = slot / xdiv, yrow = slot; weights rows e*rows .. e*rows + rows.
+#define PF_BM 128
+#define PF_BN 64
+#define PF_BK 32
+
+extern "C" __global__ void __launch_bounds__(256)
+pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows, int cols,
+        int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy, int accumulate,
+        const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list, int xdiv) {
+    __shared__ __align__(16) float Ws[PF_BK][PF_BM + 4];
+    __shared__ __align__(16) float Xs[PF_BK][PF_BN + 4];
+    __shared__ int xrow[PF_BN], yrow[PF_BN];
+    const int tid = threadIdx.x;
+    const int r0 = blockIdx.x * PF_BM;
+    int n = ntok, e = 0;
+    const int* lst = nullptr;
+    if (counts) {
+        e = blockIdx.z;
+        n = counts[e];
+        lst = list + offsets[e];
+    }
+    const int t0 = blockIdx.y * PF_BN;
+    if (t0 >= n) return;
+    if (tid < PF_BN) tile_row(tid, t0, n, lst, xdiv, xrow, yrow);
+    __syncthreads();
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    const size_t rbase = (size_t)e * rows;
+    const int tx = tid & 15, ty = tid >> 4;
+    // loader roles
+    const int lrow = tid >> 1, lhalf = tid & 1;
+    const int gr = r0 + lrow;
+    const bool rvalid = gr < rows;
+    const u32* wrow = w + (rbase + (rvalid ? gr : 0)) * wpr;
+    const u16* srow = s + (rbase + (rvalid ? gr : 0)) * gpr;
+    const u16* brow = b + (rbase + (rvalid ? gr : 0)) * gpr;
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+    for (int k0 = 0; k0 < cols; k0 += PF_BK) {
+        // weights: thread owns 16 columns of one row
+        {
+            float sc = 0.f, bi = 0.f;
+            if (rvalid) {
+                int g = k0 / group;
+                sc = bf16f(__ldg(srow + g));
+                bi = bf16f(__ldg(brow + g));
+            }
+            const int c0 = lhalf * 16;
+            if (bits == 4) {
+                uint2 q = rvalid ? __ldg(reinterpret_cast<const uint2*>(wrow + (k0 >> 3)) + lhalf) : make_uint2(0, 0);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    Ws[c0 + j][lrow] = rvalid ? fmaf(sc, code_f((q.x >> (4 * j)) & 15u), bi) : 0.f;
+                    Ws[c0 + 8 + j][lrow] = rvalid ? fmaf(sc, code_f((q.y >> (4 * j)) & 15u), bi) : 0.f;
+                }
+            } else {
+                uint4 q = rvalid ? __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf) : make_uint4(0, 0, 0, 0);
+                u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int wd = 0; wd < 4; ++wd)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        Ws[c0 + wd * 4 + j][lrow] = rvalid ? fmaf(sc, code_f((qq[wd] >> (8 * j)) & 255u), bi) : 0.f;
+            }
+        }
+        // activations: 64 tokens x 32 columns = 512 float4
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+            int idx = tid + it * 256;
+            int tok = idx >> 3, qd = idx & 7;
+            int xr = xrow[tok];
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (xr >= 0) v = __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + qd);
+            Xs[qd * 4 + 0][tok] = v.x;
+            Xs[qd * 4 + 1][tok] = v.y;
+            Xs[qd * 4 + 2][tok] = v.z;
+            Xs[qd * 4 + 3][tok] = v.w;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < PF_BK; ++kk) {
+            float4 a0 = *reinterpret_cast<const float4*>(&Ws[kk][ty * 8]);
+            float4 a1 = *reinterpret_cast<const float4*>(&Ws[kk][ty * 8 + 4]);
+            float4 bv = *reinterpret_cast<const float4*>(&Xs[kk][tx * 4]);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float bb[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int yr = yrow[tx * 4 + j];
+        if (yr < 0) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int r = r0 + ty * 8 + i;
+            if (r < rows) {
+                float* p = y + (size_t)yr * ldy + r;
+                *p = accumulate ? *p + acc[i][j] : acc[i][j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM: the same product as pf_gemm with bf16 operands and f32 accumulation
+// (mma.sync m16n8k16). Per k-tile of 64 columns the weight tile (128 rows) is dequantised
+// (s*q + b, f32) and rounded to bf16 into shared memory, the activation tile (64 tokens) is
+// rounded to bf16 on the way in; the next tile's global loads are issued before the current
+// tile's mma so their latency hides behind the math. 8 warps as 4 (rows) x 2 (tokens), 32x32
+// outputs per warp. Needs cols % 64 == 0 and group % 32 == 0.
+// Grouped (MoE) mode: `tiles` = [ntiles, (expert, first token)...] from pf_scan; blockIdx.y is
+// the tile (blocks past ntiles exit).
+// SwiGLU mode (w2 != nullptr): the block's 128 shared-memory rows are 64 rows of W (gate) and the
+// same 64 rows of W2 (up), interleaved per 16 so every warp holds both for the same outputs; the
+// epilogue writes silu(gate) * up. grid.x = ceil(rows / 64) then, else ceil(rows / 128).
+#define TC_BM 128
+#define TC_BK 64
+#define TC_LD (TC_BK + 8)
+// TC_BN (tokens per tile), smem_u32, ldsm_x4 and mma_bf16 are in common.cuh.
+
+// 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
+__device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, code_f(q & 15u), bi), fmaf(sc, code_f((q >> 4) & 15u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q >> 8) & 15u), bi), fmaf(sc, code_f((q >> 12) & 15u), bi));
+    r.z = pack_bf16(fmaf(sc, code_f((q >> 16) & 15u), bi), fmaf(sc, code_f((q >> 20) & 15u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q >> 24) & 15u), bi), fmaf(sc, code_f(q >> 28), bi));
+    return r;
+}
+// 8 bytes (two words, columns 0..7) dequantised and packed.
+__device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(fmaf(sc, code_f(q0 & 255u), bi), fmaf(sc, code_f((q0 >> 8) & 255u), bi));
+    r.y = pack_bf16(fmaf(sc, code_f((q0 >> 16) & 255u), bi), fmaf(sc, code_f(q0 >> 24), bi));
+    r.z = pack_bf16(fmaf(sc, code_f(q1 & 255u), bi), fmaf(sc, code_f((q1 >> 8) & 255u), bi));
+    r.w = pack_bf16(fmaf(sc, code_f((q1 >> 16) & 255u), bi), fmaf(sc, code_f(q1 >> 24), bi));
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operands of the cuBLAS GEMMs (src/backend/cuda/blas.rs), used for chunks of many tokens.
+// A whole quantised matrix dequantised to bf16 [rows][cols], with exactly pf_gemm_tc's rounding
+// (deq_nib8 / deq_byte8), or to f32 for the few-row GEMMs that pick experts and gates.
+// One thread per 8 columns (never straddles a group: groups are multiples of 32).
+// grid ceil(rows * cols / 8 / 256), block 256.
+// Item i = row r, columns 8k..8k+7: the 8 values s*q + b in f32, each one fmaf as in deq_nib8 /
+// deq_byte8 (so the bf16 kernel's rounding is pf_gemm_tc's exactly). False past the matrix.
+__device__ __forceinline__ bool deq_item(const u32* __restrict__ w, const u16* __restrict__ s,
+                                         const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                         size_t i, float (&v)[8]) {
+    const int per_row = cols >> 3;
+    if (i >= (size_t)rows * per_row) return false;
+    const size_t r = i / per_row;
+    const int c = (int)(i - r * per_row) << 3, g = c / group;
+    const float sc = bf16f(__ldg(s + r * (cols / group) + g)), bi = bf16f(__ldg(b + r * (cols / group) + g));
+    if (bits == 4) {
+        const u32 q = __ldg(w + r * (cols >> 3) + (c >> 3));
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(sc, code_f((q >> (4 * k)) & 15u), bi);
+    } else {
+        const u32* q = w + r * (cols >> 2) + (c >> 2);
+        const u32 q0 = __ldg(q), q1 = __ldg(q + 1);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = fmaf(sc, code_f((q0 >> (8 * k)) & 255u), bi);
+            v[4 + k] = fmaf(sc, code_f((q1 >> (8 * k)) & 255u), bi);
+        }
+    }
+    return true;
+}
+extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16* __restrict__ s,
+                                           const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                           uint4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float v[8];
+    if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
+    out[i] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+}
+extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* __restrict__ s,
+                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
+                                          float4* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float v[8];
+    if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
+    out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+    out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+// f32 activations to bf16 (round to nearest even, as pf_gemm_tc stages them), 4 per thread.
+extern "C" __global__ void pf_to_bf16(const float4* __restrict__ x, uint2* __restrict__ y, int n4) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const float4 v = __ldg(x + i);
+    y[i] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+           const u32* __restrict__ w2, const u16* __restrict__ s2, const u16* __restrict__ b2, int bits, int rows,
+           int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy,
+           int accumulate, const int* __restrict__ counts, const int* __restrict__ offsets,
+           const int* __restrict__ list, const int* __restrict__ tiles, int xdiv) {
+    // Double-buffered tiles (dynamic, 2 * (TC_BM + TC_BN) * TC_LD bf16): one barrier per k-tile.
+    extern __shared__ __align__(16) u16 tc_sm[];
+    u16* As = tc_sm;
+    u16* Bs = tc_sm + 2 * TC_BM * TC_LD;
+    __shared__ int xrow[TC_BN], yrow[TC_BN];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool glu = w2 != nullptr;
+    int n = ntok, e = 0, t0 = blockIdx.y * TC_BN;
+    const int* lst = nullptr;
+    if (tiles) {
+        if ((int)blockIdx.y >= tiles[0]) return;
+        e = tiles[1 + 2 * blockIdx.y];
+        t0 = tiles[2 + 2 * blockIdx.y];
+        n = counts[e];
+        lst = list + offsets[e];
+    }
+    if (t0 >= n) return;
+    if (tid < TC_BN) tile_row(tid, t0, n, lst, xdiv, xrow, yrow);
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int gpr = cols / group;
+    const size_t rbase = (size_t)e * rows;
+    // Loader role: shared-memory row lrow, columns lhalf*32 .. +32 of each k-tile.
+    const int lrow = tid >> 1, lhalf = tid & 1;
+    int gr;
+    const u32* W = w;
+    const u16* S = s;
+    const u16* B = b;
+    if (glu) {
+        const int mt = lrow >> 4;
+        gr = blockIdx.x * (TC_BM / 2) + (mt >> 1) * 16 + (lrow & 15);
+        if (mt & 1) { W = w2; S = s2; B = b2; }
+    } else {
+        gr = blockIdx.x * TC_BM + lrow;
+    }
+    const bool rvalid = gr < rows;
+    const size_t grow = rbase + (rvalid ? gr : 0);
+    const u32* wrow = W + grow * wpr;
+    const u16* srow = S + grow * gpr;
+    const u16* brow = B + grow * gpr;
+    __syncthreads();
+
+    uint4 qa = make_uint4(0, 0, 0, 0), qb = qa;
+    float sc = 0.f, bi = 0.f;
+    float4 xv[4];
+    auto load = [&](int k0) {
+        if (rvalid) {
+            const int g = (k0 + lhalf * 32) / group;
+            sc = bf16f(__ldg(srow + g));
+            bi = bf16f(__ldg(brow + g));
+            if (bits == 4) {
+                qa = __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 3)) + lhalf);
+            } else {
+                const uint4* p = reinterpret_cast<const uint4*>(wrow + (k0 >> 2)) + lhalf * 2;
+                qa = __ldg(p);
+                qb = __ldg(p + 1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            const int xr = xrow[tok];
+            xv[i] = xr >= 0 ? __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + f)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    auto store = [&](int buf) {
+        uint4* dst = reinterpret_cast<uint4*>(As + buf * TC_BM * TC_LD + lrow * TC_LD + lhalf * 32);
+        if (!rvalid) {
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            dst[0] = z; dst[1] = z; dst[2] = z; dst[3] = z;
+        } else if (bits == 4) {
+            dst[0] = deq_nib8(qa.x, sc, bi);
+            dst[1] = deq_nib8(qa.y, sc, bi);
+            dst[2] = deq_nib8(qa.z, sc, bi);
+            dst[3] = deq_nib8(qa.w, sc, bi);
+        } else {
+            dst[0] = deq_byte8(qa.x, qa.y, sc, bi);
+            dst[1] = deq_byte8(qa.z, qa.w, sc, bi);
+            dst[2] = deq_byte8(qb.x, qb.y, sc, bi);
+            dst[3] = deq_byte8(qb.z, qb.w, sc, bi);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+            uint2 v;
+            v.x = pack_bf16(xv[i].x, xv[i].y);
+            v.y = pack_bf16(xv[i].z, xv[i].w);
+            *reinterpret_cast<uint2*>(Bs + buf * TC_BN * TC_LD + tok * TC_LD + f * 4) = v;
+        }
+    };
+
+    const int wm = warp & 3, wn = warp >> 2;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
+    // ldmatrix addresses (bytes, shared space) of this lane at k = 0.
+    const u32 a_base = smem_u32(As) + ((wm * 32 + (lane & 15)) * TC_LD + ((lane >> 4) << 3)) * 2;
+    const u32 b_base =
+        smem_u32(Bs) + ((wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * TC_LD + (((lane >> 3) & 1) << 3)) * 2;
+
+    load(0);
+    store(0);
+    __syncthreads();
+    int cur = 0;
+    for (int k0 = 0; k0 < cols; k0 += TC_BK) {
+        const bool more = k0 + TC_BK < cols;
+        if (more) load(k0 + TC_BK);
+        const u32 ab = a_base + cur * (TC_BM * TC_LD * 2), bb = b_base + cur * (TC_BN * TC_LD * 2);
+#pragma unroll
+        for (int ks = 0; ks < TC_BK / 16; ++ks) {
+            u32 af[2][4], bfr[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                ldsm_x4(ab + (mt * 16 * TC_LD + ks * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np)
+                ldsm_x4(bb + (np * 16 * TC_LD + ks * 16) * 2, bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0],
+                        bfr[2 * np + 1][1]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], af[mt], bfr[nt][0], bfr[nt][1]);
+        }
+        // The other buffer was last read before the previous barrier.
+        if (more) store(cur ^ 1);
+        __syncthreads();
+        cur ^= 1;
+    }
+    // Epilogue. acc[mt][nt]: rows (lane>>2) and +8 of m-tile mt, tokens 2*(lane&3), +1 of n-tile nt.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const int tl = wn * 32 + nt * 8 + 2 * (lane & 3) + cc;
+                const int yr = yrow[tl];
+                if (yr < 0) continue;
+                if (glu) {
+                    const int r = blockIdx.x * (TC_BM / 2) + wm * 16 + (lane >> 2) + hv * 8;
+                    if (r < rows) {
+                        const float g = acc[0][nt][hv * 2 + cc], u = acc[1][nt][hv * 2 + cc];
+                        float* p = y + (size_t)yr * ldy + r;
+                        const float v = silu_f(g) * u;
+                        *p = accumulate ? *p + v : v;
+                    }
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        const int r = blockIdx.x * TC_BM + wm * 32 + mt * 16 + (lane >> 2) + hv * 8;
+                        if (r < rows) {
+                            float* p = y + (size_t)yr * ldy + r;
+                            const float v = acc[mt][nt][hv * 2 + cc];
+                            *p = accumulate ? *p + v : v;
+                        }
+                    }
+                }
+            }
+}
+
+// Few-row GEMMs kept in f32 in both modes (router, shared-expert gate, GDN b/a projections: they
+// pick experts and gates). A block stages PF_SK_T tokens' rows of x in shared memory (swizzled
+// as stage_x) with their per-group sums; each warp takes rows r = blockIdx.y*256 + warp + 8i and
+// dots every weight chunk it loads with all PF_SK_T tokens, so the weights are read once per
+// PF_SK_T tokens. Bias folded per group, as the CPU qmatmul and the decode row dot.
+// grid (ceil(T / PF_SK_T), ceil(rows / 256)), block 256,
+// dynamic smem PF_SK_T * (cols + cols/group) floats.
+#define PF_SK_T 8
+// One weight row of pf_gemm_skinny against the PF_SK_T staged tokens (this lane's share in acc):
+// a 16-byte chunk holds 128 / BITS codes (CPC), converted once and dotted with every token.
+// `group` is a power of two, so chunk -> group is a shift (the loader accepts group 64 only).
+template <int BITS>
+__device__ __forceinline__ void skinny_row(const uint4* __restrict__ w4, const u16* __restrict__ sr,
+                                           const u16* __restrict__ br, const float* xs, const float* gs, int cols,
+                                           int group, int lane, float (&acc)[PF_SK_T]) {
+    constexpr int CPC = 128 / BITS, CPW = 32 / BITS, F4 = CPC / 4;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+    const int n4 = cols / CPC, cpg = group / CPC, lcpg = __ffs(cpg) - 1, gpr = cols / group;
+    for (int i = lane; i < n4; i += 32) {
+        const uint4 q = __ldg(w4 + i);
+        const int f = i * F4, g = i >> lcpg;
+        const float sc = bf16f(__ldg(sr + g));
+        const bool first = (i & (cpg - 1)) == 0;
+        const float bi = first ? bf16f(__ldg(br + g)) : 0.f;
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float wq[CPC];
+#pragma unroll
+        for (int k = 0; k < CPC; ++k) wq[k] = code_f((qw[k / CPW] >> (BITS * (k % CPW))) & MASK);
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) {
+            const float4* x4 = reinterpret_cast<const float4*>(xs + j * cols);
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+            for (int k = 0; k < F4; ++k) {
+                const float4 xv = x4[swz(f + k)];
+                d0 = fmaf(wq[4 * k], xv.x, d0);
+                d1 = fmaf(wq[4 * k + 1], xv.y, d1);
+                d0 = fmaf(wq[4 * k + 2], xv.z, d0);
+                d1 = fmaf(wq[4 * k + 3], xv.w, d1);
+            }
+            acc[j] = fmaf(sc, d0 + d1, acc[j]);
+            if (first) acc[j] = fmaf(bi, gs[j * gpr + g], acc[j]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
+               int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy) {
+    extern __shared__ __align__(16) float sk_sm[];
+    const int gpr = cols / group;
+    float* xs = sk_sm;
+    float* gs = sk_sm + PF_SK_T * cols;
+    const int t0 = blockIdx.x * PF_SK_T, nt = min(PF_SK_T, ntok - t0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < PF_SK_T * cols; i += 256) {
+        const int j = i / cols, c = i % cols;
+        xs[j * cols + swz_elem(c)] = j < nt ? x[(size_t)(t0 + j) * cols + c] : 0.f;
+    }
+    __syncthreads();
+    for (int gi = warp; gi < PF_SK_T * gpr; gi += 8) {
+        const int j = gi / gpr, g = gi % gpr;
+        float v = 0.f;
+        for (int c = lane; c < group; c += 32) v += xs[j * cols + g * group + c];  // swizzle stays in the group
+        v = warp_sum(v);
+        if (lane == 0) gs[j * gpr + g] = v;
+    }
+    __syncthreads();
+    const size_t wpr = (size_t)cols * bits / 32;
+    const int rend = min(rows, (int)blockIdx.y * 256 + 256);
+    for (int r = blockIdx.y * 256 + warp; r < rend; r += 8) {
+        const uint4* w4 = reinterpret_cast<const uint4*>(w + (size_t)r * wpr);
+        const u16* sr = s + (size_t)r * gpr;
+        const u16* br = b + (size_t)r * gpr;
+        float acc[PF_SK_T];
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) acc[j] = 0.f;
+        // Codes are converted to float once per chunk and reused by the PF_SK_T tokens.
+        if (bits == 4) skinny_row<4>(w4, sr, br, xs, gs, cols, group, lane, acc);
+        else skinny_row<8>(w4, sr, br, xs, gs, cols, group, lane, acc);
+#pragma unroll
+        for (int j = 0; j < PF_SK_T; ++j) {
+            const float v = warp_sum(acc[j]);
+            if (lane == j && j < nt) y[(size_t)(t0 + j) * ldy + r] = v;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding gather for T tokens: grid (ceil(cols/256), T).
+extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+                                    const int* __restrict__ tokens, int cols, int bits, int group, float* __restrict__ x) {
+    const int t = blockIdx.y, tok = tokens[t];
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    size_t wpr = (size_t)cols * bits / 32;
+    int gpr = cols / group, per = 32 / bits;
+    u32 mask = (1u << bits) - 1u;
+    u32 q = (w[(size_t)tok * wpr + c / per] >> (bits * (c % per))) & mask;
+    int g = c / group;
+    x[(size_t)t * cols + c] = bf16f(s[(size_t)tok * gpr + g]) * (float)q + bf16f(b[(size_t)tok * gpr + g]);
+}

@@ -1,0 +1,259 @@
+//! Gated attention (kernels/attention.cu), the CUDA side of `cpu/attention.rs`: q/k RMSNorm +
+//! partial RoPE + KV append, then split-KV decode (online-softmax partials streamed through a
+//! cp.async ring, merged with the output gate) for one token, or causal flash attention over T
+//! tokens (bf16 tensor cores, or f32 in the exact mode). The KV cache holds f32 or bf16; every
+//! kernel has an instance per element type (`_bf16`).
+
+use super::device::{Arg, Gpu};
+use super::registry::{Kernel, ATTENTION};
+use crate::checkpoint::ModelConfig;
+use anyhow::{anyhow, Result};
+
+const ATTN_PREP: [Kernel; 2] = [Kernel::dependent(&ATTENTION, "attn_prep"), Kernel::dependent(&ATTENTION, "attn_prep_bf16")];
+const ATTN_COMBINE: Kernel = Kernel::dependent(&ATTENTION, "attn_combine");
+const PF_ATTN_PREP: [Kernel; 2] = [Kernel::ordered(&ATTENTION, "pf_attn_prep"), Kernel::ordered(&ATTENTION, "pf_attn_prep_bf16")];
+
+/// Most KV splits per head in decode: 2 KV heads x 128 splits x 96 KiB of shared memory is about
+/// one wave at two blocks per SM; each split streams its rows through the cp.async ring, so
+/// longer splits cost bandwidth, not latency.
+pub const MAX_SPLITS: usize = 128;
+
+/// Positions per split before another split is added.
+const POS_PER_SPLIT: usize = 32;
+
+/// Splits of decode attention over a context of `len` positions (a captured step uses its
+/// sequence's max-seq, so the graph serves every length).
+pub fn splits_for(len: usize) -> usize {
+    len.div_ceil(POS_PER_SPLIT).clamp(1, MAX_SPLITS)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub nh: usize,
+    pub nkv: usize,
+    pub hd: usize,
+    pub half_rot: usize,
+    pub eps: f32,
+    /// The sequence's KV cache holds bf16 instead of f32.
+    pub kv_bf16: bool,
+}
+
+impl AttnDims {
+    pub fn new(cfg: &ModelConfig, kv_bf16: bool) -> Self {
+        AttnDims {
+            nh: cfg.num_attention_heads,
+            nkv: cfg.num_key_value_heads,
+            hd: cfg.head_dim,
+            half_rot: cfg.rotary_dim() / 2,
+            eps: cfg.rms_norm_eps as f32,
+            kv_bf16,
+        }
+    }
+    fn scale(&self) -> f32 {
+        1.0 / (self.hd as f32).sqrt()
+    }
+    fn prep_smem(&self) -> u32 {
+        ((self.hd + 33) * 4) as u32
+    }
+}
+
+/// The layer's weights and cache, and the activations it reads and writes.
+pub struct AttnPtrs {
+    /// q|gate projection `[T][nh][2 * hd]`, raw k and v `[T][nkv * hd]`.
+    pub qg: u64,
+    pub kraw: u64,
+    pub vraw: u64,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub inv_freq: u64,
+    /// Normed, rotated q and the gate, `[T][nh * hd]`.
+    pub q: u64,
+    pub gate: u64,
+    pub kcache: u64,
+    pub vcache: u64,
+    /// Gated output `[T][nh * hd]`.
+    pub out: u64,
+}
+
+fn kv_index(kv_bf16: bool) -> usize {
+    kv_bf16 as usize
+}
+
+/// The decode split kernel for a head dim and cache element type.
+pub fn select_split(hd: usize, kv_bf16: bool) -> Option<Kernel> {
+    let name = match (hd, kv_bf16) {
+        (64, false) => "attn_split_64",
+        (128, false) => "attn_split_128",
+        (256, false) => "attn_split_256",
+        (64, true) => "attn_split_64_bf16",
+        (128, true) => "attn_split_128_bf16",
+        (256, true) => "attn_split_256_bf16",
+        _ => return None,
+    };
+    Some(Kernel::dependent(&ATTENTION, name))
+}
+
+/// Dynamic shared memory of the split kernel: 3 f32 stages x (K + V) x 16 rows; a bf16 cache uses
+/// the same bytes as twice the stages.
+fn split_smem(hd: usize) -> u32 {
+    (3 * 2 * 16 * hd * 4) as u32
+}
+
+/// Decode scratch: split partials (`MAX_SPLITS` per q head: output rows and (max, sum) pairs).
+pub struct SplitPartials {
+    pub o: u64,
+    pub ml: u64,
+}
+
+/// One token (decode): norms + RoPE + KV append at the position in the step buffer.
+pub fn prep(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, step: u64) -> Result<()> {
+    let args = prep_args(d, p, Arg::P(step));
+    gpu.launch(ATTN_PREP[kv_index(d.kv_bf16)], ((d.nh + d.nkv) as u32, 1, 1), d.hd as u32, d.prep_smem(), &args)
+}
+
+fn prep_args(d: &AttnDims, p: &AttnPtrs, at: Arg) -> [Arg; 16] {
+    [
+        Arg::P(p.qg),
+        Arg::P(p.kraw),
+        Arg::P(p.vraw),
+        Arg::P(p.q_norm),
+        Arg::P(p.k_norm),
+        Arg::P(p.inv_freq),
+        Arg::P(p.q),
+        Arg::P(p.gate),
+        Arg::P(p.kcache),
+        Arg::P(p.vcache),
+        at,
+        Arg::I(d.nh as i32),
+        Arg::I(d.nkv as i32),
+        Arg::I(d.hd as i32),
+        Arg::I(d.half_rot as i32),
+        Arg::F(d.eps),
+    ]
+}
+
+/// Split-KV online-softmax partials (`splits` per KV head) over the positions up to the step's.
+pub fn split(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, step: u64, splits: usize) -> Result<()> {
+    let k = select_split(d.hd, d.kv_bf16).ok_or_else(|| anyhow!("attention head_dim {} has no decode kernel", d.hd))?;
+    let args = [
+        Arg::P(p.q),
+        Arg::P(p.kcache),
+        Arg::P(p.vcache),
+        Arg::P(step),
+        Arg::I(d.nh as i32),
+        Arg::I(d.nkv as i32),
+        Arg::I(splits as i32),
+        Arg::F(d.scale()),
+        Arg::P(part.o),
+        Arg::P(part.ml),
+    ];
+    let group = d.nh / d.nkv;
+    gpu.launch(k, (d.nkv as u32, splits as u32, 1), (group * 32) as u32, split_smem(d.hd), &args)
+}
+
+/// Merge of the splits + sigmoid output gate (grid: q heads x 32-dim slices, 8 warps).
+pub fn combine(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, splits: usize) -> Result<()> {
+    let args = [Arg::P(part.o), Arg::P(part.ml), Arg::P(p.gate), Arg::I(splits as i32), Arg::I(d.hd as i32), Arg::P(p.out)];
+    gpu.launch(ATTN_COMBINE, (d.nh as u32, (d.hd / 32) as u32, 1), 256, 0, &args)
+}
+
+/// Prefill: norms + RoPE for `n` tokens at `pos0..`, K and V appended to the cache.
+pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, n: usize, pos0: usize) -> Result<()> {
+    let args = prep_args(d, p, Arg::I(pos0 as i32));
+    gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (n as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)
+}
+
+/// Prefill attention kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkAttn {
+    /// `pf_attn_tc_{hd}`: bf16 tensor cores on 64-row Q/K/V tiles.
+    TensorCore,
+    /// `pf_attn_{hd}`: f32, exact to rounding against the CPU (the exact mode).
+    F32,
+}
+
+/// The prefill attention kernel, its threads and its dynamic shared memory.
+pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool) -> Option<(Kernel, u32, u32)> {
+    let (variant, threads) = if exact { (ChunkAttn::F32, 256) } else { (ChunkAttn::TensorCore, 128) };
+    let name = match (variant, hd, kv_bf16) {
+        (ChunkAttn::F32, 64, false) => "pf_attn_64",
+        (ChunkAttn::F32, 128, false) => "pf_attn_128",
+        (ChunkAttn::F32, 256, false) => "pf_attn_256",
+        (ChunkAttn::F32, 64, true) => "pf_attn_64_bf16",
+        (ChunkAttn::F32, 128, true) => "pf_attn_128_bf16",
+        (ChunkAttn::F32, 256, true) => "pf_attn_256_bf16",
+        (ChunkAttn::TensorCore, 64, false) => "pf_attn_tc_64",
+        (ChunkAttn::TensorCore, 128, false) => "pf_attn_tc_128",
+        (ChunkAttn::TensorCore, 256, false) => "pf_attn_tc_256",
+        (ChunkAttn::TensorCore, 64, true) => "pf_attn_tc_64_bf16",
+        (ChunkAttn::TensorCore, 128, true) => "pf_attn_tc_128_bf16",
+        (ChunkAttn::TensorCore, 256, true) => "pf_attn_tc_256_bf16",
+        _ => return None,
+    };
+    let smem = match variant {
+        ChunkAttn::F32 => (64 * hd + 32 * (hd + 4) + 32 * hd) * 4,
+        // Q, K and V tiles of 64 rows in bf16 with 8 columns of padding.
+        ChunkAttn::TensorCore => 3 * 64 * (hd + 8) * 2,
+    };
+    Some((Kernel::ordered(&ATTENTION, name), threads, smem as u32))
+}
+
+/// Whether the prefill kernels take this head layout: each block holds 64 query rows of one KV
+/// head's group.
+pub fn chunk_supported(nh: usize, nkv: usize) -> bool {
+    nkv > 0 && nh.is_multiple_of(nkv) && nh >= nkv && 64 % (nh / nkv) == 0
+}
+
+/// Causal attention of `n` queries at `pos0..` over the cache (`pos0 + n` positions), gated.
+pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, n: usize, pos0: usize, exact: bool) -> Result<()> {
+    let (k, threads, smem) =
+        select_chunk(d.hd, d.kv_bf16, exact).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd))?;
+    let qt = 64 / (d.nh / d.nkv);
+    let args = [
+        Arg::P(p.q),
+        Arg::P(p.gate),
+        Arg::P(p.kcache),
+        Arg::P(p.vcache),
+        Arg::I(n as i32),
+        Arg::I(pos0 as i32),
+        Arg::I(d.nh as i32),
+        Arg::I(d.nkv as i32),
+        Arg::F(d.scale()),
+        Arg::P(p.out),
+    ];
+    gpu.launch(k, (n.div_ceil(qt) as u32, d.nkv as u32, 1), threads, smem, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_for_the_35b_and_tiny_shapes() {
+        for (cfg, hd) in [(ModelConfig::qwen36_35b_a3b(), 256), (ModelConfig::tiny(), 64)] {
+            assert_eq!(cfg.head_dim, hd);
+            assert!(chunk_supported(cfg.num_attention_heads, cfg.num_key_value_heads));
+            for bf16 in [false, true] {
+                let sfx = if bf16 { "_bf16" } else { "" };
+                assert_eq!(select_split(hd, bf16).unwrap().name, format!("attn_split_{hd}{sfx}"));
+                let (tc, threads, _) = select_chunk(hd, bf16, false).unwrap();
+                assert_eq!((tc.name.to_string(), threads), (format!("pf_attn_tc_{hd}{sfx}"), 128));
+                let (f, threads, _) = select_chunk(hd, bf16, true).unwrap();
+                assert_eq!((f.name.to_string(), threads), (format!("pf_attn_{hd}{sfx}"), 256));
+            }
+        }
+        assert!(select_split(96, false).is_none() && select_chunk(96, true, true).is_none());
+        // 35B, hd 256: 96 KiB for the split ring, 99 KiB of tensor-core tiles.
+        assert_eq!(split_smem(256), 98_304);
+        assert_eq!(select_chunk(256, true, false).unwrap().2, 101_376);
+        assert!(!chunk_supported(12, 5) && !chunk_supported(3 * 128, 3));
+    }
+
+    #[test]
+    fn splits_grow_with_the_context_up_to_the_cap() {
+        assert_eq!(splits_for(1), 1);
+        assert_eq!(splits_for(33), 2);
+        assert_eq!(splits_for(4096), 128);
+        assert_eq!(splits_for(262_144), MAX_SPLITS);
+    }
+}

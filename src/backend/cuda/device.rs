@@ -1,0 +1,228 @@
+//! The device and its stream: probing for a usable GPU, memory helpers, and the one launch path
+//! (every kernel through the registry, as a programmatic dependent where it waits for its
+//! predecessor).
+
+use super::nvrtc::nvrtc_available;
+use super::registry::{Kernel, Registry, MODULES};
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use std::sync::Arc;
+
+/// One kernel argument (raw device pointers keep launches free of borrow juggling; all buffers
+/// outlive the stream work because the backend owns them and synchronises before freeing).
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+}
+
+/// True when the CUDA driver library can be loaded.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library by its standard names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The device, its stream and its kernels.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub sms: u32,
+    pub name: String,
+    kernels: Registry,
+    /// Launch kernels that wait for their predecessor as programmatic dependents: their weight
+    /// loads (issued before the wait) then overlap the previous kernel's tail. Results are the
+    /// same either way.
+    pdl: bool,
+}
+
+impl Gpu {
+    /// Opens GPU 0 and checks it is Hopper (sm_90); kernels load on first use
+    /// ([`Gpu::load_all`] loads them now). Errors are one line.
+    pub fn open(pdl: bool) -> Result<Self> {
+        if !driver_available() {
+            bail!("no NVIDIA driver found (libcuda.so could not be loaded)");
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| anyhow!("CUDA driver present but not usable: {e:?}"))?;
+        if count < 1 {
+            bail!("the NVIDIA driver reports no GPU");
+        }
+        let ctx = CudaContext::new(0)
+            .map_err(|e| anyhow!("cannot create a CUDA context on GPU 0: {e:?}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| anyhow!("cannot query GPU 0: {e:?}"))?;
+        if cc != (9, 0) {
+            bail!("GPU 0 ({name}) has compute capability {}.{}; the CUDA backend needs Hopper (sm_90: H100/H200)", cc.0, cc.1);
+        }
+        if !nvrtc_available() {
+            bail!("libnvrtc (CUDA 13 NVRTC) could not be loaded; it is needed to compile the kernels (set LD_LIBRARY_PATH to the CUDA lib64)");
+        }
+        // One stream, ordered by hand: per-slice event tracking only adds work (and would be
+        // recorded into graphs).
+        // One stream, ordered by hand: per-slice event tracking only adds work (and would be
+        // recorded into graphs).
+        // SAFETY: called before any allocation on this context.
+        unsafe { ctx.disable_event_tracking() };
+        // A created stream, not the legacy default stream: the decode step is captured into a
+        // CUDA graph, which the legacy stream does not allow.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(132)
+            .max(1) as u32;
+        Ok(Gpu { kernels: Registry::new(ctx.clone()), ctx, stream, sms, name, pdl })
+    }
+
+    /// Compiles and loads every kernel module now (start-up: NVRTC errors surface here, and no
+    /// module loads during a graph capture).
+    pub fn load_all(&self) -> Result<()> {
+        MODULES.iter().try_for_each(|m| self.kernels.load(m))
+    }
+
+    /// The loaded function of `k` (occupancy queries).
+    pub fn function(&self, k: Kernel) -> Result<CudaFunction> {
+        self.kernels.function(k, 0)
+    }
+
+    /// Launches `k` on the stream (1-D blocks), as a programmatic dependent when PDL is on and the
+    /// kernel waits for its predecessor.
+    pub fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        let f = self.kernels.function(k, smem)?;
+        launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits)
+    }
+
+    /// An event recorded on the stream now (timing marks of the decode and prefill profiles).
+    pub fn record_event(&self) -> Result<cudarc::driver::CudaEvent> {
+        let ev = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| anyhow!("{e:?}"))?;
+        ev.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+        Ok(ev)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))
+    }
+
+    /// Zeroes `bytes` bytes at device address `p` (stream-ordered).
+    pub fn zero(&self, p: u64, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass the address and length of a live allocation they own.
+        unsafe { cudarc::driver::result::memset_d8_async(p, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("device memset: {e:?}"))
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| anyhow!("cuMemGetInfo: {e:?}"))
+    }
+
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).map_err(|e| {
+            anyhow!(
+                "upload of {} bytes failed: {e:?}",
+                std::mem::size_of_val(data)
+            )
+        })
+    }
+
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| anyhow!("device allocation of {n} elements failed: {e:?}"))
+    }
+}
+
+/// Launches `f` (named `name` for errors) with a 1-D block through `cuLaunchKernelEx`: the one
+/// launch routine of the backend. With `pdl` the launch carries
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the kernel may start while the
+/// previous kernel of the stream is still running (once all of its blocks have executed
+/// `griddepcontrol.launch_dependents` or exited). The kernel must then execute
+/// `griddepcontrol.wait` before reading anything the previous kernels write (and before writing
+/// anything they read). Under stream capture the graph edge becomes a programmatic one.
+#[allow(clippy::too_many_arguments)]
+fn launch_ex(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+    pdl: bool,
+) -> Result<()> {
+    use std::ffi::c_void;
+    // Argument values at stable addresses for the duration of the call.
+    let vals: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = vals
+        .iter()
+        .map(|a| match a {
+            Arg::P(p) => p as *const u64 as *mut c_void,
+            Arg::I(i) => i as *const i32 as *mut c_void,
+            Arg::F(x) => x as *const f32 as *mut c_void,
+        })
+        .collect();
+    // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the
+    // attribute id selects.
+    let mut attrs: [sys::CUlaunchAttribute; 1] = unsafe { std::mem::zeroed() };
+    let mut n_attrs = 0usize;
+    if pdl {
+        attrs[n_attrs].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+        n_attrs += 1;
+    }
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: if n_attrs > 0 {
+            attrs.as_mut_ptr()
+        } else {
+            std::ptr::null_mut()
+        },
+        numAttrs: n_attrs as u32,
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    // SAFETY: the argument list is built by the kernel's launcher (one per op family) to match its
+    // `extern "C"` signature; `params` points into `vals`, both alive until the call returns
+    // (the driver copies the values at launch); pointers are live device allocations owned by the
+    // backend that outlive the stream work.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+    Ok(())
+}
+
+/// Raw device address of a slice (event tracking is off, so nothing is recorded).
+pub fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}

@@ -1,0 +1,131 @@
+//! The model's layer structure, written once for the CUDA backend: embed, then per layer the
+//! mixer (Gated DeltaNet or gated attention) added into the residual stream and the MoE added
+//! into it. A [`Pass`] supplies the per-family launches for one token count: the decode step
+//! (T = 1, decode.rs: norms fused into GEMVs, one CUDA graph) or a prefill chunk (T tokens,
+//! prefill.rs: GEMMs, scans, flash attention). The final norm and lm_head are the caller's, since
+//! which rows need logits depends on the call.
+//!
+//! Tokens are described by [`TokenSpan`]: today the tokens of one sequence at consecutive
+//! positions. A batch of sequences will carry a sequence index and position per token; the loop
+//! does not change, only the spans and the kernels' addressing.
+
+use super::device::Gpu;
+use super::state::{CudaSequence, DevLayerState};
+use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaEvent, CudaSlice};
+
+/// The tokens a forward processes: `n` tokens of `seq` at positions `pos0..pos0 + n`.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenSpan {
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// Named points of a forward, for the profile and the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Point {
+    /// After the phase of that name (summed over layers in the profile).
+    Phase(&'static str),
+    /// After layer `i`: the residual stream.
+    Layer(usize),
+}
+
+/// What a forward records at its points: CUDA events for the phase profile, and/or a copy of the
+/// residual stream after every layer (tests against the CPU reference; synchronises).
+#[derive(Default)]
+pub struct Probe {
+    pub marks: Option<Vec<(&'static str, CudaEvent)>>,
+    pub trace: Option<Vec<Vec<f32>>>,
+}
+
+impl Probe {
+    pub fn profiling(on: bool) -> Self {
+        Probe { marks: on.then(Vec::new), trace: None }
+    }
+
+    pub fn tracing() -> Self {
+        Probe { marks: None, trace: Some(Vec::new()) }
+    }
+
+    /// Records `point`; `x` is the residual stream (`values` of it are live).
+    pub fn at(&mut self, gpu: &Gpu, point: Point, x: &CudaSlice<f32>, values: usize) -> Result<()> {
+        match point {
+            Point::Phase(name) => {
+                if let Some(m) = self.marks.as_mut() {
+                    m.push((name, gpu.record_event()?));
+                }
+            }
+            Point::Layer(_) => {
+                if let Some(t) = self.trace.as_mut() {
+                    let mut host = vec![0.0f32; values];
+                    gpu.stream
+                        .memcpy_dtoh(&x.slice(0..values), &mut host)
+                        .map_err(|e| anyhow!("CUDA error: {e:?}"))?;
+                    gpu.sync()?;
+                    t.push(host);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Milliseconds per phase name between consecutive marks, in first-seen order (synchronises).
+    pub fn phase_ms(&self, gpu: &Gpu) -> Result<Vec<(&'static str, f64)>> {
+        let mut phases: Vec<(&'static str, f64)> = Vec::new();
+        let Some(m) = &self.marks else {
+            return Ok(phases);
+        };
+        gpu.sync()?;
+        for w in m.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(|e| anyhow!("{e:?}"))? as f64;
+            match phases.iter_mut().find(|(n, _)| *n == w[1].0) {
+                Some(e) => e.1 += ms,
+                None => phases.push((w[1].0, ms)),
+            }
+        }
+        Ok(phases)
+    }
+}
+
+/// The per-family launches of the layer structure at one token count.
+pub trait Pass {
+    fn gpu(&self) -> &Gpu;
+    /// The residual stream and how many of its values are live.
+    fn residual(&self) -> (&CudaSlice<f32>, usize);
+    /// Token embeddings into the residual stream.
+    fn embed(&mut self, probe: &mut Probe) -> Result<()>;
+    /// `x += GatedDeltaNet(norm(x))`, advancing the layer's conv ring and recurrent state.
+    fn gdn(&mut self, li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()>;
+    /// `x += GatedAttention(norm(x))`, appending to the layer's KV cache.
+    fn attention(&mut self, li: usize, lw: &DevLayer, a: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()>;
+    /// `x += MoE(norm(x))`.
+    fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()>;
+
+    /// Records a point of the profile / trace.
+    fn point(&self, probe: &mut Probe, point: Point) -> Result<()> {
+        let (x, values) = self.residual();
+        probe.at(self.gpu(), point, x, values)
+    }
+}
+
+/// Runs every layer of the model over the pass's tokens of `seq`.
+pub fn layers(pass: &mut impl Pass, w: &DevWeights, seq: &CudaSequence, probe: &mut Probe) -> Result<()> {
+    pass.point(probe, Point::Phase("start"))?;
+    pass.embed(probe)?;
+    let st = pass.gpu().stream.clone();
+    for (li, lw) in w.layers.iter().enumerate() {
+        match (&lw.mixer, &seq.layers[li]) {
+            (DevMixer::Gdn(g), DevLayerState::Gdn { ring, state }) => {
+                pass.gdn(li, lw, g, super::device::ptr(ring, &st), super::device::ptr(state, &st), probe)?
+            }
+            (DevMixer::Attn(a), DevLayerState::Attn { k, v }) => {
+                pass.attention(li, lw, a, super::device::ptr(k, &st), super::device::ptr(v, &st), probe)?
+            }
+            _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
+        }
+        pass.moe(li, lw, &lw.moe, probe)?;
+        pass.point(probe, Point::Layer(li))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! Gated DeltaNet (kernels/gdn.cu), the CUDA side of `cpu/gdn.rs`: the fused decode step (conv
+//! ring, L2 norms, recurrent update, gated norm for one token) and the prefill pieces over T
+//! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the exact recurrent
+//! scan with the state in registers, gated norm).
+
+use super::device::{Arg, Gpu};
+use super::registry::{Kernel, GDN};
+use crate::checkpoint::ModelConfig;
+use anyhow::{bail, Result};
+
+const GDN_STEP: Kernel = Kernel::dependent(&GDN, "gdn_step");
+const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
+const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
+const PF_GDN_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_qk");
+const PF_GDN_NORM: Kernel = Kernel::ordered(&GDN, "pf_gdn_norm");
+
+/// Shape constants of a GDN layer.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDims {
+    pub nk: usize,
+    pub nv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// Conv taps.
+    pub kc: usize,
+    /// Channels of the conv (q, k and v of every head).
+    pub conv_dim: usize,
+    pub eps: f32,
+}
+
+impl GdnDims {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        GdnDims {
+            nk: cfg.linear_num_key_heads,
+            nv: cfg.linear_num_value_heads,
+            dk: cfg.linear_key_head_dim,
+            dv: cfg.linear_value_head_dim,
+            kc: cfg.linear_conv_kernel_dim,
+            conv_dim: cfg.gdn_conv_dim(),
+            eps: cfg.rms_norm_eps as f32,
+        }
+    }
+    /// Threads of `gdn_step`: one per (value column, 32-key slice).
+    fn step_threads(&self) -> u32 {
+        (self.dv * (self.dk / 32)) as u32
+    }
+    fn step_smem(&self) -> u32 {
+        ((2 * self.dk + self.dv + 2 * (self.dk / 32) * self.dv + 33) * 4) as u32
+    }
+}
+
+/// Whether the decode step takes these head dims (key dims in 32-lane slices, one block of at most
+/// 1,024 threads per value head). The backend needs it.
+pub fn step_supported(d: &GdnDims) -> bool {
+    d.dk.is_multiple_of(32) && d.step_threads() <= 1024
+}
+
+/// Whether the prefill kernels take these head dims (a scan instance per key dim, value columns
+/// in warps). Without them multi-token forwards run the decode step per token.
+pub fn chunk_supported(d: &GdnDims) -> bool {
+    select_scan(d.dk).is_some() && d.dv.is_multiple_of(32) && d.dv <= 1024
+}
+
+/// The layer's weights and state, and the activations it reads and writes.
+pub struct GdnPtrs {
+    /// In-projection outputs: q|k|v, z, b, a.
+    pub qkv: u64,
+    pub z: u64,
+    pub b: u64,
+    pub a: u64,
+    pub ring: u64,
+    pub taps: u64,
+    pub dt_bias: u64,
+    pub neg_a: u64,
+    pub norm: u64,
+    pub state: u64,
+    /// Gated-norm output (the out-projection's input).
+    pub y: u64,
+}
+
+/// One token (decode): token and position in the step buffer.
+pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
+    let args = [
+        Arg::P(p.qkv),
+        Arg::P(p.z),
+        Arg::P(p.b),
+        Arg::P(p.a),
+        Arg::P(p.ring),
+        Arg::P(p.taps),
+        Arg::P(p.dt_bias),
+        Arg::P(p.neg_a),
+        Arg::P(p.norm),
+        Arg::P(p.state),
+        Arg::P(p.y),
+        Arg::P(step),
+        Arg::I(d.nk as i32),
+        Arg::I(d.nv as i32),
+        Arg::I(d.dk as i32),
+        Arg::I(d.dv as i32),
+        Arg::I(d.kc as i32),
+        Arg::F(d.eps),
+    ];
+    gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &args)
+}
+
+/// Prefill scratch of the layer: conv outputs `[T][conv_dim]`, normalised q and k, scan outputs.
+pub struct GdnChunkScratch {
+    pub conv: u64,
+    pub qn: u64,
+    pub kn: u64,
+    pub o: u64,
+}
+
+/// Causal conv over `n` tokens at `pos0` (history from the ring), the ring update, q/k L2 norms.
+pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, pos0: usize) -> Result<()> {
+    let c = d.conv_dim;
+    let cgrid = c.div_ceil(256) as u32;
+    let (ni, ci, kci, posi) = (Arg::I(n as i32), Arg::I(c as i32), Arg::I(d.kc as i32), Arg::I(pos0 as i32));
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni, ci, kci, posi, Arg::P(s.conv)];
+    gpu.launch(PF_GDN_CONV, (cgrid, n as u32, 1), 256, 0, &args)?;
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci, kci, posi];
+    gpu.launch(PF_GDN_RING, (cgrid, n.min(d.kc) as u32, 1), 256, 0, &args)?;
+    let args = [Arg::P(s.conv), ci, Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
+    gpu.launch(PF_GDN_QK, (n as u32, d.nk as u32, 1), d.dk as u32, 0, &args)
+}
+
+/// The scan instance for a key head dim (the state of one column lives in registers).
+pub fn select_scan(dk: usize) -> Option<Kernel> {
+    match dk {
+        32 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_32")),
+        64 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_64")),
+        128 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_128")),
+        _ => None,
+    }
+}
+
+/// State columns per scan block: 4 warps x 32 lanes / lanes per column.
+fn scan_block_columns(dk: usize) -> usize {
+    4 * 32 / (dk / 16).clamp(2, 8)
+}
+
+/// The exact recurrence over `n` tokens for every value head: reads q/k (normalised), v from the
+/// conv output (row stride `conv_dim`), raw b/a; updates the state; writes `o`.
+pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
+    let Some(k) = select_scan(d.dk) else {
+        bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
+    };
+    let args = [
+        Arg::P(s.qn),
+        Arg::P(s.kn),
+        Arg::P(s.conv),
+        Arg::P(p.b),
+        Arg::P(p.a),
+        Arg::P(p.dt_bias),
+        Arg::P(p.neg_a),
+        Arg::P(p.state),
+        Arg::P(s.o),
+        Arg::I(n as i32),
+        Arg::I(d.nk as i32),
+        Arg::I(d.nv as i32),
+        Arg::I(d.dv as i32),
+        Arg::I(d.conv_dim as i32),
+    ];
+    let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, 1);
+    gpu.launch(k, grid, 128, 0, &args)
+}
+
+/// Gated RMSNorm of the scan outputs with z into `y`.
+pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
+    let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
+    gpu.launch(PF_GDN_NORM, (n as u32, d.nv as u32, 1), d.dv as u32, 0, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_for_the_35b_and_tiny_shapes() {
+        let big = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
+        assert!(step_supported(&big) && chunk_supported(&big));
+        assert_eq!(select_scan(big.dk).unwrap().name, "pf_gdn_scan_128");
+        assert_eq!(big.step_threads(), 512);
+        assert_eq!(scan_block_columns(128), 16);
+        let tiny = GdnDims::new(&ModelConfig::tiny());
+        assert!(step_supported(&tiny) && chunk_supported(&tiny));
+        assert_eq!(select_scan(tiny.dk).unwrap().name, "pf_gdn_scan_64");
+        assert_eq!(scan_block_columns(64), 32);
+        assert!(select_scan(96).is_none());
+        assert!(step_supported(&GdnDims { dk: 96, ..tiny }));
+        assert!(!chunk_supported(&GdnDims { dk: 96, ..tiny }));
+        assert!(!step_supported(&GdnDims { dk: 128, dv: 512, ..tiny }));
+    }
+}

@@ -1,0 +1,227 @@
+//! Mixture of experts (kernels/moe.cu), the CUDA side of `cpu/moe.rs`. Decode (one token): the
+//! gate|up kernel picks the top-k experts in its prologue and applies SwiGLU, the down kernel
+//! combines the weighted experts and the gated shared expert into the residual. Prefill (T
+//! tokens): GPU top-k with per-expert counts, a scan into slot offsets and (expert, 64-token)
+//! tiles, a scatter into per-expert slot lists (no host synchronisation), then grouped GEMMs
+//! (qmatmul.rs) and the weighted combine.
+
+use super::device::{Arg, Gpu};
+use super::qmatmul::{tc_smem, TC_NG};
+use super::registry::{Kernel, MOE};
+use crate::checkpoint::ModelConfig;
+use anyhow::Result;
+
+const MOE_GATE_UP: Kernel = Kernel::dependent(&MOE, "moe_gate_up");
+const MOE_DOWN: Kernel = Kernel::dependent(&MOE, "moe_down");
+const MOE_GATE_UP_TC: Kernel = Kernel::dependent(&MOE, "moe_gate_up_tc");
+const MOE_DOWN_TC: Kernel = Kernel::dependent(&MOE, "moe_down_tc");
+const PF_ROUTE: Kernel = Kernel::ordered(&MOE, "pf_route");
+const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
+const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
+const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
+
+#[derive(Clone, Copy, Debug)]
+pub struct MoeDims {
+    pub e: usize,
+    pub k: usize,
+    pub inter: usize,
+    pub sinter: usize,
+    pub hidden: usize,
+    pub group: usize,
+}
+
+impl MoeDims {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        MoeDims {
+            e: cfg.num_experts,
+            k: cfg.num_experts_per_tok,
+            inter: cfg.moe_intermediate_size,
+            sinter: cfg.shared_expert_intermediate_size,
+            hidden: cfg.hidden_size,
+            group: cfg.quant.group_size,
+        }
+    }
+}
+
+/// The decode expert kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeKernels {
+    /// `moe_gate_up_tc` + `moe_down_tc`: tensor cores with f32-exact products.
+    TensorCore,
+    /// `moe_gate_up` + `moe_down`: CUDA cores, for shapes the tensor-core kernels do not take.
+    CudaCore,
+}
+
+/// The tensor-core kernels take 4-bit experts with group 64 (the loader only accepts that),
+/// widths in whole groups, routed and shared experts of one width, and staged activations within
+/// the default 48 KiB of shared memory. `force_cuda_core`: tests.
+pub fn select(d: &MoeDims, force_cuda_core: bool) -> MoeKernels {
+    let warps_down = d.k + 1;
+    let tc = d.group == 64
+        && d.hidden.is_multiple_of(64)
+        && d.inter.is_multiple_of(64)
+        && d.inter == d.sinter
+        && d.inter / 64 <= TC_NG
+        && warps_down <= 32
+        && tc_smem((d.k + 1) * d.inter, warps_down) as usize <= 48 * 1024
+        && tc_smem(d.hidden, 8) as usize <= 48 * 1024;
+    if tc && !force_cuda_core {
+        MoeKernels::TensorCore
+    } else {
+        MoeKernels::CudaCore
+    }
+}
+
+/// A 4-bit matrix: codes, scales, biases.
+pub type QPtrs = (u64, u64, u64);
+
+/// The layer's expert weights and the activations of one decode step.
+pub struct MoePtrs {
+    /// Router logits (the gate|up prologue picks the top-k from them).
+    pub logits: u64,
+    pub gate: QPtrs,
+    pub up: QPtrs,
+    pub down: QPtrs,
+    pub sgate: QPtrs,
+    pub sup: QPtrs,
+    pub sdown: QPtrs,
+    pub shared_gate_logit: u64,
+    /// Normalised input.
+    pub u: u64,
+    /// SwiGLU outputs of the k experts and the shared expert.
+    pub act: u64,
+    pub top_ids: u64,
+    pub top_w: u64,
+    /// The residual stream the combine adds into.
+    pub x: u64,
+}
+
+fn q(p: QPtrs) -> [Arg; 3] {
+    [Arg::P(p.0), Arg::P(p.1), Arg::P(p.2)]
+}
+
+/// Arguments of both gate|up kernels: one list, with the kernel's own tuning parameters
+/// (`group`, or `slices, kc`) after the input width.
+fn gate_up_args(d: &MoeDims, p: &MoePtrs, tuning: &[Arg]) -> Vec<Arg> {
+    let mut a = vec![Arg::P(p.logits), Arg::I(d.e as i32), Arg::I(d.k as i32)];
+    a.extend(q(p.gate));
+    a.extend(q(p.up));
+    a.push(Arg::I(d.inter as i32));
+    a.extend(q(p.sgate));
+    a.extend(q(p.sup));
+    a.extend([Arg::I(d.sinter as i32), Arg::P(p.u), Arg::I(d.hidden as i32)]);
+    a.extend_from_slice(tuning);
+    a.extend([Arg::P(p.act), Arg::P(p.top_ids), Arg::P(p.top_w)]);
+    a.extend(q(p.down));
+    a.extend(q(p.sdown));
+    a.push(Arg::I(d.hidden as i32));
+    a
+}
+
+/// Arguments of both down kernels; `third` is the shared expert's width (`moe_down`) or the warps
+/// per expert (`moe_down_tc`), `tuning` goes before the output.
+fn down_args(d: &MoeDims, p: &MoePtrs, third: Arg, tuning: &[Arg]) -> Vec<Arg> {
+    let mut a = vec![Arg::P(p.act), Arg::P(p.top_ids), Arg::P(p.top_w), Arg::I(d.k as i32), Arg::I(d.inter as i32), third];
+    a.extend(q(p.down));
+    a.extend(q(p.sdown));
+    a.extend([Arg::P(p.shared_gate_logit), Arg::I(d.hidden as i32)]);
+    a.extend_from_slice(tuning);
+    a.push(Arg::P(p.x));
+    a
+}
+
+/// Warps per expert's down rows in `moe_down_tc`: two give twice the warps in flight.
+const DOWN_TC_SPLIT: usize = 2;
+/// Warps per block of the CUDA-core kernels.
+const CUDA_CORE_WARPS: usize = 8;
+
+/// Routed + shared experts of one token, added into the residual.
+pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Result<()> {
+    match kernels {
+        MoeKernels::TensorCore => {
+            let chunks = (d.hidden / 64).div_ceil(TC_NG);
+            let slices = [4usize, 2, 1].into_iter().find(|s| chunks.is_multiple_of(*s)).unwrap_or(1);
+            let warps = 2 * slices;
+            let grid = (d.inter.max(d.sinter).div_ceil(16) as u32, (d.k + 1) as u32, 1);
+            let tuning = [Arg::I(slices as i32), Arg::I((chunks / slices) as i32)];
+            gpu.launch(MOE_GATE_UP_TC, grid, (warps * 32) as u32, tc_smem(d.hidden, warps), &gate_up_args(d, p, &tuning))?;
+            let warps = (d.k + 1) * DOWN_TC_SPLIT;
+            let args = down_args(d, p, Arg::I(DOWN_TC_SPLIT as i32), &[]);
+            gpu.launch(MOE_DOWN_TC, (d.hidden.div_ceil(16) as u32, 1, 1), (warps * 32) as u32, tc_smem((d.k + 1) * d.inter, warps), &args)
+        }
+        MoeKernels::CudaCore => {
+            let warps = CUDA_CORE_WARPS;
+            let rows = d.inter.max(d.sinter);
+            let smem = ((d.hidden + d.hidden / d.group + 33) * 4) as u32;
+            let grid = (rows.div_ceil(2 * warps) as u32, (d.k + 1) as u32, 1);
+            gpu.launch(MOE_GATE_UP, grid, (warps * 32) as u32, smem, &gate_up_args(d, p, &[Arg::I(d.group as i32)]))?;
+            let n_act = d.k * d.inter + d.sinter;
+            let smem = ((n_act + n_act / d.group + 33) * 4) as u32;
+            let args = down_args(d, p, Arg::I(d.sinter as i32), &[Arg::I(d.group as i32)]);
+            gpu.launch(MOE_DOWN, (d.hidden.div_ceil(warps) as u32, 1, 1), (warps * 32) as u32, smem, &args)
+        }
+    }
+}
+
+/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens.
+pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
+    (n * d.k).div_ceil(64) + d.e
+}
+
+/// Routing scratch of a prefill chunk.
+pub struct RouteLists {
+    /// Router logits `[T][E]`.
+    pub logits: u64,
+    /// Top-k expert ids and weights per token `[T][k]`.
+    pub top_ids: u64,
+    pub top_w: u64,
+    /// Per expert: token count (zeroed before `route`), first slot, fill cursor.
+    pub counts: u64,
+    pub offsets: u64,
+    pub fill: u64,
+    /// Slots grouped by expert.
+    pub list: u64,
+    /// `[count, (expert, first slot)...]` for the tensor-core grouped GEMM.
+    pub tiles: u64,
+}
+
+/// Top-k per token with the expert counts (`counts` must be zero).
+pub fn route(gpu: &Gpu, d: &MoeDims, r: &RouteLists, n: usize) -> Result<()> {
+    let args = [Arg::P(r.logits), Arg::I(n as i32), Arg::I(d.e as i32), Arg::I(d.k as i32), Arg::P(r.top_ids), Arg::P(r.top_w), Arg::P(r.counts)];
+    gpu.launch(PF_ROUTE, (n.div_ceil(4) as u32, 1, 1), 128, 0, &args)
+}
+
+/// Slot offsets and tiles from the counts, then the per-expert slot lists of `slots` top-k slots.
+pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize) -> Result<()> {
+    let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles)];
+    gpu.launch(PF_SCAN, (1, 1, 1), 256, 0, &args)?;
+    let args = [Arg::P(r.top_ids), Arg::I(slots as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.list)];
+    gpu.launch(PF_SCATTER, (slots.div_ceil(256) as u32, 1, 1), 256, 0, &args)
+}
+
+/// `x[t] += sum_k w[t,k] * down[t*k + j] + sigmoid(sgl[t]) * shared[t]`.
+#[allow(clippy::too_many_arguments)]
+pub fn combine(gpu: &Gpu, d: &MoeDims, down: u64, top_w: u64, shared: u64, sgl: u64, x: u64, n: usize) -> Result<()> {
+    let args = [Arg::P(down), Arg::P(top_w), Arg::I(d.k as i32), Arg::P(shared), Arg::P(sgl), Arg::P(x), Arg::I(d.hidden as i32)];
+    gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_for_the_35b_and_tiny_shapes() {
+        for cfg in [ModelConfig::qwen36_35b_a3b(), ModelConfig::tiny()] {
+            let d = MoeDims::new(&cfg);
+            assert_eq!(select(&d, false), MoeKernels::TensorCore);
+            assert_eq!(select(&d, true), MoeKernels::CudaCore);
+        }
+        let tiny = MoeDims::new(&ModelConfig::tiny());
+        // Shapes the tensor-core kernels do not take fall back to the CUDA cores.
+        assert_eq!(select(&MoeDims { sinter: 128, ..tiny }, false), MoeKernels::CudaCore);
+        assert_eq!(select(&MoeDims { inter: 768, sinter: 768, ..tiny }, false), MoeKernels::CudaCore);
+        assert_eq!(select(&MoeDims { k: 32, e: 64, ..tiny }, false), MoeKernels::CudaCore);
+        assert_eq!(max_tiles(4096, &MoeDims::new(&ModelConfig::qwen36_35b_a3b())), 512 + 256);
+    }
+}

@@ -1,0 +1,20 @@
+//! Row-wise and elementwise operations of the layers (kernels/ops.cu), the CUDA side of
+//! `cpu/ops.rs`. The decode step fuses its norms into the GEMVs (qmatmul.rs); these serve T tokens.
+
+use super::device::{Arg, Gpu};
+use super::registry::{Kernel, OPS};
+use anyhow::Result;
+
+const PF_RMSNORM: Kernel = Kernel::ordered(&OPS, "pf_rmsnorm");
+const PF_SWIGLU: Kernel = Kernel::ordered(&OPS, "pf_swiglu");
+
+/// `out[r] = x[r] / rms(x[r]) * gain` for `rows` rows of `n` values.
+pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
+    let args = [Arg::P(x), Arg::P(gain), Arg::P(out), Arg::I(n as i32), Arg::F(eps)];
+    gpu.launch(PF_RMSNORM, (rows as u32, 1, 1), 256, 0, &args)
+}
+
+/// `g = silu(g) * u` over `n` values.
+pub fn swiglu(gpu: &Gpu, g: u64, u: u64, n: usize) -> Result<()> {
+    gpu.launch(PF_SWIGLU, (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::I(n as i32)])
+}

@@ -1,0 +1,141 @@
+//! Every setting of the CUDA backend in one place, read once when the backend is made.
+//!
+//! User options (README): the KV cache element type, the prefill chunk, cuBLAS on/off; the kernel
+//! cache lives under `$LILY_CACHE_DIR/kernels` (the same cache root as the embedded default model).
+//! Developer knobs (docs/cuda.md): the phase profile, CUDA graphs off, programmatic dependent
+//! launch off, the exact f32 prefill and the decode-step forward (`lily logits` flags). Test-only
+//! fields have no environment variable: tests set them on the struct.
+
+/// Tokens per prefill chunk unless `LILY_CUDA_PREFILL_CHUNK` says otherwise. Long chunks fill the
+/// grouped expert tiles better (4,096 tokens put ~128 on each of 256 experts) and dequantise the
+/// dense weights for cuBLAS less often; the scratch is ~0.8 GB for the 35B model at 4,096.
+pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
+
+/// Fewest tokens per chunk for which dequantising a dense matrix for cuBLAS beats the fused
+/// tensor-core GEMM.
+pub const CUBLAS_MIN_TOKENS: usize = 128;
+
+/// 4-bit sets of fewer 16-row tiles than this stay on the CUDA-core GEMV (the 2,048-row
+/// out-projections, 128 tiles, measured faster there; docs/cuda.md).
+pub const GEMV_TC_MIN_TILES: usize = 256;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// New sequences keep their attention KV cache in bf16 (`LILY_KV_BF16`, `--kv-cache`;
+    /// default on: half the memory and half the long-context attention traffic).
+    pub kv_bf16: bool,
+    /// Tokens per prefill chunk (`LILY_CUDA_PREFILL_CHUNK`).
+    pub prefill_chunk: usize,
+    /// Dense prefill GEMMs of long chunks through cuBLAS when libcublas loads
+    /// (`LILY_CUDA_CUBLAS=0` keeps the built-in kernels).
+    pub cublas: bool,
+    /// `LILY_CUDA_PROFILE=1`: direct launches with an event after every phase; per-phase GPU time
+    /// is printed after each prefill and when the backend is dropped (decode).
+    pub profile: bool,
+    /// Decode steps replay captured CUDA graphs (`LILY_CUDA_GRAPH=0` launches directly).
+    pub graphs: bool,
+    /// Decode kernels launch as programmatic dependents of the previous kernel
+    /// (`LILY_CUDA_PDL=0` turns it off; results are identical either way).
+    pub pdl: bool,
+    /// Prefill GEMMs and attention in f32 FMA kernels that agree with the CPU reference to
+    /// rounding (`LILY_PREFILL_F32=1`, `lily logits --exact-prefill`) instead of bf16 tensor cores.
+    pub exact_prefill: bool,
+    /// Multi-token forwards run the decode step once per token instead of the prefill kernels, so
+    /// `lily logits --decode-forward` measures the decode kernels on every position.
+    pub decode_forward: bool,
+    /// Test-only: see [`GEMV_TC_MIN_TILES`] (0 puts every 4-bit set on the tensor-core GEMV).
+    pub gemv_tc_min_tiles: usize,
+    /// Test-only: see [`CUBLAS_MIN_TOKENS`] (0 sends every dense prefill GEMM to cuBLAS).
+    pub cublas_min_tokens: usize,
+    /// Test-only: run the CUDA-core MoE decode kernels even where the tensor-core ones apply.
+    pub force_cuda_core_moe: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            kv_bf16: true,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            cublas: true,
+            profile: false,
+            graphs: true,
+            pdl: true,
+            exact_prefill: false,
+            decode_forward: false,
+            gemv_tc_min_tiles: GEMV_TC_MIN_TILES,
+            cublas_min_tokens: CUBLAS_MIN_TOKENS,
+            force_cuda_core_moe: false,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The defaults with the documented environment variables applied.
+    pub fn from_env() -> Self {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Self::from_env`] over any variable source (tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
+        let d = CudaOptions::default();
+        let flag = |k: &str, default: bool| match get(k).as_deref() {
+            Some("1") => true,
+            Some("0") => false,
+            _ => default,
+        };
+        CudaOptions {
+            kv_bf16: flag("LILY_KV_BF16", d.kv_bf16),
+            prefill_chunk: get("LILY_CUDA_PREFILL_CHUNK")
+                .and_then(|v| v.parse().ok())
+                .filter(|&c: &usize| c > 0)
+                .unwrap_or(d.prefill_chunk),
+            cublas: flag("LILY_CUDA_CUBLAS", d.cublas),
+            profile: flag("LILY_CUDA_PROFILE", d.profile),
+            graphs: flag("LILY_CUDA_GRAPH", d.graphs),
+            pdl: flag("LILY_CUDA_PDL", d.pdl),
+            exact_prefill: flag("LILY_PREFILL_F32", d.exact_prefill),
+            ..d
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> CudaOptions {
+        CudaOptions::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+    }
+
+    #[test]
+    fn defaults_without_environment() {
+        assert_eq!(with(&[]), CudaOptions::default());
+        let d = CudaOptions::default();
+        assert!(d.kv_bf16 && d.cublas && d.graphs && d.pdl);
+        assert!(!d.profile && !d.exact_prefill && !d.decode_forward && !d.force_cuda_core_moe);
+        assert_eq!(d.prefill_chunk, 4096);
+    }
+
+    #[test]
+    fn documented_variables_apply() {
+        let o = with(&[
+            ("LILY_KV_BF16", "0"),
+            ("LILY_CUDA_PREFILL_CHUNK", "512"),
+            ("LILY_CUDA_CUBLAS", "0"),
+            ("LILY_CUDA_PROFILE", "1"),
+            ("LILY_CUDA_GRAPH", "0"),
+            ("LILY_CUDA_PDL", "0"),
+            ("LILY_PREFILL_F32", "1"),
+        ]);
+        assert!(!o.kv_bf16 && !o.cublas && o.profile && !o.graphs && !o.pdl && o.exact_prefill);
+        assert_eq!(o.prefill_chunk, 512);
+    }
+
+    #[test]
+    fn bad_values_keep_the_default() {
+        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "0"), ("LILY_CUDA_PDL", "maybe")]);
+        assert_eq!(o, CudaOptions::default());
+        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "lots")]);
+        assert_eq!(o.prefill_chunk, DEFAULT_PREFILL_CHUNK);
+    }
+}

@@ -1,0 +1,642 @@
+//! Products with the MLX 4/8-bit weights (kernels/qmatmul.cu), the CUDA side of
+//! `cpu/qmatmul.rs`: decode GEMVs over descriptor sets (one token, norm fused), prefill GEMMs
+//! (T tokens: f32 tiles, bf16 tensor cores, or cuBLAS on dequantised weights; dense or grouped
+//! per expert), and embedding rows.
+
+use super::blas::{Blas, Precision};
+use super::device::{ptr, Arg, Gpu};
+use super::ops;
+use super::registry::{Kernel, QMATMUL};
+use super::weights::DevQ;
+use anyhow::{bail, Result};
+use cudarc::driver::{CudaSlice, CudaStream};
+use std::cell::Cell;
+
+const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
+const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
+const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
+const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
+const PF_GEMM_TC: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_tc");
+const PF_GEMM_SKINNY: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_skinny");
+const PF_DEQUANT_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_dequant_bf16");
+const PF_DEQUANT_F32: Kernel = Kernel::ordered(&QMATMUL, "pf_dequant_f32");
+const PF_TO_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_to_bf16");
+const PF_EMBED: Kernel = Kernel::ordered(&QMATMUL, "pf_embed");
+
+// ---- decode: GEMV over descriptor sets ----
+
+/// Threads per GEMV block (8 warps).
+pub const GEMV_THREADS: u32 = 256;
+
+/// Mirrors `struct QMat` in kernels/qmatmul.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct QMatDesc {
+    pub w: u64,
+    pub s: u64,
+    pub b: u64,
+    pub y: u64,
+    pub rows: i32,
+    pub bits: i32,
+    pub accumulate: i32,
+    pub pad: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of `struct QMat`; all-zero bits are a valid value.
+unsafe impl cudarc::driver::DeviceRepr for QMatDesc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for QMatDesc {}
+
+/// A group of matrices sharing one input, stored contiguously in a descriptor buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvSet {
+    /// Device address of the first descriptor.
+    pub descs: u64,
+    pub count: usize,
+    pub rows: usize,
+    /// 16-row tiles over the set (each matrix rounded up on its own): `gemv_tc`'s work.
+    pub tiles: usize,
+    /// Every matrix is 4-bit (the tensor-core GEMV applies; the 8-bit router does not).
+    pub all4: bool,
+}
+
+impl QMatDesc {
+    /// The descriptor of `q` writing (or with `accumulate`, adding) into `y`.
+    pub fn new(gpu: &Gpu, q: &DevQ, y: u64, accumulate: bool) -> Self {
+        let (w, s, b) = q.ptrs(gpu);
+        QMatDesc { w, s, b, y, rows: q.rows as i32, bits: q.bits as i32, accumulate: accumulate as i32, pad: 0 }
+    }
+}
+
+/// Builds descriptor sets back to back in one list, then places them at a device address.
+#[derive(Default)]
+pub struct GemvSets {
+    pub descs: Vec<QMatDesc>,
+    /// (first descriptor, count, rows, tiles, all 4-bit) per set.
+    sets: Vec<(usize, usize, usize, usize, bool)>,
+}
+
+impl GemvSets {
+    /// Appends a set of `(matrix, output, accumulate)`; returns its index.
+    pub fn add(&mut self, gpu: &Gpu, list: &[(&DevQ, u64, bool)]) -> usize {
+        let first = self.descs.len();
+        let (mut rows, mut tiles, mut all4) = (0, 0, true);
+        for (q, y, acc) in list {
+            self.descs.push(QMatDesc::new(gpu, q, *y, *acc));
+            rows += q.rows;
+            tiles += q.rows.div_ceil(16);
+            all4 &= q.bits == 4;
+        }
+        self.sets.push((first, list.len(), rows, tiles, all4));
+        self.sets.len() - 1
+    }
+
+    /// Set `i` with its descriptors at `base` (the device copy of `descs`).
+    pub fn set(&self, i: usize, base: u64) -> GemvSet {
+        let (first, count, rows, tiles, all4) = self.sets[i];
+        GemvSet { descs: base + (first * std::mem::size_of::<QMatDesc>()) as u64, count, rows, tiles, all4 }
+    }
+}
+
+/// The decode GEMV kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// `gemv_q`: CUDA cores, any bit width, two rows per warp at a time.
+    Simt,
+    /// `gemv_tc`: tensor cores with f32-exact products; 4-bit, group 64, whole 64-column groups.
+    TensorCore,
+}
+
+/// The GEMV of a set: the tensor cores where they apply and the set is large enough to fill them
+/// (`min_tiles`, [`super::options::GEMV_TC_MIN_TILES`]).
+pub fn select_gemv(set: &GemvSet, cols: usize, group: usize, min_tiles: usize) -> GemvKernel {
+    if set.all4 && group == 64 && cols.is_multiple_of(64) && set.tiles >= min_tiles {
+        GemvKernel::TensorCore
+    } else {
+        GemvKernel::Simt
+    }
+}
+
+/// `gemv_q` geometry: (blocks, rows per warp). At most one wave of resident blocks (a second wave
+/// would repeat the activation prologue on the critical path; extra rows per warp are prefetched
+/// into L2 one iteration ahead). Two rows per warp when the set fills the wave that way; smaller
+/// sets (router, out-projections) get one row per warp and twice the blocks, so more SMs have
+/// loads in flight.
+pub fn simt_geometry(rows: usize, sms: usize, blocks_per_sm: usize) -> (usize, usize) {
+    let warps = (GEMV_THREADS / 32) as usize;
+    let wave = sms * blocks_per_sm;
+    let rows_per_warp = if rows.div_ceil(2 * warps) >= wave { 2 } else { 1 };
+    (rows.div_ceil(rows_per_warp * warps).min(wave).max(1), rows_per_warp)
+}
+
+/// Fragment words per 64-column group (TCX_WORDS in kernels/common.cuh).
+const TCX_WORDS: usize = 96;
+/// Groups of 64 columns per tensor-core work item (TC_NG in kernels/common.cuh).
+pub const TC_NG: usize = 8;
+
+/// Shared memory of the tensor-core decode kernels: activation fragments and group sums of `n`
+/// values, the reduction scratch, and 16 partial sums per warp (kernels/common.cuh).
+pub fn tc_smem(n: usize, warps: usize) -> u32 {
+    ((n / 64 * (TCX_WORDS + 1) + 33 + warps * 16) * 4) as u32
+}
+
+/// `gemv_tc` geometry: (blocks, slices, chunks per slice). Each 16-row tile is split into
+/// `slices` warps of `kc` 512-column chunks: the fewest slices (dividing the chunks) that still
+/// give about one wave of warps, else the most.
+pub fn tc_geometry(tiles: usize, cols: usize, sms: usize, blocks_per_sm: usize) -> (usize, usize, usize) {
+    let warps = (GEMV_THREADS / 32) as usize;
+    let wave_warps = sms * blocks_per_sm * warps;
+    let chunks = (cols / 64).div_ceil(TC_NG);
+    let allowed = || [1usize, 2, 4, 8].into_iter().filter(|s| chunks.is_multiple_of(*s));
+    let slices = allowed().find(|s| tiles * s >= wave_warps).unwrap_or_else(|| allowed().next_back().unwrap_or(1));
+    let blocks = tiles.div_ceil(warps / slices).min(sms * blocks_per_sm).max(1);
+    (blocks, slices, chunks / slices)
+}
+
+/// Resident GEMV blocks per SM with `smem` bytes of shared memory, 1 to 8 (`fallback` when the
+/// driver does not say).
+fn blocks_per_sm(gpu: &Gpu, k: Kernel, smem: u32, fallback: u32) -> Result<usize> {
+    Ok(gpu
+        .function(k)?
+        .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
+        .unwrap_or(fallback)
+        .clamp(1, 8) as usize)
+}
+
+/// Input of a decode GEMV: `x` (`cols` values), RMSNorm'd with `gain` first when non-zero; block 0
+/// also writes the normalised input to `xnorm_out` when non-zero.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvInput {
+    pub x: u64,
+    pub cols: usize,
+    pub gain: u64,
+    pub eps: f32,
+    pub xnorm_out: u64,
+}
+
+/// `y_m (+)= W_m · norm(x)` for every matrix of the set.
+pub fn gemv(gpu: &Gpu, set: GemvSet, inp: GemvInput, group: usize, min_tiles: usize) -> Result<()> {
+    let head = [
+        Arg::P(set.descs),
+        Arg::I(set.count as i32),
+        Arg::P(inp.x),
+        Arg::I(inp.cols as i32),
+        Arg::P(inp.gain),
+        Arg::F(inp.eps),
+    ];
+    let sms = gpu.sms as usize;
+    match select_gemv(&set, inp.cols, group, min_tiles) {
+        GemvKernel::TensorCore => {
+            let smem = tc_smem(inp.cols, (GEMV_THREADS / 32) as usize);
+            let per_sm = blocks_per_sm(gpu, GEMV_TC, smem, 1)?;
+            let (blocks, slices, kc) = tc_geometry(set.tiles, inp.cols, sms, per_sm);
+            let tail = [Arg::I(slices as i32), Arg::I(kc as i32), Arg::P(inp.xnorm_out)];
+            gpu.launch(GEMV_TC, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
+        }
+        GemvKernel::Simt => {
+            let smem = ((inp.cols + inp.cols / group + 33) * 4) as u32;
+            let per_sm = blocks_per_sm(gpu, GEMV_Q, smem, 4)?;
+            let (blocks, _) = simt_geometry(set.rows, sms, per_sm);
+            let tail = [Arg::I(group as i32), Arg::P(inp.xnorm_out)];
+            gpu.launch(GEMV_Q, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
+        }
+    }
+}
+
+/// The embedding row of the token in the step buffer (`step[0]`) into `x` (decode).
+pub fn embed_row(gpu: &Gpu, e: &DevQ, group: usize, step: u64, x: u64) -> Result<()> {
+    let (w, s, b) = e.ptrs(gpu);
+    let args = [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(step), Arg::I(e.cols as i32), Arg::I(e.bits as i32), Arg::I(group as i32), Arg::P(x)];
+    gpu.launch(EMBED_Q, (e.cols.div_ceil(256) as u32, 1, 1), 256, 0, &args)
+}
+
+/// The embedding rows of `n` token ids at `tokens` into `x` `[n][cols]` (prefill).
+pub fn embed_rows(gpu: &Gpu, e: &DevQ, group: usize, tokens: u64, n: usize, x: u64) -> Result<()> {
+    let (w, s, b) = e.ptrs(gpu);
+    let args = [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(tokens), Arg::I(e.cols as i32), Arg::I(e.bits as i32), Arg::I(group as i32), Arg::P(x)];
+    gpu.launch(PF_EMBED, (e.cols.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+}
+
+// ---- prefill: GEMM over T tokens ----
+
+/// What a prefill GEMM multiplies: the first `rows` rows of a `cols`-column matrix of `bits`
+/// (group `group`) by `tokens` token rows; `grouped` when the rows are per-expert slot lists.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: usize,
+    pub group: usize,
+    pub tokens: usize,
+    pub grouped: bool,
+}
+
+/// What the cuBLAS route can take: present when libcublas is loaded.
+#[derive(Clone, Copy, Debug)]
+pub struct BlasLimits {
+    pub min_tokens: usize,
+    /// Elements of dequantised weights the scratch holds.
+    pub scratch: usize,
+}
+
+/// Kernels of a prefill GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmRoute {
+    /// Dequantise the matrix once to bf16, multiply on cuBLAS: dense products over many tokens.
+    Cublas,
+    /// `pf_gemm_tc`: bf16 tensor cores on 128x64 tiles dequantised in shared memory.
+    TensorCore,
+    /// `pf_gemm`: f32 FMA tiles, exact to rounding against the CPU (the exact mode, odd widths).
+    F32Tiles,
+}
+
+fn cublas_takes(s: &GemmShape, blas: Option<BlasLimits>) -> bool {
+    blas.is_some_and(|b| {
+        !s.grouped
+            && s.tokens >= b.min_tokens
+            && s.rows * s.cols <= b.scratch
+            && s.cols.is_multiple_of(8)
+            && s.group.is_multiple_of(8)
+    })
+}
+
+/// The tensor-core GEMM covers k-tiles of 64 columns with one scale per 32-column half tile.
+fn tensor_core_takes(s: &GemmShape) -> bool {
+    s.cols.is_multiple_of(64) && s.group.is_multiple_of(32) && (s.bits == 4 || s.bits == 8)
+}
+
+/// The route of one prefill GEMM: outside the exact mode, cuBLAS for dense products it takes,
+/// else the tensor cores where the tiling fits, else the f32 tiles.
+pub fn select_gemm(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> GemmRoute {
+    if exact {
+        GemmRoute::F32Tiles
+    } else if cublas_takes(s, blas) {
+        GemmRoute::Cublas
+    } else if tensor_core_takes(s) {
+        GemmRoute::TensorCore
+    } else {
+        GemmRoute::F32Tiles
+    }
+}
+
+/// Kernels of a few-row GEMM whose outputs pick experts and gates (router, shared-expert gate,
+/// GDN b/a): f32 whatever the mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FewRowRoute {
+    /// f32 weights and a pedantic f32 cuBLAS GEMM (many tokens).
+    CublasF32,
+    /// `pf_gemm_skinny`: one block per 8 tokens (the 128-row tiles of `pf_gemm` would leave most
+    /// of the GPU idle).
+    Skinny,
+    /// `pf_gemm` when the activations of 8 tokens do not fit the skinny kernel's shared memory.
+    F32Tiles,
+}
+
+/// Tokens per block of pf_gemm_skinny (PF_SK_T) and its dynamic shared memory limit.
+const SKINNY_T: usize = 8;
+const SKINNY_SMEM_MAX: usize = 160 * 1024;
+
+fn skinny_smem(cols: usize, group: usize) -> usize {
+    SKINNY_T * (cols + cols / group) * 4
+}
+
+pub fn select_few_row(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> FewRowRoute {
+    if !exact && cublas_takes(s, blas) {
+        FewRowRoute::CublasF32
+    } else if skinny_smem(s.cols, s.group) <= SKINNY_SMEM_MAX && s.cols.is_multiple_of(32) && s.group.is_multiple_of(32) {
+        FewRowRoute::Skinny
+    } else {
+        FewRowRoute::F32Tiles
+    }
+}
+
+/// Kernels of `silu(gate·x) * (up·x)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GluRoute {
+    /// Two cuBLAS GEMMs, then `pf_swiglu`.
+    Cublas,
+    /// One `pf_gemm_tc` computing both products and the SwiGLU.
+    FusedTensorCore,
+    /// Two f32 GEMMs, then `pf_swiglu`.
+    F32Split,
+}
+
+pub fn select_glu(gate: &GemmShape, up: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> GluRoute {
+    match (select_gemm(gate, exact, blas), select_gemm(up, exact, blas)) {
+        (GemmRoute::Cublas, GemmRoute::Cublas) => GluRoute::Cublas,
+        _ if !exact && tensor_core_takes(gate) && tensor_core_takes(up) && gate.bits == up.bits => GluRoute::FusedTensorCore,
+        _ => GluRoute::F32Split,
+    }
+}
+
+/// Per-expert token lists of a grouped GEMM (from the MoE routing kernels).
+#[derive(Clone, Copy)]
+pub struct Grouped {
+    pub experts: usize,
+    pub counts: u64,
+    pub offsets: u64,
+    pub list: u64,
+    /// Slot index / xdiv = the input row (k for the gate|up products, 1 for down).
+    pub xdiv: usize,
+    /// pf_scan's (expert, first token) tile list and its capacity (tensor-core path).
+    pub tiles: u64,
+    pub max_tiles: usize,
+}
+
+/// pf_gemm_tc's double-buffered bf16 tiles: 2 x (128 rows + 64 tokens) x (64 + 8 padding).
+const GEMM_TC_SMEM: usize = 2 * (128 + 64) * 72 * 2;
+
+/// Scratch of the cuBLAS route: the dequantised weights of the current GEMM and the bf16 copies
+/// of its input.
+pub struct BlasScratch {
+    /// bf16 weights, room for the largest dense matrix.
+    pub wb: CudaSlice<u16>,
+    /// f32 weights, room for the largest few-row matrix.
+    pub wf: CudaSlice<f32>,
+    /// bf16 copy of the normed hidden states (staged once per norm) and of any other input.
+    pub ub: CudaSlice<u16>,
+    pub xb: CudaSlice<u16>,
+}
+
+impl BlasScratch {
+    /// Room for `dense` / `few` weight elements and `staged` / `input` activations.
+    pub fn new(gpu: &Gpu, dense: usize, few: usize, staged: usize, input: usize) -> Result<Self> {
+        Ok(BlasScratch { wb: gpu.zeros(dense)?, wf: gpu.zeros(few)?, ub: gpu.zeros(staged)?, xb: gpu.zeros(input)? })
+    }
+}
+
+/// The cuBLAS route of one forward call: the library and the scratch its operands live in.
+struct BlasRoute<'a> {
+    blas: &'a Blas,
+    min_tokens: usize,
+    wb: (u64, usize),
+    wf: (u64, usize),
+    ub: (u64, usize),
+    xb: (u64, usize),
+    /// The f32 input (pointer, values) whose bf16 copy is in `ub` (see [`Gemm::stage`]).
+    staged: Cell<Option<(u64, usize)>>,
+}
+
+impl BlasRoute<'_> {
+    /// The bf16 copy of `x` (`len` values): the staged one, else converted into `xb`.
+    fn bf16_input(&self, gpu: &Gpu, x: u64, len: usize) -> Result<u64> {
+        if self.staged.get() == Some((x, len)) {
+            return Ok(self.ub.0);
+        }
+        if len > self.xb.1 {
+            bail!("cuBLAS input scratch too small ({len} > {})", self.xb.1);
+        }
+        to_bf16(gpu, x, self.xb.0, len)?;
+        Ok(self.xb.0)
+    }
+}
+
+/// The prefill GEMM dispatcher of one forward call.
+pub struct Gemm<'a> {
+    gpu: &'a Gpu,
+    group: usize,
+    exact: bool,
+    blas: Option<BlasRoute<'a>>,
+}
+
+impl<'a> Gemm<'a> {
+    /// `blas`: the library and its scratch when the cuBLAS route may be taken, with the fewest
+    /// tokens for it.
+    pub fn new(gpu: &'a Gpu, group: usize, exact: bool, blas: Option<(&'a Blas, &BlasScratch, usize)>) -> Self {
+        let st: &CudaStream = &gpu.stream;
+        let blas = blas.map(|(blas, s, min_tokens)| BlasRoute {
+            blas,
+            min_tokens,
+            wb: (ptr(&s.wb, st), s.wb.len()),
+            wf: (ptr(&s.wf, st), s.wf.len()),
+            ub: (ptr(&s.ub, st), s.ub.len()),
+            xb: (ptr(&s.xb, st), s.xb.len()),
+            staged: Cell::new(None),
+        });
+        Gemm { gpu, group, exact, blas }
+    }
+
+    fn shape(&self, q: &DevQ, rows: usize, tokens: usize, grouped: bool) -> GemmShape {
+        GemmShape { rows, cols: q.cols, bits: q.bits, group: self.group, tokens, grouped }
+    }
+
+    fn limits(&self, scratch: fn(&BlasRoute) -> usize) -> Option<BlasLimits> {
+        self.blas.as_ref().map(|r| BlasLimits { min_tokens: r.min_tokens, scratch: scratch(r) })
+    }
+
+    /// Keeps a bf16 copy of the normed hidden states `u` (`ntok` x `cols`) for every GEMM that
+    /// reads them until the next norm rewrites `u` (the next `stage`). No-op without cuBLAS.
+    pub fn stage(&self, u: u64, ntok: usize, cols: usize) -> Result<()> {
+        let Some(r) = self.blas.as_ref() else {
+            return Ok(());
+        };
+        r.staged.set(None);
+        let len = ntok * cols;
+        if ntok >= r.min_tokens && len <= r.ub.1 {
+            to_bf16(self.gpu, u, r.ub.0, len)?;
+            r.staged.set(Some((u, len)));
+        }
+        Ok(())
+    }
+
+    /// `q` (first `rows` rows) dequantised into a cuBLAS scratch.
+    fn dequant(&self, q: &DevQ, rows: usize, k: Kernel, out: u64) -> Result<()> {
+        let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(out)]].concat();
+        self.gpu.launch(k, ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1), 256, 0, &args)
+    }
+
+    /// `y[t][0..rows] (+)= W · x[t]` for `ntok` tokens (grouped: per-expert slot lists).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
+        let shape = self.shape(q, rows, ntok, grouped.is_some());
+        match select_gemm(&shape, self.exact, self.limits(|r| r.wb.1)) {
+            GemmRoute::Cublas => {
+                let r = self.blas.as_ref().expect("selected only with cuBLAS");
+                let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
+                self.dequant(q, rows, PF_DEQUANT_BF16, r.wb.0)?;
+                r.blas.gemm(Precision::Bf16, r.wb.0, xb, y, (rows, q.cols, ntok, ldy), accumulate)
+            }
+            GemmRoute::TensorCore => gemm_tc(self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
+            GemmRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
+        }
+    }
+
+    /// `y = W · x` in f32 whatever the mode, for the few-row GEMMs (router, gates).
+    pub fn few_rows(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
+        let shape = self.shape(q, rows, ntok, false);
+        match select_few_row(&shape, self.exact, self.limits(|r| r.wf.1)) {
+            FewRowRoute::CublasF32 => {
+                let r = self.blas.as_ref().expect("selected only with cuBLAS");
+                self.dequant(q, rows, PF_DEQUANT_F32, r.wf.0)?;
+                r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false)
+            }
+            FewRowRoute::Skinny => {
+                let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32)]].concat();
+                let grid = (ntok.div_ceil(SKINNY_T) as u32, rows.div_ceil(256) as u32, 1);
+                self.gpu.launch(PF_GEMM_SKINNY, grid, 256, skinny_smem(q.cols, self.group) as u32, &args)
+            }
+            FewRowRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None),
+        }
+    }
+
+    /// `out = silu(gate·x) * (up·x)` over `slots` output rows (`tmp`: room for the up projection
+    /// on the split routes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn glu(&self, gate: &DevQ, up: &DevQ, rows: usize, x: u64, ntok: usize, out: u64, tmp: u64, slots: usize, grouped: Option<Grouped>) -> Result<()> {
+        let g = self.shape(gate, rows, ntok, grouped.is_some());
+        let u = self.shape(up, rows, ntok, grouped.is_some());
+        match select_glu(&g, &u, self.exact, self.limits(|r| r.wb.1)) {
+            GluRoute::FusedTensorCore => gemm_tc(self.gpu, gate, Some(up), rows, self.group, x, ntok, out, rows, false, grouped),
+            GluRoute::Cublas | GluRoute::F32Split => {
+                self.run(gate, rows, x, ntok, out, rows, false, grouped)?;
+                self.run(up, rows, x, ntok, tmp, rows, false, grouped)?;
+                ops::swiglu(self.gpu, out, tmp, slots * rows)
+            }
+        }
+    }
+}
+
+/// The leading arguments of every quantised-matrix prefill kernel (pf_gemm, pf_gemm_skinny,
+/// pf_dequant_*): codes, scales, biases, bits, the first `rows` rows, columns, group size.
+fn qmat_args(q: &DevQ, gpu: &Gpu, rows: usize, group: usize) -> [Arg; 7] {
+    let (w, s, b) = q.ptrs(gpu);
+    [Arg::P(w), Arg::P(s), Arg::P(b), Arg::I(q.bits as i32), Arg::I(rows as i32), Arg::I(q.cols as i32), Arg::I(group as i32)]
+}
+
+/// `pf_gemm`. `ntok`: tokens (dense) or the most tokens any expert can have (grouped).
+#[allow(clippy::too_many_arguments)]
+fn gemm_f32(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
+    let (gz, counts, offsets, list, xdiv) = match grouped {
+        Some(g) => (g.experts, g.counts, g.offsets, g.list, g.xdiv),
+        None => (1, 0, 0, 0, 1),
+    };
+    let tail = [
+        Arg::P(x),
+        Arg::I(ntok as i32),
+        Arg::P(y),
+        Arg::I(ldy as i32),
+        Arg::I(accumulate as i32),
+        Arg::P(counts),
+        Arg::P(offsets),
+        Arg::P(list),
+        Arg::I(xdiv as i32),
+    ];
+    let grid = (rows.div_ceil(128) as u32, ntok.div_ceil(64) as u32, gz as u32);
+    gpu.launch(PF_GEMM, grid, 256, 0, &[&qmat_args(q, gpu, rows, group)[..], &tail].concat())
+}
+
+/// `pf_gemm_tc`; with `up`, the fused `silu(W·x) * (Up·x)`. Grouped: per-expert tiles from
+/// pf_scan. The two matrices' pointers interleave (w, s, b, w2, s2, b2), as the kernel takes them.
+#[allow(clippy::too_many_arguments)]
+fn gemm_tc(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, group: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let (gy, counts, offsets, list, tiles, xdiv) = match grouped {
+        Some(g) => (g.max_tiles, g.counts, g.offsets, g.list, g.tiles, g.xdiv),
+        None => (ntok.div_ceil(64), 0, 0, 0, 0, 1),
+    };
+    let bm = if up.is_some() { 64 } else { 128 };
+    let args = [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::P(w2),
+        Arg::P(s2),
+        Arg::P(b2),
+        Arg::I(q.bits as i32),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::I(group as i32),
+        Arg::P(x),
+        Arg::I(ntok as i32),
+        Arg::P(y),
+        Arg::I(ldy as i32),
+        Arg::I(accumulate as i32),
+        Arg::P(counts),
+        Arg::P(offsets),
+        Arg::P(list),
+        Arg::P(tiles),
+        Arg::I(xdiv as i32),
+    ];
+    gpu.launch(PF_GEMM_TC, (rows.div_ceil(bm) as u32, gy as u32, 1), 256, GEMM_TC_SMEM as u32, &args)
+}
+
+/// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
+fn to_bf16(gpu: &Gpu, x: u64, y: u64, len: usize) -> Result<()> {
+    let n4 = len / 4;
+    gpu.launch(PF_TO_BF16, (n4.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(x), Arg::P(y), Arg::I(n4 as i32)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::ModelConfig;
+
+    fn set(rows: &[usize], all4: bool) -> GemvSet {
+        GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4 }
+    }
+
+    #[test]
+    fn gemv_choice_for_the_35b_and_tiny_sets() {
+        let min = crate::backend::cuda::options::GEMV_TC_MIN_TILES;
+        for (cfg, big) in [(ModelConfig::qwen36_35b_a3b(), true), (ModelConfig::tiny(), false)] {
+            let h = cfg.hidden_size;
+            let gdn_in = set(&[cfg.gdn_conv_dim(), cfg.gdn_value_dim(), cfg.linear_num_value_heads, cfg.linear_num_value_heads], true);
+            let out = set(&[h], true);
+            // The router is 8-bit: always the CUDA-core kernel.
+            let router = set(&[cfg.num_experts, 1], false);
+            let head = set(&[cfg.vocab_size], true);
+            assert_eq!(select_gemv(&router, h, 64, 0), GemvKernel::Simt);
+            assert_eq!(select_gemv(&head, h, 64, min), GemvKernel::TensorCore);
+            assert_eq!(select_gemv(&out, cfg.gdn_value_dim(), 64, min), GemvKernel::Simt);
+            let want = if big { GemvKernel::TensorCore } else { GemvKernel::Simt };
+            assert_eq!(select_gemv(&gdn_in, h, 64, min), want);
+            // Tests put every 4-bit set on the tensor cores.
+            assert_eq!(select_gemv(&out, cfg.gdn_value_dim(), 64, 0), GemvKernel::TensorCore);
+            assert_eq!(select_gemv(&out, 96, 64, 0), GemvKernel::Simt);
+        }
+    }
+
+    #[test]
+    fn gemv_geometry_stays_within_one_wave() {
+        // 35B lm_head: 248,320 rows over 132 SMs.
+        let (blocks, slices, kc) = tc_geometry(248_320 / 16, 2048, 132, 2);
+        assert_eq!((blocks, slices, kc), (264, 1, 4));
+        // 35B GDN in-projection: 12,352 rows, few tiles per warp: split the 2,048 columns.
+        let tiles = (8192 + 4096 + 32 + 32) / 16;
+        let (_, slices, kc) = tc_geometry(tiles, 2048, 132, 2);
+        assert_eq!(slices * kc, 4);
+        assert!(slices > 1);
+        // Router: 257 rows, one row per warp.
+        assert_eq!(simt_geometry(257, 132, 4), (33, 1));
+        assert_eq!(simt_geometry(1_000_000, 132, 4), (528, 2));
+    }
+
+    fn shape(rows: usize, cols: usize, tokens: usize, grouped: bool) -> GemmShape {
+        GemmShape { rows, cols, bits: 4, group: 64, tokens, grouped }
+    }
+
+    #[test]
+    fn gemm_routes() {
+        let blas = Some(BlasLimits { min_tokens: 128, scratch: 8192 * 2048 });
+        let dense = shape(8192, 2048, 4096, false);
+        assert_eq!(select_gemm(&dense, false, blas), GemmRoute::Cublas);
+        assert_eq!(select_gemm(&dense, false, None), GemmRoute::TensorCore);
+        assert_eq!(select_gemm(&dense, true, blas), GemmRoute::F32Tiles);
+        assert_eq!(select_gemm(&shape(8192, 2048, 64, false), false, blas), GemmRoute::TensorCore);
+        assert_eq!(select_gemm(&shape(512, 2048, 4096, true), false, blas), GemmRoute::TensorCore);
+        assert_eq!(select_gemm(&shape(64, 96, 4096, false), false, None), GemmRoute::F32Tiles);
+        // The lm_head never fits the scratch.
+        assert_eq!(select_gemm(&shape(248_320, 2048, 4096, false), false, blas), GemmRoute::TensorCore);
+        let few = shape(256, 2048, 4096, false);
+        let fblas = Some(BlasLimits { min_tokens: 128, scratch: 256 * 2048 });
+        assert_eq!(select_few_row(&few, false, fblas), FewRowRoute::CublasF32);
+        assert_eq!(select_few_row(&few, true, fblas), FewRowRoute::Skinny);
+        assert_eq!(select_few_row(&shape(256, 8192, 16, false), false, None), FewRowRoute::F32Tiles);
+        let (g, u) = (shape(512, 2048, 4096, false), shape(512, 2048, 4096, false));
+        assert_eq!(select_glu(&g, &u, false, blas), GluRoute::Cublas);
+        assert_eq!(select_glu(&g, &u, false, None), GluRoute::FusedTensorCore);
+        assert_eq!(select_glu(&g, &u, true, blas), GluRoute::F32Split);
+        let grouped = shape(512, 2048, 4096, true);
+        assert_eq!(select_glu(&grouped, &grouped, false, blas), GluRoute::FusedTensorCore);
+    }
+}

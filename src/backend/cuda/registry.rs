@@ -1,0 +1,223 @@
+//! The kernel registry: one module per op family (`kernels/<family>.cu`, `kernels/common.cuh`
+//! prepended), compiled by NVRTC and loaded into a CUDA context on first use, its functions looked
+//! up by name and kept.
+
+use super::nvrtc::{cubin_cached, module_source};
+use anyhow::{anyhow, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// One op family's kernel source and its entry points.
+pub struct Module {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+/// A kernel of a module. `waits`: it executes `griddepcontrol.wait` before touching anything the
+/// previous kernel of the stream writes, so it may launch as a programmatic dependent (PDL).
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub module: &'static Module,
+    pub name: &'static str,
+    pub waits: bool,
+}
+
+impl Kernel {
+    /// A kernel that waits for its predecessor inside (the decode kernels).
+    pub const fn dependent(module: &'static Module, name: &'static str) -> Self {
+        Kernel { module, name, waits: true }
+    }
+    /// A kernel that must start after its predecessor finished (the prefill kernels).
+    pub const fn ordered(module: &'static Module, name: &'static str) -> Self {
+        Kernel { module, name, waits: false }
+    }
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}::{}", self.module.name, self.name)
+    }
+}
+
+/// Quantised-weight products: decode GEMVs, prefill GEMMs, embedding rows, dequantisation.
+pub const QMATMUL: Module = Module {
+    name: "qmatmul",
+    source: include_str!("../../../kernels/qmatmul.cu"),
+    kernels: &[
+        "gemv_q",
+        "gemv_tc",
+        "embed_q",
+        "pf_gemm",
+        "pf_gemm_tc",
+        "pf_gemm_skinny",
+        "pf_dequant_bf16",
+        "pf_dequant_f32",
+        "pf_to_bf16",
+        "pf_embed",
+    ],
+};
+
+/// Gated DeltaNet: the decode step, the prefill conv, norms and scan.
+pub const GDN: Module = Module {
+    name: "gdn",
+    source: include_str!("../../../kernels/gdn.cu"),
+    kernels: &[
+        "gdn_step",
+        "pf_gdn_conv",
+        "pf_gdn_ring",
+        "pf_gdn_qk",
+        "pf_gdn_scan_32",
+        "pf_gdn_scan_64",
+        "pf_gdn_scan_128",
+        "pf_gdn_norm",
+    ],
+};
+
+/// Gated attention: norms + RoPE + KV append, split-KV decode and its combine, flash prefill.
+pub const ATTENTION: Module = Module {
+    name: "attention",
+    source: include_str!("../../../kernels/attention.cu"),
+    kernels: &[
+        "attn_prep",
+        "attn_prep_bf16",
+        "attn_split_64",
+        "attn_split_128",
+        "attn_split_256",
+        "attn_split_64_bf16",
+        "attn_split_128_bf16",
+        "attn_split_256_bf16",
+        "attn_combine",
+        "pf_attn_prep",
+        "pf_attn_prep_bf16",
+        "pf_attn_64",
+        "pf_attn_128",
+        "pf_attn_256",
+        "pf_attn_64_bf16",
+        "pf_attn_128_bf16",
+        "pf_attn_256_bf16",
+        "pf_attn_tc_64",
+        "pf_attn_tc_128",
+        "pf_attn_tc_256",
+        "pf_attn_tc_64_bf16",
+        "pf_attn_tc_128_bf16",
+        "pf_attn_tc_256_bf16",
+    ],
+};
+
+/// Mixture of experts: decode experts (routing fused), prefill routing, slot lists and combine.
+pub const MOE: Module = Module {
+    name: "moe",
+    source: include_str!("../../../kernels/moe.cu"),
+    kernels: &[
+        "moe_gate_up",
+        "moe_down",
+        "moe_gate_up_tc",
+        "moe_down_tc",
+        "pf_route",
+        "pf_scan",
+        "pf_scatter",
+        "pf_moe_combine",
+    ],
+};
+
+/// Row-wise and elementwise operations of the layers (RMSNorm, SwiGLU).
+pub const OPS: Module = Module {
+    name: "ops",
+    source: include_str!("../../../kernels/ops.cu"),
+    kernels: &["pf_rmsnorm", "pf_swiglu"],
+};
+
+/// Token choice on the device.
+pub const SAMPLE: Module = Module {
+    name: "sample",
+    source: include_str!("../../../kernels/sample.cu"),
+    kernels: &["argmax_next"],
+};
+
+/// Every module, in load order.
+pub const MODULES: &[&Module] = &[&QMATMUL, &GDN, &ATTENTION, &MOE, &OPS, &SAMPLE];
+
+/// Dynamic shared memory a kernel may use without the opt-in attribute.
+const SMEM_DEFAULT_LIMIT: u32 = 48 * 1024;
+
+/// The loaded modules of one CUDA context.
+pub struct Registry {
+    ctx: Arc<CudaContext>,
+    modules: Mutex<HashMap<&'static str, Loaded>>,
+}
+
+struct Loaded {
+    module: Arc<CudaModule>,
+    /// Functions looked up so far, with the dynamic shared memory they are opted in to.
+    funcs: HashMap<&'static str, (CudaFunction, u32)>,
+}
+
+impl Registry {
+    pub fn new(ctx: Arc<CudaContext>) -> Self {
+        Registry { ctx, modules: Mutex::new(HashMap::new()) }
+    }
+
+    /// Compiles (or reads from the cubin cache) and loads `m` unless it is loaded.
+    pub fn load(&self, m: &'static Module) -> Result<()> {
+        let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        self.load_locked(&mut mods, m).map(|_| ())
+    }
+
+    fn load_locked<'a>(
+        &self,
+        mods: &'a mut HashMap<&'static str, Loaded>,
+        m: &'static Module,
+    ) -> Result<&'a mut Loaded> {
+        if !mods.contains_key(m.name) {
+            let cubin = cubin_cached(m.name, &module_source(m.source))?;
+            let module = self
+                .ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(|e| anyhow!("loading kernels/{}.cu: {e:?}", m.name))?;
+            mods.insert(m.name, Loaded { module, funcs: HashMap::new() });
+        }
+        Ok(mods.get_mut(m.name).expect("inserted above"))
+    }
+
+    /// The function of `k`, loading its module on first use, opted in to `smem` bytes of dynamic
+    /// shared memory when that is over the default limit.
+    pub fn function(&self, k: Kernel, smem: u32) -> Result<CudaFunction> {
+        let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let loaded = self.load_locked(&mut mods, k.module)?;
+        if !loaded.funcs.contains_key(k.name) {
+            let f = loaded.module.load_function(k.name).map_err(|e| {
+                anyhow!("kernel {} missing from kernels/{}.cu: {e:?}", k.name, k.module.name)
+            })?;
+            loaded.funcs.insert(k.name, (f, SMEM_DEFAULT_LIMIT));
+        }
+        let (f, optin) = loaded.funcs.get_mut(k.name).expect("inserted above");
+        if smem > *optin {
+            f.set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| anyhow!("{k:?}: {smem} bytes of shared memory: {e:?}"))?;
+            *optin = smem;
+        }
+        Ok(f.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn module_names_and_entry_points_are_unique() {
+        let mut names = std::collections::HashSet::new();
+        for m in MODULES {
+            assert!(names.insert(m.name), "module {} twice", m.name);
+            for k in m.kernels {
+                assert!(names.insert(k), "kernel {k} in two modules");
+            }
+        }
+    }
+}

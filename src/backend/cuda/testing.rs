@@ -1,0 +1,213 @@
+//! Test hooks of the GPU tests (tests/cuda_gpu.rs, tests/cuda_prefill.rs), behind the
+//! `cuda-testing` feature: single kernels on host data against the CPU reference, a traced decode
+//! step, and prefill with chosen options. Variants are chosen through [`CudaOptions`] fields or
+//! the families' route enums, as the backend chooses them.
+
+use super::attention::{self, AttnDims, AttnPtrs};
+use super::decode::{self, StepOut};
+use super::device::{ptr, Gpu};
+use super::forward::Probe;
+use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
+use super::moe::{self, MoeDims, RouteLists};
+use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped};
+use super::sampling;
+use super::state::CudaSequence;
+use super::weights::DevQ;
+use super::{CudaBackend, CudaOptions};
+use crate::backend::{LogitsWanted, Sequence};
+use crate::checkpoint::store::QuantTensor;
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+fn read<T: DeviceRepr + Default + Clone>(gpu: &Gpu, s: &CudaSlice<T>) -> Result<Vec<T>> {
+    gpu.stream.clone_dtoh(s).map_err(|e| anyhow!("{e:?}"))
+}
+
+/// The options of `b`, to change between calls. Fields read per call (prefill chunk and precision,
+/// the GEMV and MoE choices, the cuBLAS threshold, the KV cache of new sequences) apply to the
+/// next forward; `pdl`, `graphs`, `cublas` and `profile` are fixed when the backend is made.
+pub fn options_mut(b: &mut CudaBackend) -> &mut CudaOptions {
+    &mut b.opts
+}
+
+/// One decode step of `token`; returns the residual stream after every layer and the logits.
+pub fn forward_traced(b: &mut CudaBackend, seq: &mut Sequence, token: u32) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
+    b.check_tokens(seq, &[token])?;
+    let pos = seq.len();
+    let st = seq.state_mut::<CudaSequence>();
+    decode::upload_step(&b.gpu, st, token, pos)?;
+    let mut probe = Probe::tracing();
+    b.enqueue_step(st, attention::splits_for(pos + 1), StepOut::Logits, &mut probe)?;
+    let logits = b.decoder.read_logits(&b.gpu)?;
+    seq.advance(1);
+    Ok((probe.trace.unwrap_or_default(), logits))
+}
+
+/// The batched prefill with the chunk and precision given (the decode step never stands in).
+pub fn prefill(b: &mut CudaBackend, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted, chunk: usize, exact: bool) -> Result<Vec<f32>> {
+    if !super::prefill::supported(&b.cfg) {
+        bail!("the batched prefill does not support this model's shapes");
+    }
+    b.check_tokens(seq, tokens)?;
+    let saved = (b.opts.prefill_chunk, b.opts.exact_prefill);
+    (b.opts.prefill_chunk, b.opts.exact_prefill) = (chunk, exact);
+    let out = b.prefill(seq, tokens, wanted);
+    (b.opts.prefill_chunk, b.opts.exact_prefill) = saved;
+    out
+}
+
+/// One matrix times `x` (`gain`: RMSNorm of x first) through the decode GEMV the options select.
+pub fn gemv(b: &CudaBackend, q: &QuantTensor, x: &[f32], gain: Option<&[f32]>) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    if x.len() != q.cols {
+        bail!("gemv: x has {} values, matrix has {} columns", x.len(), q.cols);
+    }
+    let dq = DevQ::upload(gpu, q)?;
+    let y = gpu.zeros::<f32>(q.rows)?;
+    let (xd, gd) = (gpu.upload(x)?, gpu.upload(gain.unwrap_or(&[0.0]))?);
+    let mut sets = GemvSets::default();
+    let i = sets.add(gpu, &[(&dq, ptr(&y, &gpu.stream), false)]);
+    let descs = gpu.upload(&sets.descs)?;
+    let set = sets.set(i, ptr(&descs, &gpu.stream));
+    let gp = if gain.is_some() { ptr(&gd, &gpu.stream) } else { 0 };
+    let inp = GemvInput { x: ptr(&xd, &gpu.stream), cols: q.cols, gain: gp, eps: b.cfg.rms_norm_eps as f32, xnorm_out: 0 };
+    qmatmul::gemv(gpu, set, inp, q.group, b.opts.gemv_tc_min_tiles)?;
+    read(gpu, &y)
+}
+
+/// The device argmax (ties -> lowest id) of `logits`.
+pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
+    let gpu = &b.gpu;
+    let (l, step) = (gpu.upload(logits)?, gpu.upload(&[0i32, 0i32])?);
+    let part = gpu.zeros::<f32>(sampling::ARGMAX_SCRATCH)?;
+    sampling::argmax_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), ptr(&part, &gpu.stream))?;
+    Ok(read(gpu, &step)?[0] as u32)
+}
+
+/// The cuBLAS scratch for one matrix of `q`'s size and `tokens` rows, when `needed`.
+fn blas_scratch(b: &CudaBackend, q: &QuantTensor, tokens: usize, needed: bool) -> Result<Option<BlasScratch>> {
+    if !needed {
+        return Ok(None);
+    }
+    if b.blas.is_none() {
+        bail!("cuBLAS is not loaded (libcublas missing or LILY_CUDA_CUBLAS=0)");
+    }
+    let (w, a) = (q.rows * q.cols, tokens * q.cols);
+    Ok(Some(BlasScratch::new(&b.gpu, w, w, a, a)?))
+}
+
+/// `x` is `[tokens][q.cols]`; returns `[tokens][q.rows]` through the prefill GEMM `route`.
+pub fn gemm(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: GemmRoute) -> Result<Vec<f32>> {
+    product(b, q, x, tokens, Err(route))
+}
+
+/// Like [`gemm`] through a few-row route (router, gates).
+pub fn few_rows(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: FewRowRoute) -> Result<Vec<f32>> {
+    product(b, q, x, tokens, Ok(route))
+}
+
+fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: std::result::Result<FewRowRoute, GemmRoute>) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    if x.len() != tokens * q.cols {
+        bail!("gemm: x has {} values, want {tokens}x{}", x.len(), q.cols);
+    }
+    let cublas = matches!(route, Ok(FewRowRoute::CublasF32) | Err(GemmRoute::Cublas));
+    // The exact mode selects the f32 tiles; cuBLAS is offered (from 0 tokens) only to its routes.
+    let exact = matches!(route, Err(GemmRoute::F32Tiles) | Ok(FewRowRoute::F32Tiles));
+    let scratch = blas_scratch(b, q, tokens, cublas)?;
+    let blas = match (&scratch, b.blas.as_ref()) {
+        (Some(s), Some(l)) => Some((l, s, 0)),
+        _ => None,
+    };
+    let dq = DevQ::upload(gpu, q)?;
+    let (xd, y) = (gpu.upload(x)?, gpu.zeros::<f32>(tokens * q.rows)?);
+    let (xp, yp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream));
+    let mm = Gemm::new(gpu, q.group, exact, blas);
+    match route {
+        Err(_) => mm.run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?,
+        Ok(FewRowRoute::F32Tiles) => {
+            // The kernel the few-row route falls back to when the skinny one cannot take the width.
+            Gemm::new(gpu, q.group, true, None).run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?
+        }
+        Ok(_) => mm.few_rows(&dq, q.rows, xp, tokens, yp, q.rows)?,
+    }
+    read(gpu, &y)
+}
+
+/// The grouped (MoE) GEMM as the prefill runs it: `q` stacks `experts` matrices of
+/// `q.rows / experts` rows; token t's j-th slot (`ids[t*k + j]`, distinct per token) gets
+/// `W_e · x[t]`, or with `up` the fused `silu(W_e·x) * (Up_e·x)`. Returns `[tokens*k][rows]`.
+/// `exact`: the f32 kernel, else the tensor-core one. Routing lists come from the MoE kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, exact: bool) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) {
+        bail!("grouped_gemm: bad shapes");
+    }
+    let rows = q.rows / experts;
+    let dq = DevQ::upload(gpu, q)?;
+    let du = up.map(|u| DevQ::upload(gpu, u)).transpose()?;
+    let mut counts = vec![0i32; experts];
+    for &e in ids {
+        counts[e as usize] += 1;
+    }
+    let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
+    let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
+    let mt = moe::max_tiles(tokens, &d);
+    let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
+    let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
+    let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
+    let r = RouteLists { logits: 0, top_ids: p(&idd), top_w: 0, counts: p(&cd), offsets: p(&od), fill: p(&fd), list: p(&ld), tiles: p(&td) };
+    moe::slot_lists(gpu, experts, &r, tokens * k)?;
+    let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
+    let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
+    let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
+    let mm = Gemm::new(gpu, q.group, exact, None);
+    match &du {
+        Some(u) => mm.glu(&dq, u, rows, xp, tokens, yp, tp, tokens * k, Some(g(k)))?,
+        None => mm.run(&dq, rows, xp, tokens, yp, rows, false, Some(g(k)))?,
+    }
+    read(gpu, &y)
+}
+
+/// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and rotated),
+/// f32 caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`. `exact`: the f32
+/// kernel, else the tensor-core one.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc: &[f32], t: usize, pos0: usize, nh: usize, nkv: usize, hd: usize, exact: bool) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    if attention::select_chunk(hd, false, exact).is_none() || !attention::chunk_supported(nh, nkv) {
+        bail!("chunk_attention: unsupported shape");
+    }
+    let (qd, gd, kd, vd) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.upload(kc)?, gpu.upload(vc)?);
+    let od = gpu.zeros::<f32>(t * nh * hd)?;
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16: false };
+    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: p(&kd), vcache: p(&vd), out: p(&od) };
+    attention::chunk(gpu, &d, &ptrs, t, pos0, exact)?;
+    read(gpu, &od)
+}
+
+/// The prefill GDN scan for one value head over T tokens: q, k `[T][dk]` (normalised, q
+/// pre-scaled), v `[T][dv]`, raw gate inputs b, a `[T]`, state `s0` `[dk][dv]`. Returns (outputs
+/// `[T][dv]`, final state).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    let gpu = &b.gpu;
+    let t = braw.len();
+    let c = 2 * dk + dv;
+    let mut conv = vec![0.0f32; t * c];
+    for i in 0..t {
+        conv[i * c + 2 * dk..(i + 1) * c].copy_from_slice(&v[i * dv..(i + 1) * dv]);
+    }
+    let up = |v: &[f32]| gpu.upload(v);
+    let (qd, kd, cd, bd, ad) = (up(q)?, up(k)?, up(&conv)?, up(braw)?, up(araw)?);
+    let (dtb, nga, sd) = (up(&[dt_bias])?, up(&[neg_a])?, up(s0)?);
+    let od = gpu.zeros::<f32>(t * dv)?;
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
+    let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: p(&sd), y: 0 };
+    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
+    gdn::scan(gpu, &d, &ptrs, &s, t)?;
+    Ok((read(gpu, &od)?, read(gpu, &sd)?))
+}
