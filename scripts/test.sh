@@ -13,7 +13,9 @@ NVRTC_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path
 export LD_LIBRARY_PATH="$NVRTC_LIB:${LD_LIBRARY_PATH:-}"
 export LILY_REQUIRE_NVRTC=1
 
-cargo build --locked --bins
-cargo test --locked --no-fail-fast
+# cuda-testing compiles the GPU tests' hooks (src/backend/cuda/testing.rs), so their tests build
+# here too; both commands take it, so the library is built once.
+cargo build --locked --bins --features cuda-testing
+cargo test --locked --no-fail-fast --features cuda-testing
 
 python3 -m pytest -q -p no:cacheprovider tests/openai_client tests/bench

@@ -79,18 +79,33 @@ fn kv_index(kv_bf16: bool) -> usize {
     kv_bf16 as usize
 }
 
+/// Kernel instances per head dim (64, 128, 256) and KV cache element type (f32, bf16).
+type Instances = [[&'static str; 2]; 3];
+const SPLIT: Instances = [
+    ["attn_split_64", "attn_split_64_bf16"],
+    ["attn_split_128", "attn_split_128_bf16"],
+    ["attn_split_256", "attn_split_256_bf16"],
+];
+const CHUNK_F32: Instances = [
+    ["pf_attn_64", "pf_attn_64_bf16"],
+    ["pf_attn_128", "pf_attn_128_bf16"],
+    ["pf_attn_256", "pf_attn_256_bf16"],
+];
+const CHUNK_TC: Instances = [
+    ["pf_attn_tc_64", "pf_attn_tc_64_bf16"],
+    ["pf_attn_tc_128", "pf_attn_tc_128_bf16"],
+    ["pf_attn_tc_256", "pf_attn_tc_256_bf16"],
+];
+
+/// The instance of `table` for a head dim and cache element type.
+fn instance(table: &Instances, hd: usize, kv_bf16: bool) -> Option<&'static str> {
+    let i = [64, 128, 256].iter().position(|&d| d == hd)?;
+    Some(table[i][kv_index(kv_bf16)])
+}
+
 /// The decode split kernel for a head dim and cache element type.
 pub fn select_split(hd: usize, kv_bf16: bool) -> Option<Kernel> {
-    let name = match (hd, kv_bf16) {
-        (64, false) => "attn_split_64",
-        (128, false) => "attn_split_128",
-        (256, false) => "attn_split_256",
-        (64, true) => "attn_split_64_bf16",
-        (128, true) => "attn_split_128_bf16",
-        (256, true) => "attn_split_256_bf16",
-        _ => return None,
-    };
-    Some(Kernel::dependent(&ATTENTION, name))
+    Some(Kernel::dependent(&ATTENTION, instance(&SPLIT, hd, kv_bf16)?))
 }
 
 /// Dynamic shared memory of the split kernel: 3 f32 stages x (K + V) x 16 rows; a bf16 cache uses
@@ -174,22 +189,8 @@ pub enum ChunkAttn {
 
 /// The prefill attention kernel, its threads and its dynamic shared memory.
 pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool) -> Option<(Kernel, u32, u32)> {
-    let (variant, threads) = if exact { (ChunkAttn::F32, 256) } else { (ChunkAttn::TensorCore, 128) };
-    let name = match (variant, hd, kv_bf16) {
-        (ChunkAttn::F32, 64, false) => "pf_attn_64",
-        (ChunkAttn::F32, 128, false) => "pf_attn_128",
-        (ChunkAttn::F32, 256, false) => "pf_attn_256",
-        (ChunkAttn::F32, 64, true) => "pf_attn_64_bf16",
-        (ChunkAttn::F32, 128, true) => "pf_attn_128_bf16",
-        (ChunkAttn::F32, 256, true) => "pf_attn_256_bf16",
-        (ChunkAttn::TensorCore, 64, false) => "pf_attn_tc_64",
-        (ChunkAttn::TensorCore, 128, false) => "pf_attn_tc_128",
-        (ChunkAttn::TensorCore, 256, false) => "pf_attn_tc_256",
-        (ChunkAttn::TensorCore, 64, true) => "pf_attn_tc_64_bf16",
-        (ChunkAttn::TensorCore, 128, true) => "pf_attn_tc_128_bf16",
-        (ChunkAttn::TensorCore, 256, true) => "pf_attn_tc_256_bf16",
-        _ => return None,
-    };
+    let (variant, threads, table) = if exact { (ChunkAttn::F32, 256, &CHUNK_F32) } else { (ChunkAttn::TensorCore, 128, &CHUNK_TC) };
+    let name = instance(table, hd, kv_bf16)?;
     let smem = match variant {
         ChunkAttn::F32 => (64 * hd + 32 * (hd + 4) + 32 * hd) * 4,
         // Q, K and V tiles of 64 rows in bf16 with 8 columns of padding.

@@ -5,11 +5,11 @@
 //! sequence's device step buffer, so one captured CUDA graph replays every step.
 
 use super::activations::{Activations, DecodeScratch};
-use super::attention::{self, AttnDims, AttnPtrs, SplitPartials};
+use super::attention::{self, SplitPartials};
 use super::device::{ptr, Gpu};
-use super::forward::{self, Pass, Point, Probe};
-use super::gdn::{self, GdnDims, GdnPtrs};
-use super::moe::{self, MoeDims, MoeKernels, MoePtrs};
+use super::forward::{self, LayerDims, Pass, Point, Probe};
+use super::gdn;
+use super::moe::{self, MoeKernels, MoePtrs};
 use super::options::CudaOptions;
 use super::qmatmul::{self, GemvInput, GemvSet, GemvSets, QMatDesc};
 use super::sampling;
@@ -99,11 +99,7 @@ struct DecodePass<'a> {
     w: &'a DevWeights,
     step: u64,
     splits: usize,
-    eps: f32,
-    group: usize,
-    gdn: GdnDims,
-    attn: AttnDims,
-    moe: MoeDims,
+    dims: LayerDims,
     moe_kernels: MoeKernels,
     gemv_tc_min_tiles: usize,
 }
@@ -114,8 +110,8 @@ impl DecodePass<'_> {
     }
 
     fn gemv(&self, set: GemvSet, x: u64, cols: usize, gain: u64, xnorm_out: u64) -> Result<()> {
-        let inp = GemvInput { x, cols, gain, eps: self.eps, xnorm_out };
-        qmatmul::gemv(self.gpu, set, inp, self.group, self.gemv_tc_min_tiles)
+        let inp = GemvInput { x, cols, gain, eps: self.dims.eps, xnorm_out };
+        qmatmul::gemv(self.gpu, set, inp, self.dims.group, self.gemv_tc_min_tiles)
     }
 }
 
@@ -129,7 +125,7 @@ impl Pass for DecodePass<'_> {
     }
 
     fn embed(&mut self, probe: &mut Probe) -> Result<()> {
-        qmatmul::embed_row(self.gpu, &self.w.embed, self.group, self.step, self.p(&self.dec.act.x))?;
+        qmatmul::embed_row(self.gpu, &self.w.embed, self.dims.group, self.step, self.p(&self.dec.act.x))?;
         self.point(probe, Point::Phase("embed"))
     }
 
@@ -138,20 +134,8 @@ impl Pass for DecodePass<'_> {
         let h = self.w.embed.cols;
         self.gemv(sets.mixer_in, self.p(&a.x), h, self.p(&lw.input_norm), 0)?;
         self.point(probe, Point::Phase("gdn in_proj"))?;
-        let p = GdnPtrs {
-            qkv: self.p(&a.qkv),
-            z: self.p(&a.z),
-            b: self.p(&a.b),
-            a: self.p(&a.a),
-            ring,
-            taps: self.p(&g.conv_taps),
-            dt_bias: self.p(&g.dt_bias),
-            neg_a: self.p(&g.neg_a),
-            norm: self.p(&g.norm),
-            state,
-            y: self.p(&a.y),
-        };
-        gdn::step(self.gpu, &self.gdn, &p, self.step)?;
+        let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
+        gdn::step(self.gpu, &self.dims.gdn, &p, self.step)?;
         self.point(probe, Point::Phase("gdn step"))?;
         self.gemv(sets.mixer_out, p.y, g.out.cols, 0, 0)?;
         self.point(probe, Point::Phase("gdn out_proj"))
@@ -162,20 +146,8 @@ impl Pass for DecodePass<'_> {
         let h = self.w.embed.cols;
         self.gemv(sets.mixer_in, self.p(&a.x), h, self.p(&lw.input_norm), 0)?;
         self.point(probe, Point::Phase("attn qkv_proj"))?;
-        let d = self.attn;
-        let p = AttnPtrs {
-            qg: self.p(&a.qkv),
-            kraw: self.p(&a.kraw),
-            vraw: self.p(&a.vraw),
-            q_norm: self.p(&at.q_norm),
-            k_norm: self.p(&at.k_norm),
-            inv_freq: self.p(&self.w.inv_freq),
-            q: self.p(&a.q),
-            gate: self.p(&a.gate),
-            kcache,
-            vcache,
-            out: self.p(&a.y),
-        };
+        let d = self.dims.attn;
+        let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
         let part = SplitPartials { o: self.p(&s.part_o), ml: self.p(&s.part_ml) };
         attention::prep(self.gpu, &d, &p, self.step)?;
         self.point(probe, Point::Phase("attn prep"))?;
@@ -209,7 +181,7 @@ impl Pass for DecodePass<'_> {
             top_w: self.p(&a.top_w),
             x: self.p(&a.x),
         };
-        moe::experts(self.gpu, &self.moe, &p, self.moe_kernels)?;
+        moe::experts(self.gpu, &self.dims.moe, &p, self.moe_kernels)?;
         self.point(probe, Point::Phase("moe experts"))
     }
 }
@@ -222,19 +194,15 @@ impl Pass for DecodePass<'_> {
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights, dec: &Decoder, seq: &CudaSequence, splits: usize, out: StepOut, probe: &mut Probe) -> Result<()> {
     let st = &gpu.stream;
     let step = ptr(&seq.step, st);
-    let moe_dims = MoeDims::new(cfg);
+    let dims = LayerDims::new(cfg, seq.kv_bf16);
     let mut pass = DecodePass {
         gpu,
         dec,
         w,
         step,
         splits,
-        eps: cfg.rms_norm_eps as f32,
-        group: cfg.quant.group_size,
-        gdn: GdnDims::new(cfg),
-        attn: AttnDims::new(cfg, seq.kv_bf16),
-        moe: moe_dims,
-        moe_kernels: moe::select(&moe_dims, opts.force_cuda_core_moe),
+        dims,
+        moe_kernels: moe::select(&dims.moe, opts.force_cuda_core_moe),
         gemv_tc_min_tiles: opts.gemv_tc_min_tiles,
     };
     forward::layers(&mut pass, w, seq, probe)?;

@@ -9,7 +9,12 @@
 //! positions. A batch of sequences will carry a sequence index and position per token; the loop
 //! does not change, only the spans and the kernels' addressing.
 
-use super::device::Gpu;
+use super::activations::Activations;
+use super::attention::{AttnDims, AttnPtrs};
+use super::device::{ptr, Gpu};
+use super::gdn::{GdnDims, GdnPtrs};
+use super::moe::MoeDims;
+use crate::checkpoint::ModelConfig;
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use anyhow::{anyhow, bail, Result};
@@ -20,6 +25,28 @@ use cudarc::driver::{CudaEvent, CudaSlice};
 pub struct TokenSpan {
     pub n: usize,
     pub pos0: usize,
+}
+
+/// Shapes every pass reads: norms, quantisation group, and each layer family's dims.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerDims {
+    pub eps: f32,
+    pub group: usize,
+    pub gdn: GdnDims,
+    pub attn: AttnDims,
+    pub moe: MoeDims,
+}
+
+impl LayerDims {
+    pub fn new(cfg: &ModelConfig, kv_bf16: bool) -> Self {
+        LayerDims {
+            eps: cfg.rms_norm_eps as f32,
+            group: cfg.quant.group_size,
+            gdn: GdnDims::new(cfg),
+            attn: AttnDims::new(cfg, kv_bf16),
+            moe: MoeDims::new(cfg),
+        }
+    }
 }
 
 /// Named points of a forward, for the profile and the trace.
@@ -117,10 +144,10 @@ pub fn layers(pass: &mut impl Pass, w: &DevWeights, seq: &CudaSequence, probe: &
     for (li, lw) in w.layers.iter().enumerate() {
         match (&lw.mixer, &seq.layers[li]) {
             (DevMixer::Gdn(g), DevLayerState::Gdn { ring, state }) => {
-                pass.gdn(li, lw, g, super::device::ptr(ring, &st), super::device::ptr(state, &st), probe)?
+                pass.gdn(li, lw, g, ptr(ring, &st), ptr(state, &st), probe)?
             }
             (DevMixer::Attn(a), DevLayerState::Attn { k, v }) => {
-                pass.attention(li, lw, a, super::device::ptr(k, &st), super::device::ptr(v, &st), probe)?
+                pass.attention(li, lw, a, ptr(k, &st), ptr(v, &st), probe)?
             }
             _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
         }
@@ -128,4 +155,40 @@ pub fn layers(pass: &mut impl Pass, w: &DevWeights, seq: &CudaSequence, probe: &
         pass.point(probe, Point::Layer(li))?;
     }
     Ok(())
+}
+
+/// A GDN layer's pointers over the activations `a`, its weights and its state.
+pub fn gdn_ptrs(gpu: &Gpu, a: &Activations, g: &DevGdn, ring: u64, state: u64) -> GdnPtrs {
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    GdnPtrs {
+        qkv: p(&a.qkv),
+        z: p(&a.z),
+        b: p(&a.b),
+        a: p(&a.a),
+        ring,
+        taps: p(&g.conv_taps),
+        dt_bias: p(&g.dt_bias),
+        neg_a: p(&g.neg_a),
+        norm: p(&g.norm),
+        state,
+        y: p(&a.y),
+    }
+}
+
+/// An attention layer's pointers over the activations `a`, its weights and its KV cache.
+pub fn attn_ptrs(gpu: &Gpu, a: &Activations, at: &DevAttn, w: &DevWeights, kcache: u64, vcache: u64) -> AttnPtrs {
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    AttnPtrs {
+        qg: p(&a.qkv),
+        kraw: p(&a.kraw),
+        vraw: p(&a.vraw),
+        q_norm: p(&at.q_norm),
+        k_norm: p(&at.k_norm),
+        inv_freq: ptr(&w.inv_freq, &gpu.stream),
+        q: p(&a.q),
+        gate: p(&a.gate),
+        kcache,
+        vcache,
+        out: p(&a.y),
+    }
 }

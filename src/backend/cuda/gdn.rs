@@ -80,26 +80,10 @@ pub struct GdnPtrs {
 
 /// One token (decode): token and position in the step buffer.
 pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
-    let args = [
-        Arg::P(p.qkv),
-        Arg::P(p.z),
-        Arg::P(p.b),
-        Arg::P(p.a),
-        Arg::P(p.ring),
-        Arg::P(p.taps),
-        Arg::P(p.dt_bias),
-        Arg::P(p.neg_a),
-        Arg::P(p.norm),
-        Arg::P(p.state),
-        Arg::P(p.y),
-        Arg::P(step),
-        Arg::I(d.nk as i32),
-        Arg::I(d.nv as i32),
-        Arg::I(d.dk as i32),
-        Arg::I(d.dv as i32),
-        Arg::I(d.kc as i32),
-        Arg::F(d.eps),
-    ];
+    let (inputs, layer) = ([p.qkv, p.z, p.b, p.a], [p.ring, p.taps, p.dt_bias, p.neg_a, p.norm, p.state]);
+    let mut args: Vec<Arg> = inputs.into_iter().chain(layer).chain([p.y, step]).map(Arg::P).collect();
+    args.extend([d.nk, d.nv, d.dk, d.dv, d.kc].map(|v| Arg::I(v as i32)));
+    args.push(Arg::F(d.eps));
     gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &args)
 }
 
@@ -145,22 +129,9 @@ pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) 
     let Some(k) = select_scan(d.dk) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
-    let args = [
-        Arg::P(s.qn),
-        Arg::P(s.kn),
-        Arg::P(s.conv),
-        Arg::P(p.b),
-        Arg::P(p.a),
-        Arg::P(p.dt_bias),
-        Arg::P(p.neg_a),
-        Arg::P(p.state),
-        Arg::P(s.o),
-        Arg::I(n as i32),
-        Arg::I(d.nk as i32),
-        Arg::I(d.nv as i32),
-        Arg::I(d.dv as i32),
-        Arg::I(d.conv_dim as i32),
-    ];
+    let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a, p.state, s.o];
+    let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
+    args.extend([n, d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
     let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, 1);
     gpu.launch(k, grid, 128, 0, &args)
 }

@@ -9,12 +9,12 @@
 //! decode step expects it.
 
 use super::activations::{Activations, ChunkScratch};
-use super::attention::{self, AttnDims, AttnPtrs};
+use super::attention;
 use super::blas::Blas;
 use super::device::{ptr, Gpu};
-use super::forward::{self, Pass, Point, Probe, TokenSpan};
-use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
-use super::moe::{self, MoeDims, RouteLists};
+use super::forward::{self, LayerDims, Pass, Point, Probe, TokenSpan};
+use super::gdn::{self, GdnChunkScratch, GdnDims};
+use super::moe::{self, RouteLists};
 use super::ops;
 use super::qmatmul::{Gemm, Grouped};
 use super::state::CudaSequence;
@@ -62,11 +62,7 @@ struct ChunkPass<'a> {
     gemm: Gemm<'a>,
     span: TokenSpan,
     exact: bool,
-    eps: f32,
-    group: usize,
-    gdn: GdnDims,
-    attn: AttnDims,
-    moe: MoeDims,
+    dims: LayerDims,
 }
 
 impl ChunkPass<'_> {
@@ -77,7 +73,7 @@ impl ChunkPass<'_> {
     /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it.
     fn norm(&self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
         let (n, h) = (self.span.n, self.w.embed.cols);
-        ops::rms_norm(self.gpu, self.p(&self.act.x), self.p(gain), self.p(&self.act.u), n, h, self.eps)?;
+        ops::rms_norm(self.gpu, self.p(&self.act.x), self.p(gain), self.p(&self.act.u), n, h, self.dims.eps)?;
         self.gemm.stage(self.p(&self.act.u), n, h)?;
         self.point(probe, Point::Phase("norm"))
     }
@@ -98,7 +94,7 @@ impl Pass for ChunkPass<'_> {
     }
 
     fn gdn(&mut self, _li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
-        let (a, n, d) = (self.act, self.span.n, self.gdn);
+        let (a, n, d) = (self.act, self.span.n, self.dims.gdn);
         let (u, h) = (self.p(&a.u), self.w.embed.cols);
         self.norm(&lw.input_norm, probe)?;
         let (cdim, vd, nv) = (d.conv_dim, d.nv * d.dv, d.nv);
@@ -107,19 +103,7 @@ impl Pass for ChunkPass<'_> {
         self.gemm.few_rows(&g.in_b, nv, u, n, self.p(&a.b), nv)?;
         self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
-        let p = GdnPtrs {
-            qkv: self.p(&a.qkv),
-            z: self.p(&a.z),
-            b: self.p(&a.b),
-            a: self.p(&a.a),
-            ring,
-            taps: self.p(&g.conv_taps),
-            dt_bias: self.p(&g.dt_bias),
-            neg_a: self.p(&g.neg_a),
-            norm: self.p(&g.norm),
-            state,
-            y: self.p(&a.y),
-        };
+        let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
         let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
         gdn::conv(self.gpu, &d, &p, &s, n, self.span.pos0)?;
         self.point(probe, Point::Phase("gdn.conv"))?;
@@ -140,29 +124,17 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&at.k, kvd, u, n, self.p(&a.kraw), kvd, false, None)?;
         self.gemm.run(&at.v, kvd, u, n, self.p(&a.vraw), kvd, false, None)?;
         self.point(probe, Point::Phase("attn.proj"))?;
-        let p = AttnPtrs {
-            qg: self.p(&a.qkv),
-            kraw: self.p(&a.kraw),
-            vraw: self.p(&a.vraw),
-            q_norm: self.p(&at.q_norm),
-            k_norm: self.p(&at.k_norm),
-            inv_freq: self.p(&self.w.inv_freq),
-            q: self.p(&a.q),
-            gate: self.p(&a.gate),
-            kcache,
-            vcache,
-            out: self.p(&a.y),
-        };
-        attention::prep_chunk(self.gpu, &self.attn, &p, n, self.span.pos0)?;
+        let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
+        attention::prep_chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0)?;
         self.point(probe, Point::Phase("attn.prep"))?;
-        attention::chunk(self.gpu, &self.attn, &p, n, self.span.pos0, self.exact)?;
+        attention::chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0, self.exact)?;
         self.point(probe, Point::Phase("attn.core"))?;
         self.gemm.run(&at.o, h, p.out, n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("attn.out"))
     }
 
     fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
-        let (a, s, n, d) = (self.act, self.s, self.span.n, self.moe);
+        let (a, s, n, d) = (self.act, self.s, self.span.n, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
@@ -206,7 +178,7 @@ impl Pass for ChunkPass<'_> {
 
 fn qmatmul_embed(pass: &ChunkPass) -> Result<()> {
     let (ids, x) = (pass.p(&pass.s.ids), pass.p(&pass.act.x));
-    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.group, ids, pass.span.n, x)
+    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.dims.group, ids, pass.span.n, x)
 }
 
 /// Where a chunk's logits go: rows `r0..r1` of the chunk, computed `LOGIT_ROWS` at a time.
@@ -275,11 +247,7 @@ impl Prefill<'_> {
             gemm: Gemm::new(self.gpu, self.cfg.quant.group_size, self.exact, blas),
             span,
             exact: self.exact,
-            eps: self.cfg.rms_norm_eps as f32,
-            group: self.cfg.quant.group_size,
-            gdn: GdnDims::new(self.cfg),
-            attn: AttnDims::new(self.cfg, seq.kv_bf16),
-            moe: MoeDims::new(self.cfg),
+            dims: LayerDims::new(self.cfg, seq.kv_bf16),
         };
         forward::layers(&mut pass, self.w, seq, probe)
     }

@@ -502,6 +502,12 @@ fn qmat_args(q: &DevQ, gpu: &Gpu, rows: usize, group: usize) -> [Arg; 7] {
     [Arg::P(w), Arg::P(s), Arg::P(b), Arg::I(q.bits as i32), Arg::I(rows as i32), Arg::I(q.cols as i32), Arg::I(group as i32)]
 }
 
+/// The input, output and per-expert list arguments both GEMM kernels take in this order.
+#[allow(clippy::too_many_arguments)]
+fn io_args(x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, counts: u64, offsets: u64, list: u64) -> [Arg; 8] {
+    [Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32), Arg::I(accumulate as i32), Arg::P(counts), Arg::P(offsets), Arg::P(list)]
+}
+
 /// `pf_gemm`. `ntok`: tokens (dense) or the most tokens any expert can have (grouped).
 #[allow(clippy::too_many_arguments)]
 fn gemm_f32(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
@@ -509,19 +515,9 @@ fn gemm_f32(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, x: u64, ntok: usize,
         Some(g) => (g.experts, g.counts, g.offsets, g.list, g.xdiv),
         None => (1, 0, 0, 0, 1),
     };
-    let tail = [
-        Arg::P(x),
-        Arg::I(ntok as i32),
-        Arg::P(y),
-        Arg::I(ldy as i32),
-        Arg::I(accumulate as i32),
-        Arg::P(counts),
-        Arg::P(offsets),
-        Arg::P(list),
-        Arg::I(xdiv as i32),
-    ];
+    let tail = [&io_args(x, ntok, y, ldy, accumulate, counts, offsets, list)[..], &[Arg::I(xdiv as i32)]].concat();
     let grid = (rows.div_ceil(128) as u32, ntok.div_ceil(64) as u32, gz as u32);
-    gpu.launch(PF_GEMM, grid, 256, 0, &[&qmat_args(q, gpu, rows, group)[..], &tail].concat())
+    gpu.launch(PF_GEMM, grid, 256, 0, &[&qmat_args(q, gpu, rows, group)[..], &tail[..]].concat())
 }
 
 /// `pf_gemm_tc`; with `up`, the fused `silu(W·x) * (Up·x)`. Grouped: per-expert tiles from
@@ -535,28 +531,9 @@ fn gemm_tc(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, group: usize, x:
         None => (ntok.div_ceil(64), 0, 0, 0, 0, 1),
     };
     let bm = if up.is_some() { 64 } else { 128 };
-    let args = [
-        Arg::P(w),
-        Arg::P(s),
-        Arg::P(b),
-        Arg::P(w2),
-        Arg::P(s2),
-        Arg::P(b2),
-        Arg::I(q.bits as i32),
-        Arg::I(rows as i32),
-        Arg::I(q.cols as i32),
-        Arg::I(group as i32),
-        Arg::P(x),
-        Arg::I(ntok as i32),
-        Arg::P(y),
-        Arg::I(ldy as i32),
-        Arg::I(accumulate as i32),
-        Arg::P(counts),
-        Arg::P(offsets),
-        Arg::P(list),
-        Arg::P(tiles),
-        Arg::I(xdiv as i32),
-    ];
+    let head = [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(w2), Arg::P(s2), Arg::P(b2), Arg::I(q.bits as i32), Arg::I(rows as i32), Arg::I(q.cols as i32), Arg::I(group as i32)];
+    let io = io_args(x, ntok, y, ldy, accumulate, counts, offsets, list);
+    let args = [&head[..], &io, &[Arg::P(tiles), Arg::I(xdiv as i32)]].concat();
     gpu.launch(PF_GEMM_TC, (rows.div_ceil(bm) as u32, gy as u32, 1), 256, GEMM_TC_SMEM as u32, &args)
 }
 
