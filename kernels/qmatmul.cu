@@ -181,7 +181,7 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
 // memory. Large sets (GDN in-proj, q|k|v: 4 chunks of 512 columns per row) get 4 slices, the
 // lm_head (15,520 tiles) one slice of 4 chunks per warp and no barriers. The first item's loads
 // are issued before the prologue. (The host keeps sets of few tiles, the out-projections, on
-// gemv_q: kernels.rs `gemv`.)
+// gemv_q: qmatmul.rs `select_gemv`.)
 // Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
 extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
 gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,

@@ -6,8 +6,8 @@
 # 1. the 35b-a3b widths with 4 layers (`lily synth --layers 4`): transformers in float32 on the GPU
 #    is the verdict there (the whole 35B does not fit in float32 on one H200). Lily's default path
 #    (bf16 tensor-core prefill, cuBLAS for the dense GEMMs, bf16 KV) and its exact path
-#    (LILY_PREFILL_F32=1, f32 KV) against it, and the decode kernels alone
-#    (LILY_CUDA_DECODE_FORWARD=1: every position through the decode step).
+#    (--exact-prefill --kv-cache f32) against it, and the decode kernels alone
+#    (--decode-forward: every position through the decode step).
 # 2. the full 35B against transformers in bf16 (ACC_FULL=0 skips it: loading takes minutes).
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1
@@ -20,10 +20,10 @@ ck4=/root/ck4 ck=${LILY_CK:-/root/ck}
 cmp() { python3 scripts/compare_logits.py "$1" "$2" --json > "$out/$3.json" && python3 -c 'import json,sys
 d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d[k] for k in d if k not in ("reference","candidate")})' "$out/$3.json" "$3"; }
 ./.device/bin/lily logits --model "$ck4" --positions "$P" --backend cuda --out "$out/l4-lily.json" 2>> "$out/log"
-LILY_PREFILL_F32=1 LILY_KV_BF16=0 ./.device/bin/lily logits --model "$ck4" --positions "$P" --backend cuda \
+./.device/bin/lily logits --exact-prefill --kv-cache f32 --model "$ck4" --positions "$P" --backend cuda \
   --out "$out/l4-lily-exact.json" 2>> "$out/log"
 # The decode kernels at the 35B's widths: every position through the decode step (f32 KV).
-LILY_CUDA_DECODE_FORWARD=1 LILY_KV_BF16=0 ./.device/bin/lily logits --model "$ck4" --positions "$P" --backend cuda \
+./.device/bin/lily logits --decode-forward --kv-cache f32 --model "$ck4" --positions "$P" --backend cuda \
   --out "$out/l4-lily-decode.json" 2>> "$out/log"
 python3 scripts/transformers_goldens.py --model "$ck4" --positions "$P" --greedy 0 --device cuda --dtype float32 \
   --out "$out/l4-tf32.json" >> "$out/log" 2>&1

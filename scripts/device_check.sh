@@ -2,7 +2,7 @@
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
 #   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-#     ../shared/tools/device-pack --test cuda_gpu --test cuda_prefill      # ~55 MiB, carry [".device"]
+#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill   # ~55 MiB, carry [".device"]
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
 # 1. the GPU tests (cuda_gpu + cuda_prefill);
