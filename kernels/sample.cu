@@ -1,5 +1,5 @@
-// Sampling.
-//   decode (T = 1): argmax_next
+// Token choice on the device.
+//   decode (T = 1): argmax_next (greedy), sample_prep + sample_select + sample_draw (sampling)
 
 // Greedy sampling on the device: argmax over the logits (ties -> lowest id, like
 // engine::sampling::argmax), written into the step buffer as the next token together with the
@@ -69,5 +69,293 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         step[0] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: token 0 rather than garbage
         step[1] += 1;
         *reinterpret_cast<unsigned int*>(part + 2 * gridDim.x) = 0u;  // ticket ready for the next use
+    }
+}
+
+// ---- sampling on the device: penalties, temperature, top-k, min-p, top-p, seeded draw ----
+// Same selection as engine::sampling::Sampler::sample, without sorting: the kept set is every
+// finite token whose (penalised) logit z is at least a threshold tau, so
+//   min-p: tau_minp = zmax + T * ln(min_p)          (p / p_max >= min_p)
+//   top-k: tau_k    = the k-th largest z             (radix select over the z bits, 4 passes)
+//   top-p: tau_p    = the largest z whose set above reaches top_p of the top-k set's mass
+//                      (4 more passes, masses in 2^-32 fixed point so sums are exact and the
+//                      result does not depend on the order blocks finish in)
+// and the draw is the Gumbel-max trick over the kept set: argmax(z / T + g), g = -ln(-ln u) with
+// u from a hash of (seed, position, token), which samples exactly from softmax(z / T) restricted
+// to the set; the same seed gives the same tokens. Ties at a threshold keep every tied token
+// (the host sampler breaks them by id): equal float logits only. Temperature 0 is the argmax of
+// the penalised logits. Launches: sample_prep, sample_select x 8 (passes that do not apply
+// return at once), sample_draw; the last block of each (ticket) reduces the blocks' partials.
+//   decode (T = 1): sample_prep, sample_select, sample_draw
+
+#define SAMPLE_BINS 256
+
+struct SampleParams {
+    float temperature, top_p, min_p, presence, frequency, repetition;
+    int top_k;      // 0 = off
+    int penalties;  // apply the counts
+    unsigned long long seed;
+};
+
+struct SampleRow {
+    float zmax;
+    float tau_k;     // top-k threshold (NEG_INF: off)
+    float tau;       // the kept set: z >= tau
+    u32 prefix;      // radix select: key bits found so far
+    unsigned long long remaining;  // rank (top-k) or fixed-point mass (top-p) still to cover
+    unsigned long long finite;     // finite tokens
+    u32 ticket;
+    u32 active;      // bit 0: top-k search, bit 1: top-p search
+};
+
+// Order-preserving map of a float onto u32 (larger float, larger key).
+__device__ __forceinline__ u32 sample_key(float z) {
+    u32 b = __float_as_uint(z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float sample_key_float(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ bool sample_finite(float z) { return isfinite(z); }
+
+// 2^-32 fixed-point weight exp((z - zmax) / T) of a kept token.
+__device__ __forceinline__ unsigned long long sample_mass(float z, float zmax, float t) {
+    return (unsigned long long)(expf((z - zmax) / t) * 4294967296.f);
+}
+
+// The block's slice of the row: [lo, hi).
+__device__ __forceinline__ void sample_slice(int n, int& lo, int& hi) {
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
+    lo = blockIdx.x * chunk;
+    hi = min(n, lo + chunk);
+}
+
+// Whether this block is the last of the grid to finish (after its partials are written).
+__device__ __forceinline__ bool sample_last_block(u32* ticket) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// z = logits with the repetition, presence and frequency penalties of the counts applied (as
+// Sampler::apply_penalties); zmax; the min-p threshold; which searches the row needs.
+// part: gridDim.x floats.
+extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restrict__ prm,
+                                       const int* __restrict__ counts, float* __restrict__ z, SampleRow* __restrict__ row,
+                                       float* __restrict__ part) {
+    pdl_wait_trigger();
+    const SampleParams p = *prm;
+    int lo, hi;
+    sample_slice(n, lo, hi);
+    float m = NEG_INF;
+    unsigned long long fin = 0;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float v = logits[i];
+        if (p.penalties) {
+            const int c = counts[i];
+            if (c > 0) {
+                if (p.repetition != 1.f) v = v > 0.f ? v / p.repetition : v * p.repetition;
+                v -= p.presence + p.frequency * (float)c;
+            }
+        }
+        z[i] = v;
+        if (sample_finite(v)) {
+            m = fmaxf(m, v);
+            fin++;
+        }
+    }
+    __shared__ float red[32];
+    __shared__ unsigned long long redn[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        fin += __shfl_xor_sync(0xffffffffu, fin, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { red[warp] = m; redn[warp] = fin; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; w++) { m = fmaxf(m, red[w]); fin += redn[w]; }
+        part[blockIdx.x] = m;
+        atomicAdd(reinterpret_cast<unsigned long long*>(&row->finite), fin);
+    }
+    if (!sample_last_block(&row->ticket) || threadIdx.x != 0) return;
+    float zmax = NEG_INF;
+    for (int b = 0; b < (int)gridDim.x; b++) zmax = fmaxf(zmax, __ldcg(part + b));
+    const unsigned long long finite = __ldcg(&row->finite);
+    const bool sampled = p.temperature > 0.f && finite > 0;
+    row->zmax = zmax;
+    row->tau_k = NEG_INF;
+    row->tau = sampled && p.min_p > 0.f ? zmax + p.temperature * logf(p.min_p) : NEG_INF;
+    row->prefix = 0;
+    row->active = (sampled && p.top_k > 0 && (unsigned long long)p.top_k < finite ? 1u : 0u) |
+                  (sampled && p.top_p < 1.f ? 2u : 0u);
+    row->remaining = (row->active & 1u) ? (unsigned long long)p.top_k : 0ull;
+    row->ticket = 0;
+}
+
+// One radix-select pass over 8 bits of the z keys (pass 0-3: top-k, 4-7: top-p, most significant
+// byte first). hist: gridDim.x x 256 partials.
+extern "C" __global__ void sample_select(const float* __restrict__ z, int n, const SampleParams* __restrict__ prm,
+                                         SampleRow* __restrict__ row, unsigned long long* __restrict__ hist, int pass) {
+    pdl_wait_trigger();
+    const int phase = pass >> 2, digit = 3 - (pass & 3), shift = 8 * digit;
+    const u32 active = row->active;
+    if (!(active & (1u << phase))) return;
+    const SampleParams p = *prm;
+    const u32 prefix = row->prefix;
+    const u32 mask = digit == 3 ? 0u : ~0u << (shift + 8);
+    const float zmax = row->zmax, tau_k = row->tau_k, tau = fmaxf(row->tau, tau_k);
+    __shared__ unsigned long long h[SAMPLE_BINS];
+    __shared__ unsigned long long topk_mass;
+    for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) h[c] = 0;
+    if (threadIdx.x == 0) topk_mass = 0;
+    __syncthreads();
+    int lo, hi;
+    sample_slice(n, lo, hi);
+    unsigned long long tm = 0;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float v = z[i];
+        if (!sample_finite(v)) continue;
+        const u32 key = sample_key(v);
+        if (phase == 0) {
+            if ((key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], 1ull);
+        } else {
+            if (v < tau_k) continue;
+            const unsigned long long w = sample_mass(v, zmax, p.temperature);
+            if (pass == 4) tm += w;  // the top-k set's mass: top-p is relative to it
+            if (v >= tau && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
+        }
+    }
+    if (pass == 4) {
+        for (int o = 16; o > 0; o >>= 1) tm += __shfl_xor_sync(0xffffffffu, tm, o);
+        if ((threadIdx.x & 31) == 0 && tm) atomicAdd(&topk_mass, tm);
+    }
+    __syncthreads();
+    unsigned long long* mine = hist + (size_t)blockIdx.x * SAMPLE_BINS;
+    for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) mine[c] = h[c];
+    __threadfence();  // every writer's partials visible before the block takes its ticket
+    if (pass == 4 && threadIdx.x == 0) atomicAdd(&row->remaining, topk_mass);  // remaining was zeroed by pass 3 or prep
+    if (!sample_last_block(&row->ticket)) return;
+    // Bucket totals in a fixed order (exact integers: the same whichever block finished last).
+    for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) {
+        unsigned long long s = 0;
+        for (int b = 0; b < (int)gridDim.x; b++) s += __ldcg(hist + (size_t)b * SAMPLE_BINS + c);
+        h[c] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    unsigned long long need = __ldcg(&row->remaining);
+    if (pass == 4) {
+        // `remaining` holds the top-k set's mass: the target is top_p of it (as the host
+        // sampler's prefix sum over probabilities normalised within the top-k set).
+        need = (unsigned long long)ceil((double)need * (double)p.top_p);
+        if (need == 0) need = 1;
+    }
+    unsigned long long above = 0;
+    int c = SAMPLE_BINS - 1;
+    for (; c > 0; c--) {
+        if (above + h[c] >= need) break;
+        above += h[c];
+    }
+    if (above + h[c] < need) {
+        // The candidates cannot reach the target (min-p cut more than top-p would): keep them all.
+        row->active = active & ~(1u << phase);
+    } else {
+        row->prefix = prefix | ((u32)c << shift);
+        row->remaining = need - above;
+        if (digit == 0) {
+            const float t = sample_key_float(row->prefix);
+            if (phase == 0) {
+                row->tau_k = t;
+                row->prefix = 0;
+                row->remaining = 0;  // pass 4 adds the top-k set's mass into it
+            } else {
+                row->tau = fmaxf(row->tau, t);
+            }
+        }
+    }
+    if (phase == 0 && !(row->active & 1u)) row->remaining = 0;
+    row->ticket = 0;
+}
+
+// splitmix64 finaliser: a well-mixed 64-bit hash.
+__device__ __forceinline__ unsigned long long sample_mix(unsigned long long x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// The draw: argmax of z / T + Gumbel noise over the kept set (argmax of z at temperature 0),
+// ties to the lowest id; writes the token and the next position into the step buffer and counts
+// the token when penalties are on. part: 2 x gridDim.x words.
+extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const SampleParams* __restrict__ prm,
+                                       SampleRow* __restrict__ row, int* __restrict__ counts, int* __restrict__ step,
+                                       float* __restrict__ part) {
+    pdl_wait_trigger();
+    const SampleParams p = *prm;
+    const float tau = fmaxf(row->tau, row->tau_k);
+    const bool sampled = p.temperature > 0.f;
+    const float inv_t = sampled ? 1.f / p.temperature : 0.f;
+    const unsigned long long key = sample_mix(p.seed ^ sample_mix((unsigned long long)(unsigned)step[1]));
+    int lo, hi;
+    sample_slice(n, lo, hi);
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float v = z[i];
+        if (!sample_finite(v) || v < tau) continue;
+        float s = v;
+        if (sampled) {
+            const float u = ((float)(sample_mix(key + (unsigned long long)i) >> 40) + 0.5f) * (1.f / 16777216.f);
+            s = v * inv_t - logf(-logf(u));
+        }
+        if (s > best) { best = s; idx = i; }
+    }
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    auto merge = [&]() {
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+        }
+    };
+    merge();
+    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nw ? bv[lane] : NEG_INF;
+        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        merge();
+        if (lane == 0) {
+            part[2 * blockIdx.x] = best;
+            part[2 * blockIdx.x + 1] = __int_as_float(idx);
+        }
+    }
+    if (!sample_last_block(&row->ticket) || warp != 0) return;
+    best = NEG_INF;
+    idx = 0x7fffffff;
+    for (int b = lane; b < (int)gridDim.x; b += 32) {
+        float v = __ldcg(part + 2 * b);
+        int i = __float_as_int(__ldcg(part + 2 * b + 1));
+        if (v > best || (v == best && i < idx)) { best = v; idx = i; }
+    }
+    merge();
+    if (lane == 0) {
+        const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
+        step[0] = tok;
+        step[1] += 1;
+        if (p.penalties) counts[tok] += 1;
+        row->ticket = 0;
+        row->finite = 0;
     }
 }

@@ -154,6 +154,36 @@ pub trait Backend: Send {
         }
         Ok(steps)
     }
+
+    /// Sampled decoding without handing logits to the caller, continuing `snap` (parameters,
+    /// seed, penalty counts; `Sampler::snapshot`): feeds `first_token`, then produces up to
+    /// `steps` tokens, each drawn from the previous step's logits, calling `on_token` as
+    /// [`Backend::decode_greedy`] does, with the same sequence-length rules. The same snapshot
+    /// gives the same tokens on one backend; backends draw with different random streams.
+    ///
+    /// The default runs `forward` + the host `Sampler` per step (CPU backend); the CUDA backend
+    /// samples on the device and keeps two steps in flight.
+    fn decode_sampled(
+        &mut self,
+        seq: &mut Sequence,
+        first_token: u32,
+        steps: usize,
+        snap: &crate::engine::sampling::SamplerSnapshot,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        seq.check_room(steps)?;
+        let mut sampler = crate::engine::sampling::Sampler::from_snapshot(snap);
+        let mut cur = first_token;
+        for i in 0..steps {
+            let mut logits = self.forward(seq, &[cur], LogitsWanted::Last)?;
+            cur = sampler.sample(&mut logits);
+            sampler.observe(cur);
+            if !on_token(cur) {
+                return Ok(i + 1);
+            }
+        }
+        Ok(steps)
+    }
 }
 
 /// The attention KV cache element type the user asked for (`--kv-cache`).

@@ -54,10 +54,12 @@ pub enum Next {
 /// `on_token(token, logits)` sees every generated token except a stop token, with the logits
 /// it was sampled from (after penalties).
 ///
-/// When the sampler is plain greedy and the caller does not need the logits (`want_logits`
-/// false), the tokens after the first come from `Backend::decode_greedy`: on CUDA the argmax
-/// stays on the device and step N+1 is queued before token N is read, and `on_token` then gets
-/// an empty logits slice. The tokens are the same either way (argmax, ties to the lowest id).
+/// When the caller does not need the logits (`want_logits` false), the tokens after the first
+/// come from the backend's own loop: `Backend::decode_greedy` for plain greedy (the same tokens
+/// either way: argmax, ties to the lowest id), else `Backend::decode_sampled` with a snapshot of
+/// the sampler (seeded from it, so a request seed still fixes the tokens). On CUDA the token
+/// stays on the device and step N+1 is queued before token N is read; `on_token` then gets an
+/// empty logits slice.
 pub fn generate(
     backend: &mut dyn Backend,
     seq: &mut Sequence,
@@ -77,7 +79,7 @@ pub fn generate(
     let t1 = Instant::now();
     let mut produced = 0;
     let mut finish = FinishReason::Length;
-    let on_device = !want_logits && sampler.is_plain_greedy();
+    let on_device = !want_logits;
     while produced < max_tokens {
         let tok = sampler.sample(&mut logits);
         if stop_ids.contains(&tok) {
@@ -94,7 +96,10 @@ pub fn generate(
             break;
         }
         if on_device {
-            backend.decode_greedy(seq, tok, max_tokens - produced, &mut |t| {
+            let greedy = sampler.is_plain_greedy();
+            let snap = (!greedy).then(|| sampler.snapshot());
+            let left = max_tokens - produced;
+            let mut each = |t: u32| {
                 if stop_ids.contains(&t) {
                     finish = FinishReason::Stop;
                     return false;
@@ -106,7 +111,11 @@ pub fn generate(
                     return false;
                 }
                 true
-            })?;
+            };
+            match &snap {
+                None => backend.decode_greedy(seq, tok, left, &mut each)?,
+                Some(snap) => backend.decode_sampled(seq, tok, left, snap, &mut each)?,
+            };
             break;
         }
         logits = backend.forward(seq, &[tok], LogitsWanted::Last)?;

@@ -77,6 +77,17 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
 }
 
+/// What a backend needs to continue a request's sampling on its own device: the parameters, a
+/// seed drawn from the request's sampler (so the same request seed gives the same tokens), and
+/// how often each token has been generated so far (for the penalties).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplerSnapshot {
+    pub params: SamplingParams,
+    pub seed: u64,
+    /// (token, count), ascending token ids.
+    pub counts: Vec<(u32, u32)>,
+}
+
 /// A seeded sampler. One per request.
 pub struct Sampler {
     pub params: SamplingParams,
@@ -95,6 +106,18 @@ impl Sampler {
     pub fn is_plain_greedy(&self) -> bool {
         let p = &self.params;
         p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0
+    }
+
+    /// Continues a snapshot's sampling on the host (the reference for a device sampler).
+    pub fn from_snapshot(snap: &SamplerSnapshot) -> Self {
+        Sampler { params: snap.params.clone(), rng: ChaCha8Rng::seed_from_u64(snap.seed), counts: snap.counts.iter().copied().collect() }
+    }
+
+    /// Hands the sampling over to a backend: a seed for it is drawn from this sampler's RNG.
+    pub fn snapshot(&mut self) -> SamplerSnapshot {
+        let mut counts: Vec<(u32, u32)> = self.counts.iter().map(|(&t, &n)| (t, n)).collect();
+        counts.sort_unstable();
+        SamplerSnapshot { params: self.params.clone(), seed: self.rng.random(), counts }
     }
 
     /// Records a token of the generated text (penalties apply to generated tokens).
@@ -212,6 +235,30 @@ mod tests {
         let mut l = vec![4.0, -1.0, 2.0];
         s.apply_penalties(&mut l);
         assert_eq!(l, vec![4.0 / 2.0 - 1.0 - 1.0, -2.0 - 1.0 - 0.5, 2.0]);
+    }
+
+    #[test]
+    fn snapshot_continues_deterministically() {
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 31) % 97) as f32 / 20.0).collect();
+        let params = SamplingParams { temperature: 0.8, top_p: 0.9, presence_penalty: 0.5, seed: Some(7), ..Default::default() };
+        let mut a = Sampler::new(params.clone());
+        a.observe(3);
+        a.observe(3);
+        let snap = a.snapshot();
+        assert_eq!(snap.counts, vec![(3, 2)]);
+        assert_eq!(snap, Sampler::new(params).tap_observe(&[3, 3]).snapshot(), "same seed, same snapshot");
+        let draw = |s: &SamplerSnapshot| {
+            let mut smp = Sampler::from_snapshot(s);
+            (0..20).map(|_| smp.sample(&mut logits.clone())).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(&snap), draw(&snap));
+    }
+
+    impl Sampler {
+        fn tap_observe(mut self, toks: &[u32]) -> Self {
+            toks.iter().for_each(|&t| self.observe(t));
+            self
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use super::device::Gpu;
 use super::moe::{max_tiles, MoeDims};
 use super::qmatmul::BlasScratch;
-use super::sampling::ARGMAX_SCRATCH;
+use super::sampling::{SampleScratch, ARGMAX_SCRATCH};
 use crate::checkpoint::ModelConfig;
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
@@ -77,6 +77,8 @@ pub struct DecodeScratch {
     pub part_ml: CudaSlice<f32>,
     /// argmax_next's partials and ticket (zero between uses).
     pub argmax: CudaSlice<f32>,
+    /// The sampler's parameters, counts and passes.
+    pub sample: SampleScratch,
 }
 
 impl DecodeScratch {
@@ -87,6 +89,7 @@ impl DecodeScratch {
             part_o: gpu.zeros(cfg.num_attention_heads * splits * cfg.head_dim)?,
             part_ml: gpu.zeros(cfg.num_attention_heads * splits * 2)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
+            sample: SampleScratch::new(gpu, cfg.vocab_size)?,
         })
     }
 }

@@ -28,6 +28,8 @@ pub enum StepOut {
     Logits,
     /// Logits, then `argmax_next`: the next token and position go into the step buffer.
     Greedy,
+    /// Logits, then the device sampler with the loaded parameters, into the step buffer.
+    Sample,
 }
 
 /// The GEMV sets of one layer.
@@ -41,7 +43,7 @@ struct LayerSets {
 /// into them.
 pub struct Decoder {
     pub act: Activations,
-    scratch: DecodeScratch,
+    pub scratch: DecodeScratch,
     _descs: CudaSlice<QMatDesc>,
     layers: Vec<LayerSets>,
     head: GemvSet,
@@ -211,9 +213,16 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights,
         pass.gemv(dec.head, x, cfg.hidden_size, ptr(&w.final_norm, st), 0)?;
         pass.point(probe, Point::Phase("lm_head"))?;
     }
-    if out == StepOut::Greedy {
-        sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st))?;
-        pass.point(probe, Point::Phase("argmax"))?;
+    match out {
+        StepOut::Greedy => {
+            sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st))?;
+            pass.point(probe, Point::Phase("argmax"))?;
+        }
+        StepOut::Sample => {
+            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample)?;
+            pass.point(probe, Point::Phase("sample"))?;
+        }
+        StepOut::None | StepOut::Logits => {}
     }
     Ok(())
 }

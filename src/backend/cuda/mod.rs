@@ -320,17 +320,42 @@ impl Backend for CudaBackend {
     }
 
     /// Greedy decode with the token kept on the device: each step's graph ends with
-    /// `argmax_next`, which writes the next token and position into the step buffer, so step
-    /// N+1 is queued right behind step N; the 8-byte step buffer is copied to a pinned host slot
-    /// after each step (two slots, one event each) and step N's token is read only after step
-    /// N+1 has been submitted.
-    fn decode_greedy(
+    /// `argmax_next`, which writes the next token and position into the step buffer (see
+    /// [`CudaBackend::device_loop`]).
+    fn decode_greedy(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
+        self.device_loop(seq, first_token, steps, StepOut::Greedy, on_token)
+    }
+
+    /// Sampled decode on the device: the snapshot's parameters, seed and counts are loaded once,
+    /// then each step's graph ends with the device sampler (sampling.rs); plain greedy snapshots
+    /// take the argmax path.
+    fn decode_sampled(
         &mut self,
         seq: &mut Sequence,
         first_token: u32,
         steps: usize,
+        snap: &crate::engine::sampling::SamplerSnapshot,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
+        snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
+        let out = match sampling::select(snap) {
+            sampling::TokenChoice::Argmax => StepOut::Greedy,
+            sampling::TokenChoice::Sample => {
+                self.decoder.scratch.sample.load(&self.gpu, snap)?;
+                StepOut::Sample
+            }
+        };
+        self.device_loop(seq, first_token, steps, out, on_token)
+    }
+}
+
+impl CudaBackend {
+    /// Decoding with the token kept on the device (`out`: the step ends with the argmax or the
+    /// sampler, which write the next token and position into the step buffer), so step N+1 is
+    /// queued right behind step N; the 8-byte step buffer is copied to a pinned host slot after
+    /// each step (two slots, one event each) and step N's token is read only after step N+1 has
+    /// been submitted.
+    fn device_loop(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, out: StepOut, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
         if steps == 0 {
             return Ok(0);
         }
@@ -343,28 +368,23 @@ impl Backend for CudaBackend {
                 // SAFETY: plain page-locked host memory; only read after its copy's event.
                 let host = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<i32>(2, 0) }
                     .map_err(|e| anyhow::anyhow!("pinned host allocation: {e:?}"))?;
-                let done = self
-                    .gpu
-                    .ctx
-                    .new_event(None)
-                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                let done = self.gpu.ctx.new_event(None).map_err(|e| anyhow::anyhow!("{e:?}"))?;
                 Ok(Readback { host, done })
             };
             self.readback = Some([alloc()?, alloc()?]);
         }
-        let mut rb = self.readback.take().unwrap();
-        let r = self.greedy_loop(seq, first_token, steps, on_token, &mut rb);
+        let mut rb = self.readback.take().expect("allocated above");
+        let r = self.pipelined_steps(seq, first_token, steps, out, on_token, &mut rb);
         self.readback = Some(rb);
         r
     }
-}
 
-impl CudaBackend {
-    fn greedy_loop(
+    fn pipelined_steps(
         &mut self,
         seq: &mut Sequence,
         first_token: u32,
         steps: usize,
+        out: StepOut,
         on_token: &mut dyn FnMut(u32) -> bool,
         rb: &mut [Readback; 2],
     ) -> Result<usize> {
@@ -374,7 +394,7 @@ impl CudaBackend {
                       slot: &mut Readback|
          -> Result<()> {
             let st = seq.state_mut::<CudaSequence>();
-            b.run_step(st, StepOut::Greedy)?;
+            b.run_step(st, out)?;
             b.gpu
                 .stream
                 .memcpy_dtoh(&st.step, &mut slot.host)

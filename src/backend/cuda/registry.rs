@@ -134,7 +134,7 @@ pub const OPS: Module = Module {
 pub const SAMPLE: Module = Module {
     name: "sample",
     source: include_str!("../../../kernels/sample.cu"),
-    kernels: &["argmax_next"],
+    kernels: &["argmax_next", "sample_prep", "sample_select", "sample_draw"],
 };
 
 /// Every module, in load order.

@@ -1,11 +1,18 @@
-//! Token choice on the device (kernels/sample.cu): greedy argmax that writes the next token and
-//! position into the step buffer, so the next decode step can be queued before the host reads it.
+//! Token choice on the device (kernels/sample.cu), the CUDA side of `engine::sampling`: greedy
+//! argmax, or sampling with penalties, temperature, top-k, min-p and top-p and a seeded draw.
+//! Both write the next token and position into the step buffer, so the next decode step can be
+//! queued before the host reads anything.
 
-use super::device::{Arg, Gpu};
+use super::device::{ptr, Arg, Gpu};
 use super::registry::{Kernel, SAMPLE};
-use anyhow::Result;
+use crate::engine::sampling::SamplerSnapshot;
+use anyhow::{anyhow, Result};
+use cudarc::driver::CudaSlice;
 
 const ARGMAX_NEXT: Kernel = Kernel::dependent(&SAMPLE, "argmax_next");
+const SAMPLE_PREP: Kernel = Kernel::dependent(&SAMPLE, "sample_prep");
+const SAMPLE_SELECT: Kernel = Kernel::dependent(&SAMPLE, "sample_select");
+const SAMPLE_DRAW: Kernel = Kernel::dependent(&SAMPLE, "sample_draw");
 
 /// Blocks of `argmax_next` (each reduces a slice; the last one to finish merges).
 pub const ARGMAX_BLOCKS: u32 = 64;
@@ -25,4 +32,140 @@ pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64, part: u64) -> Re
 pub fn spin_us(gpu: &Gpu, us: u32) -> Result<()> {
     let args = [Arg::P(0), Arg::I(-(us.min(i32::MAX as u32) as i32)), Arg::P(0), Arg::P(0)];
     gpu.launch(ARGMAX_NEXT, (1, 1, 1), 32, 0, &args)
+}
+
+/// Mirrors `struct SampleParams` in kernels/sample.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub presence: f32,
+    pub frequency: f32,
+    pub repetition: f32,
+    pub top_k: i32,
+    /// The counts are applied (some penalty is set).
+    pub penalties: i32,
+    pub seed: u64,
+}
+
+// SAFETY: plain-old-data with the C layout of `struct SampleParams`.
+unsafe impl cudarc::driver::DeviceRepr for SampleParams {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SampleParams {}
+
+impl SampleParams {
+    pub fn new(snap: &SamplerSnapshot) -> Self {
+        let p = &snap.params;
+        SampleParams {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            presence: p.presence_penalty,
+            frequency: p.frequency_penalty,
+            repetition: p.repetition_penalty,
+            top_k: p.top_k.min(i32::MAX as usize) as i32,
+            penalties: (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.repetition_penalty != 1.0) as i32,
+            seed: snap.seed,
+        }
+    }
+}
+
+/// How the next token is chosen on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenChoice {
+    /// `argmax_next`: plain greedy (no penalties), one kernel.
+    Argmax,
+    /// `sample_prep` + `sample_select` x 8 + `sample_draw`: everything else.
+    Sample,
+}
+
+pub fn select(snap: &SamplerSnapshot) -> TokenChoice {
+    let p = &snap.params;
+    if p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0 {
+        TokenChoice::Argmax
+    } else {
+        TokenChoice::Sample
+    }
+}
+
+/// Blocks of the sampling kernels (each takes a slice of the vocabulary).
+const SAMPLE_BLOCKS: u32 = 64;
+/// Histogram bins of a radix-select pass (SAMPLE_BINS).
+const SAMPLE_BINS: usize = 256;
+/// Radix-select passes: 4 for top-k, 4 for top-p.
+const SELECT_PASSES: i32 = 8;
+/// u64 words of `struct SampleRow`.
+const ROW_WORDS: usize = 5;
+
+/// Device state of sampling one sequence: its parameters, the counts of its generated tokens
+/// (penalties), the penalised logits and the passes' partials.
+pub struct SampleScratch {
+    pub params: CudaSlice<SampleParams>,
+    pub counts: CudaSlice<i32>,
+    z: CudaSlice<f32>,
+    hist: CudaSlice<u64>,
+    row: CudaSlice<u64>,
+    part: CudaSlice<f32>,
+}
+
+impl SampleScratch {
+    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        Ok(SampleScratch {
+            params: gpu.zeros(1)?,
+            counts: gpu.zeros(vocab)?,
+            z: gpu.zeros(vocab)?,
+            hist: gpu.zeros(SAMPLE_BLOCKS as usize * SAMPLE_BINS)?,
+            row: gpu.zeros(ROW_WORDS)?,
+            part: gpu.zeros(2 * SAMPLE_BLOCKS as usize)?,
+        })
+    }
+
+    /// Loads a request's sampling state: parameters, seed and the counts of its tokens so far.
+    pub fn load(&mut self, gpu: &Gpu, snap: &SamplerSnapshot) -> Result<()> {
+        let mut counts = vec![0i32; self.counts.len()];
+        for &(t, n) in &snap.counts {
+            if let Some(c) = counts.get_mut(t as usize) {
+                *c = n.min(i32::MAX as u32) as i32;
+            }
+        }
+        let st = &gpu.stream;
+        st.memcpy_htod(&counts, &mut self.counts).map_err(|e| anyhow!("sampling state upload: {e:?}"))?;
+        st.memcpy_htod(&[SampleParams::new(snap)], &mut self.params).map_err(|e| anyhow!("sampling state upload: {e:?}"))
+    }
+}
+
+/// Samples the next token from `n` logits as the loaded parameters say, into the step buffer.
+pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch) -> Result<()> {
+    let st = &gpu.stream;
+    let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
+    let grid = (SAMPLE_BLOCKS, 1, 1);
+    let ni = Arg::I(n as i32);
+    gpu.launch(SAMPLE_PREP, grid, 1024, 0, &[Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(z), Arg::P(row), Arg::P(part)])?;
+    for pass in 0..SELECT_PASSES {
+        gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass)])?;
+    }
+    gpu.launch(SAMPLE_DRAW, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(counts), Arg::P(step), Arg::P(part)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampling::SamplingParams;
+
+    fn snap(params: SamplingParams) -> SamplerSnapshot {
+        SamplerSnapshot { params, seed: 9, counts: vec![] }
+    }
+
+    #[test]
+    fn greedy_without_penalties_stays_on_the_argmax_kernel() {
+        assert_eq!(select(&snap(SamplingParams::greedy())), TokenChoice::Argmax);
+        assert_eq!(select(&snap(SamplingParams { repetition_penalty: 1.1, ..Default::default() })), TokenChoice::Sample);
+        let chat = SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, ..Default::default() };
+        assert_eq!(select(&snap(chat.clone())), TokenChoice::Sample);
+        let p = SampleParams::new(&snap(chat));
+        assert_eq!((p.top_k, p.penalties, p.seed), (20, 0, 9));
+        // The C struct: six floats, two ints, one u64.
+        assert_eq!(std::mem::size_of::<SampleParams>(), 40);
+    }
 }

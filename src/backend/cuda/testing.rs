@@ -16,6 +16,7 @@ use super::weights::DevQ;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::{LogitsWanted, Sequence};
 use crate::checkpoint::store::QuantTensor;
+use crate::engine::sampling::SamplerSnapshot;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -82,6 +83,25 @@ pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
     let part = gpu.zeros::<f32>(sampling::ARGMAX_SCRATCH)?;
     sampling::argmax_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), ptr(&part, &gpu.stream))?;
     Ok(read(gpu, &step)?[0] as u32)
+}
+
+/// `draws` tokens from the device sampler over fixed `logits`, continuing `snap` (its counts
+/// grow with each draw when a penalty is set); each draw is at the next position, so its noise
+/// differs.
+pub fn sample(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize) -> Result<Vec<u32>> {
+    let gpu = &b.gpu;
+    let mut scratch = sampling::SampleScratch::new(gpu, logits.len())?;
+    scratch.load(gpu, snap)?;
+    let l = gpu.upload(logits)?;
+    let mut step = gpu.upload(&[0i32, 0i32])?;
+    let mut out = Vec::with_capacity(draws);
+    for _ in 0..draws {
+        sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch)?;
+        let v = read(gpu, &step)?;
+        out.push(v[0] as u32);
+        gpu.stream.memcpy_htod(&[0i32, v[1]], &mut step).map_err(|e| anyhow!("{e:?}"))?;
+    }
+    Ok(out)
 }
 
 /// The cuBLAS scratch for one matrix of `q`'s size and `tokens` rows, when `needed`.
