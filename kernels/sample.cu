@@ -89,6 +89,7 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
 //   decode (T = 1): sample_prep, sample_select, sample_draw
 
 #define SAMPLE_BINS 256
+#define SAMPLE_THREADS 1024  // threads per block of every sampling kernel (sampling.rs)
 
 struct SampleParams {
     float temperature, top_p, min_p, presence, frequency, repetition;
@@ -185,9 +186,11 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
         part[blockIdx.x] = m;
         atomicAdd(reinterpret_cast<unsigned long long*>(&row->finite), fin);
     }
-    if (!sample_last_block(&row->ticket) || threadIdx.x != 0) return;
+    if (!sample_last_block(&row->ticket) || warp != 0) return;
     float zmax = NEG_INF;
-    for (int b = 0; b < (int)gridDim.x; b++) zmax = fmaxf(zmax, __ldcg(part + b));
+    for (int b = lane; b < (int)gridDim.x; b += 32) zmax = fmaxf(zmax, __ldcg(part + b));
+    for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
+    if (lane != 0) return;
     const unsigned long long finite = __ldcg(&row->finite);
     const bool sampled = p.temperature > 0.f && finite > 0;
     row->zmax = zmax;
@@ -243,14 +246,26 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
     __threadfence();  // every writer's partials visible before the block takes its ticket
     if (pass == 4 && threadIdx.x == 0) atomicAdd(&row->remaining, topk_mass);  // remaining was zeroed by pass 3 or prep
     if (!sample_last_block(&row->ticket)) return;
-    // Bucket totals in a fixed order (exact integers: the same whichever block finished last).
-    for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) {
-        unsigned long long s = 0;
-        for (int b = 0; b < (int)gridDim.x; b++) s += __ldcg(hist + (size_t)b * SAMPLE_BINS + c);
-        h[c] = s;
+    // Bucket totals in a fixed order (exact integers: the same whichever block finished last):
+    // SAMPLE_THREADS / 256 threads per bucket, each summing every fourth block's partial with its
+    // loads in flight together, then one add per bucket.
+    __shared__ unsigned long long quarter[SAMPLE_THREADS / SAMPLE_BINS][SAMPLE_BINS];
+    {
+        const int c = threadIdx.x % SAMPLE_BINS, q = threadIdx.x / SAMPLE_BINS, nq = SAMPLE_THREADS / SAMPLE_BINS;
+        unsigned long long acc = 0;
+#pragma unroll 16
+        for (int b = q; b < (int)gridDim.x; b += nq) acc += __ldcg(hist + (size_t)b * SAMPLE_BINS + c);
+        quarter[q][c] = acc;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x < SAMPLE_BINS) {
+        unsigned long long acc = 0;
+        for (int q = 0; q < SAMPLE_THREADS / SAMPLE_BINS; q++) acc += quarter[q][threadIdx.x];
+        h[threadIdx.x] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
     unsigned long long need = __ldcg(&row->remaining);
     if (pass == 4) {
         // `remaining` holds the top-k set's mass: the target is top_p of it (as the host
@@ -258,16 +273,29 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
         need = (unsigned long long)ceil((double)need * (double)p.top_p);
         if (need == 0) need = 1;
     }
-    unsigned long long above = 0;
-    int c = SAMPLE_BINS - 1;
-    for (; c > 0; c--) {
-        if (above + h[c] >= need) break;
-        above += h[c];
+    // The bucket where the count (mass) from the top reaches `need`: lane l holds buckets
+    // 8l..8l+7; a suffix sum over the lanes finds the lane, that lane its bucket.
+    unsigned long long in_lane = 0;
+    for (int j = 0; j < 8; j++) in_lane += h[8 * lane + j];
+    unsigned long long from_top = in_lane;  // buckets of this lane and every lane above
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long t = __shfl_down_sync(0xffffffffu, from_top, o);
+        if (lane + o < 32) from_top += t;
     }
-    if (above + h[c] < need) {
+    const u32 reach = __ballot_sync(0xffffffffu, from_top >= need);
+    const int owner = reach ? 31 - __clz(reach) : 0;
+    if (lane != owner) return;
+    if (!reach) {
         // The candidates cannot reach the target (min-p cut more than top-p would): keep them all.
         row->active = active & ~(1u << phase);
+        if (phase == 0) row->remaining = 0;
     } else {
+        unsigned long long above = from_top - in_lane;
+        int c = 8 * lane + 7;
+        for (; c > 8 * lane; c--) {
+            if (above + h[c] >= need) break;
+            above += h[c];
+        }
         row->prefix = prefix | ((u32)c << shift);
         row->remaining = need - above;
         if (digit == 0) {
@@ -281,7 +309,6 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
             }
         }
     }
-    if (phase == 0 && !(row->active & 1u)) row->remaining = 0;
     row->ticket = 0;
 }
 
