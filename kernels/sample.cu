@@ -1,10 +1,67 @@
 // Token choice on the device.
 //   decode (T = 1): argmax_next (greedy), sample_prep + sample_select + sample_draw (sampling)
 
+// (value desc, index asc) maximum over the warp; NaN never wins.
+__device__ __forceinline__ void argmax_warp(float& best, int& idx) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+}
+
+// Whether this block is the last of the grid to take a ticket (after its partials are written
+// and fenced); its threads then see every block's partials.
+__device__ __forceinline__ bool last_block(u32* ticket) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The grid's (value desc, index asc) maximum of every thread's candidate: true in one thread
+// (lane 0 of warp 0 of the last block to finish), which then holds it in best / idx; the ticket
+// is zero again. part: 2 x gridDim.x words.
+__device__ __forceinline__ bool argmax_grid(float& best, int& idx, float* part, u32* ticket) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    argmax_warp(best, idx);
+    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nw ? bv[lane] : NEG_INF;
+        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        argmax_warp(best, idx);
+        if (lane == 0) {
+            part[2 * blockIdx.x] = best;
+            part[2 * blockIdx.x + 1] = __int_as_float(idx);
+        }
+    }
+    if (!last_block(ticket) || warp != 0) return false;
+    best = NEG_INF;
+    idx = 0x7fffffff;
+    for (int b = lane; b < (int)gridDim.x; b += 32) {
+        const float v = __ldcg(part + 2 * b);
+        const int i = __float_as_int(__ldcg(part + 2 * b + 1));
+        if (v > best || (v == best && i < idx)) { best = v; idx = i; }
+    }
+    argmax_warp(best, idx);
+    if (lane != 0) return false;
+    *ticket = 0u;
+    return true;
+}
+
 // Greedy sampling on the device: argmax over the logits (ties -> lowest id, like
 // engine::sampling::argmax), written into the step buffer as the next token together with the
 // next position, so a decode loop can run without the host reading anything.
-// One block of 1024 threads; the vocabulary (248,320) is read once from L2 (just written).
+// 64 blocks of 1024 threads, a slice each, the last to finish merging; the vocabulary (248,320)
+// is read once from L2 (just written).
 //
 // n <= 0 is not an argmax: the block spins for -n microseconds and returns (the profiler holds
 // the stream with it so the host can queue a whole step first; no extra entry point needed).
@@ -18,10 +75,6 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < 1000ull * (unsigned long long)(-n));
         return;
     }
-    __shared__ float bv[32];
-    __shared__ int bi[32];
-    __shared__ bool last;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     // Block b reduces the contiguous slice [b*chunk, (b+1)*chunk) (ascending, first max kept).
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
@@ -31,45 +84,9 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         float v = logits[i];
         if (v > best) { best = v; idx = i; }
     }
-    // (value desc, index asc) merge; NaN never wins (like the single-block version).
-    auto merge = [&]() {
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-        }
-    };
-    merge();
-    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < nw ? bv[lane] : NEG_INF;
-        idx = lane < nw ? bi[lane] : 0x7fffffff;
-        merge();
-        if (lane == 0) {
-            part[2 * blockIdx.x] = best;
-            part[2 * blockIdx.x + 1] = __int_as_float(idx);
-            __threadfence();
-            unsigned int* ticket = reinterpret_cast<unsigned int*>(part + 2 * gridDim.x);
-            last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        }
-    }
-    __syncthreads();
-    if (!last || warp != 0) return;
-    __threadfence();
-    best = NEG_INF;
-    idx = 0x7fffffff;
-    for (int b = lane; b < (int)gridDim.x; b += 32) {
-        float v = __ldcg(part + 2 * b);
-        int i = __float_as_int(__ldcg(part + 2 * b + 1));
-        if (v > best || (v == best && i < idx)) { best = v; idx = i; }
-    }
-    merge();
-    if (lane == 0) {
-        step[0] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: token 0 rather than garbage
-        step[1] += 1;
-        *reinterpret_cast<unsigned int*>(part + 2 * gridDim.x) = 0u;  // ticket ready for the next use
-    }
+    if (!argmax_grid(best, idx, part, reinterpret_cast<u32*>(part + 2 * gridDim.x))) return;
+    step[0] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: token 0 rather than garbage
+    step[1] += 1;
 }
 
 // ---- sampling on the device: penalties, temperature, top-k, min-p, top-p, seeded draw ----
@@ -132,19 +149,6 @@ __device__ __forceinline__ void sample_slice(int n, int& lo, int& hi) {
     hi = min(n, lo + chunk);
 }
 
-// Whether this block is the last of the grid to finish (after its partials are written).
-__device__ __forceinline__ bool sample_last_block(u32* ticket) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last) __threadfence();
-    return last;
-}
-
 // z = logits with the repetition, presence and frequency penalties of the counts applied (as
 // Sampler::apply_penalties); zmax; the min-p threshold; which searches the row needs.
 // part: gridDim.x floats.
@@ -186,7 +190,7 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
         part[blockIdx.x] = m;
         atomicAdd(reinterpret_cast<unsigned long long*>(&row->finite), fin);
     }
-    if (!sample_last_block(&row->ticket) || warp != 0) return;
+    if (!last_block(&row->ticket) || warp != 0) return;
     float zmax = NEG_INF;
     for (int b = lane; b < (int)gridDim.x; b += 32) zmax = fmaxf(zmax, __ldcg(part + b));
     for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
@@ -245,7 +249,7 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
     for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) mine[c] = h[c];
     __threadfence();  // every writer's partials visible before the block takes its ticket
     if (pass == 4 && threadIdx.x == 0) atomicAdd(&row->remaining, topk_mass);  // remaining was zeroed by pass 3 or prep
-    if (!sample_last_block(&row->ticket)) return;
+    if (!last_block(&row->ticket)) return;
     // Bucket totals in a fixed order (exact integers: the same whichever block finished last):
     // SAMPLE_THREADS / 256 threads per bucket, each summing every fourth block's partial with its
     // loads in flight together, then one add per bucket.
@@ -346,43 +350,10 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
         }
         if (s > best) { best = s; idx = i; }
     }
-    __shared__ float bv[32];
-    __shared__ int bi[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    auto merge = [&]() {
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-        }
-    };
-    merge();
-    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < nw ? bv[lane] : NEG_INF;
-        idx = lane < nw ? bi[lane] : 0x7fffffff;
-        merge();
-        if (lane == 0) {
-            part[2 * blockIdx.x] = best;
-            part[2 * blockIdx.x + 1] = __int_as_float(idx);
-        }
-    }
-    if (!sample_last_block(&row->ticket) || warp != 0) return;
-    best = NEG_INF;
-    idx = 0x7fffffff;
-    for (int b = lane; b < (int)gridDim.x; b += 32) {
-        float v = __ldcg(part + 2 * b);
-        int i = __float_as_int(__ldcg(part + 2 * b + 1));
-        if (v > best || (v == best && i < idx)) { best = v; idx = i; }
-    }
-    merge();
-    if (lane == 0) {
-        const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
-        step[0] = tok;
-        step[1] += 1;
-        if (p.penalties) counts[tok] += 1;
-        row->ticket = 0;
-        row->finite = 0;
-    }
+    if (!argmax_grid(best, idx, part, &row->ticket)) return;
+    const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
+    step[0] = tok;
+    step[1] += 1;
+    if (p.penalties) counts[tok] += 1;
+    row->finite = 0;
 }

@@ -6,7 +6,8 @@ use lily::backend::cuda::CudaOptions;
 use lily::backend::{open_backend, open_backend_with, BackendKind, KvCache};
 use lily::checkpoint::Checkpoint;
 use lily::engine::default_model::resolve_model;
-use lily::engine::{generate, Next, Sampler, SamplingParams};
+use lily::engine::sampling::SamplingArgs;
+use lily::engine::{generate, Next, Sampler};
 use lily::synth::{synthesize, Preset};
 use lily::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer};
 use std::io::Write;
@@ -78,19 +79,8 @@ struct RunArgs {
     prompt: String,
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Feed the prompt as raw text instead of a chat turn.
     #[arg(long)]
     raw: bool,
@@ -185,16 +175,7 @@ fn cmd_run(args: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
-    };
-    params.validate().map_err(anyhow::Error::msg)?;
+    let params = args.sampling.params().map_err(anyhow::Error::msg)?;
     let max_seq = prompt.len() + args.max_tokens + 1;
     let mut seq = backend.new_sequence(max_seq)?;
     let mut sampler = Sampler::new(params);

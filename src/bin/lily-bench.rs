@@ -8,7 +8,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lily::backend::{open_backend, Backend, BackendKind, KvCache, LogitsWanted, Sequence};
-use lily::engine::sampling::{Sampler, SamplingParams};
+use lily::engine::sampling::{Sampler, SamplingArgs, SamplingParams};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
 use serde_json::json;
@@ -36,20 +36,10 @@ struct Args {
     /// or LILY_KV_BF16). Reported as `kv_cache`.
     #[arg(long, value_enum)]
     kv_cache: Option<KvCache>,
-    /// Sample instead of greedy decoding (0 = greedy), on the device where the backend can;
-    /// reported as `sampling`. With --top-p, --top-k, --min-p, --repetition-penalty, --seed.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling instead of greedy decoding (--temperature > 0 or a penalty), on the device where
+    /// the backend can; reported as `sampling`. Without --seed the seed is 0.
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Skip the exact-shape warmup (CPU smoke runs in CI).
     #[arg(long)]
     no_warmup: bool,
@@ -91,16 +81,7 @@ fn run(args: Args) -> Result<()> {
     // The last prompt token goes through the decode path (Backend::decode_greedy or
     // decode_sampled), so the first generated token comes out of the same pipelined loop as the
     // decode tokens.
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: Some(args.seed),
-        ..SamplingParams::default()
-    };
-    params.validate().map_err(|e| anyhow::anyhow!(e))?;
+    let params = SamplingParams { seed: Some(args.sampling.seed.unwrap_or(0)), ..args.sampling.params().map_err(anyhow::Error::msg)? };
     let mut sampler = Sampler::new(params.clone());
     let snap = (!sampler.is_plain_greedy()).then(|| sampler.snapshot());
     let decode = |backend: &mut dyn Backend, seq: &mut Sequence, first: u32, steps: usize, on_token: &mut dyn FnMut(u32) -> bool| match &snap {
@@ -171,7 +152,7 @@ fn run(args: Args) -> Result<()> {
         "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
         "max_seq": max_seq,
         "kv_cache": kv_cache,
-        "sampling": if snap.is_some() { json!({"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty, "seed": args.seed}) } else { json!("greedy") },
+        "sampling": if snap.is_some() { json!({"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty, "seed": params.seed}) } else { json!("greedy") },
         "sequence_state_bytes": seq.memory_bytes(),
         "device_memory": device_memory,
     });

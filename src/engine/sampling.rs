@@ -77,6 +77,40 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
 }
 
+/// The sampling flags of `lily run` and `lily-bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The parameters, validated (the message names the offending flag).
+    pub fn params(&self) -> Result<SamplingParams, String> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        };
+        p.validate().map(|()| p)
+    }
+}
+
 /// What a backend needs to continue a request's sampling on its own device: the parameters, a
 /// seed drawn from the request's sampler (so the same request seed gives the same tokens), and
 /// how often each token has been generated so far (for the penalties).

@@ -30,6 +30,7 @@ pub mod weights;
 
 use super::{Backend, LogitsWanted, Sequence};
 use crate::checkpoint::{Checkpoint, ModelConfig};
+use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
 use anyhow::{bail, Result};
 use decode::{Decoder, StepOut};
@@ -329,14 +330,7 @@ impl Backend for CudaBackend {
     /// Sampled decode on the device: the snapshot's parameters, seed and counts are loaded once,
     /// then each step's graph ends with the device sampler (sampling.rs); plain greedy snapshots
     /// take the argmax path.
-    fn decode_sampled(
-        &mut self,
-        seq: &mut Sequence,
-        first_token: u32,
-        steps: usize,
-        snap: &crate::engine::sampling::SamplerSnapshot,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<usize> {
+    fn decode_sampled(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, snap: &SamplerSnapshot, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
         snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
         let out = match sampling::select(snap) {
             sampling::TokenChoice::Argmax => StepOut::Greedy,
