@@ -10,6 +10,7 @@ use lily::engine::sampling::SamplingArgs;
 use lily::engine::{generate, Next, Sampler};
 use lily::synth::{synthesize, Preset};
 use lily::tokenizer::{ChatTemplate, StreamDecoder, Tokenizer};
+use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -45,6 +46,11 @@ enum Command {
     Run(RunArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(lily::server::ServeArgs),
+    /// Perplexity of a text file (chunks of --ctx tokens, the second half of each scored), with
+    /// its uncertainty; --save-logits keeps the scored log-probabilities and --kl-against
+    /// compares them with a saved reference run (KL divergence, top-1 agreement). Prints one JSON
+    /// line on stdout.
+    Perplexity(PerplexityArgs),
     /// Teacher-forced logits of the benchmark prompt (for accuracy comparisons against other
     /// engines): per position the top-20 ids/logits, the logits of a fixed probe set, and the
     /// logsumexp, as JSON (the format of scripts/transformers_goldens.py).
@@ -68,6 +74,39 @@ enum Command {
         #[arg(long, value_enum)]
         kv_cache: Option<KvCache>,
     },
+}
+
+#[derive(clap::Args)]
+struct PerplexityArgs {
+    /// Checkpoint directory (default: the embedded tiny synthetic checkpoint, random weights).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// UTF-8 text to score (tokenized as raw text, no chat template).
+    #[arg(long)]
+    file: PathBuf,
+    /// Tokens per chunk; each chunk is evaluated from an empty context.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// At most this many chunks (default: all).
+    #[arg(long, default_value_t = 0)]
+    chunks: usize,
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    backend: BackendKind,
+    /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
+    #[arg(long, value_enum)]
+    kv_cache: Option<KvCache>,
+    /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
+    #[arg(long)]
+    exact_prefill: bool,
+    /// CUDA: every position through the decode step instead of the prefill kernels.
+    #[arg(long)]
+    decode_forward: bool,
+    /// Write the scored positions' log-probabilities here (f16; ~0.5 MB per position).
+    #[arg(long)]
+    save_logits: Option<PathBuf>,
+    /// Compare with a reference run saved by --save-logits (same text, --ctx and --chunks).
+    #[arg(long)]
+    kl_against: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -101,6 +140,7 @@ fn main() {
         Command::Info { model } => cmd_info(model),
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
+        Command::Perplexity(args) => cmd_perplexity(args),
         Command::Logits { model, positions, backend, out, decode_forward, exact_prefill, kv_cache } => {
             let mut opts = CudaOptions::from_env();
             opts.decode_forward |= decode_forward;
@@ -252,5 +292,94 @@ fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, opts:
     });
     std::fs::write(&out, serde_json::to_string(&doc)?).with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!("lily: wrote {} positions of logits to {} ({:.1} s forward)", positions, out.display(), secs);
+    Ok(())
+}
+
+fn cmd_perplexity(args: PerplexityArgs) -> Result<()> {
+    use lily::engine::perplexity::{divergence, evaluate, LogProbFile, LogProbWriter, PplConfig};
+    let dir = resolve_model(args.model.as_deref())?;
+    let ck = Checkpoint::open(&dir)?;
+    let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {} as UTF-8 text", args.file.display()))?;
+    let tokens = Tokenizer::load(&dir)?.encode(&text)?;
+    let mut opts = CudaOptions::from_env();
+    opts.decode_forward |= args.decode_forward;
+    opts.exact_prefill |= args.exact_prefill;
+    let mut backend = open_backend_with(args.backend, &ck, opts)?;
+    if let Some(kv) = args.kv_cache {
+        kv.apply(backend.as_mut());
+    }
+    let cfg = PplConfig { ctx: args.ctx, max_chunks: args.chunks };
+    let n_chunks = lily::engine::perplexity::chunks(tokens.len(), cfg)?.len();
+    eprintln!(
+        "lily: perplexity of {} ({} tokens) on {}: {n_chunks} chunks of {} tokens, the last {} predictions of each scored",
+        args.file.display(),
+        tokens.len(),
+        backend.name(),
+        args.ctx,
+        args.ctx - 1 - lily::engine::perplexity::first_scored(args.ctx)
+    );
+    // The run's log-probabilities: where asked, else a temporary file when comparing.
+    let tmp = std::env::temp_dir().join(format!("lily-ppl-{}.logp", std::process::id()));
+    let save_path = args.save_logits.clone().or_else(|| args.kl_against.as_ref().map(|_| tmp.clone()));
+    let mut writer = save_path.as_deref().map(|p| LogProbWriter::create(p, backend.config().vocab_size)).transpose()?;
+    let t0 = std::time::Instant::now();
+    let result = evaluate(backend.as_mut(), &tokens, cfg, writer.as_mut(), |i, p| eprint!("[{}]{:.4},", i + 1, p.ppl));
+    eprintln!();
+    let (ppl, scored) = result?;
+    if let Some(w) = writer {
+        w.finish()?;
+    }
+    let top1 = scored.iter().filter(|s| s.argmax == s.token).count() as f64 / scored.len().max(1) as f64;
+    eprintln!(
+        "lily: PPL = {:.4} +/- {:.4} over {} scored tokens (mean NLL {:.5}, {:.1} s)",
+        ppl.ppl,
+        ppl.ppl_stderr,
+        ppl.tokens_scored,
+        ppl.mean_nll,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut line = json!({
+        "file": args.file.display().to_string(),
+        "model": dir.display().to_string(),
+        "backend": backend.name(),
+        "kv_cache": if backend.kv_bf16() { "bf16" } else { "f32" },
+        "ctx": args.ctx,
+        "chunks": n_chunks,
+        "tokens_scored": ppl.tokens_scored,
+        "ppl": ppl.ppl,
+        "ppl_stderr": ppl.ppl_stderr,
+        "mean_nll": ppl.mean_nll,
+        "nll_stderr": ppl.nll_stderr,
+        "top1_is_next_token": top1,
+    });
+    if let Some(reference) = &args.kl_against {
+        let cmp = LogProbFile::read(reference).and_then(|r| Ok((r, LogProbFile::read(save_path.as_deref().expect("set with --kl-against"))?)));
+        if args.save_logits.is_none() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        let (r, this) = cmp?;
+        let d = divergence(&r, &this)?;
+        eprintln!(
+            "lily: KL(reference || this) mean {:.6} +/- {:.6}, median {:.6}, p99 {:.6}, max {:.6}; top-1 agreement {:.2}%; max |d log p(next)| {:.4}",
+            d.mean_kl,
+            d.kl_stderr,
+            d.median_kl,
+            d.p99_kl,
+            d.max_kl,
+            100.0 * d.top1_agreement,
+            d.max_true_logprob_delta
+        );
+        line["against"] = json!({
+            "reference": reference.display().to_string(),
+            "mean_kl": d.mean_kl,
+            "kl_stderr": d.kl_stderr,
+            "median_kl": d.median_kl,
+            "p99_kl": d.p99_kl,
+            "max_kl": d.max_kl,
+            "top1_agreement": d.top1_agreement,
+            "max_true_logprob_delta": d.max_true_logprob_delta,
+        });
+    }
+    println!("{line}");
     Ok(())
 }

@@ -3,6 +3,7 @@
 pub mod contract;
 pub mod default_model;
 pub mod generate;
+pub mod perplexity;
 pub mod sampling;
 
 pub use generate::{generate, FinishReason, GenerationStats, Next};
