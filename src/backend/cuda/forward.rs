@@ -14,9 +14,9 @@ use super::attention::{AttnDims, AttnPtrs};
 use super::device::{ptr, Gpu};
 use super::gdn::{GdnDims, GdnPtrs};
 use super::moe::MoeDims;
-use crate::checkpoint::ModelConfig;
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
+use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice};
 

@@ -118,22 +118,29 @@ fn blas_scratch(b: &CudaBackend, q: &QuantTensor, tokens: usize, needed: bool) -
 
 /// `x` is `[tokens][q.cols]`; returns `[tokens][q.rows]` through the prefill GEMM `route`.
 pub fn gemm(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: GemmRoute) -> Result<Vec<f32>> {
-    product(b, q, x, tokens, Err(route))
+    product(b, q, x, tokens, Route::Dense(route))
 }
 
 /// Like [`gemm`] through a few-row route (router, gates).
 pub fn few_rows(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: FewRowRoute) -> Result<Vec<f32>> {
-    product(b, q, x, tokens, Ok(route))
+    product(b, q, x, tokens, Route::FewRows(route))
 }
 
-fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: std::result::Result<FewRowRoute, GemmRoute>) -> Result<Vec<f32>> {
+/// A prefill product's route: a dense GEMM's or a few-row GEMM's.
+#[derive(Clone, Copy)]
+enum Route {
+    Dense(GemmRoute),
+    FewRows(FewRowRoute),
+}
+
+fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: Route) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
     if x.len() != tokens * q.cols {
         bail!("gemm: x has {} values, want {tokens}x{}", x.len(), q.cols);
     }
-    let cublas = matches!(route, Ok(FewRowRoute::CublasF32) | Err(GemmRoute::Cublas));
+    let cublas = matches!(route, Route::FewRows(FewRowRoute::CublasF32) | Route::Dense(GemmRoute::Cublas));
     // The exact mode selects the f32 tiles; cuBLAS is offered (from 0 tokens) only to its routes.
-    let exact = matches!(route, Err(GemmRoute::F32Tiles) | Ok(FewRowRoute::F32Tiles));
+    let exact = matches!(route, Route::Dense(GemmRoute::F32Tiles) | Route::FewRows(FewRowRoute::F32Tiles));
     let scratch = blas_scratch(b, q, tokens, cublas)?;
     let blas = match (&scratch, b.blas.as_ref()) {
         (Some(s), Some(l)) => Some((l, s, 0)),
@@ -144,12 +151,12 @@ fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: st
     let (xp, yp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream));
     let mm = Gemm::new(gpu, q.group, exact, blas);
     match route {
-        Err(_) => mm.run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?,
-        Ok(FewRowRoute::F32Tiles) => {
+        Route::Dense(_) => mm.run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?,
+        Route::FewRows(FewRowRoute::F32Tiles) => {
             // The kernel the few-row route falls back to when the skinny one cannot take the width.
             Gemm::new(gpu, q.group, true, None).run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?
         }
-        Ok(_) => mm.few_rows(&dq, q.rows, xp, tokens, yp, q.rows)?,
+        Route::FewRows(_) => mm.few_rows(&dq, q.rows, xp, tokens, yp, q.rows)?,
     }
     read(gpu, &y)
 }
