@@ -545,3 +545,24 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
     let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lily_prefix_cache_hits_total 0"), "{metrics}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_preflight_lists_the_requested_headers() {
+    // `access-control-allow-headers: *` never covers Authorization (Fetch spec), so a browser
+    // client with an API key needs the header named.
+    let mut a = args();
+    a.cors_origins = vec!["*".into()];
+    let s = lily::server::spawn(a).expect("start server");
+    let r = client()
+        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url()))
+        .header("origin", "https://app.example")
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", "authorization, content-type")
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let allowed = r.headers().get("access-control-allow-headers").map(|v| v.to_str().unwrap().to_ascii_lowercase()).unwrap_or_default();
+    assert!(allowed.contains("authorization") && allowed.contains("content-type"), "allow-headers: {allowed:?}");
+    assert_ne!(allowed, "*");
+}

@@ -210,7 +210,9 @@ fn app(args: &ServeArgs, state: Arc<AppState>) -> axum::Router {
         } else {
             AllowOrigin::list(args.cors_origins.iter().filter_map(|o| o.parse().ok()))
         };
-        router = router.layer(CorsLayer::new().allow_origin(origins).allow_methods(tower_http::cors::Any).allow_headers(tower_http::cors::Any));
+        // The requested headers are listed back: `*` never covers `Authorization` (Fetch spec).
+        let headers = tower_http::cors::AllowHeaders::mirror_request();
+        router = router.layer(CorsLayer::new().allow_origin(origins).allow_methods(tower_http::cors::Any).allow_headers(headers));
     }
     router
 }

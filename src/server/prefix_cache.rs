@@ -49,7 +49,8 @@ impl<T> PrefixCache<T> {
             .iter()
             .enumerate()
             .filter(|(_, e)| !e.tokens.is_empty() && e.tokens.len() < prompt.len() && prompt.starts_with(&e.tokens))
-            .max_by_key(|(_, e)| (key.is_some() && e.key.as_deref() == key, e.tokens.len(), e.last_used))
+            // The longest match wins; the request's prompt_cache_key only breaks ties.
+            .max_by_key(|(_, e)| (e.tokens.len(), key.is_some() && e.key.as_deref() == key, e.last_used))
             .map(|(i, _)| i)?;
         self.clock += 1;
         let e = &mut self.entries[best];
@@ -95,13 +96,25 @@ mod tests {
         c.insert(vec![1, 2, 3, 4], "b", 10, None);
         c.insert(vec![1, 2, 3], "k", 10, Some("conv".into()));
         assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], None), Some(("b", 4)));
-        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], Some("conv")), Some(("k", 3)));
+        // The key never outranks a longer match (a keyed short entry would re-prefill more).
+        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], Some("conv")), Some(("b", 4)));
         // Exact length is not a hit (one token must remain); the shorter prefix is.
         assert_eq!(find(&mut c, &[1, 2, 3, 4], None), Some(("k", 3)));
         // A key never bypasses token equality.
         assert_eq!(find(&mut c, &[9, 9, 9, 9, 9], Some("conv")), None);
         assert_eq!(c.lookups, 4);
         assert_eq!(c.hits, 3);
+    }
+
+    #[test]
+    fn a_keyed_short_entry_does_not_beat_a_long_match() {
+        // The audit's case: a keyed 4-token entry against a 446-token match of the same prompt.
+        let long: Vec<u32> = (0..446).collect();
+        let mut c = PrefixCache::new(100);
+        c.insert(long.clone(), "long", 10, None);
+        c.insert(long[..4].to_vec(), "keyed", 10, Some("user-7".into()));
+        let prompt: Vec<u32> = (0..500).collect();
+        assert_eq!(find(&mut c, &prompt, Some("user-7")), Some(("long", 446)));
     }
 
     #[test]

@@ -54,12 +54,13 @@ pub fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
 }
 
 /// Completions-format logprobs: `{tokens, token_logprobs, top_logprobs, text_offset}`.
+/// `text_offset` counts characters (as OpenAI and vLLM do), from `offset0`.
 pub fn completion_logprobs(lps: &[TokenLogprob], offset0: usize) -> Value {
     let mut off = offset0;
     let mut offsets = Vec::new();
     for l in lps {
         offsets.push(off);
-        off += l.token.len();
+        off += l.token.chars().count();
     }
     json!({
         "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
@@ -142,7 +143,7 @@ impl ChunkBuilder {
                 return None;
             }
             let logprobs = if want_logprobs { completion_logprobs(lps, self.text_offset) } else { Value::Null };
-            self.text_offset += d.content.len();
+            self.text_offset += d.content.chars().count();
             Some(self.base(vec![json!({"index": 0, "text": d.content, "logprobs": logprobs, "finish_reason": null})]))
         }
     }
@@ -217,11 +218,23 @@ impl Collected {
     #[allow(clippy::too_many_arguments)]
     pub fn completion_response(&self, id: &str, created: u64, model: &str, finish: &str, usage: &Usage, want_logprobs: bool, echo: Option<&str>) -> Value {
         let text = format!("{}{}", echo.unwrap_or(""), self.content);
-        let logprobs = if want_logprobs { completion_logprobs(&self.logprobs, echo.map(str::len).unwrap_or(0)) } else { Value::Null };
+        let logprobs = if want_logprobs { completion_logprobs(&self.logprobs, echo.map(|e| e.chars().count()).unwrap_or(0)) } else { Value::Null };
         json!({
             "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": "lily",
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage_json(usage),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_offsets_count_characters_not_bytes() {
+        let lp = |t: &str| TokenLogprob { token: t.into(), bytes: t.as_bytes().to_vec(), logprob: -1.0, top: vec![] };
+        let v = completion_logprobs(&[lp("é"), lp("你好"), lp("a")], 3);
+        assert_eq!(v["text_offset"], json!([3, 4, 6]));
     }
 }

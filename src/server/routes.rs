@@ -254,7 +254,7 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
             first.push(b.role());
         } else if let Some(e) = &echo {
             first.push(json!({"id": b.id, "object": "text_completion", "created": created, "model": b.model, "choices": [{"index": 0, "text": e, "logprobs": null, "finish_reason": null}]}));
-            b.text_offset = e.len();
+            b.text_offset = e.chars().count();
         }
         let head = futures::stream::iter(first.into_iter().map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))));
         let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
