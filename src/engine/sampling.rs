@@ -34,6 +34,14 @@ impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
     }
+    /// Some penalty changes the logits of tokens already generated.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+    /// Plain greedy: temperature 0 and no penalty, so every token is the argmax of the raw logits.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && !self.has_penalties()
+    }
     /// Checks ranges; the message names the offending field.
     pub fn validate(&self) -> Result<(), String> {
         let bad = |f: &str, v: f32, range: &str| Err(format!("{f} must be {range}, got {v}"));
@@ -138,8 +146,7 @@ impl Sampler {
     /// Plain greedy: temperature 0 and no penalty, so every token is the argmax of the raw
     /// logits and a backend may pick it on its own device (`Backend::decode_greedy`).
     pub fn is_plain_greedy(&self) -> bool {
-        let p = &self.params;
-        p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0
+        self.params.is_plain_greedy()
     }
 
     /// Continues a snapshot's sampling on the host (the reference for a device sampler).
@@ -162,7 +169,7 @@ impl Sampler {
     /// Applies penalties to `logits` in place.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
-        if self.counts.is_empty() || (p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0) {
+        if self.counts.is_empty() || !p.has_penalties() {
             return;
         }
         for (&tok, &n) in &self.counts {

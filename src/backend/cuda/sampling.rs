@@ -65,7 +65,7 @@ impl SampleParams {
             frequency: p.frequency_penalty,
             repetition: p.repetition_penalty,
             top_k: p.top_k.min(i32::MAX as usize) as i32,
-            penalties: (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.repetition_penalty != 1.0) as i32,
+            penalties: p.has_penalties() as i32,
             seed: snap.seed,
         }
     }
@@ -81,8 +81,7 @@ pub enum TokenChoice {
 }
 
 pub fn select(snap: &SamplerSnapshot) -> TokenChoice {
-    let p = &snap.params;
-    if p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.repetition_penalty == 1.0 {
+    if snap.params.is_plain_greedy() {
         TokenChoice::Argmax
     } else {
         TokenChoice::Sample
