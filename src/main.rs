@@ -63,17 +63,38 @@ enum Command {
         backend: BackendKind,
         #[arg(long)]
         out: PathBuf,
-        /// CUDA: every position through the decode step instead of the prefill kernels (measures
-        /// the decode kernels on every position).
-        #[arg(long)]
-        decode_forward: bool,
-        /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
-        #[arg(long)]
-        exact_prefill: bool,
-        /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
-        #[arg(long, value_enum)]
-        kv_cache: Option<KvCache>,
+        #[command(flatten)]
+        path: PathArgs,
     },
+}
+
+/// Which numerical path `logits` and `perplexity` measure.
+#[derive(clap::Args)]
+struct PathArgs {
+    /// CUDA: every position through the decode step instead of the prefill kernels (measures
+    /// the decode kernels on every position).
+    #[arg(long)]
+    decode_forward: bool,
+    /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
+    #[arg(long)]
+    exact_prefill: bool,
+    /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
+    #[arg(long, value_enum)]
+    kv_cache: Option<KvCache>,
+}
+
+impl PathArgs {
+    /// The backend of `kind` on `ck`, set up for this path.
+    fn open(&self, kind: BackendKind, ck: &Checkpoint) -> Result<Box<dyn lily::backend::Backend>> {
+        let mut opts = CudaOptions::from_env();
+        opts.decode_forward |= self.decode_forward;
+        opts.exact_prefill |= self.exact_prefill;
+        let mut backend = open_backend_with(kind, ck, opts)?;
+        if let Some(kv) = self.kv_cache {
+            kv.apply(backend.as_mut());
+        }
+        Ok(backend)
+    }
 }
 
 #[derive(clap::Args)]
@@ -92,15 +113,8 @@ struct PerplexityArgs {
     chunks: usize,
     #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
-    /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
-    #[arg(long, value_enum)]
-    kv_cache: Option<KvCache>,
-    /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
-    #[arg(long)]
-    exact_prefill: bool,
-    /// CUDA: every position through the decode step instead of the prefill kernels.
-    #[arg(long)]
-    decode_forward: bool,
+    #[command(flatten)]
+    path: PathArgs,
     /// Write the scored positions' log-probabilities here (f16; ~0.5 MB per position).
     #[arg(long)]
     save_logits: Option<PathBuf>,
@@ -141,12 +155,7 @@ fn main() {
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
         Command::Perplexity(args) => cmd_perplexity(args),
-        Command::Logits { model, positions, backend, out, decode_forward, exact_prefill, kv_cache } => {
-            let mut opts = CudaOptions::from_env();
-            opts.decode_forward |= decode_forward;
-            opts.exact_prefill |= exact_prefill;
-            cmd_logits(model, positions, backend, opts, kv_cache, out)
-        }
+        Command::Logits { model, positions, backend, out, path } => cmd_logits(model, positions, backend, &path, out),
     };
     if let Err(e) = result {
         eprintln!("lily: error: {e:#}");
@@ -250,14 +259,11 @@ fn cmd_run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, opts: CudaOptions, kv_cache: Option<KvCache>, out: PathBuf) -> Result<()> {
+fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, path: &PathArgs, out: PathBuf) -> Result<()> {
     use lily::backend::LogitsWanted;
     let dir = resolve_model(model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let mut backend = open_backend_with(kind, &ck, opts)?;
-    if let Some(kv) = kv_cache {
-        kv.apply(backend.as_mut());
-    }
+    let mut backend = path.open(kind, &ck)?;
     let vocab = backend.config().vocab_size;
     // The goldens' prompt: the benchmark formula, kept below the special-token range.
     let ids = lily::engine::contract::contract_prompt(positions, vocab.min(248_044));
@@ -301,13 +307,7 @@ fn cmd_perplexity(args: PerplexityArgs) -> Result<()> {
     let ck = Checkpoint::open(&dir)?;
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {} as UTF-8 text", args.file.display()))?;
     let tokens = Tokenizer::load(&dir)?.encode(&text)?;
-    let mut opts = CudaOptions::from_env();
-    opts.decode_forward |= args.decode_forward;
-    opts.exact_prefill |= args.exact_prefill;
-    let mut backend = open_backend_with(args.backend, &ck, opts)?;
-    if let Some(kv) = args.kv_cache {
-        kv.apply(backend.as_mut());
-    }
+    let mut backend = args.path.open(args.backend, &ck)?;
     let cfg = PplConfig { ctx: args.ctx, max_chunks: args.chunks };
     let n_chunks = lily::engine::perplexity::chunks(tokens.len(), cfg)?.len();
     eprintln!(

@@ -7,6 +7,7 @@
 //! log-probability against a reference run.
 
 use crate::backend::{Backend, LogitsWanted};
+use crate::engine::sampling::log_softmax;
 use anyhow::{bail, Context, Result};
 use half::f16;
 use std::io::{Read, Write};
@@ -45,13 +46,6 @@ pub struct Scored {
     pub token: u32,
     pub logprob: f64,
     pub argmax: u32,
-}
-
-/// Log-softmax of one row in f64 (the normaliser summed in f64).
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-    row.iter().map(|&x| x as f64 - lse).collect()
 }
 
 /// Summary of a run.
@@ -101,7 +95,7 @@ pub fn evaluate(
             let row = &logits[t * vocab..(t + 1) * vocab];
             let lp = log_softmax(row);
             let token = chunk[t + 1];
-            let s = Scored { token, logprob: lp[token as usize], argmax: crate::engine::sampling::argmax(row) };
+            let s = Scored { token, logprob: lp[token as usize] as f64, argmax: crate::engine::sampling::argmax(row) };
             nll.push(-s.logprob);
             scored.push(s);
             if let Some(w) = save.as_deref_mut() {
@@ -135,11 +129,11 @@ impl LogProbWriter {
         Ok(LogProbWriter { out, vocab })
     }
 
-    fn push(&mut self, token: u32, lp: &[f64]) -> Result<()> {
+    fn push(&mut self, token: u32, lp: &[f32]) -> Result<()> {
         debug_assert_eq!(lp.len(), self.vocab);
         self.out.write_all(&token.to_le_bytes())?;
-        self.out.write_all(&(lp[token as usize] as f32).to_le_bytes())?;
-        let bytes: Vec<u8> = lp.iter().flat_map(|&x| f16::from_f64(x.max(-65000.0)).to_le_bytes()).collect();
+        self.out.write_all(&lp[token as usize].to_le_bytes())?;
+        let bytes: Vec<u8> = lp.iter().flat_map(|&x| f16::from_f32(x.max(-65000.0)).to_le_bytes()).collect();
         self.out.write_all(&bytes)?;
         Ok(())
     }
@@ -278,7 +272,7 @@ mod tests {
     #[test]
     fn divergence_of_a_run_with_itself_and_with_another() {
         let lp = |token: u32, row: &[f32]| {
-            let all: Vec<f32> = log_softmax(row).iter().map(|&x| x as f32).collect();
+            let all = log_softmax(row);
             SavedPosition { token, logprob: all[token as usize], all }
         };
         let a = LogProbFile { vocab: 3, positions: vec![lp(0, &[2.0, 1.0, 0.0]), lp(2, &[0.0, 0.5, 3.0])] };
