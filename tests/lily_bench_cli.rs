@@ -1,5 +1,6 @@
 //! lily-bench on the CPU backend: one JSON line with the contract's fields, and a clear error
-//! (exit 1, no panic) for a --max-seq that cannot hold the run.
+//! (exit 1, no panic) for a --max-seq that cannot hold the run or bad sampling flags; sampled runs
+//! report their settings and repeat with the seed.
 
 mod common;
 
@@ -43,4 +44,28 @@ fn too_small_max_seq_is_a_one_line_error() {
     assert!(err.contains("--max-seq 6 is smaller than prompt + decode steps + 1 = 13"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn sampled_runs_report_their_settings_and_repeat_with_the_seed() {
+    let run = |seed: &str| {
+        let out = bench(&["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", seed, "--no-warmup"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("one JSON line")
+    };
+    let a = run("5");
+    assert_eq!(a["sampling"]["top_k"], 20);
+    assert_eq!(a["sampling"]["seed"], 5);
+    assert_eq!(a["decode"]["token_digest"], run("5")["decode"]["token_digest"]);
+    let greedy: serde_json::Value = serde_json::from_slice(&bench(&["--no-warmup"]).stdout).unwrap();
+    assert_eq!(greedy["sampling"], "greedy");
+}
+
+#[test]
+fn bad_sampling_flags_are_a_one_line_error() {
+    let out = bench(&["--top-p", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("top_p must be in (0, 1]"), "{err}");
+    assert!(!err.contains("panicked") && out.stdout.is_empty(), "{err}");
 }
