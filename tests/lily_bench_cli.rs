@@ -15,6 +15,14 @@ fn bench(extra: &[&str]) -> std::process::Output {
         .expect("run lily-bench")
 }
 
+/// The stderr of a run that must fail with exit 1, no panic and no JSON line.
+fn one_line_error(out: std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked") && out.stdout.is_empty(), "{err}");
+    err
+}
+
 #[test]
 fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
     let out = bench(&["--max-seq", "64"]);
@@ -38,12 +46,8 @@ fn kv_cache_flag_is_reported() {
 
 #[test]
 fn too_small_max_seq_is_a_one_line_error() {
-    let out = bench(&["--max-seq", "6"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = one_line_error(bench(&["--max-seq", "6"]));
     assert!(err.contains("--max-seq 6 is smaller than prompt + decode steps + 1 = 13"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(out.stdout.is_empty());
 }
 
 #[test]
@@ -63,9 +67,6 @@ fn sampled_runs_report_their_settings_and_repeat_with_the_seed() {
 
 #[test]
 fn bad_sampling_flags_are_a_one_line_error() {
-    let out = bench(&["--top-p", "0"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = one_line_error(bench(&["--top-p", "0"]));
     assert!(err.contains("top_p must be in (0, 1]"), "{err}");
-    assert!(!err.contains("panicked") && out.stdout.is_empty(), "{err}");
 }
