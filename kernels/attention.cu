@@ -2,6 +2,7 @@
 // attention, sigmoid output gate). Same math as src/backend/cpu/attention.rs.
 //   decode (T = 1):     attn_prep, attn_prep_bf16, attn_split_{64,128,256}, attn_split_{64,128,256}_bf16,
 //                       attn_combine
+//   batched decode:     attn_prep_batch[_bf16], attn_split_batch_{64,128,256}[_bf16], attn_combine_batch
 //   prefill (T tokens): pf_attn_prep, pf_attn_prep_bf16, pf_attn_{64,128,256}, pf_attn_{64,128,256}_bf16,
 //                       pf_attn_tc_{64,128,256}, pf_attn_tc_{64,128,256}_bf16
 // The `_bf16` entry points read and write a bf16 KV cache instead of an f32 one.
@@ -118,6 +119,19 @@ __device__ void attn_prep_impl(const float* __restrict__ qg, const float* __rest
     }
 ATTN_PREP_ENTRY(attn_prep, float)
 ATTN_PREP_ENTRY(attn_prep_bf16, u16)
+// Batched decode: blockIdx.y = row b (one token of sequence b): its projections at row b, its
+// caches from the per-row pointer tables, its [token, position] at steps[2b].
+#define ATTN_PREP_BATCH_ENTRY(NAME, KV)                                                                          \
+    extern "C" __global__ void NAME(const float* qg, const float* kraw, const float* vraw, const float* q_norm,   \
+                                    const float* k_norm, const double* inv_freq, float* qout, float* gate,        \
+                                    KV* const* ktab, KV* const* vtab, const int* steps, int nh, int nkv, int hd,  \
+                                    int half_rot, float eps) {                                                    \
+        const size_t b = blockIdx.y, q = (size_t)nh * hd, kv = (size_t)nkv * hd;                                  \
+        attn_prep_impl<KV>(qg + b * 2 * q, kraw + b * kv, vraw + b * kv, q_norm, k_norm, inv_freq, qout + b * q,  \
+                           gate + b * q, ktab[b], vtab[b], steps + 2 * b, nh, nkv, hd, half_rot, eps);            \
+    }
+ATTN_PREP_BATCH_ENTRY(attn_prep_batch, float)
+ATTN_PREP_BATCH_ENTRY(attn_prep_batch_bf16, u16)
 
 // Split-KV decode attention: grid (kv heads, splits); one warp per q head of the GQA group (so
 // the group's warps read each K/V row once from DRAM and share it through L1/L2). Each split walks
@@ -325,14 +339,26 @@ __device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ k
         attn_split<HD, KV>(q, kc, vc, step, nh, nkv, splits, scale, po, pml);                                     \
     }
 FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_ENTRY)
+// Batched decode: blockIdx.z = row b, over sequence b's cache up to its own position; partials
+// at row b of [B][nh][splits].
+#define ATTN_SPLIT_BATCH_ENTRY(HD, KV, SUFFIX)                                                                    \
+    extern "C" __global__ void attn_split_batch_##HD##SUFFIX(const float* q, KV* const* ktab, KV* const* vtab,    \
+                                                             const int* steps, int nh, int nkv, int splits,       \
+                                                             float scale, float* po, float* pml) {                \
+        const size_t b = blockIdx.z, rows = (size_t)nh * splits;                                                  \
+        attn_split<HD, KV>(q + b * nh * HD, ktab[b], vtab[b], steps + 2 * b, nh, nkv, splits, scale,              \
+                           po + b * rows * HD, pml + b * rows * 2);                                               \
+    }
+FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_BATCH_ENTRY)
 
 // Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
 // 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
 // all splits are in flight together instead of one dependent load per split); the 8 warp sums are
 // added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
 #define ATTN_MAX_SPLITS 256
-extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        const float* __restrict__ gate, int splits, int hd, float* __restrict__ out) {
+__device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                  const float* __restrict__ gate, int splits, int hd,
+                                                  float* __restrict__ out) {
     __shared__ float wsh[ATTN_MAX_SPLITS];
     __shared__ float red[33];
     __shared__ float accs[8][32];
@@ -367,6 +393,19 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
         for (int w = 0; w < 8; ++w) a += accs[w][lane];
         out[(size_t)h * hd + j] = (a / L) * sigmoid_f(gate[(size_t)h * hd + j]);
     }
+}
+
+extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                        const float* __restrict__ gate, int splits, int hd, float* __restrict__ out) {
+    attn_combine_impl(part_o, part_ml, gate, splits, hd, out);
+}
+
+// Batched decode: blockIdx.z = row b (partials, gate and output at row b).
+extern "C" __global__ void attn_combine_batch(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                              const float* __restrict__ gate, int splits, int hd,
+                                              float* __restrict__ out) {
+    const size_t b = blockIdx.z, rows = (size_t)gridDim.x * splits, q = (size_t)gridDim.x * hd;
+    attn_combine_impl(part_o + b * rows * hd, part_ml + b * rows * 2, gate + b * q, splits, hd, out + b * q);
 }
 
 // ============================== prefill (T tokens) ==============================

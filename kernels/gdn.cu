@@ -1,6 +1,7 @@
 // Gated DeltaNet (linear attention with the delta rule). Same math and order as
 // src/backend/cpu/gdn.rs.
 //   decode (T = 1):     gdn_step
+//   batched decode:     gdn_step_batch (one token of each of B sequences)
 //   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_32, pf_gdn_scan_64,
 //                       pf_gdn_scan_128, pf_gdn_norm
 
@@ -23,12 +24,13 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 // written, so there is no race without a second kernel.
 #define GDN_SL 32
 
-extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* __restrict__ z,
-                                    const float* __restrict__ braw, const float* __restrict__ araw,
-                                    float* __restrict__ ring, const float* __restrict__ taps,
-                                    const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                    const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
-                                    const int* __restrict__ step, int nk, int nv, int dk, int dv, int KC, float eps) {
+__device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, const float* __restrict__ z,
+                                              const float* __restrict__ braw, const float* __restrict__ araw,
+                                              float* __restrict__ ring, const float* __restrict__ taps,
+                                              const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                              const float* __restrict__ norm_w, float* __restrict__ state,
+                                              float* __restrict__ y, const int* __restrict__ step, int nk, int nv,
+                                              int dk, int dv, int KC, float eps) {
     extern __shared__ float sm[];
     float* qs = sm;            // dk
     float* ks = qs + dk;       // dk
@@ -158,6 +160,31 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
         const float inv = inv_rms_from(ss, dv, eps);
         y[(size_t)n * dv + j] = o * inv * nwj * silu_f(zj);
     }
+}
+
+extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* __restrict__ z,
+                                    const float* __restrict__ braw, const float* __restrict__ araw,
+                                    float* __restrict__ ring, const float* __restrict__ taps,
+                                    const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                    const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
+                                    const int* __restrict__ step, int nk, int nv, int dk, int dv, int KC, float eps) {
+    gdn_step_impl(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps);
+}
+
+// The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
+// its projections at row b of the token-major activations, its conv ring and state from the
+// per-row pointer tables, its [token, position] at steps[2b]. Each row is exactly gdn_step.
+extern "C" __global__ void gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
+                                          const float* __restrict__ braw, const float* __restrict__ araw,
+                                          float* const* __restrict__ rings, const float* __restrict__ taps,
+                                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                          const float* __restrict__ norm_w, float* const* __restrict__ states,
+                                          float* __restrict__ y, const int* __restrict__ steps, int nk, int nv,
+                                          int dk, int dv, int KC, float eps) {
+    const int b = blockIdx.y;
+    const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
+    gdn_step_impl(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
+                  dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps);
 }
 
 // ============================== prefill (T tokens) ==============================

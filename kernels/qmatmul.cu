@@ -754,10 +754,12 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Embedding gather for T tokens: grid (ceil(cols/256), T).
+// Embedding gather for T tokens: grid (ceil(cols/256), T). Token t's id is tokens[t * ld] (ld 2:
+// the [token, position] step rows of a batched decode).
 extern "C" __global__ void pf_embed(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
-                                    const int* __restrict__ tokens, int cols, int bits, int group, float* __restrict__ x) {
-    const int t = blockIdx.y, tok = tokens[t];
+                                    const int* __restrict__ tokens, int ld, int cols, int bits, int group,
+                                    float* __restrict__ x) {
+    const int t = blockIdx.y, tok = tokens[(size_t)t * ld];
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     size_t wpr = (size_t)cols * bits / 32;

@@ -1,5 +1,8 @@
 // Token choice on the device.
 //   decode (T = 1): argmax_next (greedy), sample_prep + sample_select + sample_draw (sampling)
+// Every kernel takes a batch of rows along blockIdx.y (batched decode): row r reads logits row r
+// and writes step buffer r ([token, position] pairs back to back), each with its own parameters
+// and scratch; one row (grid.y = 1) is the single-sequence decode.
 
 // (value desc, index asc) maximum over the warp; NaN never wins.
 __device__ __forceinline__ void argmax_warp(float& best, int& idx) {
@@ -75,6 +78,11 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < 1000ull * (unsigned long long)(-n));
         return;
     }
+    // Row blockIdx.y of a batch: its logits, step buffer and scratch.
+    const size_t r = blockIdx.y;
+    logits += r * n;
+    step += 2 * r;
+    part += r * (2 * gridDim.x + 1);
     // Block b reduces the contiguous slice [b*chunk, (b+1)*chunk) (ascending, first max kept).
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
@@ -156,6 +164,13 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
                                        const int* __restrict__ counts, float* __restrict__ z, SampleRow* __restrict__ row,
                                        float* __restrict__ part) {
     pdl_wait_trigger();
+    const size_t r = blockIdx.y;
+    logits += r * n;
+    prm += r;
+    counts += r * n;
+    z += r * n;
+    row += r;
+    part += r * gridDim.x;
     const SampleParams p = *prm;
     int lo, hi;
     sample_slice(n, lo, hi);
@@ -212,6 +227,11 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
 extern "C" __global__ void sample_select(const float* __restrict__ z, int n, const SampleParams* __restrict__ prm,
                                          SampleRow* __restrict__ row, unsigned long long* __restrict__ hist, int pass) {
     pdl_wait_trigger();
+    const size_t r = blockIdx.y;
+    z += r * n;
+    prm += r;
+    row += r;
+    hist += r * gridDim.x * SAMPLE_BINS;
     const int phase = pass >> 2, digit = 3 - (pass & 3), shift = 8 * digit;
     const u32 active = row->active;
     if (!(active & (1u << phase))) return;
@@ -331,6 +351,13 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
                                        SampleRow* __restrict__ row, int* __restrict__ counts, int* __restrict__ step,
                                        float* __restrict__ part) {
     pdl_wait_trigger();
+    const size_t r = blockIdx.y;
+    z += r * n;
+    prm += r;
+    row += r;
+    counts += r * n;
+    step += 2 * r;
+    part += r * 2 * gridDim.x;
     const SampleParams p = *prm;
     const float tau = fmaxf(row->tau, row->tau_k);
     const bool sampled = p.temperature > 0.f;

@@ -2,11 +2,11 @@
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
 #   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling
+#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch
 #   gzip .device/cargo-nextest .device/bin/lily     # ~40 MiB, carry [".device"]; gunzip them first there
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
-# 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling);
+# 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch);
 # 2. the 35B checkpoint, written on the machine's own disk (in the background of the tests);
 # 3. lily-bench arms, one line each of ARMS_FILE (default: scripts/device_arms.txt):
 #      LABEL | ENV ASSIGNMENTS | LILY-BENCH ARGUMENTS
@@ -32,7 +32,9 @@ show() { python3 -c 'import json,sys
 for l in sys.stdin:
     try: d=json.loads(l)
     except Exception: continue
-    print(sys.argv[1], "|", d["prompt_len"], d.get("kv_cache"), "prefill", round(d["prefill"]["tok_s"]), "decode", round(d["decode"]["tok_s"], 1), d["decode"]["token_digest"])' "$1"; }
+    b = d.get("batch")
+    agg = f' batch {b} aggregate {d["decode"]["aggregate_tok_s"]:.1f}' if b else ""
+    print(sys.argv[1], "|", d["prompt_len"], d.get("kv_cache"), "prefill", round(d["prefill"]["tok_s"]), "decode", round(d["decode"]["tok_s"], 1), d["decode"]["token_digest"] + agg)' "$1"; }
 while IFS='|' read -r label envs args; do
   label=$(echo "$label" | xargs); [ -z "$label" ] && continue; case "$label" in \#*) continue;; esac
   bench=./.device/bin/lily-bench

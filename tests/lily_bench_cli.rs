@@ -70,3 +70,24 @@ fn bad_sampling_flags_are_a_one_line_error() {
     let err = one_line_error(bench(&["--top-p", "0"]));
     assert!(err.contains("top_p must be in (0, 1]"), "{err}");
 }
+
+#[test]
+fn batch_runs_report_aggregate_rates_and_a_digest_per_sequence() {
+    let out = bench(&["--batch", "3", "--no-warmup"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(line["batch"], 3);
+    let d = &line["decode"];
+    let digests = d["token_digests"].as_array().unwrap();
+    assert_eq!(digests.len(), 3);
+    assert_eq!(d["token_ids"].as_array().unwrap().len(), 3);
+    assert_eq!(d["step_wall_secs"].as_array().unwrap().len(), 4);
+    let (agg, per) = (d["aggregate_tok_s"].as_f64().unwrap(), d["tok_s"].as_f64().unwrap());
+    assert!(agg > 0.0 && (agg / 3.0 - per).abs() < 1e-6 * agg);
+    // Sequence 0's prompt is the contract prompt: greedy, it decodes what the batch-1 run does.
+    let single: serde_json::Value = serde_json::from_slice(&bench(&["--no-warmup"]).stdout).unwrap();
+    assert_eq!(digests[0], single["decode"]["token_digest"]);
+    assert_ne!(digests[0], digests[1]);
+    let err = one_line_error(bench(&["--batch", "0"]));
+    assert!(err.contains("--batch must be positive"), "{err}");
+}

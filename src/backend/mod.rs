@@ -184,6 +184,67 @@ pub trait Backend: Send {
         }
         Ok(steps)
     }
+
+    /// Decodes several sequences together: each step feeds one token of every unfinished row
+    /// (its `first_token`, then its previous output) and produces the row's next token with its
+    /// own sampling, calling `on_token(row index, token)` in row order; `on_token` returning false
+    /// finishes that row, as does reaching its `max_tokens`. The other rows go on. Returns the
+    /// tokens produced per row.
+    ///
+    /// Each row's sequence then holds its `first_token` and every produced token except the
+    /// last (the rules of [`Backend::decode_sampled`] without pipelining). A row's tokens do not
+    /// depend on which other rows share its steps (batch invariance); a backend may compute
+    /// them differently from its single-sequence decode (CUDA: bf16 tensor-core GEMMs here,
+    /// f32-exact GEMVs there). Fails before any step when a row is invalid (room, token, or a
+    /// backend limit on rows).
+    ///
+    /// The default runs the rows one after the other through `forward` and the host sampler
+    /// (the CPU reference).
+    fn decode_batch(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
+        check_batch(self.config().vocab_size, rows)?;
+        let mut samplers: Vec<_> = rows.iter().map(|r| crate::engine::sampling::Sampler::from_snapshot(&r.sampler)).collect();
+        let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
+        let mut produced = vec![0usize; rows.len()];
+        let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
+        while !live.is_empty() {
+            let mut next = Vec::with_capacity(live.len());
+            for &i in &live {
+                let mut logits = self.forward(rows[i].seq, &[cur[i]], LogitsWanted::Last)?;
+                cur[i] = samplers[i].sample(&mut logits);
+                samplers[i].observe(cur[i]);
+                produced[i] += 1;
+                if on_token(i, cur[i]) && produced[i] < rows[i].max_tokens {
+                    next.push(i);
+                }
+            }
+            live = next;
+        }
+        Ok(produced)
+    }
+}
+
+/// Checks the rows of a batched decode: tokens in the vocabulary, room for every row's tokens,
+/// valid sampling parameters.
+pub fn check_batch(vocab: usize, rows: &[BatchRow]) -> Result<()> {
+    for (i, r) in rows.iter().enumerate() {
+        if r.first_token as usize >= vocab {
+            anyhow::bail!("batch row {i}: token id {} is outside the vocabulary ({vocab} entries)", r.first_token);
+        }
+        r.seq.check_room(r.max_tokens).map_err(|e| anyhow::anyhow!("batch row {i}: {e}"))?;
+        r.sampler.params.validate().map_err(|e| anyhow::anyhow!("batch row {i}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// One sequence of a batched decode ([`Backend::decode_batch`]).
+pub struct BatchRow<'a> {
+    pub seq: &'a mut Sequence,
+    /// Fed at the sequence's position by the first step.
+    pub first_token: u32,
+    /// The most tokens this row produces.
+    pub max_tokens: usize,
+    /// Its sampling: parameters, seed, counts so far (`Sampler::snapshot`).
+    pub sampler: crate::engine::sampling::SamplerSnapshot,
 }
 
 /// The attention KV cache element type the user asked for (`--kv-cache`).

@@ -4,6 +4,11 @@
 //! per (context) arm; an exact-shape warmup; one measured prefill that ends when the first
 //! token is known (TTFT-style); exactly `--decode-steps` measured decode steps; the 64-bit
 //! FNV-1a digest of the decode tokens. Prints one JSON line to stdout (and `--json-out`).
+//!
+//! `--batch N`: N distinct prompts (consecutive slices of the contract sequence), each
+//! prefilled, then decoded together by `Backend::decode_batch`: the prefill phase ends when every
+//! sequence's first token is known, the decode phase is the next `--decode-steps` batch steps;
+//! reports the aggregate and per-sequence decode rates and a digest per sequence.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -26,6 +31,10 @@ struct Args {
     prompt_len: usize,
     #[arg(long, default_value_t = 64)]
     decode_steps: usize,
+    /// Sequences decoded together (`Backend::decode_batch`); without it, the single-sequence
+    /// decode path of batch 1.
+    #[arg(long)]
+    batch: Option<usize>,
     #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
     /// Capacity of the measured sequence (default: prompt + decode steps + 1). A larger value
@@ -59,6 +68,9 @@ fn run(args: Args) -> Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         bail!("--prompt-len and --decode-steps must be positive");
     }
+    if args.batch == Some(0) {
+        bail!("--batch must be positive");
+    }
     let dir = lily::engine::default_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
     let mut backend = open_backend(args.backend, &ck)?;
@@ -76,12 +88,30 @@ fn run(args: Args) -> Result<()> {
     // sequence alive, and with the measured sequence alive at the end.
     let mut mem_samples = Vec::new();
     mem_samples.extend(backend.device_memory());
+    let params = SamplingParams { seed: Some(args.sampling.seed.unwrap_or(0)), ..args.sampling.params().map_err(anyhow::Error::msg)? };
+    let common = json!({
+        "schema_version": 1,
+        "engine": "lily",
+        "backend": backend.name(),
+        "source_id": option_env!("LILY_BENCH_SOURCE_ID").unwrap_or("unknown"),
+        "model": dir.display().to_string(),
+        "prompt_len": args.prompt_len,
+        "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
+        "decode_steps": args.decode_steps,
+        "warmup": !args.no_warmup,
+        "max_seq": max_seq,
+        "kv_cache": kv_cache,
+        "sampling": sampling_json(&params),
+    });
+    if let Some(n) = args.batch {
+        let line = batch::run(backend.as_mut(), &args, n, max_seq, &params, mem_samples)?;
+        return emit(common, line, args.json_out.as_deref());
+    }
     let prompt = contract_prompt(args.prompt_len, vocab);
 
     // The last prompt token goes through the decode path (Backend::decode_greedy or
     // decode_sampled), so the first generated token comes out of the same pipelined loop as the
     // decode tokens.
-    let params = SamplingParams { seed: Some(args.sampling.seed.unwrap_or(0)), ..args.sampling.params().map_err(anyhow::Error::msg)? };
     let mut sampler = Sampler::new(params.clone());
     let snap = (!sampler.is_plain_greedy()).then(|| sampler.snapshot());
     let decode = |backend: &mut dyn Backend, seq: &mut Sequence, first: u32, steps: usize, on_token: &mut dyn FnMut(u32) -> bool| match &snap {
@@ -130,34 +160,8 @@ fn run(args: Args) -> Result<()> {
     }
     mem_samples.extend(backend.device_memory());
     let first = first.unwrap_or(0);
-    let device_memory = match (mem_samples.first(), mem_samples.iter().map(|m| m.0).max()) {
-        (Some(&(loaded, total)), Some(peak)) => {
-            json!({"total_bytes": total, "used_after_load_bytes": loaded, "used_max_sampled_bytes": peak})
-        }
-        _ => serde_json::Value::Null,
-    };
     let decode_secs = last.duration_since(t1).as_secs_f64();
     let digest = format!("{:016x}", token_digest(&tokens));
-    let line = json!({
-        "schema_version": 1,
-        "engine": "lily",
-        "backend": backend.name(),
-        "source_id": option_env!("LILY_BENCH_SOURCE_ID").unwrap_or("unknown"),
-        "model": dir.display().to_string(),
-        "prompt_len": args.prompt_len,
-        "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
-        "decode_steps": args.decode_steps,
-        "warmup": !args.no_warmup,
-        "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
-        "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
-        "max_seq": max_seq,
-        "kv_cache": kv_cache,
-        "sampling": if snap.is_some() { json!({"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty, "seed": params.seed}) } else { json!("greedy") },
-        "sequence_state_bytes": seq.memory_bytes(),
-        "device_memory": device_memory,
-    });
-    let text = serde_json::to_string(&line)?;
-    println!("{text}");
     eprintln!(
         "lily-bench: {} prompt {} -> prefill {:.1} tok/s, decode {:.2} tok/s, digest {digest}",
         backend.name(),
@@ -165,11 +169,138 @@ fn run(args: Args) -> Result<()> {
         args.prompt_len as f64 / prefill_secs,
         args.decode_steps as f64 / decode_secs
     );
-    if let Some(peak) = mem_samples.iter().map(|m| m.0).max() {
-        eprintln!("lily-bench: device memory in use: {:.2} GiB after loading, {:.2} GiB at most (max-seq {max_seq})", mem_samples[0].0 as f64 / (1u64 << 30) as f64, peak as f64 / (1u64 << 30) as f64);
+    let line = json!({
+        "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
+        "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
+        "sequence_state_bytes": seq.memory_bytes(),
+        "device_memory": device_memory_json(&mem_samples, max_seq),
+    });
+    emit(common, line, args.json_out.as_deref())
+}
+
+/// The sampling settings as reported: "greedy", or the parameters.
+fn sampling_json(params: &SamplingParams) -> serde_json::Value {
+    if params.is_plain_greedy() {
+        json!("greedy")
+    } else {
+        json!({"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty, "seed": params.seed})
     }
-    if let Some(p) = args.json_out {
-        std::fs::write(&p, text + "\n").with_context(|| format!("cannot write {}", p.display()))?;
+}
+
+/// Device memory samples (in use, total) as reported, also printed to stderr.
+fn device_memory_json(samples: &[(u64, u64)], max_seq: usize) -> serde_json::Value {
+    match (samples.first(), samples.iter().map(|m| m.0).max()) {
+        (Some(&(loaded, total)), Some(peak)) => {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            eprintln!("lily-bench: device memory in use: {:.2} GiB after loading, {:.2} GiB at most (max-seq {max_seq})", gib(loaded), gib(peak));
+            json!({"total_bytes": total, "used_after_load_bytes": loaded, "used_max_sampled_bytes": peak})
+        }
+        _ => serde_json::Value::Null,
+    }
+}
+
+/// Prints the JSON line (`common` fields, then the arm's) and writes it to `json_out`.
+fn emit(common: serde_json::Value, arm: serde_json::Value, json_out: Option<&std::path::Path>) -> Result<()> {
+    let mut line = common;
+    if let (Some(m), serde_json::Value::Object(extra)) = (line.as_object_mut(), arm) {
+        m.extend(extra);
+    }
+    let text = serde_json::to_string(&line)?;
+    println!("{text}");
+    if let Some(p) = json_out {
+        std::fs::write(p, text + "\n").with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
+}
+
+/// `--batch N`: N prompts prefilled, then decoded together.
+mod batch {
+    use super::Args;
+    use anyhow::{bail, Result};
+    use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
+    use lily::engine::contract::{batch_prompt, token_digest};
+    use lily::engine::sampling::{Sampler, SamplingParams};
+    use serde_json::json;
+    use std::time::Instant;
+
+    /// The N prompts' sequences prefilled up to their last token (returned beside them).
+    fn prefilled(backend: &mut dyn Backend, n: usize, len: usize, max_seq: usize) -> Result<Vec<(Sequence, u32)>> {
+        let vocab = backend.config().vocab_size;
+        (0..n)
+            .map(|i| {
+                let prompt = batch_prompt(i, len, vocab);
+                let mut seq = backend.new_sequence(max_seq)?;
+                if len > 1 {
+                    backend.forward(&mut seq, &prompt[..len - 1], LogitsWanted::None)?;
+                }
+                Ok((seq, prompt[len - 1]))
+            })
+            .collect()
+    }
+
+    /// Row i samples with seed + i (distinct streams, reproducible).
+    fn rows<'a>(seqs: &'a mut [(Sequence, u32)], steps: usize, params: &SamplingParams) -> Vec<BatchRow<'a>> {
+        seqs.iter_mut()
+            .enumerate()
+            .map(|(i, (seq, first))| {
+                let p = SamplingParams { seed: Some(params.seed.unwrap_or(0) + i as u64), ..params.clone() };
+                BatchRow { seq, first_token: *first, max_tokens: steps, sampler: Sampler::new(p).snapshot() }
+            })
+            .collect()
+    }
+
+    pub fn run(backend: &mut dyn Backend, args: &Args, n: usize, max_seq: usize, params: &SamplingParams, mut mem: Vec<(u64, u64)>) -> Result<serde_json::Value> {
+        let len = args.prompt_len;
+        if !args.no_warmup {
+            let mut warm = prefilled(backend, n, len, max_seq)?;
+            backend.decode_batch(&mut rows(&mut warm, 3, params), &mut |_, _| true)?;
+            mem.extend(backend.device_memory());
+        }
+        let t0 = Instant::now();
+        let mut seqs = prefilled(backend, n, len, max_seq)?;
+        // Step 0 gives every sequence its first token (the end of the prefill phase); steps
+        // 1..=decode_steps are measured. A step ends with its last row's token.
+        let mut tokens = vec![Vec::with_capacity(args.decode_steps + 1); n];
+        let mut step_ends = Vec::with_capacity(args.decode_steps + 1);
+        let produced = backend.decode_batch(&mut rows(&mut seqs, args.decode_steps + 1, params), &mut |i, t| {
+            tokens[i].push(t);
+            if i + 1 == n {
+                step_ends.push(Instant::now());
+            }
+            true
+        })?;
+        if produced.iter().any(|&p| p != args.decode_steps + 1) || step_ends.len() != args.decode_steps + 1 {
+            bail!("batched decode stopped early ({produced:?} tokens per sequence)");
+        }
+        mem.extend(backend.device_memory());
+        let prefill_secs = step_ends[0].duration_since(t0).as_secs_f64();
+        let decode_secs = step_ends[args.decode_steps].duration_since(step_ends[0]).as_secs_f64();
+        let step_secs: Vec<f64> = step_ends.windows(2).map(|w| w[1].duration_since(w[0]).as_secs_f64()).collect();
+        let firsts: Vec<u32> = tokens.iter().map(|t| t[0]).collect();
+        let decoded: Vec<Vec<u32>> = tokens.into_iter().map(|t| t[1..].to_vec()).collect();
+        let digests: Vec<String> = decoded.iter().map(|t| format!("{:016x}", token_digest(t))).collect();
+        let aggregate = (n * args.decode_steps) as f64 / decode_secs;
+        eprintln!(
+            "lily-bench: {} batch {n} x prompt {len} -> prefill {:.1} tok/s, decode {:.1} tok/s aggregate ({:.2} per sequence)",
+            backend.name(),
+            (n * len) as f64 / prefill_secs,
+            aggregate,
+            aggregate / n as f64
+        );
+        Ok(json!({
+            "batch": n,
+            "prefill": {"wall_secs": prefill_secs, "tok_s": (n * len) as f64 / prefill_secs, "first_token_ids": firsts},
+            "decode": {
+                "wall_secs": decode_secs,
+                "aggregate_tok_s": aggregate,
+                "tok_s": aggregate / n as f64,
+                "step_wall_secs": step_secs,
+                "token_digest": digests[0],
+                "token_digests": digests,
+                "token_ids": decoded,
+            },
+            "sequence_state_bytes": seqs.iter().map(|(s, _)| s.memory_bytes()).sum::<usize>(),
+            "device_memory": super::device_memory_json(&mem, max_seq),
+        }))
+    }
 }

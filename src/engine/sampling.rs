@@ -130,6 +130,17 @@ pub struct SamplerSnapshot {
     pub counts: Vec<(u32, u32)>,
 }
 
+impl SamplerSnapshot {
+    /// Counts a generated token, as the backend that continues this snapshot does (only needed
+    /// where a penalty reads the counts), so the snapshot can be handed over again later.
+    pub fn observe(&mut self, token: u32) {
+        match self.counts.binary_search_by_key(&token, |&(t, _)| t) {
+            Ok(i) => self.counts[i].1 += 1,
+            Err(i) => self.counts.insert(i, (token, 1)),
+        }
+    }
+}
+
 /// A seeded sampler. One per request.
 pub struct Sampler {
     pub params: SamplingParams,

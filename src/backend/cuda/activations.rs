@@ -89,7 +89,7 @@ impl DecodeScratch {
             part_o: gpu.zeros(cfg.num_attention_heads * splits * cfg.head_dim)?,
             part_ml: gpu.zeros(cfg.num_attention_heads * splits * 2)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
-            sample: SampleScratch::new(gpu, cfg.vocab_size)?,
+            sample: SampleScratch::new(gpu, cfg.vocab_size, 1)?,
         })
     }
 }

@@ -11,6 +11,8 @@ use anyhow::{anyhow, Result};
 
 const ATTN_PREP: [Kernel; 2] = [Kernel::dependent(&ATTENTION, "attn_prep"), Kernel::dependent(&ATTENTION, "attn_prep_bf16")];
 const ATTN_COMBINE: Kernel = Kernel::dependent(&ATTENTION, "attn_combine");
+const ATTN_PREP_BATCH: [Kernel; 2] = [Kernel::dependent(&ATTENTION, "attn_prep_batch"), Kernel::dependent(&ATTENTION, "attn_prep_batch_bf16")];
+const ATTN_COMBINE_BATCH: Kernel = Kernel::dependent(&ATTENTION, "attn_combine_batch");
 const PF_ATTN_PREP: [Kernel; 2] = [Kernel::ordered(&ATTENTION, "pf_attn_prep"), Kernel::ordered(&ATTENTION, "pf_attn_prep_bf16")];
 
 /// Most KV splits per head in decode: 2 KV heads x 128 splits x 96 KiB of shared memory is about
@@ -86,6 +88,11 @@ const SPLIT: Instances = [
     ["attn_split_128", "attn_split_128_bf16"],
     ["attn_split_256", "attn_split_256_bf16"],
 ];
+const SPLIT_BATCH: Instances = [
+    ["attn_split_batch_64", "attn_split_batch_64_bf16"],
+    ["attn_split_batch_128", "attn_split_batch_128_bf16"],
+    ["attn_split_batch_256", "attn_split_batch_256_bf16"],
+];
 const CHUNK_F32: Instances = [
     ["pf_attn_64", "pf_attn_64_bf16"],
     ["pf_attn_128", "pf_attn_128_bf16"],
@@ -150,7 +157,13 @@ fn prep_args(d: &AttnDims, p: &AttnPtrs, at: Arg) -> [Arg; 16] {
 /// Split-KV online-softmax partials (`splits` per KV head) over the positions up to the step's.
 pub fn split(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, step: u64, splits: usize) -> Result<()> {
     let k = select_split(d.hd, d.kv_bf16).ok_or_else(|| anyhow!("attention head_dim {} has no decode kernel", d.hd))?;
-    let args = [
+    let args = split_args(d, p, part, step, splits);
+    let group = d.nh / d.nkv;
+    gpu.launch(k, (d.nkv as u32, splits as u32, 1), (group * 32) as u32, split_smem(d.hd), &args)
+}
+
+fn split_args(d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, step: u64, splits: usize) -> [Arg; 10] {
+    [
         Arg::P(p.q),
         Arg::P(p.kcache),
         Arg::P(p.vcache),
@@ -161,15 +174,34 @@ pub fn split(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, step: 
         Arg::F(d.scale()),
         Arg::P(part.o),
         Arg::P(part.ml),
-    ];
-    let group = d.nh / d.nkv;
-    gpu.launch(k, (d.nkv as u32, splits as u32, 1), (group * 32) as u32, split_smem(d.hd), &args)
+    ]
 }
 
 /// Merge of the splits + sigmoid output gate (grid: q heads x 32-dim slices, 8 warps).
 pub fn combine(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, splits: usize) -> Result<()> {
     let args = [Arg::P(part.o), Arg::P(part.ml), Arg::P(p.gate), Arg::I(splits as i32), Arg::I(d.hd as i32), Arg::P(p.out)];
     gpu.launch(ATTN_COMBINE, (d.nh as u32, (d.hd / 32) as u32, 1), 256, 0, &args)
+}
+
+/// Batched decode: [`prep`] for one token of each of `rows` sequences; `p.kcache` / `p.vcache`
+/// are device tables of the rows' cache pointers, `steps` their `[token, position]` pairs.
+pub fn prep_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, steps: u64, rows: usize) -> Result<()> {
+    let args = prep_args(d, p, Arg::P(steps));
+    gpu.launch(ATTN_PREP_BATCH[kv_index(d.kv_bf16)], ((d.nh + d.nkv) as u32, rows as u32, 1), d.hd as u32, d.prep_smem(), &args)
+}
+
+/// Batched decode: [`split`] per row over its own cache and length; partials `[rows][nh][splits]`.
+pub fn split_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, steps: u64, splits: usize, rows: usize) -> Result<()> {
+    let name = instance(&SPLIT_BATCH, d.hd, d.kv_bf16).ok_or_else(|| anyhow!("attention head_dim {} has no decode kernel", d.hd))?;
+    let args = split_args(d, p, part, steps, splits);
+    let group = d.nh / d.nkv;
+    gpu.launch(Kernel::dependent(&ATTENTION, name), (d.nkv as u32, splits as u32, rows as u32), (group * 32) as u32, split_smem(d.hd), &args)
+}
+
+/// Batched decode: [`combine`] per row.
+pub fn combine_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, splits: usize, rows: usize) -> Result<()> {
+    let args = [Arg::P(part.o), Arg::P(part.ml), Arg::P(p.gate), Arg::I(splits as i32), Arg::I(d.hd as i32), Arg::P(p.out)];
+    gpu.launch(ATTN_COMBINE_BATCH, (d.nh as u32, (d.hd / 32) as u32, rows as u32), 256, 0, &args)
 }
 
 /// Prefill: norms + RoPE for `n` tokens at `pos0..`, K and V appended to the cache.

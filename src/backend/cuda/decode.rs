@@ -215,11 +215,11 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights,
     }
     match out {
         StepOut::Greedy => {
-            sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st))?;
+            sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st), 1)?;
             pass.point(probe, Point::Phase("argmax"))?;
         }
         StepOut::Sample => {
-            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample)?;
+            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample, 1)?;
             pass.point(probe, Point::Phase("sample"))?;
         }
         StepOut::None | StepOut::Logits => {}

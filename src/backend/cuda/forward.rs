@@ -5,9 +5,10 @@
 //! prefill.rs: GEMMs, scans, flash attention). The final norm and lm_head are the caller's, since
 //! which rows need logits depends on the call.
 //!
-//! Tokens are described by [`TokenSpan`]: today the tokens of one sequence at consecutive
-//! positions. A batch of sequences will carry a sequence index and position per token; the loop
-//! does not change, only the spans and the kernels' addressing.
+//! The tokens are those of one sequence at consecutive positions (decode, prefill chunk) or one
+//! token of each sequence of a batch (batched decode, batch.rs); the loop is the same, only the
+//! state addresses differ ([`LayerStates`]: one sequence's buffers, or the batch's per-row
+//! pointer tables) and the mixer kernels' addressing.
 
 use super::activations::Activations;
 use super::attention::{AttnDims, AttnPtrs};
@@ -18,13 +19,35 @@ use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaEvent, CudaSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
-/// The tokens a forward processes: `n` tokens of `seq` at positions `pos0..pos0 + n`.
+/// The tokens a multi-token pass (prefill.rs) processes.
 #[derive(Clone, Copy, Debug)]
-pub struct TokenSpan {
+pub enum Tokens {
+    /// `n` tokens of one sequence at positions `pos0..pos0 + n` (a prefill chunk).
+    Span { n: usize, pos0: usize },
+    /// One token of each of a batch's sequences (batched decode).
+    Batch(BatchRows),
+}
+
+/// The rows of a batched decode step: `[token, position]` pairs at `steps` (i32, one pair per
+/// row), and the split-KV partials of the attention layers (`splits` per q head and row).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRows {
     pub n: usize,
-    pub pos0: usize,
+    pub steps: u64,
+    pub splits: usize,
+    pub part_o: u64,
+    pub part_ml: u64,
+}
+
+impl Tokens {
+    pub fn n(&self) -> usize {
+        match self {
+            Tokens::Span { n, .. } => *n,
+            Tokens::Batch(b) => b.n,
+        }
+    }
 }
 
 /// Shapes every pass reads: norms, quantisation group, and each layer family's dims.
@@ -136,20 +159,33 @@ pub trait Pass {
     }
 }
 
-/// Runs every layer of the model over the pass's tokens of `seq`.
-pub fn layers(pass: &mut impl Pass, w: &DevWeights, seq: &CudaSequence, probe: &mut Probe) -> Result<()> {
+/// The two state addresses each layer's mixer takes: (conv ring, recurrent state) of a GDN layer,
+/// (K cache, V cache) of an attention layer.
+pub trait LayerStates {
+    fn layer(&self, li: usize, mixer: &DevMixer, stream: &CudaStream) -> Result<(u64, u64)>;
+}
+
+/// One sequence: its own buffers.
+impl LayerStates for CudaSequence {
+    fn layer(&self, li: usize, mixer: &DevMixer, st: &CudaStream) -> Result<(u64, u64)> {
+        match (mixer, &self.layers[li]) {
+            (DevMixer::Gdn(_), DevLayerState::Gdn { ring, state }) => Ok((ptr(ring, st), ptr(state, st))),
+            (DevMixer::Attn(_), DevLayerState::Attn { k, v }) => Ok((ptr(k, st), ptr(v, st))),
+            _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
+        }
+    }
+}
+
+/// Runs every layer of the model over the pass's tokens, with the layers' state at `states`.
+pub fn layers(pass: &mut impl Pass, w: &DevWeights, states: &impl LayerStates, probe: &mut Probe) -> Result<()> {
     pass.point(probe, Point::Phase("start"))?;
     pass.embed(probe)?;
     let st = pass.gpu().stream.clone();
     for (li, lw) in w.layers.iter().enumerate() {
-        match (&lw.mixer, &seq.layers[li]) {
-            (DevMixer::Gdn(g), DevLayerState::Gdn { ring, state }) => {
-                pass.gdn(li, lw, g, ptr(ring, &st), ptr(state, &st), probe)?
-            }
-            (DevMixer::Attn(a), DevLayerState::Attn { k, v }) => {
-                pass.attention(li, lw, a, ptr(k, &st), ptr(v, &st), probe)?
-            }
-            _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
+        let (a, b) = states.layer(li, &lw.mixer, &st)?;
+        match &lw.mixer {
+            DevMixer::Gdn(g) => pass.gdn(li, lw, g, a, b, probe)?,
+            DevMixer::Attn(at) => pass.attention(li, lw, at, a, b, probe)?,
         }
         pass.moe(li, lw, &lw.moe, probe)?;
         pass.point(probe, Point::Layer(li))?;

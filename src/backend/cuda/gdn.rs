@@ -9,6 +9,7 @@ use crate::checkpoint::ModelConfig;
 use anyhow::{bail, Result};
 
 const GDN_STEP: Kernel = Kernel::dependent(&GDN, "gdn_step");
+const GDN_STEP_BATCH: Kernel = Kernel::dependent(&GDN, "gdn_step_batch");
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_qk");
@@ -80,11 +81,22 @@ pub struct GdnPtrs {
 
 /// One token (decode): token and position in the step buffer.
 pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
+    gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
+}
+
+/// One token of each of `rows` sequences (batched decode): `p.ring` and `p.state` are device
+/// tables of the rows' ring and state pointers, `steps` their `[token, position]` pairs, the
+/// activations row-major over the rows.
+pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize) -> Result<()> {
+    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), d.step_smem(), &step_args(d, p, steps))
+}
+
+fn step_args(d: &GdnDims, p: &GdnPtrs, step: u64) -> Vec<Arg> {
     let (inputs, layer) = ([p.qkv, p.z, p.b, p.a], [p.ring, p.taps, p.dt_bias, p.neg_a, p.norm, p.state]);
     let mut args: Vec<Arg> = inputs.into_iter().chain(layer).chain([p.y, step]).map(Arg::P).collect();
     args.extend([d.nk, d.nv, d.dk, d.dv, d.kc].map(|v| Arg::I(v as i32)));
     args.push(Arg::F(d.eps));
-    gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &args)
+    args
 }
 
 /// Prefill scratch of the layer: conv outputs `[T][conv_dim]`, normalised q and k, scan outputs.

@@ -5,11 +5,13 @@
 //! `gdn`, `attention`, `moe`, `ops`, `sampling`), each with its kernel choice as a pure, tested
 //! `select` function; `registry` (modules loaded per context) and `device` (the one launch path);
 //! `forward` (the layer loop, written once) with its two passes, `decode` (T = 1, one CUDA graph
-//! per step, greedy tokens kept on the device and two steps in flight) and `prefill` (T tokens in
-//! chunks); `options` (every setting, read once). See docs/cuda.md and docs/cuda-prefill.md.
+//! per step, greedy tokens kept on the device and two steps in flight), `prefill` (T tokens in
+//! chunks) and `batch` (one token of each of B sequences per step, through the prefill's GEMMs);
+//! `options` (every setting, read once). See docs/cuda.md and docs/cuda-prefill.md.
 
 pub mod activations;
 pub mod attention;
+pub mod batch;
 pub mod blas;
 pub mod decode;
 pub mod device;
@@ -28,7 +30,7 @@ pub mod state;
 pub mod testing;
 pub mod weights;
 
-use super::{Backend, LogitsWanted, Sequence};
+use super::{Backend, BatchRow, LogitsWanted, Sequence};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -53,6 +55,8 @@ pub struct CudaBackend {
     pub(crate) blas: Option<blas::Blas>,
     /// Captured decode steps, keyed by (sequence id, what the step produces).
     graphs: Vec<(u64, StepOut, StepGraph)>,
+    /// Batched decode buffers and their captured steps, once a batch ran.
+    batcher: Option<batch::Batcher>,
     /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
     readback: Option<[Readback; 2]>,
     /// False after a capture failed (then every step launches directly) or without graphs.
@@ -66,6 +70,18 @@ struct DecodeProfile {
     steps: usize,
     /// (phase, total ms), in first-seen order.
     phases: Vec<(&'static str, f64)>,
+}
+
+impl DecodeProfile {
+    /// Adds one step's phase times.
+    fn add(&mut self, phases: &[(&'static str, f64)]) {
+        for &(name, ms) in phases {
+            match self.phases.iter_mut().find(|(n, _)| *n == name) {
+                Some(e) => e.1 += ms,
+                None => self.phases.push((name, ms)),
+            }
+        }
+    }
 }
 
 impl Drop for CudaBackend {
@@ -95,6 +111,26 @@ struct Readback {
 struct StepGraph(cudarc::driver::CudaGraph);
 // SAFETY: see above: only launched through `&mut CudaBackend`.
 unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    fn launch(&self) -> Result<()> {
+        self.0.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))
+    }
+}
+
+/// Captures what `enqueue` launches on the stream into a graph (not launched).
+fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let st = &gpu.stream;
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
+    let enq = enqueue();
+    let graph = st.end_capture(CUgraphInstantiate_flags(0));
+    match (enq, graph) {
+        (Ok(()), Ok(Some(g))) => Ok(StepGraph(g)),
+        (enq, graph) => bail!("{:?} / {:?}", enq.err(), graph.err()),
+    }
+}
 
 /// Graphs kept at once (a prefix cache holds a few live sequences).
 const MAX_GRAPHS: usize = 8;
@@ -167,6 +203,7 @@ impl CudaBackend {
             chunk_buffers: None,
             blas,
             graphs: Vec::new(),
+            batcher: None,
             readback: None,
         })
     }
@@ -195,38 +232,26 @@ impl CudaBackend {
             let mut probe = Probe::profiling(true);
             self.enqueue_step(seq, splits, out, &mut probe)?;
             let phases = probe.phase_ms(&self.gpu)?;
-            let p = self.profile.as_mut().expect("profiling");
-            for (name, ms) in phases {
-                match p.phases.iter_mut().find(|(n, _)| *n == name) {
-                    Some(e) => e.1 += ms,
-                    None => p.phases.push((name, ms)),
-                }
-            }
+            self.profile.as_mut().expect("profiling").add(&phases);
             return Ok(());
         }
         if !self.use_graphs {
             return self.enqueue_step(seq, splits, out, &mut Probe::default());
         }
         if let Some((_, _, g)) = self.graphs.iter().find(|(id, o, _)| *id == seq.id && *o == out) {
-            return g.0.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"));
+            return g.launch();
         }
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        let st = self.gpu.stream.clone();
-        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
-        let enq = self.enqueue_step(seq, splits, out, &mut Probe::default());
-        let graph = st.end_capture(CUgraphInstantiate_flags(0));
-        match (enq, graph) {
-            (Ok(()), Ok(Some(g))) => {
+        match capture(&self.gpu, || self.enqueue_step(seq, splits, out, &mut Probe::default())) {
+            Ok(g) => {
                 if self.graphs.len() >= MAX_GRAPHS {
                     self.graphs.remove(0);
                 }
-                g.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))?;
-                self.graphs.push((seq.id, out, StepGraph(g)));
+                g.launch()?;
+                self.graphs.push((seq.id, out, g));
                 Ok(())
             }
-            (enq, graph) => {
-                eprintln!("lily: CUDA graph capture failed ({:?} / {:?}); launching kernels directly", enq.err(), graph.err());
+            Err(e) => {
+                eprintln!("lily: CUDA graph capture failed ({e:#}); launching kernels directly");
                 self.use_graphs = false;
                 self.enqueue_step(seq, splits, out, &mut Probe::default())
             }
@@ -335,11 +360,17 @@ impl Backend for CudaBackend {
         let out = match sampling::select(snap) {
             sampling::TokenChoice::Argmax => StepOut::Greedy,
             sampling::TokenChoice::Sample => {
-                self.decoder.scratch.sample.load(&self.gpu, snap)?;
+                self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
                 StepOut::Sample
             }
         };
         self.device_loop(seq, first_token, steps, out, on_token)
+    }
+
+    /// Batched decode through the batch GEMMs, per-row mixers and device token choice
+    /// (batch.rs), one CUDA graph per batch shape.
+    fn decode_batch(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
+        self.batch_decode(rows, on_token)
     }
 }
 

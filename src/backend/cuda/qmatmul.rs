@@ -209,10 +209,11 @@ pub fn embed_row(gpu: &Gpu, e: &DevQ, group: usize, step: u64, x: u64) -> Result
     gpu.launch(EMBED_Q, (e.cols.div_ceil(256) as u32, 1, 1), 256, 0, &args)
 }
 
-/// The embedding rows of `n` token ids at `tokens` into `x` `[n][cols]` (prefill).
-pub fn embed_rows(gpu: &Gpu, e: &DevQ, group: usize, tokens: u64, n: usize, x: u64) -> Result<()> {
+/// The embedding rows of `n` token ids at `tokens` (every `ld`-th i32) into `x` `[n][cols]`
+/// (prefill, batched decode).
+pub fn embed_rows(gpu: &Gpu, e: &DevQ, group: usize, tokens: u64, ld: usize, n: usize, x: u64) -> Result<()> {
     let (w, s, b) = e.ptrs(gpu);
-    let args = [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(tokens), Arg::I(e.cols as i32), Arg::I(e.bits as i32), Arg::I(group as i32), Arg::P(x)];
+    let args = [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(tokens), Arg::I(ld as i32), Arg::I(e.cols as i32), Arg::I(e.bits as i32), Arg::I(group as i32), Arg::P(x)];
     gpu.launch(PF_EMBED, (e.cols.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
 }
 

@@ -21,10 +21,10 @@ pub const ARGMAX_BLOCKS: u32 = 64;
 pub const ARGMAX_SCRATCH: usize = 2 * ARGMAX_BLOCKS as usize + 1;
 
 /// Device argmax (ties -> lowest id) of `n` logits into the step buffer (next token, position +
-/// 1). `part`: [`ARGMAX_SCRATCH`] floats whose last word (the ticket) is zero; the kernel leaves
-/// it zero again.
-pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64, part: u64) -> Result<()> {
-    gpu.launch(ARGMAX_NEXT, (ARGMAX_BLOCKS, 1, 1), 1024, 0, &[Arg::P(logits), Arg::I(n as i32), Arg::P(step), Arg::P(part)])
+/// 1), for `rows` rows of logits and step buffers back to back. `part`: [`ARGMAX_SCRATCH`] floats
+/// per row whose last word (the ticket) is zero; the kernel leaves it zero again.
+pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64, part: u64, rows: usize) -> Result<()> {
+    gpu.launch(ARGMAX_NEXT, (ARGMAX_BLOCKS, rows as u32, 1), 1024, 0, &[Arg::P(logits), Arg::I(n as i32), Arg::P(step), Arg::P(part)])
 }
 
 /// Holds the stream for `us` microseconds (one block of `argmax_next` spinning): the profiler
@@ -97,9 +97,11 @@ const SELECT_PASSES: i32 = 8;
 /// u64 words of `struct SampleRow`.
 const ROW_WORDS: usize = 5;
 
-/// Device state of sampling one sequence: its parameters, the counts of its generated tokens
-/// (penalties), the penalised logits and the passes' partials.
+/// Device state of sampling `rows` sequences (one for the single-sequence decode): per row its
+/// parameters, the counts of its generated tokens (penalties), the penalised logits and the
+/// passes' partials, rows back to back.
 pub struct SampleScratch {
+    pub rows: usize,
     pub params: CudaSlice<SampleParams>,
     pub counts: CudaSlice<i32>,
     z: CudaSlice<f32>,
@@ -109,36 +111,52 @@ pub struct SampleScratch {
 }
 
 impl SampleScratch {
-    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+    pub fn new(gpu: &Gpu, vocab: usize, rows: usize) -> Result<Self> {
         Ok(SampleScratch {
-            params: gpu.zeros(1)?,
-            counts: gpu.zeros(vocab)?,
-            z: gpu.zeros(vocab)?,
-            hist: gpu.zeros(SAMPLE_BLOCKS as usize * SAMPLE_BINS)?,
-            row: gpu.zeros(ROW_WORDS)?,
-            part: gpu.zeros(2 * SAMPLE_BLOCKS as usize)?,
+            rows,
+            params: gpu.zeros(rows)?,
+            counts: gpu.zeros(rows * vocab)?,
+            z: gpu.zeros(rows * vocab)?,
+            hist: gpu.zeros(rows * SAMPLE_BLOCKS as usize * SAMPLE_BINS)?,
+            row: gpu.zeros(rows * ROW_WORDS)?,
+            part: gpu.zeros(rows * 2 * SAMPLE_BLOCKS as usize)?,
         })
     }
 
-    /// Loads a request's sampling state: parameters, seed and the counts of its tokens so far.
-    pub fn load(&mut self, gpu: &Gpu, snap: &SamplerSnapshot) -> Result<()> {
-        let mut counts = vec![0i32; self.counts.len()];
-        for &(t, n) in &snap.counts {
-            if let Some(c) = counts.get_mut(t as usize) {
-                *c = n.min(i32::MAX as u32) as i32;
-            }
+    /// Loads the sampling state of one request per row (at most `rows`): parameters, seed and the
+    /// counts of its tokens so far (uploaded only for rows with penalties: the kernels read and
+    /// write the counts of no other row).
+    pub fn load(&mut self, gpu: &Gpu, snaps: &[&SamplerSnapshot]) -> Result<()> {
+        if snaps.len() > self.rows {
+            anyhow::bail!("{} sampling rows for a scratch of {}", snaps.len(), self.rows);
         }
         let st = &gpu.stream;
-        st.memcpy_htod(&counts, &mut self.counts).map_err(|e| anyhow!("sampling state upload: {e:?}"))?;
-        st.memcpy_htod(&[SampleParams::new(snap)], &mut self.params).map_err(|e| anyhow!("sampling state upload: {e:?}"))
+        let vocab = self.counts.len() / self.rows;
+        for (r, snap) in snaps.iter().enumerate() {
+            if !snap.params.has_penalties() {
+                continue;
+            }
+            let mut counts = vec![0i32; vocab];
+            for &(t, n) in &snap.counts {
+                if let Some(c) = counts.get_mut(t as usize) {
+                    *c = n.min(i32::MAX as u32) as i32;
+                }
+            }
+            let mut dst = self.counts.slice_mut(r * vocab..(r + 1) * vocab);
+            st.memcpy_htod(&counts, &mut dst).map_err(|e| anyhow!("sampling state upload: {e:?}"))?;
+        }
+        let params: Vec<SampleParams> = snaps.iter().map(|s| SampleParams::new(s)).collect();
+        let mut dst = self.params.slice_mut(0..params.len());
+        st.memcpy_htod(&params, &mut dst).map_err(|e| anyhow!("sampling state upload: {e:?}"))
     }
 }
 
-/// Samples the next token from `n` logits as the loaded parameters say, into the step buffer.
-pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch) -> Result<()> {
+/// Samples the next token from `n` logits as the loaded parameters say, into the step buffer, for
+/// the first `rows` rows of logits, step buffers and scratch.
+pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize) -> Result<()> {
     let st = &gpu.stream;
     let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
-    let grid = (SAMPLE_BLOCKS, 1, 1);
+    let grid = (SAMPLE_BLOCKS, rows as u32, 1);
     let ni = Arg::I(n as i32);
     gpu.launch(SAMPLE_PREP, grid, 1024, 0, &[Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(z), Arg::P(row), Arg::P(part)])?;
     for pass in 0..SELECT_PASSES {

@@ -31,6 +31,12 @@ pub fn options_mut(b: &mut CudaBackend) -> &mut CudaOptions {
     &mut b.opts
 }
 
+/// One batched decode step (batch.rs) of `seqs`, each fed its token of `tokens`; returns the logits
+/// `[rows][vocab]` and advances every sequence by one.
+pub fn batch_logits(b: &mut CudaBackend, seqs: &mut [&mut Sequence], tokens: &[u32]) -> Result<Vec<f32>> {
+    b.batch_logits(seqs, tokens)
+}
+
 /// One decode step of `token`; returns the residual stream after every layer and the logits.
 pub fn forward_traced(b: &mut CudaBackend, seq: &mut Sequence, token: u32) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
     b.check_tokens(seq, &[token])?;
@@ -81,7 +87,7 @@ pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
     let gpu = &b.gpu;
     let (l, step) = (gpu.upload(logits)?, gpu.upload(&[0i32, 0i32])?);
     let part = gpu.zeros::<f32>(sampling::ARGMAX_SCRATCH)?;
-    sampling::argmax_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), ptr(&part, &gpu.stream))?;
+    sampling::argmax_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), ptr(&part, &gpu.stream), 1)?;
     Ok(read(gpu, &step)?[0] as u32)
 }
 
@@ -90,13 +96,13 @@ pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
 /// differs.
 pub fn sample(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize) -> Result<Vec<u32>> {
     let gpu = &b.gpu;
-    let mut scratch = sampling::SampleScratch::new(gpu, logits.len())?;
-    scratch.load(gpu, snap)?;
+    let mut scratch = sampling::SampleScratch::new(gpu, logits.len(), 1)?;
+    scratch.load(gpu, &[snap])?;
     let l = gpu.upload(logits)?;
     let mut step = gpu.upload(&[0i32, 0i32])?;
     let mut out = Vec::with_capacity(draws);
     for _ in 0..draws {
-        sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch)?;
+        sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch, 1)?;
         let v = read(gpu, &step)?;
         out.push(v[0] as u32);
         gpu.stream.memcpy_htod(&[0i32, v[1]], &mut step).map_err(|e| anyhow!("{e:?}"))?;

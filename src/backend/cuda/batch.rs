@@ -1,0 +1,330 @@
+//! Batched decode: one token of each of B sequences per step, through one forward over the
+//! batch (`Backend::decode_batch`). The projections, the MoE (each routed expert's weights read
+//! once for every token routed to it) and the lm_head run as the prefill's GEMMs with the batch's
+//! tokens as columns (bf16 tensor cores, f32 accumulation); the Gated DeltaNet step and split-KV
+//! attention run per row on the row's own state, position and length (prefill.rs `ChunkPass`
+//! with `Tokens::Batch`); the next tokens are picked per row on the device (argmax, or the
+//! sampler with each row's parameters).
+//!
+//! The rows are bound through device tables: per layer, the rows' (ring, state) or (K, V)
+//! pointers, and per row a `[token, position]` pair that the argmax / sampler advance. A step is
+//! a CUDA graph per (rows, splits, KV type, token choice), captured once; the tables are rewritten
+//! only when the batch's rows change, so one graph serves whichever sequences are in the batch.
+//!
+//! Every row's arithmetic is independent of the other rows (the GEMMs' routes do not depend on
+//! the token count, each output column is accumulated in the same order), so a sequence's tokens
+//! do not depend on its batch.
+
+use super::activations::{Activations, ChunkScratch};
+use super::attention::{self, MAX_SPLITS};
+use super::decode::StepOut;
+use super::device::{ptr, Gpu};
+use super::forward::{self, BatchRows, LayerDims, LayerStates, Pass, Point, Probe, Tokens};
+use super::ops;
+use super::prefill::ChunkPass;
+use super::qmatmul::Gemm;
+use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
+use super::state::CudaSequence;
+use super::weights::{DevMixer, DevWeights};
+use super::{CudaBackend, StepGraph};
+use crate::backend::{check_batch, BatchRow};
+use crate::checkpoint::ModelConfig;
+use crate::engine::sampling::SamplerSnapshot;
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaSlice, CudaStream};
+
+/// Most rows of one batched decode call.
+pub const MAX_BATCH: usize = 128;
+
+/// Captured batch steps kept at once (distinct row counts and split counts).
+const MAX_BATCH_GRAPHS: usize = 48;
+
+/// Buffers of batched steps for up to `cap` rows.
+pub struct BatchBuffers {
+    pub cap: usize,
+    act: Activations,
+    scratch: ChunkScratch,
+    /// `[token, position]` per row (i32).
+    steps: CudaSlice<i32>,
+    /// Per layer two tables of `cap` row pointers: (ring, state) or (K, V).
+    tables: CudaSlice<u64>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    /// argmax_next's scratch per row.
+    argmax: CudaSlice<f32>,
+    sample: SampleScratch,
+}
+
+impl BatchBuffers {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, cap: usize) -> Result<Self> {
+        let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
+        Ok(BatchBuffers {
+            cap,
+            act: Activations::new(gpu, cfg, cap, cap)?,
+            scratch: ChunkScratch::new(gpu, cfg, cap, false)?,
+            steps: gpu.zeros(2 * cap)?,
+            tables: gpu.zeros(2 * cfg.layer_types.len() * cap)?,
+            part_o: gpu.zeros(heads * cfg.head_dim)?,
+            part_ml: gpu.zeros(heads * 2)?,
+            argmax: gpu.zeros(cap * ARGMAX_SCRATCH)?,
+            sample: SampleScratch::new(gpu, cfg.vocab_size, cap)?,
+        })
+    }
+
+    /// Device address of layer `li`'s first (`second` = false) or second pointer table.
+    fn table(&self, st: &CudaStream, li: usize, second: bool) -> u64 {
+        ptr(&self.tables, st) + ((2 * li + second as usize) * self.cap * 8) as u64
+    }
+}
+
+/// The batch's layer states: the pointer tables.
+struct BatchStates<'a>(&'a BatchBuffers);
+
+impl LayerStates for BatchStates<'_> {
+    fn layer(&self, li: usize, _mixer: &DevMixer, st: &CudaStream) -> Result<(u64, u64)> {
+        Ok((self.0.table(st, li, false), self.0.table(st, li, true)))
+    }
+}
+
+/// What a captured batch step is specialised for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepKey {
+    pub rows: usize,
+    pub splits: usize,
+    pub kv_bf16: bool,
+    pub out: StepOut,
+}
+
+/// Split count of a batch step: enough for the longest row this call can reach, rounded up to a
+/// power of two so few graphs cover every length.
+pub fn batch_splits(max_len: usize) -> usize {
+    attention::splits_for(max_len).next_power_of_two().min(MAX_SPLITS)
+}
+
+/// Buffer capacity for `rows` rows: a power of two of at least 8 (fewer reallocations, which
+/// drop the captured graphs).
+pub fn capacity_for(rows: usize) -> usize {
+    rows.next_power_of_two().clamp(8, MAX_BATCH)
+}
+
+/// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
+/// norm and lm_head into the logits rows, and the token choice into the step rows.
+pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
+    let st = &gpu.stream;
+    let p = |s: &CudaSlice<f32>| ptr(s, st);
+    let n = key.rows;
+    let steps = ptr(&b.steps, st);
+    let rows = BatchRows { n, steps, splits: key.splits, part_o: p(&b.part_o), part_ml: p(&b.part_ml) };
+    let mut pass = ChunkPass {
+        gpu,
+        w,
+        act: &b.act,
+        s: &b.scratch,
+        gemm: Gemm::new(gpu, cfg.quant.group_size, false, None),
+        tokens: Tokens::Batch(rows),
+        exact: false,
+        dims: LayerDims::new(cfg, key.kv_bf16),
+    };
+    forward::layers(&mut pass, w, &BatchStates(b), probe)?;
+    let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+    let (x, u, logits) = (p(&b.act.x), p(&b.act.u), p(&b.act.logits));
+    ops::rms_norm(gpu, x, p(&w.final_norm), u, n, h, cfg.rms_norm_eps as f32)?;
+    pass.gemm.run(&w.lm_head, vocab, u, n, logits, vocab, false, None)?;
+    pass.point(probe, Point::Phase("lm_head"))?;
+    match key.out {
+        StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, p(&b.argmax), n)?,
+        StepOut::Sample => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n)?,
+        StepOut::Logits | StepOut::None => return Ok(()),
+    }
+    pass.point(probe, Point::Phase("token"))
+}
+
+/// The backend's batch buffers and the steps captured over them.
+pub struct Batcher {
+    pub bufs: BatchBuffers,
+    graphs: Vec<(StepKey, StepGraph)>,
+}
+
+impl CudaBackend {
+    /// Batch buffers for at least `rows` rows (reallocated, and the graphs dropped, when larger
+    /// ones are needed).
+    fn fit_batch(&mut self, rows: usize) -> Result<()> {
+        if self.batcher.as_ref().is_some_and(|b| b.bufs.cap >= rows) {
+            return Ok(());
+        }
+        self.batcher = None;
+        let bufs = BatchBuffers::new(&self.gpu, &self.cfg, capacity_for(rows))?;
+        self.batcher = Some(Batcher { bufs, graphs: Vec::new() });
+        Ok(())
+    }
+
+    /// Writes the rows' state pointers and `[token, position]` pairs into the batch tables, and
+    /// their sampling state when the step samples.
+    fn bind_rows(&mut self, seqs: &[&CudaSequence], tokens: &[u32], positions: &[usize], snaps: &[&SamplerSnapshot], out: StepOut) -> Result<()> {
+        let gpu = &self.gpu;
+        let st = &gpu.stream;
+        let b = &mut self.batcher.as_mut().expect("fitted before binding").bufs;
+        let cap = b.cap;
+        let mut tables = vec![0u64; 2 * self.w.layers.len() * cap];
+        for (li, lw) in self.w.layers.iter().enumerate() {
+            for (r, seq) in seqs.iter().enumerate() {
+                let (x, y) = seq.layer(li, &lw.mixer, st)?;
+                tables[2 * li * cap + r] = x;
+                tables[(2 * li + 1) * cap + r] = y;
+            }
+        }
+        let steps: Vec<i32> = tokens.iter().zip(positions).flat_map(|(&t, &p)| [t as i32, p as i32]).collect();
+        st.memcpy_htod(&tables, &mut b.tables).map_err(|e| anyhow!("batch table upload: {e:?}"))?;
+        let mut dst = b.steps.slice_mut(0..steps.len());
+        st.memcpy_htod(&steps, &mut dst).map_err(|e| anyhow!("batch step upload: {e:?}"))?;
+        if out == StepOut::Sample {
+            b.sample.load(gpu, snaps)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one batch step over the bound rows: through its graph (captured on first use), or
+    /// directly (profiling, graphs off or failed).
+    fn run_batch_step(&mut self, key: StepKey) -> Result<()> {
+        let batcher = self.batcher.as_mut().expect("fitted before stepping");
+        if let Some(p) = self.profile.as_mut() {
+            p.steps += 1;
+            sampling::spin_us(&self.gpu, 20_000)?;
+            let mut probe = Probe::profiling(true);
+            enqueue(&self.gpu, &self.cfg, &self.w, &batcher.bufs, key, &mut probe)?;
+            p.add(&probe.phase_ms(&self.gpu)?);
+            return Ok(());
+        }
+        if !self.use_graphs {
+            return enqueue(&self.gpu, &self.cfg, &self.w, &batcher.bufs, key, &mut Probe::default());
+        }
+        if let Some((_, g)) = batcher.graphs.iter().find(|(k, _)| *k == key) {
+            return g.launch();
+        }
+        let (gpu, cfg, w) = (&self.gpu, &self.cfg, &self.w);
+        match super::capture(gpu, || enqueue(gpu, cfg, w, &batcher.bufs, key, &mut Probe::default())) {
+            Ok(g) => {
+                if batcher.graphs.len() >= MAX_BATCH_GRAPHS {
+                    batcher.graphs.remove(0);
+                }
+                g.launch()?;
+                batcher.graphs.push((key, g));
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("lily: CUDA graph capture failed ({e:#}); launching kernels directly");
+                self.use_graphs = false;
+                enqueue(&self.gpu, &self.cfg, &self.w, &batcher.bufs, key, &mut Probe::default())
+            }
+        }
+    }
+
+    /// `Backend::decode_batch` on the device (see there for the contract).
+    pub(super) fn batch_decode(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
+        let vocab = self.cfg.vocab_size;
+        check_batch(vocab, rows)?;
+        if rows.len() > MAX_BATCH {
+            bail!("at most {MAX_BATCH} rows per batched decode ({} given)", rows.len());
+        }
+        let kv_bf16 = rows.first().map(|r| r.seq.state::<CudaSequence>().kv_bf16).unwrap_or(false);
+        if rows.iter().any(|r| r.seq.state::<CudaSequence>().kv_bf16 != kv_bf16) {
+            bail!("the rows of a batched decode must share one KV cache element type");
+        }
+        let mut snaps: Vec<SamplerSnapshot> = rows.iter().map(|r| r.sampler.clone()).collect();
+        let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
+        let mut produced = vec![0usize; rows.len()];
+        let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
+        let reach = rows.iter().map(|r| r.seq.len() + r.max_tokens).max().unwrap_or(1);
+        let splits = batch_splits(reach);
+        self.fit_batch(live.len())?;
+        let mut bound = false;
+        let mut host = vec![0i32; 2 * live.len()];
+        while !live.is_empty() {
+            let n = live.len();
+            let out = if live.iter().all(|&i| snaps[i].params.is_plain_greedy()) { StepOut::Greedy } else { StepOut::Sample };
+            if !bound {
+                let seqs: Vec<&CudaSequence> = live.iter().map(|&i| rows[i].seq.state::<CudaSequence>()).collect();
+                let toks: Vec<u32> = live.iter().map(|&i| cur[i]).collect();
+                let pos: Vec<usize> = live.iter().map(|&i| rows[i].seq.len()).collect();
+                let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
+                self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
+            }
+            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out })?;
+            let b = &self.batcher.as_ref().expect("fitted").bufs;
+            self.gpu
+                .stream
+                .memcpy_dtoh(&b.steps.slice(0..2 * n), &mut host[..2 * n])
+                .map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))?;
+            self.gpu.sync()?;
+            let mut next = Vec::with_capacity(n);
+            for (r, &i) in live.iter().enumerate() {
+                let (tok, pos) = (host[2 * r], host[2 * r + 1]);
+                let seq = &mut rows[i].seq;
+                if pos as usize != seq.len() + 1 || tok < 0 || tok as usize >= vocab {
+                    bail!("device step rows out of sync (row {i}: token {tok}, position {pos})");
+                }
+                seq.advance(1);
+                produced[i] += 1;
+                cur[i] = tok as u32;
+                if snaps[i].params.has_penalties() {
+                    snaps[i].observe(tok as u32);
+                }
+                if on_token(i, tok as u32) && produced[i] < rows[i].max_tokens {
+                    next.push(i);
+                }
+            }
+            // A row left: the tables are rebuilt for the remaining rows (their device counts
+            // and positions are re-sent from the host's copies).
+            bound = next.len() == n;
+            live = next;
+        }
+        Ok(produced)
+    }
+
+    /// One batch step of `seqs` fed `tokens`, returning the logits `[rows][vocab]` (tests).
+    #[cfg(feature = "cuda-testing")]
+    pub(super) fn batch_logits(&mut self, seqs: &mut [&mut crate::backend::Sequence], tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = seqs.len();
+        if n == 0 || n > MAX_BATCH || tokens.len() != n {
+            bail!("batch of {n} rows and {} tokens", tokens.len());
+        }
+        for (s, &t) in seqs.iter().zip(tokens) {
+            if t as usize >= self.cfg.vocab_size {
+                bail!("token id {t} is outside the vocabulary");
+            }
+            s.check_room(1)?;
+        }
+        let kv_bf16 = seqs[0].state::<CudaSequence>().kv_bf16;
+        let reach = seqs.iter().map(|s| s.len() + 1).max().unwrap_or(1);
+        self.fit_batch(n)?;
+        let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();
+        let pos: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        self.bind_rows(&states, tokens, &pos, &[], StepOut::Logits)?;
+        self.run_batch_step(StepKey { rows: n, splits: batch_splits(reach), kv_bf16, out: StepOut::Logits })?;
+        let b = &self.batcher.as_ref().expect("fitted").bufs;
+        let vocab = self.cfg.vocab_size;
+        let out = self.gpu.stream.clone_dtoh(&b.act.logits.slice(0..n * vocab)).map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))?;
+        self.gpu.sync()?;
+        for s in seqs.iter_mut() {
+            s.advance(1);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_and_capacity() {
+        assert_eq!(batch_splits(1), 1);
+        assert_eq!(batch_splits(829), 32);
+        assert_eq!(batch_splits(4096 + 129), MAX_SPLITS);
+        assert_eq!(batch_splits(262_144), MAX_SPLITS);
+        assert_eq!(capacity_for(1), 8);
+        assert_eq!(capacity_for(16), 16);
+        assert_eq!(capacity_for(17), 32);
+        assert_eq!(capacity_for(MAX_BATCH), MAX_BATCH);
+    }
+}
