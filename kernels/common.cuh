@@ -487,3 +487,105 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 // Tokens per pf_gemm_tc tile (qmatmul.cu); pf_scan (moe.cu) lists the grouped-mode tiles in
 // these units.
 #define TC_BN 64
+
+// ---- batched decode on tensor cores (B tokens, bf16 activations): gemv_tcb, moe_tcb ----
+// The decode GEMV's weight path (TcItem: codes, scales and biases of 16 rows x 512 columns in
+// registers; one wave of warps streams the matrix) with up to TCB_TOK tokens of bf16 activations
+// as the mma's B columns (8 tokens per n8 tile) instead of the three split terms of one f32
+// token: every weight read serves all the block's tokens. Per 64-column group and token the
+// result is s*sum(q x) + b*sum(x) over the bf16-rounded x with f32 accumulation:
+// C = sum (1 + q/16) x (exact products), then 16 s C + (b - 16 s) gsum, where gsum is the group
+// sum of the same bf16 values. A token's result depends only on its own row, so it is the same in
+// any batch.
+//
+// Fragments in shared memory: word ((tg * gpr + G) * 4 + i) * 64 + n * 8 + t * 2 + reg holds the
+// bf16 pair (column 64G + 16t + 8h + s, + 4), h = i/2, s = 2(i&1) + reg, of token 8 tg + n (the
+// pairs of gemv_tc's layout, one token per B column): lane (g, t) loads its B of step i and
+// token group tg as one uint2 at ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2t.
+#define TCB_TOK 16       // tokens staged per block pass (two n8 token groups)
+#define TCB_WORDS 256    // fragment words per 64-column group and token group
+
+// Stages tokens j < nt (row row_of(j) of x, `cols` values each; tokens nt..TCB_TOK-1 are zero) as
+// fragments into xf and the group sums of their bf16 values into gsum[j * gpr + G]. One warp per
+// (token, group); lane = pair (i, t, reg) = (lane >> 3, (lane >> 1) & 3, lane & 1).
+template <typename RowOf>
+__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, RowOf row_of, u32* xf, float* gsum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
+    const int i = lane >> 3, t = (lane >> 1) & 3, reg = lane & 1;
+    const int off = 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
+    for (int item = warp; item < ntok * gpr; item += nw) {
+        const int j = item / gpr, G = item % gpr;
+        float a0 = 0.f, a1 = 0.f;
+        if (j < nt) {
+            const float* xr = x + (size_t)row_of(j) * cols + 64 * G + off;
+            a0 = xr[0];
+            a1 = xr[4];
+        }
+        const u32 w = pack_bf16(a0, a1);
+        const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
+        if (lane == 0) gsum[j * gpr + G] = gs;
+        xf[(((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + t * 2 + reg] = w;
+    }
+}
+
+// The item (rows r0 + g and r0 + g + 8 over the groups [G0, G1)) against NTG staged token groups:
+// adds lane (g, t)'s outputs (row g, row g + 8) x (token 2t, 2t + 1) of token group tg into
+// acc[tg][0..3] = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+template <int NTG>
+__device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const float* gsum, int gpr, int G0, int G1,
+                                        float (&acc)[NTG][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < TC_NG; ++j) {
+        const int G = G0 + j;
+        if (G >= G1) break;  // warp-uniform
+        float c[NTG][4];
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) c[tg][0] = c[tg][1] = c[tg][2] = c[tg][3] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+            u32 a[4];
+            if (i & 1) {
+                a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
+                a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
+            } else {
+                a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
+                a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
+            }
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) {
+                const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);
+                mma_bf16(c[tg], a, bx.x, bx.y);
+            }
+        }
+        const float s0 = 16.f * bf16_of(it.sa, j), s1 = 16.f * bf16_of(it.sb, j);
+        const float b0 = bf16_of(it.ba, j) - s0, b1 = bf16_of(it.bb, j) - s1;
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) {
+            const float gs0 = gsum[(tg * 8 + 2 * t) * gpr + G], gs1 = gsum[(tg * 8 + 2 * t + 1) * gpr + G];
+            acc[tg][0] += fmaf(s0, c[tg][0], b0 * gs0);
+            acc[tg][1] += fmaf(s0, c[tg][1], b0 * gs1);
+            acc[tg][2] += fmaf(s1, c[tg][2], b1 * gs0);
+            acc[tg][3] += fmaf(s1, c[tg][3], b1 * gs1);
+        }
+    }
+}
+
+// The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
+// tokens.
+template <int NTG>
+__device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
+                                         const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
+                                         const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
+    const int gpr = cols >> 6;
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+    TcItem it;
+    for (int k = 0; k < kc; ++k) {
+        const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);
+        tc_load(it, w, s, b, rows, r0, cols, g0, g1);
+        tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
+    }
+}

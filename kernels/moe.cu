@@ -4,6 +4,7 @@
 //   prefill (T tokens): pf_route, pf_scan, pf_scatter, pf_moe_combine (the expert GEMMs
 //                       themselves are pf_gemm / pf_gemm_tc in grouped mode, qmatmul.cu; their
 //                       SwiGLU, where not fused, is pf_swiglu in ops.cu)
+//   batched decode:     moe_tcb (after pf_route / pf_scan / pf_scatter; pf_moe_combine)
 
 // ================================ decode (T = 1) ================================
 // Two launches after the router GEMV (gemv_q, qmatmul.cu):
@@ -377,6 +378,68 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
     }
 }
 
+// ============================ batched decode (B tokens) ============================
+// One routed-expert product of a batched decode step: for every (expert, 64-slot tile) of
+// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (4-bit, group 64,
+// bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are
+// read once per 16 of its slots, by the warps of the blocks that split its rows. blockIdx.z picks
+// one of two matrices of the same shape (gate and up: one launch). grid (ceil(rows / rpb),
+// max_tiles, matrices), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
+// Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
+template <int NTG>
+__device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
+                                             const u16* __restrict__ b, float* __restrict__ y, int rows, int cols,
+                                             int r_begin, int r_end, const int* lst, int nt, const u32* xf,
+                                             const float* gsum) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
+    for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
+        float acc[NTG][4];
+        tcb_tile<NTG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
+        auto store = [&](int row, int tok, float v) {
+            if (row < r_end && tok < nt) y[(size_t)lst[tok] * rows + row] = v;
+        };
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) {
+            store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+            store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+            store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+            store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+moe_tcb(const u32* __restrict__ w0, const u16* __restrict__ s0, const u16* __restrict__ b0, float* __restrict__ y0,
+        const u32* __restrict__ w1, const u16* __restrict__ s1, const u16* __restrict__ b1, float* __restrict__ y1,
+        int rows, int cols, int rpb, const float* __restrict__ x, int xdiv, const int* __restrict__ counts,
+        const int* __restrict__ offsets, const int* __restrict__ list, const int* __restrict__ tiles) {
+    extern __shared__ float smem[];
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int cnt = min(TC_BN, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    const int gpr = cols >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    const bool second = blockIdx.z == 1;
+    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
+    const u32* w = (second ? w1 : w0) + erows * wpr;
+    const u16* s = (second ? s1 : s0) + erows * gpr;
+    const u16* b = (second ? b1 : b0) + erows * gpr;
+    float* y = second ? y1 : y0;
+    // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
+    const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
+    for (int c0 = 0; c0 < cnt; c0 += TCB_TOK) {
+        const int nt = min(TCB_TOK, cnt - c0);
+        __syncthreads();  // the previous chunk's fragments are no longer read
+        stage_tokens_tc(x, cols, nt, [&](int j) { return lst[c0 + j] / xdiv; }, xf, gsum);
+        __syncthreads();
+        if (nt > 8) moe_tcb_rows<2>(w, s, b, y, rows, cols, r_begin, r_end, lst + c0, nt, xf, gsum);
+        else moe_tcb_rows<1>(w, s, b, y, rows, cols, r_begin, r_end, lst + c0, nt, xf, gsum);
+    }
+}
+
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
 
@@ -400,32 +463,35 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
-// Exclusive scan of the per-expert counts (E <= 512; counts staged in shared memory, the scan
-// itself is one thread: trivial work); zeroes `fill`. When `tiles` is set it also lists the
-// (expert, first token) tiles of 64 tokens for pf_gemm_tc's grouped mode: tiles[0] = count.
-// block 256.
+// Exclusive scan of the per-expert counts and of their 64-token tile counts (E <= 512, one
+// thread per expert: warp scans, then the warp totals); zeroes `fill`. When `tiles` is set it
+// also lists the (expert, first token) tiles of 64 tokens for the grouped GEMMs, in expert order:
+// tiles[0] = count. block 512.
 extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
                                    int* __restrict__ fill, int* __restrict__ tiles) {
-    __shared__ int c[512];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        c[e] = counts[e];
-        fill[e] = 0;
+    __shared__ int wc[16], wt[16];
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    const int c = e < E ? counts[e] : 0;
+    const int nt = tiles ? (c + TC_BN - 1) / TC_BN : 0;
+    int ic = c, it = nt;  // inclusive scans over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, ic, o), b = __shfl_up_sync(0xffffffffu, it, o);
+        if (lane >= o) { ic += a; it += b; }
     }
+    if (lane == 31) { wc[warp] = ic; wt[warp] = it; }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0, nt = 0;
-        for (int e = 0; e < E; ++e) {
-            offsets[e] = acc;
-            acc += c[e];
-            if (tiles)
-                for (int t0 = 0; t0 < c[e]; t0 += TC_BN) {
-                    tiles[1 + 2 * nt] = e;
-                    tiles[2 + 2 * nt] = t0;
-                    ++nt;
-                }
+    int bc = 0, bt = 0;
+    for (int w = 0; w < warp; ++w) { bc += wc[w]; bt += wt[w]; }
+    if (e < E) {
+        offsets[e] = bc + ic - c;
+        fill[e] = 0;
+        for (int k = 0, t = bt + it - nt; k < nt; ++k, ++t) {
+            tiles[1 + 2 * t] = e;
+            tiles[2 + 2 * t] = k * TC_BN;
         }
-        if (tiles) tiles[0] = nt;
     }
+    if (tiles && e == (int)blockDim.x - 1) tiles[0] = bt + it;
 }
 
 // Per-expert slot lists (order inside an expert is arbitrary; every slot's result is computed

@@ -1,6 +1,7 @@
 // Quantized matrix products (MLX affine 4/8-bit codes, bf16 scales and biases) and the
 // embedding gather. Same math as src/backend/cpu/qmatmul.rs.
 //   decode (T = 1):     gemv_q, gemv_tc, embed_q
+//   batched decode:     gemv_tcb (B tokens, bf16 activations)
 //   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_dequant_bf16, pf_dequant_f32,
 //                       pf_to_bf16, pf_embed
 
@@ -266,6 +267,89 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
         }
         __syncthreads();
     }
+}
+
+// ============================ batched decode (B tokens) ============================
+// One 4-bit matrix (group 64) times the rows of a few tokens: y[t][r] (+)= W[r] . x[t] for
+// tokens t < ntok, token-major x [ntok][cols] and y [ntok][ldy]; bf16 activations on the tensor
+// cores (tcb_mma in common.cuh). grid (ceil(ntok / tok_blk), blocks): a block stages its
+// tok_blk (8 or 16) tokens once, then walks 16-row tiles like gemv_tc: `slices` warps of `kc`
+// 512-column chunks per tile, summed through shared memory. The weights' path is the decode
+// GEMV's; the tokens sharing a block share every weight load, and the blocks of the same rows
+// (consecutive blockIdx.x) run together, so larger batches read the weights from L2.
+// Dynamic shared memory: (tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk) words.
+template <int NTG>
+__device__ __forceinline__ void gemv_tcb_tiles(const u32* __restrict__ w, const u16* __restrict__ s,
+                                               const u16* __restrict__ b, int rows, int cols, int t0, int nt,
+                                               float* __restrict__ y, int ldy, int accumulate, int slices, int kc,
+                                               const u32* xf, const float* gsum, float* part) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
+    const int tiles = (rows + 15) >> 4;
+    const int tok_blk = NTG * 8;
+    for (int bt = blockIdx.y * tpb; bt < tiles; bt += gridDim.y * tpb) {
+        const int tile = bt + my_tile, r0 = tile << 4;
+        float acc[NTG][4];
+        if (tile < tiles) {
+            tcb_tile<NTG>(w, s, b, rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
+        } else {
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+        }
+        auto store = [&](int row, int tok, float v) {
+            if (row < rows && tok < nt) {
+                float* o = y + (size_t)(t0 + tok) * ldy + row;
+                *o = accumulate ? *o + v : v;
+            }
+        };
+        if (slices == 1) {
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) {
+                store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+                store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+                store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+                store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
+            }
+            continue;
+        }
+        // part[warp][16 rows][tok_blk tokens]
+        float* pw = part + warp * 16 * tok_blk;
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) {
+            pw[g * tok_blk + tg * 8 + 2 * t] = acc[tg][0];
+            pw[g * tok_blk + tg * 8 + 2 * t + 1] = acc[tg][1];
+            pw[(g + 8) * tok_blk + tg * 8 + 2 * t] = acc[tg][2];
+            pw[(g + 8) * tok_blk + tg * 8 + 2 * t + 1] = acc[tg][3];
+        }
+        __syncthreads();
+        for (int o = threadIdx.x; o < tpb * 16 * tok_blk; o += blockDim.x) {
+            const int tl = o / (16 * tok_blk), rem = o % (16 * tok_blk), row = rem / tok_blk, tok = rem % tok_blk;
+            float v = 0.f;
+            for (int sl = 0; sl < slices; ++sl) v += part[((tl * slices + sl) * 16 + row) * tok_blk + tok];
+            store(((bt + tl) << 4) + row, tok, v);
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+gemv_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int rows, int cols,
+         const float* __restrict__ x, int ntok, int tok_blk, float* __restrict__ y, int ldy, int accumulate,
+         int slices, int kc) {
+    extern __shared__ float smem[];
+    const int gpr = cols >> 6;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
+    float* part = gsum + tok_blk * gpr;
+    const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
+    pdl_wait_trigger();
+    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, [](int j) { return j; }, xf, gsum);
+    __syncthreads();
+    if (nt > 8)
+        gemv_tcb_tiles<2>(w, s, b, rows, cols, t0, nt, y, ldy, accumulate, slices, kc, xf, gsum, part);
+    else
+        gemv_tcb_tiles<1>(w, s, b, rows, cols, t0, nt, y, ldy, accumulate, slices, kc, xf, gsum, part);
 }
 
 // ============================== prefill (T tokens) ==============================
@@ -667,10 +751,11 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
 
 // Few-row GEMMs kept in f32 in both modes (router, shared-expert gate, GDN b/a projections: they
 // pick experts and gates). A block stages PF_SK_T tokens' rows of x in shared memory (swizzled
-// as stage_x) with their per-group sums; each warp takes rows r = blockIdx.y*256 + warp + 8i and
+// as stage_x) with their per-group sums; each warp takes rows r = blockIdx.y*rpb + warp + 8i and
 // dots every weight chunk it loads with all PF_SK_T tokens, so the weights are read once per
-// PF_SK_T tokens. Bias folded per group, as the CPU qmatmul and the decode row dot.
-// grid (ceil(T / PF_SK_T), ceil(rows / 256)), block 256,
+// PF_SK_T tokens. Bias folded per group, as the CPU qmatmul and the decode row dot. `rpb` rows per
+// block (a multiple of 8) spread few tokens' rows over more blocks.
+// grid (ceil(T / PF_SK_T), ceil(rows / rpb)), block 256,
 // dynamic smem PF_SK_T * (cols + cols/group) floats.
 #define PF_SK_T 8
 // One weight row of pf_gemm_skinny against the PF_SK_T staged tokens (this lane's share in acc):
@@ -713,7 +798,7 @@ __device__ __forceinline__ void skinny_row(const uint4* __restrict__ w4, const u
 
 extern "C" __global__ void __launch_bounds__(256, 1)
 pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows,
-               int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy) {
+               int cols, int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy, int rpb) {
     extern __shared__ __align__(16) float sk_sm[];
     const int gpr = cols / group;
     float* xs = sk_sm;
@@ -734,8 +819,8 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
     }
     __syncthreads();
     const size_t wpr = (size_t)cols * bits / 32;
-    const int rend = min(rows, (int)blockIdx.y * 256 + 256);
-    for (int r = blockIdx.y * 256 + warp; r < rend; r += 8) {
+    const int rend = min(rows, (int)blockIdx.y * rpb + rpb);
+    for (int r = blockIdx.y * rpb + warp; r < rend; r += 8) {
         const uint4* w4 = reinterpret_cast<const uint4*>(w + (size_t)r * wpr);
         const u16* sr = s + (size_t)r * gpr;
         const u16* br = b + (size_t)r * gpr;

@@ -33,7 +33,7 @@ for l in sys.stdin:
     try: d=json.loads(l)
     except Exception: continue
     b = d.get("batch")
-    agg = f' batch {b} aggregate {d["decode"]["aggregate_tok_s"]:.1f}' if b else ""
+    agg = " batch %d aggregate %.1f" % (b, d["decode"]["aggregate_tok_s"]) if b else ""
     print(sys.argv[1], "|", d["prompt_len"], d.get("kv_cache"), "prefill", round(d["prefill"]["tok_s"]), "decode", round(d["decode"]["tok_s"], 1), d["decode"]["token_digest"] + agg)' "$1"; }
 while IFS='|' read -r label envs args; do
   label=$(echo "$label" | xargs); [ -z "$label" ] && continue; case "$label" in \#*) continue;; esac

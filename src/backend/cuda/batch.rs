@@ -120,7 +120,7 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, k
         w,
         act: &b.act,
         s: &b.scratch,
-        gemm: Gemm::new(gpu, cfg.quant.group_size, false, None),
+        gemm: Gemm::batched(gpu, cfg.quant.group_size),
         tokens: Tokens::Batch(rows),
         exact: false,
         dims: LayerDims::new(cfg, key.kv_bf16),

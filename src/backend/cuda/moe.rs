@@ -194,7 +194,7 @@ pub fn route(gpu: &Gpu, d: &MoeDims, r: &RouteLists, n: usize) -> Result<()> {
 /// Slot offsets and tiles from the counts, then the per-expert slot lists of `slots` top-k slots.
 pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize) -> Result<()> {
     let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles)];
-    gpu.launch(PF_SCAN, (1, 1, 1), 256, 0, &args)?;
+    gpu.launch(PF_SCAN, (1, 1, 1), 512, 0, &args)?;
     let args = [Arg::P(r.top_ids), Arg::I(slots as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.list)];
     gpu.launch(PF_SCATTER, (slots.div_ceil(256) as u32, 1, 1), 256, 0, &args)
 }

@@ -14,6 +14,8 @@ use std::cell::Cell;
 
 const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
+const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
+const MOE_TCB: Kernel = Kernel::ordered(&super::registry::MOE, "moe_tcb");
 const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
 const PF_GEMM_TC: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_tc");
@@ -242,6 +244,9 @@ pub struct BlasLimits {
 /// Kernels of a prefill GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmRoute {
+    /// `gemv_tcb` / `moe_tcb`: the decode GEMV's weight streaming with the tokens as bf16 tensor-core
+    /// columns: a batched decode step's few tokens (4-bit, group 64).
+    BatchTensorCore,
     /// Dequantise the matrix once to bf16, multiply on cuBLAS: dense products over many tokens.
     Cublas,
     /// `pf_gemm_tc`: bf16 tensor cores on 128x64 tiles dequantised in shared memory.
@@ -263,6 +268,19 @@ fn cublas_takes(s: &GemmShape, blas: Option<BlasLimits>) -> bool {
 /// The tensor-core GEMM covers k-tiles of 64 columns with one scale per 32-column half tile.
 fn tensor_core_takes(s: &GemmShape) -> bool {
     s.cols.is_multiple_of(64) && s.group.is_multiple_of(32) && (s.bits == 4 || s.bits == 8)
+}
+
+/// The batched decode step's route: the streaming kernels where they apply (4-bit, group 64, whole
+/// 64-column groups), else the prefill's tensor-core tiles. The same for every token count, so a
+/// token's result does not depend on the batch.
+pub fn select_batch_gemm(s: &GemmShape) -> GemmRoute {
+    if s.bits == 4 && s.group == 64 && s.cols.is_multiple_of(64) {
+        GemmRoute::BatchTensorCore
+    } else if tensor_core_takes(s) {
+        GemmRoute::TensorCore
+    } else {
+        GemmRoute::F32Tiles
+    }
 }
 
 /// The route of one prefill GEMM: outside the exact mode, cuBLAS for dense products it takes,
@@ -298,6 +316,13 @@ const SKINNY_SMEM_MAX: usize = 160 * 1024;
 
 fn skinny_smem(cols: usize, group: usize) -> usize {
     SKINNY_T * (cols + cols / group) * 4
+}
+
+/// Rows per block of pf_gemm_skinny: enough row blocks for about two blocks per SM over the
+/// token blocks (a decode batch's few tokens), in multiples of 8 rows (one per warp), at most 256.
+pub fn skinny_rows_per_block(rows: usize, token_blocks: usize, sms: usize) -> usize {
+    let row_blocks = (2 * sms).div_ceil(token_blocks.max(1)).max(1);
+    (rows.div_ceil(row_blocks).div_ceil(8) * 8).clamp(8, 256)
 }
 
 pub fn select_few_row(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> FewRowRoute {
@@ -391,12 +416,13 @@ impl BlasRoute<'_> {
     }
 }
 
-/// The prefill GEMM dispatcher of one forward call.
+/// The prefill GEMM dispatcher of one forward call (or of a batched decode step: `batch`).
 pub struct Gemm<'a> {
     gpu: &'a Gpu,
     group: usize,
     exact: bool,
     blas: Option<BlasRoute<'a>>,
+    batch: bool,
 }
 
 impl<'a> Gemm<'a> {
@@ -413,7 +439,20 @@ impl<'a> Gemm<'a> {
             xb: (ptr(&s.xb, st), s.xb.len()),
             staged: Cell::new(None),
         });
-        Gemm { gpu, group, exact, blas }
+        Gemm { gpu, group, exact, blas, batch: false }
+    }
+
+    /// The dispatcher of a batched decode step: [`select_batch_gemm`]'s routes, f32 few-row GEMMs.
+    pub fn batched(gpu: &'a Gpu, group: usize) -> Self {
+        Gemm { gpu, group, exact: false, blas: None, batch: true }
+    }
+
+    fn route(&self, s: &GemmShape) -> GemmRoute {
+        if self.batch {
+            select_batch_gemm(s)
+        } else {
+            select_gemm(s, self.exact, self.limits(|r| r.wb.1))
+        }
     }
 
     fn shape(&self, q: &DevQ, rows: usize, tokens: usize, grouped: bool) -> GemmShape {
@@ -449,7 +488,11 @@ impl<'a> Gemm<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
         let shape = self.shape(q, rows, ntok, grouped.is_some());
-        match select_gemm(&shape, self.exact, self.limits(|r| r.wb.1)) {
+        match self.route(&shape) {
+            GemmRoute::BatchTensorCore => match grouped {
+                None => gemv_tcb(self.gpu, q, rows, x, ntok, y, ldy, accumulate),
+                Some(g) => moe_tcb(self.gpu, &[(q, y)], rows, x, g),
+            },
             GemmRoute::Cublas => {
                 let r = self.blas.as_ref().expect("selected only with cuBLAS");
                 let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
@@ -471,8 +514,10 @@ impl<'a> Gemm<'a> {
                 r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false)
             }
             FewRowRoute::Skinny => {
-                let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32)]].concat();
-                let grid = (ntok.div_ceil(SKINNY_T) as u32, rows.div_ceil(256) as u32, 1);
+                let rpb = skinny_rows_per_block(rows, ntok.div_ceil(SKINNY_T), self.gpu.sms as usize);
+                let io = [Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32), Arg::I(rpb as i32)];
+                let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &io].concat();
+                let grid = (ntok.div_ceil(SKINNY_T) as u32, rows.div_ceil(rpb) as u32, 1);
                 self.gpu.launch(PF_GEMM_SKINNY, grid, 256, skinny_smem(q.cols, self.group) as u32, &args)
             }
             FewRowRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None),
@@ -485,6 +530,16 @@ impl<'a> Gemm<'a> {
     pub fn glu(&self, gate: &DevQ, up: &DevQ, rows: usize, x: u64, ntok: usize, out: u64, tmp: u64, slots: usize, grouped: Option<Grouped>) -> Result<()> {
         let g = self.shape(gate, rows, ntok, grouped.is_some());
         let u = self.shape(up, rows, ntok, grouped.is_some());
+        if self.batch && self.route(&g) == GemmRoute::BatchTensorCore && self.route(&u) == GemmRoute::BatchTensorCore {
+            match grouped {
+                Some(gr) => moe_tcb(self.gpu, &[(gate, out), (up, tmp)], rows, x, gr)?,
+                None => {
+                    gemv_tcb(self.gpu, gate, rows, x, ntok, out, rows, false)?;
+                    gemv_tcb(self.gpu, up, rows, x, ntok, tmp, rows, false)?;
+                }
+            }
+            return ops::swiglu(self.gpu, out, tmp, slots * rows);
+        }
         match select_glu(&g, &u, self.exact, self.limits(|r| r.wb.1)) {
             GluRoute::FusedTensorCore => gemm_tc(self.gpu, gate, Some(up), rows, self.group, x, ntok, out, rows, false, grouped),
             GluRoute::Cublas | GluRoute::F32Split => {
@@ -536,6 +591,69 @@ fn gemm_tc(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, group: usize, x:
     let io = io_args(x, ntok, y, ldy, accumulate, counts, offsets, list);
     let args = [&head[..], &io, &[Arg::P(tiles), Arg::I(xdiv as i32)]].concat();
     gpu.launch(PF_GEMM_TC, (rows.div_ceil(bm) as u32, gy as u32, 1), 256, GEMM_TC_SMEM as u32, &args)
+}
+
+/// Tokens per block of `gemv_tcb`: 16 (two n8 tiles) while their fragments fit two blocks per SM,
+/// else 8.
+fn tcb_tokens(cols: usize) -> usize {
+    if cols <= 2048 {
+        16
+    } else {
+        8
+    }
+}
+
+/// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
+const TCB_WORDS: usize = 256;
+
+/// `gemv_tcb`: `y[t][0..rows] (+)= W · x[t]` for `ntok` tokens (batched decode).
+#[allow(clippy::too_many_arguments)]
+fn gemv_tcb(gpu: &Gpu, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool) -> Result<()> {
+    let (tok, gpr, warps) = (tcb_tokens(q.cols), q.cols / 64, (GEMV_THREADS / 32) as usize);
+    let smem = ((tok / 8 * gpr * TCB_WORDS + tok * gpr + warps * 16 * tok) * 4) as u32;
+    let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
+    let (blocks, slices, kc) = tc_geometry(rows.div_ceil(16), q.cols, gpu.sms as usize, per_sm);
+    let (w, s, b) = q.ptrs(gpu);
+    let args = [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::P(x),
+        Arg::I(ntok as i32),
+        Arg::I(tok as i32),
+        Arg::P(y),
+        Arg::I(ldy as i32),
+        Arg::I(accumulate as i32),
+        Arg::I(slices as i32),
+        Arg::I(kc as i32),
+    ];
+    gpu.launch(GEMV_TCB, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
+}
+
+/// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
+const MOE_TCB_ROWS: usize = 128;
+
+/// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]` for one or two matrices of the
+/// same shape (gate and up), each into its own output.
+fn moe_tcb(gpu: &Gpu, mats: &[(&DevQ, u64)], rows: usize, x: u64, g: Grouped) -> Result<()> {
+    let Some(&(first, _)) = mats.first() else { bail!("moe_tcb without a matrix") };
+    if mats.len() > 2 {
+        bail!("moe_tcb takes one or two matrices");
+    }
+    let gpr = first.cols / 64;
+    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
+    let mut args = Vec::with_capacity(17);
+    for i in 0..2 {
+        let (q, y) = mats.get(i).copied().unwrap_or((first, 0));
+        let (w, s, b) = if mats.get(i).is_some() { q.ptrs(gpu) } else { (0, 0, 0) };
+        args.extend([Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(y)]);
+    }
+    args.extend([Arg::I(rows as i32), Arg::I(first.cols as i32), Arg::I(MOE_TCB_ROWS as i32), Arg::P(x), Arg::I(g.xdiv as i32)]);
+    args.extend([Arg::P(g.counts), Arg::P(g.offsets), Arg::P(g.list), Arg::P(g.tiles)]);
+    let grid = (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, mats.len() as u32);
+    gpu.launch(MOE_TCB, grid, GEMV_THREADS, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
@@ -616,5 +734,26 @@ mod tests {
         assert_eq!(select_glu(&g, &u, true, blas), GluRoute::F32Split);
         let grouped = shape(512, 2048, 4096, true);
         assert_eq!(select_glu(&grouped, &grouped, false, blas), GluRoute::FusedTensorCore);
+    }
+
+    #[test]
+    fn batch_routes_do_not_depend_on_the_token_count() {
+        for tokens in [1, 7, 16, 64, 128] {
+            assert_eq!(select_batch_gemm(&shape(248_320, 2048, tokens, false)), GemmRoute::BatchTensorCore);
+            assert_eq!(select_batch_gemm(&shape(512, 2048, tokens, true)), GemmRoute::BatchTensorCore);
+            assert_eq!(select_batch_gemm(&GemmShape { bits: 8, ..shape(256, 2048, tokens, false) }), GemmRoute::TensorCore);
+            assert_eq!(select_batch_gemm(&shape(64, 96, tokens, false)), GemmRoute::F32Tiles);
+        }
+    }
+
+    #[test]
+    fn skinny_blocks_spread_few_tokens() {
+        // 35B router (256 rows) for a batch of 16: 8-row blocks; a 4,096-token prefill chunk
+        // keeps one block per 256 rows.
+        assert_eq!(skinny_rows_per_block(256, 2, 132), 8);
+        assert_eq!(skinny_rows_per_block(256, 512, 132), 256);
+        assert_eq!(skinny_rows_per_block(32, 512, 132), 32);
+        assert_eq!(skinny_rows_per_block(1, 1, 132), 8);
+        assert_eq!(skinny_rows_per_block(100_000, 1, 132), 256);
     }
 }

@@ -49,6 +49,7 @@ pub const QMATMUL: Module = Module {
     kernels: &[
         "gemv_q",
         "gemv_tc",
+        "gemv_tcb",
         "embed_q",
         "pf_gemm",
         "pf_gemm_tc",
@@ -126,6 +127,7 @@ pub const MOE: Module = Module {
         "moe_down",
         "moe_gate_up_tc",
         "moe_down_tc",
+        "moe_tcb",
         "pf_route",
         "pf_scan",
         "pf_scatter",
