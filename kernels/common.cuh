@@ -505,27 +505,39 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 #define TCB_TOK 16       // tokens staged per block pass (two n8 token groups)
 #define TCB_WORDS 256    // fragment words per 64-column group and token group
 
-// Stages tokens j < nt (row row_of(j) of x, `cols` values each; tokens nt..TCB_TOK-1 are zero) as
-// fragments into xf and the group sums of their bf16 values into gsum[j * gpr + G]. One warp per
-// (token, group); lane = pair (i, t, reg) = (lane >> 3, (lane >> 1) & 3, lane & 1).
-template <typename RowOf>
-__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, RowOf row_of, u32* xf, float* gsum) {
+// Stages tokens j < nt (row rows[j] of x, or row j without `rows`; `cols` values each; tokens
+// nt..7 or nt..15 are zero) as fragments into xf and the group sums of their bf16 values into
+// gsum[j * gpr + G]. One warp per (token, group); lane = pair (i, t, reg) = (lane >> 3,
+// (lane >> 1) & 3, lane & 1). A warp issues the loads of STAGE_U items before using any (the
+// staging is L2 latency, not bandwidth).
+#define STAGE_U 8
+__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, const int* rows, u32* xf, float* gsum) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
+    const int gpr = cols >> 6, items = (nt > 8 ? TCB_TOK : 8) * gpr;
     const int i = lane >> 3, t = (lane >> 1) & 3, reg = lane & 1;
     const int off = 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
-    for (int item = warp; item < ntok * gpr; item += nw) {
-        const int j = item / gpr, G = item % gpr;
-        float a0 = 0.f, a1 = 0.f;
-        if (j < nt) {
-            const float* xr = x + (size_t)row_of(j) * cols + 64 * G + off;
-            a0 = xr[0];
-            a1 = xr[4];
+    for (int base = warp; base < items; base += nw * STAGE_U) {
+        float a0[STAGE_U], a1[STAGE_U];
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) {
+            const int item = base + u * nw, j = item / gpr, G = item % gpr;
+            a0[u] = a1[u] = 0.f;
+            if (item < items && j < nt) {
+                const float* xr = x + (size_t)(rows ? rows[j] : j) * cols + 64 * G + off;
+                a0[u] = xr[0];
+                a1[u] = xr[4];
+            }
         }
-        const u32 w = pack_bf16(a0, a1);
-        const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
-        if (lane == 0) gsum[j * gpr + G] = gs;
-        xf[(((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + t * 2 + reg] = w;
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) {
+            const int item = base + u * nw, j = item / gpr, G = item % gpr;
+            if (item < items) {  // warp-uniform
+                const u32 w = pack_bf16(a0[u], a1[u]);
+                const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
+                if (lane == 0) gsum[j * gpr + G] = gs;
+                xf[(((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + t * 2 + reg] = w;
+            }
+        }
     }
 }
 
@@ -579,9 +591,14 @@ template <int NTG>
 __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
                                          const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
-    const int gpr = cols >> 6;
+    const int gpr = cols >> 6, lane = threadIdx.x & 31;
 #pragma unroll
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+    if (kc > 1 && lane < 16 && r0 + lane < rows) {
+        // The later chunks of the tile's 16 rows into L2 while the first is loaded and computed.
+        const char* p = reinterpret_cast<const char*>(w + (size_t)(r0 + lane) * (cols >> 3)) + (size_t)(G0 + TC_NG) * 32;
+        for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
+    }
     TcItem it;
     for (int k = 0; k < kc; ++k) {
         const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);

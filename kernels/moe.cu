@@ -389,7 +389,7 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 template <int NTG>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, float* __restrict__ y, int rows, int cols,
-                                             int r_begin, int r_end, const int* lst, int nt, const u32* xf,
+                                             int r_begin, int r_end, const int* slots, int nt, const u32* xf,
                                              const float* gsum) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
@@ -397,7 +397,7 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
         float acc[NTG][4];
         tcb_tile<NTG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
         auto store = [&](int row, int tok, float v) {
-            if (row < r_end && tok < nt) y[(size_t)lst[tok] * rows + row] = v;
+            if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
         };
 #pragma unroll
         for (int tg = 0; tg < NTG; ++tg) {
@@ -430,13 +430,19 @@ moe_tcb(const u32* __restrict__ w0, const u16* __restrict__ s0, const u16* __res
     float* y = second ? y1 : y0;
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int c0 = 0; c0 < cnt; c0 += TCB_TOK) {
         const int nt = min(TCB_TOK, cnt - c0);
-        __syncthreads();  // the previous chunk's fragments are no longer read
-        stage_tokens_tc(x, cols, nt, [&](int j) { return lst[c0 + j] / xdiv; }, xf, gsum);
+        __syncthreads();  // the previous chunk's fragments and slots are no longer read
+        if ((int)threadIdx.x < nt) {
+            slot[threadIdx.x] = lst[c0 + threadIdx.x];
+            xrow[threadIdx.x] = slot[threadIdx.x] / xdiv;
+        }
         __syncthreads();
-        if (nt > 8) moe_tcb_rows<2>(w, s, b, y, rows, cols, r_begin, r_end, lst + c0, nt, xf, gsum);
-        else moe_tcb_rows<1>(w, s, b, y, rows, cols, r_begin, r_end, lst + c0, nt, xf, gsum);
+        stage_tokens_tc(x, cols, nt, xrow, xf, gsum);
+        __syncthreads();
+        if (nt > 8) moe_tcb_rows<2>(w, s, b, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1>(w, s, b, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }
 }
 

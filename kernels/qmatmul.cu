@@ -344,7 +344,7 @@ gemv_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __rest
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, [](int j) { return j; }, xf, gsum);
+    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, nullptr, xf, gsum);
     __syncthreads();
     if (nt > 8)
         gemv_tcb_tiles<2>(w, s, b, rows, cols, t0, nt, y, ldy, accumulate, slices, kc, xf, gsum, part);
@@ -805,9 +805,20 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
     float* gs = sk_sm + PF_SK_T * cols;
     const int t0 = blockIdx.x * PF_SK_T, nt = min(PF_SK_T, ntok - t0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i < PF_SK_T * cols; i += 256) {
-        const int j = i / cols, c = i % cols;
-        xs[j * cols + swz_elem(c)] = j < nt ? x[(size_t)(t0 + j) * cols + c] : 0.f;
+    // Loads issued STAGE_U at a time before their stores (the staging is L2 latency).
+    const int total = PF_SK_T * cols;
+    for (int i0 = threadIdx.x; i0 < total; i0 += 256 * STAGE_U) {
+        float v[STAGE_U];
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) {
+            const int i = i0 + u * 256, j = i / cols, c = i % cols;
+            v[u] = i < total && j < nt ? x[(size_t)(t0 + j) * cols + c] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) {
+            const int i = i0 + u * 256;
+            if (i < total) xs[(i / cols) * cols + swz_elem(i % cols)] = v[u];
+        }
     }
     __syncthreads();
     for (int gi = warp; gi < PF_SK_T * gpr; gi += 8) {
