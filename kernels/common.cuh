@@ -505,13 +505,15 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 #define TCB_TOK 16       // tokens staged per block pass (two n8 token groups)
 #define TCB_WORDS 256    // fragment words per 64-column group and token group
 
-// Stages tokens j < nt (row rows[j] of x, or row j without `rows`; `cols` values each; tokens
-// nt..7 or nt..15 are zero) as fragments into xf and the group sums of their bf16 values into
-// gsum[j * gpr + G]. One warp per (token, group); lane = pair (i, t, reg) = (lane >> 3,
-// (lane >> 1) & 3, lane & 1). A warp issues the loads of STAGE_U items before using any (the
-// staging is L2 latency, not bandwidth).
+// Stages tokens j < nt (row rows[j] of x, or row j without `rows`; `cols` values each, times
+// `gain` when given; tokens nt..7 or nt..15 are zero) as fragments into xf, the group sums of
+// their bf16 values into gsum[j * gpr + G] and, with `ssq`, the group sums of the raw values'
+// squares into ssq[j * gpr + G] (the RMSNorm). One warp per (token, group); lane = pair
+// (i, t, reg) = (lane >> 3, (lane >> 1) & 3, lane & 1). A warp issues the loads of STAGE_U items
+// before using any (the staging is L2 latency, not bandwidth).
 #define STAGE_U 8
-__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, const int* rows, u32* xf, float* gsum) {
+__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, const int* rows,
+                                const float* __restrict__ gain, u32* xf, float* gsum, float* ssq) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gpr = cols >> 6, items = (nt > 8 ? TCB_TOK : 8) * gpr;
     const int i = lane >> 3, t = (lane >> 1) & 3, reg = lane & 1;
@@ -532,7 +534,16 @@ __device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, c
         for (int u = 0; u < STAGE_U; ++u) {
             const int item = base + u * nw, j = item / gpr, G = item % gpr;
             if (item < items) {  // warp-uniform
-                const u32 w = pack_bf16(a0[u], a1[u]);
+                float v0 = a0[u], v1 = a1[u];
+                if (ssq) {
+                    const float sq = warp_sum(v0 * v0 + v1 * v1);
+                    if (lane == 0) ssq[j * gpr + G] = sq;
+                }
+                if (gain) {
+                    v0 *= gain[64 * G + off];
+                    v1 *= gain[64 * G + off + 4];
+                }
+                const u32 w = pack_bf16(v0, v1);
                 const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
                 if (lane == 0) gsum[j * gpr + G] = gs;
                 xf[(((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + t * 2 + reg] = w;

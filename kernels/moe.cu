@@ -379,23 +379,32 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 }
 
 // ============================ batched decode (B tokens) ============================
-// One routed-expert product of a batched decode step: for every (expert, 64-slot tile) of
-// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (4-bit, group 64,
-// bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are
-// read once per 16 of its slots, by the warps of the blocks that split its rows. blockIdx.z picks
-// one of two matrices of the same shape (gate and up: one launch). grid (ceil(rows / rpb),
-// max_tiles, matrices), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
+// The routed-expert products of a batched decode step: for every (expert, 64-slot tile) of
+// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv], or with a second
+// matrix (GLU: gate W and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64,
+// bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are read
+// once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
+// rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
 // Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
 template <int NTG>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
-                                             const u16* __restrict__ b, float* __restrict__ y, int rows, int cols,
-                                             int r_begin, int r_end, const int* slots, int nt, const u32* xf,
-                                             const float* gsum) {
+                                             const u16* __restrict__ b, const u32* __restrict__ w2,
+                                             const u16* __restrict__ s2, const u16* __restrict__ b2,
+                                             float* __restrict__ y, int rows, int cols, int r_begin, int r_end,
+                                             const int* slots, int nt, const u32* xf, const float* gsum) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
     for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
         tcb_tile<NTG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
+        if (w2) {
+            float up[NTG][4];
+            tcb_tile<NTG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
+        }
         auto store = [&](int row, int tok, float v) {
             if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
         };
@@ -410,10 +419,10 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcb(const u32* __restrict__ w0, const u16* __restrict__ s0, const u16* __restrict__ b0, float* __restrict__ y0,
-        const u32* __restrict__ w1, const u16* __restrict__ s1, const u16* __restrict__ b1, float* __restrict__ y1,
-        int rows, int cols, int rpb, const float* __restrict__ x, int xdiv, const int* __restrict__ counts,
-        const int* __restrict__ offsets, const int* __restrict__ list, const int* __restrict__ tiles) {
+moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
+        const u16* __restrict__ s2, const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int rpb,
+        const float* __restrict__ x, int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets,
+        const int* __restrict__ list, const int* __restrict__ tiles) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -422,12 +431,15 @@ moe_tcb(const u32* __restrict__ w0, const u16* __restrict__ s0, const u16* __res
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
-    const bool second = blockIdx.z == 1;
     const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-    const u32* w = (second ? w1 : w0) + erows * wpr;
-    const u16* s = (second ? s1 : s0) + erows * gpr;
-    const u16* b = (second ? b1 : b0) + erows * gpr;
-    float* y = second ? y1 : y0;
+    w += erows * wpr;
+    s += erows * gpr;
+    b += erows * gpr;
+    if (w2) {
+        w2 += erows * wpr;
+        s2 += erows * gpr;
+        b2 += erows * gpr;
+    }
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
@@ -439,10 +451,10 @@ moe_tcb(const u32* __restrict__ w0, const u16* __restrict__ s0, const u16* __res
             xrow[threadIdx.x] = slot[threadIdx.x] / xdiv;
         }
         __syncthreads();
-        stage_tokens_tc(x, cols, nt, xrow, xf, gsum);
+        stage_tokens_tc(x, cols, nt, xrow, nullptr, xf, gsum, nullptr);
         __syncthreads();
-        if (nt > 8) moe_tcb_rows<2>(w, s, b, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
-        else moe_tcb_rows<1>(w, s, b, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }
 }
 

@@ -270,50 +270,66 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
 }
 
 // ============================ batched decode (B tokens) ============================
-// One 4-bit matrix (group 64) times the rows of a few tokens: y[t][r] (+)= W[r] . x[t] for
-// tokens t < ntok, token-major x [ntok][cols] and y [ntok][ldy]; bf16 activations on the tensor
-// cores (tcb_mma in common.cuh). grid (ceil(ntok / tok_blk), blocks): a block stages its
-// tok_blk (8 or 16) tokens once, then walks 16-row tiles like gemv_tc: `slices` warps of `kc`
-// 512-column chunks per tile, summed through shared memory. The weights' path is the decode
-// GEMV's; the tokens sharing a block share every weight load, and the blocks of the same rows
-// (consecutive blockIdx.x) run together, so larger batches read the weights from L2.
-// Dynamic shared memory: (tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk) words.
+// gemv_tc for the few tokens of a batched decode step: several 4-bit matrices (group 64) that
+// share one input, y_m[t][r] (+)= W_m[r] . norm(x[t]) for tokens t < ntok (token-major x
+// [ntok][cols] and y_m [ntok][rows_m]), the input RMSNorm fused when `gain` is given; bf16
+// activations on the tensor cores (tcb_mma in common.cuh). grid (ceil(ntok / tok_blk), blocks):
+// a block stages its tok_blk (8 or 16) tokens once, then walks the set's 16-row tiles like
+// gemv_tc: `slices` warps of `kc` 512-column chunks per tile, summed through shared memory. The
+// tokens of a block share every weight load, and the blocks of the same rows (consecutive
+// blockIdx.x) run together, so larger batches read the weights from L2.
+// Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + 2 * tok_blk * gpr + tok_blk
+// + warps * 16 * tok_blk words.
 template <int NTG>
-__device__ __forceinline__ void gemv_tcb_tiles(const u32* __restrict__ w, const u16* __restrict__ s,
-                                               const u16* __restrict__ b, int rows, int cols, int t0, int nt,
-                                               float* __restrict__ y, int ldy, int accumulate, int slices, int kc,
-                                               const u32* xf, const float* gsum, float* part) {
+__device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
+                                               int slices, int kc, const u32* xf, const float* gsum,
+                                               const float* inv, float* part) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
-    const int tiles = (rows + 15) >> 4;
-    const int tok_blk = NTG * 8;
+    constexpr int tok_blk = NTG * 8;
+    int tiles = 0;
+    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
+    // Tile -> (matrix, first row); m = -1 past the set.
+    auto locate = [&](int tile, int& m, int& r0) {
+        m = -1;
+        r0 = 0;
+        if (tile >= tiles) return;
+        m = 0;
+        while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
+        r0 = tile << 4;
+    };
+    auto store = [&](int m, int row, int tok, float v) {
+        const QMat& M = mats[m];
+        if (row < M.rows && tok < nt) {
+            float* o = M.y + (size_t)(t0 + tok) * M.rows + row;
+            v *= inv[tok];
+            *o = M.accumulate ? *o + v : v;
+        }
+    };
     for (int bt = blockIdx.y * tpb; bt < tiles; bt += gridDim.y * tpb) {
-        const int tile = bt + my_tile, r0 = tile << 4;
+        int m, r0;
+        locate(bt + my_tile, m, r0);
         float acc[NTG][4];
-        if (tile < tiles) {
-            tcb_tile<NTG>(w, s, b, rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
+        if (m >= 0) {
+            const QMat& M = mats[m];
+            tcb_tile<NTG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
         } else {
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
         }
-        auto store = [&](int row, int tok, float v) {
-            if (row < rows && tok < nt) {
-                float* o = y + (size_t)(t0 + tok) * ldy + row;
-                *o = accumulate ? *o + v : v;
-            }
-        };
         if (slices == 1) {
+            if (m < 0) continue;
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) {
-                store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
-                store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
-                store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
-                store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
+                store(m, r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+                store(m, r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+                store(m, r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+                store(m, r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
             }
             continue;
         }
-        // part[warp][16 rows][tok_blk tokens]
+        // part[warp][16 rows][tok_blk tokens], the slices of a tile summed in slice order.
         float* pw = part + warp * 16 * tok_blk;
 #pragma unroll
         for (int tg = 0; tg < NTG; ++tg) {
@@ -325,31 +341,42 @@ __device__ __forceinline__ void gemv_tcb_tiles(const u32* __restrict__ w, const 
         __syncthreads();
         for (int o = threadIdx.x; o < tpb * 16 * tok_blk; o += blockDim.x) {
             const int tl = o / (16 * tok_blk), rem = o % (16 * tok_blk), row = rem / tok_blk, tok = rem % tok_blk;
+            int mm, rr;
+            locate(bt + tl, mm, rr);
+            if (mm < 0) continue;
             float v = 0.f;
             for (int sl = 0; sl < slices; ++sl) v += part[((tl * slices + sl) * 16 + row) * tok_blk + tok];
-            store(((bt + tl) << 4) + row, tok, v);
+            store(mm, rr + row, tok, v);
         }
         __syncthreads();
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
-gemv_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int rows, int cols,
-         const float* __restrict__ x, int ntok, int tok_blk, float* __restrict__ y, int ldy, int accumulate,
-         int slices, int kc) {
+gemv_tcb(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, int ntok, int tok_blk,
+         const float* __restrict__ gain, float eps, int slices, int kc) {
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
-    float* part = gsum + tok_blk * gpr;
+    float* ssq = gsum + tok_blk * gpr;
+    float* inv = ssq + tok_blk * gpr;
+    float* part = inv + tok_blk;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, nullptr, xf, gsum);
+    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, nullptr, gain, xf, gsum, gain ? ssq : nullptr);
+    __syncthreads();
+    if ((int)threadIdx.x < tok_blk) {
+        float ss = 0.f;
+        if (gain)
+            for (int G = 0; G < gpr; ++G) ss += ssq[threadIdx.x * gpr + G];
+        inv[threadIdx.x] = gain ? inv_rms_from(ss, cols, eps) : 1.f;
+    }
     __syncthreads();
     if (nt > 8)
-        gemv_tcb_tiles<2>(w, s, b, rows, cols, t0, nt, y, ldy, accumulate, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<2>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, inv, part);
     else
-        gemv_tcb_tiles<1>(w, s, b, rows, cols, t0, nt, y, ldy, accumulate, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<1>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, inv, part);
 }
 
 // ============================== prefill (T tokens) ==============================

@@ -1,10 +1,14 @@
 //! Batched decode: one token of each of B sequences per step, through one forward over the
-//! batch (`Backend::decode_batch`). The projections, the MoE (each routed expert's weights read
-//! once for every token routed to it) and the lm_head run as the prefill's GEMMs with the batch's
-//! tokens as columns (bf16 tensor cores, f32 accumulation); the Gated DeltaNet step and split-KV
-//! attention run per row on the row's own state, position and length (prefill.rs `ChunkPass`
-//! with `Tokens::Batch`); the next tokens are picked per row on the device (argmax, or the
-//! sampler with each row's parameters).
+//! batch (`Backend::decode_batch`), the layer loop of forward.rs with [`BatchPass`]:
+//! - the dense projections and the lm_head as GEMV sets over the batch's tokens (`gemv_tcb`: the
+//!   decode GEMV's weight streaming with the tokens as bf16 tensor-core columns, the input
+//!   RMSNorm fused), the router and gates in f32 (`pf_gemm_skinny`);
+//! - the MoE over the union of the routed experts: the prefill's GPU routing into per-expert
+//!   slot lists, then `moe_tcb` reads each active expert's rows once for all its tokens (gate|up
+//!   with SwiGLU fused, then down), the shared expert as a GEMV set, the weighted combine;
+//! - the Gated DeltaNet step and split-KV attention per row, on the row's own state, position
+//!   and length;
+//! - the next token per row on the device (argmax, or the sampler with each row's parameters).
 //!
 //! The rows are bound through device tables: per layer, the rows' (ring, state) or (K, V)
 //! pointers, and per row a `[token, position]` pair that the argmax / sampler advance. A step is
@@ -16,16 +20,17 @@
 //! do not depend on its batch.
 
 use super::activations::{Activations, ChunkScratch};
-use super::attention::{self, MAX_SPLITS};
+use super::attention::{self, SplitPartials, MAX_SPLITS};
 use super::decode::StepOut;
 use super::device::{ptr, Gpu};
-use super::forward::{self, BatchRows, LayerDims, LayerStates, Pass, Point, Probe, Tokens};
+use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
+use super::gdn;
+use super::moe::{self, RouteLists};
 use super::ops;
-use super::prefill::ChunkPass;
-use super::qmatmul::Gemm;
+use super::qmatmul::{self, Gemm, GemvSet, GemvSets, Grouped, QMatDesc};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
-use super::weights::{DevMixer, DevWeights};
+use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use super::{CudaBackend, StepGraph};
 use crate::backend::{check_batch, BatchRow};
 use crate::checkpoint::ModelConfig;
@@ -39,11 +44,22 @@ pub const MAX_BATCH: usize = 128;
 /// Captured batch steps kept at once (distinct row counts and split counts).
 const MAX_BATCH_GRAPHS: usize = 48;
 
-/// Buffers of batched steps for up to `cap` rows.
+/// The GEMV sets of one layer (outputs in the batch buffers).
+struct LayerSets {
+    mixer_in: GemvSet,
+    mixer_out: GemvSet,
+    shared_gate_up: GemvSet,
+    shared_down: GemvSet,
+}
+
+/// Buffers of batched steps for up to `cap` rows, and the GEMV sets that write into them.
 pub struct BatchBuffers {
     pub cap: usize,
     act: Activations,
     scratch: ChunkScratch,
+    _descs: CudaSlice<QMatDesc>,
+    layers: Vec<LayerSets>,
+    head: GemvSet,
     /// `[token, position]` per row (i32).
     steps: CudaSlice<i32>,
     /// Per layer two tables of `cap` row pointers: (ring, state) or (K, V).
@@ -56,12 +72,48 @@ pub struct BatchBuffers {
 }
 
 impl BatchBuffers {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, cap: usize) -> Result<Self> {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, cap: usize) -> Result<Self> {
         let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
+        let act = Activations::new(gpu, cfg, cap, cap)?;
+        let scratch = ChunkScratch::new(gpu, cfg, cap, false)?;
+        let st = &gpu.stream;
+        let p = |s: &CudaSlice<f32>| ptr(s, st);
+        let mut sets = GemvSets::default();
+        let mut ids = Vec::new();
+        for l in &w.layers {
+            let (i, o) = match &l.mixer {
+                DevMixer::Gdn(g) => (
+                    sets.add(gpu, &[(&g.in_qkv, p(&act.qkv), false), (&g.in_z, p(&act.z), false), (&g.in_b, p(&act.b), false), (&g.in_a, p(&act.a), false)]),
+                    sets.add(gpu, &[(&g.out, p(&act.x), true)]),
+                ),
+                DevMixer::Attn(a) => (
+                    sets.add(gpu, &[(&a.q, p(&act.qkv), false), (&a.k, p(&act.kraw), false), (&a.v, p(&act.vraw), false)]),
+                    sets.add(gpu, &[(&a.o, p(&act.x), true)]),
+                ),
+            };
+            let m = &l.moe;
+            let gu = sets.add(gpu, &[(&m.shared_gate, p(&scratch.shared_gate), false), (&m.shared_up, p(&scratch.shared_up), false)]);
+            let down = sets.add(gpu, &[(&m.shared_down, p(&scratch.shared_down), false)]);
+            ids.push((i, o, gu, down));
+        }
+        let head = sets.add(gpu, &[(&w.lm_head, p(&act.logits), false)]);
+        let descs = gpu.upload(&sets.descs)?;
+        let base = ptr(&descs, st);
+        let layers: Vec<LayerSets> = ids
+            .into_iter()
+            .map(|(i, o, gu, down)| LayerSets { mixer_in: sets.set(i, base), mixer_out: sets.set(o, base), shared_gate_up: sets.set(gu, base), shared_down: sets.set(down, base) })
+            .collect();
+        let head = sets.set(head, base);
+        if cfg.quant.group_size != 64 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
+            bail!("batched decode needs 4-bit matrices of group 64 (all but the router and gates)");
+        }
         Ok(BatchBuffers {
             cap,
-            act: Activations::new(gpu, cfg, cap, cap)?,
-            scratch: ChunkScratch::new(gpu, cfg, cap, false)?,
+            act,
+            scratch,
+            _descs: descs,
+            layers,
+            head,
             steps: gpu.zeros(2 * cap)?,
             tables: gpu.zeros(2 * cfg.layer_types.len() * cap)?,
             part_o: gpu.zeros(heads * cfg.head_dim)?,
@@ -107,32 +159,134 @@ pub fn capacity_for(rows: usize) -> usize {
     rows.next_power_of_two().clamp(8, MAX_BATCH)
 }
 
+/// The launches of one batch step over the first `rows` rows bound in the buffers.
+struct BatchPass<'a> {
+    gpu: &'a Gpu,
+    w: &'a DevWeights,
+    b: &'a BatchBuffers,
+    rows: usize,
+    splits: usize,
+    dims: LayerDims,
+    /// The f32 few-row GEMMs and the expert products.
+    gemm: Gemm<'a>,
+}
+
+impl BatchPass<'_> {
+    fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+        ptr(s, &self.gpu.stream)
+    }
+
+    fn steps(&self) -> u64 {
+        self.p(&self.b.steps)
+    }
+
+    /// Every matrix of `set` times the rows of `x` (`cols` values), RMSNorm'd with `gain` first.
+    fn gemv(&self, set: GemvSet, x: u64, cols: usize, gain: Option<&CudaSlice<f32>>) -> Result<()> {
+        let gain = gain.map(|g| self.p(g)).unwrap_or(0);
+        qmatmul::gemv_tcb(self.gpu, set, x, cols, self.rows, gain, self.dims.eps)
+    }
+}
+
+impl Pass for BatchPass<'_> {
+    fn gpu(&self) -> &Gpu {
+        self.gpu
+    }
+
+    fn residual(&self) -> (&CudaSlice<f32>, usize) {
+        (&self.b.act.x, self.rows * self.w.embed.cols)
+    }
+
+    fn embed(&mut self, probe: &mut Probe) -> Result<()> {
+        // The token ids are the first words of the [token, position] step rows.
+        qmatmul::embed_rows(self.gpu, &self.w.embed, self.dims.group, self.steps(), 2, self.rows, self.p(&self.b.act.x))?;
+        self.point(probe, Point::Phase("embed"))
+    }
+
+    /// `ring` / `state` are the rows' pointer tables.
+    fn gdn(&mut self, li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
+        let (a, sets) = (&self.b.act, &self.b.layers[li]);
+        self.gemv(sets.mixer_in, self.p(&a.x), self.w.embed.cols, Some(&lw.input_norm))?;
+        self.point(probe, Point::Phase("gdn.proj"))?;
+        let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
+        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), self.rows)?;
+        self.point(probe, Point::Phase("gdn.step"))?;
+        self.gemv(sets.mixer_out, p.y, g.out.cols, None)?;
+        self.point(probe, Point::Phase("gdn.out"))
+    }
+
+    /// `kcache` / `vcache` are the rows' pointer tables.
+    fn attention(&mut self, li: usize, lw: &DevLayer, at: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()> {
+        let (a, sets, d) = (&self.b.act, &self.b.layers[li], &self.dims.attn);
+        self.gemv(sets.mixer_in, self.p(&a.x), self.w.embed.cols, Some(&lw.input_norm))?;
+        self.point(probe, Point::Phase("attn.proj"))?;
+        let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
+        let part = SplitPartials { o: self.p(&self.b.part_o), ml: self.p(&self.b.part_ml) };
+        attention::prep_batch(self.gpu, d, &p, self.steps(), self.rows)?;
+        attention::split_batch(self.gpu, d, &p, &part, self.steps(), self.splits, self.rows)?;
+        attention::combine_batch(self.gpu, d, &p, &part, self.splits, self.rows)?;
+        self.point(probe, Point::Phase("attn.core"))?;
+        self.gemv(sets.mixer_out, p.out, at.o.cols, None)?;
+        self.point(probe, Point::Phase("attn.out"))
+    }
+
+    fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
+        let (a, s, n, d) = (&self.b.act, &self.b.scratch, self.rows, self.dims.moe);
+        let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
+        // The router and gate pick experts in f32 from the normalised input, which the experts
+        // and the shared expert read too.
+        ops::rms_norm(self.gpu, self.p(&a.x), self.p(&lw.post_norm), u, n, h, self.dims.eps)?;
+        self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
+        self.gemm.few_rows(&m.shared_expert_gate, 1, u, n, self.p(&a.sgl), 1)?;
+        self.gpu.zero(self.p(&s.counts), s.counts.len() * 4)?;
+        let r = RouteLists {
+            logits: self.p(&a.router),
+            top_ids: self.p(&a.top_ids),
+            top_w: self.p(&a.top_w),
+            counts: self.p(&s.counts),
+            offsets: self.p(&s.offsets),
+            fill: self.p(&s.fill),
+            list: self.p(&s.list),
+            tiles: self.p(&s.tiles),
+        };
+        moe::route(self.gpu, &d, &r, n)?;
+        moe::slot_lists(self.gpu, d.e, &r, n * k)?;
+        self.point(probe, Point::Phase("moe.route"))?;
+        let grouped = |xdiv| Grouped {
+            experts: d.e,
+            counts: r.counts,
+            offsets: r.offsets,
+            list: r.list,
+            xdiv,
+            tiles: r.tiles,
+            max_tiles: moe::max_tiles(n, &d),
+        };
+        let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
+        self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
+        self.point(probe, Point::Phase("moe.gate_up"))?;
+        self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
+        self.point(probe, Point::Phase("moe.down"))?;
+        let sets = &self.b.layers[li];
+        let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
+        self.gemv(sets.shared_gate_up, u, h, None)?;
+        ops::swiglu(self.gpu, sg, su, n * d.sinter)?;
+        self.gemv(sets.shared_down, sg, d.sinter, None)?;
+        self.point(probe, Point::Phase("shared"))?;
+        moe::combine(self.gpu, &d, ed, r.top_w, sd, self.p(&a.sgl), self.p(&a.x), n)?;
+        self.point(probe, Point::Phase("combine"))
+    }
+}
+
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let st = &gpu.stream;
-    let p = |s: &CudaSlice<f32>| ptr(s, st);
-    let n = key.rows;
-    let steps = ptr(&b.steps, st);
-    let rows = BatchRows { n, steps, splits: key.splits, part_o: p(&b.part_o), part_ml: p(&b.part_ml) };
-    let mut pass = ChunkPass {
-        gpu,
-        w,
-        act: &b.act,
-        s: &b.scratch,
-        gemm: Gemm::batched(gpu, cfg.quant.group_size),
-        tokens: Tokens::Batch(rows),
-        exact: false,
-        dims: LayerDims::new(cfg, key.kv_bf16),
-    };
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16), gemm: Gemm::batched(gpu, cfg.quant.group_size) };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
-    let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
-    let (x, u, logits) = (p(&b.act.x), p(&b.act.u), p(&b.act.logits));
-    ops::rms_norm(gpu, x, p(&w.final_norm), u, n, h, cfg.rms_norm_eps as f32)?;
-    pass.gemm.run(&w.lm_head, vocab, u, n, logits, vocab, false, None)?;
+    let (n, vocab) = (key.rows, cfg.vocab_size);
+    let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));
+    pass.gemv(b.head, pass.p(&b.act.x), cfg.hidden_size, Some(&w.final_norm))?;
     pass.point(probe, Point::Phase("lm_head"))?;
     match key.out {
-        StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, p(&b.argmax), n)?,
+        StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, pass.p(&b.argmax), n)?,
         StepOut::Sample => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n)?,
         StepOut::Logits | StepOut::None => return Ok(()),
     }
@@ -153,7 +307,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.batcher = None;
-        let bufs = BatchBuffers::new(&self.gpu, &self.cfg, capacity_for(rows))?;
+        let bufs = BatchBuffers::new(&self.gpu, &self.cfg, &self.w, capacity_for(rows))?;
         self.batcher = Some(Batcher { bufs, graphs: Vec::new() });
         Ok(())
     }

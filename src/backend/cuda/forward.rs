@@ -21,33 +21,12 @@ use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
-/// The tokens a multi-token pass (prefill.rs) processes.
+/// The tokens a prefill chunk processes: `n` tokens of one sequence at positions
+/// `pos0..pos0 + n`.
 #[derive(Clone, Copy, Debug)]
-pub enum Tokens {
-    /// `n` tokens of one sequence at positions `pos0..pos0 + n` (a prefill chunk).
-    Span { n: usize, pos0: usize },
-    /// One token of each of a batch's sequences (batched decode).
-    Batch(BatchRows),
-}
-
-/// The rows of a batched decode step: `[token, position]` pairs at `steps` (i32, one pair per
-/// row), and the split-KV partials of the attention layers (`splits` per q head and row).
-#[derive(Clone, Copy, Debug)]
-pub struct BatchRows {
+pub struct TokenSpan {
     pub n: usize,
-    pub steps: u64,
-    pub splits: usize,
-    pub part_o: u64,
-    pub part_ml: u64,
-}
-
-impl Tokens {
-    pub fn n(&self) -> usize {
-        match self {
-            Tokens::Span { n, .. } => *n,
-            Tokens::Batch(b) => b.n,
-        }
-    }
+    pub pos0: usize,
 }
 
 /// Shapes every pass reads: norms, quantisation group, and each layer family's dims.

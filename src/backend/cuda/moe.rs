@@ -163,9 +163,10 @@ pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Resu
     }
 }
 
-/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens.
+/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens: every tile holds
+/// at least one of the n * k slots.
 pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
-    (n * d.k).div_ceil(64) + d.e
+    ((n * d.k).div_ceil(64) + d.e).min(n * d.k)
 }
 
 /// Routing scratch of a prefill chunk.
@@ -222,6 +223,10 @@ mod tests {
         assert_eq!(select(&MoeDims { sinter: 128, ..tiny }, false), MoeKernels::CudaCore);
         assert_eq!(select(&MoeDims { inter: 768, sinter: 768, ..tiny }, false), MoeKernels::CudaCore);
         assert_eq!(select(&MoeDims { k: 32, e: 64, ..tiny }, false), MoeKernels::CudaCore);
-        assert_eq!(max_tiles(4096, &MoeDims::new(&ModelConfig::qwen36_35b_a3b())), 512 + 256);
+        let big = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
+        assert_eq!(max_tiles(4096, &big), 512 + 256);
+        // A decode batch: at most one tile per routed slot.
+        assert_eq!(max_tiles(1, &big), 8);
+        assert_eq!(max_tiles(16, &big), 128);
     }
 }

@@ -12,8 +12,7 @@ use super::activations::{Activations, ChunkScratch};
 use super::attention;
 use super::blas::Blas;
 use super::device::{ptr, Gpu};
-use super::attention::SplitPartials;
-use super::forward::{self, LayerDims, Pass, Point, Probe, Tokens};
+use super::forward::{self, LayerDims, Pass, Point, Probe, TokenSpan};
 use super::gdn::{self, GdnChunkScratch, GdnDims};
 use super::moe::{self, RouteLists};
 use super::ops;
@@ -54,20 +53,16 @@ impl ChunkBuffers {
     }
 }
 
-/// The launches of a multi-token pass: a prefill chunk of one sequence, or one token of each
-/// sequence of a batched decode step (batch.rs). Both run the projections, the MoE and the
-/// lm_head as GEMMs over the tokens; they differ in the mixers' cores (a chunk: conv + scan,
-/// causal flash attention; a batch: the fused GDN step and split-KV attention per row).
-pub struct ChunkPass<'a> {
-    pub gpu: &'a Gpu,
-    pub w: &'a DevWeights,
-    pub act: &'a Activations,
-    pub s: &'a ChunkScratch,
-    pub gemm: Gemm<'a>,
-    pub tokens: Tokens,
-    /// f32 attention (prefill's exact mode).
-    pub exact: bool,
-    pub dims: LayerDims,
+/// The prefill launches of one chunk.
+struct ChunkPass<'a> {
+    gpu: &'a Gpu,
+    w: &'a DevWeights,
+    act: &'a Activations,
+    s: &'a ChunkScratch,
+    gemm: Gemm<'a>,
+    span: TokenSpan,
+    exact: bool,
+    dims: LayerDims,
 }
 
 impl ChunkPass<'_> {
@@ -77,7 +72,7 @@ impl ChunkPass<'_> {
 
     /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it.
     fn norm(&self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
-        let (n, h) = (self.tokens.n(), self.w.embed.cols);
+        let (n, h) = (self.span.n, self.w.embed.cols);
         ops::rms_norm(self.gpu, self.p(&self.act.x), self.p(gain), self.p(&self.act.u), n, h, self.dims.eps)?;
         self.gemm.stage(self.p(&self.act.u), n, h)?;
         self.point(probe, Point::Phase("norm"))
@@ -90,7 +85,7 @@ impl Pass for ChunkPass<'_> {
     }
 
     fn residual(&self) -> (&CudaSlice<f32>, usize) {
-        (&self.act.x, self.tokens.n() * self.w.embed.cols)
+        (&self.act.x, self.span.n * self.w.embed.cols)
     }
 
     fn embed(&mut self, probe: &mut Probe) -> Result<()> {
@@ -99,7 +94,7 @@ impl Pass for ChunkPass<'_> {
     }
 
     fn gdn(&mut self, _li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
-        let (a, n, d) = (self.act, self.tokens.n(), self.dims.gdn);
+        let (a, n, d) = (self.act, self.span.n, self.dims.gdn);
         let (u, h) = (self.p(&a.u), self.w.embed.cols);
         self.norm(&lw.input_norm, probe)?;
         let (cdim, vd, nv) = (d.conv_dim, d.nv * d.dv, d.nv);
@@ -109,28 +104,19 @@ impl Pass for ChunkPass<'_> {
         self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
         let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
-        match self.tokens {
-            Tokens::Span { pos0, .. } => {
-                let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
-                gdn::conv(self.gpu, &d, &p, &s, n, pos0)?;
-                self.point(probe, Point::Phase("gdn.conv"))?;
-                gdn::scan(self.gpu, &d, &p, &s, n)?;
-                self.point(probe, Point::Phase("gdn.scan"))?;
-                gdn::gated_norm(self.gpu, &d, &p, &s, n)?;
-                self.point(probe, Point::Phase("gdn.norm"))?;
-            }
-            // `ring` / `state` are the rows' pointer tables.
-            Tokens::Batch(b) => {
-                gdn::step_batch(self.gpu, &d, &p, b.steps, n)?;
-                self.point(probe, Point::Phase("gdn.step"))?;
-            }
-        }
+        let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
+        gdn::conv(self.gpu, &d, &p, &s, n, self.span.pos0)?;
+        self.point(probe, Point::Phase("gdn.conv"))?;
+        gdn::scan(self.gpu, &d, &p, &s, n)?;
+        self.point(probe, Point::Phase("gdn.scan"))?;
+        gdn::gated_norm(self.gpu, &d, &p, &s, n)?;
+        self.point(probe, Point::Phase("gdn.norm"))?;
         self.gemm.run(&g.out, h, p.y, n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("gdn.out"))
     }
 
     fn attention(&mut self, _li: usize, lw: &DevLayer, at: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()> {
-        let (a, n) = (self.act, self.tokens.n());
+        let (a, n) = (self.act, self.span.n);
         let (u, h) = (self.p(&a.u), self.w.embed.cols);
         self.norm(&lw.input_norm, probe)?;
         let (qrows, kvd) = (at.q.rows, at.k.rows);
@@ -139,29 +125,16 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&at.v, kvd, u, n, self.p(&a.vraw), kvd, false, None)?;
         self.point(probe, Point::Phase("attn.proj"))?;
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
-        let d = &self.dims.attn;
-        match self.tokens {
-            Tokens::Span { pos0, .. } => {
-                attention::prep_chunk(self.gpu, d, &p, n, pos0)?;
-                self.point(probe, Point::Phase("attn.prep"))?;
-                attention::chunk(self.gpu, d, &p, n, pos0, self.exact)?;
-            }
-            // `kcache` / `vcache` are the rows' pointer tables.
-            Tokens::Batch(b) => {
-                let part = SplitPartials { o: b.part_o, ml: b.part_ml };
-                attention::prep_batch(self.gpu, d, &p, b.steps, n)?;
-                self.point(probe, Point::Phase("attn.prep"))?;
-                attention::split_batch(self.gpu, d, &p, &part, b.steps, b.splits, n)?;
-                attention::combine_batch(self.gpu, d, &p, &part, b.splits, n)?;
-            }
-        }
+        attention::prep_chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0)?;
+        self.point(probe, Point::Phase("attn.prep"))?;
+        attention::chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0, self.exact)?;
         self.point(probe, Point::Phase("attn.core"))?;
         self.gemm.run(&at.o, h, p.out, n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("attn.out"))
     }
 
     fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
-        let (a, s, n, d) = (self.act, self.s, self.tokens.n(), self.dims.moe);
+        let (a, s, n, d) = (self.act, self.s, self.span.n, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
@@ -204,13 +177,8 @@ impl Pass for ChunkPass<'_> {
 }
 
 fn qmatmul_embed(pass: &ChunkPass) -> Result<()> {
-    let x = pass.p(&pass.act.x);
-    // A chunk's ids are uploaded into the scratch; a batch's are the step rows' first words.
-    let (ids, ld) = match pass.tokens {
-        Tokens::Span { .. } => (pass.p(&pass.s.ids), 1),
-        Tokens::Batch(b) => (b.steps, 2),
-    };
-    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.dims.group, ids, ld, pass.tokens.n(), x)
+    let (ids, x) = (pass.p(&pass.s.ids), pass.p(&pass.act.x));
+    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.dims.group, ids, 1, pass.span.n, x)
 }
 
 /// Where a chunk's logits go: rows `r0..r1` of the chunk, computed `LOGIT_ROWS` at a time.
@@ -253,7 +221,7 @@ impl Prefill<'_> {
         let mut start = 0;
         while start < tokens.len() {
             let n = chunk.min(tokens.len() - start);
-            let span = Tokens::Span { n, pos0: pos + start };
+            let span = TokenSpan { n, pos0: pos + start };
             let ids: Vec<i32> = tokens[start..start + n].iter().map(|&t| t as i32).collect();
             gpu.stream.memcpy_htod(&ids, &mut b.scratch.ids).map_err(|e| anyhow!("token upload: {e:?}"))?;
             self.chunk_layers(b, seq, span, &mut probe)?;
@@ -269,7 +237,7 @@ impl Prefill<'_> {
         Ok(out)
     }
 
-    fn chunk_layers(&self, b: &ChunkBuffers, seq: &CudaSequence, span: Tokens, probe: &mut Probe) -> Result<()> {
+    fn chunk_layers(&self, b: &ChunkBuffers, seq: &CudaSequence, span: TokenSpan, probe: &mut Probe) -> Result<()> {
         let blas = self.blas.and_then(|l| b.scratch.blas.as_ref().map(|s| (l, s, self.cublas_min_tokens)));
         let mut pass = ChunkPass {
             gpu: self.gpu,
@@ -277,7 +245,7 @@ impl Prefill<'_> {
             act: &b.act,
             s: &b.scratch,
             gemm: Gemm::new(self.gpu, self.cfg.quant.group_size, self.exact, blas),
-            tokens: span,
+            span,
             exact: self.exact,
             dims: LayerDims::new(self.cfg, seq.kv_bf16),
         };

@@ -244,8 +244,8 @@ pub struct BlasLimits {
 /// Kernels of a prefill GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmRoute {
-    /// `gemv_tcb` / `moe_tcb`: the decode GEMV's weight streaming with the tokens as bf16 tensor-core
-    /// columns: a batched decode step's few tokens (4-bit, group 64).
+    /// `moe_tcb`: the decode GEMV's weight streaming with a batched decode step's few tokens per
+    /// expert as bf16 tensor-core columns (4-bit, group 64).
     BatchTensorCore,
     /// Dequantise the matrix once to bf16, multiply on cuBLAS: dense products over many tokens.
     Cublas,
@@ -270,9 +270,10 @@ fn tensor_core_takes(s: &GemmShape) -> bool {
     s.cols.is_multiple_of(64) && s.group.is_multiple_of(32) && (s.bits == 4 || s.bits == 8)
 }
 
-/// The batched decode step's route: the streaming kernels where they apply (4-bit, group 64, whole
-/// 64-column groups), else the prefill's tensor-core tiles. The same for every token count, so a
-/// token's result does not depend on the batch.
+/// The route of a batched decode step's expert products: the streaming kernel where it applies
+/// (4-bit, group 64, whole 64-column groups), else the prefill's tensor-core tiles. The same for
+/// every token count, so a token's result does not depend on the batch. (Its dense products are
+/// GEMV sets: [`gemv_tcb`].)
 pub fn select_batch_gemm(s: &GemmShape) -> GemmRoute {
     if s.bits == 4 && s.group == 64 && s.cols.is_multiple_of(64) {
         GemmRoute::BatchTensorCore
@@ -490,8 +491,8 @@ impl<'a> Gemm<'a> {
         let shape = self.shape(q, rows, ntok, grouped.is_some());
         match self.route(&shape) {
             GemmRoute::BatchTensorCore => match grouped {
-                None => gemv_tcb(self.gpu, q, rows, x, ntok, y, ldy, accumulate),
-                Some(g) => moe_tcb(self.gpu, &[(q, y)], rows, x, g),
+                Some(g) => moe_tcb(self.gpu, q, None, rows, x, y, g),
+                None => bail!("a batched step's dense products are GEMV sets (gemv_tcb)"),
             },
             GemmRoute::Cublas => {
                 let r = self.blas.as_ref().expect("selected only with cuBLAS");
@@ -531,14 +532,10 @@ impl<'a> Gemm<'a> {
         let g = self.shape(gate, rows, ntok, grouped.is_some());
         let u = self.shape(up, rows, ntok, grouped.is_some());
         if self.batch && self.route(&g) == GemmRoute::BatchTensorCore && self.route(&u) == GemmRoute::BatchTensorCore {
-            match grouped {
-                Some(gr) => moe_tcb(self.gpu, &[(gate, out), (up, tmp)], rows, x, gr)?,
-                None => {
-                    gemv_tcb(self.gpu, gate, rows, x, ntok, out, rows, false)?;
-                    gemv_tcb(self.gpu, up, rows, x, ntok, tmp, rows, false)?;
-                }
-            }
-            return ops::swiglu(self.gpu, out, tmp, slots * rows);
+            return match grouped {
+                Some(gr) => moe_tcb(self.gpu, gate, Some(up), rows, x, out, gr),
+                None => bail!("a batched step's dense products are GEMV sets (gemv_tcb)"),
+            };
         }
         match select_glu(&g, &u, self.exact, self.limits(|r| r.wb.1)) {
             GluRoute::FusedTensorCore => gemm_tc(self.gpu, gate, Some(up), rows, self.group, x, ntok, out, rows, false, grouped),
@@ -606,26 +603,26 @@ fn tcb_tokens(cols: usize) -> usize {
 /// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
 const TCB_WORDS: usize = 256;
 
-/// `gemv_tcb`: `y[t][0..rows] (+)= W · x[t]` for `ntok` tokens (batched decode).
-#[allow(clippy::too_many_arguments)]
-fn gemv_tcb(gpu: &Gpu, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool) -> Result<()> {
-    let (tok, gpr, warps) = (tcb_tokens(q.cols), q.cols / 64, (GEMV_THREADS / 32) as usize);
-    let smem = ((tok / 8 * gpr * TCB_WORDS + tok * gpr + warps * 16 * tok) * 4) as u32;
+/// `gemv_tcb`: `y_m[t] (+)= W_m · norm(x[t])` for every matrix of `set` (4-bit, group 64) and the
+/// `ntok` token rows of `x` (`cols` values each), RMSNorm'd with `gain` first when non-zero; each
+/// output token-major with the matrix's rows (batched decode).
+pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, x: u64, cols: usize, ntok: usize, gain: u64, eps: f32) -> Result<()> {
+    if !set.all4 || !cols.is_multiple_of(64) {
+        bail!("the batched GEMV takes 4-bit matrices of whole 64-column groups");
+    }
+    let (tok, gpr, warps) = (tcb_tokens(cols), cols / 64, (GEMV_THREADS / 32) as usize);
+    let smem = ((tok / 8 * gpr * TCB_WORDS + 2 * tok * gpr + tok + warps * 16 * tok) * 4) as u32;
     let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
-    let (blocks, slices, kc) = tc_geometry(rows.div_ceil(16), q.cols, gpu.sms as usize, per_sm);
-    let (w, s, b) = q.ptrs(gpu);
+    let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let args = [
-        Arg::P(w),
-        Arg::P(s),
-        Arg::P(b),
-        Arg::I(rows as i32),
-        Arg::I(q.cols as i32),
+        Arg::P(set.descs),
+        Arg::I(set.count as i32),
         Arg::P(x),
+        Arg::I(cols as i32),
         Arg::I(ntok as i32),
         Arg::I(tok as i32),
-        Arg::P(y),
-        Arg::I(ldy as i32),
-        Arg::I(accumulate as i32),
+        Arg::P(gain),
+        Arg::F(eps),
         Arg::I(slices as i32),
         Arg::I(kc as i32),
     ];
@@ -635,25 +632,32 @@ fn gemv_tcb(gpu: &Gpu, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: 
 /// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
 const MOE_TCB_ROWS: usize = 128;
 
-/// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]` for one or two matrices of the
-/// same shape (gate and up), each into its own output.
-fn moe_tcb(gpu: &Gpu, mats: &[(&DevQ, u64)], rows: usize, x: u64, g: Grouped) -> Result<()> {
-    let Some(&(first, _)) = mats.first() else { bail!("moe_tcb without a matrix") };
-    if mats.len() > 2 {
-        bail!("moe_tcb takes one or two matrices");
-    }
-    let gpr = first.cols / 64;
+/// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
+/// `y[slot] = silu(W_e · x) * (Up_e · x)`.
+fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, x: u64, y: u64, g: Grouped) -> Result<()> {
+    let gpr = q.cols / 64;
     let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
-    let mut args = Vec::with_capacity(17);
-    for i in 0..2 {
-        let (q, y) = mats.get(i).copied().unwrap_or((first, 0));
-        let (w, s, b) = if mats.get(i).is_some() { q.ptrs(gpu) } else { (0, 0, 0) };
-        args.extend([Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(y)]);
-    }
-    args.extend([Arg::I(rows as i32), Arg::I(first.cols as i32), Arg::I(MOE_TCB_ROWS as i32), Arg::P(x), Arg::I(g.xdiv as i32)]);
-    args.extend([Arg::P(g.counts), Arg::P(g.offsets), Arg::P(g.list), Arg::P(g.tiles)]);
-    let grid = (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, mats.len() as u32);
-    gpu.launch(MOE_TCB, grid, GEMV_THREADS, smem, &args)
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let args = [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::P(w2),
+        Arg::P(s2),
+        Arg::P(b2),
+        Arg::P(y),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::I(MOE_TCB_ROWS as i32),
+        Arg::P(x),
+        Arg::I(g.xdiv as i32),
+        Arg::P(g.counts),
+        Arg::P(g.offsets),
+        Arg::P(g.list),
+        Arg::P(g.tiles),
+    ];
+    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
