@@ -442,17 +442,6 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
-    // The block's codes into L2 while the tokens are staged: every load then is in flight at once
-    // instead of one 512-column chunk per warp at a time.
-    {
-        const size_t bytes = (size_t)(r_end - r_begin) * wpr * 4;
-        const char* p = reinterpret_cast<const char*>(w + (size_t)r_begin * wpr);
-        const char* p2 = w2 ? reinterpret_cast<const char*>(w2 + (size_t)r_begin * wpr) : nullptr;
-        for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)blockDim.x * 128) {
-            prefetch_l2(p + off);
-            if (p2) prefetch_l2(p2 + off);
-        }
-    }
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int c0 = 0; c0 < cnt; c0 += TCB_TOK) {
         const int nt = min(TCB_TOK, cnt - c0);

@@ -363,18 +363,6 @@ gemv_tcb(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, 
     float* inv = ssq + tok_blk * gpr;
     float* part = inv + tok_blk;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
-    {
-        // This warp's first tile (its slice of 16 rows) into L2 before the wait and the staging:
-        // the weights do not depend on the previous kernels.
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tpb = (blockDim.x >> 5) / slices;
-        int tile = blockIdx.y * tpb + warp / slices, m = 0;
-        while (m < nmats && tile >= ((mats[m].rows + 15) >> 4)) tile -= (mats[m].rows + 15) >> 4, ++m;
-        if (m < nmats && lane < 16 && tile * 16 + lane < mats[m].rows) {
-            const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(tile * 16 + lane) * (cols >> 3)) +
-                            (size_t)(warp % slices) * kc * TC_NG * 32;
-            for (int off = 0; off < kc * TC_NG * 32; off += 128) prefetch_l2(p + off);
-        }
-    }
     pdl_wait_trigger();
     stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, nullptr, gain, xf, gsum, gain ? ssq : nullptr);
     __syncthreads();
