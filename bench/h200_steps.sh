@@ -13,6 +13,8 @@
 #   bash bench/h200_steps.sh tf-determinism  where transformers' greedy rounds diverge; tf-arms ...: its arm
 #   bash bench/h200_steps.sh matrix ... run_all.py with every arm found, extra arguments passed on
 #   bash bench/h200_steps.sh out        copy results + doc to $OUT
+#   bash bench/h200_steps.sh batched-start / batched-gguf / batched [SECONDS]   llama-batched-bench, the
+#                                       batched-decode peer (carry .whl/llama-src.tar.xz)
 set -uo pipefail
 W=/root/pb
 CK=/root/ck
@@ -99,6 +101,34 @@ setup)
   [ -f "$W/m-Q4_K_M.gguf" ] || detach quantize-km "$W/llama/llama.cpp/build-cpu/bin/llama-quantize --allow-requantize \
     $W/m-Q4_0.gguf $W/m-Q4_K_M.gguf.part Q4_K_M 16 && mv $W/m-Q4_K_M.gguf.part $W/m-Q4_K_M.gguf"
   log "setup: done (the CUDA build and the Q4_K_M quantization go on)"
+  ;;
+batched-start)
+  # The batched-decode peer (issue 14): unpack llama.cpp (carry .whl/llama-src.tar.xz) and build
+  # llama-batched-bench with CUDA, detached (about 10 minutes on the 16 cores; it goes on while
+  # the same call runs Lily's arms); then `batched-gguf` and, back to back, `batched`.
+  mkdir -p "$W/llama" && tar -C "$W/llama" -xJf .whl/llama-src.tar.xz || exit 1
+  detach llama-batched-build "cd $W/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc $LLAMA_CMAKE && cmake --build build -j16 --target llama-batched-bench"
+  log "batched-start: build detached"
+  ;;
+batched-gguf)
+  # The Q4_0 GGUF of the synthetic 35B at $CK (written by scripts/device_check.sh or `setup`).
+  [ -f "$W/m-Q4_0.gguf" ] || gguf_py bench/write_gguf.py --model "$CK" --out "$W/m-Q4_0.gguf" --outtype q4_0 || exit 1
+  ls -la "$W/m-Q4_0.gguf"
+  ;;
+batched)
+  # batched [SECONDS]: wait for the build, then llama-batched-bench as the issue measures it (700-token
+  # prompts, 128 tokens decoded, flash attention on, all layers on the GPU) at 1/4/16/32/64
+  # parallel sequences; JSON lines and the table into $OUT.
+  wait_rc llama-batched-build "${2:-540}" || { tail -20 "$W/llama-batched-build.log"; exit 1; }
+  mkdir -p "${OUT:-$RES}"
+  for fmt in jsonl md; do
+    "$W/llama/llama.cpp/build/bin/llama-batched-bench" -m "$W/m-Q4_0.gguf" -c 65536 -b 2048 -ub 512 \
+      -npp 700 -ntg 128 -npl 1,4,16,32,64 -fa on -ngl 99 --output-format $fmt \
+      > "${OUT:-$RES}/llama-batched.$fmt" 2> "${OUT:-$RES}/llama-batched-$fmt.log" || { tail -20 "${OUT:-$RES}/llama-batched-$fmt.log"; exit 1; }
+    [ "$fmt" = jsonl ] && [ "${BATCHED_MD:-0}" != 1 ] && break
+  done
+  grep -h '^{' "${OUT:-$RES}/llama-batched.jsonl" "${OUT:-$RES}/llama-batched-jsonl.log" || tail -5 "${OUT:-$RES}/llama-batched-jsonl.log"
   ;;
 wait)
   # wait JOB [SECONDS]: until a detached job (llama-cuda-build, quantize-km, ...) has ended.

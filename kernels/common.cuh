@@ -502,54 +502,42 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 // bf16 pair (column 64G + 16t + 8h + s, + 4), h = i/2, s = 2(i&1) + reg, of token 8 tg + n (the
 // pairs of gemv_tc's layout, one token per B column): lane (g, t) loads its B of step i and
 // token group tg as one uint2 at ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2t.
-#define TCB_TOK 16       // tokens staged per block pass (two n8 token groups)
+#define TCB_TOK 16       // tokens per block pass (two n8 token groups)
 #define TCB_WORDS 256    // fragment words per 64-column group and token group
 
-// Stages tokens j < nt (row rows[j] of x, or row j without `rows`; `cols` values each, times
-// `gain` when given; tokens nt..7 or nt..15 are zero) as fragments into xf, the group sums of
-// their bf16 values into gsum[j * gpr + G] and, with `ssq`, the group sums of the raw values'
-// squares into ssq[j * gpr + G] (the RMSNorm). One warp per (token, group); lane = pair
-// (i, t, reg) = (lane >> 3, (lane >> 1) & 3, lane & 1). A warp issues the loads of STAGE_U items
-// before using any (the staging is L2 latency, not bandwidth).
-#define STAGE_U 8
-__device__ void stage_tokens_tc(const float* __restrict__ x, int cols, int nt, const int* rows,
-                                const float* __restrict__ gain, u32* xf, float* gsum, float* ssq) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int gpr = cols >> 6, items = (nt > 8 ? TCB_TOK : 8) * gpr;
-    const int i = lane >> 3, t = (lane >> 1) & 3, reg = lane & 1;
-    const int off = 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
-    for (int base = warp; base < items; base += nw * STAGE_U) {
-        float a0[STAGE_U], a1[STAGE_U];
-#pragma unroll
-        for (int u = 0; u < STAGE_U; ++u) {
-            const int item = base + u * nw, j = item / gpr, G = item % gpr;
-            a0[u] = a1[u] = 0.f;
-            if (item < items && j < nt) {
-                const float* xr = x + (size_t)(rows ? rows[j] : j) * cols + 64 * G + off;
-                a0[u] = xr[0];
-                a1[u] = xr[4];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < STAGE_U; ++u) {
-            const int item = base + u * nw, j = item / gpr, G = item % gpr;
-            if (item < items) {  // warp-uniform
-                float v0 = a0[u], v1 = a1[u];
-                if (ssq) {
-                    const float sq = warp_sum(v0 * v0 + v1 * v1);
-                    if (lane == 0) ssq[j * gpr + G] = sq;
-                }
-                if (gain) {
-                    v0 *= gain[64 * G + off];
-                    v1 *= gain[64 * G + off + 4];
-                }
-                const u32 w = pack_bf16(v0, v1);
-                const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
-                if (lane == 0) gsum[j * gpr + G] = gs;
-                xf[(((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + t * 2 + reg] = w;
-            }
+// Staged activations (stage_tcb in qmatmul.cu) live in global memory in the same layout, indexed
+// by global token group (row >> 3), with the group sums beside them (gsum[row * gpr + G]); a
+// block copies its tokens' fragments into shared memory with 16-byte asynchronous copies.
+__device__ __forceinline__ void tcb_cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tcb_cp_wait_all() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// Copies the staged rows rows[j] (or row j0 + j without `rows`) for tokens j < nt into the block's
+// fragments xf and group sums gsum (tokens nt..7 or nt..15 zero), then waits and syncs.
+__device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
+                               int nt, const int* rows, u32* xf, float* gsum) {
+    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
+    // 16-byte pieces: (token, group, step i, half) -> 4 words of the token's 8 in that record.
+    for (int p = threadIdx.x; p < ntok * gpr * 8; p += blockDim.x) {
+        const int j = p / (gpr * 8), rem = p % (gpr * 8), G = rem >> 3, i = (rem >> 1) & 3, h = rem & 1;
+        u32* dst = xf + (((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + h * 4;
+        if (j < nt) {
+            const int r = rows ? rows[j] : j0 + j;
+            tcb_cp16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
+        } else {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
+    for (int p = threadIdx.x; p < ntok * gpr; p += blockDim.x) {
+        const int j = p / gpr, G = p % gpr;
+        gsum[p] = j < nt ? gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G] : 0.f;
+    }
+    tcb_cp_wait_all();
+    __syncthreads();
 }
 
 // The item (rows r0 + g and r0 + g + 8 over the groups [G0, G1)) against NTG staged token groups:

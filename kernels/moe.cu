@@ -380,7 +380,8 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 
 // ============================ batched decode (B tokens) ============================
 // The routed-expert products of a batched decode step: for every (expert, 64-slot tile) of
-// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv], or with a second
+// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
+// stage_tcb: fragments and group sums, gathered per slot), or with a second
 // matrix (GLU: gate W and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64,
 // bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are read
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
@@ -421,8 +422,8 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
         const u16* __restrict__ s2, const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int rpb,
-        const float* __restrict__ x, int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets,
-        const int* __restrict__ list, const int* __restrict__ tiles) {
+        const u32* __restrict__ frag, const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts,
+        const int* __restrict__ offsets, const int* __restrict__ list, const int* __restrict__ tiles) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -451,8 +452,7 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
             xrow[threadIdx.x] = slot[threadIdx.x] / xdiv;
         }
         __syncthreads();
-        stage_tokens_tc(x, cols, nt, xrow, nullptr, xf, gsum, nullptr);
-        __syncthreads();
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }

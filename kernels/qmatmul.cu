@@ -1,7 +1,7 @@
 // Quantized matrix products (MLX affine 4/8-bit codes, bf16 scales and biases) and the
 // embedding gather. Same math as src/backend/cpu/qmatmul.rs.
 //   decode (T = 1):     gemv_q, gemv_tc, embed_q
-//   batched decode:     gemv_tcb (B tokens, bf16 activations)
+//   batched decode:     stage_tcb, gemv_tcb (B tokens, bf16 activations)
 //   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_dequant_bf16, pf_dequant_f32,
 //                       pf_to_bf16, pf_embed
 
@@ -270,20 +270,63 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
 }
 
 // ============================ batched decode (B tokens) ============================
+// stage_tcb: the rows of a batched step's activation x [nrows][cols] as bf16 tensor-core
+// fragments (layout in common.cuh) with their group sums, RMSNorm'd with `gain` first when given
+// (inv = 1/rms(x) per row), and with `u_out` also the f32 values (the normalised rows the f32
+// router reads). Staged once per input, read by every block of the GEMVs that follow. Rows
+// nrows..ceil16(nrows) are written as zeros. grid (ceil16(nrows)), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restrict__ gain, float eps,
+          float* __restrict__ u_out, u32* __restrict__ frag, float* __restrict__ gsum) {
+    __shared__ float red[33];
+    pdl_wait_trigger();
+    const int r = blockIdx.x, gpr = cols >> 6, lane = threadIdx.x & 31;
+    const bool live = r < nrows;
+    const float* xr = x + (size_t)r * cols;
+    float inv = 1.f;
+    if (gain) {
+        float ss = 0.f;
+        if (live)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+        inv = inv_rms_from(block_sum(ss, red), cols, eps);
+    }
+    // Pair p = (group G, q): q = (i, t, reg) as in the fragment layout; a warp holds one group.
+    for (int p = threadIdx.x; p < cols / 2; p += blockDim.x) {
+        const int G = p >> 5, q = p & 31, i = q >> 3, t = (q >> 1) & 3, reg = q & 1;
+        const int c = 64 * G + 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
+        float v0 = 0.f, v1 = 0.f;
+        if (live) {
+            v0 = xr[c] * inv;
+            v1 = xr[c + 4] * inv;
+            if (gain) {
+                v0 *= gain[c];
+                v1 *= gain[c + 4];
+            }
+            if (u_out) {
+                u_out[(size_t)r * cols + c] = v0;
+                u_out[(size_t)r * cols + c + 4] = v1;
+            }
+        }
+        const u32 w = pack_bf16(v0, v1);
+        const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
+        if (lane == 0) gsum[(size_t)r * gpr + G] = gs;
+        frag[(((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + t * 2 + reg] = w;
+    }
+}
+
 // gemv_tc for the few tokens of a batched decode step: several 4-bit matrices (group 64) that
-// share one input, y_m[t][r] (+)= W_m[r] . norm(x[t]) for tokens t < ntok (token-major x
-// [ntok][cols] and y_m [ntok][rows_m]), the input RMSNorm fused when `gain` is given; bf16
-// activations on the tensor cores (tcb_mma in common.cuh). grid (ceil(ntok / tok_blk), blocks):
-// a block stages its tok_blk (8 or 16) tokens once, then walks the set's 16-row tiles like
-// gemv_tc: `slices` warps of `kc` 512-column chunks per tile, summed through shared memory. The
-// tokens of a block share every weight load, and the blocks of the same rows (consecutive
-// blockIdx.x) run together, so larger batches read the weights from L2.
-// Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + 2 * tok_blk * gpr + tok_blk
-// + warps * 16 * tok_blk words.
+// share one staged input (stage_tcb), y_m[t][r] (+)= W_m[r] . x[t] for tokens t < ntok (outputs
+// token-major [ntok][rows_m]); bf16 activations on the tensor cores (tcb_mma in common.cuh).
+// grid (ceil(ntok / tok_blk), blocks): a block copies its tok_blk (8 or 16) tokens' fragments,
+// then walks the set's 16-row tiles like gemv_tc: `slices` warps of `kc` 512-column chunks per
+// tile, summed through shared memory. The tokens of a block share every weight load, and the
+// blocks of the same rows (consecutive blockIdx.x) run together, so larger batches read the
+// weights from L2.
+// Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
 template <int NTG>
 __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
                                                int slices, int kc, const u32* xf, const float* gsum,
-                                               const float* inv, float* part) {
+                                               float* part) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
@@ -303,7 +346,6 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
         const QMat& M = mats[m];
         if (row < M.rows && tok < nt) {
             float* o = M.y + (size_t)(t0 + tok) * M.rows + row;
-            v *= inv[tok];
             *o = M.accumulate ? *o + v : v;
         }
     };
@@ -353,30 +395,20 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
-gemv_tcb(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, int ntok, int tok_blk,
-         const float* __restrict__ gain, float eps, int slices, int kc) {
+gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+         int cols, int ntok, int tok_blk, int slices, int kc) {
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
-    float* ssq = gsum + tok_blk * gpr;
-    float* inv = ssq + tok_blk * gpr;
-    float* part = inv + tok_blk;
+    float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    stage_tokens_tc(x + (size_t)t0 * cols, cols, nt, nullptr, gain, xf, gsum, gain ? ssq : nullptr);
-    __syncthreads();
-    if ((int)threadIdx.x < tok_blk) {
-        float ss = 0.f;
-        if (gain)
-            for (int G = 0; G < gpr; ++G) ss += ssq[threadIdx.x * gpr + G];
-        inv[threadIdx.x] = gain ? inv_rms_from(ss, cols, eps) : 1.f;
-    }
-    __syncthreads();
+    load_tokens_tc(frag, gs_in, cols, t0, nt, nullptr, xf, gsum);
     if (nt > 8)
-        gemv_tcb_tiles<2>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, inv, part);
+        gemv_tcb_tiles<2>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
-        gemv_tcb_tiles<1>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, inv, part);
+        gemv_tcb_tiles<1>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
 }
 
 // ============================== prefill (T tokens) ==============================
@@ -832,19 +864,21 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
     float* gs = sk_sm + PF_SK_T * cols;
     const int t0 = blockIdx.x * PF_SK_T, nt = min(PF_SK_T, ntok - t0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // Loads issued STAGE_U at a time before their stores (the staging is L2 latency).
-    const int total = PF_SK_T * cols;
-    for (int i0 = threadIdx.x; i0 < total; i0 += 256 * STAGE_U) {
-        float v[STAGE_U];
+    // float4 loads, SK_U in flight per thread before their stores (the staging is L2 latency).
+    constexpr int SK_U = 8;
+    const int total4 = PF_SK_T * cols / 4, c4 = cols / 4;
+    for (int i0 = threadIdx.x; i0 < total4; i0 += 256 * SK_U) {
+        float4 v[SK_U];
 #pragma unroll
-        for (int u = 0; u < STAGE_U; ++u) {
-            const int i = i0 + u * 256, j = i / cols, c = i % cols;
-            v[u] = i < total && j < nt ? x[(size_t)(t0 + j) * cols + c] : 0.f;
+        for (int u = 0; u < SK_U; ++u) {
+            const int i = i0 + u * 256, j = i / c4;
+            v[u] = i < total4 && j < nt ? reinterpret_cast<const float4*>(x + (size_t)(t0 + j) * cols)[i % c4]
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int u = 0; u < STAGE_U; ++u) {
+        for (int u = 0; u < SK_U; ++u) {
             const int i = i0 + u * 256;
-            if (i < total) xs[(i / cols) * cols + swz_elem(i % cols)] = v[u];
+            if (i < total4) reinterpret_cast<float4*>(xs + (i / c4) * cols)[swz(i % c4)] = v[u];
         }
     }
     __syncthreads();

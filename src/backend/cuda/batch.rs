@@ -27,7 +27,7 @@ use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn;
 use super::moe::{self, RouteLists};
 use super::ops;
-use super::qmatmul::{self, Gemm, GemvSet, GemvSets, Grouped, QMatDesc};
+use super::qmatmul::{self, Gemm, GemvSet, GemvSets, Grouped, QMatDesc, TcbStaging};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
@@ -60,6 +60,8 @@ pub struct BatchBuffers {
     _descs: CudaSlice<QMatDesc>,
     layers: Vec<LayerSets>,
     head: GemvSet,
+    /// The input of the GEMVs and expert products being run, staged once for all their blocks.
+    staged: TcbStaging,
     /// `[token, position]` per row (i32).
     steps: CudaSlice<i32>,
     /// Per layer two tables of `cap` row pointers: (ring, state) or (K, V).
@@ -104,9 +106,16 @@ impl BatchBuffers {
             .map(|(i, o, gu, down)| LayerSets { mixer_in: sets.set(i, base), mixer_out: sets.set(o, base), shared_gate_up: sets.set(gu, base), shared_down: sets.set(down, base) })
             .collect();
         let head = sets.set(head, base);
-        if cfg.quant.group_size != 64 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
+        let experts4 = w.layers.iter().all(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.down_exps].iter().all(|q| q.bits == 4));
+        if cfg.quant.group_size != 64 || !experts4 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
             bail!("batched decode needs 4-bit matrices of group 64 (all but the router and gates)");
         }
+        // Widest input: the hidden size, the GDN value / attention inner width, or the experts'
+        // width over every routed slot.
+        let k = cfg.num_experts_per_tok;
+        let wide = [cfg.hidden_size, cfg.gdn_value_dim(), cfg.attn_inner(), cfg.shared_expert_intermediate_size].into_iter().max().unwrap_or(0);
+        let staged_rows = cap * k;
+        let staged = TcbStaging::new(gpu, staged_rows, wide.max(cfg.moe_intermediate_size))?;
         Ok(BatchBuffers {
             cap,
             act,
@@ -114,6 +123,7 @@ impl BatchBuffers {
             _descs: descs,
             layers,
             head,
+            staged,
             steps: gpu.zeros(2 * cap)?,
             tables: gpu.zeros(2 * cfg.layer_types.len() * cap)?,
             part_o: gpu.zeros(heads * cfg.head_dim)?,
@@ -167,7 +177,7 @@ struct BatchPass<'a> {
     rows: usize,
     splits: usize,
     dims: LayerDims,
-    /// The f32 few-row GEMMs and the expert products.
+    /// The f32 few-row GEMMs (router, shared-expert gate).
     gemm: Gemm<'a>,
 }
 
@@ -180,10 +190,16 @@ impl BatchPass<'_> {
         self.p(&self.b.steps)
     }
 
-    /// Every matrix of `set` times the rows of `x` (`cols` values), RMSNorm'd with `gain` first.
-    fn gemv(&self, set: GemvSet, x: u64, cols: usize, gain: Option<&CudaSlice<f32>>) -> Result<()> {
+    /// Stages `nrows` rows of `x` (`cols` values) for the products that follow, RMSNorm'd with
+    /// `gain` first (the f32 result also into `u_out`).
+    fn stage(&self, x: u64, cols: usize, nrows: usize, gain: Option<&CudaSlice<f32>>, u_out: u64) -> Result<()> {
         let gain = gain.map(|g| self.p(g)).unwrap_or(0);
-        qmatmul::gemv_tcb(self.gpu, set, x, cols, self.rows, gain, self.dims.eps)
+        qmatmul::stage_tcb(self.gpu, x, cols, nrows, gain, self.dims.eps, u_out, &self.b.staged)
+    }
+
+    /// Every matrix of `set` times the staged rows (`cols` values each).
+    fn gemv(&self, set: GemvSet, cols: usize) -> Result<()> {
+        qmatmul::gemv_tcb(self.gpu, set, &self.b.staged, cols, self.rows)
     }
 }
 
@@ -204,20 +220,23 @@ impl Pass for BatchPass<'_> {
 
     /// `ring` / `state` are the rows' pointer tables.
     fn gdn(&mut self, li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
-        let (a, sets) = (&self.b.act, &self.b.layers[li]);
-        self.gemv(sets.mixer_in, self.p(&a.x), self.w.embed.cols, Some(&lw.input_norm))?;
+        let (a, sets, h, n) = (&self.b.act, &self.b.layers[li], self.w.embed.cols, self.rows);
+        self.stage(self.p(&a.x), h, n, Some(&lw.input_norm), 0)?;
+        self.gemv(sets.mixer_in, h)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
         let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
-        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), self.rows)?;
+        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n)?;
         self.point(probe, Point::Phase("gdn.step"))?;
-        self.gemv(sets.mixer_out, p.y, g.out.cols, None)?;
+        self.stage(p.y, g.out.cols, n, None, 0)?;
+        self.gemv(sets.mixer_out, g.out.cols)?;
         self.point(probe, Point::Phase("gdn.out"))
     }
 
     /// `kcache` / `vcache` are the rows' pointer tables.
     fn attention(&mut self, li: usize, lw: &DevLayer, at: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()> {
-        let (a, sets, d) = (&self.b.act, &self.b.layers[li], &self.dims.attn);
-        self.gemv(sets.mixer_in, self.p(&a.x), self.w.embed.cols, Some(&lw.input_norm))?;
+        let (a, sets, d, h, n) = (&self.b.act, &self.b.layers[li], &self.dims.attn, self.w.embed.cols, self.rows);
+        self.stage(self.p(&a.x), h, n, Some(&lw.input_norm), 0)?;
+        self.gemv(sets.mixer_in, h)?;
         self.point(probe, Point::Phase("attn.proj"))?;
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
         let part = SplitPartials { o: self.p(&self.b.part_o), ml: self.p(&self.b.part_ml) };
@@ -225,16 +244,17 @@ impl Pass for BatchPass<'_> {
         attention::split_batch(self.gpu, d, &p, &part, self.steps(), self.splits, self.rows)?;
         attention::combine_batch(self.gpu, d, &p, &part, self.splits, self.rows)?;
         self.point(probe, Point::Phase("attn.core"))?;
-        self.gemv(sets.mixer_out, p.out, at.o.cols, None)?;
+        self.stage(p.out, at.o.cols, n, None, 0)?;
+        self.gemv(sets.mixer_out, at.o.cols)?;
         self.point(probe, Point::Phase("attn.out"))
     }
 
     fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
         let (a, s, n, d) = (&self.b.act, &self.b.scratch, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
-        // The router and gate pick experts in f32 from the normalised input, which the experts
-        // and the shared expert read too.
-        ops::rms_norm(self.gpu, self.p(&a.x), self.p(&lw.post_norm), u, n, h, self.dims.eps)?;
+        // The router and gate pick experts in f32 from the normalised input `u`; its staged bf16
+        // copy feeds the routed and the shared experts.
+        self.stage(self.p(&a.x), h, n, Some(&lw.post_norm), u)?;
         self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
         self.gemm.few_rows(&m.shared_expert_gate, 1, u, n, self.p(&a.sgl), 1)?;
         self.gpu.zero(self.p(&s.counts), s.counts.len() * 4)?;
@@ -260,16 +280,20 @@ impl Pass for BatchPass<'_> {
             tiles: r.tiles,
             max_tiles: moe::max_tiles(n, &d),
         };
-        let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
-        self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
-        self.point(probe, Point::Phase("moe.gate_up"))?;
-        self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
-        self.point(probe, Point::Phase("moe.down"))?;
-        let sets = &self.b.layers[li];
+        let (eg, ed) = (self.p(&s.expert_gate), self.p(&s.expert_down));
+        let (sets, st) = (&self.b.layers[li], &self.b.staged);
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
-        self.gemv(sets.shared_gate_up, u, h, None)?;
+        // Both gate|up products read the staged `u`.
+        qmatmul::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, st, eg, grouped(k))?;
+        self.point(probe, Point::Phase("moe.gate_up"))?;
+        self.gemv(sets.shared_gate_up, h)?;
         ops::swiglu(self.gpu, sg, su, n * d.sinter)?;
-        self.gemv(sets.shared_down, sg, d.sinter, None)?;
+        self.point(probe, Point::Phase("shared"))?;
+        self.stage(eg, d.inter, n * k, None, 0)?;
+        qmatmul::moe_tcb(self.gpu, &m.down_exps, None, h, st, ed, grouped(1))?;
+        self.point(probe, Point::Phase("moe.down"))?;
+        self.stage(sg, d.sinter, n, None, 0)?;
+        self.gemv(sets.shared_down, d.sinter)?;
         self.point(probe, Point::Phase("shared"))?;
         moe::combine(self.gpu, &d, ed, r.top_w, sd, self.p(&a.sgl), self.p(&a.x), n)?;
         self.point(probe, Point::Phase("combine"))
@@ -279,11 +303,13 @@ impl Pass for BatchPass<'_> {
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16), gemm: Gemm::batched(gpu, cfg.quant.group_size) };
+    let gemm = Gemm::new(gpu, cfg.quant.group_size, false, None);
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16), gemm };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
     let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));
-    pass.gemv(b.head, pass.p(&b.act.x), cfg.hidden_size, Some(&w.final_norm))?;
+    pass.stage(pass.p(&b.act.x), cfg.hidden_size, n, Some(&w.final_norm), 0)?;
+    pass.gemv(b.head, cfg.hidden_size)?;
     pass.point(probe, Point::Phase("lm_head"))?;
     match key.out {
         StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, pass.p(&b.argmax), n)?,

@@ -244,9 +244,6 @@ pub struct BlasLimits {
 /// Kernels of a prefill GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmRoute {
-    /// `moe_tcb`: the decode GEMV's weight streaming with a batched decode step's few tokens per
-    /// expert as bf16 tensor-core columns (4-bit, group 64).
-    BatchTensorCore,
     /// Dequantise the matrix once to bf16, multiply on cuBLAS: dense products over many tokens.
     Cublas,
     /// `pf_gemm_tc`: bf16 tensor cores on 128x64 tiles dequantised in shared memory.
@@ -268,20 +265,6 @@ fn cublas_takes(s: &GemmShape, blas: Option<BlasLimits>) -> bool {
 /// The tensor-core GEMM covers k-tiles of 64 columns with one scale per 32-column half tile.
 fn tensor_core_takes(s: &GemmShape) -> bool {
     s.cols.is_multiple_of(64) && s.group.is_multiple_of(32) && (s.bits == 4 || s.bits == 8)
-}
-
-/// The route of a batched decode step's expert products: the streaming kernel where it applies
-/// (4-bit, group 64, whole 64-column groups), else the prefill's tensor-core tiles. The same for
-/// every token count, so a token's result does not depend on the batch. (Its dense products are
-/// GEMV sets: [`gemv_tcb`].)
-pub fn select_batch_gemm(s: &GemmShape) -> GemmRoute {
-    if s.bits == 4 && s.group == 64 && s.cols.is_multiple_of(64) {
-        GemmRoute::BatchTensorCore
-    } else if tensor_core_takes(s) {
-        GemmRoute::TensorCore
-    } else {
-        GemmRoute::F32Tiles
-    }
 }
 
 /// The route of one prefill GEMM: outside the exact mode, cuBLAS for dense products it takes,
@@ -417,13 +400,12 @@ impl BlasRoute<'_> {
     }
 }
 
-/// The prefill GEMM dispatcher of one forward call (or of a batched decode step: `batch`).
+/// The prefill GEMM dispatcher of one forward call.
 pub struct Gemm<'a> {
     gpu: &'a Gpu,
     group: usize,
     exact: bool,
     blas: Option<BlasRoute<'a>>,
-    batch: bool,
 }
 
 impl<'a> Gemm<'a> {
@@ -440,20 +422,7 @@ impl<'a> Gemm<'a> {
             xb: (ptr(&s.xb, st), s.xb.len()),
             staged: Cell::new(None),
         });
-        Gemm { gpu, group, exact, blas, batch: false }
-    }
-
-    /// The dispatcher of a batched decode step: [`select_batch_gemm`]'s routes, f32 few-row GEMMs.
-    pub fn batched(gpu: &'a Gpu, group: usize) -> Self {
-        Gemm { gpu, group, exact: false, blas: None, batch: true }
-    }
-
-    fn route(&self, s: &GemmShape) -> GemmRoute {
-        if self.batch {
-            select_batch_gemm(s)
-        } else {
-            select_gemm(s, self.exact, self.limits(|r| r.wb.1))
-        }
+        Gemm { gpu, group, exact, blas }
     }
 
     fn shape(&self, q: &DevQ, rows: usize, tokens: usize, grouped: bool) -> GemmShape {
@@ -489,11 +458,7 @@ impl<'a> Gemm<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
         let shape = self.shape(q, rows, ntok, grouped.is_some());
-        match self.route(&shape) {
-            GemmRoute::BatchTensorCore => match grouped {
-                Some(g) => moe_tcb(self.gpu, q, None, rows, x, y, g),
-                None => bail!("a batched step's dense products are GEMV sets (gemv_tcb)"),
-            },
+        match select_gemm(&shape, self.exact, self.limits(|r| r.wb.1)) {
             GemmRoute::Cublas => {
                 let r = self.blas.as_ref().expect("selected only with cuBLAS");
                 let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
@@ -531,12 +496,6 @@ impl<'a> Gemm<'a> {
     pub fn glu(&self, gate: &DevQ, up: &DevQ, rows: usize, x: u64, ntok: usize, out: u64, tmp: u64, slots: usize, grouped: Option<Grouped>) -> Result<()> {
         let g = self.shape(gate, rows, ntok, grouped.is_some());
         let u = self.shape(up, rows, ntok, grouped.is_some());
-        if self.batch && self.route(&g) == GemmRoute::BatchTensorCore && self.route(&u) == GemmRoute::BatchTensorCore {
-            return match grouped {
-                Some(gr) => moe_tcb(self.gpu, gate, Some(up), rows, x, out, gr),
-                None => bail!("a batched step's dense products are GEMV sets (gemv_tcb)"),
-            };
-        }
         match select_glu(&g, &u, self.exact, self.limits(|r| r.wb.1)) {
             GluRoute::FusedTensorCore => gemm_tc(self.gpu, gate, Some(up), rows, self.group, x, ntok, out, rows, false, grouped),
             GluRoute::Cublas | GluRoute::F32Split => {
@@ -590,6 +549,36 @@ fn gemm_tc(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, group: usize, x:
     gpu.launch(PF_GEMM_TC, (rows.div_ceil(bm) as u32, gy as u32, 1), 256, GEMM_TC_SMEM as u32, &args)
 }
 
+/// A batched step's activation staged for the tensor-core GEMVs (`stage_tcb`): bf16 fragments
+/// and group sums of up to [`TcbStaging::rows`] rows of up to `cols` values.
+pub struct TcbStaging {
+    pub frag: CudaSlice<u32>,
+    pub gsum: CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl TcbStaging {
+    pub fn new(gpu: &Gpu, rows: usize, cols: usize) -> Result<Self> {
+        let rows = rows.div_ceil(16) * 16;
+        Ok(TcbStaging { frag: gpu.zeros(rows * cols / 2)?, gsum: gpu.zeros(rows * cols.div_ceil(64))?, rows, cols })
+    }
+}
+
+const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
+
+/// Stages `nrows` rows of `x` (`cols` values each) into `st`: RMSNorm'd with `gain` first when
+/// non-zero, the f32 result also written to `u_out` when non-zero.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tcb(gpu: &Gpu, x: u64, cols: usize, nrows: usize, gain: u64, eps: f32, u_out: u64, st: &TcbStaging) -> Result<()> {
+    if nrows > st.rows || cols > st.cols || !cols.is_multiple_of(64) {
+        bail!("staging of {nrows} x {cols} values does not fit {} x {} (or is not whole 64-column groups)", st.rows, st.cols);
+    }
+    let s = &gpu.stream;
+    let args = [Arg::P(x), Arg::I(cols as i32), Arg::I(nrows as i32), Arg::P(gain), Arg::F(eps), Arg::P(u_out), Arg::P(ptr(&st.frag, s)), Arg::P(ptr(&st.gsum, s))];
+    gpu.launch(STAGE_TCB, ((nrows.div_ceil(16) * 16) as u32, 1, 1), 256, 0, &args)
+}
+
 /// Tokens per block of `gemv_tcb`: 16 (two n8 tiles) while their fragments fit two blocks per SM,
 /// else 8.
 fn tcb_tokens(cols: usize) -> usize {
@@ -603,26 +592,32 @@ fn tcb_tokens(cols: usize) -> usize {
 /// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
 const TCB_WORDS: usize = 256;
 
-/// `gemv_tcb`: `y_m[t] (+)= W_m · norm(x[t])` for every matrix of `set` (4-bit, group 64) and the
-/// `ntok` token rows of `x` (`cols` values each), RMSNorm'd with `gain` first when non-zero; each
-/// output token-major with the matrix's rows (batched decode).
-pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, x: u64, cols: usize, ntok: usize, gain: u64, eps: f32) -> Result<()> {
+/// Dynamic shared memory of `gemv_tcb` over `cols` columns.
+fn gemv_tcb_smem(cols: usize) -> u32 {
+    let (tok, gpr, warps) = (tcb_tokens(cols), cols / 64, (GEMV_THREADS / 32) as usize);
+    ((tok / 8 * gpr * TCB_WORDS + tok * gpr + warps * 16 * tok) * 4) as u32
+}
+
+/// `gemv_tcb`: `y_m[t] (+)= W_m · x[t]` for every matrix of `set` (4-bit, group 64) and the `ntok`
+/// staged rows of `st` (`cols` values each); each output token-major with the matrix's rows
+/// (batched decode).
+pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usize) -> Result<()> {
     if !set.all4 || !cols.is_multiple_of(64) {
         bail!("the batched GEMV takes 4-bit matrices of whole 64-column groups");
     }
-    let (tok, gpr, warps) = (tcb_tokens(cols), cols / 64, (GEMV_THREADS / 32) as usize);
-    let smem = ((tok / 8 * gpr * TCB_WORDS + 2 * tok * gpr + tok + warps * 16 * tok) * 4) as u32;
+    let smem = gemv_tcb_smem(cols);
     let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
+    let s = &gpu.stream;
+    let tok = tcb_tokens(cols);
     let args = [
         Arg::P(set.descs),
         Arg::I(set.count as i32),
-        Arg::P(x),
+        Arg::P(ptr(&st.frag, s)),
+        Arg::P(ptr(&st.gsum, s)),
         Arg::I(cols as i32),
         Arg::I(ntok as i32),
         Arg::I(tok as i32),
-        Arg::P(gain),
-        Arg::F(eps),
         Arg::I(slices as i32),
         Arg::I(kc as i32),
     ];
@@ -633,12 +628,16 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, x: u64, cols: usize, ntok: usize, gain:
 const MOE_TCB_ROWS: usize = 128;
 
 /// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
-/// `y[slot] = silu(W_e · x) * (Up_e · x)`.
-fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, x: u64, y: u64, g: Grouped) -> Result<()> {
+/// `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st` (batched decode; 4-bit, group 64).
+pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    if q.bits != 4 || up.is_some_and(|u| u.bits != 4 || u.cols != q.cols) || !q.cols.is_multiple_of(64) {
+        bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups");
+    }
     let gpr = q.cols / 64;
     let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
     let (w, s, b) = q.ptrs(gpu);
     let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let stream = &gpu.stream;
     let args = [
         Arg::P(w),
         Arg::P(s),
@@ -650,7 +649,8 @@ fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, x: u64, y: u64, 
         Arg::I(rows as i32),
         Arg::I(q.cols as i32),
         Arg::I(MOE_TCB_ROWS as i32),
-        Arg::P(x),
+        Arg::P(ptr(&st.frag, stream)),
+        Arg::P(ptr(&st.gsum, stream)),
         Arg::I(g.xdiv as i32),
         Arg::P(g.counts),
         Arg::P(g.offsets),
@@ -741,13 +741,14 @@ mod tests {
     }
 
     #[test]
-    fn batch_routes_do_not_depend_on_the_token_count() {
-        for tokens in [1, 7, 16, 64, 128] {
-            assert_eq!(select_batch_gemm(&shape(248_320, 2048, tokens, false)), GemmRoute::BatchTensorCore);
-            assert_eq!(select_batch_gemm(&shape(512, 2048, tokens, true)), GemmRoute::BatchTensorCore);
-            assert_eq!(select_batch_gemm(&GemmShape { bits: 8, ..shape(256, 2048, tokens, false) }), GemmRoute::TensorCore);
-            assert_eq!(select_batch_gemm(&shape(64, 96, tokens, false)), GemmRoute::F32Tiles);
+    fn batched_gemv_blocks_fit_two_per_sm() {
+        // 35B inputs: hidden 2,048 (16 tokens per block), GDN value / attention inner 4,096 (8),
+        // expert and shared-expert widths 512.
+        for cols in [2048, 4096, 512] {
+            assert!(gemv_tcb_smem(cols) <= 113 * 1024, "{cols}: {}", gemv_tcb_smem(cols));
         }
+        assert_eq!(tcb_tokens(2048), 16);
+        assert_eq!(tcb_tokens(4096), 8);
     }
 
     #[test]

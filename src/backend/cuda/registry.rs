@@ -50,6 +50,7 @@ pub const QMATMUL: Module = Module {
         "gemv_q",
         "gemv_tc",
         "gemv_tcb",
+        "stage_tcb",
         "embed_q",
         "pf_gemm",
         "pf_gemm_tc",
