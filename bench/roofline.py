@@ -2,6 +2,8 @@
 shared-expert gate): the formulas of shared/reference/bench/bytes_per_token.py, parametrised by
 config.json so that they also apply to the tiny synthetic checkpoint. For the 35B-A3B shapes this
 gives 1.88 GB/token -> ~2,290 tok/s at 4.3 TB/s (decode) and ~150K tok/s at 790 TFLOP/s (prefill).
+A decode step of B sequences reads the dense weights and each distinct expert once for all of
+them, and every sequence's own state and KV (batch_decode_*).
 """
 
 H200_BANDWIDTH = 4.3e12     # B/s, HBM3e as measured in reference/kernels.md
@@ -23,6 +25,20 @@ def _dims(tc):
 
 
 def decode_bytes_per_token(tc, ctx):
+    return batch_decode_bytes_per_step(tc, ctx, 1)
+
+
+def experts_touched(tc, batch):
+    """Expected distinct routed experts a layer reads in one step of `batch` tokens, each token
+    picking K of E (uniform, independent routing: the synthetic checkpoint's random router)."""
+    d = _dims(tc)
+    return d["E"] * (1 - (1 - d["K"] / d["E"]) ** batch)
+
+
+def batch_decode_bytes_per_step(tc, ctx, batch):
+    """Bytes one decode step of `batch` sequences (each at context `ctx`) moves: the dense weights
+    and the distinct experts once, each sequence's Gated DeltaNet state and conv ring read and
+    written, its KV read. batch = 1 is the single-stream decode (K experts per layer)."""
     d = _dims(tc)
     H, V, NG, NA, E, K, MI, SI = (d[k] for k in ("H", "V", "NG", "NA", "E", "K", "MI", "SI"))
     conv_ch = 2 * d["nk"] * d["dk"] + d["nv"] * d["dv"]
@@ -30,12 +46,13 @@ def decode_bytes_per_token(tc, ctx):
     gdn_b = gdn_rows * H * Q4 + H * d["nv"] * d["dv"] * Q4 + conv_ch * d["ck"] * 2 + d["nv"] * 4 + d["nv"] * 2 + d["dv"] * 4
     qkv_rows = d["nh"] * d["hd"] * 2 + 2 * d["nkv"] * d["hd"]
     attn_b = qkv_rows * H * Q4 + H * d["nh"] * d["hd"] * Q4 + 2 * d["hd"] * 2
-    moe_b = E * H * Q8 + H * Q8 + K * 3 * MI * H * Q4 + 3 * SI * H * Q4 + 2 * H * 2
-    w_tok = NG * (gdn_b + moe_b) + NA * (attn_b + moe_b) + V * H * Q4 + H * Q4 + H * 2
+    touched = K if batch == 1 else experts_touched(tc, batch)
+    moe_b = E * H * Q8 + H * Q8 + touched * 3 * MI * H * Q4 + 3 * SI * H * Q4 + 2 * H * 2
+    w_step = NG * (gdn_b + moe_b) + NA * (attn_b + moe_b) + V * H * Q4 + batch * H * Q4 + H * 2
     state = NG * d["nv"] * d["dk"] * d["dv"] * 4
     conv = NG * conv_ch * (d["ck"] - 1) * 2
     kv_pos = NA * 2 * d["nkv"] * d["hd"] * 2
-    return w_tok + 2 * state + 2 * conv + kv_pos * ctx
+    return w_step + batch * (2 * state + 2 * conv + kv_pos * ctx)
 
 
 def prefill_flops_per_token(tc, prompt):
@@ -52,6 +69,11 @@ def prefill_flops_per_token(tc, prompt):
 
 def decode_roofline(tc, ctx, bandwidth=H200_BANDWIDTH):
     return bandwidth / decode_bytes_per_token(tc, ctx)
+
+
+def batch_decode_roofline(tc, ctx, batch, bandwidth=H200_BANDWIDTH):
+    """Aggregate tok/s bound of decoding `batch` sequences together at context `ctx`."""
+    return batch * bandwidth / batch_decode_bytes_per_step(tc, ctx, batch)
 
 
 def prefill_roofline(tc, prompt, flops=H200_BF16_FLOPS):

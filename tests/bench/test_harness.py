@@ -101,6 +101,16 @@ def test_render_table():
     assert "> **canned**" in md
 
 
+def test_batched_decode_roofline_reads_each_expert_once():
+    # Batch 1 is the single-stream decode; at 16 a layer touches ~102 of 256 experts, so the
+    # aggregate bound grows several-fold but each sequence's state and KV still count in full.
+    assert roofline.batch_decode_bytes_per_step(BIG_TC, 828, 1) == roofline.decode_bytes_per_token(BIG_TC, 828)
+    assert roofline.experts_touched(BIG_TC, 16) == pytest.approx(102.0, abs=0.5)
+    assert roofline.experts_touched(BIG_TC, 64) == pytest.approx(222.4, abs=0.5)
+    r1, r16, r64 = (roofline.batch_decode_roofline(BIG_TC, 828, b) for b in (1, 16, 64))
+    assert 2 * r1 < r16 < 16 * r1 and r16 < r64
+
+
 def test_rooflines_match_reference_for_35b():
     assert roofline.decode_bytes_per_token(BIG_TC, 4096) / 1e9 == pytest.approx(1.882, abs=1e-3)
     assert roofline.decode_roofline(BIG_TC, 4096) == pytest.approx(2285, abs=1)
