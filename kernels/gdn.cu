@@ -174,7 +174,7 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
 // The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
 // its projections at row b of the token-major activations, its conv ring and state from the
 // per-row pointer tables, its [token, position] at steps[2b]. Each row is exactly gdn_step.
-extern "C" __global__ void gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
+extern "C" __global__ void __launch_bounds__(512, 2) gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
                                           const float* __restrict__ braw, const float* __restrict__ araw,
                                           float* const* __restrict__ rings, const float* __restrict__ taps,
                                           const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
