@@ -385,72 +385,43 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 // matrix (GLU: gate W and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64,
 // bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are read
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
-// rpb), tiles), block 256: 8 warps = 16-row tiles x `slices` K slices (a warp's chain of dependent
-// weight loads is its slice's chunks; the slices are summed through shared memory).
-// Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr + 8 * 2 * 16 * TCB_TOK) words.
+// rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
+// Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
 template <int NTG>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, const u32* __restrict__ w2,
                                              const u16* __restrict__ s2, const u16* __restrict__ b2,
                                              float* __restrict__ y, int rows, int cols, int r_begin, int r_end,
-                                             int slices, const int* slots, int nt, const u32* xf,
-                                             const float* gsum, float* part) {
+                                             const int* slots, int nt, const u32* xf, const float* gsum) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG, kcs = kc / slices;
-    const int tpb = (blockDim.x >> 5) / slices, my_tile = warp / slices, my_slice = warp % slices;
-    auto store = [&](int row, int tok, float v) {
-        if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
-    };
-    for (int rb = r_begin; rb < r_end; rb += 16 * tpb) {
-        const int r0 = rb + 16 * my_tile;
-        float acc[NTG][4], up[NTG][4];
-#pragma unroll
-        for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[tg][q] = up[tg][q] = 0.f;
-        if (r0 < r_end) {
-            const int G0 = my_slice * kcs * TC_NG;
-            tcb_tile<NTG>(w, s, b, r_end, r0, cols, G0, kcs, xf, gsum, acc);
-            if (w2) tcb_tile<NTG>(w2, s2, b2, r_end, r0, cols, G0, kcs, xf, gsum, up);
-        }
-        if (slices == 1) {
-            if (r0 >= r_end) continue;
+    const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
+    for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
+        float acc[NTG][4];
+        tcb_tile<NTG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
+        if (w2) {
+            float up[NTG][4];
+            tcb_tile<NTG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg)
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float v = w2 ? silu_f(acc[tg][q]) * up[tg][q] : acc[tg][q];
-                    store(r0 + g + 8 * (q >> 1), tg * 8 + 2 * t + (q & 1), v);
-                }
-            continue;
+                for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
         }
-        // K slices: part[warp][gate, up][16 rows][TCB_TOK tokens], summed in slice order.
+        auto store = [&](int row, int tok, float v) {
+            if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
+        };
 #pragma unroll
-        for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int o = (g + 8 * (q >> 1)) * TCB_TOK + tg * 8 + 2 * t + (q & 1);
-                part[(warp * 2) * 16 * TCB_TOK + o] = acc[tg][q];
-                part[(warp * 2 + 1) * 16 * TCB_TOK + o] = up[tg][q];
-            }
-        __syncthreads();
-        for (int o = threadIdx.x; o < tpb * 16 * TCB_TOK; o += blockDim.x) {
-            const int tl = o / (16 * TCB_TOK), rem = o % (16 * TCB_TOK);
-            float gv = 0.f, uv = 0.f;
-            for (int sl = 0; sl < slices; ++sl) {
-                gv += part[((tl * slices + sl) * 2) * 16 * TCB_TOK + rem];
-                uv += part[((tl * slices + sl) * 2 + 1) * 16 * TCB_TOK + rem];
-            }
-            store(rb + 16 * tl + rem / TCB_TOK, rem % TCB_TOK, w2 ? silu_f(gv) * uv : gv);
+        for (int tg = 0; tg < NTG; ++tg) {
+            store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+            store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+            store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+            store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
         }
-        __syncthreads();
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
         const u16* __restrict__ s2, const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int rpb,
-        int slices,
         const u32* __restrict__ frag, const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts,
         const int* __restrict__ offsets, const int* __restrict__ list, const int* __restrict__ tiles) {
     extern __shared__ float smem[];
@@ -461,7 +432,6 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
-    float* part = gsum + TCB_TOK * gpr;
     const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
     w += erows * wpr;
     s += erows * gpr;
@@ -483,8 +453,8 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
         }
         __syncthreads();
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
-        if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slices, slot, nt, xf, gsum, part);
-        else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slices, slot, nt, xf, gsum, part);
+        if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }
 }
 

@@ -68,6 +68,7 @@ __device__ __forceinline__ bool argmax_grid(float& best, int& idx, float* part, 
 //
 // n <= 0 is not an argmax: the block spins for -n microseconds and returns (the profiler holds
 // the stream with it so the host can queue a whole step first; no extra entry point needed).
+#define ARGMAX_MAX_BLOCKS 64  // blocks per row at most (sampling.rs ARGMAX_BLOCKS)
 extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, int* __restrict__ step,
                                        float* __restrict__ part) {
     pdl_wait_trigger();
@@ -78,11 +79,13 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < 1000ull * (unsigned long long)(-n));
         return;
     }
-    // Row blockIdx.y of a batch: its logits, step buffer and scratch.
+    // Row blockIdx.y of a batch: its logits, step buffer and scratch (ARGMAX_MAX_BLOCKS partial
+    // pairs and the ticket, at a place that does not depend on the grid, so launches with fewer
+    // blocks per row find it zero).
     const size_t r = blockIdx.y;
     logits += r * n;
     step += 2 * r;
-    part += r * (2 * gridDim.x + 1);
+    part += r * (2 * ARGMAX_MAX_BLOCKS + 1);
     // Block b reduces the contiguous slice [b*chunk, (b+1)*chunk) (ascending, first max kept).
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
@@ -92,7 +95,7 @@ extern "C" __global__ void argmax_next(const float* __restrict__ logits, int n, 
         float v = logits[i];
         if (v > best) { best = v; idx = i; }
     }
-    if (!argmax_grid(best, idx, part, reinterpret_cast<u32*>(part + 2 * gridDim.x))) return;
+    if (!argmax_grid(best, idx, part, reinterpret_cast<u32*>(part + 2 * ARGMAX_MAX_BLOCKS))) return;
     step[0] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: token 0 rather than garbage
     step[1] += 1;
 }

@@ -624,14 +624,8 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     gpu.launch(GEMV_TCB, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
 }
 
-/// `moe_tcb`'s K slices per 16-row tile and rows per block: the 512-column chunks of a row split
-/// over up to 4 warps (a warp's dependent weight loads are its slice's chunks), the block's 8
-/// warps covering 8 / slices tiles.
-pub fn moe_tcb_geometry(cols: usize) -> (usize, usize) {
-    let chunks = cols.div_ceil(64).div_ceil(TC_NG);
-    let slices = [4, 2, 1].into_iter().find(|s| chunks.is_multiple_of(*s)).unwrap_or(1);
-    (slices, 16 * 8 / slices)
-}
+/// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
+const MOE_TCB_ROWS: usize = 128;
 
 /// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
 /// `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st` (batched decode; 4-bit, group 64).
@@ -640,8 +634,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStag
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups");
     }
     let gpr = q.cols / 64;
-    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr + 8 * 2 * 16 * 16) * 4) as u32;
-    let (slices, rpb) = moe_tcb_geometry(q.cols);
+    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
     let (w, s, b) = q.ptrs(gpu);
     let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
     let stream = &gpu.stream;
@@ -655,8 +648,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStag
         Arg::P(y),
         Arg::I(rows as i32),
         Arg::I(q.cols as i32),
-        Arg::I(rpb as i32),
-        Arg::I(slices as i32),
+        Arg::I(MOE_TCB_ROWS as i32),
         Arg::P(ptr(&st.frag, stream)),
         Arg::P(ptr(&st.gsum, stream)),
         Arg::I(g.xdiv as i32),
@@ -665,7 +657,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStag
         Arg::P(g.list),
         Arg::P(g.tiles),
     ];
-    gpu.launch(MOE_TCB, (rows.div_ceil(rpb) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
+    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
@@ -757,12 +749,6 @@ mod tests {
         }
         assert_eq!(tcb_tokens(2048), 16);
         assert_eq!(tcb_tokens(4096), 8);
-        // Expert gate|up over the hidden size: 4 slices of one chunk; down over 512 columns: one
-        // chunk, whole rows per warp; the tiny model's 128 columns likewise.
-        assert_eq!(moe_tcb_geometry(2048), (4, 32));
-        assert_eq!(moe_tcb_geometry(512), (1, 128));
-        assert_eq!(moe_tcb_geometry(128), (1, 128));
-        assert_eq!(moe_tcb_geometry(1024), (2, 64));
     }
 
     #[test]

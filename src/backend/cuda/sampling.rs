@@ -14,8 +14,16 @@ const SAMPLE_PREP: Kernel = Kernel::dependent(&SAMPLE, "sample_prep");
 const SAMPLE_SELECT: Kernel = Kernel::dependent(&SAMPLE, "sample_select");
 const SAMPLE_DRAW: Kernel = Kernel::dependent(&SAMPLE, "sample_draw");
 
-/// Blocks of `argmax_next` (each reduces a slice; the last one to finish merges).
+/// Blocks of `argmax_next` per row at most (each reduces a slice; the last one to finish merges;
+/// ARGMAX_MAX_BLOCKS in kernels/sample.cu).
 pub const ARGMAX_BLOCKS: u32 = 64;
+
+/// Blocks per row of the token-choice kernels: 64 for a lone row, fewer as rows are added so a
+/// batch's rows fill about one wave instead of several. The choice does not depend on it (maxima,
+/// exact integer histograms and masses, ties by index), so neither does any row's token.
+pub fn blocks_per_row(rows: usize) -> u32 {
+    (256 / rows.max(1)).clamp(8, ARGMAX_BLOCKS as usize) as u32
+}
 
 /// Floats of `argmax_next`'s scratch: per-block (value, index) partials and the block ticket.
 pub const ARGMAX_SCRATCH: usize = 2 * ARGMAX_BLOCKS as usize + 1;
@@ -24,7 +32,7 @@ pub const ARGMAX_SCRATCH: usize = 2 * ARGMAX_BLOCKS as usize + 1;
 /// 1), for `rows` rows of logits and step buffers back to back. `part`: [`ARGMAX_SCRATCH`] floats
 /// per row whose last word (the ticket) is zero; the kernel leaves it zero again.
 pub fn argmax_next(gpu: &Gpu, logits: u64, n: usize, step: u64, part: u64, rows: usize) -> Result<()> {
-    gpu.launch(ARGMAX_NEXT, (ARGMAX_BLOCKS, rows as u32, 1), 1024, 0, &[Arg::P(logits), Arg::I(n as i32), Arg::P(step), Arg::P(part)])
+    gpu.launch(ARGMAX_NEXT, (blocks_per_row(rows), rows as u32, 1), 1024, 0, &[Arg::P(logits), Arg::I(n as i32), Arg::P(step), Arg::P(part)])
 }
 
 /// Holds the stream for `us` microseconds (one block of `argmax_next` spinning): the profiler
@@ -156,7 +164,7 @@ impl SampleScratch {
 pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize) -> Result<()> {
     let st = &gpu.stream;
     let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
-    let grid = (SAMPLE_BLOCKS, rows as u32, 1);
+    let grid = (blocks_per_row(rows).min(SAMPLE_BLOCKS), rows as u32, 1);
     let ni = Arg::I(n as i32);
     gpu.launch(SAMPLE_PREP, grid, 1024, 0, &[Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(z), Arg::P(row), Arg::P(part)])?;
     for pass in 0..SELECT_PASSES {
@@ -184,5 +192,14 @@ mod tests {
         assert_eq!((p.top_k, p.penalties, p.seed), (20, 0, 9));
         // The C struct: six floats, two ints, one u64.
         assert_eq!(std::mem::size_of::<SampleParams>(), 40);
+    }
+
+    #[test]
+    fn batches_spread_fewer_blocks_per_row() {
+        assert_eq!(blocks_per_row(1), 64);
+        assert_eq!(blocks_per_row(4), 64);
+        assert_eq!(blocks_per_row(16), 16);
+        assert_eq!(blocks_per_row(64), 8);
+        assert_eq!(blocks_per_row(128), 8);
     }
 }
