@@ -425,6 +425,19 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
     }
 }
 
+// The A fragment (rows g, g + 8; the k slots of step i) of group j of the item: the bf16 pairs
+// (1 + q/16) of the nibbles that step i's B holds x of.
+__device__ __forceinline__ void tc_a_frag(const TcItem& it, int j, int i, u32 (&a)[4]) {
+    const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+    if (i & 1) {
+        a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
+        a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
+    } else {
+        a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
+        a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
+    }
+}
+
 // tc_mma's groups j < n (N: the unroll; with CHECK, j >= n is skipped, warp-uniform). xg0 and
 // gs0 point at the item's first group. The bias term goes to lane t = 0 only, through the group
 // sum scaled by 0 or 1 (no branch).
@@ -441,15 +454,8 @@ __device__ __forceinline__ void tc_mma_n(const TcItem& it, const u32* xg0, const
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
                 u32 a[4];
-                if (i & 1) {
-                    a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
-                    a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
-                } else {
-                    a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
-                    a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
-                }
+                tc_a_frag(it, j, i, a);
                 const uint2 bx = bx_on ? *reinterpret_cast<const uint2*>(xg + i * 24) : make_uint2(0u, 0u);
                 mma_bf16(c, a, bx.x, bx.y);
             }
@@ -556,15 +562,8 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
         for (int tg = 0; tg < NTG; ++tg) c[tg][0] = c[tg][1] = c[tg][2] = c[tg][3] = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
             u32 a[4];
-            if (i & 1) {
-                a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
-                a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
-            } else {
-                a[0] = nib_pair_bf16<0>(wa); a[1] = nib_pair_bf16<0>(wb);
-                a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
-            }
+            tc_a_frag(it, j, i, a);
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) {
                 const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);

@@ -175,6 +175,22 @@ extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restr
     }
 }
 
+// The 16-row tiles of a set of matrices (each rounded up on its own), and tile -> (matrix, first
+// row); m = -1 past the set.
+__device__ __forceinline__ int set_tiles(const QMat* __restrict__ mats, int nmats) {
+    int tiles = 0;
+    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
+    return tiles;
+}
+__device__ __forceinline__ void set_locate(const QMat* __restrict__ mats, int tiles, int tile, int& m, int& r0) {
+    m = -1;
+    r0 = 0;
+    if (tile >= tiles) return;
+    m = 0;
+    while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
+    r0 = tile << 4;
+}
+
 // Tensor-core variant of gemv_q for sets of 4-bit matrices (group 64; tc_load/tc_mma in
 // common.cuh). Work item = (16-row tile, chunk of TC_NG = 8 groups of 64 columns); a tile is
 // `slices` warps of one block, each taking `kc` consecutive chunks (slices * kc = chunks per
@@ -195,17 +211,8 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
     float* part = red + 33;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
-    int tiles = 0;
-    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
-    // Tile -> (matrix, first row); m = -1 past the set.
-    auto locate = [&](int tile, int& m, int& r0) {
-        m = -1;
-        r0 = 0;
-        if (tile >= tiles) return;
-        m = 0;
-        while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
-        r0 = tile << 4;
-    };
+    const int tiles = set_tiles(mats, nmats);
+    auto locate = [&](int tile, int& m, int& r0) { set_locate(mats, tiles, tile, m, r0); };
     auto load = [&](TcItem& it, int m, int r0, int k) {
         const QMat& M = mats[m];
         const int G0 = (my_slice * kc + k) * TC_NG;
@@ -331,17 +338,8 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
     const int g = lane >> 2, t = lane & 3;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
     constexpr int tok_blk = NTG * 8;
-    int tiles = 0;
-    for (int m = 0; m < nmats; ++m) tiles += (mats[m].rows + 15) >> 4;
-    // Tile -> (matrix, first row); m = -1 past the set.
-    auto locate = [&](int tile, int& m, int& r0) {
-        m = -1;
-        r0 = 0;
-        if (tile >= tiles) return;
-        m = 0;
-        while (tile >= ((mats[m].rows + 15) >> 4)) { tile -= (mats[m].rows + 15) >> 4; ++m; }
-        r0 = tile << 4;
-    };
+    const int tiles = set_tiles(mats, nmats);
+    auto locate = [&](int tile, int& m, int& r0) { set_locate(mats, tiles, tile, m, r0); };
     auto store = [&](int m, int row, int tok, float v) {
         const QMat& M = mats[m];
         if (row < M.rows && tok < nt) {

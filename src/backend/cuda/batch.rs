@@ -25,9 +25,9 @@ use super::decode::StepOut;
 use super::device::{ptr, Gpu};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn;
-use super::moe::{self, RouteLists};
+use super::moe;
 use super::ops;
-use super::qmatmul::{self, Gemm, GemvSet, GemvSets, Grouped, QMatDesc, TcbStaging};
+use super::qmatmul::{self, Gemm, GemvSet, QMatDesc, TcbStaging};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
@@ -78,34 +78,18 @@ impl BatchBuffers {
         let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
         let act = Activations::new(gpu, cfg, cap, cap)?;
         let scratch = ChunkScratch::new(gpu, cfg, cap, false)?;
-        let st = &gpu.stream;
-        let p = |s: &CudaSlice<f32>| ptr(s, st);
-        let mut sets = GemvSets::default();
-        let mut ids = Vec::new();
-        for l in &w.layers {
-            let (i, o) = match &l.mixer {
-                DevMixer::Gdn(g) => (
-                    sets.add(gpu, &[(&g.in_qkv, p(&act.qkv), false), (&g.in_z, p(&act.z), false), (&g.in_b, p(&act.b), false), (&g.in_a, p(&act.a), false)]),
-                    sets.add(gpu, &[(&g.out, p(&act.x), true)]),
-                ),
-                DevMixer::Attn(a) => (
-                    sets.add(gpu, &[(&a.q, p(&act.qkv), false), (&a.k, p(&act.kraw), false), (&a.v, p(&act.vraw), false)]),
-                    sets.add(gpu, &[(&a.o, p(&act.x), true)]),
-                ),
-            };
+        let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+        let sets = forward::model_sets(gpu, w, &act, |sets, l| {
             let m = &l.moe;
-            let gu = sets.add(gpu, &[(&m.shared_gate, p(&scratch.shared_gate), false), (&m.shared_up, p(&scratch.shared_up), false)]);
-            let down = sets.add(gpu, &[(&m.shared_down, p(&scratch.shared_down), false)]);
-            ids.push((i, o, gu, down));
-        }
-        let head = sets.add(gpu, &[(&w.lm_head, p(&act.logits), false)]);
-        let descs = gpu.upload(&sets.descs)?;
-        let base = ptr(&descs, st);
-        let layers: Vec<LayerSets> = ids
-            .into_iter()
-            .map(|(i, o, gu, down)| LayerSets { mixer_in: sets.set(i, base), mixer_out: sets.set(o, base), shared_gate_up: sets.set(gu, base), shared_down: sets.set(down, base) })
+            let gate_up = sets.add(gpu, &[(&m.shared_gate, p(&scratch.shared_gate), false), (&m.shared_up, p(&scratch.shared_up), false)]);
+            vec![gate_up, sets.add(gpu, &[(&m.shared_down, p(&scratch.shared_down), false)])]
+        })?;
+        let layers: Vec<LayerSets> = sets
+            .layers
+            .iter()
+            .map(|(i, o, more)| LayerSets { mixer_in: *i, mixer_out: *o, shared_gate_up: more[0], shared_down: more[1] })
             .collect();
-        let head = sets.set(head, base);
+        let head = sets.head;
         let experts4 = w.layers.iter().all(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.down_exps].iter().all(|q| q.bits == 4));
         if cfg.quant.group_size != 64 || !experts4 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
             bail!("batched decode needs 4-bit matrices of group 64 (all but the router and gates)");
@@ -120,7 +104,7 @@ impl BatchBuffers {
             cap,
             act,
             scratch,
-            _descs: descs,
+            _descs: sets.descs,
             layers,
             head,
             staged,
@@ -255,31 +239,9 @@ impl Pass for BatchPass<'_> {
         // The router and gate pick experts in f32 from the normalised input `u`; its staged bf16
         // copy feeds the routed and the shared experts.
         self.stage(self.p(&a.x), h, n, Some(&lw.post_norm), u)?;
-        self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
-        self.gemm.few_rows(&m.shared_expert_gate, 1, u, n, self.p(&a.sgl), 1)?;
-        self.gpu.zero(self.p(&s.counts), s.counts.len() * 4)?;
-        let r = RouteLists {
-            logits: self.p(&a.router),
-            top_ids: self.p(&a.top_ids),
-            top_w: self.p(&a.top_w),
-            counts: self.p(&s.counts),
-            offsets: self.p(&s.offsets),
-            fill: self.p(&s.fill),
-            list: self.p(&s.list),
-            tiles: self.p(&s.tiles),
-        };
-        moe::route(self.gpu, &d, &r, n)?;
-        moe::slot_lists(self.gpu, d.e, &r, n * k)?;
+        let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n)?;
         self.point(probe, Point::Phase("moe.route"))?;
-        let grouped = |xdiv| Grouped {
-            experts: d.e,
-            counts: r.counts,
-            offsets: r.offsets,
-            list: r.list,
-            xdiv,
-            tiles: r.tiles,
-            max_tiles: moe::max_tiles(n, &d),
-        };
+        let grouped = |xdiv| r.grouped(&d, n, xdiv);
         let (eg, ed) = (self.p(&s.expert_gate), self.p(&s.expert_down));
         let (sets, st) = (&self.b.layers[li], &self.b.staged);
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));

@@ -11,10 +11,10 @@ use super::forward::{self, LayerDims, Pass, Point, Probe};
 use super::gdn;
 use super::moe::{self, MoeKernels, MoePtrs};
 use super::options::CudaOptions;
-use super::qmatmul::{self, GemvInput, GemvSet, GemvSets, QMatDesc};
+use super::qmatmul::{self, GemvInput, GemvSet, QMatDesc};
 use super::sampling;
 use super::state::CudaSequence;
-use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
+use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::CudaSlice;
@@ -52,32 +52,12 @@ pub struct Decoder {
 impl Decoder {
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights) -> Result<Self> {
         let act = Activations::new(gpu, cfg, 1, 1)?;
-        let st = &gpu.stream;
-        let p = |s: &CudaSlice<f32>| ptr(s, st);
-        let mut sets = GemvSets::default();
-        let mut ids = Vec::new();
-        for l in &w.layers {
-            let (i, o) = match &l.mixer {
-                DevMixer::Gdn(g) => (
-                    sets.add(gpu, &[(&g.in_qkv, p(&act.qkv), false), (&g.in_z, p(&act.z), false), (&g.in_b, p(&act.b), false), (&g.in_a, p(&act.a), false)]),
-                    sets.add(gpu, &[(&g.out, p(&act.x), true)]),
-                ),
-                DevMixer::Attn(a) => (
-                    sets.add(gpu, &[(&a.q, p(&act.qkv), false), (&a.k, p(&act.kraw), false), (&a.v, p(&act.vraw), false)]),
-                    sets.add(gpu, &[(&a.o, p(&act.x), true)]),
-                ),
-            };
-            let r = sets.add(gpu, &[(&l.moe.router, p(&act.router), false), (&l.moe.shared_expert_gate, p(&act.sgl), false)]);
-            ids.push((i, o, r));
-        }
-        let head = sets.add(gpu, &[(&w.lm_head, p(&act.logits), false)]);
-        let descs = gpu.upload(&sets.descs)?;
-        let base = ptr(&descs, st);
-        let layers = ids
-            .into_iter()
-            .map(|(i, o, r)| LayerSets { mixer_in: sets.set(i, base), mixer_out: sets.set(o, base), router: sets.set(r, base) })
-            .collect();
-        Ok(Decoder { scratch: DecodeScratch::new(gpu, cfg)?, act, _descs: descs, layers, head: sets.set(head, base) })
+        let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+        let sets = forward::model_sets(gpu, w, &act, |sets, l| {
+            vec![sets.add(gpu, &[(&l.moe.router, p(&act.router), false), (&l.moe.shared_expert_gate, p(&act.sgl), false)])]
+        })?;
+        let layers = sets.layers.iter().map(|(i, o, more)| LayerSets { mixer_in: *i, mixer_out: *o, router: more[0] }).collect();
+        Ok(Decoder { scratch: DecodeScratch::new(gpu, cfg)?, act, _descs: sets.descs, layers, head: sets.head })
     }
 
     /// Copies the logits to the host (synchronises the stream).

@@ -15,6 +15,7 @@ use super::attention::{AttnDims, AttnPtrs};
 use super::device::{ptr, Gpu};
 use super::gdn::{GdnDims, GdnPtrs};
 use super::moe::MoeDims;
+use super::qmatmul::{GemvSet, GemvSets, QMatDesc};
 use super::state::{CudaSequence, DevLayerState};
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
@@ -170,6 +171,44 @@ pub fn layers(pass: &mut impl Pass, w: &DevWeights, states: &impl LayerStates, p
         pass.point(probe, Point::Layer(li))?;
     }
     Ok(())
+}
+
+/// The GEMV sets of a layer's mixer over the activations `act`: the input projections (GDN
+/// q|k|v, z, b, a; attention q|gate, k, v) and the output projection, added into the residual.
+fn mixer_sets(gpu: &Gpu, sets: &mut GemvSets, mixer: &DevMixer, act: &Activations) -> (usize, usize) {
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    match mixer {
+        DevMixer::Gdn(g) => (
+            sets.add(gpu, &[(&g.in_qkv, p(&act.qkv), false), (&g.in_z, p(&act.z), false), (&g.in_b, p(&act.b), false), (&g.in_a, p(&act.a), false)]),
+            sets.add(gpu, &[(&g.out, p(&act.x), true)]),
+        ),
+        DevMixer::Attn(a) => (
+            sets.add(gpu, &[(&a.q, p(&act.qkv), false), (&a.k, p(&act.kraw), false), (&a.v, p(&act.vraw), false)]),
+            sets.add(gpu, &[(&a.o, p(&act.x), true)]),
+        ),
+    }
+}
+
+/// Every layer's GEMV sets over some activations (the mixer's input and output sets, then the
+/// layer's `extra` sets) and the lm_head's, their descriptors in one device buffer.
+pub struct ModelSets {
+    pub descs: CudaSlice<QMatDesc>,
+    pub layers: Vec<(GemvSet, GemvSet, Vec<GemvSet>)>,
+    pub head: GemvSet,
+}
+
+/// [`ModelSets`] over `act`; `extra` adds a layer's further sets and returns their indices.
+pub fn model_sets(gpu: &Gpu, w: &DevWeights, act: &Activations, mut extra: impl FnMut(&mut GemvSets, &DevLayer) -> Vec<usize>) -> Result<ModelSets> {
+    let mut sets = GemvSets::default();
+    let ids: Vec<_> = w.layers.iter().map(|l| (mixer_sets(gpu, &mut sets, &l.mixer, act), extra(&mut sets, l))).collect();
+    let head = sets.add(gpu, &[(&w.lm_head, ptr(&act.logits, &gpu.stream), false)]);
+    let descs = gpu.upload(&sets.descs)?;
+    let base = ptr(&descs, &gpu.stream);
+    let layers = ids
+        .into_iter()
+        .map(|((i, o), more)| (sets.set(i, base), sets.set(o, base), more.into_iter().map(|m| sets.set(m, base)).collect()))
+        .collect();
+    Ok(ModelSets { descs, layers, head: sets.set(head, base) })
 }
 
 /// A GDN layer's pointers over the activations `a`, its weights and its state.

@@ -5,11 +5,15 @@
 //! tiles, a scatter into per-expert slot lists (no host synchronisation), then grouped GEMMs
 //! (qmatmul.rs) and the weighted combine.
 
-use super::device::{Arg, Gpu};
+use super::activations::{Activations, ChunkScratch};
+use super::device::{ptr, Arg, Gpu};
+use super::qmatmul::{Gemm, Grouped};
+use super::weights::DevMoe;
 use super::qmatmul::{tc_smem, TC_NG};
 use super::registry::{Kernel, MOE};
 use crate::checkpoint::ModelConfig;
 use anyhow::Result;
+use cudarc::driver::CudaSlice;
 
 const MOE_GATE_UP: Kernel = Kernel::dependent(&MOE, "moe_gate_up");
 const MOE_DOWN: Kernel = Kernel::dependent(&MOE, "moe_down");
@@ -184,6 +188,44 @@ pub struct RouteLists {
     pub list: u64,
     /// `[count, (expert, first slot)...]` for the tensor-core grouped GEMM.
     pub tiles: u64,
+}
+
+impl RouteLists {
+    /// The routing lists of a multi-token pass: router logits and top-k in its activations, the
+    /// lists in its scratch.
+    pub fn over(gpu: &Gpu, a: &Activations, s: &ChunkScratch) -> Self {
+        let p = |x: &CudaSlice<i32>| ptr(x, &gpu.stream);
+        RouteLists {
+            logits: ptr(&a.router, &gpu.stream),
+            top_ids: p(&a.top_ids),
+            top_w: ptr(&a.top_w, &gpu.stream),
+            counts: p(&s.counts),
+            offsets: p(&s.offsets),
+            fill: p(&s.fill),
+            list: p(&s.list),
+            tiles: p(&s.tiles),
+        }
+    }
+
+    /// The per-expert lists of `n` tokens as a grouped product reads them (`xdiv`: k for the
+    /// gate|up products, whose input rows are tokens; 1 for down, whose input rows are slots).
+    pub fn grouped(&self, d: &MoeDims, n: usize, xdiv: usize) -> Grouped {
+        Grouped { experts: d.e, counts: self.counts, offsets: self.offsets, list: self.list, xdiv, tiles: self.tiles, max_tiles: max_tiles(n, d) }
+    }
+}
+
+/// The f32 router and shared-expert gate logits of `n` normalised rows (`a.u`), then the routing:
+/// top-k per token and the per-expert slot lists and tiles (a multi-token pass).
+#[allow(clippy::too_many_arguments)]
+pub fn gate_and_route(gpu: &Gpu, gemm: &Gemm, m: &DevMoe, d: &MoeDims, a: &Activations, s: &ChunkScratch, n: usize) -> Result<RouteLists> {
+    let (u, p) = (ptr(&a.u, &gpu.stream), |x: &CudaSlice<f32>| ptr(x, &gpu.stream));
+    gemm.few_rows(&m.router, d.e, u, n, p(&a.router), d.e)?;
+    gemm.few_rows(&m.shared_expert_gate, 1, u, n, p(&a.sgl), 1)?;
+    let r = RouteLists::over(gpu, a, s);
+    gpu.zero(r.counts, d.e * 4)?;
+    route(gpu, d, &r, n)?;
+    slot_lists(gpu, d.e, &r, n * d.k)?;
+    Ok(r)
 }
 
 /// Top-k per token with the expert counts (`counts` must be zero).

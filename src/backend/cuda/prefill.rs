@@ -14,9 +14,9 @@ use super::blas::Blas;
 use super::device::{ptr, Gpu};
 use super::forward::{self, LayerDims, Pass, Point, Probe, TokenSpan};
 use super::gdn::{self, GdnChunkScratch, GdnDims};
-use super::moe::{self, RouteLists};
+use super::moe;
 use super::ops;
-use super::qmatmul::{Gemm, Grouped};
+use super::qmatmul::Gemm;
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
@@ -137,31 +137,9 @@ impl Pass for ChunkPass<'_> {
         let (a, s, n, d) = (self.act, self.s, self.span.n, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
-        self.gemm.few_rows(&m.router, d.e, u, n, self.p(&a.router), d.e)?;
-        self.gemm.few_rows(&m.shared_expert_gate, 1, u, n, self.p(&a.sgl), 1)?;
-        self.gpu.zero(self.p(&s.counts), s.counts.len() * 4)?;
-        let r = RouteLists {
-            logits: self.p(&a.router),
-            top_ids: self.p(&a.top_ids),
-            top_w: self.p(&a.top_w),
-            counts: self.p(&s.counts),
-            offsets: self.p(&s.offsets),
-            fill: self.p(&s.fill),
-            list: self.p(&s.list),
-            tiles: self.p(&s.tiles),
-        };
-        moe::route(self.gpu, &d, &r, n)?;
-        moe::slot_lists(self.gpu, d.e, &r, n * k)?;
+        let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n)?;
         self.point(probe, Point::Phase("moe.route"))?;
-        let grouped = |xdiv| Grouped {
-            experts: d.e,
-            counts: r.counts,
-            offsets: r.offsets,
-            list: r.list,
-            xdiv,
-            tiles: r.tiles,
-            max_tiles: moe::max_tiles(n, &d),
-        };
+        let grouped = |xdiv| r.grouped(&d, n, xdiv);
         let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
         self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
         self.point(probe, Point::Phase("moe.gate_up"))?;
