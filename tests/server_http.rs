@@ -566,3 +566,75 @@ async fn cors_preflight_lists_the_requested_headers() {
     assert!(allowed.contains("authorization") && allowed.contains("content-type"), "allow-headers: {allowed:?}");
     assert_ne!(allowed, "*");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize() {
+    let s = tiny_server();
+    let url = |p: &str| format!("{}/{p}", s.url());
+    // Text: the ids the tokenizer gives, spelled back, and their text again.
+    let text = "Hello, Lily: ünïcode ✓";
+    let (st, v) = post(&url("tokenize"), json!({"prompt": text, "return_token_strs": true})).await;
+    assert_eq!(st, 200, "{v}");
+    let ids: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(v["count"].as_u64().unwrap() as usize, ids.len());
+    assert!(v["max_model_len"].as_u64().unwrap() > 0);
+    assert_eq!(v["token_strs"].as_array().unwrap().len(), ids.len());
+    assert_eq!(v["token_strs"][0], "Hello");
+    let (st, d) = post(&url("detokenize"), json!({"tokens": ids})).await;
+    assert_eq!(st, 200, "{d}");
+    assert_eq!(d["prompt"], text);
+    // A conversation: exactly the prompt a chat request is charged for; without the generation
+    // prompt it is shorter.
+    let (_, chat) = post(&url("v1/chat/completions"), json!({"messages": user("Count me"), "max_tokens": 1, "temperature": 0})).await;
+    let (st, t) = post(&url("tokenize"), json!({"messages": user("Count me")})).await;
+    assert_eq!(st, 200, "{t}");
+    assert_eq!(t["count"], chat["usage"]["prompt_tokens"]);
+    assert!(t.get("token_strs").is_none());
+    let (_, bare) = post(&url("tokenize"), json!({"messages": user("Count me"), "add_generation_prompt": false})).await;
+    assert!(bare["count"].as_u64().unwrap() < t["count"].as_u64().unwrap());
+    // Bad input: 400 with an error object.
+    for body in [json!({}), json!({"prompt": "a", "messages": user("b")}), json!({"prompt": [1, 2]}), json!({"prompt": "a", "return_token_strs": "yes"})] {
+        let (st, e) = post(&url("tokenize"), body.clone()).await;
+        assert_eq!(st, 400, "{body} -> {e}");
+        assert_error_object(&e);
+    }
+    for body in [json!({"tokens": [1, 999_999_999]}), json!({"tokens": "12"}), json!({"tokens": [-1]})] {
+        let (st, e) = post(&url("detokenize"), body.clone()).await;
+        assert_eq!(st, 400, "{body} -> {e}");
+        assert_error_object(&e);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_tool_calls_are_not_reported_as_complete() {
+    let s = scripted_server();
+    let url = format!("{}/v1/chat/completions", s.url());
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]);
+    // The model ends its sequence inside the call: "stop", the arguments as far as they went.
+    let (st, v) = post(&url, json!({"messages": user("cut call"), "tools": tools, "chat_template_kwargs": {"enable_thinking": false}})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let tc = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(tc["function"]["name"], "get_weather");
+    assert_eq!(tc["function"]["arguments"], "{\"city\": \"Paris\"");
+    // max_tokens anywhere inside the weather call: "length", and arguments that parse are the
+    // whole call's (the function was closed); some cuts leave them partial.
+    let whole = json!({"city": "Paris", "days": 3});
+    let mut partial = 0;
+    for max in 1..=60 {
+        let (st, v) = post(&url, json!({"messages": user("weather please"), "tools": tools, "max_tokens": max})).await;
+        assert_eq!(st, 200, "{v}");
+        let ch = &v["choices"][0];
+        if ch["finish_reason"] != "length" {
+            assert_eq!(ch["finish_reason"], "tool_calls", "max_tokens {max}: {v}");
+            break;
+        }
+        if let Some(args) = ch["message"]["tool_calls"][0]["function"]["arguments"].as_str() {
+            match serde_json::from_str::<Value>(args) {
+                Ok(a) => assert_eq!(a, whole, "max_tokens {max}"),
+                Err(_) => partial += 1,
+            }
+        }
+    }
+    assert!(partial > 0, "no cut fell inside the arguments");
+}

@@ -22,6 +22,7 @@ pub mod responses;
 pub mod routes;
 pub mod scripted;
 pub mod stop;
+pub mod tokenize;
 pub mod tools;
 pub mod tui;
 pub mod worker;

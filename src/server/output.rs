@@ -43,8 +43,14 @@ impl OutputPipeline {
         self.reasoning.as_ref().map(|r| r.in_reasoning()).unwrap_or(false)
     }
 
+    /// Complete tool calls so far (a call cut by the end of generation does not count).
     pub fn tool_calls(&self) -> usize {
-        self.tools.as_ref().map(|t| t.calls()).unwrap_or(0)
+        self.tools.as_ref().map(|t| t.complete_calls()).unwrap_or(0)
+    }
+
+    /// Whether generation ended inside a tool call (its arguments stay partial).
+    pub fn tool_call_cut(&self) -> bool {
+        self.tools.as_ref().is_some_and(|t| t.cut())
     }
 
     /// Pushes newly decoded text; returns the released delta and whether a stop string matched.

@@ -55,6 +55,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(model_one))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/tokenize", post(super::tokenize::tokenize))
+        .route("/detokenize", post(super::tokenize::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -90,6 +92,8 @@ fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" => "models",
         "/health" => "health",
         "/metrics" => "metrics",
+        "/tokenize" => "tokenize",
+        "/detokenize" => "detokenize",
         _ => "other",
     }
 }
@@ -146,20 +150,21 @@ struct Prepared {
     starts_in_reasoning: bool,
 }
 
-fn body_error(rej: BytesRejection) -> ApiError {
+pub(super) fn body_error(rej: BytesRejection) -> ApiError {
     let status = rej.status();
     let msg = if status == StatusCode::PAYLOAD_TOO_LARGE { "request body is too large".to_string() } else { format!("cannot read request body: {}", rej.body_text()) };
     ApiError::new(status, "invalid_request_error", msg)
 }
 
-/// Renders and tokenizes (CPU work, off the async threads).
-fn render_and_tokenize(st: &AppState, req: &ParsedRequest) -> Result<(Vec<u32>, String, bool), ApiError> {
+/// Renders and tokenizes (CPU work, off the async threads); a conversation ends with the
+/// assistant's generation prompt when `generation_prompt` (always, for generation).
+pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation_prompt: bool) -> Result<(Vec<u32>, String, bool), ApiError> {
     match &req.prompt {
         PromptInput::Chat { messages, tools, kwargs } => {
             let template = st.template.as_ref().ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
             let mut kw = st.default_kwargs.clone();
             kw.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
-            let text = template.render(messages, tools.as_ref(), true, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")))?;
+            let text = template.render(messages, tools.as_ref(), generation_prompt, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")))?;
             let ids = st.tokenizer.encode(&text).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
             let opens = prompt_opens_thinking(&text);
             Ok((ids, text, opens))
@@ -183,7 +188,7 @@ async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReje
     let req = request::parse(ep, &body)?;
     let st2 = st.clone();
     let req2 = req.clone();
-    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2))))
+    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2, true))))
         .await
         .map_err(|_| ApiError::internal())?
         .map_err(|_| ApiError::invalid("cannot render this request (internal template error)"))?;

@@ -44,6 +44,9 @@ pub struct ToolParser {
     buf: String,
     state: State,
     calls: usize,
+    /// The last call was cut (end of generation before `</function>`): its arguments stay
+    /// partial and it does not count as a complete call.
+    cut: bool,
 }
 
 pub fn new_call_id() -> String {
@@ -86,11 +89,22 @@ fn strip_one_newline(s: &str) -> &str {
 
 impl ToolParser {
     pub fn new(schemas: Map<String, Value>) -> Self {
-        ToolParser { schemas, buf: String::new(), state: State::Outside, calls: 0 }
+        ToolParser { schemas, buf: String::new(), state: State::Outside, calls: 0, cut: false }
     }
 
+    /// Calls started (each has had its `Start` event), the cut one included.
     pub fn calls(&self) -> usize {
         self.calls
+    }
+
+    /// Calls that were completed (`</function>` read).
+    pub fn complete_calls(&self) -> usize {
+        self.calls - self.cut as usize
+    }
+
+    /// Whether generation ended inside a call's function (see [`ToolParser::finish`]).
+    pub fn cut(&self) -> bool {
+        self.cut
     }
 
     pub fn push(&mut self, text: &str) -> Vec<ToolEvent> {
@@ -276,7 +290,9 @@ impl ToolParser {
         self.emit_content(out, &raw);
     }
 
-    /// End of generation: closes an open call or releases held text.
+    /// End of generation: releases held text. A call whose function was closed is complete; one
+    /// cut before `</function>` (end of sequence, max_tokens, a stop string) keeps the arguments
+    /// streamed so far, unclosed, and is marked cut rather than passed off as a complete call.
     pub fn finish(&mut self) -> Vec<ToolEvent> {
         let mut out = Vec::new();
         match std::mem::replace(&mut self.state, State::Outside) {
@@ -290,11 +306,9 @@ impl ToolParser {
                 let raw = format!("{OPEN}{}", std::mem::take(&mut self.buf));
                 self.emit_content(&mut out, &raw);
             }
-            State::Inside { name: Some(_), params, closed_fn } => {
+            State::Inside { name: Some(_), closed_fn, .. } => {
                 self.buf.clear();
-                if !closed_fn {
-                    out.push(ToolEvent::Args { index: self.calls, fragment: if params == 0 { "{}".into() } else { "}".into() } });
-                }
+                self.cut = !closed_fn;
                 self.calls += 1;
             }
         }
@@ -375,8 +389,20 @@ mod tests {
         let out = parse_pieces(json!({}), &["use <tool_call> tags like <tool_call>hello"]);
         assert_eq!(out.content, "use <tool_call> tags like <tool_call>hello");
         assert!(out.calls.is_empty());
-        let out = parse_pieces(json!({}), &["<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n"]);
-        assert_eq!(out.calls, vec![("f".into(), "{\"a\": \"x\"}".into())]);
+        // Cut before </function>: the arguments so far, unclosed, and the call marked cut.
+        let mut p = ToolParser::new(Map::new());
+        let mut out = ParsedOutput::default();
+        collect(p.push("<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n"), &mut out);
+        collect(p.finish(), &mut out);
+        assert_eq!(out.calls, vec![("f".into(), "{\"a\": \"x\"".into())]);
+        assert!(p.cut() && p.calls() == 1 && p.complete_calls() == 0);
+        let out = parse_pieces(json!({}), &["<tool_call>\n<function=f>\n"]);
+        assert_eq!(out.calls, vec![("f".into(), String::new())]);
+        // Closed function, missing </tool_call>: complete.
+        let mut p = ToolParser::new(Map::new());
+        collect(p.push("<tool_call>\n<function=f>\n</function>\n"), &mut ParsedOutput::default());
+        p.finish();
+        assert!(!p.cut() && p.complete_calls() == 1);
         let out = parse_pieces(json!({}), &["plain <tool_ca"]);
         assert_eq!(out.content, "plain <tool_ca");
     }

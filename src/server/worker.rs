@@ -293,7 +293,9 @@ impl Worker {
         if !tail.is_empty() {
             let _ = job.events.send(Event::Delta { delta: tail, logprobs: vec![] });
         }
-        let finish = if pipeline.tool_calls() > 0 && stats.finish != FinishReason::Length {
+        // "tool_calls" only when every call is whole: a call cut by the end of sequence, a stop
+        // string or max_tokens ends as "stop" / "length" with its partial arguments.
+        let finish = if pipeline.tool_calls() > 0 && !pipeline.tool_call_cut() && stats.finish != FinishReason::Length {
             "tool_calls"
         } else if stop_hit {
             "stop"

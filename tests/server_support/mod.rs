@@ -35,6 +35,7 @@ pub fn tiny_server() -> &'static ServerHandle {
 
 /// The rules of the scripted (test-only) backend used for deterministic output.
 pub const SCRIPT: &str = r#"[
+  {"match": "cut call", "reply": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3"},
   {"match": "weather", "reply": "The user wants weather.</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"},
   {"match": "two calls", "reply": "<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n<parameter=y>\n{\"k\": [1, 2]}\n</parameter>\n</function>\n</tool_call>"},
   {"match": "stop test", "reply": "Counting: one, two, STOP three, four"},
