@@ -1,8 +1,9 @@
 //! Batched decode: one token of each of B sequences per step, through one forward over the
 //! batch (`Backend::decode_batch`), the layer loop of forward.rs with [`BatchPass`]:
-//! - the dense projections and the lm_head as GEMV sets over the batch's tokens (`gemv_tcb`: the
-//!   decode GEMV's weight streaming with the tokens as bf16 tensor-core columns, the input
-//!   RMSNorm fused), the router and gates in f32 (`pf_gemm_skinny`);
+//! - each input staged once (`stage_tcb`: the RMSNorm, bf16 tensor-core fragments), then the
+//!   dense projections and the lm_head as GEMV sets over the batch's tokens (`gemv_tcb`: the
+//!   decode GEMV's weight streaming with the tokens as tensor-core columns), the router and gates
+//!   in f32 (`pf_gemm_skinny`);
 //! - the MoE over the union of the routed experts: the prefill's GPU routing into per-expert
 //!   slot lists, then `moe_tcb` reads each active expert's rows once for all its tokens (gate|up
 //!   with SwiGLU fused, then down), the shared expert as a GEMV set, the weighted combine;
@@ -376,6 +377,9 @@ impl CudaBackend {
         let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
         let mut produced = vec![0usize; rows.len()];
         let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
+        if live.is_empty() {
+            return Ok(produced);
+        }
         let reach = rows.iter().map(|r| r.seq.len() + r.max_tokens).max().unwrap_or(1);
         let splits = batch_splits(reach);
         self.fit_batch(live.len())?;
