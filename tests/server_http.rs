@@ -638,3 +638,26 @@ async fn cut_tool_calls_are_not_reported_as_complete() {
     }
     assert!(partial > 0, "no cut fell inside the arguments");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_that_cannot_fit_are_refused_before_tokenizing() {
+    // 2 MiB of text is at least 2 Mi / (longest token) tokens: more than the max-seq of 1,024
+    // whatever it says, so it is refused at once instead of after seconds of tokenizing.
+    let s = tiny_server();
+    let big = "a".repeat(2 << 20);
+    for (path, body) in [
+        ("v1/chat/completions", json!({"messages": user(&big), "max_tokens": 1})),
+        ("v1/completions", json!({"prompt": big, "max_tokens": 1})),
+        ("tokenize", json!({"prompt": big})),
+    ] {
+        let t0 = Instant::now();
+        let (st, v) = post(&format!("{}/{path}", s.url()), body).await;
+        let secs = t0.elapsed().as_secs_f64();
+        let short: String = v.to_string().chars().take(300).collect();
+        assert_eq!(st, 400, "{path}: {short}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{path}: {short}");
+        let msg = v["error"]["message"].as_str().unwrap_or("");
+        assert!(msg.contains("has at least") && msg.contains("bytes)"), "{path}: the bound, not the tokenizer, refused it: {msg}");
+        assert!(secs < 3.0, "{path}: refused after {secs:.1} s");
+    }
+}

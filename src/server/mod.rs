@@ -199,6 +199,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         default_kwargs,
         created: routes::now_secs(),
         counter: AtomicU64::new(0),
+        tokenize_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16)),
     });
     Ok(Loaded { state, worker, rx, backend_name })
 }

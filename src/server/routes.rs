@@ -41,6 +41,8 @@ pub struct AppState {
     pub default_kwargs: Map<String, Value>,
     pub created: u64,
     pub counter: AtomicU64,
+    /// Requests rendered and tokenized at once (CPU threads).
+    pub tokenize_permits: tokio::sync::Semaphore,
 }
 
 pub fn now_secs() -> u64 {
@@ -165,11 +167,13 @@ pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation
             let mut kw = st.default_kwargs.clone();
             kw.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
             let text = template.render(messages, tools.as_ref(), generation_prompt, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")))?;
+            fits_before_tokenizing(st, &text, "messages")?;
             let ids = st.tokenizer.encode(&text).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
             let opens = prompt_opens_thinking(&text);
             Ok((ids, text, opens))
         }
         PromptInput::Text(t) => {
+            fits_before_tokenizing(st, t, "prompt")?;
             let ids = st.tokenizer.encode(t).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
             Ok((ids, t.clone(), false))
         }
@@ -183,11 +187,25 @@ pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation
     }
 }
 
+/// Rejects a text whose fewest possible tokens already exceed the context, before the tokenizer
+/// spends time and memory on it (a multi-megabyte body would take seconds and ~0.75 GB).
+fn fits_before_tokenizing(st: &AppState, text: &str, param: &str) -> Result<(), ApiError> {
+    let least = st.tokenizer.min_tokens(text);
+    if least >= st.max_seq {
+        return Err(ApiError::param(param, format!("the prompt has at least {least} tokens ({} bytes) but the server's max-seq is {}", text.len(), st.max_seq))
+            .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
 async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let body = body.map_err(body_error)?;
     let req = request::parse(ep, &body)?;
     let st2 = st.clone();
     let req2 = req.clone();
+    // Rendering and tokenizing run a few at a time: many large prompts at once would each hold
+    // their tokenizer's working memory.
+    let _permit = st.tokenize_permits.acquire().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
     let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2, true))))
         .await
         .map_err(|_| ApiError::internal())?

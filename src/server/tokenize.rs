@@ -77,7 +77,10 @@ fn detokenize_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result
 /// Runs `work` off the async threads (templates and tokenization are CPU work) and answers it.
 async fn answer(st: Arc<AppState>, label: &'static str, work: fn(&AppState, Result<Bytes, BytesRejection>) -> Result<Value, ApiError>, body: Result<Bytes, BytesRejection>) -> Response {
     let st2 = st.clone();
-    let out = tokio::task::spawn_blocking(move || work(&st2, body)).await.unwrap_or_else(|_| Err(ApiError::internal()));
+    let out = match st.tokenize_permits.acquire().await {
+        Ok(_permit) => tokio::task::spawn_blocking(move || work(&st2, body)).await.unwrap_or_else(|_| Err(ApiError::internal())),
+        Err(_) => Err(ApiError::unavailable("the server is shutting down")),
+    };
     match out {
         Ok(v) => {
             st.metrics.count_request(label, 200);

@@ -64,6 +64,8 @@ pub struct Tokenizer {
     is_added: Vec<bool>,
     /// Added tokens by content, so `token_id("<think>")` never depends on the model vocab.
     added: HashMap<String, u32>,
+    /// The longest token's bytes: a text of n bytes has at least n / this many tokens.
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -138,6 +140,7 @@ impl Tokenizer {
             special[id as usize] = tok.special;
             is_added[id as usize] = true;
         }
+        let max_token_bytes = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(1).max(1);
         Ok(Tokenizer {
             inner,
             bytes,
@@ -145,7 +148,14 @@ impl Tokenizer {
             special,
             is_added,
             added,
+            max_token_bytes,
         })
+    }
+
+    /// The fewest tokens `text` can encode to (every token covers at most the longest token's
+    /// bytes): a bound checked before tokenizing a text that cannot fit anyway.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        text.len().div_ceil(self.max_token_bytes)
     }
 
     /// Text -> ids, as HF does for a rendered chat prompt: no BOS/post-processing
