@@ -346,6 +346,16 @@ pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, A
             for reserved in ["messages", "tools", "documents", "add_generation_prompt"] {
                 kwargs.remove(reserved);
             }
+            // OpenAI's reasoning_effort onto the template's thinking switch ("none" / "minimal":
+            // off, "low" / "medium" / "high": on); an explicit enable_thinking wins.
+            if let Some(effort) = field(obj, "reasoning_effort") {
+                let on = match effort.as_str() {
+                    Some("none" | "minimal") => false,
+                    Some("low" | "medium" | "high") => true,
+                    _ => return Err(ApiError::param("reasoning_effort", format!("'reasoning_effort' must be one of none, minimal, low, medium, high, got {effort}"))),
+                };
+                kwargs.entry("enable_thinking").or_insert(Value::Bool(on));
+            }
             PromptInput::Chat { messages, tools, kwargs }
         }
         Endpoint::Completion => match field(obj, "prompt") {
@@ -504,6 +514,23 @@ mod tests {
         assert_eq!(r.max_tokens, None);
         assert!(!r.stream);
         assert_eq!(r.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn reasoning_effort_switches_thinking_unless_the_kwargs_say() {
+        let kw = |body: Value| match chat(body).unwrap().prompt {
+            PromptInput::Chat { kwargs, .. } => kwargs.get("enable_thinking").cloned(),
+            _ => panic!("not a chat"),
+        };
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        assert_eq!(kw(json!({"messages": msgs, "reasoning_effort": "none"})), Some(json!(false)));
+        assert_eq!(kw(json!({"messages": msgs, "reasoning_effort": "minimal"})), Some(json!(false)));
+        assert_eq!(kw(json!({"messages": msgs, "reasoning_effort": "high"})), Some(json!(true)));
+        assert_eq!(kw(json!({"messages": msgs})), None);
+        let explicit = json!({"messages": msgs, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}});
+        assert_eq!(kw(explicit), Some(json!(true)));
+        let e = chat(json!({"messages": msgs, "reasoning_effort": "max"})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("reasoning_effort"));
     }
 
     #[test]
