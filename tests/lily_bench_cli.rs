@@ -15,6 +15,13 @@ fn bench(extra: &[&str]) -> std::process::Output {
         .expect("run lily-bench")
 }
 
+/// The JSON line of a run that must succeed.
+fn json_line(extra: &[&str]) -> serde_json::Value {
+    let out = bench(extra);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
 /// The stderr of a run that must fail with exit 1, no panic and no JSON line.
 fn one_line_error(out: std::process::Output) -> String {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -25,9 +32,7 @@ fn one_line_error(out: std::process::Output) -> String {
 
 #[test]
 fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
-    let out = bench(&["--max-seq", "64"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let line = json_line(&["--max-seq", "64"]);
     assert_eq!(line["max_seq"], 64);
     assert_eq!(line["prompt_len"], 8);
     assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 4);
@@ -37,9 +42,7 @@ fn json_line_reports_max_seq_and_no_device_memory_on_cpu() {
 
 #[test]
 fn kv_cache_flag_is_reported() {
-    let out = bench(&["--kv-cache", "bf16"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let line = json_line(&["--kv-cache", "bf16"]);
     assert_eq!(line["kv_cache"], "bf16");
     assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 4);
 }
@@ -52,16 +55,12 @@ fn too_small_max_seq_is_a_one_line_error() {
 
 #[test]
 fn sampled_runs_report_their_settings_and_repeat_with_the_seed() {
-    let run = |seed: &str| {
-        let out = bench(&["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", seed, "--no-warmup"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("one JSON line")
-    };
+    let run = |seed: &str| json_line(&["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", seed, "--no-warmup"]);
     let a = run("5");
     assert_eq!(a["sampling"]["top_k"], 20);
     assert_eq!(a["sampling"]["seed"], 5);
     assert_eq!(a["decode"]["token_digest"], run("5")["decode"]["token_digest"]);
-    let greedy: serde_json::Value = serde_json::from_slice(&bench(&["--no-warmup"]).stdout).unwrap();
+    let greedy = json_line(&["--no-warmup"]);
     assert_eq!(greedy["sampling"], "greedy");
 }
 
@@ -73,9 +72,7 @@ fn bad_sampling_flags_are_a_one_line_error() {
 
 #[test]
 fn batch_runs_report_aggregate_rates_and_a_digest_per_sequence() {
-    let out = bench(&["--batch", "3", "--no-warmup"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let line = json_line(&["--batch", "3", "--no-warmup"]);
     assert_eq!(line["batch"], 3);
     let d = &line["decode"];
     let digests = d["token_digests"].as_array().unwrap();
@@ -85,7 +82,7 @@ fn batch_runs_report_aggregate_rates_and_a_digest_per_sequence() {
     let (agg, per) = (d["aggregate_tok_s"].as_f64().unwrap(), d["tok_s"].as_f64().unwrap());
     assert!(agg > 0.0 && (agg / 3.0 - per).abs() < 1e-6 * agg);
     // Sequence 0's prompt is the contract prompt: greedy, it decodes what the batch-1 run does.
-    let single: serde_json::Value = serde_json::from_slice(&bench(&["--no-warmup"]).stdout).unwrap();
+    let single = json_line(&["--no-warmup"]);
     assert_eq!(digests[0], single["decode"]["token_digest"]);
     assert_ne!(digests[0], digests[1]);
     let err = one_line_error(bench(&["--batch", "0"]));

@@ -135,12 +135,16 @@ fn get_str<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<Option<&'a str
 
 /// Parses a request body (bytes as received).
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    parse_value(endpoint, &json_body(body)?)
+}
+
+/// A request body as JSON (UTF-8, not empty, valid JSON).
+pub fn json_body(body: &[u8]) -> Result<Value, ApiError> {
     let text = std::str::from_utf8(body).map_err(|e| ApiError::invalid(format!("request body is not valid UTF-8: {e}")))?;
     if text.trim().is_empty() {
         return Err(ApiError::invalid("request body is empty; expected a JSON object"));
     }
-    let value: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))?;
-    parse_value(endpoint, &value)
+    serde_json::from_str(text).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))
 }
 
 pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, ApiError> {

@@ -21,8 +21,7 @@ use std::sync::Arc;
 
 /// The body as a JSON object.
 fn object(body: Result<Bytes, BytesRejection>) -> Result<(Value, Map<String, Value>), ApiError> {
-    let body = body.map_err(super::routes::body_error)?;
-    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))?;
+    let value = request::json_body(&body.map_err(super::routes::body_error)?)?;
     let obj = value.as_object().cloned().ok_or_else(|| ApiError::invalid("request body must be a JSON object"))?;
     Ok((value, obj))
 }

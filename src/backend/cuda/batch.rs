@@ -247,13 +247,13 @@ impl Pass for BatchPass<'_> {
         let (sets, st) = (&self.b.layers[li], &self.b.staged);
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
         // Both gate|up products read the staged `u`.
-        qmatmul::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, st, eg, grouped(k))?;
+        moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, st, eg, grouped(k))?;
         self.point(probe, Point::Phase("moe.gate_up"))?;
         self.gemv(sets.shared_gate_up, h)?;
         ops::swiglu(self.gpu, sg, su, n * d.sinter)?;
         self.point(probe, Point::Phase("shared"))?;
         self.stage(eg, d.inter, n * k, None, 0)?;
-        qmatmul::moe_tcb(self.gpu, &m.down_exps, None, h, st, ed, grouped(1))?;
+        moe::moe_tcb(self.gpu, &m.down_exps, None, h, st, ed, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         self.stage(sg, d.sinter, n, None, 0)?;
         self.gemv(sets.shared_down, d.sinter)?;
@@ -435,10 +435,7 @@ impl CudaBackend {
             bail!("batch of {n} rows and {} tokens", tokens.len());
         }
         for (s, &t) in seqs.iter().zip(tokens) {
-            if t as usize >= self.cfg.vocab_size {
-                bail!("token id {t} is outside the vocabulary");
-            }
-            s.check_room(1)?;
+            self.check_tokens(s, &[t])?;
         }
         let kv_bf16 = seqs[0].state::<CudaSequence>().kv_bf16;
         let reach = seqs.iter().map(|s| s.len() + 1).max().unwrap_or(1);

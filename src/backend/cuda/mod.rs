@@ -6,7 +6,8 @@
 //! `select` function; `registry` (modules loaded per context) and `device` (the one launch path);
 //! `forward` (the layer loop, written once) with its two passes, `decode` (T = 1, one CUDA graph
 //! per step, greedy tokens kept on the device and two steps in flight), `prefill` (T tokens in
-//! chunks) and `batch` (one token of each of B sequences per step, through the prefill's GEMMs);
+//! chunks) and `batch` (one token of each of B sequences per step: GEMV sets and expert products
+//! over the batch's tokens, per-row mixers);
 //! `options` (every setting, read once). See docs/cuda.md and docs/cuda-prefill.md.
 
 pub mod activations;

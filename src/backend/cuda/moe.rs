@@ -7,12 +7,11 @@
 
 use super::activations::{Activations, ChunkScratch};
 use super::device::{ptr, Arg, Gpu};
-use super::qmatmul::{Gemm, Grouped};
-use super::weights::DevMoe;
-use super::qmatmul::{tc_smem, TC_NG};
+use super::qmatmul::{tc_smem, Gemm, Grouped, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
+use super::weights::{DevMoe, DevQ};
 use super::registry::{Kernel, MOE};
 use crate::checkpoint::ModelConfig;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 
 const MOE_GATE_UP: Kernel = Kernel::dependent(&MOE, "moe_gate_up");
@@ -23,6 +22,7 @@ const PF_ROUTE: Kernel = Kernel::ordered(&MOE, "pf_route");
 const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
+const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
 
 #[derive(Clone, Copy, Debug)]
 pub struct MoeDims {
@@ -247,6 +247,42 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize) -> Re
 pub fn combine(gpu: &Gpu, d: &MoeDims, down: u64, top_w: u64, shared: u64, sgl: u64, x: u64, n: usize) -> Result<()> {
     let args = [Arg::P(down), Arg::P(top_w), Arg::I(d.k as i32), Arg::P(shared), Arg::P(sgl), Arg::P(x), Arg::I(d.hidden as i32)];
     gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+}
+
+/// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
+const MOE_TCB_ROWS: usize = 128;
+
+/// `moe_tcb` (batched decode): per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
+/// `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st` (batched decode; 4-bit, group 64).
+pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    if q.bits != 4 || up.is_some_and(|u| u.bits != 4 || u.cols != q.cols) || !q.cols.is_multiple_of(64) {
+        bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups");
+    }
+    let gpr = q.cols / 64;
+    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let stream = &gpu.stream;
+    let args = [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::P(w2),
+        Arg::P(s2),
+        Arg::P(b2),
+        Arg::P(y),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::I(MOE_TCB_ROWS as i32),
+        Arg::P(ptr(&st.frag, stream)),
+        Arg::P(ptr(&st.gsum, stream)),
+        Arg::I(g.xdiv as i32),
+        Arg::P(g.counts),
+        Arg::P(g.offsets),
+        Arg::P(g.list),
+        Arg::P(g.tiles),
+    ];
+    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::cell::Cell;
 const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
 const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
-const MOE_TCB: Kernel = Kernel::ordered(&super::registry::MOE, "moe_tcb");
+const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
 const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
 const PF_GEMM_TC: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_tc");
@@ -565,8 +565,6 @@ impl TcbStaging {
     }
 }
 
-const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
-
 /// Stages `nrows` rows of `x` (`cols` values each) into `st`: RMSNorm'd with `gain` first when
 /// non-zero, the f32 result also written to `u_out` when non-zero.
 #[allow(clippy::too_many_arguments)]
@@ -590,7 +588,7 @@ fn tcb_tokens(cols: usize) -> usize {
 }
 
 /// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
-const TCB_WORDS: usize = 256;
+pub const TCB_WORDS: usize = 256;
 
 /// Dynamic shared memory of `gemv_tcb` over `cols` columns.
 fn gemv_tcb_smem(cols: usize) -> u32 {
@@ -622,42 +620,6 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
         Arg::I(kc as i32),
     ];
     gpu.launch(GEMV_TCB, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
-}
-
-/// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
-const MOE_TCB_ROWS: usize = 128;
-
-/// `moe_tcb`: per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
-/// `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st` (batched decode; 4-bit, group 64).
-pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    if q.bits != 4 || up.is_some_and(|u| u.bits != 4 || u.cols != q.cols) || !q.cols.is_multiple_of(64) {
-        bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups");
-    }
-    let gpr = q.cols / 64;
-    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
-    let (w, s, b) = q.ptrs(gpu);
-    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
-    let stream = &gpu.stream;
-    let args = [
-        Arg::P(w),
-        Arg::P(s),
-        Arg::P(b),
-        Arg::P(w2),
-        Arg::P(s2),
-        Arg::P(b2),
-        Arg::P(y),
-        Arg::I(rows as i32),
-        Arg::I(q.cols as i32),
-        Arg::I(MOE_TCB_ROWS as i32),
-        Arg::P(ptr(&st.frag, stream)),
-        Arg::P(ptr(&st.gsum, stream)),
-        Arg::I(g.xdiv as i32),
-        Arg::P(g.counts),
-        Arg::P(g.offsets),
-        Arg::P(g.list),
-        Arg::P(g.tiles),
-    ];
-    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
