@@ -2,11 +2,11 @@
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
 #   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch
+#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory
 #   gzip .device/cargo-nextest .device/bin/lily     # ~40 MiB, carry [".device"]; gunzip them first there
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
-# 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch);
+# 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch + cuda_memory);
 # 2. the 35B checkpoint, written on the machine's own disk (in the background of the tests);
 # 3. lily-bench arms, one line each of ARMS_FILE (default: scripts/device_arms.txt):
 #      LABEL | ENV ASSIGNMENTS | LILY-BENCH ARGUMENTS

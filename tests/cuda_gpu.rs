@@ -302,7 +302,7 @@ fn cuda_bad_input_is_an_error() {
     let vocab = gpu.config().vocab_size as u32;
     assert!(
         gpu.new_sequence(1 << 28).is_err(),
-        "a KV cache larger than the GPU must be refused"
+        "a max-seq whose KV offsets overflow the kernels' 32-bit positions must be refused"
     );
     let mut seq = gpu.new_sequence(4).unwrap();
     assert!(gpu.forward(&mut seq, &[vocab], LogitsWanted::Last).is_err());

@@ -495,7 +495,7 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
     use std::any::Any;
     struct NoCopy;
     impl SequenceState for NoCopy {
-        fn try_clone_state(&self) -> anyhow::Result<Box<dyn SequenceState>> {
+        fn try_clone_state(&self, _len: usize) -> anyhow::Result<Box<dyn SequenceState>> {
             anyhow::bail!("out of device memory (simulated)")
         }
         fn memory_bytes(&self) -> usize {
@@ -544,6 +544,102 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
     }
     let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lily_prefix_cache_hits_total 0"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
+    // A backend whose sequences draw on a small budget (one unit per reserved token plus ten
+    // per sequence). A request that fits only once cached snapshots are dropped is served; one
+    // that cannot fit at all gets 503 with the reason, and the server goes on serving.
+    use lily::backend::{Backend, LogitsWanted, MemoryFull, Sequence, SequenceState};
+    use std::any::Any;
+    use std::sync::{Arc, Mutex};
+    const BUDGET: usize = 100;
+    struct Held {
+        units: usize,
+        used: Arc<Mutex<usize>>,
+    }
+    impl Held {
+        fn take(used: &Arc<Mutex<usize>>, units: usize) -> anyhow::Result<Held> {
+            let mut u = used.lock().unwrap();
+            if *u + units > BUDGET {
+                return Err(MemoryFull { needed_bytes: units, available_bytes: BUDGET - *u }.into());
+            }
+            *u += units;
+            Ok(Held { units, used: used.clone() })
+        }
+    }
+    impl Drop for Held {
+        fn drop(&mut self) {
+            *self.used.lock().unwrap() -= self.units;
+        }
+    }
+    impl SequenceState for Held {
+        fn try_clone_state(&self, _len: usize) -> anyhow::Result<Box<dyn SequenceState>> {
+            Ok(Box::new(Held::take(&self.used, self.units)?))
+        }
+        fn memory_bytes(&self) -> usize {
+            self.units
+        }
+        fn reserve(&mut self, tokens: usize) -> anyhow::Result<()> {
+            if 10 + tokens > self.units {
+                let more = Held::take(&self.used, 10 + tokens - self.units)?;
+                self.units += more.units;
+                std::mem::forget(more);
+            }
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+    struct Budgeted {
+        cfg: lily::checkpoint::ModelConfig,
+        used: Arc<Mutex<usize>>,
+    }
+    impl Backend for Budgeted {
+        fn name(&self) -> &'static str {
+            "budgeted"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            &self.cfg
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            Ok(Sequence::new(max_seq, Box::new(Held::take(&self.used, 10)?)))
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            seq.check_room(tokens.len())?;
+            seq.advance(tokens.len());
+            let mut row = vec![0.0f32; self.cfg.vocab_size];
+            row[7] = 10.0;
+            Ok(match w {
+                LogitsWanted::None => vec![],
+                LogitsWanted::Last => row,
+                LogitsWanted::All => row.repeat(tokens.len()),
+            })
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let used = Arc::new(Mutex::new(0));
+    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone() })).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    // 6 + 4 tokens: the request holds 20 units, and leaves two snapshots of 20 in the cache.
+    let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(*used.lock().unwrap(), 40, "two cached snapshots");
+    // 70 tokens + 10 fit only once both snapshots are gone.
+    let (st, v) = post(&url, json!({"prompt": [9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "max_tokens": 60, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 60, "{v}");
+    // More than the whole budget: 503, with the reason.
+    let (st, v) = post(&url, json!({"prompt": [3, 3, 3], "max_tokens": 200, "temperature": 0})).await;
+    assert_eq!(st, 503, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("not enough GPU memory"), "{v}");
+    let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,11 +15,19 @@ use std::any::Any;
 
 /// Backend-specific caches of one sequence.
 pub trait SequenceState: Any + Send + Sync {
-    /// A deep copy (prefix-cache snapshots, forks). Fails, rather than panics, when the copy
-    /// cannot be allocated (device memory).
-    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>>;
-    /// Bytes of host or device memory held by this state.
+    /// A deep copy of the state of a sequence of `len` tokens (prefix-cache snapshots, forks).
+    /// Fails, rather than panics, when the copy cannot be allocated ([`MemoryFull`] when the
+    /// sequence memory budget is the reason).
+    fn try_clone_state(&self, len: usize) -> Result<Box<dyn SequenceState>>;
+    /// Bytes of host or device memory held by this state (memory shared with clones counts in
+    /// each).
     fn memory_bytes(&self) -> usize;
+    /// Makes sure the state can grow to `tokens` tokens later without running out of memory
+    /// (a reservation against the backend's budget; [`MemoryFull`] when it does not fit).
+    /// Backends whose sequences draw on no budget accept any reservation.
+    fn reserve(&mut self, _tokens: usize) -> Result<()> {
+        Ok(())
+    }
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -48,6 +56,11 @@ impl Sequence {
     pub fn memory_bytes(&self) -> usize {
         self.state.memory_bytes()
     }
+    /// Reserves room for the sequence to reach `tokens` tokens (at most max-seq), so growing to
+    /// that length cannot fail for memory; [`MemoryFull`] when the budget cannot hold it now.
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.state.reserve(tokens.min(self.max_seq))
+    }
     /// Called by backends after they appended `n` tokens.
     pub fn advance(&mut self, n: usize) {
         self.len += n;
@@ -70,8 +83,47 @@ impl Sequence {
 impl Sequence {
     /// A snapshot that continues independently (an error when its state cannot be allocated).
     pub fn try_clone(&self) -> Result<Self> {
-        Ok(Sequence { len: self.len, max_seq: self.max_seq, state: self.state.try_clone_state()? })
+        Ok(Sequence { len: self.len, max_seq: self.max_seq, state: self.state.try_clone_state(self.len)? })
     }
+}
+
+/// The sequence memory budget is exhausted: the work asked for did not start and the sequence is
+/// unchanged. It fits once other sequences or cached snapshots free memory (the caller waits or
+/// evicts, then retries). Reaches callers inside `anyhow::Error` (`downcast_ref`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryFull {
+    pub needed_bytes: usize,
+    pub available_bytes: usize,
+}
+
+impl std::fmt::Display for MemoryFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        write!(f, "sequence memory is full: {:.1} MiB needed, {:.1} MiB available", mib(self.needed_bytes), mib(self.available_bytes))
+    }
+}
+
+impl std::error::Error for MemoryFull {}
+
+/// Whether `e` is (or wraps) [`MemoryFull`].
+pub fn is_memory_full(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<MemoryFull>().is_some())
+}
+
+/// The device memory sequences draw on ([`Backend::sequence_memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SequenceMemoryReport {
+    /// What sequences may hold in all: the configured fraction of the device less everything
+    /// else on it (weights, scratch, other processes), measured now.
+    pub budget_bytes: u64,
+    /// Held by live sequences and snapshots (KV pages and state slots).
+    pub in_use_bytes: u64,
+    /// Reserved by sequences for growth and not yet drawn.
+    pub reserved_bytes: u64,
+    /// Freed pages and slots kept allocated for reuse.
+    pub cached_bytes: u64,
+    /// KV page size.
+    pub page_bytes: u64,
 }
 
 /// Which logits a forward call returns.
@@ -110,6 +162,12 @@ pub trait Backend: Send {
     /// Device memory in use and the device's total, in bytes (`None` for the host backend).
     /// "In use" is the whole device's (cuMemGetInfo), i.e. ours on a dedicated GPU.
     fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+
+    /// The budget sequences draw on and its use (`None`: sequences live in host memory with no
+    /// budget of their own).
+    fn sequence_memory(&self) -> Option<SequenceMemoryReport> {
         None
     }
 

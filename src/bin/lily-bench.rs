@@ -12,7 +12,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use lily::backend::{open_backend, Backend, BackendKind, KvCache, LogitsWanted, Sequence};
+use lily::backend::cuda::CudaOptions;
+use lily::backend::{open_backend_with, Backend, BackendKind, KvCache, LogitsWanted, Sequence};
 use lily::engine::sampling::{Sampler, SamplingArgs, SamplingParams};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
@@ -37,10 +38,14 @@ struct Args {
     batch: Option<usize>,
     #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
-    /// Capacity of the measured sequence (default: prompt + decode steps + 1). A larger value
-    /// allocates the whole KV cache for it up front, e.g. 262144 to show the longest context fits.
+    /// Capacity of the measured sequence (default: prompt + decode steps + 1). Its KV memory is
+    /// reserved up front (CUDA: mapped as it grows), e.g. 262144 to show the longest context fits.
     #[arg(long)]
     max_seq: Option<usize>,
+    /// CUDA: share of the device's memory for weights, scratch and sequences
+    /// (default LILY_GPU_MEMORY_FRACTION or 0.9).
+    #[arg(long, value_parser = lily::backend::cuda::options::parse_memory_fraction)]
+    gpu_memory_fraction: Option<f64>,
     /// Attention KV cache element: bf16 or f32 (default: the backend's, CUDA bf16 and CPU f32,
     /// or LILY_KV_BF16). Reported as `kv_cache`.
     #[arg(long, value_enum)]
@@ -73,7 +78,9 @@ fn run(args: Args) -> Result<()> {
     }
     let dir = lily::engine::default_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let mut backend = open_backend(args.backend, &ck)?;
+    let mut opts = CudaOptions::from_env();
+    opts.memory_fraction = args.gpu_memory_fraction.unwrap_or(opts.memory_fraction);
+    let mut backend = open_backend_with(args.backend, &ck, opts)?;
     if let Some(kv) = args.kv_cache {
         kv.apply(backend.as_mut());
     }
@@ -130,6 +137,7 @@ fn run(args: Args) -> Result<()> {
     }
 
     let mut seq = backend.new_sequence(max_seq)?;
+    seq.reserve(max_seq)?;
     let mut tokens = Vec::with_capacity(args.decode_steps);
     let mut steps = Vec::with_capacity(args.decode_steps);
     let mut first = None;
@@ -173,6 +181,7 @@ fn run(args: Args) -> Result<()> {
         "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
         "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
         "sequence_state_bytes": seq.memory_bytes(),
+        "sequence_memory": backend.sequence_memory(),
         "device_memory": device_memory_json(&mem_samples, max_seq),
     });
     emit(common, line, args.json_out.as_deref())
@@ -300,6 +309,7 @@ mod batch {
                 "token_ids": decoded,
             },
             "sequence_state_bytes": seqs.iter().map(|(s, _)| s.memory_bytes()).sum::<usize>(),
+            "sequence_memory": backend.sequence_memory(),
             "device_memory": super::device_memory_json(&mem, max_seq),
         }))
     }

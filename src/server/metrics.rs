@@ -91,6 +91,10 @@ pub struct Metrics {
     pub cache_entries: AtomicU64,
     /// Memory of the sequence being generated (KV + recurrent state).
     pub active_seq_bytes: AtomicU64,
+    /// The backend's sequence memory budget and what sequences and snapshots hold of it
+    /// (0 for backends without one).
+    pub seq_memory_budget_bytes: AtomicU64,
+    pub seq_memory_used_bytes: AtomicU64,
     pub recent: Mutex<VecDeque<RequestRecord>>,
     /// Print a log line per request (off while the dashboard owns the terminal).
     pub log_lines: std::sync::atomic::AtomicBool,
@@ -122,6 +126,8 @@ impl Metrics {
             cache_bytes: AtomicU64::new(0),
             cache_entries: AtomicU64::new(0),
             active_seq_bytes: AtomicU64::new(0),
+            seq_memory_budget_bytes: AtomicU64::new(0),
+            seq_memory_used_bytes: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
             log_lines: std::sync::atomic::AtomicBool::new(true),
         }
@@ -186,6 +192,8 @@ impl Metrics {
         gauge(&mut o, "lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64);
         gauge(&mut o, "lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64);
         gauge(&mut o, "lily_active_sequence_bytes", "KV + recurrent state memory of the running sequence.", self.active_seq_bytes.load(Relaxed) as f64);
+        gauge(&mut o, "lily_sequence_memory_budget_bytes", "Device memory sequences may hold (KV pages, state slots).", self.seq_memory_budget_bytes.load(Relaxed) as f64);
+        gauge(&mut o, "lily_sequence_memory_used_bytes", "Device memory held by sequences and cached snapshots.", self.seq_memory_used_bytes.load(Relaxed) as f64);
         o
     }
 }

@@ -27,7 +27,8 @@ pub mod tools;
 pub mod tui;
 pub mod worker;
 
-use crate::backend::{open_backend, Backend, BackendKind, KvCache};
+use crate::backend::cuda::CudaOptions;
+use crate::backend::{open_backend_with, Backend, BackendKind, KvCache};
 use crate::checkpoint::Checkpoint;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use anyhow::{bail, Context, Result};
@@ -65,6 +66,10 @@ pub struct ServeArgs {
     /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
     #[arg(long, value_enum)]
     pub kv_cache: Option<KvCache>,
+    /// CUDA: share of the GPU's memory for weights, scratch and sequences (KV pages and state
+    /// slots draw on what is left of it; default LILY_GPU_MEMORY_FRACTION or 0.9).
+    #[arg(long, value_parser = crate::backend::cuda::options::parse_memory_fraction)]
+    pub gpu_memory_fraction: Option<f64>,
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from LILY_API_KEY).
     #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -108,6 +113,7 @@ impl ServeArgs {
             max_seq: 4096,
             backend: BackendKind::Cpu,
             kv_cache: None,
+            gpu_memory_fraction: None,
             api_key: None,
             tui: false,
             max_queue: 256,
@@ -155,7 +161,9 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         }
         None => {
             eprintln!("lily: loading weights into the {:?} backend ...", args.backend);
-            open_backend(args.backend, &ck)?
+            let mut opts = CudaOptions::from_env();
+            opts.memory_fraction = args.gpu_memory_fraction.unwrap_or(opts.memory_fraction);
+            open_backend_with(args.backend, &ck, opts)?
         }
     };
     if let Some(kv) = args.kv_cache {

@@ -67,12 +67,20 @@ impl<T> PrefixCache<T> {
             return;
         }
         self.entries.retain(|e| e.tokens != tokens);
-        while !self.entries.is_empty() && self.memory_bytes() + bytes > self.budget {
-            let lru = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i).unwrap_or(0);
-            self.entries.swap_remove(lru);
-        }
+        while self.memory_bytes() + bytes > self.budget && self.evict_lru() {}
         self.clock += 1;
         self.entries.push(Entry { tokens, item, bytes, key, last_used: self.clock });
+    }
+
+    /// Drops the least-recently-used entry (to free its memory for a request); false when empty.
+    pub fn evict_lru(&mut self) -> bool {
+        match self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) {
+            Some(i) => {
+                self.entries.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn clear(&mut self) {
@@ -132,5 +140,9 @@ mod tests {
         assert_eq!(c.len(), 2);
         c.insert(vec![3], "3b", 10, None); // same tokens: replaced
         assert_eq!(find(&mut c, &[3, 0], None), Some(("3b", 1)));
+        // Eviction on demand takes the least recently used first.
+        assert!(c.evict_lru());
+        assert!(c.lookup(&[1, 0], None).is_none() && c.lookup(&[3, 0], None).is_some());
+        assert!(c.evict_lru() && !c.evict_lru());
     }
 }

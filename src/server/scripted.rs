@@ -32,7 +32,7 @@ struct ScriptState {
 }
 
 impl SequenceState for ScriptState {
-    fn try_clone_state(&self) -> anyhow::Result<Box<dyn SequenceState>> {
+    fn try_clone_state(&self, _len: usize) -> anyhow::Result<Box<dyn SequenceState>> {
         Ok(Box::new(self.clone()))
     }
     fn memory_bytes(&self) -> usize {

@@ -2,14 +2,15 @@
 //! (batch 1, FIFO). Each job carries an event channel; when the HTTP side drops its receiver
 //! (client disconnected), the worker notices between prefill chunks or within one token and
 //! moves on. A panic inside one job is caught, reported to that client, and the worker keeps
-//! serving.
+//! serving. Each request reserves its sequence memory (prompt + max_tokens) before it starts,
+//! evicting cached snapshots if the budget needs them; one that cannot fit gets 503.
 
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::output::{Delta, OutputPipeline};
 use super::prefix_cache::PrefixCache;
 use super::request::{Endpoint, ParsedRequest};
-use crate::backend::{Backend, LogitsWanted, Sequence};
+use crate::backend::{is_memory_full, Backend, LogitsWanted, Sequence};
 use crate::engine::sampling::log_softmax;
 use crate::engine::{generate, FinishReason, Next, Sampler};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -129,6 +130,10 @@ impl Worker {
         let result = catch_unwind(AssertUnwindSafe(|| self.run_job(&job)));
         self.metrics.running.fetch_sub(1, Relaxed);
         self.metrics.active_seq_bytes.store(0, Relaxed);
+        if let Some(m) = self.backend.sequence_memory() {
+            self.metrics.seq_memory_budget_bytes.store(m.budget_bytes, Relaxed);
+            self.metrics.seq_memory_used_bytes.store(m.in_use_bytes, Relaxed);
+        }
         let ms = arrived.elapsed().as_millis() as u64;
         let rec = |status: u16, usage: &Usage, secs: f64, finish: &str, error: Option<String>| RequestRecord {
             method: "POST",
@@ -150,6 +155,12 @@ impl Worker {
                 self.metrics.cancelled.fetch_add(1, Relaxed);
                 self.metrics.record(rec(499, &usage, secs, "cancelled", Some("client disconnected".into())));
             }
+            Ok(Err(e)) if is_memory_full(&e) => {
+                eprintln!("lily: request refused: {e:#}");
+                let _ = events.send(Event::Error(ApiError::unavailable(format!("not enough GPU memory for this request ({e}); retry with fewer tokens (prompt + max_tokens) or later"))));
+                let u = Usage { prompt_tokens: prompt_len, ..Default::default() };
+                self.metrics.record(rec(503, &u, 0.0, "error", Some(format!("{e:#}"))));
+            }
             Ok(Err(e)) => {
                 eprintln!("lily: request failed: {e:#}");
                 let _ = events.send(Event::Error(ApiError::internal()));
@@ -162,6 +173,20 @@ impl Worker {
                 let _ = events.send(Event::Error(ApiError::internal()));
                 let u = Usage { prompt_tokens: prompt_len, ..Default::default() };
                 self.metrics.record(rec(500, &u, 0.0, "error", Some(format!("panic: {msg}"))));
+            }
+        }
+    }
+
+    /// Runs `f`, evicting cached snapshots (least recently used first) while it fails for want of
+    /// sequence memory; the error stays when nothing is left to evict.
+    fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
+        loop {
+            match f(self) {
+                Err(e) if is_memory_full(&e) && self.cache.evict_lru() => {
+                    self.metrics.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
+                    self.metrics.cache_entries.store(self.cache.len() as u64, Relaxed);
+                }
+                r => return r,
             }
         }
     }
@@ -188,8 +213,11 @@ impl Worker {
                 self.metrics.cache_hits.fetch_add(1, Relaxed);
                 h
             }
-            None => (self.backend.new_sequence(self.cfg.max_seq)?, 0),
+            None => (self.with_memory(|w| w.backend.new_sequence(w.cfg.max_seq))?, 0),
         };
+        // Room for the whole request up front, so it never runs out of memory midway.
+        let need = (prompt.len() + job.max_tokens).min(self.cfg.max_seq);
+        self.with_memory(|_| seq.reserve(need))?;
         let mut usage = Usage { prompt_tokens: prompt.len(), cached_tokens: cached, ..Default::default() };
         // Prefill all but the last chunk without logits, checking for cancellation.
         let mut rest = &prompt[cached..];

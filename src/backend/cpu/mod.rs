@@ -36,7 +36,7 @@ pub struct CpuSequence {
 }
 
 impl SequenceState for CpuSequence {
-    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>> {
+    fn try_clone_state(&self, _len: usize) -> Result<Box<dyn SequenceState>> {
         Ok(Box::new(self.clone()))
     }
     fn memory_bytes(&self) -> usize {

@@ -387,6 +387,12 @@ impl CudaBackend {
         let mut host = vec![0i32; 2 * live.len()];
         while !live.is_empty() {
             let n = live.len();
+            // Each row writes its KV at its length: map a page where one starts (all rows or none
+            // of this step's work: a row that cannot grow ends the call before the step).
+            for &i in &live {
+                let end = rows[i].seq.len() + 1;
+                rows[i].seq.state_mut::<CudaSequence>().grow(end)?;
+            }
             let out = if live.iter().all(|&i| snaps[i].params.is_plain_greedy()) { StepOut::Greedy } else { StepOut::Sample };
             if !bound {
                 let seqs: Vec<&CudaSequence> = live.iter().map(|&i| rows[i].seq.state::<CudaSequence>()).collect();
@@ -434,7 +440,7 @@ impl CudaBackend {
         if n == 0 || n > MAX_BATCH || tokens.len() != n {
             bail!("batch of {n} rows and {} tokens", tokens.len());
         }
-        for (s, &t) in seqs.iter().zip(tokens) {
+        for (s, &t) in seqs.iter_mut().zip(tokens) {
             self.check_tokens(s, &[t])?;
         }
         let kv_bf16 = seqs[0].state::<CudaSequence>().kv_bf16;

@@ -62,8 +62,6 @@ impl Gpu {
         }
         // One stream, ordered by hand: per-slice event tracking only adds work (and would be
         // recorded into graphs).
-        // One stream, ordered by hand: per-slice event tracking only adds work (and would be
-        // recorded into graphs).
         // SAFETY: called before any allocation on this context.
         unsafe { ctx.disable_event_tracking() };
         // A created stream, not the legacy default stream: the decode step is captured into a

@@ -16,7 +16,7 @@ use super::device::{ptr, Gpu};
 use super::gdn::{GdnDims, GdnPtrs};
 use super::moe::MoeDims;
 use super::qmatmul::{GemvSet, GemvSets, QMatDesc};
-use super::state::{CudaSequence, DevLayerState};
+use super::state::{CudaSequence, LayerSlot};
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
@@ -147,10 +147,9 @@ pub trait LayerStates {
 
 /// One sequence: its own buffers.
 impl LayerStates for CudaSequence {
-    fn layer(&self, li: usize, mixer: &DevMixer, st: &CudaStream) -> Result<(u64, u64)> {
-        match (mixer, &self.layers[li]) {
-            (DevMixer::Gdn(_), DevLayerState::Gdn { ring, state }) => Ok((ptr(ring, st), ptr(state, st))),
-            (DevMixer::Attn(_), DevLayerState::Attn { k, v }) => Ok((ptr(k, st), ptr(v, st))),
+    fn layer(&self, li: usize, mixer: &DevMixer, _st: &CudaStream) -> Result<(u64, u64)> {
+        match (mixer, self.layer_slot(li)) {
+            (DevMixer::Gdn(_), LayerSlot::Gdn { .. }) | (DevMixer::Attn(_), LayerSlot::Attn { .. }) => Ok(self.layer_ptrs(li)),
             _ => bail!("sequence state does not match the model's layer kinds (layer {li})"),
         }
     }

@@ -14,6 +14,7 @@ pub mod activations;
 pub mod attention;
 pub mod batch;
 pub mod blas;
+pub mod budget;
 pub mod decode;
 pub mod device;
 pub mod forward;
@@ -26,12 +27,14 @@ pub mod prefill;
 pub mod qmatmul;
 pub mod registry;
 pub mod sampling;
+pub mod seqmem;
 pub mod state;
 #[cfg(feature = "cuda-testing")]
 pub mod testing;
+pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, LogitsWanted, Sequence};
+use super::{Backend, BatchRow, LogitsWanted, Sequence, SequenceMemoryReport};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -41,7 +44,9 @@ pub use device::Gpu;
 use forward::Probe;
 pub use options::CudaOptions;
 use prefill::ChunkBuffers;
+use seqmem::SequenceMemory;
 use state::CudaSequence;
+use std::sync::Arc;
 use weights::DevWeights;
 
 pub struct CudaBackend {
@@ -50,6 +55,8 @@ pub struct CudaBackend {
     pub(crate) w: DevWeights,
     pub(crate) opts: CudaOptions,
     decoder: Decoder,
+    /// The budget and pools sequences draw their memory from.
+    mem: Arc<SequenceMemory>,
     /// Prefill buffers, grown to the longest chunk seen.
     chunk_buffers: Option<ChunkBuffers>,
     /// cuBLAS for long prefill chunks (when `opts.cublas` and libcublas loads).
@@ -192,6 +199,7 @@ impl CudaBackend {
         let w = DevWeights::upload(&gpu, &mw, ck.total_bytes())?;
         let decoder = Decoder::new(&gpu, &cfg, &w)?;
         let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
+        let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
         gpu.sync()?;
         Ok(CudaBackend {
             use_graphs: opts.graphs,
@@ -201,6 +209,7 @@ impl CudaBackend {
             w,
             opts,
             decoder,
+            mem,
             chunk_buffers: None,
             blas,
             graphs: Vec::new(),
@@ -296,8 +305,8 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Checks tokens and room before a forward.
-    fn check_tokens(&self, seq: &Sequence, tokens: &[u32]) -> Result<()> {
+    /// Checks tokens and room before a forward, and maps the KV pages it writes.
+    fn check_tokens(&self, seq: &mut Sequence, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
         }
@@ -305,7 +314,9 @@ impl CudaBackend {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             bail!("token id {bad} is outside the vocabulary ({vocab} entries)");
         }
-        seq.check_room(tokens.len())
+        seq.check_room(tokens.len())?;
+        let end = seq.len() + tokens.len();
+        seq.state_mut::<CudaSequence>().grow(end)
     }
 }
 
@@ -332,8 +343,14 @@ impl Backend for CudaBackend {
         Some(((total - free) as u64, total as u64))
     }
 
+    fn sequence_memory(&self) -> Option<SequenceMemoryReport> {
+        Some(self.mem.report())
+    }
+
+    /// A state slot and the KV address space of `max_seq` tokens; KV pages are mapped as the
+    /// sequence grows.
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
-        let st = CudaSequence::new(&self.gpu, &self.cfg, max_seq, self.opts.kv_bf16)?;
+        let st = CudaSequence::new(&self.gpu, &self.mem, &self.cfg, max_seq, self.opts.kv_bf16)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
     }
 
@@ -429,14 +446,26 @@ impl CudaBackend {
                 .record(&b.gpu.stream)
                 .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))
         };
+        // KV pages are mapped a page ahead of the steps (pages below the sequence's length stay
+        // in place, so mapping never disturbs the steps in flight).
+        let grow = |seq: &mut Sequence, fed: usize| -> Result<()> { seq.state_mut::<CudaSequence>().grow(fed) };
+        grow(seq, pos0 + 1)?;
         decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;
         let [s0, s1] = rb;
         submit(self, seq, s0)?;
+        // Growth that fails (the memory budget) ends the loop after the steps already queued:
+        // their tokens are delivered, then the error is returned.
+        let mut stalled: Option<anyhow::Error> = None;
         for i in 0..steps {
             // Queue step i + 1 (it feeds token i, still on the device) before reading token i.
-            if i + 1 < steps {
-                let slot = if i % 2 == 0 { &mut *s1 } else { &mut *s0 };
-                submit(self, seq, slot)?;
+            if i + 1 < steps && stalled.is_none() {
+                match grow(seq, pos0 + i + 2) {
+                    Ok(()) => {
+                        let slot = if i % 2 == 0 { &mut *s1 } else { &mut *s0 };
+                        submit(self, seq, slot)?;
+                    }
+                    Err(e) => stalled = Some(e),
+                }
             }
             let slot = if i % 2 == 0 { &*s0 } else { &*s1 };
             slot.done
@@ -453,12 +482,15 @@ impl CudaBackend {
                 bail!("device step buffer out of sync (token {tok}, position {next_pos})");
             }
             if !on_token(tok as u32) {
-                if i + 1 < steps {
+                if i + 1 < steps && stalled.is_none() {
                     // Step i + 1 already fed this token.
                     self.gpu.sync()?;
                     seq.advance(1);
                 }
                 return Ok(i + 1);
+            }
+            if let Some(e) = stalled.take() {
+                return Err(e);
             }
         }
         Ok(steps)

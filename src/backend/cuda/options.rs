@@ -11,6 +11,10 @@
 /// dense weights for cuBLAS less often; the scratch is ~0.8 GB for the 35B model at 4,096.
 pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
 
+/// Share of the device's memory the backend plans to use (weights, scratch and sequences); the
+/// rest is left to the driver and transient allocations.
+pub const DEFAULT_MEMORY_FRACTION: f64 = 0.9;
+
 /// Fewest tokens per chunk for which dequantising a dense matrix for cuBLAS beats the fused
 /// tensor-core GEMM.
 pub const CUBLAS_MIN_TOKENS: usize = 128;
@@ -19,11 +23,17 @@ pub const CUBLAS_MIN_TOKENS: usize = 128;
 /// out-projections, 128 tiles, measured faster there; docs/cuda.md).
 pub const GEMV_TC_MIN_TILES: usize = 256;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CudaOptions {
     /// New sequences keep their attention KV cache in bf16 (`LILY_KV_BF16`, `--kv-cache`;
     /// default on: half the memory and half the long-context attention traffic).
     pub kv_bf16: bool,
+    /// Share of the device's total memory for weights, scratch and sequences
+    /// (`LILY_GPU_MEMORY_FRACTION`, `--gpu-memory-fraction`): sequences draw on what is left of it
+    /// after everything else on the device, and work that does not fit waits.
+    pub memory_fraction: f64,
+    /// Test-only: caps the sequence memory budget at this many bytes.
+    pub sequence_memory_cap: Option<usize>,
     /// Tokens per prefill chunk (`LILY_CUDA_PREFILL_CHUNK`).
     pub prefill_chunk: usize,
     /// Dense prefill GEMMs of long chunks through cuBLAS when libcublas loads
@@ -55,6 +65,8 @@ impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             kv_bf16: true,
+            memory_fraction: DEFAULT_MEMORY_FRACTION,
+            sequence_memory_cap: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cublas: true,
             profile: false,
@@ -85,6 +97,10 @@ impl CudaOptions {
         };
         CudaOptions {
             kv_bf16: flag("LILY_KV_BF16", d.kv_bf16),
+            memory_fraction: get("LILY_GPU_MEMORY_FRACTION")
+                .and_then(|v| v.parse().ok())
+                .filter(|f| valid_memory_fraction(*f))
+                .unwrap_or(d.memory_fraction),
             prefill_chunk: get("LILY_CUDA_PREFILL_CHUNK")
                 .and_then(|v| v.parse().ok())
                 .filter(|&c: &usize| c > 0)
@@ -96,6 +112,19 @@ impl CudaOptions {
             exact_prefill: flag("LILY_PREFILL_F32", d.exact_prefill),
             ..d
         }
+    }
+}
+
+/// A usable `memory_fraction`: above 0, at most 1.
+pub fn valid_memory_fraction(f: f64) -> bool {
+    f > 0.0 && f <= 1.0
+}
+
+/// `--gpu-memory-fraction` as clap parses it.
+pub fn parse_memory_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if valid_memory_fraction(f) => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction in (0, 1]")),
     }
 }
 
@@ -126,16 +155,19 @@ mod tests {
             ("LILY_CUDA_GRAPH", "0"),
             ("LILY_CUDA_PDL", "0"),
             ("LILY_PREFILL_F32", "1"),
+            ("LILY_GPU_MEMORY_FRACTION", "0.5"),
         ]);
+        assert_eq!(o.memory_fraction, 0.5);
         assert!(!o.kv_bf16 && !o.cublas && o.profile && !o.graphs && !o.pdl && o.exact_prefill);
         assert_eq!(o.prefill_chunk, 512);
     }
 
     #[test]
     fn bad_values_keep_the_default() {
-        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "0"), ("LILY_CUDA_PDL", "maybe")]);
+        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "0"), ("LILY_CUDA_PDL", "maybe"), ("LILY_GPU_MEMORY_FRACTION", "1.5")]);
         assert_eq!(o, CudaOptions::default());
-        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "lots")]);
+        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "lots"), ("LILY_GPU_MEMORY_FRACTION", "0")]);
         assert_eq!(o.prefill_chunk, DEFAULT_PREFILL_CHUNK);
+        assert_eq!(o.memory_fraction, DEFAULT_MEMORY_FRACTION);
     }
 }

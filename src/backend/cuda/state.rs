@@ -1,8 +1,10 @@
-//! Per-sequence device state: the step buffer (token id, position), Gated DeltaNet conv rings and
-//! fp32 recurrent states, and the attention KV caches (`[max_seq][kv_heads * head_dim]`, f32 or
-//! bf16 per sequence, allocated for the full max-seq up front so nothing allocates mid-request).
+//! Per-sequence device state: the step buffer (token id, position), the Gated DeltaNet conv rings
+//! and fp32 recurrent states (one slot of the state pool), and the attention KV caches
+//! (`[position][kv_heads * head_dim]`, f32 or bf16 per sequence, in pages mapped as the sequence
+//! grows; seqmem.rs).
 
-use super::device::Gpu;
+use super::device::{ptr, Gpu};
+use super::seqmem::{KvSpace, SequenceMemory, StateSlot};
 use crate::backend::SequenceState;
 use crate::checkpoint::{LayerKind, ModelConfig};
 use anyhow::{anyhow, bail, Result};
@@ -10,25 +12,47 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use std::any::Any;
 use std::sync::Arc;
 
-pub enum DevLayerState {
-    /// conv ring `[K][conv_dim]` (slot = position mod K) and state `[nv][dk][dv]`.
-    Gdn {
-        ring: CudaSlice<f32>,
-        state: CudaSlice<f32>,
-    },
-    /// K and V caches as raw bytes: f32 or bf16 elements (`CudaSequence::kv_bf16`); the kernels
-    /// take raw pointers and are instantiated for both element types.
-    Attn {
-        k: CudaSlice<u8>,
-        v: CudaSlice<u8>,
-    },
+/// Where one layer's state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerSlot {
+    /// Offsets (f32 elements) of the conv ring `[K][conv_dim]` (slot = position mod K) and the
+    /// recurrent state `[nv][dk][dv]` in the sequence's state slot.
+    Gdn { ring: usize, state: usize },
+    /// The K cache is KV region `2 * a`, the V cache region `2 * a + 1`.
+    Attn { a: usize },
+}
+
+/// Each layer's place in a sequence's state slot and KV space, and the slot's size in f32s.
+/// Offsets are multiples of 64 elements (256-byte aligned, as the kernels' vector loads need).
+pub fn layout(cfg: &ModelConfig) -> (Vec<LayerSlot>, usize) {
+    let ring = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim()).next_multiple_of(64);
+    let state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim).next_multiple_of(64);
+    let (mut floats, mut attn) = (0, 0);
+    let slots = cfg
+        .layer_types
+        .iter()
+        .map(|k| match k {
+            LayerKind::LinearAttention => {
+                let s = LayerSlot::Gdn { ring: floats, state: floats + ring };
+                floats += ring + state;
+                s
+            }
+            LayerKind::FullAttention => {
+                attn += 1;
+                LayerSlot::Attn { a: attn - 1 }
+            }
+        })
+        .collect();
+    (slots, floats.max(64))
 }
 
 pub struct CudaSequence {
     pub stream: Arc<CudaStream>,
     /// `[token, position]` of the step being computed (i32).
     pub step: CudaSlice<i32>,
-    pub layers: Vec<DevLayerState>,
+    layers: Vec<LayerSlot>,
+    slot: StateSlot,
+    kv: KvSpace,
     pub max_seq: usize,
     /// KV cache elements are bf16 (the `_bf16` attention kernels) instead of f32.
     pub kv_bf16: bool,
@@ -51,63 +75,31 @@ pub fn kv_elem_bytes(kv_bf16: bool) -> usize {
     }
 }
 
-/// Bytes of device memory one sequence of `max_seq` tokens needs.
-pub fn sequence_bytes(cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> usize {
-    let gdn = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim()
-        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
-        * 4;
-    let attn = 2 * max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16);
-    cfg.layer_types
-        .iter()
-        .map(|k| {
-            if *k == LayerKind::LinearAttention {
-                gdn
-            } else {
-                attn
-            }
-        })
-        .sum::<usize>()
-        + 8
+/// Bytes of device memory one sequence of `tokens` tokens holds (KV rounded up to whole pages of
+/// `page_bytes` per layer's K and V).
+pub fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
+    let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
+    let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
+    layout(cfg).1 * 4 + 2 * attn_layers * kv
 }
 
 impl CudaSequence {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> Result<Self> {
+    /// A fresh sequence: a zeroed state slot and the KV address space of `max_seq` tokens, with
+    /// no KV memory yet ([`crate::backend::MemoryFull`] when the slot does not fit the budget).
+    pub fn new(gpu: &Gpu, mem: &Arc<SequenceMemory>, cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> Result<Self> {
         if max_seq == 0 {
             bail!("max-seq must be positive");
         }
         if max_seq > i32::MAX as usize / cfg.kv_dim().max(1) {
             bail!("max-seq {max_seq} is too large for the CUDA backend's 32-bit positions");
         }
-        let need = sequence_bytes(cfg, max_seq, kv_bf16);
-        let (free, _) = gpu.mem_info()?;
-        // Keep 256 MiB for the driver and transient allocations.
-        if need + (256 << 20) > free {
-            bail!(
-                "not enough GPU memory for max-seq {max_seq}: the sequence needs {:.2} GiB, {:.2} GiB free",
-                need as f64 / (1u64 << 30) as f64,
-                free as f64 / (1u64 << 30) as f64
-            );
-        }
-        let mut layers = Vec::new();
-        for kind in &cfg.layer_types {
-            layers.push(match kind {
-                LayerKind::LinearAttention => DevLayerState::Gdn {
-                    ring: gpu.zeros(cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim())?,
-                    state: gpu.zeros(
-                        cfg.linear_num_value_heads
-                            * cfg.linear_key_head_dim
-                            * cfg.linear_value_head_dim,
-                    )?,
-                },
-                LayerKind::FullAttention => DevLayerState::Attn {
-                    k: gpu.zeros(max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
-                    v: gpu.zeros(max_seq * cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
-                },
-            });
-        }
+        let (layers, _) = layout(cfg);
+        let regions = 2 * layers.iter().filter(|l| matches!(l, LayerSlot::Attn { .. })).count();
         Ok(CudaSequence {
             stream: gpu.stream.clone(),
             step: gpu.zeros(2)?,
+            kv: KvSpace::new(mem, regions, max_seq, cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
+            slot: StateSlot::take(mem)?,
             layers,
             max_seq,
             kv_bf16,
@@ -115,58 +107,59 @@ impl CudaSequence {
         })
     }
 
-    fn try_clone(&self) -> Result<Self> {
-        fn c<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> Result<CudaSlice<T>> {
-            stream
-                .clone_dtod(s)
-                .map_err(|e| anyhow!("device copy failed: {e:?}"))
+    /// The two state addresses of layer `li`: (conv ring, recurrent state) or (K cache, V cache).
+    pub fn layer_ptrs(&self, li: usize) -> (u64, u64) {
+        match self.layers[li] {
+            LayerSlot::Gdn { ring, state } => {
+                let base = ptr(self.slot.buf(), &self.stream);
+                (base + 4 * ring as u64, base + 4 * state as u64)
+            }
+            LayerSlot::Attn { a } => (self.kv.region(2 * a), self.kv.region(2 * a + 1)),
         }
-        let st = &self.stream;
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    DevLayerState::Gdn { ring, state } => DevLayerState::Gdn {
-                        ring: c(st, ring)?,
-                        state: c(st, state)?,
-                    },
-                    DevLayerState::Attn { k, v } => DevLayerState::Attn {
-                        k: c(st, k)?,
-                        v: c(st, v)?,
-                    },
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let step = self
-            .stream
-            .clone_dtod(&self.step)
-            .map_err(|e| anyhow!("device copy failed: {e:?}"))?;
-        self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
-        Ok(CudaSequence {
+    }
+
+    pub fn layer_slot(&self, li: usize) -> LayerSlot {
+        self.layers[li]
+    }
+
+    /// Maps KV pages so positions `0..tokens` can be written; all or none
+    /// ([`crate::backend::MemoryFull`]; the sequence is unchanged then).
+    pub fn grow(&mut self, tokens: usize) -> Result<()> {
+        if tokens > self.max_seq {
+            bail!("{tokens} tokens exceed the sequence's max-seq {}", self.max_seq);
+        }
+        if tokens > self.kv.rows_mapped() {
+            self.kv.grow(tokens)?;
+        }
+        Ok(())
+    }
+
+    fn try_clone(&self, len: usize) -> Result<Self> {
+        let step = self.stream.clone_dtod(&self.step).map_err(|e| anyhow!("device copy failed: {e:?}"))?;
+        let c = CudaSequence {
             stream: self.stream.clone(),
             step,
-            layers,
+            layers: self.layers.clone(),
+            slot: self.slot.try_clone()?,
+            kv: self.kv.try_clone(len)?,
             max_seq: self.max_seq,
             kv_bf16: self.kv_bf16,
             id: next_id(),
-        })
+        };
+        self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
+        Ok(c)
     }
 }
 
 impl SequenceState for CudaSequence {
-    fn try_clone_state(&self) -> Result<Box<dyn SequenceState>> {
-        Ok(Box::new(self.try_clone()?))
+    fn try_clone_state(&self, len: usize) -> Result<Box<dyn SequenceState>> {
+        Ok(Box::new(self.try_clone(len)?))
     }
     fn memory_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| match l {
-                DevLayerState::Gdn { ring, state } => (ring.len() + state.len()) * 4,
-                DevLayerState::Attn { k, v } => k.len() + v.len(),
-            })
-            .sum::<usize>()
-            + 8
+        self.slot.bytes() + self.kv.mapped_bytes() + 8
+    }
+    fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.kv.reserve(tokens.min(self.max_seq))
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -183,12 +176,48 @@ mod tests {
     #[test]
     fn bf16_kv_halves_only_the_attention_cache() {
         let cfg = ModelConfig::qwen36_35b_a3b();
-        let (f32_bytes, bf16_bytes) = (sequence_bytes(&cfg, 262_144, false), sequence_bytes(&cfg, 262_144, true));
+        let page = 2 << 20;
+        let (f32_bytes, bf16_bytes) = (sequence_bytes(&cfg, 262_144, false, page), sequence_bytes(&cfg, 262_144, true, page));
         let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
         let kv_f32 = attn_layers * 2 * 262_144 * cfg.kv_dim() * 4;
         assert_eq!(f32_bytes - bf16_bytes, kv_f32 / 2);
         // 35B at 262,144 tokens: 10 attention layers x K and V x 512 x 4 bytes = 10.7 GB of f32 KV.
         assert_eq!(kv_f32, 10_737_418_240);
     }
-}
 
+    #[test]
+    fn layout_puts_each_gdn_layer_in_the_slot_and_numbers_the_attention_layers() {
+        let cfg = ModelConfig::qwen36_35b_a3b();
+        let (slots, floats) = layout(&cfg);
+        let (ring, state) = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim(), 32 * 128 * 128);
+        let mut next = 0;
+        let mut attn = 0;
+        for s in &slots {
+            match *s {
+                LayerSlot::Gdn { ring: r, state: st } => {
+                    assert_eq!((r, st), (next, next + ring), "back to back, no overlap");
+                    assert!(r % 64 == 0 && st % 64 == 0);
+                    next = st + state;
+                }
+                LayerSlot::Attn { a } => {
+                    assert_eq!(a, attn);
+                    attn += 1;
+                }
+            }
+        }
+        assert_eq!((attn, floats), (10, next));
+        // 30 GDN layers x (128 KiB ring + 2 MiB state).
+        assert_eq!(floats * 4, 30 * (128 << 10) + 30 * (2 << 20));
+    }
+
+    #[test]
+    fn kv_memory_grows_a_page_per_cache_at_a_time() {
+        let cfg = ModelConfig::qwen36_35b_a3b();
+        let page = 2 << 20;
+        // bf16 rows of 1 KiB: 2,048 tokens per page, 20 caches (K and V of 10 layers).
+        let at = |t| sequence_bytes(&cfg, t, true, page);
+        assert_eq!(at(1), at(2048));
+        assert_eq!(at(2049) - at(2048), 20 * page);
+        assert_eq!(at(262_144) - at(0), 20 * 128 * page);
+    }
+}
