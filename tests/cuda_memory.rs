@@ -52,7 +52,7 @@ fn prefill(b: &mut CudaBackend, seq: &mut Sequence, toks: &[u32]) {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn kv_pages_are_mapped_as_the_sequence_grows_and_decode_crosses_them() {
+fn cuda_kv_pages_are_mapped_as_the_sequence_grows_and_decode_crosses_them() {
     let ck = ck();
     let mut gpu = cuda(None);
     let mut cpu = CpuBackend::new(&ck).unwrap();
@@ -86,7 +86,7 @@ fn kv_pages_are_mapped_as_the_sequence_grows_and_decode_crosses_them() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn clones_share_full_pages_copy_the_last_and_never_see_each_others_writes() {
+fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes() {
     let mut gpu = cuda(None);
     let z = sizes(&gpu);
     let vocab = gpu.config().vocab_size;
@@ -123,7 +123,7 @@ fn clones_share_full_pages_copy_the_last_and_never_see_each_others_writes() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn the_budget_refuses_work_that_does_not_fit_and_loses_nothing() {
+fn cuda_budget_refuses_work_that_does_not_fit_and_loses_nothing() {
     // The reference: 100 tokens and one more on an unbounded backend.
     let mut probe = cuda(None);
     let z = sizes(&probe);
