@@ -4,7 +4,7 @@
 //   prefill (T tokens): pf_route, pf_scan, pf_scatter, pf_moe_combine (the expert GEMMs
 //                       themselves are pf_gemm / pf_gemm_tc in grouped mode, qmatmul.cu; their
 //                       SwiGLU, where not fused, is pf_swiglu in ops.cu)
-//   batched decode:     moe_tcb (after pf_route / pf_scan / pf_scatter; pf_moe_combine)
+//   batched decode:     moe_route_batch, moe_tcb, pf_moe_combine
 
 // ================================ decode (T = 1) ================================
 // Two launches after the router GEMV (gemv_q, qmatmul.cu):
@@ -455,6 +455,180 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+    }
+}
+
+// The routing of a batched decode step in one launch: the f32 router logits (rows 0..E-1) and
+// the shared-expert gate logit (row E) of the n staged-normalised tokens u, then, in the last
+// block to finish, what pf_route + pf_scan + pf_scatter produce: top-k ids and weights per token
+// (warp_route_topk, so the same picks as every other path), per-expert counts, offsets, fill
+// cursors, tensor-core tiles and slot lists. Codes are dequantised (s * q + b, 4- or 8-bit,
+// groups of a multiple of 8 columns) and multiplied by the f32 inputs as the CPU does, summed in
+// another order. grid (ceil((E + 1) / RB_ROWS), ceil(n / RB_TOK)), block RB_THREADS; each thread
+// owns 8-column chunks of H for the block's RB_ROWS rows and RB_TOK tokens, read straight from
+// global memory (every block reads all of u; it is L2-resident). `done` counts finished blocks;
+// the last one resets it, so the kernel replays in a graph. Dynamic shared memory: rb_smem().
+#define RB_ROWS 4
+#define RB_TOK 16
+#define RB_THREADS 256
+
+__device__ __forceinline__ void rb_dequant8(const u32* __restrict__ w, const u16* __restrict__ s,
+                                            const u16* __restrict__ b, int bits, int H, int group, int row,
+                                            int ch, float (&v)[8]) {
+    const int g = ch * 8 / group, gpr = H / group;
+    const float sc = bf16f(__ldg(s + (size_t)row * gpr + g)), bi = bf16f(__ldg(b + (size_t)row * gpr + g));
+    if (bits == 4) {
+        const u32 q = __ldg(w + (size_t)row * (H / 8) + ch);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(sc, (float)((q >> (4 * k)) & 15u), bi);
+    } else {
+        const uint2 q = __ldg(reinterpret_cast<const uint2*>(w + (size_t)row * (H / 4)) + ch);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(sc, (float)(((k < 4 ? q.x : q.y) >> (8 * (k & 3))) & 255u), bi);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(RB_THREADS)
+moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32* __restrict__ rw,
+                const u16* __restrict__ rs, const u16* __restrict__ rbias, int rbits, const u32* __restrict__ gw,
+                const u16* __restrict__ gs, const u16* __restrict__ gbias, int gbits, int E, int K,
+                float* __restrict__ logits, float* __restrict__ sgl, int* __restrict__ top_ids,
+                float* __restrict__ top_w, int* __restrict__ counts, int* __restrict__ offsets,
+                int* __restrict__ fill, int* __restrict__ list, int* __restrict__ tiles, unsigned* __restrict__ done) {
+    extern __shared__ float rb_sm[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = RB_THREADS / 32;
+    const int r0 = blockIdx.x * RB_ROWS, nr = min(RB_ROWS, E + 1 - r0);
+    const int c0 = blockIdx.y * RB_TOK, nt = min(RB_TOK, n - c0);
+    float acc[RB_ROWS][RB_TOK];
+#pragma unroll
+    for (int i = 0; i < RB_ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < RB_TOK; ++j) acc[i][j] = 0.f;
+    for (int ch = tid; ch < H / 8; ch += RB_THREADS) {
+        float wv[RB_ROWS][8];
+#pragma unroll
+        for (int i = 0; i < RB_ROWS; ++i) {
+            const int r = r0 + i;
+            if (i < nr) {
+                if (r < E) rb_dequant8(rw, rs, rbias, rbits, H, group, r, ch, wv[i]);
+                else rb_dequant8(gw, gs, gbias, gbits, H, group, 0, ch, wv[i]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) wv[i][k] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < RB_TOK; ++j) {
+            if (j < nt) {
+                const float4* xp = reinterpret_cast<const float4*>(u + (size_t)(c0 + j) * H + ch * 8);
+                const float4 a = xp[0], b = xp[1];
+                const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int i = 0; i < RB_ROWS; ++i)
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) acc[i][j] = fmaf(wv[i][k], x[k], acc[i][j]);
+            }
+        }
+    }
+    // Block sums: per warp by shuffles, then across the warps in shared memory.
+    float* red = rb_sm;  // [nwarps][RB_ROWS * RB_TOK]
+#pragma unroll
+    for (int i = 0; i < RB_ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < RB_TOK; ++j) {
+            const float v = warp_sum(acc[i][j]);
+            if (lane == 0) red[warp * RB_ROWS * RB_TOK + i * RB_TOK + j] = v;
+        }
+    __syncthreads();
+    if (tid < RB_ROWS * RB_TOK) {
+        const int i = tid / RB_TOK, j = tid % RB_TOK;
+        float v = 0.f;
+        for (int w = 0; w < nwarps; ++w) v += red[w * RB_ROWS * RB_TOK + tid];
+        if (i < nr && j < nt) {
+            const int r = r0 + i;
+            if (r < E) logits[(size_t)(c0 + j) * E + r] = v;
+            else sgl[c0 + j] = v;
+        }
+    }
+    // The last block to finish routes every token.
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (tid == 0) last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float* lg = rb_sm;                                         // [nwarps][E] one token's logits per warp
+    int* cnt = reinterpret_cast<int*>(rb_sm + nwarps * E);     // [E] counts, then fill cursors
+    int* off = cnt + E;                                        // [E]
+    int* ids = off + E;                                        // [n * K]
+    float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][K] one token's weights per warp
+    int* wid = reinterpret_cast<int*>(wts + nwarps * K);       // [nwarps][K]
+    for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
+    __syncthreads();
+    for (int t = warp; t < n; t += nwarps) {
+        float* l = lg + warp * E;
+        for (int e = lane; e < E; e += 32) l[e] = __ldcg(logits + (size_t)t * E + e);
+        __syncwarp();
+        warp_route_topk(l, E, K, wid + warp * K, wts + warp * K);
+        if (lane < K) {
+            const int id = wid[warp * K + lane];
+            top_ids[(size_t)t * K + lane] = id;
+            top_w[(size_t)t * K + lane] = wts[warp * K + lane];
+            ids[t * K + lane] = id;
+            atomicAdd(&cnt[id], 1);
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    // Exclusive scans of the counts and of the tiles (TC_BN slots each) in expert order, as
+    // pf_scan: thread i takes experts 2i and 2i + 1 (E <= 2 * RB_THREADS).
+    {
+        __shared__ int wc[RB_THREADS / 32], wt[RB_THREADS / 32];
+        int c[2], tl[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int e = 2 * tid + q;
+            c[q] = e < E ? cnt[e] : 0;
+            tl[q] = (c[q] + TC_BN - 1) / TC_BN;
+        }
+        const int sc = c[0] + c[1], st = tl[0] + tl[1];
+        int ic = sc, it = st;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, ic, o), b = __shfl_up_sync(0xffffffffu, it, o);
+            if (lane >= o) { ic += a; it += b; }
+        }
+        if (lane == 31) { wc[warp] = ic; wt[warp] = it; }
+        __syncthreads();
+        int oc = ic - sc, ot = it - st;
+        for (int w = 0; w < warp; ++w) { oc += wc[w]; ot += wt[w]; }
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int e = 2 * tid + q;
+            if (e < E) {
+                off[e] = oc;
+                counts[e] = c[q];
+                offsets[e] = oc;
+                fill[e] = c[q];
+                for (int k = 0; k < tl[q]; ++k, ++ot) {
+                    tiles[1 + 2 * ot] = e;
+                    tiles[2 + 2 * ot] = k * TC_BN;
+                }
+                oc += c[q];
+            }
+        }
+        if (tid == RB_THREADS - 1) {
+            tiles[0] = ot;
+            *done = 0u;
+        }
+        __syncthreads();
+        for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
+        __syncthreads();
+    }
+    for (int sl = tid; sl < n * K; sl += RB_THREADS) {
+        const int e = ids[sl];
+        list[off[e] + atomicAdd(&cnt[e], 1)] = sl;
     }
 }
 

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{max_abs_diff, rel_rms, tiny_checkpoint};
+use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{testing, CudaBackend};
 use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
@@ -196,4 +196,56 @@ fn cuda_batch_rejects_bad_rows_before_any_step() {
     let mut rows = vec![BatchRow { seq: &mut s2, first_token: u32::MAX, max_tokens: 1, sampler: greedy() }];
     assert!(gpu.decode_batch(&mut rows, &mut |_, _| true).is_err());
     assert_eq!(s2.len(), len, "nothing ran");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
+    // moe_route_batch alone: f32 router and gate logits against the CPU's qmatmul, its picks
+    // against the CPU's softmax top-k of those logits, and the lists and tiles the expert kernels
+    // read; 5 tokens (one token block) and 40 (three), each launched twice on the same buffers.
+    let ck = ck();
+    let b = cuda(true);
+    let mw = lily::model::ModelWeights::from_checkpoint(&ck).unwrap();
+    let cfg = b.config().clone();
+    let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+    for (layer, n) in [(0usize, 5usize), (1, 40)] {
+        let u = rnd(7 + n as u64, n * h);
+        let runs = testing::route_batch(&b, layer, &u, n, 2).unwrap();
+        assert_eq!(runs[0], runs[1], "a second launch on the same buffers gives the same routing");
+        let got = &runs[0];
+        let m = &mw.layers[layer].moe;
+        let want = lily::backend::cpu::qmatmul::qmatmul_all(&m.router, &u, n);
+        let want_sgl = lily::backend::cpu::qmatmul::qmatmul_all(&m.shared_expert_gate, &u, n);
+        let (err, err_sgl) = (max_abs_diff(&got.logits, &want), max_abs_diff(&got.sgl, &want_sgl));
+        eprintln!("routing kernel, {n} tokens: router max |err| {err:.2e}, gate {err_sgl:.2e}");
+        assert!(err < 1e-4 && err_sgl < 1e-4);
+        let mut counts = vec![0i32; e];
+        for t in 0..n {
+            let (ids, w) = lily::backend::cpu::moe::route(&got.logits[t * e..(t + 1) * e], k);
+            let mut pairs: Vec<(usize, f32)> = ids.into_iter().zip(w).collect();
+            pairs.sort_by_key(|p| p.0);
+            for (j, (id, w)) in pairs.iter().enumerate() {
+                assert_eq!(got.top_ids[t * k + j], *id as i32, "token {t} pick {j}");
+                assert!((got.top_w[t * k + j] - w).abs() < 1e-6);
+                counts[*id] += 1;
+            }
+        }
+        assert_eq!(got.counts, counts);
+        let mut off = 0;
+        let mut tiles = vec![];
+        for ex in 0..e {
+            assert_eq!(got.offsets[ex], off);
+            let mut slots: Vec<i32> = got.list[off as usize..(off + counts[ex]) as usize].to_vec();
+            slots.sort();
+            let want: Vec<i32> = (0..(n * k) as i32).filter(|&s| got.top_ids[s as usize] == ex as i32).collect();
+            assert_eq!(slots, want, "expert {ex}'s slot list");
+            for f0 in (0..counts[ex]).step_by(64) {
+                tiles.extend([ex as i32, f0]);
+            }
+            off += counts[ex];
+        }
+        assert_eq!(got.tiles[0] as usize, tiles.len() / 2);
+        assert_eq!(&got.tiles[1..], &tiles[..]);
+    }
 }

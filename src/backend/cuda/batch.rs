@@ -26,9 +26,9 @@ use super::decode::StepOut;
 use super::device::{ptr, Gpu};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn;
-use super::moe;
+use super::moe::{self, MoeDims, RouteLists};
 use super::ops;
-use super::qmatmul::{self, Gemm, GemvSet, QMatDesc, TcbStaging};
+use super::qmatmul::{self, GemvSet, QMatDesc, TcbStaging};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
@@ -71,6 +71,8 @@ pub struct BatchBuffers {
     part_ml: CudaSlice<f32>,
     /// argmax_next's scratch per row.
     argmax: CudaSlice<f32>,
+    /// moe_route_batch's count of finished blocks (zero between launches).
+    route_done: CudaSlice<u32>,
     sample: SampleScratch,
 }
 
@@ -95,6 +97,10 @@ impl BatchBuffers {
         if cfg.quant.group_size != 64 || !experts4 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
             bail!("batched decode needs 4-bit matrices of group 64 (all but the router and gates)");
         }
+        let md = MoeDims::new(cfg);
+        if !w.layers.iter().all(|l| moe::route_batch_supported(&l.moe, &md, cfg.quant.group_size)) {
+            bail!("batched decode needs 4- or 8-bit routers, at most 512 experts and top-16");
+        }
         // Widest input: the hidden size, the GDN value / attention inner width, or the experts'
         // width over every routed slot.
         let k = cfg.num_experts_per_tok;
@@ -114,6 +120,7 @@ impl BatchBuffers {
             part_o: gpu.zeros(heads * cfg.head_dim)?,
             part_ml: gpu.zeros(heads * 2)?,
             argmax: gpu.zeros(cap * ARGMAX_SCRATCH)?,
+            route_done: gpu.zeros(1)?,
             sample: SampleScratch::new(gpu, cfg.vocab_size, cap)?,
         })
     }
@@ -162,8 +169,6 @@ struct BatchPass<'a> {
     rows: usize,
     splits: usize,
     dims: LayerDims,
-    /// The f32 few-row GEMMs (router, shared-expert gate).
-    gemm: Gemm<'a>,
 }
 
 impl BatchPass<'_> {
@@ -240,7 +245,8 @@ impl Pass for BatchPass<'_> {
         // The router and gate pick experts in f32 from the normalised input `u`; its staged bf16
         // copy feeds the routed and the shared experts.
         self.stage(self.p(&a.x), h, n, Some(&lw.post_norm), u)?;
-        let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n)?;
+        let r = RouteLists::over(self.gpu, a, s);
+        moe::route_batch(self.gpu, m, &d, self.dims.group, u, n, self.p(&a.sgl), &r, self.p(&self.b.route_done))?;
         self.point(probe, Point::Phase("moe.route"))?;
         let grouped = |xdiv| r.grouped(&d, n, xdiv);
         let (eg, ed) = (self.p(&s.expert_gate), self.p(&s.expert_down));
@@ -266,8 +272,7 @@ impl Pass for BatchPass<'_> {
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let gemm = Gemm::new(gpu, cfg.quant.group_size, false, None);
-    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16), gemm };
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16) };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
     let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));

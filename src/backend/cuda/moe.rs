@@ -23,6 +23,7 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
+const MOE_ROUTE_BATCH: Kernel = Kernel::ordered(&MOE, "moe_route_batch");
 
 #[derive(Clone, Copy, Debug)]
 pub struct MoeDims {
@@ -247,6 +248,65 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize) -> Re
 pub fn combine(gpu: &Gpu, d: &MoeDims, down: u64, top_w: u64, shared: u64, sgl: u64, x: u64, n: usize) -> Result<()> {
     let args = [Arg::P(down), Arg::P(top_w), Arg::I(d.k as i32), Arg::P(shared), Arg::P(sgl), Arg::P(x), Arg::I(d.hidden as i32)];
     gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+}
+
+/// `moe_route_batch`'s shape: rows (router rows and the shared-expert gate row) and tokens per
+/// block, threads per block (kernels/moe.cu).
+const RB_ROWS: usize = 4;
+const RB_TOK: usize = 16;
+const RB_THREADS: usize = 256;
+
+/// Whether `moe_route_batch` takes this model: 4- or 8-bit router and gate rows in groups of a
+/// multiple of 8 columns, E <= 2 * RB_THREADS experts, k <= 16.
+pub fn route_batch_supported(m: &DevMoe, d: &MoeDims, group: usize) -> bool {
+    let bits_ok = |q: &DevQ| q.bits == 4 || q.bits == 8;
+    bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group % 8 == 0 && d.hidden % group == 0 && d.e <= 2 * RB_THREADS && d.k <= 16
+}
+
+/// The routing of a batched decode step over `n` normalised rows `u` in one launch: router and
+/// shared-expert gate logits (f32) into `logits` / `sgl`, top-k into `r`'s ids and weights, and
+/// its per-expert counts, offsets, slot lists and tiles (`done`: a zeroed counter the kernel
+/// leaves zeroed).
+#[allow(clippy::too_many_arguments)]
+pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64) -> Result<()> {
+    let ((rw, rs, rb), (gw, gs, gb)) = (m.router.ptrs(gpu), m.shared_expert_gate.ptrs(gpu));
+    let args = [
+        Arg::P(u),
+        Arg::I(n as i32),
+        Arg::I(d.hidden as i32),
+        Arg::I(group as i32),
+        Arg::P(rw),
+        Arg::P(rs),
+        Arg::P(rb),
+        Arg::I(m.router.bits as i32),
+        Arg::P(gw),
+        Arg::P(gs),
+        Arg::P(gb),
+        Arg::I(m.shared_expert_gate.bits as i32),
+        Arg::I(d.e as i32),
+        Arg::I(d.k as i32),
+        Arg::P(r.logits),
+        Arg::P(sgl),
+        Arg::P(r.top_ids),
+        Arg::P(r.top_w),
+        Arg::P(r.counts),
+        Arg::P(r.offsets),
+        Arg::P(r.fill),
+        Arg::P(r.list),
+        Arg::P(r.tiles),
+        Arg::P(done),
+    ];
+    let grid = ((d.e + 1).div_ceil(RB_ROWS) as u32, n.div_ceil(RB_TOK) as u32, 1);
+    gpu.launch(MOE_ROUTE_BATCH, grid, RB_THREADS as u32, route_batch_smem(d, n) as u32, &args)
+}
+
+/// `moe_route_batch`'s dynamic shared memory: the block sums, then the last block's routing
+/// scratch (per warp one token's logits, ids and weights; counts and offsets; every slot's id).
+fn route_batch_smem(d: &MoeDims, n: usize) -> usize {
+    let warps = RB_THREADS / 32;
+    let sums = warps * RB_ROWS * RB_TOK;
+    let routing = warps * d.e + 2 * d.e + n * d.k + 2 * warps * d.k;
+    4 * sums.max(routing)
 }
 
 /// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).

@@ -203,6 +203,59 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     read(gpu, &y)
 }
 
+/// What `moe_route_batch` wrote for `n` tokens: router logits `[n][E]`, shared-expert gate
+/// logits, top-k ids and weights `[n][k]`, per-expert counts and offsets, the slot list and the
+/// tiles `[count, (expert, first slot)...]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchRouting {
+    pub logits: Vec<f32>,
+    pub sgl: Vec<f32>,
+    pub top_ids: Vec<i32>,
+    pub top_w: Vec<f32>,
+    pub counts: Vec<i32>,
+    pub offsets: Vec<i32>,
+    pub list: Vec<i32>,
+    pub tiles: Vec<i32>,
+}
+
+/// The batched decode's routing kernel (`moe::route_batch`) on layer `layer`'s router and gate
+/// for the `n` rows of `u`, launched `runs` times on the same buffers (the kernel must leave its
+/// block counter as it found it); the outputs of each run.
+pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usize) -> Result<Vec<BatchRouting>> {
+    let gpu = &b.gpu;
+    let d = MoeDims::new(&b.cfg);
+    let m = &b.w.layers[layer].moe;
+    if u.len() != n * d.hidden || !moe::route_batch_supported(m, &d, b.cfg.quant.group_size) {
+        bail!("route_batch: bad shapes");
+    }
+    let mt = moe::max_tiles(n, &d);
+    let ud = gpu.upload(u)?;
+    let (logits, sgl, top_w) = (gpu.zeros::<f32>(n * d.e)?, gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n * d.k)?);
+    let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e)?, gpu.zeros::<i32>(d.e)?, gpu.zeros::<i32>(d.e)?);
+    let (list, tiles, done) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(1)?);
+    let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
+    let f = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let r = RouteLists { logits: f(&logits), top_ids: p(&top_ids), top_w: f(&top_w), counts: p(&counts), offsets: p(&offsets), fill: p(&fill), list: p(&list), tiles: p(&tiles) };
+    let mut out = Vec::new();
+    for _ in 0..runs {
+        moe::route_batch(gpu, m, &d, b.cfg.quant.group_size, f(&ud), n, f(&sgl), &r, ptr(&done, &gpu.stream))?;
+        gpu.sync()?;
+        let mut t = read(gpu, &tiles)?;
+        t.truncate(1 + 2 * t[0].max(0) as usize);
+        out.push(BatchRouting {
+            logits: read(gpu, &logits)?,
+            sgl: read(gpu, &sgl)?,
+            top_ids: read(gpu, &top_ids)?,
+            top_w: read(gpu, &top_w)?,
+            counts: read(gpu, &counts)?,
+            offsets: read(gpu, &offsets)?,
+            list: read(gpu, &list)?,
+            tiles: t,
+        });
+    }
+    Ok(out)
+}
+
 /// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and rotated),
 /// f32 caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`. `exact`: the f32
 /// kernel, else the tensor-core one.
