@@ -234,16 +234,16 @@ fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
         assert_eq!(got.counts, counts);
         let mut off = 0;
         let mut tiles = vec![];
-        for ex in 0..e {
+        for (ex, &c) in counts.iter().enumerate() {
             assert_eq!(got.offsets[ex], off);
-            let mut slots: Vec<i32> = got.list[off as usize..(off + counts[ex]) as usize].to_vec();
+            let mut slots: Vec<i32> = got.list[off as usize..(off + c) as usize].to_vec();
             slots.sort();
             let want: Vec<i32> = (0..(n * k) as i32).filter(|&s| got.top_ids[s as usize] == ex as i32).collect();
             assert_eq!(slots, want, "expert {ex}'s slot list");
-            for f0 in (0..counts[ex]).step_by(64) {
+            for f0 in (0..c).step_by(64) {
                 tiles.extend([ex as i32, f0]);
             }
-            off += counts[ex];
+            off += c;
         }
         assert_eq!(got.tiles[0] as usize, tiles.len() / 2);
         assert_eq!(&got.tiles[1..], &tiles[..]);

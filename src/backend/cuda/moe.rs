@@ -260,7 +260,7 @@ const RB_THREADS: usize = 256;
 /// multiple of 8 columns, E <= 2 * RB_THREADS experts, k <= 16.
 pub fn route_batch_supported(m: &DevMoe, d: &MoeDims, group: usize) -> bool {
     let bits_ok = |q: &DevQ| q.bits == 4 || q.bits == 8;
-    bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group % 8 == 0 && d.hidden % group == 0 && d.e <= 2 * RB_THREADS && d.k <= 16
+    bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group.is_multiple_of(8) && d.hidden.is_multiple_of(group) && d.e <= 2 * RB_THREADS && d.k <= 16
 }
 
 /// The routing of a batched decode step over `n` normalised rows `u` in one launch: router and
