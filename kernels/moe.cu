@@ -379,11 +379,12 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 }
 
 // ============================ batched decode (B tokens) ============================
-// The routed-expert products of a batched decode step: for every (expert, 64-slot tile) of
-// pf_scan's list and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
-// stage_tcb: fragments and group sums, gathered per slot), or with a second
-// matrix (GLU: gate W and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64,
-// bf16 activations on the tensor cores; tcb_mma in common.cuh). Each active expert's rows are read
+// The expert products of a batched decode step: for every (expert, 64-slot tile) of the routing
+// lists (moe_route_batch) and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
+// stage_tcb: fragments and group sums, gathered per slot), or with a second matrix (GLU: gate W
+// and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64, bf16 activations on
+// the tensor cores; tcb_mma in common.cuh). Expert `shared_e` is the shared expert: its matrices
+// are sw / sw2, and its slots (shared_base + t) read token t's row. Each active expert's rows are read
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
 // rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
 // Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
@@ -421,9 +422,12 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
 
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
-        const u16* __restrict__ s2, const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int rpb,
-        const u32* __restrict__ frag, const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts,
-        const int* __restrict__ offsets, const int* __restrict__ list, const int* __restrict__ tiles) {
+        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
+        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
+        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
+        float* __restrict__ y, int rows, int cols, int rpb, const u32* __restrict__ frag,
+        const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets,
+        const int* __restrict__ list, const int* __restrict__ tiles) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -433,23 +437,50 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
     const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-    w += erows * wpr;
-    s += erows * gpr;
-    b += erows * gpr;
-    if (w2) {
-        w2 += erows * wpr;
-        s2 += erows * gpr;
-        b2 += erows * gpr;
+    if (e == shared_e) {
+        // The shared expert: its own matrices, the same shape as one routed expert's.
+        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2;
+    } else {
+        w += erows * wpr;
+        s += erows * gpr;
+        b += erows * gpr;
+        if (w2) {
+            w2 += erows * wpr;
+            s2 += erows * gpr;
+            b2 += erows * gpr;
+        }
     }
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
+    // The block's weight rows (codes, scales, biases; both matrices) into L2 before the token
+    // lists and fragments are read: the weights do not depend on them, so their DRAM latency
+    // overlaps the prologue instead of following it.
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        for (int r = r_begin + warp; r < r_end; r += nw) {
+            prefetch_l2_warp(w + r * wpr, wpr * 4, lane);
+            if (lane == 0) {
+                prefetch_l2(s + r * gpr);
+                prefetch_l2(b + r * gpr);
+            }
+            if (w2) {
+                prefetch_l2_warp(w2 + r * wpr, wpr * 4, lane);
+                if (lane == 0) {
+                    prefetch_l2(s2 + r * gpr);
+                    prefetch_l2(b2 + r * gpr);
+                }
+            }
+        }
+    }
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int c0 = 0; c0 < cnt; c0 += TCB_TOK) {
         const int nt = min(TCB_TOK, cnt - c0);
         __syncthreads();  // the previous chunk's fragments and slots are no longer read
         if ((int)threadIdx.x < nt) {
-            slot[threadIdx.x] = lst[c0 + threadIdx.x];
-            xrow[threadIdx.x] = slot[threadIdx.x] / xdiv;
+            const int sl = lst[c0 + threadIdx.x];
+            slot[threadIdx.x] = sl;
+            // Shared-expert slots shared_base + t read token t's row.
+            xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
         }
         __syncthreads();
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
@@ -462,7 +493,8 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // the shared-expert gate logit (row E) of the n staged-normalised tokens u, then, in the last
 // block to finish, what pf_route + pf_scan + pf_scatter produce: top-k ids and weights per token
 // (warp_route_topk, so the same picks as every other path), per-expert counts, offsets, fill
-// cursors, tensor-core tiles and slot lists. Codes are dequantised (s * q + b, 4- or 8-bit,
+// cursors, tensor-core tiles and slot lists, with the shared expert as one more expert if asked
+// (so moe_tcb runs it beside the routed ones). Codes are dequantised (s * q + b, 4- or 8-bit,
 // groups of a multiple of 8 columns) and multiplied by the f32 inputs as the CPU does, summed in
 // another order. grid (ceil((E + 1) / RB_ROWS), ceil(n / RB_TOK)), block RB_THREADS; each thread
 // owns 8-column chunks of H for the block's RB_ROWS rows and RB_TOK tokens, read straight from
@@ -494,7 +526,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
                 const u16* __restrict__ gs, const u16* __restrict__ gbias, int gbits, int E, int K,
                 float* __restrict__ logits, float* __restrict__ sgl, int* __restrict__ top_ids,
                 float* __restrict__ top_w, int* __restrict__ counts, int* __restrict__ offsets,
-                int* __restrict__ fill, int* __restrict__ list, int* __restrict__ tiles, unsigned* __restrict__ done) {
+                int* __restrict__ fill, int* __restrict__ list, int* __restrict__ tiles, int with_shared,
+                unsigned* __restrict__ done) {
     extern __shared__ float rb_sm[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = RB_THREADS / 32;
     const int r0 = blockIdx.x * RB_ROWS, nr = min(RB_ROWS, E + 1 - r0);
@@ -582,14 +615,16 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     }
     __syncthreads();
     // Exclusive scans of the counts and of the tiles (TC_BN slots each) in expert order, as
-    // pf_scan: thread i takes experts 2i and 2i + 1 (E <= 2 * RB_THREADS).
+    // pf_scan: thread i takes experts 2i and 2i + 1 (E + with_shared <= 2 * RB_THREADS). With
+    // `with_shared` the shared expert is expert E, every token once, in slots n * K + t.
+    const int EA = E + with_shared;
     {
         __shared__ int wc[RB_THREADS / 32], wt[RB_THREADS / 32];
         int c[2], tl[2];
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int e = 2 * tid + q;
-            c[q] = e < E ? cnt[e] : 0;
+            c[q] = e < E ? cnt[e] : e < EA ? n : 0;
             tl[q] = (c[q] + TC_BN - 1) / TC_BN;
         }
         const int sc = c[0] + c[1], st = tl[0] + tl[1];
@@ -606,8 +641,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int e = 2 * tid + q;
-            if (e < E) {
-                off[e] = oc;
+            if (e < EA) {
+                if (e < E) off[e] = oc;
                 counts[e] = c[q];
                 offsets[e] = oc;
                 fill[e] = c[q];
@@ -630,6 +665,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
         const int e = ids[sl];
         list[off[e] + atomicAdd(&cnt[e], 1)] = sl;
     }
+    if (with_shared)
+        for (int t = tid; t < n; t += RB_THREADS) list[n * K + t] = n * K + t;
 }
 
 // ============================== prefill (T tokens) ==============================

@@ -203,7 +203,8 @@ fn cuda_batch_rejects_bad_rows_before_any_step() {
 fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
     // moe_route_batch alone: f32 router and gate logits against the CPU's qmatmul, its picks
     // against the CPU's softmax top-k of those logits, and the lists and tiles the expert kernels
-    // read; 5 tokens (one token block) and 40 (three), each launched twice on the same buffers.
+    // read (the shared expert as expert E); 5 tokens (one token block) and 40 (three), each
+    // launched twice on the same buffers.
     let ck = ck();
     let b = cuda(true);
     let mw = lily::model::ModelWeights::from_checkpoint(&ck).unwrap();
@@ -231,6 +232,8 @@ fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
                 counts[*id] += 1;
             }
         }
+        // The shared expert is expert E: every token once, in slots n * k + t after the routed ones.
+        counts.push(n as i32);
         assert_eq!(got.counts, counts);
         let mut off = 0;
         let mut tiles = vec![];
@@ -238,7 +241,11 @@ fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
             assert_eq!(got.offsets[ex], off);
             let mut slots: Vec<i32> = got.list[off as usize..(off + c) as usize].to_vec();
             slots.sort();
-            let want: Vec<i32> = (0..(n * k) as i32).filter(|&s| got.top_ids[s as usize] == ex as i32).collect();
+            let want: Vec<i32> = if ex < e {
+                (0..(n * k) as i32).filter(|&s| got.top_ids[s as usize] == ex as i32).collect()
+            } else {
+                ((n * k) as i32..(n * (k + 1)) as i32).collect()
+            };
             assert_eq!(slots, want, "expert {ex}'s slot list");
             for f0 in (0..c).step_by(64) {
                 tiles.extend([ex as i32, f0]);

@@ -20,15 +20,14 @@
 //! the token count, each output column is accumulated in the same order), so a sequence's tokens
 //! do not depend on its batch.
 
-use super::activations::{Activations, ChunkScratch};
+use super::activations::Activations;
 use super::attention::{self, SplitPartials, MAX_SPLITS};
 use super::decode::StepOut;
 use super::device::{ptr, Gpu};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn;
-use super::moe::{self, MoeDims, RouteLists};
-use super::ops;
-use super::qmatmul::{self, GemvSet, QMatDesc, TcbStaging};
+use super::moe::{self, MoeDims, RouteLists, SharedExpert};
+use super::qmatmul::{self, GemvSet, Grouped, QMatDesc, TcbStaging};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
@@ -49,15 +48,44 @@ const MAX_BATCH_GRAPHS: usize = 48;
 struct LayerSets {
     mixer_in: GemvSet,
     mixer_out: GemvSet,
-    shared_gate_up: GemvSet,
-    shared_down: GemvSet,
+}
+
+/// The MoE buffers of a batch step: routing lists over the routed experts and the shared one
+/// (expert E, slots n * k + t), and per slot the gate|up (then SwiGLU) and down outputs.
+struct MoeBuffers {
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    fill: CudaSlice<i32>,
+    list: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    /// moe_route_batch's count of finished blocks (zero between launches).
+    done: CudaSlice<u32>,
+    gate: CudaSlice<f32>,
+    down: CudaSlice<f32>,
+}
+
+impl MoeBuffers {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, cap: usize) -> Result<Self> {
+        let d = MoeDims::new(cfg);
+        let slots = cap * (d.k + 1);
+        Ok(MoeBuffers {
+            counts: gpu.zeros(d.e + 1)?,
+            offsets: gpu.zeros(d.e + 1)?,
+            fill: gpu.zeros(d.e + 1)?,
+            list: gpu.zeros(slots)?,
+            tiles: gpu.zeros(1 + 2 * moe::batch_max_tiles(cap, &d))?,
+            done: gpu.zeros(1)?,
+            gate: gpu.zeros(slots * d.inter)?,
+            down: gpu.zeros(slots * d.hidden)?,
+        })
+    }
 }
 
 /// Buffers of batched steps for up to `cap` rows, and the GEMV sets that write into them.
 pub struct BatchBuffers {
     pub cap: usize,
     act: Activations,
-    scratch: ChunkScratch,
+    moe: MoeBuffers,
     _descs: CudaSlice<QMatDesc>,
     layers: Vec<LayerSets>,
     head: GemvSet,
@@ -71,8 +99,6 @@ pub struct BatchBuffers {
     part_ml: CudaSlice<f32>,
     /// argmax_next's scratch per row.
     argmax: CudaSlice<f32>,
-    /// moe_route_batch's count of finished blocks (zero between launches).
-    route_done: CudaSlice<u32>,
     sample: SampleScratch,
 }
 
@@ -80,37 +106,26 @@ impl BatchBuffers {
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, cap: usize) -> Result<Self> {
         let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
         let act = Activations::new(gpu, cfg, cap, cap)?;
-        let scratch = ChunkScratch::new(gpu, cfg, cap, false)?;
-        let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-        let sets = forward::model_sets(gpu, w, &act, |sets, l| {
-            let m = &l.moe;
-            let gate_up = sets.add(gpu, &[(&m.shared_gate, p(&scratch.shared_gate), false), (&m.shared_up, p(&scratch.shared_up), false)]);
-            vec![gate_up, sets.add(gpu, &[(&m.shared_down, p(&scratch.shared_down), false)])]
-        })?;
-        let layers: Vec<LayerSets> = sets
-            .layers
-            .iter()
-            .map(|(i, o, more)| LayerSets { mixer_in: *i, mixer_out: *o, shared_gate_up: more[0], shared_down: more[1] })
-            .collect();
+        let sets = forward::model_sets(gpu, w, &act, |_, _| vec![])?;
+        let layers: Vec<LayerSets> = sets.layers.iter().map(|(i, o, _)| LayerSets { mixer_in: *i, mixer_out: *o }).collect();
         let head = sets.head;
         let experts4 = w.layers.iter().all(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.down_exps].iter().all(|q| q.bits == 4));
-        if cfg.quant.group_size != 64 || !experts4 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out, l.shared_gate_up, l.shared_down]).chain([head]).any(|s| !s.all4) {
+        if cfg.quant.group_size != 64 || !experts4 || layers.iter().flat_map(|l| [l.mixer_in, l.mixer_out]).chain([head]).any(|s| !s.all4) {
             bail!("batched decode needs 4-bit matrices of group 64 (all but the router and gates)");
         }
         let md = MoeDims::new(cfg);
-        if !w.layers.iter().all(|l| moe::route_batch_supported(&l.moe, &md, cfg.quant.group_size)) {
-            bail!("batched decode needs 4- or 8-bit routers, at most 512 experts and top-16");
+        if !w.layers.iter().all(|l| moe::batch_supported(&l.moe, &md, cfg.quant.group_size)) {
+            bail!("batched decode needs 4- or 8-bit routers, at most 511 experts, top-16 and a 4-bit shared expert as wide as the routed ones");
         }
         // Widest input: the hidden size, the GDN value / attention inner width, or the experts'
-        // width over every routed slot.
+        // width over every slot (routed and shared).
         let k = cfg.num_experts_per_tok;
-        let wide = [cfg.hidden_size, cfg.gdn_value_dim(), cfg.attn_inner(), cfg.shared_expert_intermediate_size].into_iter().max().unwrap_or(0);
-        let staged_rows = cap * k;
-        let staged = TcbStaging::new(gpu, staged_rows, wide.max(cfg.moe_intermediate_size))?;
+        let wide = [cfg.hidden_size, cfg.gdn_value_dim(), cfg.attn_inner(), cfg.moe_intermediate_size].into_iter().max().unwrap_or(0);
+        let staged = TcbStaging::new(gpu, cap * (k + 1), wide)?;
         Ok(BatchBuffers {
             cap,
             act,
-            scratch,
+            moe: MoeBuffers::new(gpu, cfg, cap)?,
             _descs: sets.descs,
             layers,
             head,
@@ -120,7 +135,6 @@ impl BatchBuffers {
             part_o: gpu.zeros(heads * cfg.head_dim)?,
             part_ml: gpu.zeros(heads * 2)?,
             argmax: gpu.zeros(cap * ARGMAX_SCRATCH)?,
-            route_done: gpu.zeros(1)?,
             sample: SampleScratch::new(gpu, cfg.vocab_size, cap)?,
         })
     }
@@ -239,32 +253,35 @@ impl Pass for BatchPass<'_> {
         self.point(probe, Point::Phase("attn.out"))
     }
 
-    fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
-        let (a, s, n, d) = (&self.b.act, &self.b.scratch, self.rows, self.dims.moe);
+    fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
+        let (a, mb, n, d) = (&self.b.act, &self.b.moe, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         // The router and gate pick experts in f32 from the normalised input `u`; its staged bf16
-        // copy feeds the routed and the shared experts.
+        // copy feeds the experts, the shared one included (expert E, slots n * k + t).
         self.stage(self.p(&a.x), h, n, Some(&lw.post_norm), u)?;
-        let r = RouteLists::over(self.gpu, a, s);
-        moe::route_batch(self.gpu, m, &d, self.dims.group, u, n, self.p(&a.sgl), &r, self.p(&self.b.route_done))?;
+        let r = RouteLists {
+            logits: self.p(&a.router),
+            top_ids: self.p(&a.top_ids),
+            top_w: self.p(&a.top_w),
+            counts: self.p(&mb.counts),
+            offsets: self.p(&mb.offsets),
+            fill: self.p(&mb.fill),
+            list: self.p(&mb.list),
+            tiles: self.p(&mb.tiles),
+        };
+        moe::route_batch(self.gpu, m, &d, self.dims.group, u, n, self.p(&a.sgl), &r, self.p(&mb.done))?;
         self.point(probe, Point::Phase("moe.route"))?;
-        let grouped = |xdiv| r.grouped(&d, n, xdiv);
-        let (eg, ed) = (self.p(&s.expert_gate), self.p(&s.expert_down));
-        let (sets, st) = (&self.b.layers[li], &self.b.staged);
-        let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
-        // Both gate|up products read the staged `u`.
-        moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, st, eg, grouped(k))?;
+        let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
+        let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);
+        let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
+        moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
         self.point(probe, Point::Phase("moe.gate_up"))?;
-        self.gemv(sets.shared_gate_up, h)?;
-        ops::swiglu(self.gpu, sg, su, n * d.sinter)?;
-        self.point(probe, Point::Phase("shared"))?;
-        self.stage(eg, d.inter, n * k, None, 0)?;
-        moe::moe_tcb(self.gpu, &m.down_exps, None, h, st, ed, grouped(1))?;
+        self.stage(gate, d.inter, n * (k + 1), None, 0)?;
+        let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
+        moe::moe_tcb(self.gpu, &m.down_exps, None, &shared_down, h, st, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
-        self.stage(sg, d.sinter, n, None, 0)?;
-        self.gemv(sets.shared_down, d.sinter)?;
-        self.point(probe, Point::Phase("shared"))?;
-        moe::combine(self.gpu, &d, ed, r.top_w, sd, self.p(&a.sgl), self.p(&a.x), n)?;
+        let shared_out = down + (n * k * h * 4) as u64;
+        moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;
         self.point(probe, Point::Phase("combine"))
     }
 }

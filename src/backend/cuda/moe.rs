@@ -256,17 +256,25 @@ const RB_ROWS: usize = 4;
 const RB_TOK: usize = 16;
 const RB_THREADS: usize = 256;
 
-/// Whether `moe_route_batch` takes this model: 4- or 8-bit router and gate rows in groups of a
-/// multiple of 8 columns, E <= 2 * RB_THREADS experts, k <= 16.
-pub fn route_batch_supported(m: &DevMoe, d: &MoeDims, group: usize) -> bool {
+/// Whether the batched decode's MoE kernels take this model: 4- or 8-bit router and gate rows in
+/// groups of a multiple of 8 columns, E + 1 <= 2 * RB_THREADS experts (the shared one counts),
+/// k <= 16, and a 4-bit shared expert of the routed experts' width (it runs as one more expert).
+pub fn batch_supported(m: &DevMoe, d: &MoeDims, group: usize) -> bool {
     let bits_ok = |q: &DevQ| q.bits == 4 || q.bits == 8;
-    bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group.is_multiple_of(8) && d.hidden.is_multiple_of(group) && d.e <= 2 * RB_THREADS && d.k <= 16
+    let shared_ok = d.sinter == d.inter && [&m.shared_gate, &m.shared_up, &m.shared_down].iter().all(|q| q.bits == 4);
+    bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group.is_multiple_of(8) && d.hidden.is_multiple_of(group) && d.e < 2 * RB_THREADS && d.k <= 16 && shared_ok
+}
+
+/// Upper bound on the tiles of a batched decode step over `n` tokens: the routed experts' and the
+/// shared expert's (every token once).
+pub fn batch_max_tiles(n: usize, d: &MoeDims) -> usize {
+    max_tiles(n, d) + n.div_ceil(64)
 }
 
 /// The routing of a batched decode step over `n` normalised rows `u` in one launch: router and
 /// shared-expert gate logits (f32) into `logits` / `sgl`, top-k into `r`'s ids and weights, and
-/// its per-expert counts, offsets, slot lists and tiles (`done`: a zeroed counter the kernel
-/// leaves zeroed).
+/// its per-expert counts, offsets, slot lists and tiles, the shared expert as expert E over slots
+/// n * k + t (`done`: a zeroed counter the kernel leaves zeroed).
 #[allow(clippy::too_many_arguments)]
 pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64) -> Result<()> {
     let ((rw, rs, rb), (gw, gs, gb)) = (m.router.ptrs(gpu), m.shared_expert_gate.ptrs(gpu));
@@ -294,6 +302,7 @@ pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: 
         Arg::P(r.fill),
         Arg::P(r.list),
         Arg::P(r.tiles),
+        Arg::I(1),
         Arg::P(done),
     ];
     let grid = ((d.e + 1).div_ceil(RB_ROWS) as u32, n.div_ceil(RB_TOK) as u32, 1);
@@ -312,16 +321,30 @@ fn route_batch_smem(d: &MoeDims, n: usize) -> usize {
 /// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
 const MOE_TCB_ROWS: usize = 128;
 
-/// `moe_tcb` (batched decode): per routed slot, `y[slot] = W_e · x[slot / xdiv]`, or with `up`
-/// `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st` (batched decode; 4-bit, group 64).
-pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    if q.bits != 4 || up.is_some_and(|u| u.bits != 4 || u.cols != q.cols) || !q.cols.is_multiple_of(64) {
-        bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups");
+/// The shared expert as one more expert of `moe_tcb`: expert number `expert`, whose slots from
+/// `base` on (`None`: none) read token `slot - base`.
+pub struct SharedExpert<'a> {
+    pub q: &'a DevQ,
+    pub up: Option<&'a DevQ>,
+    pub expert: usize,
+    pub base: Option<usize>,
+}
+
+/// `moe_tcb` (batched decode): per slot of the lists, `y[slot] = W_e · x[slot / xdiv]`, or with
+/// `up` `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st`; the shared expert's slots with
+/// its own matrices (4-bit, group 64).
+pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
+    if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
+        bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
     }
     let gpr = q.cols / 64;
     let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
     let (w, s, b) = q.ptrs(gpu);
     let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let (sw, ss, sb) = shared.q.ptrs(gpu);
+    let (sw2, ss2, sb2) = shared.up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let base = shared.base.map_or(i32::MAX, |b| b.min(i32::MAX as usize) as i32);
     let stream = &gpu.stream;
     let args = [
         Arg::P(w),
@@ -330,6 +353,14 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStag
         Arg::P(w2),
         Arg::P(s2),
         Arg::P(b2),
+        Arg::P(sw),
+        Arg::P(ss),
+        Arg::P(sb),
+        Arg::P(sw2),
+        Arg::P(ss2),
+        Arg::P(sb2),
+        Arg::I(shared.expert as i32),
+        Arg::I(base),
         Arg::P(y),
         Arg::I(rows as i32),
         Arg::I(q.cols as i32),

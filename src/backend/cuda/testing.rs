@@ -204,8 +204,8 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
 }
 
 /// What `moe_route_batch` wrote for `n` tokens: router logits `[n][E]`, shared-expert gate
-/// logits, top-k ids and weights `[n][k]`, per-expert counts and offsets, the slot list and the
-/// tiles `[count, (expert, first slot)...]`.
+/// logits, top-k ids and weights `[n][k]`, counts and offsets of the E routed experts and the
+/// shared one (expert E), the slot list and the tiles `[count, (expert, first slot)...]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchRouting {
     pub logits: Vec<f32>,
@@ -225,14 +225,14 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
     let gpu = &b.gpu;
     let d = MoeDims::new(&b.cfg);
     let m = &b.w.layers[layer].moe;
-    if u.len() != n * d.hidden || !moe::route_batch_supported(m, &d, b.cfg.quant.group_size) {
+    if u.len() != n * d.hidden || !moe::batch_supported(m, &d, b.cfg.quant.group_size) {
         bail!("route_batch: bad shapes");
     }
-    let mt = moe::max_tiles(n, &d);
+    let mt = moe::batch_max_tiles(n, &d);
     let ud = gpu.upload(u)?;
     let (logits, sgl, top_w) = (gpu.zeros::<f32>(n * d.e)?, gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n * d.k)?);
-    let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e)?, gpu.zeros::<i32>(d.e)?, gpu.zeros::<i32>(d.e)?);
-    let (list, tiles, done) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(1)?);
+    let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?);
+    let (list, tiles, done) = (gpu.zeros::<i32>(n * (d.k + 1))?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(1)?);
     let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
     let f = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let r = RouteLists { logits: f(&logits), top_ids: p(&top_ids), top_w: f(&top_w), counts: p(&counts), offsets: p(&offsets), fill: p(&fill), list: p(&list), tiles: p(&tiles) };
