@@ -431,7 +431,7 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
-    const int cnt = min(TC_BN, counts[e] - f0);
+    const int cnt = min(TCB_TOK, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -452,26 +452,6 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
-    // The block's weight rows (codes, scales, biases; both matrices) into L2 before the token
-    // lists and fragments are read: the weights do not depend on them, so their DRAM latency
-    // overlaps the prologue instead of following it.
-    {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-        for (int r = r_begin + warp; r < r_end; r += nw) {
-            prefetch_l2_warp(w + r * wpr, wpr * 4, lane);
-            if (lane == 0) {
-                prefetch_l2(s + r * gpr);
-                prefetch_l2(b + r * gpr);
-            }
-            if (w2) {
-                prefetch_l2_warp(w2 + r * wpr, wpr * 4, lane);
-                if (lane == 0) {
-                    prefetch_l2(s2 + r * gpr);
-                    prefetch_l2(b2 + r * gpr);
-                }
-            }
-        }
-    }
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int c0 = 0; c0 < cnt; c0 += TCB_TOK) {
         const int nt = min(TCB_TOK, cnt - c0);
@@ -498,7 +478,8 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // groups of a multiple of 8 columns) and multiplied by the f32 inputs as the CPU does, summed in
 // another order. grid (ceil((E + 1) / RB_ROWS), ceil(n / RB_TOK)), block RB_THREADS; each thread
 // owns 8-column chunks of H for the block's RB_ROWS rows and RB_TOK tokens, read straight from
-// global memory (every block reads all of u; it is L2-resident). `done` counts finished blocks;
+// global memory (every block reads all of u; it is L2-resident). Tiles are TCB_TOK slots (one
+// moe_tcb pass each). `done` counts finished blocks;
 // the last one resets it, so the kernel replays in a graph. Dynamic shared memory: rb_smem().
 #define RB_ROWS 4
 #define RB_TOK 16
@@ -591,19 +572,18 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     __syncthreads();
     if (!last) return;
     __threadfence();
-    float* lg = rb_sm;                                         // [nwarps][E] one token's logits per warp
-    int* cnt = reinterpret_cast<int*>(rb_sm + nwarps * E);     // [E] counts, then fill cursors
+    float* lg = rb_sm;                                         // [n][E] every token's logits
+    int* cnt = reinterpret_cast<int*>(rb_sm + n * E);          // [E] counts, then fill cursors
     int* off = cnt + E;                                        // [E]
     int* ids = off + E;                                        // [n * K]
     float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][K] one token's weights per warp
     int* wid = reinterpret_cast<int*>(wts + nwarps * K);       // [nwarps][K]
     for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
+    // All loads in flight at once (L2, written by the other blocks), not one token's per warp.
+    for (int i = tid; i < n * E; i += RB_THREADS) lg[i] = __ldcg(logits + i);
     __syncthreads();
     for (int t = warp; t < n; t += nwarps) {
-        float* l = lg + warp * E;
-        for (int e = lane; e < E; e += 32) l[e] = __ldcg(logits + (size_t)t * E + e);
-        __syncwarp();
-        warp_route_topk(l, E, K, wid + warp * K, wts + warp * K);
+        warp_route_topk(lg + (size_t)t * E, E, K, wid + warp * K, wts + warp * K);
         if (lane < K) {
             const int id = wid[warp * K + lane];
             top_ids[(size_t)t * K + lane] = id;
@@ -614,9 +594,10 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
         __syncwarp();
     }
     __syncthreads();
-    // Exclusive scans of the counts and of the tiles (TC_BN slots each) in expert order, as
-    // pf_scan: thread i takes experts 2i and 2i + 1 (E + with_shared <= 2 * RB_THREADS). With
-    // `with_shared` the shared expert is expert E, every token once, in slots n * K + t.
+    // Exclusive scans of the counts and of the tiles (TCB_TOK slots each: a tile is one pass of
+    // moe_tcb, so an expert with many slots is spread over blocks instead of looping in one) in
+    // expert order: thread i takes experts 2i and 2i + 1 (E + with_shared <= 2 * RB_THREADS).
+    // With `with_shared` the shared expert is expert E, every token once, in slots n * K + t.
     const int EA = E + with_shared;
     {
         __shared__ int wc[RB_THREADS / 32], wt[RB_THREADS / 32];
@@ -625,7 +606,7 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
         for (int q = 0; q < 2; ++q) {
             const int e = 2 * tid + q;
             c[q] = e < E ? cnt[e] : e < EA ? n : 0;
-            tl[q] = (c[q] + TC_BN - 1) / TC_BN;
+            tl[q] = (c[q] + TCB_TOK - 1) / TCB_TOK;
         }
         const int sc = c[0] + c[1], st = tl[0] + tl[1];
         int ic = sc, it = st;
@@ -648,7 +629,7 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
                 fill[e] = c[q];
                 for (int k = 0; k < tl[q]; ++k, ++ot) {
                     tiles[1 + 2 * ot] = e;
-                    tiles[2 + 2 * ot] = k * TC_BN;
+                    tiles[2 + 2 * ot] = k * TCB_TOK;
                 }
                 oc += c[q];
             }

@@ -247,7 +247,7 @@ fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
                 ((n * k) as i32..(n * (k + 1)) as i32).collect()
             };
             assert_eq!(slots, want, "expert {ex}'s slot list");
-            for f0 in (0..c).step_by(64) {
+            for f0 in (0..c).step_by(16) {
                 tiles.extend([ex as i32, f0]);
             }
             off += c;

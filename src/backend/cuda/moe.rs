@@ -265,10 +265,14 @@ pub fn batch_supported(m: &DevMoe, d: &MoeDims, group: usize) -> bool {
     bits_ok(&m.router) && bits_ok(&m.shared_expert_gate) && group.is_multiple_of(8) && d.hidden.is_multiple_of(group) && d.e < 2 * RB_THREADS && d.k <= 16 && shared_ok
 }
 
-/// Upper bound on the tiles of a batched decode step over `n` tokens: the routed experts' and the
-/// shared expert's (every token once).
+/// Slots per tile of a batched decode step (TCB_TOK: one `moe_tcb` pass).
+pub const BATCH_TILE: usize = 16;
+
+/// Upper bound on the tiles of a batched decode step over `n` tokens: every routed expert's tile
+/// holds at least one of the n * k slots, all but one per expert hold BATCH_TILE; the shared
+/// expert adds its tokens' tiles.
 pub fn batch_max_tiles(n: usize, d: &MoeDims) -> usize {
-    max_tiles(n, d) + n.div_ceil(64)
+    ((n * d.k).div_ceil(BATCH_TILE) + d.e).min(n * d.k) + n.div_ceil(BATCH_TILE)
 }
 
 /// The routing of a batched decode step over `n` normalised rows `u` in one launch: router and
@@ -310,11 +314,12 @@ pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: 
 }
 
 /// `moe_route_batch`'s dynamic shared memory: the block sums, then the last block's routing
-/// scratch (per warp one token's logits, ids and weights; counts and offsets; every slot's id).
+/// scratch (every token's logits; counts and offsets; every slot's id; per warp one token's ids
+/// and weights).
 fn route_batch_smem(d: &MoeDims, n: usize) -> usize {
     let warps = RB_THREADS / 32;
     let sums = warps * RB_ROWS * RB_TOK;
-    let routing = warps * d.e + 2 * d.e + n * d.k + 2 * warps * d.k;
+    let routing = n * d.e + 2 * d.e + n * d.k + 2 * warps * d.k;
     4 * sums.max(routing)
 }
 
@@ -397,5 +402,10 @@ mod tests {
         // A decode batch: at most one tile per routed slot.
         assert_eq!(max_tiles(1, &big), 8);
         assert_eq!(max_tiles(16, &big), 128);
+        // A batched decode step: 16-slot tiles, at most one per routed slot, plus the shared
+        // expert's.
+        assert_eq!(batch_max_tiles(16, &big), 128 + 1);
+        assert_eq!(batch_max_tiles(64, &big), 512 / 16 + 256 + 4);
+        assert_eq!(batch_max_tiles(1, &big), 8 + 1);
     }
 }
