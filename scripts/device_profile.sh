@@ -26,12 +26,12 @@ metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch
 decode_kernels='regex:^(gemv_q|moe_|gdn_step|attn_|embed_q|argmax)'
 if [ -n "${LILY_NCU_BATCH:-}" ]; then
   bench=(./.device/bin/lily-bench --model "$ck" --backend cuda --prompt-len 2 --decode-steps 2 --no-warmup --batch "$LILY_NCU_BATCH")
-  batch_kernels='regex:^(moe_tcb|gemv_tcb|stage_tcb|gdn_step_batch|attn_.*batch|pf_gemm_skinny|pf_route|pf_scan|pf_scatter|pf_moe_combine|pf_rmsnorm|pf_embed|argmax_next|sample_)'
+  batch_kernels='regex:^(moe_tcb|moe_route_batch|gemv_tcb|stage_tcb|gdn_step_batch|attn_.*batch|pf_moe_combine|pf_embed|argmax_next|sample_)'
   timeout 300 "$ncu" --clock-control none --csv --page raw --metrics "$metrics" -k "$batch_kernels" \
     --launch-count 1500 "${bench[@]}" > "$out/ncu-batch.csv" 2> /tmp/ncu-batch.err || tail -3 /tmp/ncu-batch.err
   python3 scripts/ncu_summary.py "$out/ncu-batch.csv" | tee "$out/ncu-batch.txt"
   if [ "${LILY_NCU_FULL:-0}" = 1 ]; then
-    timeout 200 "$ncu" --clock-control none --set full --csv --page raw -k 'regex:^(moe_tcb|pf_gemm_skinny|gemv_tcb|stage_tcb)' \
+    timeout 200 "$ncu" --clock-control none --set full --csv --page raw -k 'regex:^(moe_tcb|moe_route_batch|gemv_tcb|stage_tcb)' \
       --launch-count 12 "${bench[@]}" > "$out/ncu-batch-full.csv" 2> /tmp/ncu-full.err || tail -3 /tmp/ncu-full.err
     python3 scripts/ncu_summary.py "$out/ncu-batch-full.csv" --stalls | tee "$out/ncu-batch-stalls.txt"
   fi
