@@ -604,6 +604,10 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
         fn name(&self) -> &'static str {
             "budgeted"
         }
+        fn sequence_memory(&self) -> Option<lily::backend::SequenceMemoryReport> {
+            let used = *self.used.lock().unwrap() as u64;
+            Some(lily::backend::SequenceMemoryReport { budget_bytes: BUDGET as u64, in_use_bytes: used, reserved_bytes: 0, cached_bytes: 0, page_bytes: 1 })
+        }
         fn config(&self) -> &lily::checkpoint::ModelConfig {
             &self.cfg
         }
@@ -640,6 +644,10 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
     assert!(v["error"]["message"].as_str().unwrap().contains("not enough GPU memory"), "{v}");
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
     assert_eq!(st, 200, "{v}");
+    let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lily_sequence_memory_budget_bytes 100"), "{metrics}");
+    let held = *used.lock().unwrap();
+    assert!(metrics.contains(&format!("lily_sequence_memory_used_bytes {held}")), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
