@@ -469,6 +469,24 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
 }
 
+// Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan
+// by shuffles, then the earlier warps' totals from `wa` / `wb` (one entry per warp, shared). Ends
+// with the block synchronised.
+__device__ __forceinline__ void block_excl_scan2(int a, int b, int* wa, int* wb, int& ea, int& eb) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int ia = a, ib = b;  // inclusive over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, ia, o), y = __shfl_up_sync(0xffffffffu, ib, o);
+        if (lane >= o) { ia += x; ib += y; }
+    }
+    if (lane == 31) { wa[warp] = ia; wb[warp] = ib; }
+    __syncthreads();
+    ea = ia - a;
+    eb = ib - b;
+    for (int w = 0; w < warp; ++w) { ea += wa[w]; eb += wb[w]; }
+}
+
 // The routing of a batched decode step in one launch: the f32 router logits (rows 0..E-1) and
 // the shared-expert gate logit (row E) of the n staged-normalised tokens u, then, in the last
 // block to finish, what pf_route + pf_scan + pf_scatter produce: top-k ids and weights per token
@@ -608,17 +626,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
             c[q] = e < E ? cnt[e] : e < EA ? n : 0;
             tl[q] = (c[q] + TCB_TOK - 1) / TCB_TOK;
         }
-        const int sc = c[0] + c[1], st = tl[0] + tl[1];
-        int ic = sc, it = st;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int a = __shfl_up_sync(0xffffffffu, ic, o), b = __shfl_up_sync(0xffffffffu, it, o);
-            if (lane >= o) { ic += a; it += b; }
-        }
-        if (lane == 31) { wc[warp] = ic; wt[warp] = it; }
-        __syncthreads();
-        int oc = ic - sc, ot = it - st;
-        for (int w = 0; w < warp; ++w) { oc += wc[w]; ot += wt[w]; }
+        int oc, ot;
+        block_excl_scan2(c[0] + c[1], tl[0] + tl[1], wc, wt, oc, ot);
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int e = 2 * tid + q;
@@ -680,28 +689,20 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
                                    int* __restrict__ fill, int* __restrict__ tiles) {
     __shared__ int wc[16], wt[16];
-    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    const int e = threadIdx.x;
     const int c = e < E ? counts[e] : 0;
     const int nt = tiles ? (c + TC_BN - 1) / TC_BN : 0;
-    int ic = c, it = nt;  // inclusive scans over the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int a = __shfl_up_sync(0xffffffffu, ic, o), b = __shfl_up_sync(0xffffffffu, it, o);
-        if (lane >= o) { ic += a; it += b; }
-    }
-    if (lane == 31) { wc[warp] = ic; wt[warp] = it; }
-    __syncthreads();
-    int bc = 0, bt = 0;
-    for (int w = 0; w < warp; ++w) { bc += wc[w]; bt += wt[w]; }
+    int oc, ot;
+    block_excl_scan2(c, nt, wc, wt, oc, ot);
     if (e < E) {
-        offsets[e] = bc + ic - c;
+        offsets[e] = oc;
         fill[e] = 0;
-        for (int k = 0, t = bt + it - nt; k < nt; ++k, ++t) {
+        for (int k = 0, t = ot; k < nt; ++k, ++t) {
             tiles[1 + 2 * t] = e;
             tiles[2 + 2 * t] = k * TC_BN;
         }
     }
-    if (tiles && e == (int)blockDim.x - 1) tiles[0] = bt + it;
+    if (tiles && e == (int)blockDim.x - 1) tiles[0] = ot + nt;
 }
 
 // Per-expert slot lists (order inside an expert is arbitrary; every slot's result is computed

@@ -487,6 +487,20 @@ async fn a_panicking_request_does_not_stop_the_server() {
     assert_eq!(st, 200, "{v}");
 }
 
+/// A test backend's forward: feeds `tokens` and answers logits that always pick token 7.
+fn always_seven(vocab: usize, seq: &mut lily::backend::Sequence, tokens: &[u32], w: lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> {
+    use lily::backend::LogitsWanted;
+    seq.check_room(tokens.len())?;
+    seq.advance(tokens.len());
+    let mut row = vec![0.0f32; vocab];
+    row[7] = 10.0;
+    Ok(match w {
+        LogitsWanted::None => vec![],
+        LogitsWanted::Last => row,
+        LogitsWanted::All => row.repeat(tokens.len()),
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
     // The prefix cache copies the sequence after the prompt (a device allocation on the GPU).
@@ -522,15 +536,7 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
             Ok(Sequence::new(max_seq, Box::new(NoCopy)))
         }
         fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
-            seq.check_room(tokens.len())?;
-            seq.advance(tokens.len());
-            let mut row = vec![0.0f32; self.cfg.vocab_size];
-            row[7] = 10.0;
-            Ok(match w {
-                LogitsWanted::None => vec![],
-                LogitsWanted::Last => row,
-                LogitsWanted::All => row.repeat(tokens.len()),
-            })
+            always_seven(self.cfg.vocab_size, seq, tokens, w)
         }
     }
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
@@ -615,15 +621,7 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
             Ok(Sequence::new(max_seq, Box::new(Held::take(&self.used, 10)?)))
         }
         fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
-            seq.check_room(tokens.len())?;
-            seq.advance(tokens.len());
-            let mut row = vec![0.0f32; self.cfg.vocab_size];
-            row[7] = 10.0;
-            Ok(match w {
-                LogitsWanted::None => vec![],
-                LogitsWanted::Last => row,
-                LogitsWanted::All => row.repeat(tokens.len()),
-            })
+            always_seven(self.cfg.vocab_size, seq, tokens, w)
         }
     }
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
