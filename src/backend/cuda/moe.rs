@@ -338,6 +338,7 @@ pub struct SharedExpert<'a> {
 /// `moe_tcb` (batched decode): per slot of the lists, `y[slot] = W_e · x[slot / xdiv]`, or with
 /// `up` `y[slot] = silu(W_e · x) * (Up_e · x)`, x staged in `st`; the shared expert's slots with
 /// its own matrices (4-bit, group 64).
+#[allow(clippy::too_many_arguments)]
 pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
     let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
