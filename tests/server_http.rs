@@ -279,6 +279,25 @@ async fn full_queue_answers_429_with_retry_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_plain_request_counts_as_499() {
+    // A non-streamed request whose client gives up: its handler goes with the connection, so the
+    // worker, which notices, counts it.
+    let s = lily::server::spawn(args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let r = client().post(&url).timeout(Duration::from_millis(300)).json(&json!({"prompt": "a long story", "max_tokens": 900, "temperature": 0})).send().await;
+    assert!(r.is_err(), "the client gave up");
+    let t0 = Instant::now();
+    loop {
+        let m = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+        if m.contains("lily_requests_total{endpoint=\"completions\",status=\"499\"} 1") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no 499 counted:\n{m}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_cancels_generation() {
     let s = lily::server::spawn(args()).unwrap();
     let url = format!("{}/v1/completions", s.url());

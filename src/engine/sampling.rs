@@ -34,6 +34,56 @@ impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
     }
+    /// What an OpenAI-style request that sets nothing gets: temperature 1 over the whole
+    /// vocabulary.
+    pub fn openai() -> Self {
+        SamplingParams { temperature: 1.0, ..Self::default() }
+    }
+    /// Defaults from a checkpoint's `generation_config.json` (as vLLM takes them): its
+    /// temperature, top_p, top_k, min_p and repetition_penalty over [`SamplingParams::openai`];
+    /// `do_sample` is not consulted. A value of the wrong type or out of range is an error naming
+    /// the key.
+    pub fn from_generation_config(cfg: &serde_json::Value) -> Result<Self, String> {
+        let mut p = Self::openai();
+        let num = |k: &str| -> Result<Option<f64>, String> {
+            match cfg.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => v.as_f64().map(Some).ok_or_else(|| format!("generation_config.json: '{k}' must be a number, got {v}")),
+            }
+        };
+        if let Some(t) = num("temperature")? {
+            p.temperature = t as f32;
+        }
+        if let Some(x) = num("top_p")? {
+            p.top_p = x as f32;
+        }
+        if let Some(k) = num("top_k")? {
+            if k < 0.0 || k.fract() != 0.0 {
+                return Err(format!("generation_config.json: 'top_k' must be a non-negative integer, got {k}"));
+            }
+            p.top_k = k as usize;
+        }
+        if let Some(x) = num("min_p")? {
+            p.min_p = x as f32;
+        }
+        if let Some(x) = num("repetition_penalty")? {
+            p.repetition_penalty = x as f32;
+        }
+        p.validate().map_err(|e| format!("generation_config.json: {e}"))?;
+        Ok(p)
+    }
+    /// [`SamplingParams::from_generation_config`] of `dir/generation_config.json`; `None` when
+    /// the checkpoint has none.
+    pub fn from_checkpoint_dir(dir: &std::path::Path) -> Result<Option<Self>, String> {
+        let path = dir.join("generation_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::from_generation_config(&v).map(Some)
+    }
     /// Some penalty changes the logits of tokens already generated.
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
@@ -317,5 +367,22 @@ mod tests {
     fn validate_names_the_field() {
         assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().contains("top_p"));
         assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().contains("temperature"));
+    }
+
+    #[test]
+    fn generation_config_values_become_the_defaults() {
+        let p = SamplingParams::from_generation_config(&serde_json::json!({"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.57.0"})).unwrap();
+        assert_eq!((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty), (0.6, 20, 0.95, 0.0, 1.0));
+        // Keys it does not set keep OpenAI's defaults.
+        assert_eq!(SamplingParams::from_generation_config(&serde_json::json!({"eos_token_id": 1})).unwrap(), SamplingParams::openai());
+        for bad in [serde_json::json!({"top_k": 2.5}), serde_json::json!({"temperature": "hot"}), serde_json::json!({"top_p": 0})] {
+            assert!(SamplingParams::from_generation_config(&bad).is_err(), "{bad}");
+        }
+        let dir = std::env::temp_dir().join(format!("lily-gencfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(SamplingParams::from_checkpoint_dir(&dir).unwrap(), None);
+        std::fs::write(dir.join("generation_config.json"), "{not json").unwrap();
+        assert!(SamplingParams::from_checkpoint_dir(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -30,6 +30,7 @@ pub mod worker;
 use crate::backend::cuda::CudaOptions;
 use crate::backend::{open_backend_with, Backend, BackendKind, KvCache};
 use crate::checkpoint::Checkpoint;
+use crate::engine::sampling::SamplingParams;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use anyhow::{bail, Context, Result};
 use axum::extract::DefaultBodyLimit;
@@ -70,6 +71,11 @@ pub struct ServeArgs {
     /// slots draw on what is left of it; default LILY_GPU_MEMORY_FRACTION or 0.9).
     #[arg(long, value_parser = crate::backend::cuda::options::parse_memory_fraction)]
     pub gpu_memory_fraction: Option<f64>,
+    /// What a request's unset sampling fields (temperature, top_p, top_k, min_p,
+    /// repetition_penalty) default to: the checkpoint's generation_config.json (`model`, as vLLM
+    /// does) or OpenAI's temperature 1 over the whole vocabulary (`openai`).
+    #[arg(long, value_enum, default_value = "model")]
+    pub sampling_defaults: SamplingDefaults,
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from LILY_API_KEY).
     #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -114,6 +120,7 @@ impl ServeArgs {
             backend: BackendKind::Cpu,
             kv_cache: None,
             gpu_memory_fraction: None,
+            sampling_defaults: SamplingDefaults::Model,
             api_key: None,
             tui: false,
             max_queue: 256,
@@ -189,6 +196,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     let metrics = Arc::new(Metrics::new());
     let (tx, rx) = mpsc::channel(args.max_queue);
     let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20) });
+    let sampling_defaults = sampling_defaults(args.sampling_defaults, &dir);
     let mut default_kwargs = Map::new();
     if let Some(t) = args.enable_thinking {
         default_kwargs.insert("enable_thinking".into(), Value::Bool(t));
@@ -208,8 +216,40 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         created: routes::now_secs(),
         counter: AtomicU64::new(0),
         tokenize_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16)),
+        sampling_defaults,
     });
     Ok(Loaded { state, worker, rx, backend_name })
+}
+
+/// Where a request's unset sampling fields come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SamplingDefaults {
+    /// The checkpoint's generation_config.json (OpenAI's when it has none).
+    Model,
+    /// Temperature 1 over the whole vocabulary.
+    Openai,
+}
+
+/// The sampling defaults the server applies, said once at start-up; a generation_config.json
+/// that cannot be used is a warning (it is optional metadata), and OpenAI's defaults apply.
+fn sampling_defaults(choice: SamplingDefaults, dir: &std::path::Path) -> SamplingParams {
+    let openai = SamplingParams::openai();
+    let chosen = match choice {
+        SamplingDefaults::Openai => None,
+        SamplingDefaults::Model => match SamplingParams::from_checkpoint_dir(dir) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("lily: warning: {e}; requests that set no sampling fields get OpenAI's defaults");
+                None
+            }
+        },
+    };
+    let p = chosen.unwrap_or(openai);
+    eprintln!(
+        "lily: unset sampling fields default to temperature {}, top_p {}, top_k {}, min_p {}, repetition_penalty {}",
+        p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty
+    );
+    p
 }
 
 fn app(args: &ServeArgs, state: Arc<AppState>) -> axum::Router {
@@ -351,4 +391,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
         t.stop();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_defaults_come_from_generation_config_unless_asked_otherwise() {
+        let dir = std::env::temp_dir().join(format!("lily-serve-gencfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // No file, or a file that cannot be used: OpenAI's defaults.
+        assert_eq!(sampling_defaults(SamplingDefaults::Model, &dir), SamplingParams::openai());
+        std::fs::write(dir.join("generation_config.json"), r#"{"temperature": "warm"}"#).unwrap();
+        assert_eq!(sampling_defaults(SamplingDefaults::Model, &dir), SamplingParams::openai());
+        std::fs::write(dir.join("generation_config.json"), r#"{"do_sample": true, "temperature": 0.7, "top_k": 20, "top_p": 0.8}"#).unwrap();
+        let p = sampling_defaults(SamplingDefaults::Model, &dir);
+        assert_eq!((p.temperature, p.top_k, p.top_p), (0.7, 20, 0.8));
+        assert_eq!(sampling_defaults(SamplingDefaults::Openai, &dir), SamplingParams::openai());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -133,9 +133,9 @@ fn get_str<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<Option<&'a str
     }
 }
 
-/// Parses a request body (bytes as received).
-pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
-    parse_value(endpoint, &json_body(body)?)
+/// Parses a request body (bytes as received); sampling fields it leaves unset take `defaults`.
+pub fn parse(endpoint: Endpoint, body: &[u8], defaults: &SamplingParams) -> Result<ParsedRequest, ApiError> {
+    parse_value(endpoint, &json_body(body)?, defaults)
 }
 
 /// A request body as JSON (UTF-8, not empty, valid JSON).
@@ -147,7 +147,7 @@ pub fn json_body(body: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_str(text).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))
 }
 
-pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, ApiError> {
+pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams) -> Result<ParsedRequest, ApiError> {
     let obj = value.as_object().ok_or_else(|| ApiError::invalid(format!("request body must be a JSON object, got {}", type_name(value))))?;
 
     let model = get_str(obj, "model")?.map(str::to_string);
@@ -183,15 +183,23 @@ pub fn parse_value(endpoint: Endpoint, value: &Value) -> Result<ParsedRequest, A
         None => None,
     };
 
-    // Sampling.
-    // OpenAI's default temperature is 1; unset means sampling, as clients expect.
-    let mut sampling = SamplingParams { temperature: get_f32(obj, "temperature")?.unwrap_or(1.0), ..SamplingParams::default() };
+    // Sampling: what the request leaves unset comes from the server's defaults (the checkpoint's
+    // generation_config.json, or OpenAI's temperature 1 over the whole vocabulary).
+    let mut sampling = SamplingParams { seed: None, ..defaults.clone() };
+    if let Some(t) = get_f32(obj, "temperature")? {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(ApiError::param("temperature", format!("'temperature' must be between 0 and 2, got {t}")));
+        }
+        sampling.temperature = t;
+    }
     if let Some(x) = get_f32(obj, "top_p")? {
         sampling.top_p = x;
     }
     if let Some(k) = field(obj, "top_k") {
-        // -1 is the vLLM spelling of "off".
-        match k.as_i64() {
+        // -1 is the vLLM spelling of "off"; integral floats (2.0) count as integers, as for
+        // max_tokens.
+        let whole = k.as_i64().or_else(|| k.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64));
+        match whole {
             Some(-1) | Some(0) => sampling.top_k = 0,
             Some(k) if k > 0 => sampling.top_k = k as usize,
             _ => return Err(ApiError::param("top_k", format!("'top_k' must be a positive integer, 0 or -1 (off), got {k}"))),
@@ -509,7 +517,7 @@ mod tests {
     use serde_json::json;
 
     fn chat(v: Value) -> Result<ParsedRequest, ApiError> {
-        parse_value(Endpoint::Chat, &v)
+        parse_value(Endpoint::Chat, &v, &SamplingParams::openai())
     }
 
     #[test]
@@ -557,9 +565,25 @@ mod tests {
         assert_eq!(with("messages", json!([{"role": "assistant", "content": "x"}])).param.as_deref(), Some("messages"));
         assert_eq!(with("messages", json!([{"role": "wizard", "content": "x"}])).param.as_deref(), Some("messages[0].role"));
         assert_eq!(with("messages", json!([{"role": "user", "content": [{"type": "image_url"}]}])).param.as_deref(), Some("messages[0].content"));
-        assert!(parse(Endpoint::Chat, b"{not json").unwrap_err().message.contains("JSON"));
-        assert!(parse(Endpoint::Chat, &[0xff, 0xfe]).unwrap_err().message.contains("UTF-8"));
-        assert!(parse(Endpoint::Chat, b"[1]").unwrap_err().message.contains("object"));
+        assert_eq!(with("temperature", json!(2.5)).param.as_deref(), Some("temperature"));
+        assert_eq!(with("top_k", json!(2.5)).param.as_deref(), Some("top_k"));
+        let oa = SamplingParams::openai();
+        assert!(parse(Endpoint::Chat, b"{not json", &oa).unwrap_err().message.contains("JSON"));
+        assert!(parse(Endpoint::Chat, &[0xff, 0xfe], &oa).unwrap_err().message.contains("UTF-8"));
+        assert!(parse(Endpoint::Chat, b"[1]", &oa).unwrap_err().message.contains("object"));
+    }
+
+    #[test]
+    fn unset_sampling_fields_take_the_server_defaults() {
+        let model = SamplingParams { temperature: 0.6, top_p: 0.95, top_k: 20, ..SamplingParams::openai() };
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let p = |v: Value| parse_value(Endpoint::Chat, &v, &model).unwrap().sampling;
+        assert_eq!(p(json!({"messages": msgs})), model);
+        // Whatever the request sets wins, field by field.
+        let s = p(json!({"messages": msgs, "temperature": 0.2, "top_k": 2.0, "seed": 5}));
+        assert_eq!((s.temperature, s.top_k, s.top_p, s.seed), (0.2, 2, 0.95, Some(5)));
+        assert_eq!(p(json!({"messages": msgs, "top_k": -1, "top_p": 1})).top_k, 0);
+        assert_eq!(p(json!({"messages": msgs, "temperature": 0})).temperature, 0.0);
     }
 
     #[test]
@@ -583,7 +607,7 @@ mod tests {
 
     #[test]
     fn completions_prompts() {
-        let p = |v: Value| parse_value(Endpoint::Completion, &v);
+        let p = |v: Value| parse_value(Endpoint::Completion, &v, &SamplingParams::openai());
         assert_eq!(p(json!({"prompt": "abc", "logprobs": 2})).unwrap().top_logprobs, 2);
         assert_eq!(p(json!({"prompt": [1, 2, 3]})).unwrap().prompt, PromptInput::Tokens(vec![1, 2, 3]));
         assert_eq!(p(json!({"prompt": [[4, 5]]})).unwrap().prompt, PromptInput::Tokens(vec![4, 5]));

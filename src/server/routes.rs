@@ -43,6 +43,8 @@ pub struct AppState {
     pub counter: AtomicU64,
     /// Requests rendered and tokenized at once (CPU threads).
     pub tokenize_permits: tokio::sync::Semaphore,
+    /// What a request's unset sampling fields take (`--sampling-defaults`).
+    pub sampling_defaults: crate::engine::sampling::SamplingParams,
 }
 
 pub fn now_secs() -> u64 {
@@ -87,7 +89,7 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     next.run(req).await
 }
 
-fn endpoint_label(path: &str) -> &'static str {
+pub(super) fn endpoint_label(path: &str) -> &'static str {
     match path {
         "/v1/chat/completions" => "chat_completions",
         "/v1/completions" => "completions",
@@ -200,7 +202,7 @@ fn fits_before_tokenizing(st: &AppState, text: &str, param: &str) -> Result<(), 
 
 async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let body = body.map_err(body_error)?;
-    let req = request::parse(ep, &body)?;
+    let req = request::parse(ep, &body, &st.sampling_defaults)?;
     let st2 = st.clone();
     let req2 = req.clone();
     // Rendering and tokenizing run a few at a time: many large prompts at once would each hold

@@ -44,7 +44,7 @@ fn tokenize_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<V
         (false, true) => Endpoint::Completion,
         _ => return Err(ApiError::invalid("give exactly one of 'prompt' (text or token ids) and 'messages'")),
     };
-    let req = request::parse_value(endpoint, &value)?;
+    let req = request::parse_value(endpoint, &value, &st.sampling_defaults)?;
     if let PromptInput::Tokens(_) = req.prompt {
         return Err(ApiError::param("prompt", "'prompt' must be text here (token ids are already tokens)"));
     }

@@ -116,10 +116,19 @@ impl Worker {
         }
     }
 
+    /// A client that left before its answer: 499 in `lily_requests_total` for a non-streamed
+    /// request (its handler went with the connection; a stream was counted 200 when it began).
+    fn count_gone(&self, job: &Job) {
+        self.metrics.cancelled.fetch_add(1, Relaxed);
+        if !job.req.stream {
+            self.metrics.count_request(super::routes::endpoint_label(job.path), 499);
+        }
+    }
+
     fn serve_one(&mut self, job: Job) {
         let path = job.path;
         if job.events.is_closed() {
-            self.metrics.cancelled.fetch_add(1, Relaxed);
+            self.count_gone(&job);
             self.metrics.record(RequestRecord { method: "POST", path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()) });
             return;
         }
@@ -152,7 +161,7 @@ impl Worker {
                 self.metrics.record(rec(200, &usage, secs, finish, None));
             }
             Ok(Ok(JobEnd::ClientGone { usage, secs })) => {
-                self.metrics.cancelled.fetch_add(1, Relaxed);
+                self.count_gone(&job);
                 self.metrics.record(rec(499, &usage, secs, "cancelled", Some("client disconnected".into())));
             }
             Ok(Err(e)) if is_memory_full(&e) => {
