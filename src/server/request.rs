@@ -144,7 +144,48 @@ pub fn json_body(body: &[u8]) -> Result<Value, ApiError> {
     if text.trim().is_empty() {
         return Err(ApiError::invalid("request body is empty; expected a JSON object"));
     }
-    serde_json::from_str(text).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))
+    match serde_json::from_str(text) {
+        Ok(v) => Ok(v),
+        // JSON's grammar allows escapes of unpaired surrogates (`"\ud800"`, what a client sends
+        // for a string cut inside an emoji; Python's json and OpenAI take them); serde_json
+        // rejects them, so they become U+FFFD and the body is read again.
+        Err(e) => match replace_lone_surrogates(text) {
+            Some(fixed) => serde_json::from_str(&fixed).map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}"))),
+            None => Err(ApiError::invalid(format!("request body is not valid JSON: {e}"))),
+        },
+    }
+}
+
+/// `text` with every `\u` escape of an unpaired UTF-16 surrogate replaced by `\ufffd`; `None`
+/// when there is none. Backslashes only occur in JSON strings, so escapes are found without
+/// tracking strings; `\\` is consumed whole, so `\\ud800` (a backslash, then text) is left.
+fn replace_lone_surrogates(text: &str) -> Option<String> {
+    let unit = |s: &str, i: usize| -> Option<u32> {
+        let hex = s.get(i + 2..i + 6)?;
+        (s.as_bytes()[i] == b'\\' && s.as_bytes()[i + 1] == b'u').then(|| u32::from_str_radix(hex, 16).ok()).flatten()
+    };
+    let (b, mut out, mut i, mut changed) = (text.as_bytes(), String::with_capacity(text.len()), 0, false);
+    let mut copied = 0;
+    while i < b.len() {
+        if b[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        match unit(text, i) {
+            Some(0xd800..=0xdbff) if matches!(unit(text, i + 6), Some(0xdc00..=0xdfff)) => i += 12,
+            Some(0xd800..=0xdfff) => {
+                out.push_str(&text[copied..i]);
+                out.push_str("\\ufffd");
+                i += 6;
+                copied = i;
+                changed = true;
+            }
+            Some(_) => i += 6,
+            None => i += 2,
+        }
+    }
+    out.push_str(&text[copied..]);
+    changed.then_some(out)
 }
 
 pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams) -> Result<ParsedRequest, ApiError> {
@@ -571,6 +612,19 @@ mod tests {
         assert!(parse(Endpoint::Chat, b"{not json", &oa).unwrap_err().message.contains("JSON"));
         assert!(parse(Endpoint::Chat, &[0xff, 0xfe], &oa).unwrap_err().message.contains("UTF-8"));
         assert!(parse(Endpoint::Chat, b"[1]", &oa).unwrap_err().message.contains("object"));
+    }
+
+    #[test]
+    fn unpaired_surrogate_escapes_become_replacement_characters() {
+        let v = json_body(br#"{"a": "x\ud800y", "b": "\udc00", "c": "\ud83d\ude00", "d": "\\ud800", "e": "\ud800\ud800"}"#).unwrap();
+        assert_eq!(v["a"], "x\u{fffd}y");
+        assert_eq!(v["b"], "\u{fffd}");
+        assert_eq!(v["c"], "\u{1f600}", "a proper pair stays");
+        assert_eq!(v["d"], "\\ud800", "an escaped backslash is not an escape");
+        assert_eq!(v["e"], "\u{fffd}\u{fffd}");
+        assert!(json_body(br#"{"a": "\ud800"#).is_err(), "still invalid JSON");
+        let r = chat(json!({"messages": [{"role": "user", "content": "cut \u{fffd}"}]})).unwrap();
+        assert!(matches!(r.prompt, PromptInput::Chat { .. }));
     }
 
     #[test]
