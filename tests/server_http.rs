@@ -188,7 +188,7 @@ async fn bad_requests_get_4xx_with_error_objects() {
     }
     let cases = [
         (json!({"messages": []}), "messages"),
-        (json!({"messages": [{"role": "assistant", "content": "hi"}]}), "messages"),
+        (json!({"messages": [{"role": "system", "content": "hi"}]}), "messages"),
         (json!({"messages": user("x"), "n": 2}), "n"),
         (json!({"messages": user("x"), "temperature": 7000}), "temperature"),
         (json!({"messages": user("x"), "top_p": 1.5}), "top_p"),
@@ -781,4 +781,31 @@ async fn prompts_that_cannot_fit_are_refused_before_tokenizing() {
         assert!(msg.contains("has at least") && msg.contains("bytes)"), "{path}: the bound, not the tokenizer, refused it: {msg}");
         assert!(secs < 3.0, "{path}: refused after {secs:.1} s");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_assistant_message_is_continued_not_answered() {
+    // Assistant prefill: the prompt ends with the assistant's text itself (no end of turn, no new
+    // assistant turn), and the reply continues it.
+    let s = tiny_server();
+    let url = |p: &str| format!("{}/{p}", s.url());
+    let msgs = json!([{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]);
+    let rendered = |t: Value| async move {
+        let (st, d) = post(&url("detokenize"), json!({"tokens": t["tokens"]})).await;
+        assert_eq!(st, 200, "{d}");
+        d["prompt"].as_str().unwrap().to_string()
+    };
+    let (st, t) = post(&url("tokenize"), json!({"messages": msgs})).await;
+    assert_eq!(st, 200, "{t}");
+    let text = rendered(t.clone()).await;
+    assert!(text.ends_with("<|im_start|>assistant\nOne, two,") || text.ends_with("</think>\n\nOne, two,"), "{text:?}");
+    let (st, v) = post(&url("v1/chat/completions"), json!({"messages": msgs, "max_tokens": 3, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], t["count"], "{v}");
+    // Asked for a new turn instead, the prompt ends with the generation prompt.
+    let (_, fresh) = post(&url("tokenize"), json!({"messages": msgs, "continue_final_message": false})).await;
+    let text = rendered(fresh).await;
+    assert!(text.contains("One, two,<|im_end|>\n<|im_start|>assistant\n"), "{text:?}");
+    let (st, e) = post(&url("v1/chat/completions"), json!({"messages": user("hi"), "continue_final_message": true})).await;
+    assert_eq!(st, 400, "{e}");
 }

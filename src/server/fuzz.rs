@@ -17,7 +17,7 @@ fn template() -> Option<&'static ChatTemplate> {
 pub fn request_and_template(data: &[u8]) {
     for ep in [Endpoint::Chat, Endpoint::Completion] {
         if let Ok(req) = request::parse(ep, data, &crate::engine::sampling::SamplingParams::openai()) {
-            if let PromptInput::Chat { messages, tools, kwargs } = &req.prompt {
+            if let PromptInput::Chat { messages, tools, kwargs, .. } = &req.prompt {
                 if let Some(t) = template() {
                     let _ = t.render(messages, tools.as_ref(), true, kwargs);
                 }

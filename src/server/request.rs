@@ -19,8 +19,9 @@ pub enum Endpoint {
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {
     /// Normalized chat messages (content flattened to strings, tool-call arguments as maps),
-    /// ready for the chat template.
-    Chat { messages: Value, tools: Option<Value>, kwargs: Map<String, Value> },
+    /// ready for the chat template. `continue_final`: the last message is the assistant's and the
+    /// reply continues it (assistant prefill) instead of opening a new turn.
+    Chat { messages: Value, tools: Option<Value>, kwargs: Map<String, Value>, continue_final: bool },
     /// `/v1/completions` text.
     Text(String),
     /// `/v1/completions` token ids.
@@ -409,7 +410,23 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
                 };
                 kwargs.entry("enable_thinking").or_insert(Value::Bool(on));
             }
-            PromptInput::Chat { messages, tools, kwargs }
+            // Assistant prefill: a final assistant message is continued (vLLM's
+            // continue_final_message, on by default when the conversation ends with one).
+            // A final message of tool calls is history, not text to continue.
+            let last = messages.as_array().and_then(|m| m.last());
+            let last_is_assistant = last.and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant");
+            let continuable = last_is_assistant && last.is_some_and(|m| m.get("tool_calls").is_none());
+            let continue_final = match field(obj, "continue_final_message") {
+                None => continuable,
+                Some(Value::Bool(true)) if continuable => true,
+                Some(Value::Bool(true)) => return Err(ApiError::param("continue_final_message", "'continue_final_message' needs the last message to be the assistant's text (without tool calls)")),
+                Some(Value::Bool(false)) => false,
+                Some(v) => return Err(ApiError::param("continue_final_message", format!("'continue_final_message' must be a boolean, got {}", type_name(v)))),
+            };
+            if continue_final && field(obj, "add_generation_prompt") == Some(&Value::Bool(true)) {
+                return Err(ApiError::param("add_generation_prompt", "'add_generation_prompt' and 'continue_final_message' cannot both be true"));
+            }
+            PromptInput::Chat { messages, tools, kwargs, continue_final }
         }
         Endpoint::Completion => match field(obj, "prompt") {
             None => return Err(ApiError::param("prompt", "'prompt' is required")),
@@ -546,8 +563,8 @@ pub fn normalize_messages(messages: Option<&Value>) -> Result<Value, ApiError> {
         out.push(Value::Object(nm));
     }
     let last_role = out.last().and_then(|m| m.get("role")).and_then(Value::as_str).unwrap_or("");
-    if !matches!(last_role, "user" | "tool") {
-        return Err(ApiError::param("messages", format!("the last message must be from the user or a tool (there is nothing to answer after a {last_role} message)")));
+    if !matches!(last_role, "user" | "tool" | "assistant") {
+        return Err(ApiError::param("messages", format!("the last message must be from the user, a tool, or the assistant (continued), not {last_role}")));
     }
     Ok(Value::Array(out))
 }
@@ -603,7 +620,7 @@ mod tests {
         assert_eq!(with("stop", json!(5)).param.as_deref(), Some("stop"));
         assert_eq!(with("response_format", json!({"type": "json_object"})).param.as_deref(), Some("response_format"));
         assert_eq!(with("messages", json!([])).param.as_deref(), Some("messages"));
-        assert_eq!(with("messages", json!([{"role": "assistant", "content": "x"}])).param.as_deref(), Some("messages"));
+        assert_eq!(with("messages", json!([{"role": "system", "content": "x"}])).param.as_deref(), Some("messages"));
         assert_eq!(with("messages", json!([{"role": "wizard", "content": "x"}])).param.as_deref(), Some("messages[0].role"));
         assert_eq!(with("messages", json!([{"role": "user", "content": [{"type": "image_url"}]}])).param.as_deref(), Some("messages[0].content"));
         assert_eq!(with("temperature", json!(2.5)).param.as_deref(), Some("temperature"));
@@ -612,6 +629,22 @@ mod tests {
         assert!(parse(Endpoint::Chat, b"{not json", &oa).unwrap_err().message.contains("JSON"));
         assert!(parse(Endpoint::Chat, &[0xff, 0xfe], &oa).unwrap_err().message.contains("UTF-8"));
         assert!(parse(Endpoint::Chat, b"[1]", &oa).unwrap_err().message.contains("object"));
+    }
+
+    #[test]
+    fn a_final_assistant_message_is_continued() {
+        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]);
+        let cont = |v: Value| match chat(v).map(|r| r.prompt) {
+            Ok(PromptInput::Chat { continue_final, .. }) => Ok(continue_final),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e.param),
+        };
+        assert_eq!(cont(json!({"messages": prefill})), Ok(true));
+        assert_eq!(cont(json!({"messages": prefill, "continue_final_message": false})), Ok(false));
+        assert_eq!(cont(json!({"messages": [{"role": "user", "content": "hi"}]})), Ok(false));
+        let user_last = json!([{"role": "user", "content": "hi"}]);
+        assert_eq!(cont(json!({"messages": user_last, "continue_final_message": true})), Err(Some("continue_final_message".into())));
+        assert_eq!(cont(json!({"messages": prefill, "add_generation_prompt": true})), Err(Some("add_generation_prompt".into())));
     }
 
     #[test]

@@ -164,11 +164,12 @@ pub(super) fn body_error(rej: BytesRejection) -> ApiError {
 /// assistant's generation prompt when `generation_prompt` (always, for generation).
 pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation_prompt: bool) -> Result<(Vec<u32>, String, bool), ApiError> {
     match &req.prompt {
-        PromptInput::Chat { messages, tools, kwargs } => {
+        PromptInput::Chat { messages, tools, kwargs, continue_final } => {
             let template = st.template.as_ref().ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
             let mut kw = st.default_kwargs.clone();
             kw.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
-            let text = template.render(messages, tools.as_ref(), generation_prompt, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")))?;
+            let render = |m: &Value, gen: bool| template.render(m, tools.as_ref(), gen, &kw).map_err(|e| ApiError::invalid(format!("cannot apply the chat template: {e:#}")));
+            let text = if *continue_final { continued(messages, |m| render(m, false))? } else { render(messages, generation_prompt)? };
             fits_before_tokenizing(st, &text, "messages")?;
             let ids = st.tokenizer.encode(&text).map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e:#}")))?;
             let opens = prompt_opens_thinking(&text);
@@ -187,6 +188,20 @@ pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation
             Ok((ids.clone(), text, false))
         }
     }
+}
+
+/// The prompt that continues the final (assistant) message: the conversation rendered with that
+/// message's content replaced by a marker, cut at the marker, then the content as sent. The
+/// template's own end of turn never follows, whatever it does around the content.
+fn continued(messages: &Value, render: impl Fn(&Value) -> Result<String, ApiError>) -> Result<String, ApiError> {
+    const MARK: &str = "\u{E000}lily-continue\u{E000}";
+    let mut marked = messages.clone();
+    let last = marked.as_array_mut().and_then(|m| m.last_mut()).ok_or_else(|| ApiError::param("messages", "no message to continue"))?;
+    let content = last.get("content").and_then(Value::as_str).unwrap_or_default().to_string();
+    last["content"] = Value::String(MARK.into());
+    let text = render(&marked)?;
+    let at = text.rfind(MARK).ok_or_else(|| ApiError::param("messages", "the chat template drops the final assistant message's content, so it cannot be continued"))?;
+    Ok(format!("{}{content}", &text[..at]))
 }
 
 /// Rejects a text whose fewest possible tokens already exceed the context, before the tokenizer
