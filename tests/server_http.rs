@@ -809,3 +809,41 @@ async fn a_final_assistant_message_is_continued_not_answered() {
     let (st, e) = post(&url("v1/chat/completions"), json!({"messages": user("hi"), "continue_final_message": true})).await;
     assert_eq!(st, 400, "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_with_logprobs_scores_the_prompt() {
+    // What evaluation harnesses send: the prompt echoed with every token's log-probability, and
+    // no completion. Each prompt position's distribution is the one generation would sample
+    // from there.
+    let s = tiny_server();
+    let url = format!("{}/v1/completions", s.url());
+    let ids = json!([785, 9625, 374, 6303, 13]);
+    let (st, v) = post(&url, json!({"prompt": ids, "echo": true, "max_tokens": 0, "logprobs": 3, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let lp = &c["logprobs"];
+    let (toks, lps, tops, offs) = (lp["tokens"].as_array().unwrap(), lp["token_logprobs"].as_array().unwrap(), lp["top_logprobs"].as_array().unwrap(), lp["text_offset"].as_array().unwrap());
+    assert_eq!(toks.len(), 5, "{v}");
+    assert!(lps[0].is_null() && tops[0].is_null(), "nothing comes before the first token");
+    assert!(lps[1..].iter().all(|x| x.as_f64().is_some_and(|l| l <= 0.0)), "{v}");
+    assert_eq!(offs[0], 0);
+    assert_eq!(toks.iter().map(|t| t.as_str().unwrap()).collect::<String>(), c["text"].as_str().unwrap());
+    // Position 4's alternatives are the first generated token's after the first four tokens.
+    let (st, g) = post(&url, json!({"prompt": [785, 9625, 374, 6303], "max_tokens": 1, "logprobs": 3, "temperature": 0})).await;
+    assert_eq!(st, 200, "{g}");
+    let (want, got) = (g["choices"][0]["logprobs"]["top_logprobs"][0].as_object().unwrap(), tops[4].as_object().unwrap());
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{want:?} vs {got:?}");
+    for (k, w) in want {
+        assert!((w.as_f64().unwrap() - got[k].as_f64().unwrap()).abs() < 1e-3, "{k}: {w} vs {}", got[k]);
+    }
+    // Streamed: the echo chunk carries the prompt's logprobs.
+    let evs = sse_events(client().post(&url).json(&json!({"prompt": ids, "echo": true, "max_tokens": 2, "logprobs": 1, "temperature": 0, "stream": true})).send().await.unwrap()).await;
+    let first: Value = serde_json::from_str(&evs[0]).unwrap();
+    assert_eq!(first["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len(), 5, "{first}");
+    assert!(first["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
+    // Without echo there is nothing to score.
+    let (st, _) = post(&url, json!({"prompt": ids, "max_tokens": 0})).await;
+    assert_eq!(st, 400);
+}

@@ -213,10 +213,13 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
         }
     }
 
-    // Lengths: max_completion_tokens wins over the legacy max_tokens.
+    // Lengths: max_completion_tokens wins over the legacy max_tokens. Completions with `echo`
+    // may ask for none (the prompt's logprobs alone, what evaluation harnesses send).
     let mct = get_uint(obj, "max_completion_tokens")?;
     let mt = get_uint(obj, "max_tokens")?;
+    let echo = endpoint == Endpoint::Completion && get_bool(obj, "echo")?.unwrap_or(false);
     let max_tokens = match mct.or(mt) {
+        Some(0) if echo => Some(0),
         Some(0) => {
             let p = if mct.is_some() { "max_completion_tokens" } else { "max_tokens" };
             return Err(ApiError::param(p, format!("'{p}' must be at least 1")));
@@ -333,7 +336,6 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
     }
 
     let prompt_cache_key = get_str(obj, "prompt_cache_key")?.map(str::to_string);
-    let echo = endpoint == Endpoint::Completion && get_bool(obj, "echo")?.unwrap_or(false);
 
     let mut tool_choice = ToolChoice::Auto;
     let mut tool_schemas = Map::new();

@@ -55,6 +55,18 @@ pub fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
 
 /// Completions-format logprobs: `{tokens, token_logprobs, top_logprobs, text_offset}`.
 /// `text_offset` counts characters (as OpenAI and vLLM do), from `offset0`.
+/// Completions logprobs of an echoed prompt's tokens (offsets from 0) followed by the generated
+/// tokens' (offsets after the prompt's `prompt_chars` characters).
+pub fn echoed_logprobs(prompt: &[TokenLogprob], generated: &[TokenLogprob], prompt_chars: usize) -> Value {
+    let (mut a, b) = (completion_logprobs(prompt, 0), completion_logprobs(generated, prompt_chars));
+    for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(x), Some(y)) = (a[k].as_array_mut(), b[k].as_array()) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    a
+}
+
 pub fn completion_logprobs(lps: &[TokenLogprob], offset0: usize) -> Value {
     let mut off = offset0;
     let mut offsets = Vec::new();
@@ -65,7 +77,9 @@ pub fn completion_logprobs(lps: &[TokenLogprob], offset0: usize) -> Value {
     json!({
         "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
         "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        // The first prompt token (NaN: nothing before it) has null for both.
         "top_logprobs": lps.iter().map(|l| {
+            if l.logprob.is_nan() { return Value::Null; }
             let mut m = Map::new();
             for (t, _, lp) in &l.top { m.insert(t.clone(), json!(lp)); }
             Value::Object(m)
@@ -171,6 +185,8 @@ pub struct Collected {
     /// (id, name, arguments)
     pub calls: Vec<(String, String, String)>,
     pub logprobs: Vec<TokenLogprob>,
+    /// The echoed prompt's entries (completions with echo and logprobs).
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 impl Collected {
@@ -218,7 +234,8 @@ impl Collected {
     #[allow(clippy::too_many_arguments)]
     pub fn completion_response(&self, id: &str, created: u64, model: &str, finish: &str, usage: &Usage, want_logprobs: bool, echo: Option<&str>) -> Value {
         let text = format!("{}{}", echo.unwrap_or(""), self.content);
-        let logprobs = if want_logprobs { completion_logprobs(&self.logprobs, echo.map(|e| e.chars().count()).unwrap_or(0)) } else { Value::Null };
+        let offset = echo.map(|e| e.chars().count()).unwrap_or(0);
+        let logprobs = if want_logprobs { echoed_logprobs(&self.prompt_logprobs, &self.logprobs, offset) } else { Value::Null };
         json!({
             "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": "lily",
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],

@@ -4,7 +4,7 @@ use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::reasoning::prompt_opens_thinking;
 use super::request::{self, Endpoint, ParsedRequest, PromptInput};
-use super::responses::{ChunkBuilder, Collected, ReasoningField};
+use super::responses::{completion_logprobs, ChunkBuilder, Collected, ReasoningField};
 use super::worker::{Event, Job};
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use axum::body::Bytes;
@@ -290,16 +290,23 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
         st.metrics.count_request(label, 200);
         let mut b = ChunkBuilder { id, created, model, chat, include_usage, reasoning: st.reasoning_field, text_offset: 0 };
         let mut first: Vec<Value> = Vec::new();
+        // The echoed prompt's chunk: at once, or with its logprobs once the worker has them.
+        let echo_chunk = |b: &ChunkBuilder, e: &str, lps: Value| json!({"id": b.id, "object": "text_completion", "created": b.created, "model": b.model, "choices": [{"index": 0, "text": e, "logprobs": lps, "finish_reason": null}]});
         if chat {
             first.push(b.role());
-        } else if let Some(e) = &echo {
-            first.push(json!({"id": b.id, "object": "text_completion", "created": created, "model": b.model, "choices": [{"index": 0, "text": e, "logprobs": null, "finish_reason": null}]}));
+        } else if let Some(e) = echo.as_deref().filter(|_| !want_logprobs) {
+            first.push(echo_chunk(&b, e, Value::Null));
             b.text_offset = e.chars().count();
         }
         let head = futures::stream::iter(first.into_iter().map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))));
         let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
             let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
             match ev {
+                Event::PromptLogprobs(lps) => {
+                    let e = echo.as_deref().unwrap_or("");
+                    out.push(Ok(SseEvent::default().data(echo_chunk(&b, e, completion_logprobs(&lps, 0)).to_string())));
+                    b.text_offset = e.chars().count();
+                }
                 Event::Delta { delta, logprobs } => {
                     if let Some(v) = b.delta(&delta, &logprobs, want_logprobs) {
                         out.push(Ok(SseEvent::default().data(v.to_string())));
@@ -324,6 +331,7 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
     let mut acc = Collected::default();
     while let Some(ev) = rx.recv().await {
         match ev {
+            Event::PromptLogprobs(lps) => acc.prompt_logprobs = lps,
             Event::Delta { delta, logprobs } => acc.add(delta, logprobs),
             Event::Done { finish_reason, usage } => {
                 let v = if chat {

@@ -24,6 +24,10 @@ use tokio::sync::mpsc;
 /// during long prefills too.
 pub const PREFILL_CHUNK: usize = 512;
 
+/// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
+/// of the 248K vocabulary are 32 MB.
+const PROMPT_LOGPROB_CHUNK: usize = 32;
+
 /// Log-probability of one generated token (with its top alternatives).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
@@ -43,6 +47,9 @@ pub struct Usage {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// Completions with `echo` and `logprobs`: every prompt token's entry (the first has no
+    /// logprob: NaN), before any generated token.
+    PromptLogprobs(Vec<TokenLogprob>),
     Delta { delta: Delta, logprobs: Vec<TokenLogprob> },
     Done { finish_reason: &'static str, usage: Usage },
     Error(ApiError),
@@ -200,14 +207,38 @@ impl Worker {
         }
     }
 
+    /// Feeds all but the last prompt token, `PROMPT_LOGPROB_CHUNK` at a time with every
+    /// position's logits, and returns each prompt token's entry: its log-probability after the
+    /// tokens before it, with `top` alternatives (the first token has none: NaN). `None` when the
+    /// client left meanwhile.
+    fn prompt_logprobs(&mut self, seq: &mut Sequence, prompt: &[u32], top: usize, job: &Job) -> anyhow::Result<Option<Vec<TokenLogprob>>> {
+        let (token, bytes) = token_text(&self.tokenizer, prompt[0]);
+        let mut out = vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }];
+        let head = &prompt[..prompt.len() - 1];
+        for (c, chunk) in head.chunks(PROMPT_LOGPROB_CHUNK).enumerate() {
+            if job.events.is_closed() {
+                return Ok(None);
+            }
+            let logits = self.backend.forward(seq, chunk, LogitsWanted::All)?;
+            let vocab = logits.len() / chunk.len();
+            for (j, row) in logits.chunks(vocab).enumerate() {
+                out.push(logprob_entry(&self.tokenizer, row, prompt[c * PROMPT_LOGPROB_CHUNK + j + 1], top));
+            }
+        }
+        Ok(Some(out))
+    }
+
     fn run_job(&mut self, job: &Job) -> anyhow::Result<JobEnd> {
         let t0 = Instant::now();
         let req = &job.req;
         let prompt = &job.prompt;
         self.metrics.cache_lookups.fetch_add(1, Relaxed);
+        // Prompt logprobs need every prompt position's logits, which a cached snapshot lacks.
+        let prompt_logprobs = req.echo && req.logprobs;
         // A cached snapshot is copied to resume from; if the copy cannot be allocated (device
         // memory), the request just prefills from scratch.
-        let hit = match self.cache.lookup(prompt, req.prompt_cache_key.as_deref()) {
+        let found = if prompt_logprobs { None } else { self.cache.lookup(prompt, req.prompt_cache_key.as_deref()) };
+        let hit = match found {
             Some((snap, n)) => match snap.try_clone() {
                 Ok(seq) => Some((seq, n)),
                 Err(e) => {
@@ -228,8 +259,17 @@ impl Worker {
         let need = (prompt.len() + job.max_tokens).min(self.cfg.max_seq);
         self.with_memory(|_| seq.reserve(need))?;
         let mut usage = Usage { prompt_tokens: prompt.len(), cached_tokens: cached, ..Default::default() };
-        // Prefill all but the last chunk without logits, checking for cancellation.
         let mut rest = &prompt[cached..];
+        if prompt_logprobs {
+            match self.prompt_logprobs(&mut seq, prompt, req.top_logprobs, job)? {
+                Some(lps) => {
+                    let _ = job.events.send(Event::PromptLogprobs(lps));
+                }
+                None => return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() }),
+            }
+            rest = &prompt[prompt.len() - 1..];
+        }
+        // Prefill all but the last chunk without logits, checking for cancellation.
         while rest.len() > PREFILL_CHUNK {
             if job.events.is_closed() {
                 return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() });
