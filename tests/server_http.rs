@@ -847,3 +847,38 @@ async fn echo_with_logprobs_scores_the_prompt() {
     let (st, _) = post(&url, json!({"prompt": ids, "max_tokens": 0})).await;
     assert_eq!(st, 400);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_silent_connections_are_closed_and_capped() {
+    // A connection that sends half a request's headers, and one that sends nothing, are closed
+    // after the header timeout; with the connection cap taken by such clients, /health waits
+    // for a slot instead of failing, and is answered once the timeout frees one.
+    use std::io::{Read, Write};
+    let mut a = args();
+    a.header_timeout_secs = 1;
+    a.max_connections = 2;
+    let s = lily::server::spawn(a).unwrap();
+    let addr = s.url().trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
+    let silent = std::net::TcpStream::connect(&addr).unwrap();
+    let t0 = Instant::now();
+    let health = tokio::spawn({
+        let url = format!("{}/health", s.url());
+        async move { client().get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    let closed = tokio::task::spawn_blocking(move || {
+        for mut conn in [slow, silent] {
+            conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut buf = [0u8; 512];
+            match conn.read(&mut buf) {
+                // Closed: end of stream, or hyper's 408 before closing.
+                Ok(n) => assert!(n == 0 || String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 408"), "{:?}", String::from_utf8_lossy(&buf[..n])),
+                Err(e) => assert!(!matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "still open after 10 s"),
+            }
+        }
+    });
+    closed.await.unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(800), "closed before the timeout");
+    assert_eq!(health.await.unwrap().unwrap(), 200);
+}

@@ -13,6 +13,7 @@
 
 pub mod error;
 pub mod fuzz;
+pub mod listen;
 pub mod metrics;
 pub mod output;
 pub mod prefix_cache;
@@ -88,6 +89,16 @@ pub struct ServeArgs {
     /// Memory budget of the prefix cache (sequence snapshots), in MiB.
     #[arg(long, default_value_t = 2048)]
     pub prefix_cache_mb: usize,
+    /// Most client connections open at once; more wait in the listen backlog.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds a connection has to send a request's headers (also closes idle keep-alive and
+    /// silent connections).
+    #[arg(long, default_value_t = 30)]
+    pub header_timeout_secs: u64,
+    /// Seconds open connections get to finish after shutdown begins (Ctrl-C).
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_timeout_secs: u64,
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -111,6 +122,14 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    fn limits(&self) -> listen::Limits {
+        listen::Limits {
+            max_connections: self.max_connections,
+            header_timeout: std::time::Duration::from_secs(self.header_timeout_secs.max(1)),
+            shutdown_deadline: std::time::Duration::from_secs(self.shutdown_timeout_secs),
+        }
+    }
+
     /// Defaults as the CLI has them, for `model` (tests and embedding).
     pub fn for_model(model: Option<PathBuf>) -> Self {
         ServeArgs {
@@ -125,6 +144,9 @@ impl ServeArgs {
             tui: false,
             max_queue: 256,
             prefix_cache_mb: 2048,
+            max_connections: 1024,
+            header_timeout_secs: 30,
+            shutdown_timeout_secs: 10,
             max_body_bytes: 8 * 1024 * 1024,
             served_model_name: MODEL_ID.into(),
             reasoning_field: ReasoningField::Both,
@@ -330,6 +352,7 @@ fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
     std::thread::Builder::new().name("lily-model".into()).spawn(move || worker.run(rx))?;
     let (stx, srx) = oneshot::channel::<()>();
     let app = app(&args, state);
+    let limits = args.limits();
     let thread = std::thread::Builder::new().name("lily-http".into()).spawn(move || {
         let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
             Ok(rt) => rt,
@@ -340,7 +363,7 @@ fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
         };
         rt.block_on(async move {
             let Ok(listener) = tokio::net::TcpListener::from_std(std_listener) else { return };
-            let _ = axum::serve(listener, app).with_graceful_shutdown(async move {
+            listen::serve(listener, app, limits, async move {
                 let _ = srx.await;
             })
             .await;
@@ -372,21 +395,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let app = app(&args, state);
     let tui_on = args.tui;
-    rt.block_on(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                if tui_on {
-                    tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        _ = srx => {}
-                    }
-                } else {
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-                eprintln!("lily: shutting down");
-            })
-            .await
-    })?;
+    let limits = args.limits();
+    rt.block_on(listen::serve(listener, app, limits, async move {
+        if tui_on {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = srx => {}
+            }
+        } else {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        eprintln!("lily: shutting down (open connections get {}s)", limits.shutdown_deadline.as_secs());
+    }));
     if let Some(t) = tui_thread {
         t.stop();
     }
