@@ -446,8 +446,8 @@ impl CudaBackend {
                 .record(&b.gpu.stream)
                 .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))
         };
-        // KV pages are mapped a page ahead of the steps (pages below the sequence's length stay
-        // in place, so mapping never disturbs the steps in flight).
+        // Before a step is queued, the page its position writes is mapped (pages below the
+        // sequence's length stay in place, so mapping never disturbs the steps in flight).
         let grow = |seq: &mut Sequence, fed: usize| -> Result<()> { seq.state_mut::<CudaSequence>().grow(fed) };
         grow(seq, pos0 + 1)?;
         decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;

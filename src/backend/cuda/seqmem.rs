@@ -87,11 +87,6 @@ impl SequenceMemory {
         let limit = self.limit(&l);
         l.promise(bytes, limit)
     }
-
-    /// Frees the cached pages and slots (returns the bytes freed).
-    pub fn trim(&self) -> usize {
-        self.ledger().trim()
-    }
 }
 
 /// One sequence's Gated DeltaNet conv rings and recurrent states: a slot of the pool, returned
@@ -172,14 +167,6 @@ impl KvSpace {
 
     fn mapped_per_region(&self) -> usize {
         self.pages.iter().map(Vec::len).min().unwrap_or(0)
-    }
-
-    /// Rows every region can hold now.
-    pub fn rows_mapped(&self) -> usize {
-        if self.regions == 0 {
-            return usize::MAX;
-        }
-        self.mapped_per_region() * self.page_bytes / self.row_bytes
     }
 
     pub fn mapped_bytes(&self) -> usize {

@@ -75,14 +75,6 @@ pub fn kv_elem_bytes(kv_bf16: bool) -> usize {
     }
 }
 
-/// Bytes of device memory one sequence of `tokens` tokens holds (KV rounded up to whole pages of
-/// `page_bytes` per layer's K and V).
-pub fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
-    let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
-    let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
-    layout(cfg).1 * 4 + 2 * attn_layers * kv
-}
-
 impl CudaSequence {
     /// A fresh sequence: a zeroed state slot and the KV address space of `max_seq` tokens, with
     /// no KV memory yet ([`crate::backend::MemoryFull`] when the slot does not fit the budget).
@@ -128,10 +120,7 @@ impl CudaSequence {
         if tokens > self.max_seq {
             bail!("{tokens} tokens exceed the sequence's max-seq {}", self.max_seq);
         }
-        if tokens > self.kv.rows_mapped() {
-            self.kv.grow(tokens)?;
-        }
-        Ok(())
+        self.kv.grow(tokens)
     }
 
     fn try_clone(&self, len: usize) -> Result<Self> {
@@ -172,6 +161,14 @@ impl SequenceState for CudaSequence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+/// Bytes of device memory one sequence of `tokens` tokens holds (KV rounded up to whole pages of
+/// `page_bytes` per layer's K and V).
+fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
+    let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
+    let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
+    layout(cfg).1 * 4 + 2 * attn_layers * kv
+}
 
     #[test]
     fn bf16_kv_halves_only_the_attention_cache() {
