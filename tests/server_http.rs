@@ -661,7 +661,16 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
     assert!(v["error"]["message"].as_str().unwrap().contains("not enough GPU memory"), "{v}");
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
     assert_eq!(st, 200, "{v}");
-    let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    // The worker caches the snapshots after the answer is sent: wait until it is idle.
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+        if metrics.contains("lily_requests_running 0") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(metrics.contains("lily_requests_running 0"), "{metrics}");
     assert!(metrics.contains("lily_sequence_memory_budget_bytes 100"), "{metrics}");
     let held = *used.lock().unwrap();
     assert!(metrics.contains(&format!("lily_sequence_memory_used_bytes {held}")), "{metrics}");

@@ -185,7 +185,7 @@ impl Metrics {
         self.ttft.render(&mut o, "lily_time_to_first_token_seconds", "Time from arrival to the first generated token.");
         self.itl.render(&mut o, "lily_inter_token_latency_seconds", "Time between consecutive generated tokens.");
         gauge(&mut o, "lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed) as f64);
-        gauge(&mut o, "lily_requests_running", "Requests being generated.", self.running.load(Relaxed) as f64);
+        gauge(&mut o, "lily_requests_running", "Requests being generated.", self.running.load(std::sync::atomic::Ordering::Acquire) as f64);
         counter(&mut o, "lily_prefix_cache_lookups_total", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed));
         counter(&mut o, "lily_prefix_cache_hits_total", "Prefix-cache lookups that reused a cached sequence.", self.cache_hits.load(Relaxed));
         gauge(&mut o, "lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio());

@@ -144,12 +144,14 @@ impl Worker {
         let arrived = job.arrived;
         let prompt_len = job.prompt.len();
         let result = catch_unwind(AssertUnwindSafe(|| self.run_job(&job)));
-        self.metrics.running.fetch_sub(1, Relaxed);
+        // Memory first, then the running count: a reader that sees the request finished also
+        // sees the memory it left behind.
         self.metrics.active_seq_bytes.store(0, Relaxed);
         if let Some(m) = self.backend.sequence_memory() {
             self.metrics.seq_memory_budget_bytes.store(m.budget_bytes, Relaxed);
             self.metrics.seq_memory_used_bytes.store(m.in_use_bytes, Relaxed);
         }
+        self.metrics.running.fetch_sub(1, std::sync::atomic::Ordering::Release);
         let ms = arrived.elapsed().as_millis() as u64;
         let rec = |status: u16, usage: &Usage, secs: f64, finish: &str, error: Option<String>| RequestRecord {
             method: "POST",
