@@ -171,6 +171,12 @@ pub trait Backend: Send {
         None
     }
 
+    /// The most sequences one decode step should take: the backend's own row limit, and how many
+    /// sequences its memory holds at their smallest (the server's default `--max-batch`).
+    fn batch_capacity(&self) -> usize {
+        DEFAULT_BATCH_CAPACITY
+    }
+
     /// Whether sequences created from now on keep their attention KV cache in bf16.
     fn kv_bf16(&self) -> bool {
         false
@@ -217,9 +223,11 @@ pub trait Backend: Send {
     /// seed, penalty counts; `Sampler::snapshot`): feeds `first_token`, then produces up to
     /// `steps` tokens, each drawn from the previous step's logits, calling `on_token` as
     /// [`Backend::decode_greedy`] does, with the same sequence-length rules. The same snapshot
-    /// gives the same tokens on one backend; backends draw with different random streams.
+    /// gives the same tokens on one backend; backends draw with different random streams, each
+    /// keyed by (seed, position), so a continuation split across calls or rows of a batch gives
+    /// the tokens of one uninterrupted call.
     ///
-    /// The default runs `forward` + the host `Sampler` per step (CPU backend); the CUDA backend
+    /// The default runs `forward` + `SamplerSnapshot::sample_at` per step (CPU backend); the CUDA backend
     /// samples on the device and keeps two steps in flight.
     fn decode_sampled(
         &mut self,
@@ -230,12 +238,13 @@ pub trait Backend: Send {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
         seq.check_room(steps)?;
-        let mut sampler = crate::engine::sampling::Sampler::from_snapshot(snap);
+        let mut snap = snap.clone();
         let mut cur = first_token;
         for i in 0..steps {
+            let at = seq.len();
             let mut logits = self.forward(seq, &[cur], LogitsWanted::Last)?;
-            cur = sampler.sample(&mut logits);
-            sampler.observe(cur);
+            cur = snap.sample_at(&mut logits, at);
+            snap.observe(cur);
             if !on_token(cur) {
                 return Ok(i + 1);
             }
@@ -260,15 +269,16 @@ pub trait Backend: Send {
     /// (the CPU reference).
     fn decode_batch(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
         check_batch(self.config().vocab_size, rows)?;
-        let mut samplers: Vec<_> = rows.iter().map(|r| crate::engine::sampling::Sampler::from_snapshot(&r.sampler)).collect();
+        let mut samplers: Vec<_> = rows.iter().map(|r| r.sampler.clone()).collect();
         let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
         let mut produced = vec![0usize; rows.len()];
         let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
         while !live.is_empty() {
             let mut next = Vec::with_capacity(live.len());
             for &i in &live {
+                let at = rows[i].seq.len();
                 let mut logits = self.forward(rows[i].seq, &[cur[i]], LogitsWanted::Last)?;
-                cur[i] = samplers[i].sample(&mut logits);
+                cur[i] = samplers[i].sample_at(&mut logits, at);
                 samplers[i].observe(cur[i]);
                 produced[i] += 1;
                 if on_token(i, cur[i]) && produced[i] < rows[i].max_tokens {
@@ -280,6 +290,10 @@ pub trait Backend: Send {
         Ok(produced)
     }
 }
+
+/// [`Backend::batch_capacity`] of a backend whose sequences draw on no budget and whose steps
+/// take any number of rows (the CPU reference runs them one after the other).
+pub const DEFAULT_BATCH_CAPACITY: usize = 64;
 
 /// Checks the rows of a batched decode: tokens in the vocabulary, room for every row's tokens,
 /// valid sampling parameters.

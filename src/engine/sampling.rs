@@ -181,6 +181,18 @@ pub struct SamplerSnapshot {
 }
 
 impl SamplerSnapshot {
+    /// Draws the token that follows `logits` at sequence position `position` (where the token
+    /// that produced them was fed). The draw is keyed by (seed, position), as the device sampler
+    /// keys its draws, so a continuation gives the same tokens whether it runs in one call, is
+    /// split across calls, or shares its steps with other sequences.
+    pub fn sample_at(&self, logits: &mut [f32], position: usize) -> u32 {
+        // ChaCha's stream id selects an independent stream of the seed's key: one per position.
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(position as u64);
+        let mut s = Sampler { params: self.params.clone(), rng, counts: self.counts.iter().copied().collect() };
+        s.sample(logits)
+    }
+
     /// Counts a generated token, as the backend that continues this snapshot does (only needed
     /// where a penalty reads the counts), so the snapshot can be handed over again later.
     pub fn observe(&mut self, token: u32) {

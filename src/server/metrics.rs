@@ -89,8 +89,13 @@ pub struct Metrics {
     pub cache_hits: AtomicU64,
     pub cache_bytes: AtomicU64,
     pub cache_entries: AtomicU64,
-    /// Memory of the sequence being generated (KV + recurrent state).
+    /// Memory of the sequences being prefilled or generated (KV + recurrent state).
     pub active_seq_bytes: AtomicU64,
+    /// Sequences in the last decode step, and the most one step takes (`--max-batch`).
+    pub batch_size: AtomicU64,
+    pub max_batch: AtomicU64,
+    /// Generated tokens per second over the last [`RATE_WINDOW_SECS`], by whole seconds.
+    rate: Mutex<VecDeque<(u64, u64)>>,
     /// The backend's sequence memory budget and what sequences and snapshots hold of it
     /// (0 for backends without one).
     pub seq_memory_budget_bytes: AtomicU64,
@@ -101,6 +106,9 @@ pub struct Metrics {
 }
 
 pub const RECENT: usize = 50;
+
+/// Seconds the generation rate is averaged over.
+pub const RATE_WINDOW_SECS: u64 = 10;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -126,6 +134,9 @@ impl Metrics {
             cache_bytes: AtomicU64::new(0),
             cache_entries: AtomicU64::new(0),
             active_seq_bytes: AtomicU64::new(0),
+            batch_size: AtomicU64::new(0),
+            max_batch: AtomicU64::new(0),
+            rate: Mutex::new(VecDeque::new()),
             seq_memory_budget_bytes: AtomicU64::new(0),
             seq_memory_used_bytes: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
@@ -140,6 +151,28 @@ impl Metrics {
 
     pub fn requests_by_status(&self) -> BTreeMap<(&'static str, u16), u64> {
         self.requests.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Counts `n` generated tokens now (for the generation rate).
+    pub fn generated(&self, n: u64) {
+        let sec = self.started.elapsed().as_secs();
+        let mut q = self.rate.lock().unwrap_or_else(|e| e.into_inner());
+        match q.back_mut() {
+            Some((s, c)) if *s == sec => *c += n,
+            _ => q.push_back((sec, n)),
+        }
+        while q.front().is_some_and(|&(s, _)| s + RATE_WINDOW_SECS <= sec) {
+            q.pop_front();
+        }
+    }
+
+    /// Generated tokens per second over the last [`RATE_WINDOW_SECS`] (fewer right after start).
+    pub fn generation_rate(&self) -> f64 {
+        let now = self.started.elapsed().as_secs_f64();
+        let sec = now as u64;
+        let q = self.rate.lock().unwrap_or_else(|e| e.into_inner());
+        let n: u64 = q.iter().filter(|&&(s, _)| s + RATE_WINDOW_SECS > sec).map(|&(_, c)| c).sum();
+        n as f64 / now.min(RATE_WINDOW_SECS as f64).max(1.0)
     }
 
     /// Records a finished request: the log line (unless the dashboard is on) and the recent list.
@@ -191,7 +224,10 @@ impl Metrics {
         gauge(&mut o, "lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio());
         gauge(&mut o, "lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64);
         gauge(&mut o, "lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64);
-        gauge(&mut o, "lily_active_sequence_bytes", "KV + recurrent state memory of the running sequence.", self.active_seq_bytes.load(Relaxed) as f64);
+        gauge(&mut o, "lily_batch_size", "Sequences in the last decode step.", self.batch_size.load(Relaxed) as f64);
+        gauge(&mut o, "lily_max_batch", "Most sequences one decode step takes (--max-batch).", self.max_batch.load(Relaxed) as f64);
+        gauge(&mut o, "lily_generation_tokens_per_second", "Generated tokens per second over the last 10 s.", self.generation_rate());
+        gauge(&mut o, "lily_active_sequence_bytes", "KV + recurrent state memory of the running sequences.", self.active_seq_bytes.load(Relaxed) as f64);
         gauge(&mut o, "lily_sequence_memory_budget_bytes", "Device memory sequences may hold (KV pages, state slots).", self.seq_memory_budget_bytes.load(Relaxed) as f64);
         gauge(&mut o, "lily_sequence_memory_used_bytes", "Device memory held by sequences and cached snapshots.", self.seq_memory_used_bytes.load(Relaxed) as f64);
         o
@@ -216,5 +252,8 @@ mod tests {
         assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"));
         assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"));
         assert!(t.contains("lily_prefix_cache_hit_ratio 0.5"));
+        m.generated(30);
+        m.generated(20);
+        assert!(m.render("m").contains("lily_generation_tokens_per_second 50"), "within the first second the rate is per one second");
     }
 }

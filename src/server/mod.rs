@@ -2,9 +2,10 @@
 //!
 //! * Routes: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
 //!   `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
-//! * One model worker thread owns the backend and serves a bounded FIFO queue, one request at
-//!   a time; a full queue answers 429 with `Retry-After`; a client that goes away cancels its
-//!   generation within one token.
+//! * One model worker thread owns the backend and runs a continuous batch (worker.rs): requests
+//!   join as their prompts are prefilled (in chunks between decode steps) and leave when they
+//!   finish; a bounded FIFO queue waits for room, a full queue answers 429 with `Retry-After`; a
+//!   client that goes away cancels its generation within one step.
 //! * Prefix cache of sequence snapshots (KV + Gated DeltaNet state), LRU within a byte budget.
 //! * Output pipeline: stop strings (never leaked) → reasoning split at `</think>` → Qwen XML
 //!   tool calls as OpenAI `tool_calls`.
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod output;
 pub mod prefix_cache;
 pub mod reasoning;
+pub mod reply;
 pub mod request;
 pub mod responses;
 pub mod routes;
@@ -86,6 +88,15 @@ pub struct ServeArgs {
     /// Requests allowed to wait for the model; more get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
+    /// Most requests decoded together (default: what the backend's batch and its sequence
+    /// memory take; 64 on the CPU).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Prompt tokens prefilled per scheduler turn, between decode steps of the running requests:
+    /// larger prefills long prompts faster, smaller keeps the running streams' inter-token
+    /// latency lower while a prompt is prefilled.
+    #[arg(long, default_value_t = worker::PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
     /// Memory budget of the prefix cache (sequence snapshots), in MiB.
     #[arg(long, default_value_t = 2048)]
     pub prefix_cache_mb: usize,
@@ -143,6 +154,8 @@ impl ServeArgs {
             api_key: None,
             tui: false,
             max_queue: 256,
+            max_batch: None,
+            prefill_chunk: worker::PREFILL_CHUNK,
             prefix_cache_mb: 2048,
             max_connections: 1024,
             header_timeout_secs: 30,
@@ -168,6 +181,12 @@ struct Loaded {
 fn load(args: &ServeArgs) -> Result<Loaded> {
     if args.max_queue == 0 {
         bail!("--max-queue must be at least 1");
+    }
+    if args.max_batch == Some(0) {
+        bail!("--max-batch must be at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
     }
     let dir = crate::engine::default_model::resolve_model(args.model.as_deref())?;
     let t0 = Instant::now();
@@ -217,7 +236,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     eprintln!("lily: model ready on {backend_name} in {:.1}s (max-seq {max_seq})", t0.elapsed().as_secs_f64());
     let metrics = Arc::new(Metrics::new());
     let (tx, rx) = mpsc::channel(args.max_queue);
-    let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20) });
+    let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker_config(args, max_seq, stop_ids));
     let sampling_defaults = sampling_defaults(args.sampling_defaults, &dir);
     let mut default_kwargs = Map::new();
     if let Some(t) = args.enable_thinking {
@@ -241,6 +260,10 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         sampling_defaults,
     });
     Ok(Loaded { state, worker, rx, backend_name })
+}
+
+fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>) -> worker::WorkerConfig {
+    worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20), max_batch: args.max_batch, prefill_chunk: args.prefill_chunk }
 }
 
 /// Where a request's unset sampling fields come from.
@@ -338,7 +361,7 @@ pub fn spawn_with_backend(args: ServeArgs, backend: Box<dyn Backend>) -> Result<
         v.extend(tok.token_id("<|im_end|>"));
         v
     };
-    loaded.worker = worker::Worker::new(backend, tok, metrics, worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20) });
+    loaded.worker = worker::Worker::new(backend, tok, metrics, worker_config(&args, max_seq, stop_ids));
     spawn_loaded(args, loaded)
 }
 

@@ -1,32 +1,51 @@
-//! The model worker: one thread owns the backend and runs queued requests one at a time
-//! (batch 1, FIFO). Each job carries an event channel; when the HTTP side drops its receiver
-//! (client disconnected), the worker notices between prefill chunks or within one token and
-//! moves on. A panic inside one job is caught, reported to that client, and the worker keeps
-//! serving. Each request reserves its sequence memory (prompt + max_tokens) before it starts,
-//! evicting cached snapshots if the budget needs them; one that cannot fit gets 503.
+//! The model worker: one thread owns the backend and schedules a running batch (continuous
+//! batching).
+//!
+//! Each turn of its loop:
+//! 1. **Admit** queued requests in FIFO order while the batch has room (`--max-batch`): look up
+//!    the prefix cache, take a sequence and reserve its memory (prompt + max_tokens), evicting
+//!    cached snapshots when the budget needs them. A request that does not fit while others run
+//!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
+//! 2. **Prefill** up to `--prefill-chunk` prompt tokens, from the admitted prompts in order; a
+//!    prompt whose last token is fed draws its first token and joins the decoding rows. So a long
+//!    prompt delays the running streams by one chunk per token, not by its whole prefill.
+//! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
+//!    pipelined single-sequence loop; several run `Backend::decode_batch`; rows whose client wants
+//!    logprobs step on the host with their logits. Without prefill work, a call runs up to
+//!    [`DECODE_HORIZON`] steps and ends early when a new request can be admitted.
+//! 4. **Retire** finished rows: the final event, usage and metrics, and the sequence into the
+//!    prefix cache.
+//!
+//! Every row's tokens are drawn with draws keyed by (seed, position), so a request's tokens do not
+//! depend on how its steps were split or batched (on the CPU reference they are exactly its solo
+//! output). A client that goes away is noticed within a step; a backend error or panic fails the
+//! requests it touched, and the worker keeps serving.
 
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
-use super::output::{Delta, OutputPipeline};
+use super::output::Delta;
 use super::prefix_cache::PrefixCache;
-use super::request::{Endpoint, ParsedRequest};
-use crate::backend::{is_memory_full, Backend, LogitsWanted, Sequence};
-use crate::engine::sampling::log_softmax;
-use crate::engine::{generate, FinishReason, Next, Sampler};
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use super::reply::{logprob_entry, token_text, End, Reply};
+use super::request::ParsedRequest;
+use crate::backend::{is_memory_full, Backend, BatchRow, LogitsWanted, Sequence};
+use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-/// Prompt tokens fed per forward call before the last chunk, so cancellation is noticed
-/// during long prefills too.
+/// Default prompt tokens prefilled per turn of the scheduler (`--prefill-chunk`): what one turn
+/// adds to the running streams' inter-token latency while a prompt is prefilled.
 pub const PREFILL_CHUNK: usize = 512;
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
 const PROMPT_LOGPROB_CHUNK: usize = 32;
+
+/// Decode steps one backend call runs when no prompt waits for prefill: long enough to keep the
+/// pipelined single-sequence loop busy, short enough that a new request starts within it.
+pub const DECODE_HORIZON: usize = 16;
 
 /// Log-probability of one generated token (with its top alternatives).
 #[derive(Debug, Clone, PartialEq)]
@@ -67,33 +86,51 @@ pub struct Job {
     pub path: &'static str,
 }
 
+
 pub struct WorkerConfig {
     pub max_seq: usize,
     pub stop_ids: Vec<u32>,
     pub prefix_cache_bytes: usize,
+    /// Most sequences decoded together (`None`: the backend's `batch_capacity`).
+    pub max_batch: Option<usize>,
+    /// Prompt tokens prefilled per turn.
+    pub prefill_chunk: usize,
 }
 
-fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
-    let b = tok.token_bytes(id).to_vec();
-    (String::from_utf8_lossy(&b).into_owned(), b)
+/// A request in the batch: its sequence and its reply.
+struct Active {
+    seq: Sequence,
+    reply: Reply,
+    /// Prompt logprobs collected so far (completions with `echo` and `logprobs`).
+    prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// The prompt is in; the row decodes.
+    decoding: bool,
+    failed: Option<anyhow::Error>,
 }
 
-fn logprob_entry(tok: &Tokenizer, logits: &[f32], id: u32, top: usize) -> TokenLogprob {
-    let lp = log_softmax(logits);
-    let (token, bytes) = token_text(tok, id);
-    let mut tops = Vec::new();
-    if top > 0 {
-        let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
-        let k = top.min(idx.len());
-        idx.select_nth_unstable_by(k - 1, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
-        idx.truncate(k);
-        idx.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
-        for i in idx {
-            let (t, b) = token_text(tok, i);
-            tops.push((t, b, lp[i as usize].max(-9999.0)));
+impl Active {
+    fn finished(&self) -> bool {
+        self.reply.end.is_some() || self.failed.is_some()
+    }
+}
+
+/// What the steps need besides the rows (borrowed apart from them).
+struct Ctx<'a> {
+    backend: &'a mut dyn Backend,
+    tokenizer: &'a Tokenizer,
+    metrics: &'a Metrics,
+    stop_ids: &'a [u32],
+}
+
+/// Runs `f`, turning a panic into an error (the worker keeps serving).
+fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into());
+            Err(anyhow::anyhow!("panic: {msg}"))
         }
     }
-    TokenLogprob { token, bytes, logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY).max(-9999.0), top: tops }
 }
 
 pub struct Worker {
@@ -102,24 +139,38 @@ pub struct Worker {
     metrics: Arc<Metrics>,
     cfg: WorkerConfig,
     cache: PrefixCache<Sequence>,
-}
-
-enum JobEnd {
-    Finished { usage: Usage, finish: &'static str, secs: f64 },
-    ClientGone { usage: Usage, secs: f64 },
+    max_batch: usize,
+    active: Vec<Active>,
+    /// The queue's head, waiting for sequence memory that running requests hold.
+    held: Option<Job>,
 }
 
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache = PrefixCache::new(cfg.prefix_cache_bytes);
-        Worker { backend, tokenizer, metrics, cfg, cache }
+        let max_batch = cfg.max_batch.unwrap_or_else(|| backend.batch_capacity()).max(1);
+        metrics.max_batch.store(max_batch as u64, Relaxed);
+        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
     }
 
-    /// Serves jobs until the queue closes.
+    /// The most sequences decoded together.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Serves jobs until the queue closes and the batch is empty.
     pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
-        while let Some(job) = rx.blocking_recv() {
-            self.metrics.queue_depth.fetch_sub(1, Relaxed);
-            self.serve_one(job);
+        loop {
+            if self.active.is_empty() && self.held.is_none() {
+                match rx.blocking_recv() {
+                    Some(job) => self.held = Some(job),
+                    None => break,
+                }
+            }
+            self.admit(&mut rx);
+            self.prefill();
+            self.decode(&rx);
+            self.retire();
         }
     }
 
@@ -132,67 +183,71 @@ impl Worker {
         }
     }
 
-    fn serve_one(&mut self, job: Job) {
-        let path = job.path;
-        if job.events.is_closed() {
-            self.count_gone(&job);
-            self.metrics.record(RequestRecord { method: "POST", path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()) });
-            return;
-        }
-        self.metrics.running.fetch_add(1, Relaxed);
-        let events = job.events.clone();
-        let arrived = job.arrived;
-        let prompt_len = job.prompt.len();
-        let result = catch_unwind(AssertUnwindSafe(|| self.run_job(&job)));
-        // Memory first, then the running count: a reader that sees the request finished also
-        // sees the memory it left behind.
-        self.metrics.active_seq_bytes.store(0, Relaxed);
-        if let Some(m) = self.backend.sequence_memory() {
-            self.metrics.seq_memory_budget_bytes.store(m.budget_bytes, Relaxed);
-            self.metrics.seq_memory_used_bytes.store(m.in_use_bytes, Relaxed);
-        }
-        self.metrics.running.fetch_sub(1, std::sync::atomic::Ordering::Release);
-        let ms = arrived.elapsed().as_millis() as u64;
-        let rec = |status: u16, usage: &Usage, secs: f64, finish: &str, error: Option<String>| RequestRecord {
-            method: "POST",
-            path,
-            status,
-            ms,
-            prompt: usage.prompt_tokens,
-            cached: usage.cached_tokens,
-            completion: usage.completion_tokens,
-            tok_s: usage.completion_tokens as f64 / secs.max(1e-3),
-            finish: finish.to_string(),
-            error,
-        };
-        match result {
-            Ok(Ok(JobEnd::Finished { usage, finish, secs })) => {
-                self.metrics.record(rec(200, &usage, secs, finish, None));
-            }
-            Ok(Ok(JobEnd::ClientGone { usage, secs })) => {
+    /// Starts queued jobs while the batch has room (see the module comment).
+    fn admit(&mut self, rx: &mut mpsc::Receiver<Job>) {
+        while self.active.len() < self.max_batch {
+            let job = match self.held.take() {
+                Some(job) => job,
+                None => match rx.try_recv() {
+                    Ok(job) => job,
+                    Err(_) => break,
+                },
+            };
+            if job.events.is_closed() {
+                self.metrics.queue_depth.fetch_sub(1, Relaxed);
                 self.count_gone(&job);
-                self.metrics.record(rec(499, &usage, secs, "cancelled", Some("client disconnected".into())));
+                self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()) });
+                continue;
             }
-            Ok(Err(e)) if is_memory_full(&e) => {
-                eprintln!("lily: request refused: {e:#}");
-                let _ = events.send(Event::Error(ApiError::unavailable(format!("not enough GPU memory for this request ({e}); retry with fewer tokens (prompt + max_tokens) or later"))));
-                let u = Usage { prompt_tokens: prompt_len, ..Default::default() };
-                self.metrics.record(rec(503, &u, 0.0, "error", Some(format!("{e:#}"))));
-            }
-            Ok(Err(e)) => {
-                eprintln!("lily: request failed: {e:#}");
-                let _ = events.send(Event::Error(ApiError::internal()));
-                let u = Usage { prompt_tokens: prompt_len, ..Default::default() };
-                self.metrics.record(rec(500, &u, 0.0, "error", Some(format!("{e:#}"))));
-            }
-            Err(panic) => {
-                let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into());
-                eprintln!("lily: request panicked (the server keeps serving): {msg}");
-                let _ = events.send(Event::Error(ApiError::internal()));
-                let u = Usage { prompt_tokens: prompt_len, ..Default::default() };
-                self.metrics.record(rec(500, &u, 0.0, "error", Some(format!("panic: {msg}"))));
+            match guarded(|| self.take_sequence(&job)) {
+                Ok((seq, cached)) => {
+                    self.metrics.queue_depth.fetch_sub(1, Relaxed);
+                    let prompt_logprobs = (job.req.echo && job.req.logprobs).then(|| {
+                        let (token, bytes) = token_text(&self.tokenizer, job.prompt[0]);
+                        vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }]
+                    });
+                    self.active.push(Active { seq, reply: Reply::new(job, cached), prompt_logprobs, decoding: false, failed: None });
+                }
+                Err(e) if is_memory_full(&e) && !self.active.is_empty() => {
+                    self.held = Some(job);
+                    break;
+                }
+                Err(e) => {
+                    self.metrics.queue_depth.fetch_sub(1, Relaxed);
+                    self.fail(&job, 0, &e);
+                }
             }
         }
+        self.publish();
+    }
+
+    /// A sequence for `job` with room reserved for all of it: a copy of the longest cached
+    /// prefix of its prompt, or a fresh one; and the prompt tokens it already holds.
+    fn take_sequence(&mut self, job: &Job) -> anyhow::Result<(Sequence, usize)> {
+        // Prompt logprobs need every prompt position's logits, which a cached snapshot lacks.
+        let found = if job.req.echo && job.req.logprobs { None } else { self.cache.lookup(&job.prompt, job.req.prompt_cache_key.as_deref()) };
+        // If the copy cannot be allocated (device memory), the request prefills from scratch.
+        let hit = match found.map(|(snap, n)| (snap.try_clone(), n)) {
+            Some((Ok(seq), n)) => Some((seq, n)),
+            Some((Err(e), _)) => {
+                eprintln!("lily: prefix cache hit not used (copying the snapshot failed: {e:#})");
+                None
+            }
+            None => None,
+        };
+        let hit_found = hit.is_some();
+        let (mut seq, cached) = match hit {
+            Some(h) => h,
+            None => (self.with_memory(|w| w.backend.new_sequence(w.cfg.max_seq))?, 0),
+        };
+        // Room for the whole request up front, so it never runs out of memory midway.
+        let need = (job.prompt.len() + job.max_tokens).min(self.cfg.max_seq);
+        self.with_memory(|_| seq.reserve(need))?;
+        self.metrics.cache_lookups.fetch_add(1, Relaxed);
+        if hit_found {
+            self.metrics.cache_hits.fetch_add(1, Relaxed);
+        }
+        Ok((seq, cached))
     }
 
     /// Runs `f`, evicting cached snapshots (least recently used first) while it fails for want of
@@ -200,190 +255,267 @@ impl Worker {
     fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
         loop {
             match f(self) {
-                Err(e) if is_memory_full(&e) && self.cache.evict_lru() => {
-                    self.metrics.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
-                    self.metrics.cache_entries.store(self.cache.len() as u64, Relaxed);
-                }
+                Err(e) if is_memory_full(&e) && self.cache.evict_lru() => {}
                 r => return r,
             }
         }
     }
 
-    /// Feeds all but the last prompt token, `PROMPT_LOGPROB_CHUNK` at a time with every
-    /// position's logits, and returns each prompt token's entry: its log-probability after the
-    /// tokens before it, with `top` alternatives (the first token has none: NaN). `None` when the
-    /// client left meanwhile.
-    fn prompt_logprobs(&mut self, seq: &mut Sequence, prompt: &[u32], top: usize, job: &Job) -> anyhow::Result<Option<Vec<TokenLogprob>>> {
-        let (token, bytes) = token_text(&self.tokenizer, prompt[0]);
-        let mut out = vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }];
-        let head = &prompt[..prompt.len() - 1];
-        for (c, chunk) in head.chunks(PROMPT_LOGPROB_CHUNK).enumerate() {
-            if job.events.is_closed() {
-                return Ok(None);
+    /// Prefills up to `prefill_chunk` prompt tokens, from the admitted prompts in order.
+    fn prefill(&mut self) {
+        let mut budget = self.cfg.prefill_chunk.max(1);
+        let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids };
+        for a in active.iter_mut().filter(|a| !a.decoding && !a.finished()) {
+            if a.reply.client_gone() {
+                a.reply.end = Some(End::ClientGone);
+                continue;
             }
-            let logits = self.backend.forward(seq, chunk, LogitsWanted::All)?;
-            let vocab = logits.len() / chunk.len();
-            for (j, row) in logits.chunks(vocab).enumerate() {
-                out.push(logprob_entry(&self.tokenizer, row, prompt[c * PROMPT_LOGPROB_CHUNK + j + 1], top));
+            while budget > 0 && !a.decoding && !a.finished() {
+                match guarded(|| prefill_step(&mut ctx, cache, a, budget)) {
+                    Ok(fed) => budget -= fed.min(budget),
+                    Err(e) => a.failed = Some(e),
+                }
+            }
+            if budget == 0 {
+                break;
             }
         }
-        Ok(Some(out))
     }
 
-    fn run_job(&mut self, job: &Job) -> anyhow::Result<JobEnd> {
-        let t0 = Instant::now();
-        let req = &job.req;
-        let prompt = &job.prompt;
-        self.metrics.cache_lookups.fetch_add(1, Relaxed);
-        // Prompt logprobs need every prompt position's logits, which a cached snapshot lacks.
-        let prompt_logprobs = req.echo && req.logprobs;
-        // A cached snapshot is copied to resume from; if the copy cannot be allocated (device
-        // memory), the request just prefills from scratch.
-        let found = if prompt_logprobs { None } else { self.cache.lookup(prompt, req.prompt_cache_key.as_deref()) };
-        let hit = match found {
-            Some((snap, n)) => match snap.try_clone() {
-                Ok(seq) => Some((seq, n)),
-                Err(e) => {
-                    eprintln!("lily: prefix cache hit not used (copying the snapshot failed: {e:#})");
-                    None
-                }
-            },
-            None => None,
-        };
-        let (mut seq, cached) = match hit {
-            Some(h) => {
-                self.metrics.cache_hits.fetch_add(1, Relaxed);
-                h
-            }
-            None => (self.with_memory(|w| w.backend.new_sequence(w.cfg.max_seq))?, 0),
-        };
-        // Room for the whole request up front, so it never runs out of memory midway.
-        let need = (prompt.len() + job.max_tokens).min(self.cfg.max_seq);
-        self.with_memory(|_| seq.reserve(need))?;
-        let mut usage = Usage { prompt_tokens: prompt.len(), cached_tokens: cached, ..Default::default() };
-        let mut rest = &prompt[cached..];
-        if prompt_logprobs {
-            match self.prompt_logprobs(&mut seq, prompt, req.top_logprobs, job)? {
-                Some(lps) => {
-                    let _ = job.events.send(Event::PromptLogprobs(lps));
-                }
-                None => return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() }),
-            }
-            rest = &prompt[prompt.len() - 1..];
+    /// Decodes the rows whose prompt is in (see the module comment).
+    fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
+        let prefill_waits = self.active.iter().any(|a| !a.decoding && !a.finished());
+        // A new request ends a decode call early only if it could be admitted now.
+        let room = self.held.is_none() && self.active.len() < self.max_batch;
+        let newcomer = || room && !rx.is_empty();
+        let Worker { backend, tokenizer, metrics, cfg, active, .. } = self;
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids };
+        // A row at max-seq cannot take another step.
+        for a in active.iter_mut().filter(|a| a.decoding && !a.finished() && a.seq.len() >= a.seq.max_seq()) {
+            a.reply.end = Some(End::Length);
         }
-        // Prefill all but the last chunk without logits, checking for cancellation.
-        while rest.len() > PREFILL_CHUNK {
-            if job.events.is_closed() {
-                return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() });
+        let (host, device): (Vec<&mut Active>, Vec<&mut Active>) = active.iter_mut().filter(|a| a.decoding && !a.finished()).partition(|a| a.reply.wants_logits());
+        ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
+        let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
+        match device.len() {
+            0 => {}
+            1 if host.is_empty() && !prefill_waits => {
+                let mut device = device;
+                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }
-            let (head, tail) = rest.split_at(PREFILL_CHUNK);
-            self.backend.forward(&mut seq, head, LogitsWanted::None)?;
-            rest = tail;
+            _ => batch_steps(&mut ctx, device, horizon, &newcomer),
         }
-        // Snapshot at prompt length - 1 so an exact repeat of this prompt (regenerate, retries,
-        // benchmarks) resumes with one token left to feed.
-        if rest.len() >= 2 {
-            let (head, last) = rest.split_at(rest.len() - 1);
-            if job.events.is_closed() {
-                return Ok(JobEnd::ClientGone { usage, secs: t0.elapsed().as_secs_f64() });
+        for a in host {
+            host_step(&mut ctx, a);
+        }
+    }
+
+    /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.
+    fn retire(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            if !self.active[i].finished() {
+                i += 1;
+                continue;
             }
-            self.backend.forward(&mut seq, head, LogitsWanted::None)?;
-            // A snapshot that cannot be allocated is simply not cached.
-            match seq.try_clone() {
+            let Active { seq, mut reply, failed, .. } = self.active.remove(i);
+            if let Some(e) = failed {
+                self.fail(&reply.job, reply.usage.cached_tokens, &e);
+                continue;
+            }
+            let finish = reply.finish();
+            self.cache_sequence(seq, &reply);
+            let (usage, job) = (&reply.usage, &reply.job);
+            let secs = reply.started.elapsed().as_secs_f64();
+            self.metrics.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
+            self.metrics.cached_tokens.fetch_add(usage.cached_tokens as u64, Relaxed);
+            self.metrics.completion_tokens.fetch_add(usage.completion_tokens as u64, Relaxed);
+            let (status, finish, error) = match finish {
+                Some(f) => (200, f, None),
+                None => {
+                    self.count_gone(job);
+                    (499, "cancelled", Some("client disconnected".to_string()))
+                }
+            };
+            self.metrics.record(RequestRecord {
+                method: "POST",
+                path: job.path,
+                status,
+                ms: job.arrived.elapsed().as_millis() as u64,
+                prompt: usage.prompt_tokens,
+                cached: usage.cached_tokens,
+                completion: usage.completion_tokens,
+                tok_s: usage.completion_tokens as f64 / secs.max(1e-3),
+                finish: finish.to_string(),
+                error,
+            });
+        }
+        self.publish();
+    }
+
+    /// Keeps a finished sequence in the prefix cache under exactly the tokens it consumed.
+    fn cache_sequence(&mut self, seq: Sequence, reply: &Reply) {
+        let (prompt, fed) = (&reply.job.prompt, seq.len());
+        let tokens = if fed <= prompt.len() {
+            prompt[..fed].to_vec()
+        } else if fed - prompt.len() <= reply.generated.len() {
+            let mut t = prompt.clone();
+            t.extend_from_slice(&reply.generated[..fed - prompt.len()]);
+            t
+        } else {
+            return;
+        };
+        let bytes = seq.memory_bytes();
+        self.cache.insert(tokens, seq, bytes, reply.job.req.prompt_cache_key.clone());
+    }
+
+    /// Answers a request that failed: 503 with the reason when sequence memory ran out, 500
+    /// otherwise (the details go to the log, not to the client).
+    fn fail(&self, job: &Job, cached: usize, e: &anyhow::Error) {
+        let (status, event) = if is_memory_full(e) {
+            eprintln!("lily: request refused: {e:#}");
+            (503, ApiError::unavailable(format!("not enough GPU memory for this request ({e}); retry with fewer tokens (prompt + max_tokens) or later")))
+        } else {
+            eprintln!("lily: request failed: {e:#}");
+            (500, ApiError::internal())
+        };
+        let _ = job.events.send(Event::Error(event));
+        self.metrics.record(RequestRecord {
+            method: "POST",
+            path: job.path,
+            status,
+            ms: job.arrived.elapsed().as_millis() as u64,
+            prompt: job.prompt.len(),
+            cached,
+            completion: 0,
+            tok_s: 0.0,
+            finish: "error".into(),
+            error: Some(format!("{e:#}")),
+        });
+    }
+
+    /// Publishes the batch's gauges; the running count last, so a reader that sees a request
+    /// finished also sees the memory it left behind.
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.active_seq_bytes.store(self.active.iter().map(|a| a.seq.memory_bytes() as u64).sum(), Relaxed);
+        m.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
+        m.cache_entries.store(self.cache.len() as u64, Relaxed);
+        if let Some(r) = self.backend.sequence_memory() {
+            m.seq_memory_budget_bytes.store(r.budget_bytes, Relaxed);
+            m.seq_memory_used_bytes.store(r.in_use_bytes, Relaxed);
+        }
+        if self.active.iter().all(|a| !a.decoding) {
+            m.batch_size.store(0, Relaxed);
+        }
+        m.running.store(self.active.len() as i64, Release);
+    }
+}
+
+/// Feeds the next piece of `a`'s prompt, at most `budget` tokens; returns the tokens fed. The
+/// last prompt token is fed alone and yields the first generated token.
+fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active, budget: usize) -> anyhow::Result<usize> {
+    let prompt = &a.reply.job.prompt;
+    let (n, fed) = (prompt.len(), a.seq.len());
+    if let Some(entries) = a.prompt_logprobs.as_mut() {
+        if fed + 1 < n {
+            let k = (n - 1 - fed).min(PROMPT_LOGPROB_CHUNK).min(budget);
+            let logits = ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::All)?;
+            let vocab = logits.len() / k;
+            for (j, row) in logits.chunks(vocab).enumerate() {
+                entries.push(logprob_entry(ctx.tokenizer, row, prompt[fed + j + 1], a.reply.job.req.top_logprobs));
+            }
+            return Ok(k);
+        }
+        let entries = a.prompt_logprobs.take().expect("checked above");
+        let _ = a.reply.job.events.send(Event::PromptLogprobs(entries));
+    }
+    if fed + 1 < n {
+        let k = (n - 1 - fed).min(budget);
+        ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::None)?;
+        if a.seq.len() + 1 == n {
+            // Snapshot at prompt length - 1 so an exact repeat of this prompt (regenerate,
+            // retries, benchmarks) resumes with one token left to feed; a snapshot that cannot
+            // be allocated is simply not cached.
+            match a.seq.try_clone() {
                 Ok(snap) => {
                     let bytes = snap.memory_bytes();
-                    self.cache.insert(prompt[..prompt.len() - 1].to_vec(), snap, bytes, req.prompt_cache_key.clone());
+                    cache.insert(prompt[..n - 1].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());
                 }
                 Err(e) => eprintln!("lily: prompt not cached (copying the sequence failed: {e:#})"),
             }
-            rest = last;
         }
-        self.metrics.active_seq_bytes.store(seq.memory_bytes() as u64, Relaxed);
+        return Ok(k);
+    }
+    let mut logits = ctx.backend.forward(&mut a.seq, &prompt[n - 1..], LogitsWanted::Last)?;
+    a.decoding = true;
+    if a.reply.remaining() == 0 {
+        a.reply.end = Some(End::Length);
+    } else {
+        let tok = a.reply.sampler.sample_at(&mut logits, fed);
+        a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
+    }
+    Ok(1)
+}
 
-        let chat = req.endpoint == Endpoint::Chat;
-        let tools = if req.has_tools() { Some(req.tool_schemas.clone()) } else { None };
-        let mut pipeline = OutputPipeline::new(req.stop.clone(), if chat { Some(job.starts_in_reasoning) } else { None }, tools);
-        let mut decoder = StreamDecoder::new().skip_special(true);
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let mut generated: Vec<u32> = Vec::new();
-        let mut reasoning_tokens = 0usize;
-        let mut stop_hit = false;
-        let mut client_gone = false;
-        let mut last_tok: Option<Instant> = None;
-        let tokenizer = self.tokenizer.clone();
-        let metrics = self.metrics.clone();
-        let events = job.events.clone();
-        let arrived = job.arrived;
-        let want_lp = req.logprobs;
-        let top_lp = req.top_logprobs;
+/// Steps the row's sequence can still take: its remaining tokens within max-seq, at most `cap`.
+fn steps_for(a: &Active, cap: usize) -> usize {
+    a.reply.remaining().min(a.seq.max_seq() - a.seq.len()).min(cap)
+}
 
-        let stats = generate(self.backend.as_mut(), &mut seq, rest, job.max_tokens, &mut sampler, &self.cfg.stop_ids, want_lp, |tok, logits| {
-            let now = Instant::now();
-            match last_tok {
-                None => metrics.ttft.observe(now.duration_since(arrived).as_secs_f64()),
-                Some(t) => metrics.itl.observe(now.duration_since(t).as_secs_f64()),
-            }
-            last_tok = Some(now);
-            generated.push(tok);
-            if pipeline.in_reasoning() {
-                reasoning_tokens += 1;
-            }
-            let text = decoder.push(&tokenizer, tok);
-            let (delta, hit) = pipeline.push(&text);
-            let logprobs = if want_lp { vec![logprob_entry(&tokenizer, logits, tok, top_lp)] } else { vec![] };
-            if !delta.is_empty() || !logprobs.is_empty() {
-                if events.send(Event::Delta { delta, logprobs }).is_err() {
-                    client_gone = true;
-                    return Next::Stop;
-                }
-            } else if events.is_closed() {
-                client_gone = true;
-                return Next::Stop;
-            }
-            if hit {
-                stop_hit = true;
-                return Next::Stop;
-            }
-            Next::Continue
-        })?;
-        let secs = t0.elapsed().as_secs_f64();
-        usage.completion_tokens = generated.len() + usize::from(stats.finish == FinishReason::Stop);
-        usage.reasoning_tokens = reasoning_tokens;
+/// One row alone: the backend's pipelined single-sequence loop (the token stays on the device).
+/// It runs whole (a pipelined loop stopped early may have fed a token whose successor is lost),
+/// so it is kept short: `steps` at most.
+fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
+    let steps = steps_for(a, steps);
+    let Active { seq, reply, failed, .. } = a;
+    let first = reply.next;
+    let snap = reply.sampler.clone();
+    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, ctx.stop_ids);
+    let mut each = |t: u32| reply.accept(t, &[], stop_ids, tokenizer, metrics);
+    let r = guarded(|| match snap.params.is_plain_greedy() {
+        true => ctx.backend.decode_greedy(seq, first, steps, &mut each),
+        false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut each),
+    });
+    if let Err(e) = r {
+        *failed = Some(e);
+    }
+}
 
-        // Keep a snapshot of exactly what the sequence consumed.
-        let fed = seq.len();
-        if fed >= prompt.len() && fed - prompt.len() <= generated.len() {
-            let mut tokens = prompt.clone();
-            tokens.extend_from_slice(&generated[..fed - prompt.len()]);
-            let bytes = seq.memory_bytes();
-            self.cache.insert(tokens, seq, bytes, req.prompt_cache_key.clone());
+/// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
+/// resumes next turn) once `newcomer` says a request waits to join.
+fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool) {
+    let mut batch = Vec::with_capacity(rows.len());
+    let mut replies = Vec::with_capacity(rows.len());
+    let mut failures = Vec::with_capacity(rows.len());
+    for a in rows {
+        let max_tokens = steps_for(a, horizon);
+        let Active { seq, reply, failed, .. } = a;
+        batch.push(BatchRow { seq, first_token: reply.next, max_tokens, sampler: reply.sampler.clone() });
+        replies.push(reply);
+        failures.push(failed);
+    }
+    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, ctx.stop_ids);
+    let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut |i, t| replies[i].accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer()));
+    if let Err(e) = r {
+        // A failed step leaves every row of it in an unknown state: all of them fail.
+        let msg = format!("{e:#}");
+        for f in failures {
+            *f = Some(anyhow::anyhow!("batched decode failed: {msg}"));
         }
-        self.metrics.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
-        self.metrics.cache_entries.store(self.cache.len() as u64, Relaxed);
+    }
+}
 
-        self.metrics.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
-        self.metrics.cached_tokens.fetch_add(usage.cached_tokens as u64, Relaxed);
-        self.metrics.completion_tokens.fetch_add(usage.completion_tokens as u64, Relaxed);
-
-        if client_gone {
-            return Ok(JobEnd::ClientGone { usage, secs });
+/// One step of a row whose client wants logprobs: the logits come to the host.
+fn host_step(ctx: &mut Ctx, a: &mut Active) {
+    let at = a.seq.len();
+    let r = guarded(|| ctx.backend.forward(&mut a.seq, &[a.reply.next], LogitsWanted::Last));
+    match r {
+        Ok(mut logits) => {
+            let tok = a.reply.sampler.sample_at(&mut logits, at);
+            a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
         }
-        let tail = if stop_hit { Delta::default() } else { pipeline.finish(&decoder.finish()) };
-        if !tail.is_empty() {
-            let _ = job.events.send(Event::Delta { delta: tail, logprobs: vec![] });
-        }
-        // "tool_calls" only when every call is whole: a call cut by the end of sequence, a stop
-        // string or max_tokens ends as "stop" / "length" with its partial arguments.
-        let finish = if pipeline.tool_calls() > 0 && !pipeline.tool_call_cut() && stats.finish != FinishReason::Length {
-            "tool_calls"
-        } else if stop_hit {
-            "stop"
-        } else {
-            stats.finish.as_openai()
-        };
-        if job.events.send(Event::Done { finish_reason: finish, usage: usage.clone() }).is_err() {
-            return Ok(JobEnd::ClientGone { usage, secs });
-        }
-        Ok(JobEnd::Finished { usage, finish, secs })
+        Err(e) => a.failed = Some(e),
     }
 }

@@ -347,6 +347,14 @@ impl Backend for CudaBackend {
         Some(self.mem.report())
     }
 
+    /// The batch GEMMs' row limit, or fewer when the sequence memory budget cannot hold that
+    /// many sequences at their smallest.
+    fn batch_capacity(&self) -> usize {
+        let regions = state::kv_regions(&state::layout(&self.cfg).0);
+        let fits = self.mem.report().budget_bytes as usize / self.mem.sequence_floor_bytes(regions).max(1);
+        batch::MAX_BATCH.min(fits).max(1)
+    }
+
     /// A state slot and the KV address space of `max_seq` tokens; KV pages are mapped as the
     /// sequence grows.
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {

@@ -50,6 +50,12 @@ impl SequenceMemory {
         self.cap.map_or(limit, |c| limit.min(c))
     }
 
+    /// The least one sequence holds: its state slot and the first page of each of its
+    /// `kv_regions` KV regions.
+    pub fn sequence_floor_bytes(&self, kv_regions: usize) -> usize {
+        self.slot_floats * 4 + kv_regions * self.page_bytes()
+    }
+
     pub fn report(&self) -> SequenceMemoryReport {
         let l = self.ledger();
         SequenceMemoryReport {

@@ -22,6 +22,11 @@ pub enum LayerSlot {
     Attn { a: usize },
 }
 
+/// KV regions of a sequence with these layers: a K and a V region per attention layer.
+pub fn kv_regions(layers: &[LayerSlot]) -> usize {
+    2 * layers.iter().filter(|l| matches!(l, LayerSlot::Attn { .. })).count()
+}
+
 /// Each layer's place in a sequence's state slot and KV space, and the slot's size in f32s.
 /// Offsets are multiples of 64 elements (256-byte aligned, as the kernels' vector loads need).
 pub fn layout(cfg: &ModelConfig) -> (Vec<LayerSlot>, usize) {
@@ -86,7 +91,7 @@ impl CudaSequence {
             bail!("max-seq {max_seq} is too large for the CUDA backend's 32-bit positions");
         }
         let (layers, _) = layout(cfg);
-        let regions = 2 * layers.iter().filter(|l| matches!(l, LayerSlot::Attn { .. })).count();
+        let regions = kv_regions(&layers);
         Ok(CudaSequence {
             stream: gpu.stream.clone(),
             step: gpu.zeros(2)?,
