@@ -571,15 +571,14 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
     assert!(metrics.contains("lily_prefix_cache_hits_total 0"), "{metrics}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
-    // A backend whose sequences draw on a small budget (one unit per reserved token plus ten
-    // per sequence). A request that fits only once cached snapshots are dropped is served; one
-    // that cannot fit at all gets 503 with the reason, and the server goes on serving.
+/// A test backend whose sequences draw on a small budget: one unit per reserved token plus ten
+/// per sequence, `BUDGET` in all.
+mod budgeted {
+    use super::always_seven;
     use lily::backend::{Backend, LogitsWanted, MemoryFull, Sequence, SequenceState};
     use std::any::Any;
     use std::sync::{Arc, Mutex};
-    const BUDGET: usize = 100;
+    pub const BUDGET: usize = 100;
     struct Held {
         units: usize,
         used: Arc<Mutex<usize>>,
@@ -621,9 +620,11 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
             self
         }
     }
-    struct Budgeted {
-        cfg: lily::checkpoint::ModelConfig,
-        used: Arc<Mutex<usize>>,
+    pub struct Budgeted {
+        pub cfg: lily::checkpoint::ModelConfig,
+        pub used: Arc<Mutex<usize>>,
+        /// Time each forward takes (so requests overlap).
+        pub delay: std::time::Duration,
     }
     impl Backend for Budgeted {
         fn name(&self) -> &'static str {
@@ -640,12 +641,21 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
             Ok(Sequence::new(max_seq, Box::new(Held::take(&self.used, 10)?)))
         }
         fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            std::thread::sleep(self.delay);
             always_seven(self.cfg.vocab_size, seq, tokens, w)
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
+    // A request that fits only once cached snapshots are dropped is served; one that cannot fit
+    // at all gets 503 with the reason, and the server goes on serving.
+    use budgeted::Budgeted;
+    use std::sync::{Arc, Mutex};
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let used = Arc::new(Mutex::new(0));
-    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone() })).unwrap();
+    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::ZERO })).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // 6 + 4 tokens: the request holds 20 units, and leaves two snapshots of 20 in the cache.
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
@@ -674,6 +684,28 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
     assert!(metrics.contains("lily_sequence_memory_budget_bytes 100"), "{metrics}");
     let held = *used.lock().unwrap();
     assert!(metrics.contains(&format!("lily_sequence_memory_used_bytes {held}")), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_memory_that_running_requests_hold() {
+    // Each request needs 10 + 6 + 40 = 56 of the 100 units: the second cannot start while the
+    // first runs, so it waits at the head of the queue (no 503) and starts when the first ends.
+    use budgeted::{Budgeted, BUDGET};
+    use std::sync::{Arc, Mutex};
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let used = Arc::new(Mutex::new(0));
+    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::from_millis(5) })).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let ask = |p: u32| post(&url, json!({"prompt": [p, p, p, p, p, p], "max_tokens": 40, "temperature": 0}));
+    let ((s1, v1), (s2, v2)) = tokio::join!(ask(1), async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        ask(2).await
+    });
+    assert_eq!((s1, s2), (200, 200), "{v1} {v2}");
+    assert_eq!(v2["usage"]["completion_tokens"], 40, "{v2}");
+    assert!(*used.lock().unwrap() <= BUDGET);
+    let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    assert!(!metrics.contains("status=\"503\""), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,203 @@
+//! Continuous batching in the server, on the tiny model and the CPU backend: concurrent streams
+//! share decode steps (each still gets exactly its solo output, greedy or seeded), a client that
+//! hangs up leaves the others untouched, a long prompt is prefilled between the running streams'
+//! steps instead of stalling them, and `--max-batch` bounds a step.
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::*;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A completions body over a prompt of token ids (distinct per `i`).
+fn body(i: usize, max_tokens: usize, sampled: bool) -> Value {
+    let prompt: Vec<u32> = (0..6 + i % 5).map(|j| (1000 + 37 * i + 11 * j) as u32).collect();
+    let mut b = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
+    if sampled {
+        b["temperature"] = json!(0.9);
+        b["top_p"] = json!(0.9);
+        b["presence_penalty"] = json!(0.5);
+        b["seed"] = json!(100 + i);
+    }
+    b
+}
+
+/// One streamed completion as the client saw it.
+#[derive(Debug, Default, Clone)]
+struct Stream {
+    text: String,
+    /// Arrival time of each chunk that carried text.
+    chunks: Vec<Instant>,
+    finish: Option<String>,
+}
+
+/// Streams a completion, hanging up after `hang_up_after` text chunks when given.
+async fn stream(url: &str, body: Value, hang_up_after: Option<usize>) -> Stream {
+    let mut r = client().post(url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut out = Stream::default();
+    let mut buf = String::new();
+    while let Some(bytes) = r.chunk().await.unwrap() {
+        buf.push_str(std::str::from_utf8(&bytes).unwrap());
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            let c = &v["choices"][0];
+            if let Some(t) = c["text"].as_str().filter(|t| !t.is_empty()) {
+                out.text.push_str(t);
+                out.chunks.push(Instant::now());
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                out.finish = Some(f.to_string());
+            }
+        }
+        if hang_up_after.is_some_and(|n| out.chunks.len() >= n) {
+            return out;
+        }
+    }
+    out
+}
+
+async fn stream_owned(url: String, body: Value) -> Stream {
+    stream(&url, body, None).await
+}
+
+/// Polls /metrics while `running`, keeping the largest `lily_batch_size` seen.
+fn watch_batch_size(url: String, running: Arc<AtomicBool>) -> (Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
+    let max = Arc::new(AtomicU64::new(0));
+    let m = max.clone();
+    let task = tokio::spawn(async move {
+        while running.load(Relaxed) {
+            let text = client().get(&url).send().await.unwrap().text().await.unwrap();
+            let b = text.lines().find_map(|l| l.strip_prefix("lily_batch_size ")).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            m.fetch_max(b as u64, Relaxed);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    (max, task)
+}
+
+/// The tiny model without a prefix cache, so solo runs leave nothing the concurrent ones reuse.
+fn uncached_args() -> lily::server::ServeArgs {
+    let mut a = args();
+    a.prefix_cache_mb = 0;
+    a
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
+    let s = lily::server::spawn(uncached_args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    // 8 greedy streams and 2 seeded sampled ones (with a penalty).
+    let cases: Vec<(usize, bool)> = (0..8).map(|i| (i, false)).chain([(8, true), (9, true)]).collect();
+    let mut solo = Vec::new();
+    for &(i, sampled) in &cases {
+        solo.push(stream(&url, body(i, 40, sampled), None).await);
+    }
+    let running = Arc::new(AtomicBool::new(true));
+    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
+    let tasks: Vec<_> = cases.iter().map(|&(i, sampled)| tokio::spawn(stream_owned(url.clone(), body(i, 40, sampled)))).collect();
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(t.await.unwrap());
+    }
+    running.store(false, Relaxed);
+    watcher.await.unwrap();
+    for (k, (a, b)) in solo.iter().zip(&together).enumerate() {
+        assert!(!a.text.is_empty(), "case {k} produced text");
+        assert_eq!(a.text, b.text, "case {k}: the batched stream differs from its solo run");
+        assert_eq!(a.finish, b.finish, "case {k}");
+    }
+    // Interleaved in time: every stream had its first text before any other stream ended.
+    for (i, a) in together.iter().enumerate() {
+        for (j, b) in together.iter().enumerate() {
+            if i != j {
+                assert!(a.chunks[0] < *b.chunks.last().unwrap(), "stream {i} started only after stream {j} ended");
+            }
+        }
+    }
+    assert!(max_batch.load(Relaxed) >= 2, "/metrics never showed a batch of two or more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_leaves_the_others_untouched() {
+    let s = lily::server::spawn(uncached_args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let mut solo = Vec::new();
+    for i in 0..4 {
+        solo.push(stream(&url, body(i, 32, i == 3), None).await);
+    }
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { stream(&url, body(i, 32, i == 3), (i == 1).then_some(3)).await })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    for i in [0, 2, 3] {
+        assert_eq!(got[i].text, solo[i].text, "stream {i}");
+        assert!(got[i].finish.is_some(), "stream {i} finished");
+    }
+    assert!(got[1].finish.is_none(), "stream 1 hung up");
+    let t0 = Instant::now();
+    while s.metrics.cancelled.load(Relaxed) < 1 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the hang-up was not noticed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_is_prefilled_between_the_running_streams_steps() {
+    let mut a = uncached_args();
+    a.prefill_chunk = 32;
+    let s = lily::server::spawn(a).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let streams: Vec<_> = (0..3).map(|i| tokio::spawn(stream_owned(url.clone(), body(i, 120, false)))).collect();
+    // Once the streams run, a prompt of 600 tokens arrives: 19 turns of 32 tokens.
+    while s.metrics.ttft.count() < 3 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let long: Vec<u32> = (0..600).map(|j| 2000 + (j * 7) % 500).collect();
+    let sent = Instant::now();
+    let first = stream(&url, json!({"prompt": long, "max_tokens": 1, "temperature": 0, "stream": true}), None).await;
+    let first_token = *first.chunks.first().expect("the long prompt's token");
+    let (mut during, mut after) = (0, 0);
+    for t in streams {
+        let st = t.await.unwrap();
+        during += st.chunks.iter().filter(|&&c| c > sent && c < first_token).count();
+        after += st.chunks.iter().filter(|&&c| c > first_token).count();
+    }
+    // The streams kept decoding while the long prompt was prefilled (one step per 32-token
+    // chunk), instead of waiting for all of it; and the long prompt did not wait for them to end.
+    assert!(during >= 10, "only {during} tokens reached the running streams during the long prefill");
+    assert!(after > 0, "the long prompt was served only after the running streams ended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
+    let mut a = uncached_args();
+    a.max_batch = Some(2);
+    let s = lily::server::spawn(a).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let running = Arc::new(AtomicBool::new(true));
+    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
+    let tasks: Vec<_> = (0..5).map(|i| tokio::spawn(stream_owned(url.clone(), body(i, 16, false)))).collect();
+    for t in tasks {
+        assert!(t.await.unwrap().finish.is_some());
+    }
+    running.store(false, Relaxed);
+    watcher.await.unwrap();
+    let seen = max_batch.load(Relaxed);
+    assert!((1..=2).contains(&seen), "batch of {seen} with --max-batch 2");
+    let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lily_max_batch 2"), "{metrics}");
+}
