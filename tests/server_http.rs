@@ -709,6 +709,48 @@ async fn a_request_waits_for_memory_that_running_requests_hold() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_generates_through_end_of_sequence_tokens() {
+    // A model that always says end-of-sequence: one (counted, unshown) token, unless the request
+    // asks to ignore it (vLLM's benchmark extension); then max_tokens of them.
+    use lily::backend::{Backend, LogitsWanted, Sequence};
+    struct AlwaysEos {
+        inner: Box<dyn Backend>,
+        eos: usize,
+    }
+    impl Backend for AlwaysEos {
+        fn name(&self) -> &'static str {
+            "always-eos"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            self.inner.config()
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            self.inner.new_sequence(max_seq)
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            let mut out = self.inner.forward(seq, tokens, w)?;
+            for row in out.chunks_mut(self.config().vocab_size) {
+                row[self.eos] = 1e9;
+            }
+            Ok(out)
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let eos = ck.config.eos_token_ids[0] as usize;
+    let inner: Box<dyn Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
+    let s = lily::server::spawn_with_backend(args(), Box::new(AlwaysEos { inner, eos })).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let (st, v) = post(&url, json!({"prompt": "hi", "max_tokens": 5, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!((v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()), (Some(1), Some("stop")), "{v}");
+    let (st, v) = post(&url, json!({"prompt": "hi", "max_tokens": 5, "temperature": 0, "ignore_eos": true})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!((v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()), (Some(5), Some("length")), "{v}");
+    let (st, _) = post(&url, json!({"prompt": "hi", "ignore_eos": "yes"})).await;
+    assert_eq!(st, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cors_preflight_lists_the_requested_headers() {
     // `access-control-allow-headers: *` never covers Authorization (Fetch spec), so a browser
     // client with an API key needs the header named.

@@ -94,6 +94,8 @@ pub struct Metrics {
     /// Sequences in the last decode step, and the most one step takes (`--max-batch`).
     pub batch_size: AtomicU64,
     pub max_batch: AtomicU64,
+    /// Tokens generated so far (as they are sent; `completion_tokens` counts finished requests).
+    pub generated_tokens: AtomicU64,
     /// Generated tokens per second over the last [`RATE_WINDOW_SECS`], by whole seconds.
     rate: Mutex<VecDeque<(u64, u64)>>,
     /// The backend's sequence memory budget and what sequences and snapshots hold of it
@@ -136,6 +138,7 @@ impl Metrics {
             active_seq_bytes: AtomicU64::new(0),
             batch_size: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
+            generated_tokens: AtomicU64::new(0),
             rate: Mutex::new(VecDeque::new()),
             seq_memory_budget_bytes: AtomicU64::new(0),
             seq_memory_used_bytes: AtomicU64::new(0),
@@ -155,6 +158,7 @@ impl Metrics {
 
     /// Counts `n` generated tokens now (for the generation rate).
     pub fn generated(&self, n: u64) {
+        self.generated_tokens.fetch_add(n, Relaxed);
         let sec = self.started.elapsed().as_secs();
         let mut q = self.rate.lock().unwrap_or_else(|e| e.into_inner());
         match q.back_mut() {

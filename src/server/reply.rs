@@ -95,7 +95,7 @@ impl Reply {
     /// the device): sends what it releases to the client and says whether to go on. When it
     /// returns false, `end` says why.
     pub fn accept(&mut self, tok: u32, logits: &[f32], stop_ids: &[u32], tokenizer: &Tokenizer, metrics: &Metrics) -> bool {
-        if stop_ids.contains(&tok) {
+        if stop_ids.contains(&tok) && !self.job.req.ignore_eos {
             self.end = Some(End::StopToken);
             return false;
         }

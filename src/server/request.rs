@@ -56,6 +56,9 @@ pub struct ParsedRequest {
     pub prompt_cache_key: Option<String>,
     /// Completions: echo the prompt before the completion.
     pub echo: bool,
+    /// `ignore_eos` (vLLM's extension, for benchmarks): the model's end-of-sequence tokens do not
+    /// end the generation; only `max_tokens` and stop strings do.
+    pub ignore_eos: bool,
 }
 
 impl ParsedRequest {
@@ -218,6 +221,7 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
     let mct = get_uint(obj, "max_completion_tokens")?;
     let mt = get_uint(obj, "max_tokens")?;
     let echo = endpoint == Endpoint::Completion && get_bool(obj, "echo")?.unwrap_or(false);
+    let ignore_eos = get_bool(obj, "ignore_eos")?.unwrap_or(false);
     let max_tokens = match mct.or(mt) {
         Some(0) if echo => Some(0),
         Some(0) => {
@@ -446,7 +450,7 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
         }
     }
 
-    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo })
+    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo, ignore_eos })
 }
 
 fn token_ids(v: &Value) -> Result<Vec<u32>, ApiError> {

@@ -1,8 +1,8 @@
 //! `lily serve --tui`: a live dashboard (ratatui + crossterm) on its own thread, off the
 //! serving path: it only reads the shared [`Metrics`] every 250 ms.
 //!
-//! Panels: server line; totals (requests by status, queue depth, tokens, cache hit ratio,
-//! memory); a tokens/s sparkline; the recent requests, newest first. `q`, `Esc` or `Ctrl-C`
+//! Panels: server line; totals (requests by status, running batch, queue depth, tokens, cache
+//! hit ratio, memory); a tokens/s sparkline; the recent requests, newest first. `q`, `Esc` or `Ctrl-C`
 //! stops the server.
 
 use super::metrics::Metrics;
@@ -55,12 +55,12 @@ pub fn spawn(info: DashInfo, metrics: Arc<Metrics>, quit: oneshot::Sender<()>) -
         let mut terminal = ratatui::init();
         let mut quit = Some(quit);
         let mut history: VecDeque<u64> = VecDeque::new();
-        let mut last_tokens = metrics.completion_tokens.load(Relaxed);
+        let mut last_tokens = metrics.generated_tokens.load(Relaxed);
         let mut last_t = Instant::now();
         let mut rate = 0.0f64;
         while !stop.load(Relaxed) {
             if last_t.elapsed() >= Duration::from_millis(1000) {
-                let now = metrics.completion_tokens.load(Relaxed);
+                let now = metrics.generated_tokens.load(Relaxed);
                 rate = (now - last_tokens) as f64 / last_t.elapsed().as_secs_f64();
                 last_tokens = now;
                 last_t = Instant::now();
@@ -94,7 +94,15 @@ pub fn spawn(info: DashInfo, metrics: Arc<Metrics>, quit: oneshot::Sender<()>) -
                     }
                 }
                 let lines = vec![
-                    Line::from(format!("requests ok {ok}   4xx {c4}   5xx {c5}   cancelled {}   running {}   queue {}/{}", metrics.cancelled.load(Relaxed), running, metrics.queue_depth.load(Relaxed).max(0), info.max_queue)),
+                    Line::from(format!(
+                        "requests ok {ok}   4xx {c4}   5xx {c5}   cancelled {}   running {}   batch {}/{}   queue {}/{}",
+                        metrics.cancelled.load(Relaxed),
+                        running,
+                        metrics.batch_size.load(Relaxed),
+                        metrics.max_batch.load(Relaxed),
+                        metrics.queue_depth.load(Relaxed).max(0),
+                        info.max_queue
+                    )),
                     Line::from(format!(
                         "tokens   prompt {}   cached {} ({:.1}%)   completion {}",
                         metrics.prompt_tokens.load(Relaxed),
@@ -103,7 +111,7 @@ pub fn spawn(info: DashInfo, metrics: Arc<Metrics>, quit: oneshot::Sender<()>) -
                         metrics.completion_tokens.load(Relaxed)
                     )),
                     Line::from(format!(
-                        "prefix cache {} entries, {}   hits {}/{} lookups   active sequence KV+state {}",
+                        "prefix cache {} entries, {}   hits {}/{} lookups   running sequences KV+state {}",
                         metrics.cache_entries.load(Relaxed),
                         mb(metrics.cache_bytes.load(Relaxed)),
                         metrics.cache_hits.load(Relaxed),
