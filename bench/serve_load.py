@@ -1,0 +1,160 @@
+"""Load test through the server with the official openai client: C concurrent streaming requests
+per level, each with its own prompt of token ids (no prefix-cache hits), `max_tokens` out with
+`ignore_eos` (every request generates exactly that many), greedy and sampled (temperature 0.7,
+top-p 0.8, top-k 20: what chat clients send).
+
+Per level it prints one JSON line: aggregate completion tok/s over the level's wall time (first
+request sent to last stream ended), time to first token p50 / p95 (request sent to first text
+chunk), inter-token latency p50 / p95 (gaps between consecutive text chunks of a stream; a
+chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character).
+
+    python3 bench/serve_load.py --lily target/release/lily --model DIR        # starts `lily serve`
+    python3 bench/serve_load.py --url http://127.0.0.1:8000                   # a running server
+"""
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+SAMPLED = {"temperature": 0.7, "top_p": 0.8, "extra_body": {"top_k": 20, "ignore_eos": True}}
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def percentile(xs, q):
+    """The q-quantile (0..1) by linear interpolation; None for no samples."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def prompt_ids(level, client, n, vocab):
+    """A distinct deterministic prompt per (level, client): a 64-bit LCG over the vocabulary,
+    avoiding the lowest 1000 ids (special and byte tokens)."""
+    x = (level * 1_000_003 + client * 7919 + 1) & ((1 << 64) - 1)
+    out = []
+    for _ in range(n):
+        x = (x * 6364136223846793005 + 1442695040888963407) & ((1 << 64) - 1)
+        out.append(1000 + (x >> 33) % (vocab - 1000))
+    return out
+
+
+async def one_stream(client, model, prompt, max_tokens, params):
+    sent = time.perf_counter()
+    chunks = []
+    usage = None
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, **params)
+    async for ev in stream:
+        if ev.choices and ev.choices[0].text:
+            chunks.append(time.perf_counter())
+        if ev.usage is not None:
+            usage = ev.usage
+    return {"sent": sent, "chunks": chunks, "ended": time.perf_counter(), "completion_tokens": usage.completion_tokens if usage else 0}
+
+
+async def run_level(client, model, level, concurrency, prompt_len, max_tokens, params, vocab):
+    prompts = [prompt_ids(level, c, prompt_len, vocab) for c in range(concurrency)]
+    results = await asyncio.gather(*(one_stream(client, model, p, max_tokens, params) for p in prompts))
+    start = min(r["sent"] for r in results)
+    end = max(r["ended"] for r in results)
+    tokens = sum(r["completion_tokens"] for r in results)
+    ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
+    itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    wall = end - start
+    return {
+        "requests": concurrency,
+        "completion_tokens": tokens,
+        "wall_secs": round(wall, 4),
+        "decode": {"aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None},
+        "per_stream_tok_s_p50": round(percentile([r["completion_tokens"] / (r["ended"] - r["chunks"][0]) for r in results if len(r["chunks"]) > 1], 0.5) or 0, 2),
+        "ttft_secs": {"p50": round(percentile(ttft, 0.5), 4), "p95": round(percentile(ttft, 0.95), 4)},
+        "itl_secs": {"p50": round(percentile(itl, 0.5) or 0, 5), "p95": round(percentile(itl, 0.95) or 0, 5)},
+    }
+
+
+def start_server(lily, model, extra):
+    proc = subprocess.Popen([lily, "serve", "--bind", "127.0.0.1:0", *(["--model", model] if model else []), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = {}
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            if m and "url" not in found:
+                found["url"] = m.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(600) or "url" not in found:
+        proc.kill()
+        sys.exit("lily serve did not start")
+    return proc, found["url"]
+
+
+async def main_async(args, url):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
+    models = await client.models.list()
+    model = models.data[0].id
+    vocab = args.vocab
+    lines = []
+    for mode in args.modes.split(","):
+        params = {"greedy": GREEDY, "sampled": SAMPLED}[mode]
+        # Warm-up: graphs for the batch shapes of this mode, allocator pools.
+        for c in sorted({1, max(int(x) for x in args.concurrency.split(","))}):
+            await run_level(client, model, 999, c, args.prompt_len, 8, params, vocab)
+        for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
+            r = await run_level(client, model, i, c, args.prompt_len, args.max_tokens, params, vocab)
+            rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
+            print(json.dumps(rec), flush=True)
+            lines.append(rec)
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in lines:
+                f.write(json.dumps(rec) + "\n")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server (else --lily starts one)")
+    ap.add_argument("--lily", default="target/release/lily")
+    ap.add_argument("--model", help="checkpoint directory for the started server (default: the embedded tiny model)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `lily serve` argument (repeatable)")
+    ap.add_argument("--api-key", default=os.environ.get("LILY_API_KEY", "unused"))
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--modes", default="greedy,sampled")
+    ap.add_argument("--prompt-len", type=int, default=700)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=248320, help="prompt ids are drawn below this")
+    ap.add_argument("--out", help="append the JSON lines here too")
+    args = ap.parse_args(argv)
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args.lily, args.model, args.serve_arg)
+    try:
+        return asyncio.run(main_async(args, url))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
