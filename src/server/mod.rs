@@ -12,6 +12,7 @@
 //!
 //! See docs/server.md for the API details.
 
+pub mod constrain;
 pub mod error;
 pub mod fuzz;
 pub mod listen;
@@ -236,6 +237,9 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     eprintln!("lily: model ready on {backend_name} in {:.1}s (max-seq {max_seq})", t0.elapsed().as_secs_f64());
     let metrics = Arc::new(Metrics::new());
     let (tx, rx) = mpsc::channel(args.max_queue);
+    // A constrained answer ends with the end of turn (any stop token would end it).
+    let answer_end = tokenizer.token_id("<|im_end|>").or(stop_ids.first().copied()).unwrap_or(0);
+    let grammars = constrain::Grammars::new(tokenizer.clone(), config.vocab_size, answer_end);
     let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker_config(args, max_seq, stop_ids));
     let sampling_defaults = sampling_defaults(args.sampling_defaults, &dir);
     let mut default_kwargs = Map::new();
@@ -258,6 +262,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         counter: AtomicU64::new(0),
         tokenize_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16)),
         sampling_defaults,
+        grammars,
     });
     Ok(Loaded { state, worker, rx, backend_name })
 }

@@ -58,6 +58,8 @@ pub struct Reply {
     pub next: u32,
     pub generated: Vec<u32>,
     pub end: Option<End>,
+    /// The reply cannot go on (its structured-output matcher failed).
+    pub failed: Option<anyhow::Error>,
     pub started: Instant,
     pipeline: OutputPipeline,
     decoder: StreamDecoder,
@@ -73,7 +75,7 @@ impl Reply {
         // The request seed fixes the snapshot's seed, so it fixes every token.
         let sampler = Sampler::new(req.sampling.clone()).snapshot();
         let usage = Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() };
-        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None }
+        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None }
     }
 
     /// Tokens this reply may still produce.
@@ -81,9 +83,19 @@ impl Reply {
         self.job.max_tokens.saturating_sub(self.generated.len())
     }
 
-    /// The client needs each token's logits (logprobs), so its steps run on the host.
+    /// Each token needs the logits on the host (logprobs, or a structured-output mask), so the
+    /// reply's steps run there.
     pub fn wants_logits(&self) -> bool {
-        self.job.req.logprobs
+        self.job.req.logprobs || self.job.constraint.is_some()
+    }
+
+    /// Draws the next token from `logits` (fed at `position`): masked by the structured-output
+    /// constraint when it applies, then sampled with the request's sampling.
+    pub fn draw(&mut self, logits: &mut [f32], position: usize) -> anyhow::Result<u32> {
+        if let Some(c) = self.job.constraint.as_mut() {
+            c.mask(logits)?;
+        }
+        Ok(self.sampler.sample_at(logits, position))
     }
 
     /// Whether the client is gone (checked between steps where no token is sent).
@@ -113,6 +125,17 @@ impl Reply {
         }
         let text = self.decoder.push(tokenizer, tok);
         let (delta, hit) = self.pipeline.push(&text);
+        if let Some(c) = self.job.constraint.as_mut() {
+            // The token that ends the reasoning is the last one the constraint lets through.
+            let r = if c.is_active() { c.consume(tok) } else { Ok(()) };
+            if !c.is_active() && !self.pipeline.in_reasoning() {
+                c.activate();
+            }
+            if let Err(e) = r {
+                self.failed = Some(e.context("structured output"));
+                return false;
+            }
+        }
         let logprobs = if self.job.req.logprobs && !logits.is_empty() { vec![logprob_entry(tokenizer, logits, tok, self.job.req.top_logprobs)] } else { vec![] };
         if !delta.is_empty() || !logprobs.is_empty() {
             if self.job.events.send(Event::Delta { delta, logprobs }).is_err() {

@@ -5,6 +5,7 @@
 //! model: the result is a [`ParsedRequest`] the handler renders, tokenizes and queues.
 
 use super::error::ApiError;
+use super::constrain::{OutputFormat, Structure, ToolCalls};
 use crate::engine::SamplingParams;
 use serde_json::{Map, Value};
 
@@ -59,6 +60,8 @@ pub struct ParsedRequest {
     /// `ignore_eos` (vLLM's extension, for benchmarks): the model's end-of-sequence tokens do not
     /// end the generation; only `max_tokens` and stop strings do.
     pub ignore_eos: bool,
+    /// What the output must match (a format, or the tool calls `tool_choice` demands).
+    pub structure: Option<Structure>,
 }
 
 impl ParsedRequest {
@@ -331,13 +334,8 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
         Some(v) => return Err(ApiError::param("stream_options", format!("'stream_options' must be an object, got {}", type_name(v)))),
     };
 
-    // response_format: only text.
-    if let Some(rf) = field(obj, "response_format") {
-        let t = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        if t != "text" {
-            return Err(ApiError::param("response_format", format!("response_format type {t:?} is not supported (structured output is not implemented); use \"text\"")));
-        }
-    }
+    let format = output_format(obj)?;
+    let parallel_tool_calls = get_bool(obj, "parallel_tool_calls")?.unwrap_or(true);
 
     let prompt_cache_key = get_str(obj, "prompt_cache_key")?.map(str::to_string);
 
@@ -450,7 +448,77 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
         }
     }
 
-    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo, ignore_eos })
+    // Tool calls that tool_choice demands are enforced by a grammar, as a format is.
+    let demanded = match &tool_choice {
+        ToolChoice::Required => Some(tool_schemas.clone()),
+        ToolChoice::Named(n) => Some(tool_schemas.iter().filter(|(k, _)| *k == n).map(|(k, v)| (k.clone(), v.clone())).collect()),
+        ToolChoice::Auto | ToolChoice::None => None,
+    };
+    let structure = match (format, demanded) {
+        (Some(_), Some(_)) => return Err(ApiError::param("response_format", "a response format cannot be combined with tool_choice \"required\" or a named function (the output is the tool call)")),
+        (Some(f), None) => Some(Structure::Format(f)),
+        (None, Some(functions)) => Some(Structure::Tools(ToolCalls { functions, parallel: parallel_tool_calls })),
+        (None, None) => None,
+    };
+
+    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo, ignore_eos, structure })
+}
+
+/// The output format a request asks for: OpenAI's `response_format` (`text`, `json_object`,
+/// `json_schema`), vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`) or its
+/// older `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice`; at most one.
+fn output_format(obj: &Map<String, Value>) -> Result<Option<OutputFormat>, ApiError> {
+    let mut found: Vec<(&str, OutputFormat)> = Vec::new();
+    if let Some(rf) = field(obj, "response_format") {
+        let Some(rf) = rf.as_object() else { return Err(ApiError::param("response_format", format!("'response_format' must be an object, got {}", type_name(rf)))) };
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", OutputFormat::JsonSchema(serde_json::json!({"type": "object"})))),
+            Some("json_schema") => {
+                let schema = rf.get("json_schema").and_then(|j| j.get("schema")).filter(|s| s.is_object() || s.is_boolean());
+                match schema {
+                    Some(s) => found.push(("response_format", OutputFormat::JsonSchema(s.clone()))),
+                    None => return Err(ApiError::param("response_format", "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")),
+                }
+            }
+            other => return Err(ApiError::param("response_format", format!("response_format type must be \"text\", \"json_object\" or \"json_schema\", got {other:?}"))),
+        }
+    }
+    let guided = |o: &Map<String, Value>, key: &str, name: &str| -> Result<Option<OutputFormat>, ApiError> {
+        let Some(v) = field(o, key) else { return Ok(None) };
+        let bad = |what: &str| ApiError::param(name, format!("'{name}' must be {what}, got {}", type_name(v)));
+        Ok(Some(match key.trim_start_matches("guided_") {
+            "json" => match v {
+                Value::Object(_) | Value::Bool(_) => OutputFormat::JsonSchema(v.clone()),
+                Value::String(s) => OutputFormat::JsonSchema(serde_json::from_str(s).map_err(|e| ApiError::param(name, format!("'{name}' is not JSON: {e}")))?),
+                _ => return Err(bad("a JSON schema")),
+            },
+            "regex" => OutputFormat::Regex(v.as_str().ok_or_else(|| bad("a string"))?.to_string()),
+            "grammar" => OutputFormat::Lark(v.as_str().ok_or_else(|| bad("a string (Lark)"))?.to_string()),
+            _ => match v.as_array().map(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect::<Option<Vec<_>>>()) {
+                Some(Some(c)) if !c.is_empty() => OutputFormat::Choice(c),
+                _ => return Err(bad("a non-empty array of strings")),
+            },
+        }))
+    };
+    if let Some(so) = field(obj, "structured_outputs") {
+        let Some(so) = so.as_object() else { return Err(ApiError::param("structured_outputs", format!("'structured_outputs' must be an object, got {}", type_name(so)))) };
+        for key in ["json", "regex", "grammar", "choice"] {
+            if let Some(f) = guided(so, key, &format!("structured_outputs.{key}"))? {
+                found.push(("structured_outputs", f));
+            }
+        }
+    }
+    for key in ["guided_json", "guided_regex", "guided_grammar", "guided_choice"] {
+        if let Some(f) = guided(obj, key, key)? {
+            found.push((key, f));
+        }
+    }
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop().map(|(_, f)| f)),
+        _ => Err(ApiError::param(found[1].0, format!("only one output format per request ({} and {} were given)", found[0].0, found[1].0))),
+    }
 }
 
 fn token_ids(v: &Value) -> Result<Vec<u32>, ApiError> {
@@ -624,7 +692,10 @@ mod tests {
         assert_eq!(with("max_tokens", json!(-5)).param.as_deref(), Some("max_tokens"));
         assert_eq!(with("top_logprobs", json!(3)).param.as_deref(), Some("top_logprobs"));
         assert_eq!(with("stop", json!(5)).param.as_deref(), Some("stop"));
-        assert_eq!(with("response_format", json!({"type": "json_object"})).param.as_deref(), Some("response_format"));
+        assert_eq!(with("response_format", json!({"type": "yaml"})).param.as_deref(), Some("response_format"));
+        assert_eq!(with("response_format", json!({"type": "json_schema"})).param.as_deref(), Some("response_format"));
+        assert_eq!(with("guided_choice", json!([])).param.as_deref(), Some("guided_choice"));
+        assert_eq!(with("structured_outputs", json!({"json": "{not json"})).param.as_deref(), Some("structured_outputs.json"));
         assert_eq!(with("messages", json!([])).param.as_deref(), Some("messages"));
         assert_eq!(with("messages", json!([{"role": "system", "content": "x"}])).param.as_deref(), Some("messages"));
         assert_eq!(with("messages", json!([{"role": "wizard", "content": "x"}])).param.as_deref(), Some("messages[0].role"));

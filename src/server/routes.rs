@@ -1,5 +1,6 @@
 //! HTTP routes: request → validation, rendering and tokenization → queue → JSON or SSE.
 
+use super::constrain::{Constraint, Grammars, Structure};
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::reasoning::prompt_opens_thinking;
@@ -45,6 +46,8 @@ pub struct AppState {
     pub tokenize_permits: tokio::sync::Semaphore,
     /// What a request's unset sampling fields take (`--sampling-defaults`).
     pub sampling_defaults: crate::engine::sampling::SamplingParams,
+    /// Structured-output grammars over the vocabulary.
+    pub grammars: Grammars,
 }
 
 pub fn now_secs() -> u64 {
@@ -152,6 +155,7 @@ struct Prepared {
     prompt_text: String,
     max_tokens: usize,
     starts_in_reasoning: bool,
+    constraint: Option<Constraint>,
 }
 
 pub(super) fn body_error(rej: BytesRejection) -> ApiError {
@@ -223,11 +227,13 @@ async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReje
     // Rendering and tokenizing run a few at a time: many large prompts at once would each hold
     // their tokenizer's working memory.
     let _permit = st.tokenize_permits.acquire().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
-    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2, true))))
+    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2, true).and_then(|r| Ok((r, constraint_for(&st2, &req2)?))))))
         .await
         .map_err(|_| ApiError::internal())?
         .map_err(|_| ApiError::invalid("cannot render this request (internal template error)"))?;
-    let (prompt, prompt_text, starts_in_reasoning) = rendered?;
+    let ((prompt, prompt_text, starts_in_reasoning), constraint) = rendered?;
+    // The constraint applies to the answer: after the reasoning when the prompt opens it.
+    let constraint = constraint.map(|m| Constraint::new(m, !starts_in_reasoning));
     if prompt.is_empty() {
         return Err(ApiError::param(if ep == Endpoint::Chat { "messages" } else { "prompt" }, "the prompt is empty after tokenization"));
     }
@@ -245,7 +251,18 @@ async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReje
         }
         None => max_seq - prompt.len(),
     };
-    Ok(Prepared { req, prompt, prompt_text, max_tokens, starts_in_reasoning })
+    Ok(Prepared { req, prompt, prompt_text, max_tokens, starts_in_reasoning, constraint })
+}
+
+/// The compiled grammar of the request's structured output, if it asks for one (compiling is
+/// CPU work, done here beside tokenizing, off the model thread).
+fn constraint_for(st: &AppState, req: &ParsedRequest) -> Result<Option<llguidance::Matcher>, ApiError> {
+    let Some(structure) = &req.structure else { return Ok(None) };
+    let param = match structure {
+        Structure::Tools(_) => "tool_choice",
+        Structure::Format(_) => "response_format",
+    };
+    st.grammars.matcher(structure).map(Some).map_err(|e| ApiError::param(param, format!("cannot use this output format: {e}")))
 }
 
 async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
@@ -268,7 +285,7 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
     let include_usage = p.req.include_usage;
     let want_logprobs = p.req.logprobs;
     let echo = if p.req.echo { Some(p.prompt_text.clone()) } else { None };
-    let job = Job { req: p.req, prompt: p.prompt, max_tokens: p.max_tokens, starts_in_reasoning: p.starts_in_reasoning, events: tx, arrived, path };
+    let job = Job { req: p.req, prompt: p.prompt, max_tokens: p.max_tokens, starts_in_reasoning: p.starts_in_reasoning, constraint: p.constraint, events: tx, arrived, path };
     st.metrics.queue_depth.fetch_add(1, Relaxed);
     if let Err(e) = st.queue.try_send(job) {
         st.metrics.queue_depth.fetch_sub(1, Relaxed);

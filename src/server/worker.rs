@@ -21,6 +21,7 @@
 //! output). A client that goes away is noticed within a step; a backend error or panic fails the
 //! requests it touched, and the worker keeps serving.
 
+use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::output::Delta;
@@ -81,6 +82,8 @@ pub struct Job {
     pub max_tokens: usize,
     /// Chat: whether the rendered prompt left a `<think>` block open.
     pub starts_in_reasoning: bool,
+    /// Structured output: the grammar the answer must match.
+    pub constraint: Option<Constraint>,
     pub events: mpsc::UnboundedSender<Event>,
     pub arrived: Instant,
     pub path: &'static str,
@@ -110,7 +113,7 @@ struct Active {
 
 impl Active {
     fn finished(&self) -> bool {
-        self.reply.end.is_some() || self.failed.is_some()
+        self.reply.end.is_some() || self.failed.is_some() || self.reply.failed.is_some()
     }
 }
 
@@ -320,7 +323,7 @@ impl Worker {
                 continue;
             }
             let Active { seq, mut reply, failed, .. } = self.active.remove(i);
-            if let Some(e) = failed {
+            if let Some(e) = failed.or_else(|| reply.failed.take()) {
                 self.fail(&reply.job, reply.usage.cached_tokens, &e);
                 continue;
             }
@@ -453,7 +456,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
     } else {
-        let tok = a.reply.sampler.sample_at(&mut logits, fed);
+        let tok = a.reply.draw(&mut logits, fed)?;
         a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
     }
     Ok(1)
@@ -507,13 +510,16 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
     }
 }
 
-/// One step of a row whose client wants logprobs: the logits come to the host.
+/// One step of a row whose logits the host needs (logprobs, structured output).
 fn host_step(ctx: &mut Ctx, a: &mut Active) {
     let at = a.seq.len();
-    let r = guarded(|| ctx.backend.forward(&mut a.seq, &[a.reply.next], LogitsWanted::Last));
+    let r = guarded(|| {
+        let mut logits = ctx.backend.forward(&mut a.seq, &[a.reply.next], LogitsWanted::Last)?;
+        let tok = a.reply.draw(&mut logits, at)?;
+        Ok((tok, logits))
+    });
     match r {
-        Ok(mut logits) => {
-            let tok = a.reply.sampler.sample_at(&mut logits, at);
+        Ok((tok, logits)) => {
             a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
         }
         Err(e) => a.failed = Some(e),
