@@ -188,3 +188,49 @@ async fn bad_formats_get_400_naming_the_field() {
         assert_eq!(v["error"]["param"], param, "{v}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_thinking_on_the_constraint_starts_after_the_reasoning() {
+    // The tiny model's reasoning never ends by itself: this wrapper makes its fourth generated
+    // token `</think>`. Before it the output is free reasoning; after it, the schema's JSON.
+    use lily::backend::{Backend, LogitsWanted, Sequence};
+    struct EndsThinking {
+        inner: Box<dyn Backend>,
+        think_end: usize,
+        steps: usize,
+    }
+    impl Backend for EndsThinking {
+        fn name(&self) -> &'static str {
+            "ends-thinking"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            self.inner.config()
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            self.inner.new_sequence(max_seq)
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            let mut out = self.inner.forward(seq, tokens, w)?;
+            match w {
+                LogitsWanted::None => self.steps = 0,
+                _ => self.steps += 1,
+            }
+            if self.steps == 4 {
+                out[self.think_end] = 1e9;
+            }
+            Ok(out)
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let think_end = tokenizer().token_id("</think>").unwrap() as usize;
+    let inner: Box<dyn Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
+    let s = lily::server::spawn_with_backend(args(), Box::new(EndsThinking { inner, think_end, steps: 0 })).unwrap();
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+    let body = json!({"messages": user("Think, then answer."), "max_tokens": 60, "seed": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}});
+    let (st, v) = post(&format!("{}/v1/chat/completions", s.url()), body).await;
+    assert_eq!(st, 200, "{v}");
+    let msg = &v["choices"][0]["message"];
+    assert!(!msg["reasoning_content"].as_str().unwrap_or("").is_empty(), "free reasoning first: {v}");
+    let answer: Value = serde_json::from_str(msg["content"].as_str().unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(answer["ok"].is_boolean(), "{v}");
+}
