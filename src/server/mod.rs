@@ -101,6 +101,12 @@ pub struct ServeArgs {
     /// Memory budget of the prefix cache (sequence snapshots), in MiB.
     #[arg(long, default_value_t = 2048)]
     pub prefix_cache_mb: usize,
+    /// A prompt's prefill also snapshots its sequence into the prefix cache every this many
+    /// tokens (0: only at chat message starts and before the last token), so prompts that share
+    /// a long prefix without a message boundary (a document, then different questions) resume
+    /// within this many tokens of where they diverge.
+    #[arg(long, default_value_t = 2048)]
+    pub prefix_checkpoint_tokens: usize,
     /// Most client connections open at once; more wait in the listen backlog.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
@@ -158,6 +164,7 @@ impl ServeArgs {
             max_batch: None,
             prefill_chunk: worker::PREFILL_CHUNK,
             prefix_cache_mb: 2048,
+            prefix_checkpoint_tokens: 2048,
             max_connections: 1024,
             header_timeout_secs: 30,
             shutdown_timeout_secs: 10,
@@ -240,7 +247,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     // A constrained answer ends with the end of turn (any stop token would end it).
     let answer_end = tokenizer.token_id("<|im_end|>").or(stop_ids.first().copied()).unwrap_or(0);
     let grammars = constrain::Grammars::new(tokenizer.clone(), config.vocab_size, answer_end);
-    let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker_config(args, max_seq, stop_ids));
+    let worker = worker::Worker::new(backend, tokenizer.clone(), metrics.clone(), worker_config(args, max_seq, stop_ids, &tokenizer));
     let sampling_defaults = sampling_defaults(args.sampling_defaults, &dir);
     let mut default_kwargs = Map::new();
     if let Some(t) = args.enable_thinking {
@@ -267,8 +274,16 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     Ok(Loaded { state, worker, rx, backend_name })
 }
 
-fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>) -> worker::WorkerConfig {
-    worker::WorkerConfig { max_seq, stop_ids, prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20), max_batch: args.max_batch, prefill_chunk: args.prefill_chunk }
+fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>, tokenizer: &Tokenizer) -> worker::WorkerConfig {
+    worker::WorkerConfig {
+        max_seq,
+        stop_ids,
+        prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20),
+        max_batch: args.max_batch,
+        prefill_chunk: args.prefill_chunk,
+        checkpoint_every: args.prefix_checkpoint_tokens,
+        message_start: tokenizer.token_id("<|im_start|>"),
+    }
 }
 
 /// Where a request's unset sampling fields come from.
@@ -366,7 +381,8 @@ pub fn spawn_with_backend(args: ServeArgs, backend: Box<dyn Backend>) -> Result<
         v.extend(tok.token_id("<|im_end|>"));
         v
     };
-    loaded.worker = worker::Worker::new(backend, tok, metrics, worker_config(&args, max_seq, stop_ids));
+    let cfg = worker_config(&args, max_seq, stop_ids, &tok);
+    loaded.worker = worker::Worker::new(backend, tok, metrics, cfg);
     spawn_loaded(args, loaded)
 }
 

@@ -86,6 +86,35 @@ impl<T> PrefixCache<T> {
     pub fn clear(&mut self) {
         self.entries.clear();
     }
+
+    /// Whether an entry holds exactly `tokens`.
+    pub fn contains(&self, tokens: &[u32]) -> bool {
+        self.entries.iter().any(|e| e.tokens == tokens)
+    }
+
+    /// The byte budget (0: nothing is cached).
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+}
+
+/// Where a prefill of `prompt` stops to snapshot its sequence, the first position after `fed`
+/// among: the start of each chat message (a `boundary` token such as `<|im_start|>`: the
+/// conversation so far, which the next turn's prompt repeats even when the template re-renders
+/// what comes after, e.g. without the earlier reasoning), every `every` tokens (0: never; long
+/// shared documents), and `last` (prompt length - 1: an exact repeat of the prompt). A snapshot at
+/// position p holds the first p tokens.
+pub fn next_checkpoint(prompt: &[u32], fed: usize, last: usize, boundary: Option<u32>, every: usize) -> usize {
+    let mut stop = last;
+    if every > 0 {
+        stop = stop.min((fed / every + 1) * every);
+    }
+    if let Some(b) = boundary {
+        if let Some(i) = prompt[fed + 1..stop.min(prompt.len())].iter().position(|&t| t == b) {
+            stop = fed + 1 + i;
+        }
+    }
+    stop
 }
 
 #[cfg(test)]
@@ -123,6 +152,26 @@ mod tests {
         c.insert(long[..4].to_vec(), "keyed", 10, Some("user-7".into()));
         let prompt: Vec<u32> = (0..500).collect();
         assert_eq!(find(&mut c, &prompt, Some("user-7")), Some(("long", 446)));
+    }
+
+    #[test]
+    fn checkpoints_at_message_starts_every_n_tokens_and_before_the_last_token() {
+        const B: u32 = 7;
+        let prompt = [B, 1, 2, B, 3, 4, 5, 6, B, 8, 9, 10, 11, 12];
+        let last = prompt.len() - 1;
+        let stops = |every| {
+            let (mut fed, mut out) = (0, vec![]);
+            while fed < last {
+                fed = next_checkpoint(&prompt, fed, last, Some(B), every);
+                out.push(fed);
+            }
+            out
+        };
+        // The leading boundary holds nothing: the first stop is the second message's start.
+        assert_eq!(stops(0), vec![3, 8, 13]);
+        assert_eq!(stops(5), vec![3, 5, 8, 10, 13]);
+        assert_eq!(next_checkpoint(&prompt, 0, last, None, 0), last);
+        assert_eq!(next_checkpoint(&prompt, 9, last, None, 4), 12);
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
 //! 2. **Prefill** up to `--prefill-chunk` prompt tokens, from the admitted prompts in order; a
 //!    prompt whose last token is fed draws its first token and joins the decoding rows. So a long
-//!    prompt delays the running streams by one chunk per token, not by its whole prefill.
+//!    prompt delays the running streams by one chunk per token, not by its whole prefill. The
+//!    prefill snapshots its sequence into the prefix cache at checkpoints: each chat message's
+//!    start, every `--prefix-checkpoint-tokens`, and before the prompt's last token.
 //! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
 //!    pipelined single-sequence loop; several run `Backend::decode_batch`; rows whose client wants
 //!    logprobs step on the host with their logits. Without prefill work, a call runs up to
@@ -25,7 +27,7 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::output::Delta;
-use super::prefix_cache::PrefixCache;
+use super::prefix_cache::{next_checkpoint, PrefixCache};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
 use crate::backend::{is_memory_full, Backend, BatchRow, LogitsWanted, Sequence};
@@ -98,6 +100,11 @@ pub struct WorkerConfig {
     pub max_batch: Option<usize>,
     /// Prompt tokens prefilled per turn.
     pub prefill_chunk: usize,
+    /// Prefix-cache checkpoints every this many prompt tokens (0: only at message starts and
+    /// before the last token).
+    pub checkpoint_every: usize,
+    /// The token that starts a chat message (`<|im_start|>`): a checkpoint before each one.
+    pub message_start: Option<u32>,
 }
 
 /// A request in the batch: its sequence and its reply.
@@ -123,6 +130,7 @@ struct Ctx<'a> {
     tokenizer: &'a Tokenizer,
     metrics: &'a Metrics,
     stop_ids: &'a [u32],
+    cfg: &'a WorkerConfig,
 }
 
 /// Runs `f`, turning a panic into an error (the worker keeps serving).
@@ -268,7 +276,7 @@ impl Worker {
     fn prefill(&mut self) {
         let mut budget = self.cfg.prefill_chunk.max(1);
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
-        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids };
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids, cfg };
         for a in active.iter_mut().filter(|a| !a.decoding && !a.finished()) {
             if a.reply.client_gone() {
                 a.reply.end = Some(End::ClientGone);
@@ -293,7 +301,7 @@ impl Worker {
         let room = self.held.is_none() && self.active.len() < self.max_batch;
         let newcomer = || room && !rx.is_empty();
         let Worker { backend, tokenizer, metrics, cfg, active, .. } = self;
-        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids };
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids, cfg };
         // A row at max-seq cannot take another step.
         for a in active.iter_mut().filter(|a| a.decoding && !a.finished() && a.seq.len() >= a.seq.max_seq()) {
             a.reply.end = Some(End::Length);
@@ -435,18 +443,19 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         let _ = a.reply.job.events.send(Event::PromptLogprobs(entries));
     }
     if fed + 1 < n {
-        let k = (n - 1 - fed).min(budget);
+        // Feed up to the next checkpoint and snapshot there (see `next_checkpoint`); a snapshot
+        // that cannot be allocated is simply not cached.
+        let checkpoint = next_checkpoint(prompt, fed, n - 1, ctx.cfg.message_start, ctx.cfg.checkpoint_every);
+        let k = (checkpoint - fed).min(budget);
         ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::None)?;
-        if a.seq.len() + 1 == n {
-            // Snapshot at prompt length - 1 so an exact repeat of this prompt (regenerate,
-            // retries, benchmarks) resumes with one token left to feed; a snapshot that cannot
-            // be allocated is simply not cached.
+        let at = a.seq.len();
+        if at == checkpoint && cache.budget() > 0 && !cache.contains(&prompt[..at]) {
             match a.seq.try_clone() {
                 Ok(snap) => {
                     let bytes = snap.memory_bytes();
-                    cache.insert(prompt[..n - 1].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());
+                    cache.insert(prompt[..at].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());
                 }
-                Err(e) => eprintln!("lily: prompt not cached (copying the sequence failed: {e:#})"),
+                Err(e) => eprintln!("lily: prompt prefix not cached (copying the sequence failed: {e:#})"),
             }
         }
         return Ok(k);
