@@ -201,3 +201,47 @@ async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lily_max_batch 2"), "{metrics}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_a_prefill_and_several_prompts_get_theirs() {
+    // Two prompts x three choices: choice i answers prompt i / 3; seeded choices differ from each
+    // other, each choice is reproducible, and the prompt is counted once per prompt.
+    let s = lily::server::spawn(uncached_args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let body = json!({"prompt": ["Once upon a time", [1000, 1001, 1002]], "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 7});
+    let r = client().post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+    let texts: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert!(texts[0] != texts[1] && texts[1] != texts[2], "{texts:?}");
+    let first = client().post(&url).json(&json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7})).send().await.unwrap().json::<Value>().await.unwrap();
+    let second = client().post(&url).json(&json!({"prompt": [1000, 1001, 1002], "max_tokens": 12, "temperature": 1.0, "seed": 7})).send().await.unwrap().json::<Value>().await.unwrap();
+    // Choice 0 of each prompt is what the request alone gives (its seed).
+    assert_eq!(texts[0], first["choices"][0]["text"]);
+    assert_eq!(texts[3], second["choices"][0]["text"]);
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap() + second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+    // Streamed: every choice index gets its text and its own finish, then one usage chunk.
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    b["stream_options"] = json!({"include_usage": true});
+    let events = sse_events(client().post(&url).json(&b).send().await.unwrap()).await;
+    let mut streamed = vec![String::new(); 6];
+    let mut finished = vec![false; 6];
+    let mut usage = Value::Null;
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            let i = c["index"].as_u64().unwrap() as usize;
+            streamed[i].push_str(c["text"].as_str().unwrap_or(""));
+            finished[i] |= c["finish_reason"].is_string();
+        } else {
+            usage = v["usage"].clone();
+        }
+    }
+    assert_eq!(streamed, texts, "the stream's choices are the non-streamed ones");
+    assert!(finished.iter().all(|&f| f));
+    assert_eq!(usage["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+}

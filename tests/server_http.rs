@@ -189,7 +189,7 @@ async fn bad_requests_get_4xx_with_error_objects() {
     let cases = [
         (json!({"messages": []}), "messages"),
         (json!({"messages": [{"role": "system", "content": "hi"}]}), "messages"),
-        (json!({"messages": user("x"), "n": 2}), "n"),
+        (json!({"messages": user("x"), "n": 17}), "n"),
         (json!({"messages": user("x"), "temperature": 7000}), "temperature"),
         (json!({"messages": user("x"), "top_p": 1.5}), "top_p"),
         (json!({"messages": user("x"), "max_tokens": 0}), "max_tokens"),

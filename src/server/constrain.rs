@@ -179,6 +179,13 @@ pub struct Constraint {
     active: bool,
 }
 
+impl Clone for Constraint {
+    /// An independent copy (its own parser and lexer state).
+    fn clone(&self) -> Self {
+        Constraint { matcher: self.matcher.deep_clone(), active: self.active }
+    }
+}
+
 impl Constraint {
     pub fn new(matcher: Matcher, active: bool) -> Self {
         Constraint { matcher, active }

@@ -67,14 +67,20 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// The reply to `job`'s choice `job.index`; a choice forked from another (`job.index` past the
+    /// job's first) counts no prompt tokens of its own.
     pub fn new(job: Job, cached_tokens: usize) -> Self {
         let req = &job.req;
         let chat = req.endpoint == Endpoint::Chat;
         let tools = if req.has_tools() { Some(req.tool_schemas.clone()) } else { None };
         let pipeline = OutputPipeline::new(req.stop.clone(), if chat { Some(job.starts_in_reasoning) } else { None }, tools);
-        // The request seed fixes the snapshot's seed, so it fixes every token.
-        let sampler = Sampler::new(req.sampling.clone()).snapshot();
-        let usage = Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() };
+        // The request seed fixes the snapshot's seed, so it fixes every token; choice j of a
+        // prompt draws with seed + j (choice 0 is what the prompt alone with that seed gives).
+        let mut params = req.sampling.clone();
+        params.seed = params.seed.map(|s| s.wrapping_add((job.index % req.n) as u64));
+        let sampler = Sampler::new(params).snapshot();
+        let forked = job.index % req.n != 0;
+        let usage = if forked { Usage::default() } else { Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() } };
         Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None }
     }
 
@@ -138,7 +144,7 @@ impl Reply {
         }
         let logprobs = if self.job.req.logprobs && !logits.is_empty() { vec![logprob_entry(tokenizer, logits, tok, self.job.req.top_logprobs)] } else { vec![] };
         if !delta.is_empty() || !logprobs.is_empty() {
-            if self.job.events.send(Event::Delta { delta, logprobs }).is_err() {
+            if self.job.events.send(Event::Delta { index: self.job.index, delta, logprobs }).is_err() {
                 self.end = Some(End::ClientGone);
                 return false;
             }
@@ -168,7 +174,7 @@ impl Reply {
         }
         let tail = if end == End::StopString { Delta::default() } else { self.pipeline.finish(&self.decoder.finish()) };
         if !tail.is_empty() {
-            let _ = self.job.events.send(Event::Delta { delta: tail, logprobs: vec![] });
+            let _ = self.job.events.send(Event::Delta { index: self.job.index, delta: tail, logprobs: vec![] });
         }
         // "tool_calls" only when every call is whole: a call cut by the end of sequence, a stop
         // string or max_tokens ends as "stop" / "length" with its partial arguments.
@@ -179,7 +185,7 @@ impl Reply {
         } else {
             "stop"
         };
-        if self.job.events.send(Event::Done { finish_reason: finish, usage: self.usage.clone() }).is_err() {
+        if self.job.events.send(Event::Done { index: self.job.index, finish_reason: finish, usage: self.usage.clone() }).is_err() {
             self.end = Some(End::ClientGone);
             return None;
         }

@@ -62,6 +62,11 @@ pub struct ParsedRequest {
     pub ignore_eos: bool,
     /// What the output must match (a format, or the tool calls `tool_choice` demands).
     pub structure: Option<Structure>,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Completions with several prompts: the second and later (each gets `n` choices after the
+    /// first prompt's).
+    pub extra_prompts: Vec<PromptInput>,
 }
 
 impl ParsedRequest {
@@ -69,6 +74,11 @@ impl ParsedRequest {
         matches!(&self.prompt, PromptInput::Chat { tools: Some(_), .. }) && self.tool_choice != ToolChoice::None
     }
 }
+
+/// Most choices per prompt (`n`).
+pub const MAX_N: usize = 16;
+/// Most prompts per completions request.
+pub const MAX_PROMPTS: usize = 64;
 
 /// Largest `top_logprobs` accepted (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -200,16 +210,16 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
 
     let model = get_str(obj, "model")?.map(str::to_string);
 
-    // n / best_of: one choice only.
-    if let Some(n) = field(obj, "n") {
-        if n.as_u64() != Some(1) && n.as_f64() != Some(1.0) {
-            return Err(ApiError::param("n", format!("only n=1 is supported (one choice per request), got {n}")));
-        }
-    }
+    // n: choices per prompt (they share the prompt's prefill); best_of only as n.
+    let n = match get_uint(obj, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_N as u64).contains(&n) => n as usize,
+        Some(n) => return Err(ApiError::param("n", format!("'n' must be between 1 and {MAX_N}, got {n}"))),
+    };
     if endpoint == Endpoint::Completion {
-        if let Some(b) = field(obj, "best_of") {
-            if b.as_u64() != Some(1) {
-                return Err(ApiError::param("best_of", "only best_of=1 is supported"));
+        if let Some(b) = get_uint(obj, "best_of")? {
+            if b as usize != n {
+                return Err(ApiError::param("best_of", "best_of must equal n (choices are not ranked)"));
             }
         }
         if let Some(s) = field(obj, "suffix") {
@@ -341,6 +351,7 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
 
     let mut tool_choice = ToolChoice::Auto;
     let mut tool_schemas = Map::new();
+    let mut extra_prompts = Vec::new();
     let prompt = match endpoint {
         Endpoint::Chat => {
             if field(obj, "prompt").is_some() && field(obj, "messages").is_none() {
@@ -432,18 +443,15 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
             }
             PromptInput::Chat { messages, tools, kwargs, continue_final }
         }
-        Endpoint::Completion => match field(obj, "prompt") {
-            None => return Err(ApiError::param("prompt", "'prompt' is required")),
-            Some(Value::String(s)) => PromptInput::Text(s.clone()),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => PromptInput::Text(a[0].as_str().unwrap_or_default().to_string()),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => PromptInput::Tokens(token_ids(&a[0])?),
-            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => PromptInput::Tokens(token_ids(&Value::Array(a.clone()))?),
-            Some(Value::Array(a)) if a.len() > 1 => return Err(ApiError::param("prompt", "only one prompt per request is supported (batches of prompts are not)")),
-            Some(v) => return Err(ApiError::param("prompt", format!("'prompt' must be a string or an array of token ids, got {}", type_name(v)))),
-        },
+        Endpoint::Completion => {
+            let mut all = completion_prompts(field(obj, "prompt"))?;
+            let first = all.remove(0);
+            extra_prompts = all;
+            first
+        }
     };
-    if let PromptInput::Text(t) = &prompt {
-        if t.is_empty() {
+    for p in std::iter::once(&prompt).chain(&extra_prompts) {
+        if matches!(p, PromptInput::Text(t) if t.is_empty()) {
             return Err(ApiError::param("prompt", "'prompt' must not be empty"));
         }
     }
@@ -461,7 +469,31 @@ pub fn parse_value(endpoint: Endpoint, value: &Value, defaults: &SamplingParams)
         (None, None) => None,
     };
 
-    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo, ignore_eos, structure })
+    Ok(ParsedRequest { endpoint, model, prompt, max_tokens, sampling, stop, logprobs, top_logprobs, stream, include_usage, tool_choice, tool_schemas, prompt_cache_key, echo, ignore_eos, structure, n, extra_prompts })
+}
+
+/// A completions `prompt`: a string, token ids, or a list of either (several prompts, each its own
+/// choices).
+fn completion_prompts(v: Option<&Value>) -> Result<Vec<PromptInput>, ApiError> {
+    let one = |v: &Value| -> Result<PromptInput, ApiError> {
+        match v {
+            Value::String(s) => Ok(PromptInput::Text(s.clone())),
+            Value::Array(_) => Ok(PromptInput::Tokens(token_ids(v)?)),
+            other => Err(ApiError::param("prompt", format!("each prompt must be a string or an array of token ids, got {}", type_name(other)))),
+        }
+    };
+    let all = match v {
+        None => return Err(ApiError::param("prompt", "'prompt' is required")),
+        Some(Value::String(s)) => vec![PromptInput::Text(s.clone())],
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => vec![PromptInput::Tokens(token_ids(&Value::Array(a.clone()))?)],
+        Some(Value::Array(a)) if !a.is_empty() => a.iter().map(one).collect::<Result<Vec<_>, _>>()?,
+        Some(Value::Array(_)) => return Err(ApiError::param("prompt", "'prompt' must not be empty")),
+        Some(v) => return Err(ApiError::param("prompt", format!("'prompt' must be a string or an array of token ids, got {}", type_name(v)))),
+    };
+    if all.len() > MAX_PROMPTS {
+        return Err(ApiError::param("prompt", format!("at most {MAX_PROMPTS} prompts per request, got {}", all.len())));
+    }
+    Ok(all)
 }
 
 /// The output format a request asks for: OpenAI's `response_format` (`text`, `json_object`,
@@ -685,7 +717,8 @@ mod tests {
             b[k] = v;
             chat(b).unwrap_err()
         };
-        assert_eq!(with("n", json!(2)).param.as_deref(), Some("n"));
+        assert_eq!(with("n", json!(0)).param.as_deref(), Some("n"));
+        assert_eq!(with("n", json!(17)).param.as_deref(), Some("n"));
         assert_eq!(with("temperature", json!(-1)).param.as_deref(), Some("temperature"));
         assert_eq!(with("top_p", json!(0)).param.as_deref(), Some("top_p"));
         assert_eq!(with("max_tokens", json!(0)).param.as_deref(), Some("max_tokens"));
@@ -775,7 +808,12 @@ mod tests {
         assert_eq!(p(json!({"prompt": "abc", "logprobs": 2})).unwrap().top_logprobs, 2);
         assert_eq!(p(json!({"prompt": [1, 2, 3]})).unwrap().prompt, PromptInput::Tokens(vec![1, 2, 3]));
         assert_eq!(p(json!({"prompt": [[4, 5]]})).unwrap().prompt, PromptInput::Tokens(vec![4, 5]));
-        assert!(p(json!({"prompt": ["a", "b"]})).is_err());
+        let two = p(json!({"prompt": ["a", [7, 8]], "n": 2})).unwrap();
+        assert_eq!((two.prompt, two.extra_prompts, two.n), (PromptInput::Text("a".into()), vec![PromptInput::Tokens(vec![7, 8])], 2));
+        assert!(p(json!({"prompt": ["a", ""]})).is_err());
+        assert!(p(json!({"prompt": ["a", 5]})).is_err());
+        assert!(p(json!({"prompt": vec!["a"; MAX_PROMPTS + 1]})).is_err());
+        assert!(p(json!({"prompt": "a", "n": 2, "best_of": 3})).is_err());
         assert!(p(json!({"prompt": ""})).is_err());
         assert!(p(json!({})).is_err());
         assert!(p(json!({"prompt": "x", "suffix": "y"})).is_err());

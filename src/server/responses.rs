@@ -100,18 +100,24 @@ fn tool_call_deltas(events: &[ToolEvent]) -> Vec<Value> {
         .collect()
 }
 
-/// Builds the chunks of one streamed response (same id and created on every chunk).
+/// Builds the chunks of one streamed response (same id and created on every chunk), for its
+/// choices by index.
 pub struct ChunkBuilder {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub chat: bool,
-    pub include_usage: bool,
-    pub reasoning: ReasoningField,
-    pub text_offset: usize,
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    reasoning: ReasoningField,
+    /// Completions: characters of each choice's text so far (logprobs' `text_offset`).
+    text_offset: Vec<usize>,
 }
 
 impl ChunkBuilder {
+    pub fn new(id: String, created: u64, model: String, chat: bool, include_usage: bool, reasoning: ReasoningField, choices: usize) -> Self {
+        ChunkBuilder { id, created, model, chat, include_usage, reasoning, text_offset: vec![0; choices] }
+    }
+
     fn base(&self, choices: Vec<Value>) -> Value {
         let mut v = json!({
             "id": self.id,
@@ -127,12 +133,18 @@ impl ChunkBuilder {
         v
     }
 
-    /// The first chat chunk: the assistant role.
-    pub fn role(&self) -> Value {
-        self.base(vec![json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})])
+    /// A chat choice's first chunk: the assistant role.
+    pub fn role(&self, index: usize) -> Value {
+        self.base(vec![json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})])
     }
 
-    pub fn delta(&mut self, d: &Delta, lps: &[TokenLogprob], want_logprobs: bool) -> Option<Value> {
+    /// A completions choice's echoed prompt (with its logprobs, or null).
+    pub fn echo(&mut self, index: usize, text: &str, logprobs: Value) -> Value {
+        self.text_offset[index] = text.chars().count();
+        self.base(vec![json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": null})])
+    }
+
+    pub fn delta(&mut self, index: usize, d: &Delta, lps: &[TokenLogprob], want_logprobs: bool) -> Option<Value> {
         if self.chat {
             let mut delta = Map::new();
             if !d.reasoning.is_empty() {
@@ -151,22 +163,22 @@ impl ChunkBuilder {
                 return None;
             }
             let logprobs = if want_logprobs && !lps.is_empty() { json!({"content": chat_logprobs(lps)}) } else { Value::Null };
-            Some(self.base(vec![json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})]))
+            Some(self.base(vec![json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null})]))
         } else {
             if d.content.is_empty() && (lps.is_empty() || !want_logprobs) {
                 return None;
             }
-            let logprobs = if want_logprobs { completion_logprobs(lps, self.text_offset) } else { Value::Null };
-            self.text_offset += d.content.chars().count();
-            Some(self.base(vec![json!({"index": 0, "text": d.content, "logprobs": logprobs, "finish_reason": null})]))
+            let logprobs = if want_logprobs { completion_logprobs(lps, self.text_offset[index]) } else { Value::Null };
+            self.text_offset[index] += d.content.chars().count();
+            Some(self.base(vec![json!({"index": index, "text": d.content, "logprobs": logprobs, "finish_reason": null})]))
         }
     }
 
-    pub fn finish(&self, reason: &str) -> Value {
+    pub fn finish(&self, index: usize, reason: &str) -> Value {
         if self.chat {
-            self.base(vec![json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason})])
+            self.base(vec![json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason})])
         } else {
-            self.base(vec![json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason})])
+            self.base(vec![json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason})])
         }
     }
 
@@ -175,6 +187,15 @@ impl ChunkBuilder {
         v["usage"] = usage_json(u);
         v
     }
+}
+
+/// A whole (non-streamed) response with its choices.
+pub fn response(chat: bool, id: &str, created: u64, model: &str, choices: Vec<Value>, usage: &Usage) -> Value {
+    json!({
+        "id": id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": created, "model": model, "system_fingerprint": "lily",
+        "choices": choices,
+        "usage": usage_json(usage),
+    })
 }
 
 /// Accumulates a whole (non-streamed) response.
@@ -207,8 +228,8 @@ impl Collected {
         self.logprobs.extend(lps);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn chat_response(&self, id: &str, created: u64, model: &str, finish: &str, usage: &Usage, want_logprobs: bool, rf: ReasoningField) -> Value {
+    /// This choice of a chat.completion.
+    pub fn chat_choice(&self, index: usize, finish: &str, want_logprobs: bool, rf: ReasoningField) -> Value {
         let mut msg = Map::new();
         msg.insert("role".into(), json!("assistant"));
         let content = if self.content.is_empty() && !self.calls.is_empty() { Value::Null } else { Value::String(self.content.clone()) };
@@ -224,23 +245,15 @@ impl Collected {
             msg.insert("tool_calls".into(), Value::Array(calls));
         }
         let logprobs = if want_logprobs { json!({"content": chat_logprobs(&self.logprobs)}) } else { Value::Null };
-        json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": "lily",
-            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage_json(usage),
-        })
+        json!({"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish})
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn completion_response(&self, id: &str, created: u64, model: &str, finish: &str, usage: &Usage, want_logprobs: bool, echo: Option<&str>) -> Value {
+    /// This choice of a text_completion (`echo`: the prompt text, echoed before the completion).
+    pub fn completion_choice(&self, index: usize, finish: &str, want_logprobs: bool, echo: Option<&str>) -> Value {
         let text = format!("{}{}", echo.unwrap_or(""), self.content);
         let offset = echo.map(|e| e.chars().count()).unwrap_or(0);
         let logprobs = if want_logprobs { echoed_logprobs(&self.prompt_logprobs, &self.logprobs, offset) } else { Value::Null };
-        json!({
-            "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": "lily",
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage_json(usage),
-        })
+        json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
     }
 }
 

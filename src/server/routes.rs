@@ -5,8 +5,8 @@ use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::reasoning::prompt_opens_thinking;
 use super::request::{self, Endpoint, ParsedRequest, PromptInput};
-use super::responses::{completion_logprobs, ChunkBuilder, Collected, ReasoningField};
-use super::worker::{Event, Job};
+use super::responses::{self, completion_logprobs, ChunkBuilder, Collected, ReasoningField};
+use super::worker::{Event, Job, Usage};
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -149,11 +149,17 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
 }
 
 /// A request that passed validation, ready to queue.
+/// One prompt of a request, tokenized and checked against the context.
+struct PreparedPrompt {
+    tokens: Vec<u32>,
+    /// The text (echoed by completions with `echo`).
+    text: String,
+    max_tokens: usize,
+}
+
 struct Prepared {
     req: ParsedRequest,
-    prompt: Vec<u32>,
-    prompt_text: String,
-    max_tokens: usize,
+    prompts: Vec<PreparedPrompt>,
     starts_in_reasoning: bool,
     constraint: Option<Constraint>,
 }
@@ -167,7 +173,12 @@ pub(super) fn body_error(rej: BytesRejection) -> ApiError {
 /// Renders and tokenizes (CPU work, off the async threads); a conversation ends with the
 /// assistant's generation prompt when `generation_prompt` (always, for generation).
 pub(super) fn render_and_tokenize(st: &AppState, req: &ParsedRequest, generation_prompt: bool) -> Result<(Vec<u32>, String, bool), ApiError> {
-    match &req.prompt {
+    tokenize_prompt(st, req, &req.prompt, generation_prompt)
+}
+
+/// [`render_and_tokenize`] of one of the request's prompts.
+fn tokenize_prompt(st: &AppState, req: &ParsedRequest, prompt: &PromptInput, generation_prompt: bool) -> Result<(Vec<u32>, String, bool), ApiError> {
+    match prompt {
         PromptInput::Chat { messages, tools, kwargs, continue_final } => {
             let template = st.template.as_ref().ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
             let mut kw = st.default_kwargs.clone();
@@ -227,31 +238,41 @@ async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReje
     // Rendering and tokenizing run a few at a time: many large prompts at once would each hold
     // their tokenizer's working memory.
     let _permit = st.tokenize_permits.acquire().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
-    let rendered = tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(|| render_and_tokenize(&st2, &req2, true).and_then(|r| Ok((r, constraint_for(&st2, &req2)?))))))
-        .await
-        .map_err(|_| ApiError::internal())?
-        .map_err(|_| ApiError::invalid("cannot render this request (internal template error)"))?;
-    let ((prompt, prompt_text, starts_in_reasoning), constraint) = rendered?;
+    let rendered = tokio::task::spawn_blocking(move || {
+        catch_unwind(AssertUnwindSafe(|| {
+            let all = std::iter::once(&req2.prompt).chain(&req2.extra_prompts).map(|p| tokenize_prompt(&st2, &req2, p, true)).collect::<Result<Vec<_>, _>>()?;
+            Ok::<_, ApiError>((all, constraint_for(&st2, &req2)?))
+        }))
+    })
+    .await
+    .map_err(|_| ApiError::internal())?
+    .map_err(|_| ApiError::invalid("cannot render this request (internal template error)"))?;
+    let (rendered, constraint) = rendered?;
+    let starts_in_reasoning = rendered.first().is_some_and(|r| r.2);
     // The constraint applies to the answer: after the reasoning when the prompt opens it.
     let constraint = constraint.map(|m| Constraint::new(m, !starts_in_reasoning));
-    if prompt.is_empty() {
-        return Err(ApiError::param(if ep == Endpoint::Chat { "messages" } else { "prompt" }, "the prompt is empty after tokenization"));
-    }
+    let param = if ep == Endpoint::Chat { "messages" } else { "prompt" };
     let max_seq = st.max_seq;
-    if prompt.len() >= max_seq {
-        return Err(ApiError::param(if ep == Endpoint::Chat { "messages" } else { "prompt" }, format!("the prompt has {} tokens but the server's max-seq is {max_seq} (at least one token must remain for the reply)", prompt.len()))
-            .with_code("context_length_exceeded"));
-    }
-    let max_tokens = match req.max_tokens {
-        Some(m) => {
-            if prompt.len().checked_add(m).map(|t| t > max_seq).unwrap_or(true) {
-                return Err(ApiError::param("max_tokens", format!("the prompt ({} tokens) + max_tokens ({m}) exceeds the server's max-seq of {max_seq}", prompt.len())).with_code("context_length_exceeded"));
-            }
-            m
+    let mut prompts = Vec::with_capacity(rendered.len());
+    for (tokens, text, _) in rendered {
+        if tokens.is_empty() {
+            return Err(ApiError::param(param, "the prompt is empty after tokenization"));
         }
-        None => max_seq - prompt.len(),
-    };
-    Ok(Prepared { req, prompt, prompt_text, max_tokens, starts_in_reasoning, constraint })
+        if tokens.len() >= max_seq {
+            return Err(ApiError::param(param, format!("the prompt has {} tokens but the server's max-seq is {max_seq} (at least one token must remain for the reply)", tokens.len())).with_code("context_length_exceeded"));
+        }
+        let max_tokens = match req.max_tokens {
+            Some(m) => {
+                if tokens.len().checked_add(m).map(|t| t > max_seq).unwrap_or(true) {
+                    return Err(ApiError::param("max_tokens", format!("the prompt ({} tokens) + max_tokens ({m}) exceeds the server's max-seq of {max_seq}", tokens.len())).with_code("context_length_exceeded"));
+                }
+                m
+            }
+            None => max_seq - tokens.len(),
+        };
+        prompts.push(PreparedPrompt { tokens, text, max_tokens });
+    }
+    Ok(Prepared { req, prompts, starts_in_reasoning, constraint })
 }
 
 /// The compiled grammar of the request's structured output, if it asks for one (compiling is
@@ -284,58 +305,90 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
     let stream = p.req.stream;
     let include_usage = p.req.include_usage;
     let want_logprobs = p.req.logprobs;
-    let echo = if p.req.echo { Some(p.prompt_text.clone()) } else { None };
-    let job = Job { req: p.req, prompt: p.prompt, max_tokens: p.max_tokens, starts_in_reasoning: p.starts_in_reasoning, constraint: p.constraint, events: tx, arrived, path };
-    st.metrics.queue_depth.fetch_add(1, Relaxed);
-    if let Err(e) = st.queue.try_send(job) {
-        st.metrics.queue_depth.fetch_sub(1, Relaxed);
-        return match e {
-            mpsc::error::TrySendError::Full(_) => fail(ApiError::queue_full(st.max_queue)),
-            mpsc::error::TrySendError::Closed(_) => fail(ApiError::unavailable("the model worker has stopped")),
-        };
+    let n = p.req.n;
+    // Choice `i` answers prompt `i / n`; each prompt's job forks its n choices after its prefill.
+    let choices = p.prompts.len() * n;
+    let echoes: Vec<Option<String>> = p.prompts.iter().map(|q| p.req.echo.then(|| q.text.clone())).collect();
+    let echo_of = move |i: usize| echoes[i / n].clone();
+    let jobs: Vec<Job> = p
+        .prompts
+        .into_iter()
+        .enumerate()
+        .map(|(k, q)| Job {
+            req: p.req.clone(),
+            prompt: q.tokens,
+            max_tokens: q.max_tokens,
+            starts_in_reasoning: p.starts_in_reasoning,
+            constraint: p.constraint.clone(),
+            events: tx.clone(),
+            arrived,
+            path,
+            index: k * n,
+            n,
+        })
+        .collect();
+    // The channel closes once every job is done with it.
+    drop(tx);
+    for job in jobs {
+        st.metrics.queue_depth.fetch_add(1, Relaxed);
+        if let Err(e) = st.queue.try_send(job) {
+            st.metrics.queue_depth.fetch_sub(1, Relaxed);
+            // Jobs already queued see the client gone (the receiver is dropped with this
+            // response) and end unserved.
+            return match e {
+                mpsc::error::TrySendError::Full(_) => fail(ApiError::queue_full(st.max_queue)),
+                mpsc::error::TrySendError::Closed(_) => fail(ApiError::unavailable("the model worker has stopped")),
+            };
+        }
     }
-    let n = st.counter.fetch_add(1, Relaxed) + 1;
+    let serial = st.counter.fetch_add(1, Relaxed) + 1;
     let created = now_secs();
     let id = match ep {
-        Endpoint::Chat => format!("chatcmpl-{created}-{n}"),
-        Endpoint::Completion => format!("cmpl-{created}-{n}"),
+        Endpoint::Chat => format!("chatcmpl-{created}-{serial}"),
+        Endpoint::Completion => format!("cmpl-{created}-{serial}"),
     };
     let model = st.model_id.clone();
     let chat = ep == Endpoint::Chat;
 
     if stream {
         st.metrics.count_request(label, 200);
-        let mut b = ChunkBuilder { id, created, model, chat, include_usage, reasoning: st.reasoning_field, text_offset: 0 };
+        let mut b = ChunkBuilder::new(id, created, model, chat, include_usage, st.reasoning_field, choices);
         let mut first: Vec<Value> = Vec::new();
-        // The echoed prompt's chunk: at once, or with its logprobs once the worker has them.
-        let echo_chunk = |b: &ChunkBuilder, e: &str, lps: Value| json!({"id": b.id, "object": "text_completion", "created": b.created, "model": b.model, "choices": [{"index": 0, "text": e, "logprobs": lps, "finish_reason": null}]});
-        if chat {
-            first.push(b.role());
-        } else if let Some(e) = echo.as_deref().filter(|_| !want_logprobs) {
-            first.push(echo_chunk(&b, e, Value::Null));
-            b.text_offset = e.chars().count();
+        for i in 0..choices {
+            if chat {
+                first.push(b.role(i));
+            } else if let Some(e) = echo_of(i).filter(|_| !want_logprobs) {
+                // The echoed prompt's chunk: at once, or with its logprobs once the worker has them.
+                first.push(b.echo(i, &e, Value::Null));
+            }
         }
         let head = futures::stream::iter(first.into_iter().map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))));
+        let mut usage = Usage::default();
+        let mut done = 0;
         let body = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
             let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
+            let mut send = |v: Value| out.push(Ok(SseEvent::default().data(v.to_string())));
             match ev {
-                Event::PromptLogprobs(lps) => {
-                    let e = echo.as_deref().unwrap_or("");
-                    out.push(Ok(SseEvent::default().data(echo_chunk(&b, e, completion_logprobs(&lps, 0)).to_string())));
-                    b.text_offset = e.chars().count();
-                }
-                Event::Delta { delta, logprobs } => {
-                    if let Some(v) = b.delta(&delta, &logprobs, want_logprobs) {
-                        out.push(Ok(SseEvent::default().data(v.to_string())));
+                Event::PromptLogprobs { index, entries } => {
+                    for i in index..index + n {
+                        let e = echo_of(i).unwrap_or_default();
+                        send(b.echo(i, &e, completion_logprobs(&entries, 0)));
                     }
                 }
-                Event::Done { finish_reason, usage } => {
-                    out.push(Ok(SseEvent::default().data(b.finish(finish_reason).to_string())));
-                    if include_usage {
-                        out.push(Ok(SseEvent::default().data(b.usage(&usage).to_string())));
+                Event::Delta { index, delta, logprobs } => {
+                    if let Some(v) = b.delta(index, &delta, &logprobs, want_logprobs) {
+                        send(v);
                     }
                 }
-                Event::Error(e) => out.push(Ok(SseEvent::default().data(e.body().to_string()))),
+                Event::Done { index, finish_reason, usage: u } => {
+                    send(b.finish(index, finish_reason));
+                    usage.add(&u);
+                    done += 1;
+                    if include_usage && done == choices {
+                        send(b.usage(&usage));
+                    }
+                }
+                Event::Error(e) => send(e.body()),
             }
             futures::stream::iter(out)
         });
@@ -345,19 +398,32 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
 
     // Non-streaming: collect. Dropping this future (client gone) drops `rx`, which cancels.
     let mut rx = rx;
-    let mut acc = Collected::default();
+    let mut acc: Vec<Collected> = (0..choices).map(|_| Collected::default()).collect();
+    let mut finish: Vec<&'static str> = vec![""; choices];
+    let mut usage = Usage::default();
+    let mut done = 0;
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::PromptLogprobs(lps) => acc.prompt_logprobs = lps,
-            Event::Delta { delta, logprobs } => acc.add(delta, logprobs),
-            Event::Done { finish_reason, usage } => {
-                let v = if chat {
-                    acc.chat_response(&id, created, &model, finish_reason, &usage, want_logprobs, st.reasoning_field)
-                } else {
-                    acc.completion_response(&id, created, &model, finish_reason, &usage, want_logprobs, echo.as_deref())
-                };
+            Event::PromptLogprobs { index, entries } => {
+                for a in &mut acc[index..index + n] {
+                    a.prompt_logprobs = entries.clone();
+                }
+            }
+            Event::Delta { index, delta, logprobs } => acc[index].add(delta, logprobs),
+            Event::Done { index, finish_reason, usage: u } => {
+                finish[index] = finish_reason;
+                usage.add(&u);
+                done += 1;
+                if done < choices {
+                    continue;
+                }
+                let list: Vec<Value> = acc
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| if chat { a.chat_choice(i, finish[i], want_logprobs, st.reasoning_field) } else { a.completion_choice(i, finish[i], want_logprobs, echo_of(i).as_deref()) })
+                    .collect();
                 st.metrics.count_request(label, 200);
-                return Json(v).into_response();
+                return Json(responses::response(chat, &id, created, &model, list, &usage)).into_response();
             }
             Event::Error(e) => {
                 st.metrics.count_request(label, e.status.as_u16());

@@ -45,6 +45,9 @@ fn tokenize_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<V
         _ => return Err(ApiError::invalid("give exactly one of 'prompt' (text or token ids) and 'messages'")),
     };
     let req = request::parse_value(endpoint, &value, &st.sampling_defaults)?;
+    if !req.extra_prompts.is_empty() {
+        return Err(ApiError::param("prompt", "one prompt at a time here"));
+    }
     if let PromptInput::Tokens(_) = req.prompt {
         return Err(ApiError::param("prompt", "'prompt' must be text here (token ids are already tokens)"));
     }

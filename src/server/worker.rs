@@ -67,13 +67,25 @@ pub struct Usage {
     pub reasoning_tokens: usize,
 }
 
+impl Usage {
+    /// Adds another choice's usage (a request with several choices reports their sum).
+    pub fn add(&mut self, o: &Usage) {
+        self.prompt_tokens += o.prompt_tokens;
+        self.cached_tokens += o.cached_tokens;
+        self.completion_tokens += o.completion_tokens;
+        self.reasoning_tokens += o.reasoning_tokens;
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// Completions with `echo` and `logprobs`: every prompt token's entry (the first has no
-    /// logprob: NaN), before any generated token.
-    PromptLogprobs(Vec<TokenLogprob>),
-    Delta { delta: Delta, logprobs: Vec<TokenLogprob> },
-    Done { finish_reason: &'static str, usage: Usage },
+    /// logprob: NaN), before any generated token; for the choices `index..index + n` of its job.
+    PromptLogprobs { index: usize, entries: Vec<TokenLogprob> },
+    /// Choice `index`'s next piece.
+    Delta { index: usize, delta: Delta, logprobs: Vec<TokenLogprob> },
+    /// Choice `index` ended. A choice forked from another reports no prompt tokens of its own.
+    Done { index: usize, finish_reason: &'static str, usage: Usage },
     Error(ApiError),
 }
 
@@ -89,6 +101,28 @@ pub struct Job {
     pub events: mpsc::UnboundedSender<Event>,
     pub arrived: Instant,
     pub path: &'static str,
+    /// The request's choice this job answers first, and how many choices it answers: the others
+    /// fork from its sequence once the prompt is in (they share the prefill).
+    pub index: usize,
+    pub n: usize,
+}
+
+impl Job {
+    /// Choice `index` of the same prompt, to continue a copy of this job's sequence.
+    fn fork(&self, index: usize) -> Job {
+        Job {
+            req: self.req.clone(),
+            prompt: self.prompt.clone(),
+            max_tokens: self.max_tokens,
+            starts_in_reasoning: self.starts_in_reasoning,
+            constraint: self.constraint.clone(),
+            events: self.events.clone(),
+            arrived: self.arrived,
+            path: self.path,
+            index,
+            n: 1,
+        }
+    }
 }
 
 
@@ -277,13 +311,14 @@ impl Worker {
         let mut budget = self.cfg.prefill_chunk.max(1);
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids, cfg };
+        let mut forks = Vec::new();
         for a in active.iter_mut().filter(|a| !a.decoding && !a.finished()) {
             if a.reply.client_gone() {
                 a.reply.end = Some(End::ClientGone);
                 continue;
             }
             while budget > 0 && !a.decoding && !a.finished() {
-                match guarded(|| prefill_step(&mut ctx, cache, a, budget)) {
+                match guarded(|| prefill_step(&mut ctx, cache, a, budget, &mut forks)) {
                     Ok(fed) => budget -= fed.min(budget),
                     Err(e) => a.failed = Some(e),
                 }
@@ -292,6 +327,7 @@ impl Worker {
                 break;
             }
         }
+        active.extend(forks);
     }
 
     /// Decodes the rows whose prompt is in (see the module comment).
@@ -425,8 +461,9 @@ impl Worker {
 }
 
 /// Feeds the next piece of `a`'s prompt, at most `budget` tokens; returns the tokens fed. The
-/// last prompt token is fed alone and yields the first generated token.
-fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active, budget: usize) -> anyhow::Result<usize> {
+/// last prompt token is fed alone and yields the first generated token, of this row and of the
+/// rows it forks for the job's other choices (pushed onto `forks`).
+fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active, budget: usize, forks: &mut Vec<Active>) -> anyhow::Result<usize> {
     let prompt = &a.reply.job.prompt;
     let (n, fed) = (prompt.len(), a.seq.len());
     if let Some(entries) = a.prompt_logprobs.as_mut() {
@@ -440,7 +477,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
             return Ok(k);
         }
         let entries = a.prompt_logprobs.take().expect("checked above");
-        let _ = a.reply.job.events.send(Event::PromptLogprobs(entries));
+        let _ = a.reply.job.events.send(Event::PromptLogprobs { index: a.reply.job.index, entries });
     }
     if fed + 1 < n {
         // Feed up to the next checkpoint and snapshot there (see `next_checkpoint`); a snapshot
@@ -460,15 +497,30 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         }
         return Ok(k);
     }
-    let mut logits = ctx.backend.forward(&mut a.seq, &prompt[n - 1..], LogitsWanted::Last)?;
+    let logits = ctx.backend.forward(&mut a.seq, &prompt[n - 1..], LogitsWanted::Last)?;
+    // The job's other choices continue copies of the sequence from the same logits.
+    for i in 1..a.reply.job.n {
+        let mut seq = a.seq.try_clone()?;
+        seq.reserve((n + a.reply.job.max_tokens).min(ctx.cfg.max_seq))?;
+        let job = a.reply.job.fork(a.reply.job.index + i);
+        let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false, failed: None };
+        first_token(ctx, &mut sibling, logits.clone(), fed)?;
+        forks.push(sibling);
+    }
+    first_token(ctx, a, logits, fed)?;
+    Ok(1)
+}
+
+/// Draws a row's first token from its prompt's logits; the row then decodes.
+fn first_token(ctx: &mut Ctx, a: &mut Active, mut logits: Vec<f32>, position: usize) -> anyhow::Result<()> {
     a.decoding = true;
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
     } else {
-        let tok = a.reply.draw(&mut logits, fed)?;
+        let tok = a.reply.draw(&mut logits, position)?;
         a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
     }
-    Ok(1)
+    Ok(())
 }
 
 /// Steps the row's sequence can still take: its remaining tokens within max-seq, at most `cap`.

@@ -68,9 +68,17 @@ def test_prefix_cache_reports_cached_tokens(client):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_n_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3, max_tokens=4, temperature=1.0, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens >= 3
+    c = client.completions.create(model=MODEL, prompt=["one", "two"], n=2, max_tokens=3, seed=3)
+    assert [ch.index for ch in c.choices] == [0, 1, 2, 3]
+
+
 def test_errors(client, tiny):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
