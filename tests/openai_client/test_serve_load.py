@@ -25,3 +25,18 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
         assert 0 < r["ttft_secs"]["p50"] <= r["ttft_secs"]["p95"], r
         assert 0 <= r["itl_secs"]["p50"] <= r["itl_secs"]["p95"], r
     assert [json.loads(l) for l in out.read_text().splitlines()] == lines
+
+
+def test_scenarios_report_cache_hits_and_interleaving(tiny, model_dir):
+    import serve_scenarios
+
+    vocab = json.loads((model_dir / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    r = serve_scenarios.main(["turns", "--url", tiny.url, "--api-key", API_KEY, "--doc-tokens", "300", "--max-tokens", "4"])
+    assert r["turn1"]["cached_tokens"] == 0 or r["turn1"]["cached_tokens"] < r["turn1"]["prompt_tokens"]
+    # Turn 2 and the new conversation resume at least from the document's message.
+    for k in ("turn2", "new_conversation"):
+        assert r[k]["cached_tokens"] >= 0.9 * r["turn1"]["prompt_tokens"] - 20, r
+    r = serve_scenarios.main(["interleave", "--url", tiny.url, "--api-key", API_KEY, "--streams", "2", "--stream-tokens", "48", "--prompt-len", "16", "--long", "300", "--settle", "0.1", "--vocab", str(vocab)])
+    assert r["itl_during_secs"]["count"] > 0, r
+    assert r["long_ttft_secs"] > 0

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The server benchmarks on the GPU machine, in one device call: `lily serve` on the synthetic
+# 35b-a3b checkpoint driven by the official openai client — bench/serve_load.py (aggregate tok/s,
+# TTFT and inter-token latency at 1 / 4 / 16 / 64 concurrent streams, greedy and sampled) and
+# bench/serve_scenarios.py (turn-2 TTFT over a 30K and a 90K document, a 32K prompt arriving while
+# 15 streams decode). Results go to $OUT as JSON lines, the server's log beside them.
+#
+# Carry: .device (bin/lily from ../shared/tools/device-pack) and .whl/openai (the openai wheel and
+# its dependencies for Python 3.12: `pip download --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 --platform any -d .whl/openai openai`). Run from the
+# repository root:  bash bench/h200_serve.sh [load|turns|interleave|all]
+set -uo pipefail
+CK=${CK:-/root/ck}
+LILY=${LILY:-.device/bin/lily}
+OUT=${OUT:-/tmp/out}
+WHAT=${1:-all}
+mkdir -p "$OUT"
+log() { echo "[$(date +%T)] $*"; }
+
+python3 -c "import openai" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/openai openai || exit 1
+if [ ! -f "$CK/config.json" ]; then
+  log "synthesizing the 35b-a3b checkpoint into $CK"
+  "$LILY" synth --preset 35b-a3b --out "$CK" || exit 1
+fi
+
+# serve ARGS...: starts `lily serve` on a free port and sets URL (the log goes to $OUT/serve.log).
+serve() {
+  "$LILY" serve --model "$CK" --bind 127.0.0.1:0 "$@" > "$OUT/serve.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 600); do
+    URL=$(grep -o 'on http://127\.0\.0\.1:[0-9]*' "$OUT/serve.log" | head -1 | cut -d' ' -f2)
+    [ -n "$URL" ] && break
+    kill -0 "$SERVER" 2>/dev/null || { log "lily serve exited:"; tail -20 "$OUT/serve.log"; exit 1; }
+    sleep 0.5
+  done
+  [ -n "$URL" ] || { log "lily serve did not start"; exit 1; }
+  log "serving at $URL"
+}
+
+serve --max-seq 131072
+trap 'kill $SERVER 2>/dev/null' EXIT
+case $WHAT in load | all)
+  log "load test"
+  python3 bench/serve_load.py --url "$URL" --concurrency 1,4,16,64 --out "$OUT/serve_load.jsonl" ;;
+esac
+case $WHAT in turns | all)
+  for n in 30000 90000; do
+    log "turns over a $n-token document"
+    python3 bench/serve_scenarios.py turns --url "$URL" --doc-tokens $n --out "$OUT/serve_scenarios.jsonl"
+  done ;;
+esac
+case $WHAT in interleave | all)
+  log "a 32K prompt while 15 streams decode"
+  python3 bench/serve_scenarios.py interleave --url "$URL" --streams 15 --long 32768 --out "$OUT/serve_scenarios.jsonl" ;;
+esac
+curl -s "$URL/metrics" > "$OUT/metrics.txt"
+log "done"
