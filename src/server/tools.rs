@@ -68,7 +68,22 @@ pub fn convert_value(schemas: &Map<String, Value>, func: &str, key: &str, raw: &
     if is_string {
         return Value::String(raw.to_string());
     }
-    match serde_json::from_str::<Value>(raw.trim()) {
+    // A number the schema types as one, written with leading zeros ("007", which JSON rejects).
+    let numeric = |t: &str| matches!(declared, Some(Value::String(d)) if d == t) || matches!(declared, Some(Value::Array(ts)) if ts.iter().any(|d| d == t));
+    let trimmed = raw.trim();
+    if numeric("integer") {
+        if let Ok(i) = trimmed.parse::<i64>() {
+            return Value::from(i);
+        }
+    }
+    if numeric("number") {
+        if let Some(n) = trimmed.parse::<f64>().ok().filter(|f| f.is_finite()).and_then(serde_json::Number::from_f64) {
+            if serde_json::from_str::<Value>(trimmed).is_err() {
+                return Value::Number(n);
+            }
+        }
+    }
+    match serde_json::from_str::<Value>(trimmed) {
         Ok(v) => v,
         Err(_) => {
             // Python-style literals the model sometimes writes.
@@ -371,6 +386,18 @@ mod tests {
         assert_eq!(whole.calls[0].0, "get_weather");
         let args: Value = serde_json::from_str(&whole.calls[0].1).unwrap();
         assert_eq!(args, json!({"city": "Paris", "days": 3, "opts": {"metric": true}}));
+    }
+
+    #[test]
+    fn schema_numbers_with_leading_zeros_are_numbers() {
+        let schemas = json!({"f": {"properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]}, "s": {"type": "string"}}}});
+        let m = schemas.as_object().unwrap();
+        assert_eq!(convert_value(m, "f", "n", "007"), json!(7));
+        assert_eq!(convert_value(m, "f", "n", " -12 "), json!(-12));
+        assert_eq!(convert_value(m, "f", "x", "0.50"), json!(0.5));
+        assert_eq!(convert_value(m, "f", "x", "007.5"), json!(7.5));
+        assert_eq!(convert_value(m, "f", "s", "007"), json!("007"));
+        assert_eq!(convert_value(m, "f", "n", "seven"), json!("seven"));
     }
 
     #[test]
