@@ -1,17 +1,20 @@
-//! Server metrics (hand-written Prometheus text format) and the recent-request log shared with
-//! the dashboard.
+//! Server metrics and the recent-request log shared with the dashboard. The serving path counts
+//! in plain atomics; a scrape copies them into a [`Scrape`], which prometheus-client encodes in
+//! the Prometheus text format.
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
-/// A cumulative histogram of seconds.
+/// A histogram of seconds (prometheus-client's, which the scrape encodes) and its sample count.
 pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_us: AtomicU64,
+    inner: prometheus_client::metrics::histogram::Histogram,
     count: AtomicU64,
 }
 
@@ -20,29 +23,50 @@ pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Self {
-        Histogram { bounds, counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(), sum_us: AtomicU64::new(0), count: AtomicU64::new(0) }
+        Histogram { inner: prometheus_client::metrics::histogram::Histogram::new(bounds.iter().copied()), count: AtomicU64::new(0) }
     }
     pub fn observe(&self, secs: f64) {
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            if secs <= *b {
-                c.fetch_add(1, Relaxed);
-            }
-        }
-        self.sum_us.fetch_add((secs * 1e6) as u64, Relaxed);
+        self.inner.observe(secs);
         self.count.fetch_add(1, Relaxed);
     }
     pub fn count(&self) -> u64 {
         self.count.load(Relaxed)
     }
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", c.load(Relaxed));
+}
+
+/// One scrape's values, in the order they are rendered.
+#[derive(Debug)]
+struct Scrape(Vec<Item>);
+
+#[derive(Debug)]
+enum Item {
+    /// `lily_info{model, version} 1`.
+    Info(Vec<(String, String)>),
+    /// A counter: its name without `_total`, which the encoder appends.
+    Counter(&'static str, &'static str, u64),
+    /// A counter with labels, one value per label set.
+    Counters(&'static str, &'static str, Vec<(Vec<(String, String)>, u64)>),
+    Gauge(&'static str, &'static str, f64),
+    Histogram(&'static str, &'static str, prometheus_client::metrics::histogram::Histogram),
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for item in &self.0 {
+            match item {
+                Item::Info(labels) => enc.encode_descriptor("lily", "Server information.", None, MetricType::Info)?.encode_info(labels)?,
+                Item::Counter(name, help, v) => enc.encode_descriptor(name, help, None, MetricType::Counter)?.encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(v, None)?,
+                Item::Counters(name, help, values) => {
+                    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+                    for (labels, v) in values {
+                        m.encode_family(labels)?.encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(v, None)?;
+                    }
+                }
+                Item::Gauge(name, help, v) => enc.encode_descriptor(name, help, None, MetricType::Gauge)?.encode_gauge(v)?,
+                Item::Histogram(name, help, h) => h.encode(enc.encode_descriptor(name, help, None, MetricType::Histogram)?)?,
+            }
         }
-        let n = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Relaxed) as f64 / 1e6);
-        let _ = writeln!(out, "{name}_count {n}");
+        Ok(())
     }
 }
 
@@ -201,40 +225,41 @@ impl Metrics {
         }
     }
 
+    /// The Prometheus text of every metric now.
     pub fn render(&self, model: &str) -> String {
-        let mut o = String::new();
-        let _ = writeln!(o, "# HELP lily_info Server information.\n# TYPE lily_info gauge\nlily_info{{model=\"{model}\",version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
-        let _ = writeln!(o, "# HELP lily_uptime_seconds Seconds since start.\n# TYPE lily_uptime_seconds gauge\nlily_uptime_seconds {:.3}", self.started.elapsed().as_secs_f64());
-        let _ = writeln!(o, "# HELP lily_requests_total HTTP requests by endpoint and status.\n# TYPE lily_requests_total counter");
-        for ((ep, st), n) in self.requests_by_status() {
-            let _ = writeln!(o, "lily_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}");
+        use Item::*;
+        let requests = self.requests_by_status().into_iter().map(|((ep, st), n)| (vec![("endpoint".to_string(), ep.to_string()), ("status".to_string(), st.to_string())], n)).collect();
+        let items = vec![
+            Info(vec![("model".into(), model.into()), ("version".into(), env!("CARGO_PKG_VERSION").into())]),
+            Gauge("lily_uptime_seconds", "Seconds since start.", (self.started.elapsed().as_secs_f64() * 1e3).round() / 1e3),
+            Counters("lily_requests", "HTTP requests by endpoint and status.", requests),
+            Counter("lily_prompt_tokens", "Prompt tokens of completed requests (including cached ones).", self.prompt_tokens.load(Relaxed)),
+            Counter("lily_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", self.cached_tokens.load(Relaxed)),
+            Counter("lily_completion_tokens", "Generated tokens.", self.completion_tokens.load(Relaxed)),
+            Counter("lily_requests_cancelled", "Generations cancelled because the client went away.", self.cancelled.load(Relaxed)),
+            Histogram("lily_time_to_first_token_seconds", "Time from arrival to the first generated token.", self.ttft.inner.clone()),
+            Histogram("lily_inter_token_latency_seconds", "Time between consecutive generated tokens.", self.itl.inner.clone()),
+            Gauge("lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed) as f64),
+            Gauge("lily_requests_running", "Requests being generated.", self.running.load(std::sync::atomic::Ordering::Acquire) as f64),
+            Counter("lily_prefix_cache_lookups", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed)),
+            Counter("lily_prefix_cache_hits", "Prefix-cache lookups that reused a cached sequence.", self.cache_hits.load(Relaxed)),
+            Gauge("lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio()),
+            Gauge("lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64),
+            Gauge("lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64),
+            Gauge("lily_batch_size", "Sequences in the last decode step.", self.batch_size.load(Relaxed) as f64),
+            Gauge("lily_max_batch", "Most sequences one decode step takes (--max-batch).", self.max_batch.load(Relaxed) as f64),
+            Gauge("lily_generation_tokens_per_second", "Generated tokens per second over the last 10 s.", self.generation_rate()),
+            Gauge("lily_active_sequence_bytes", "KV + recurrent state memory of the running sequences.", self.active_seq_bytes.load(Relaxed) as f64),
+            Gauge("lily_sequence_memory_budget_bytes", "Device memory sequences may hold (KV pages, state slots).", self.seq_memory_budget_bytes.load(Relaxed) as f64),
+            Gauge("lily_sequence_memory_used_bytes", "Device memory held by sequences and cached snapshots.", self.seq_memory_used_bytes.load(Relaxed) as f64),
+        ];
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Scrape(items)));
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
+            let _ = writeln!(out, "# error encoding metrics: {e}");
         }
-        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
-        let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        counter(&mut o, "lily_prompt_tokens_total", "Prompt tokens of completed requests (including cached ones).", self.prompt_tokens.load(Relaxed));
-        counter(&mut o, "lily_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", self.cached_tokens.load(Relaxed));
-        counter(&mut o, "lily_completion_tokens_total", "Generated tokens.", self.completion_tokens.load(Relaxed));
-        counter(&mut o, "lily_requests_cancelled_total", "Generations cancelled because the client went away.", self.cancelled.load(Relaxed));
-        self.ttft.render(&mut o, "lily_time_to_first_token_seconds", "Time from arrival to the first generated token.");
-        self.itl.render(&mut o, "lily_inter_token_latency_seconds", "Time between consecutive generated tokens.");
-        gauge(&mut o, "lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed) as f64);
-        gauge(&mut o, "lily_requests_running", "Requests being generated.", self.running.load(std::sync::atomic::Ordering::Acquire) as f64);
-        counter(&mut o, "lily_prefix_cache_lookups_total", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed));
-        counter(&mut o, "lily_prefix_cache_hits_total", "Prefix-cache lookups that reused a cached sequence.", self.cache_hits.load(Relaxed));
-        gauge(&mut o, "lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio());
-        gauge(&mut o, "lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64);
-        gauge(&mut o, "lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64);
-        gauge(&mut o, "lily_batch_size", "Sequences in the last decode step.", self.batch_size.load(Relaxed) as f64);
-        gauge(&mut o, "lily_max_batch", "Most sequences one decode step takes (--max-batch).", self.max_batch.load(Relaxed) as f64);
-        gauge(&mut o, "lily_generation_tokens_per_second", "Generated tokens per second over the last 10 s.", self.generation_rate());
-        gauge(&mut o, "lily_active_sequence_bytes", "KV + recurrent state memory of the running sequences.", self.active_seq_bytes.load(Relaxed) as f64);
-        gauge(&mut o, "lily_sequence_memory_budget_bytes", "Device memory sequences may hold (KV pages, state slots).", self.seq_memory_budget_bytes.load(Relaxed) as f64);
-        gauge(&mut o, "lily_sequence_memory_used_bytes", "Device memory held by sequences and cached snapshots.", self.seq_memory_used_bytes.load(Relaxed) as f64);
-        o
+        out
     }
 }
 
