@@ -245,3 +245,41 @@ async fn n_choices_share_a_prefill_and_several_prompts_get_theirs() {
     assert!(finished.iter().all(|&f| f));
     assert_eq!(usage["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_refuses_new_requests_and_finishes_running_ones() {
+    // As on SIGTERM: /health turns 503 "draining" (a gateway stops routing here), new requests
+    // get 503, and the stream already running ends normally with all its tokens.
+    let s = lily::server::spawn(uncached_args()).unwrap();
+    let base = s.url();
+    let url = format!("{base}/v1/completions");
+    let running = tokio::spawn(stream_owned(url.clone(), body(0, 80, false)));
+    while s.metrics.ttft.count() < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The gateway's load figure: the running request and the tokens its sequence holds.
+    let mut load = Value::Null;
+    for _ in 0..200 {
+        load = client().get(format!("{base}/get_load")).send().await.unwrap().json().await.unwrap();
+        if load[0]["num_tokens"].as_u64().unwrap() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(load[0]["num_reqs"], 1, "{load}");
+    assert!(load[0]["num_tokens"].as_u64().unwrap() > 0, "{load}");
+    let metrics = s.metrics.clone();
+    let stopping = tokio::task::spawn_blocking(move || s.drain_and_shutdown());
+    while !metrics.draining.load(Relaxed) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let h = client().get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(h.status(), 503);
+    assert_eq!(h.json::<Value>().await.unwrap()["status"], "draining");
+    let r = client().post(&url).json(&body(1, 4, false)).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let done = running.await.unwrap();
+    assert_eq!(done.finish.as_deref(), Some("length"), "the running stream ended normally");
+    stopping.await.unwrap();
+    assert!(client().get(format!("{base}/health")).send().await.is_err(), "the server is gone");
+}

@@ -129,6 +129,10 @@ pub struct Metrics {
     pub recent: Mutex<VecDeque<RequestRecord>>,
     /// Print a log line per request (off while the dashboard owns the terminal).
     pub log_lines: std::sync::atomic::AtomicBool,
+    /// Shutting down: new requests get 503, running ones finish.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Tokens held by the running requests' sequences (the gateway's load figure).
+    pub active_tokens: AtomicU64,
 }
 
 pub const RECENT: usize = 50;
@@ -168,6 +172,8 @@ impl Metrics {
             seq_memory_used_bytes: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
             log_lines: std::sync::atomic::AtomicBool::new(true),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            active_tokens: AtomicU64::new(0),
         }
     }
 

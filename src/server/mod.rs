@@ -114,8 +114,9 @@ pub struct ServeArgs {
     /// silent connections).
     #[arg(long, default_value_t = 30)]
     pub header_timeout_secs: u64,
-    /// Seconds open connections get to finish after shutdown begins (Ctrl-C).
-    #[arg(long, default_value_t = 10)]
+    /// Seconds the running requests get to finish after SIGTERM or Ctrl-C (new requests get 503
+    /// and /health answers 503 "draining" meanwhile), and then open connections to close.
+    #[arg(long, default_value_t = 20)]
     pub shutdown_timeout_secs: u64,
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
@@ -167,7 +168,7 @@ impl ServeArgs {
             prefix_checkpoint_tokens: 2048,
             max_connections: 1024,
             header_timeout_secs: 30,
-            shutdown_timeout_secs: 10,
+            shutdown_timeout_secs: 20,
             max_body_bytes: 8 * 1024 * 1024,
             served_model_name: MODEL_ID.into(),
             reasoning_field: ReasoningField::Both,
@@ -332,11 +333,30 @@ fn app(args: &ServeArgs, state: Arc<AppState>) -> axum::Router {
     router
 }
 
+/// Drains before shutdown: new requests get 503 and /health answers 503 "draining" (a gateway
+/// stops routing here) while the admitted ones finish, for at most `deadline`.
+async fn drain(metrics: &Metrics, deadline: std::time::Duration) {
+    use std::sync::atomic::Ordering::Relaxed;
+    metrics.draining.store(true, Relaxed);
+    let t0 = Instant::now();
+    let busy = || metrics.running.load(Relaxed) > 0 || metrics.queue_depth.load(Relaxed) > 0;
+    if busy() {
+        eprintln!("lily: draining: new requests get 503; waiting up to {}s for the running ones", deadline.as_secs());
+    }
+    while busy() && t0.elapsed() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    if busy() {
+        eprintln!("lily: drain deadline passed with requests still running");
+    }
+}
+
 /// A server running on a background thread (tests, embedding).
 pub struct ServerHandle {
     pub addr: SocketAddr,
     pub metrics: Arc<Metrics>,
-    shutdown: Option<oneshot::Sender<()>>,
+    /// Sends whether to drain first.
+    shutdown: Option<oneshot::Sender<bool>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -346,11 +366,16 @@ impl ServerHandle {
     }
     /// Stops accepting, finishes open responses, and joins the thread.
     pub fn shutdown(mut self) {
-        self.stop();
+        self.stop(false);
     }
-    fn stop(&mut self) {
+    /// Shuts down as on SIGTERM: drains (new requests 503, running ones finish within the
+    /// shutdown timeout), then stops.
+    pub fn drain_and_shutdown(mut self) {
+        self.stop(true);
+    }
+    fn stop(&mut self, drain: bool) {
         if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+            let _ = tx.send(drain);
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -360,7 +385,7 @@ impl ServerHandle {
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
-        self.stop();
+        self.stop(false);
     }
 }
 
@@ -394,9 +419,10 @@ fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
     std::thread::Builder::new().name("lily-model".into()).spawn(move || worker.run(rx))?;
-    let (stx, srx) = oneshot::channel::<()>();
+    let (stx, srx) = oneshot::channel::<bool>();
     let app = app(&args, state);
     let limits = args.limits();
+    let drain_metrics = metrics.clone();
     let thread = std::thread::Builder::new().name("lily-http".into()).spawn(move || {
         let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
             Ok(rt) => rt,
@@ -408,7 +434,9 @@ fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
         rt.block_on(async move {
             let Ok(listener) = tokio::net::TcpListener::from_std(std_listener) else { return };
             listen::serve(listener, app, limits, async move {
-                let _ = srx.await;
+                if srx.await == Ok(true) {
+                    drain(&drain_metrics, limits.shutdown_deadline).await;
+                }
             })
             .await;
         });
@@ -440,16 +468,36 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let app = app(&args, state);
     let tui_on = args.tui;
     let limits = args.limits();
+    let drain_metrics = metrics.clone();
     rt.block_on(listen::serve(listener, app, limits, async move {
+        let signal = async {
+            #[cfg(unix)]
+            {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut term) => tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    },
+                    Err(_) => {
+                        let _ = tokio::signal::ctrl_c().await;
+                    }
+                }
+            }
+            #[cfg(not(unix))]
+            {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        };
         if tui_on {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
+                _ = signal => {}
                 _ = srx => {}
             }
         } else {
-            let _ = tokio::signal::ctrl_c().await;
+            signal.await;
         }
-        eprintln!("lily: shutting down (open connections get {}s)", limits.shutdown_deadline.as_secs());
+        eprintln!("lily: shutting down");
+        drain(&drain_metrics, limits.shutdown_deadline).await;
     }));
     if let Some(t) = tui_thread {
         t.stop();

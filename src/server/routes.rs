@@ -61,6 +61,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_one))
         .route("/health", get(health))
+        .route("/get_load", get(get_load))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(super::tokenize::tokenize))
         .route("/detokenize", post(super::tokenize::detokenize))
@@ -73,7 +74,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         let path = req.uri().path();
-        if path != "/health" && path != "/metrics" {
+        if path != "/health" && path != "/metrics" && path != "/get_load" {
             let given = req
                 .headers()
                 .get(header::AUTHORIZATION)
@@ -99,6 +100,7 @@ pub(super) fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" => "models",
         "/health" => "health",
         "/metrics" => "metrics",
+        "/get_load" => "get_load",
         "/tokenize" => "tokenize",
         "/detokenize" => "detokenize",
         _ => "other",
@@ -113,9 +115,23 @@ async fn method_not_allowed(req: Request) -> Response {
     ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("method {} is not allowed on {}", req.method(), req.uri().path())).into_response()
 }
 
+/// Ready while serving (the listener opens only once the model is loaded); 503 while draining,
+/// so a gateway or load balancer stops sending requests here.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    st.metrics.count_request("health", 200);
-    Json(json!({"status": "ok", "model": st.model_id, "queue_depth": st.metrics.queue_depth.load(Relaxed).max(0)})).into_response()
+    let m = &st.metrics;
+    let draining = m.draining.load(Relaxed);
+    let status = if draining { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    m.count_request("health", status.as_u16());
+    let body = json!({"status": if draining { "draining" } else { "ok" }, "model": st.model_id, "queue_depth": m.queue_depth.load(Relaxed).max(0), "running": m.running.load(Relaxed).max(0)});
+    (status, Json(body)).into_response()
+}
+
+/// Load in the shape the SGLang Model Gateway polls (`/get_load`: one entry per data-parallel
+/// rank; it balances on `num_tokens`).
+async fn get_load(State(st): State<Arc<AppState>>) -> Response {
+    let m = &st.metrics;
+    m.count_request("get_load", 200);
+    Json(json!([{"dp_rank": 0, "num_reqs": m.running.load(Relaxed).max(0), "num_waiting_reqs": m.queue_depth.load(Relaxed).max(0), "num_tokens": m.active_tokens.load(Relaxed)}])).into_response()
 }
 
 fn model_card(st: &AppState) -> Value {
@@ -297,6 +313,9 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
         st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()) });
         e.into_response()
     };
+    if st.metrics.draining.load(Relaxed) {
+        return fail(ApiError::unavailable("the server is shutting down; retry on another replica"));
+    }
     let p = match prepare(&st, ep, body).await {
         Ok(p) => p,
         Err(e) => return fail(e),

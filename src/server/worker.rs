@@ -447,6 +447,7 @@ impl Worker {
     fn publish(&self) {
         let m = &self.metrics;
         m.active_seq_bytes.store(self.active.iter().map(|a| a.seq.memory_bytes() as u64).sum(), Relaxed);
+        m.active_tokens.store(self.active.iter().map(|a| a.seq.len() as u64).sum(), Relaxed);
         m.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
         m.cache_entries.store(self.cache.len() as u64, Relaxed);
         if let Some(r) = self.backend.sequence_memory() {
