@@ -352,14 +352,14 @@ pub fn open_backend(kind: BackendKind, ck: &crate::checkpoint::Checkpoint) -> Re
 pub fn open_backend_with(kind: BackendKind, ck: &crate::checkpoint::Checkpoint, opts: cuda::CudaOptions) -> Result<Box<dyn Backend>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(ck)?)),
-        BackendKind::Auto => match cuda::unavailable_reason() {
+        BackendKind::Auto => match cuda::unavailable_reason(opts.device) {
             None => Ok(Box::new(cuda::CudaBackend::with_options(ck, opts)?)),
             Some(why) => {
                 eprintln!("lily: CUDA backend unavailable ({why}); using the CPU backend");
                 Ok(Box::new(cpu::CpuBackend::new(ck)?))
             }
         },
-        BackendKind::Cuda => match cuda::unavailable_reason() {
+        BackendKind::Cuda => match cuda::unavailable_reason(opts.device) {
             None => Ok(Box::new(cuda::CudaBackend::with_options(ck, opts)?)),
             Some(why) => anyhow::bail!("--backend cuda: {why}"),
         },

@@ -75,6 +75,10 @@ pub struct ServeArgs {
     /// slots draw on what is left of it; default LILY_GPU_MEMORY_FRACTION or 0.9).
     #[arg(long, value_parser = crate::backend::cuda::options::parse_memory_fraction)]
     pub gpu_memory_fraction: Option<f64>,
+    /// CUDA: the GPU to serve on, an index among the visible ones (default LILY_CUDA_DEVICE or
+    /// 0); one replica per GPU, each on its own port (docs/deploy.md).
+    #[arg(long)]
+    pub gpu: Option<usize>,
     /// What a request's unset sampling fields (temperature, top_p, top_k, min_p,
     /// repetition_penalty) default to: the checkpoint's generation_config.json (`model`, as vLLM
     /// does) or OpenAI's temperature 1 over the whole vocabulary (`openai`).
@@ -158,6 +162,7 @@ impl ServeArgs {
             backend: BackendKind::Cpu,
             kv_cache: None,
             gpu_memory_fraction: None,
+            gpu: None,
             sampling_defaults: SamplingDefaults::Model,
             api_key: None,
             tui: false,
@@ -220,6 +225,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
             eprintln!("lily: loading weights into the {:?} backend ...", args.backend);
             let mut opts = CudaOptions::from_env();
             opts.memory_fraction = args.gpu_memory_fraction.unwrap_or(opts.memory_fraction);
+            opts.device = args.gpu.unwrap_or(opts.device);
             open_backend_with(args.backend, &ck, opts)?
         }
     };

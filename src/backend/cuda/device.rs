@@ -37,9 +37,9 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// Opens GPU 0 and checks it is Hopper (sm_90); kernels load on first use
+    /// Opens GPU `device` (an index among the visible ones) and checks it is Hopper (sm_90); kernels load on first use
     /// ([`Gpu::load_all`] loads them now). Errors are one line.
-    pub fn open(pdl: bool) -> Result<Self> {
+    pub fn open(device: usize, pdl: bool) -> Result<Self> {
         if !driver_available() {
             bail!("no NVIDIA driver found (libcuda.so could not be loaded)");
         }
@@ -48,14 +48,17 @@ impl Gpu {
         if count < 1 {
             bail!("the NVIDIA driver reports no GPU");
         }
-        let ctx = CudaContext::new(0)
-            .map_err(|e| anyhow!("cannot create a CUDA context on GPU 0: {e:?}"))?;
+        if device >= count as usize {
+            bail!("GPU {device} was asked for, but the NVIDIA driver reports {count} GPU(s) (numbered from 0 among CUDA_VISIBLE_DEVICES)");
+        }
+        let ctx = CudaContext::new(device)
+            .map_err(|e| anyhow!("cannot create a CUDA context on GPU {device}: {e:?}"))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let cc = ctx
             .compute_capability()
-            .map_err(|e| anyhow!("cannot query GPU 0: {e:?}"))?;
+            .map_err(|e| anyhow!("cannot query GPU {device}: {e:?}"))?;
         if cc != (9, 0) {
-            bail!("GPU 0 ({name}) has compute capability {}.{}; the CUDA backend needs Hopper (sm_90: H100/H200)", cc.0, cc.1);
+            bail!("GPU {device} ({name}) has compute capability {}.{}; the CUDA backend needs Hopper (sm_90: H100/H200)", cc.0, cc.1);
         }
         if !nvrtc_available() {
             bail!("libnvrtc (CUDA 13 NVRTC) could not be loaded; it is needed to compile the kernels (set LD_LIBRARY_PATH to the CUDA lib64)");

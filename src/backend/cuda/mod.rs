@@ -145,19 +145,20 @@ const MAX_GRAPHS: usize = 8;
 
 /// One-line reason why the CUDA backend cannot run here, or None when it can (cheap: no kernel
 /// compilation, no weights).
-pub fn unavailable_reason() -> Option<String> {
+pub fn unavailable_reason(device: usize) -> Option<String> {
     if !device::driver_available() {
         return Some("no NVIDIA driver found".into());
     }
     match cudarc::driver::CudaContext::device_count() {
-        Ok(n) if n >= 1 => {}
-        Ok(_) => return Some("no GPU visible to the NVIDIA driver".into()),
+        Ok(n) if n as usize > device => {}
+        Ok(0) => return Some("no GPU visible to the NVIDIA driver".into()),
+        Ok(n) => return Some(format!("GPU {device} was asked for, but {n} GPU(s) are visible")),
         Err(e) => return Some(format!("CUDA driver not usable: {e:?}")),
     }
-    match cudarc::driver::CudaContext::new(0).and_then(|c| c.compute_capability()) {
+    match cudarc::driver::CudaContext::new(device).and_then(|c| c.compute_capability()) {
         Ok((9, 0)) => {}
-        Ok((a, b)) => return Some(format!("GPU 0 has compute capability {a}.{b}; the CUDA backend needs sm_90 (H100/H200)")),
-        Err(e) => return Some(format!("cannot open GPU 0: {e:?}")),
+        Ok((a, b)) => return Some(format!("GPU {device} has compute capability {a}.{b}; the CUDA backend needs sm_90 (H100/H200)")),
+        Err(e) => return Some(format!("cannot open GPU {device}: {e:?}")),
     }
     if !nvrtc::nvrtc_available() {
         return Some("libnvrtc (CUDA 13) not found; set LD_LIBRARY_PATH to the CUDA lib64".into());
@@ -189,7 +190,7 @@ impl CudaBackend {
     }
 
     pub fn with_options(ck: &Checkpoint, opts: CudaOptions) -> Result<Self> {
-        let gpu = Gpu::open(opts.pdl)?;
+        let gpu = Gpu::open(opts.device, opts.pdl)?;
         let mw = ModelWeights::from_checkpoint(ck)?;
         let cfg = mw.config.clone();
         if let Some(why) = unsupported_shapes(&cfg) {

@@ -25,6 +25,8 @@ pub const GEMV_TC_MIN_TILES: usize = 256;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct CudaOptions {
+    /// The GPU to run on, an index among the visible ones (`--gpu`, `LILY_CUDA_DEVICE`).
+    pub device: usize,
     /// New sequences keep their attention KV cache in bf16 (`LILY_KV_BF16`, `--kv-cache`;
     /// default on: half the memory and half the long-context attention traffic).
     pub kv_bf16: bool,
@@ -64,6 +66,7 @@ pub struct CudaOptions {
 impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
+            device: 0,
             kv_bf16: true,
             memory_fraction: DEFAULT_MEMORY_FRACTION,
             sequence_memory_cap: None,
@@ -96,6 +99,7 @@ impl CudaOptions {
             _ => default,
         };
         CudaOptions {
+            device: get("LILY_CUDA_DEVICE").and_then(|v| v.parse().ok()).unwrap_or(d.device),
             kv_bf16: flag("LILY_KV_BF16", d.kv_bf16),
             memory_fraction: get("LILY_GPU_MEMORY_FRACTION")
                 .and_then(|v| v.parse().ok())
