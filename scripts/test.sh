@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # NVRTC from PyPI compile-checks every kernel without a GPU (tests/cuda_compile.rs).
-python3 -m pip install -q --disable-pip-version-check nvidia-cuda-nvrtc==13.0.88 openai langchain-openai pytest
+python3 -m pip install -q --disable-pip-version-check nvidia-cuda-nvrtc==13.0.88 openai langchain-openai sglang-router pytest
 NVRTC_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
 export LD_LIBRARY_PATH="$NVRTC_LIB:${LD_LIBRARY_PATH:-}"
 export LILY_REQUIRE_NVRTC=1
@@ -18,4 +18,4 @@ export LILY_REQUIRE_NVRTC=1
 cargo build --locked --bins --features cuda-testing
 cargo test --locked --no-fail-fast --features cuda-testing
 
-python3 -m pytest -q -p no:cacheprovider tests/openai_client tests/bench
+python3 -m pytest -q -p no:cacheprovider tests/openai_client tests/gateway tests/bench
