@@ -163,7 +163,6 @@ struct Ctx<'a> {
     backend: &'a mut dyn Backend,
     tokenizer: &'a Tokenizer,
     metrics: &'a Metrics,
-    stop_ids: &'a [u32],
     cfg: &'a WorkerConfig,
 }
 
@@ -186,7 +185,8 @@ pub struct Worker {
     cache: PrefixCache<Sequence>,
     max_batch: usize,
     active: Vec<Active>,
-    /// The queue's head, waiting for sequence memory that running requests hold.
+    /// The queue's head, waiting for room in the batch or for sequence memory that running
+    /// requests hold.
     held: Option<Job>,
 }
 
@@ -196,11 +196,6 @@ impl Worker {
         let max_batch = cfg.max_batch.unwrap_or_else(|| backend.batch_capacity()).max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
         Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
-    }
-
-    /// The most sequences decoded together.
-    pub fn max_batch(&self) -> usize {
-        self.max_batch
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -238,6 +233,12 @@ impl Worker {
                     Err(_) => break,
                 },
             };
+            // A job's choices join the batch together: it waits for room for all of them (alone
+            // it starts anyway).
+            if self.active.len() + job.n > self.max_batch && !self.active.is_empty() {
+                self.held = Some(job);
+                break;
+            }
             if job.events.is_closed() {
                 self.metrics.queue_depth.fetch_sub(1, Relaxed);
                 self.count_gone(&job);
@@ -310,7 +311,7 @@ impl Worker {
     fn prefill(&mut self) {
         let mut budget = self.cfg.prefill_chunk.max(1);
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
-        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids, cfg };
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
         for a in active.iter_mut().filter(|a| !a.decoding && !a.finished()) {
             if a.reply.client_gone() {
@@ -337,7 +338,7 @@ impl Worker {
         let room = self.held.is_none() && self.active.len() < self.max_batch;
         let newcomer = || room && !rx.is_empty();
         let Worker { backend, tokenizer, metrics, cfg, active, .. } = self;
-        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, stop_ids: &cfg.stop_ids, cfg };
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         // A row at max-seq cannot take another step.
         for a in active.iter_mut().filter(|a| a.decoding && !a.finished() && a.seq.len() >= a.seq.max_seq()) {
             a.reply.end = Some(End::Length);
@@ -519,7 +520,7 @@ fn first_token(ctx: &mut Ctx, a: &mut Active, mut logits: Vec<f32>, position: us
         a.reply.end = Some(End::Length);
     } else {
         let tok = a.reply.draw(&mut logits, position)?;
-        a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
+        a.reply.accept(tok, &logits, &ctx.cfg.stop_ids, ctx.tokenizer, ctx.metrics);
     }
     Ok(())
 }
@@ -537,7 +538,7 @@ fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
     let Active { seq, reply, failed, .. } = a;
     let first = reply.next;
     let snap = reply.sampler.clone();
-    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, ctx.stop_ids);
+    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
     let mut each = |t: u32| reply.accept(t, &[], stop_ids, tokenizer, metrics);
     let r = guarded(|| match snap.params.is_plain_greedy() {
         true => ctx.backend.decode_greedy(seq, first, steps, &mut each),
@@ -561,7 +562,7 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
         replies.push(reply);
         failures.push(failed);
     }
-    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, ctx.stop_ids);
+    let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut |i, t| replies[i].accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer()));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
@@ -582,7 +583,7 @@ fn host_step(ctx: &mut Ctx, a: &mut Active) {
     });
     match r {
         Ok((tok, logits)) => {
-            a.reply.accept(tok, &logits, ctx.stop_ids, ctx.tokenizer, ctx.metrics);
+            a.reply.accept(tok, &logits, &ctx.cfg.stop_ids, ctx.tokenizer, ctx.metrics);
         }
         Err(e) => a.failed = Some(e),
     }

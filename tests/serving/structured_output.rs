@@ -2,11 +2,9 @@
 //! well formed): JSON schemas, json_object, regex, choice, Lark, and tool calls that tool_choice
 //! demands; the grammars themselves against the real vocabulary; and the errors a bad format gets.
 
-mod server_support;
-
 use lily::server::constrain::{Grammars, OutputFormat, Structure, ToolCalls};
 use serde_json::{json, Value};
-use server_support::*;
+use crate::server_support::*;
 use std::sync::{Arc, OnceLock};
 
 async fn post(url: &str, body: Value) -> (u16, Value) {

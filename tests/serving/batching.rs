@@ -3,10 +3,8 @@
 //! hangs up leaves the others untouched, a long prompt is prefilled between the running streams'
 //! steps instead of stalling them, and `--max-batch` bounds a step.
 
-mod server_support;
-
 use serde_json::{json, Value};
-use server_support::*;
+use crate::server_support::*;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

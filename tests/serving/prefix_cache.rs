@@ -4,10 +4,8 @@
 //! checkpoint covering at least 95% of what they share with the earlier prompt; and a cached
 //! continuation gives exactly the tokens of an uncached one.
 
-mod server_support;
-
 use serde_json::{json, Value};
-use server_support::*;
+use crate::server_support::*;
 
 async fn post(url: &str, body: Value) -> Value {
     let r = client().post(url).json(&body).send().await.unwrap();
