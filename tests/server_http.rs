@@ -712,33 +712,9 @@ async fn a_request_waits_for_memory_that_running_requests_hold() {
 async fn ignore_eos_generates_through_end_of_sequence_tokens() {
     // A model that always says end-of-sequence: one (counted, unshown) token, unless the request
     // asks to ignore it (vLLM's benchmark extension); then max_tokens of them.
-    use lily::backend::{Backend, LogitsWanted, Sequence};
-    struct AlwaysEos {
-        inner: Box<dyn Backend>,
-        eos: usize,
-    }
-    impl Backend for AlwaysEos {
-        fn name(&self) -> &'static str {
-            "always-eos"
-        }
-        fn config(&self) -> &lily::checkpoint::ModelConfig {
-            self.inner.config()
-        }
-        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
-            self.inner.new_sequence(max_seq)
-        }
-        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
-            let mut out = self.inner.forward(seq, tokens, w)?;
-            for row in out.chunks_mut(self.config().vocab_size) {
-                row[self.eos] = 1e9;
-            }
-            Ok(out)
-        }
-    }
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let eos = ck.config.eos_token_ids[0] as usize;
-    let inner: Box<dyn Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
-    let s = lily::server::spawn_with_backend(args(), Box::new(AlwaysEos { inner, eos })).unwrap();
+    let s = steered_server(move |_, logits: &mut [f32], vocab| logits.chunks_mut(vocab).for_each(|row| row[eos] = 1e9));
     let url = format!("{}/v1/completions", s.url());
     let (st, v) = post(&url, json!({"prompt": "hi", "max_tokens": 5, "temperature": 0})).await;
     assert_eq!(st, 200, "{v}");

@@ -82,3 +82,35 @@ pub fn rss_bytes() -> usize {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0) * 1024
 }
+
+/// The tiny model on the CPU with `steer(wanted, logits, vocab)` editing the logits of every
+/// forward (tests that need the model to say something: end of sequence, `</think>`, ...).
+pub struct Steered<F> {
+    inner: Box<dyn lily::backend::Backend>,
+    steer: F,
+}
+
+impl<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send> lily::backend::Backend for Steered<F> {
+    fn name(&self) -> &'static str {
+        "steered"
+    }
+    fn config(&self) -> &lily::checkpoint::ModelConfig {
+        self.inner.config()
+    }
+    fn new_sequence(&self, max_seq: usize) -> anyhow::Result<lily::backend::Sequence> {
+        self.inner.new_sequence(max_seq)
+    }
+    fn forward(&mut self, seq: &mut lily::backend::Sequence, tokens: &[u32], w: lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> {
+        let mut out = self.inner.forward(seq, tokens, w)?;
+        let vocab = self.inner.config().vocab_size;
+        (self.steer)(w, &mut out, vocab);
+        Ok(out)
+    }
+}
+
+/// A server on the tiny model whose logits `steer` edits (see [`Steered`]).
+pub fn steered_server<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send + 'static>(steer: F) -> ServerHandle {
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    let inner: Box<dyn lily::backend::Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
+    lily::server::spawn_with_backend(args(), Box::new(Steered { inner, steer })).unwrap()
+}

@@ -191,38 +191,17 @@ async fn bad_formats_get_400_naming_the_field() {
 async fn with_thinking_on_the_constraint_starts_after_the_reasoning() {
     // The tiny model's reasoning never ends by itself: this wrapper makes its fourth generated
     // token `</think>`. Before it the output is free reasoning; after it, the schema's JSON.
-    use lily::backend::{Backend, LogitsWanted, Sequence};
-    struct EndsThinking {
-        inner: Box<dyn Backend>,
-        think_end: usize,
-        steps: usize,
-    }
-    impl Backend for EndsThinking {
-        fn name(&self) -> &'static str {
-            "ends-thinking"
-        }
-        fn config(&self) -> &lily::checkpoint::ModelConfig {
-            self.inner.config()
-        }
-        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
-            self.inner.new_sequence(max_seq)
-        }
-        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
-            let mut out = self.inner.forward(seq, tokens, w)?;
-            match w {
-                LogitsWanted::None => self.steps = 0,
-                _ => self.steps += 1,
-            }
-            if self.steps == 4 {
-                out[self.think_end] = 1e9;
-            }
-            Ok(out)
-        }
-    }
-    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let think_end = tokenizer().token_id("</think>").unwrap() as usize;
-    let inner: Box<dyn Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
-    let s = lily::server::spawn_with_backend(args(), Box::new(EndsThinking { inner, think_end, steps: 0 })).unwrap();
+    let mut steps = 0;
+    let s = steered_server(move |wanted, logits: &mut [f32], _| {
+        match wanted {
+            lily::backend::LogitsWanted::None => steps = 0,
+            _ => steps += 1,
+        }
+        if steps == 4 {
+            logits[think_end] = 1e9;
+        }
+    });
     let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
     let body = json!({"messages": user("Think, then answer."), "max_tokens": 60, "seed": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}});
     let (st, v) = post(&format!("{}/v1/chat/completions", s.url()), body).await;
