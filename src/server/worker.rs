@@ -193,7 +193,16 @@ pub struct Worker {
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache = PrefixCache::new(cfg.prefix_cache_bytes);
-        let max_batch = cfg.max_batch.unwrap_or_else(|| backend.batch_capacity()).max(1);
+        let capacity = backend.batch_capacity();
+        let max_batch = match cfg.max_batch {
+            Some(m) if m > capacity => {
+                eprintln!("lily: --max-batch {m} is more than the {} backend takes in one step; using {capacity}", backend.name());
+                capacity
+            }
+            Some(m) => m,
+            None => capacity,
+        }
+        .max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
         Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
     }
@@ -218,7 +227,8 @@ impl Worker {
     /// request (its handler went with the connection; a stream was counted 200 when it began).
     fn count_gone(&self, job: &Job) {
         self.metrics.cancelled.fetch_add(1, Relaxed);
-        if !job.req.stream {
+        // One HTTP request, however many choices it has: its first choice counts the 499.
+        if !job.req.stream && job.index == 0 {
             self.metrics.count_request(super::routes::endpoint_label(job.path), 499);
         }
     }
