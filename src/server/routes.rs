@@ -164,7 +164,6 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
     handle(st, Endpoint::Completion, body).await
 }
 
-/// A request that passed validation, ready to queue.
 /// One prompt of a request, tokenized and checked against the context.
 struct PreparedPrompt {
     tokens: Vec<u32>,
@@ -173,6 +172,7 @@ struct PreparedPrompt {
     max_tokens: usize,
 }
 
+/// A request that passed validation, ready to queue.
 struct Prepared {
     req: ParsedRequest,
     prompts: Vec<PreparedPrompt>,
