@@ -186,10 +186,9 @@ impl SamplerSnapshot {
     /// keys its draws, so a continuation gives the same tokens whether it runs in one call, is
     /// split across calls, or shares its steps with other sequences.
     pub fn sample_at(&self, logits: &mut [f32], position: usize) -> u32 {
+        let mut s = Sampler::from_snapshot(self);
         // ChaCha's stream id selects an independent stream of the seed's key: one per position.
-        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
-        rng.set_stream(position as u64);
-        let mut s = Sampler { params: self.params.clone(), rng, counts: self.counts.iter().copied().collect() };
+        s.rng.set_stream(position as u64);
         s.sample(logits)
     }
 

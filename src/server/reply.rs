@@ -58,7 +58,8 @@ pub struct Reply {
     pub next: u32,
     pub generated: Vec<u32>,
     pub end: Option<End>,
-    /// The reply cannot go on (its structured-output matcher failed).
+    /// The reply cannot go on: a backend error or panic in one of its steps, or its
+    /// structured-output matcher failed. The request is answered with an error.
     pub failed: Option<anyhow::Error>,
     pub started: Instant,
     pipeline: OutputPipeline,

@@ -108,6 +108,12 @@ pub struct Job {
 }
 
 impl Job {
+    /// Tokens its sequence reserves room for before it starts: the prompt and every token it may
+    /// generate, within max-seq (so it never runs out of memory midway).
+    fn room(&self, max_seq: usize) -> usize {
+        (self.prompt.len() + self.max_tokens).min(max_seq)
+    }
+
     /// Choice `index` of the same prompt, to continue a copy of this job's sequence.
     fn fork(&self, index: usize) -> Job {
         Job {
@@ -149,12 +155,11 @@ struct Active {
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     /// The prompt is in; the row decodes.
     decoding: bool,
-    failed: Option<anyhow::Error>,
 }
 
 impl Active {
     fn finished(&self) -> bool {
-        self.reply.end.is_some() || self.failed.is_some() || self.reply.failed.is_some()
+        self.reply.end.is_some() || self.reply.failed.is_some()
     }
 }
 
@@ -262,7 +267,7 @@ impl Worker {
                         let (token, bytes) = token_text(&self.tokenizer, job.prompt[0]);
                         vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }]
                     });
-                    self.active.push(Active { seq, reply: Reply::new(job, cached), prompt_logprobs, decoding: false, failed: None });
+                    self.active.push(Active { seq, reply: Reply::new(job, cached), prompt_logprobs, decoding: false });
                 }
                 Err(e) if is_memory_full(&e) && !self.active.is_empty() => {
                     self.held = Some(job);
@@ -296,9 +301,8 @@ impl Worker {
             Some(h) => h,
             None => (self.with_memory(|w| w.backend.new_sequence(w.cfg.max_seq))?, 0),
         };
-        // Room for the whole request up front, so it never runs out of memory midway.
-        let need = (job.prompt.len() + job.max_tokens).min(self.cfg.max_seq);
-        self.with_memory(|_| seq.reserve(need))?;
+        let room = job.room(self.cfg.max_seq);
+        self.with_memory(|_| seq.reserve(room))?;
         self.metrics.cache_lookups.fetch_add(1, Relaxed);
         if hit_found {
             self.metrics.cache_hits.fetch_add(1, Relaxed);
@@ -331,7 +335,7 @@ impl Worker {
             while budget > 0 && !a.decoding && !a.finished() {
                 match guarded(|| prefill_step(&mut ctx, cache, a, budget, &mut forks)) {
                     Ok(fed) => budget -= fed.min(budget),
-                    Err(e) => a.failed = Some(e),
+                    Err(e) => a.reply.failed = Some(e),
                 }
             }
             if budget == 0 {
@@ -377,8 +381,8 @@ impl Worker {
                 i += 1;
                 continue;
             }
-            let Active { seq, mut reply, failed, .. } = self.active.remove(i);
-            if let Some(e) = failed.or_else(|| reply.failed.take()) {
+            let Active { seq, mut reply, .. } = self.active.remove(i);
+            if let Some(e) = reply.failed.take() {
                 self.fail(&reply.job, reply.usage.cached_tokens, &e);
                 continue;
             }
@@ -513,9 +517,9 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
     // The job's other choices continue copies of the sequence from the same logits.
     for i in 1..a.reply.job.n {
         let mut seq = a.seq.try_clone()?;
-        seq.reserve((n + a.reply.job.max_tokens).min(ctx.cfg.max_seq))?;
+        seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
         let job = a.reply.job.fork(a.reply.job.index + i);
-        let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false, failed: None };
+        let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false };
         first_token(ctx, &mut sibling, logits.clone(), fed)?;
         forks.push(sibling);
     }
@@ -545,17 +549,19 @@ fn steps_for(a: &Active, cap: usize) -> usize {
 /// so it is kept short: `steps` at most.
 fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
     let steps = steps_for(a, steps);
-    let Active { seq, reply, failed, .. } = a;
+    let Active { seq, reply, .. } = a;
     let first = reply.next;
     let snap = reply.sampler.clone();
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let mut each = |t: u32| reply.accept(t, &[], stop_ids, tokenizer, metrics);
-    let r = guarded(|| match snap.params.is_plain_greedy() {
-        true => ctx.backend.decode_greedy(seq, first, steps, &mut each),
-        false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut each),
-    });
+    let r = {
+        let mut each = |t: u32| reply.accept(t, &[], stop_ids, tokenizer, metrics);
+        guarded(|| match snap.params.is_plain_greedy() {
+            true => ctx.backend.decode_greedy(seq, first, steps, &mut each),
+            false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut each),
+        })
+    };
     if let Err(e) = r {
-        *failed = Some(e);
+        reply.failed = Some(e);
     }
 }
 
@@ -564,21 +570,19 @@ fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
 fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool) {
     let mut batch = Vec::with_capacity(rows.len());
     let mut replies = Vec::with_capacity(rows.len());
-    let mut failures = Vec::with_capacity(rows.len());
     for a in rows {
         let max_tokens = steps_for(a, horizon);
-        let Active { seq, reply, failed, .. } = a;
+        let Active { seq, reply, .. } = a;
         batch.push(BatchRow { seq, first_token: reply.next, max_tokens, sampler: reply.sampler.clone() });
         replies.push(reply);
-        failures.push(failed);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut |i, t| replies[i].accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer()));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
         let msg = format!("{e:#}");
-        for f in failures {
-            *f = Some(anyhow::anyhow!("batched decode failed: {msg}"));
+        for r in replies {
+            r.failed = Some(anyhow::anyhow!("batched decode failed: {msg}"));
         }
     }
 }
@@ -595,6 +599,6 @@ fn host_step(ctx: &mut Ctx, a: &mut Active) {
         Ok((tok, logits)) => {
             a.reply.accept(tok, &logits, &ctx.cfg.stop_ids, ctx.tokenizer, ctx.metrics);
         }
-        Err(e) => a.failed = Some(e),
+        Err(e) => a.reply.failed = Some(e),
     }
 }

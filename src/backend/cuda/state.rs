@@ -167,13 +167,13 @@ impl SequenceState for CudaSequence {
 mod tests {
     use super::*;
 
-/// Bytes of device memory one sequence of `tokens` tokens holds (KV rounded up to whole pages of
-/// `page_bytes` per layer's K and V).
-fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
-    let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
-    let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
-    layout(cfg).1 * 4 + 2 * attn_layers * kv
-}
+    /// Bytes of device memory one sequence of `tokens` tokens holds (KV rounded up to whole
+    /// pages of `page_bytes` per layer's K and V).
+    fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
+        let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
+        let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
+        layout(cfg).1 * 4 + 2 * attn_layers * kv
+    }
 
     #[test]
     fn bf16_kv_halves_only_the_attention_cache() {
