@@ -345,7 +345,9 @@ async fn drain(metrics: &Metrics, deadline: std::time::Duration) {
     use std::sync::atomic::Ordering::Relaxed;
     metrics.draining.store(true, Relaxed);
     let t0 = Instant::now();
-    let busy = || metrics.running.load(Relaxed) > 0 || metrics.queue_depth.load(Relaxed) > 0;
+    // Waiting before running: the worker counts a request running before it stops counting it
+    // waiting, so one of the two always holds it.
+    let busy = || metrics.queue_depth.load(std::sync::atomic::Ordering::Acquire) > 0 || metrics.running.load(std::sync::atomic::Ordering::Acquire) > 0;
     if busy() {
         eprintln!("lily: draining: new requests get 503; waiting up to {}s for the running ones", deadline.as_secs());
     }

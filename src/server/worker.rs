@@ -240,6 +240,7 @@ impl Worker {
 
     /// Starts queued jobs while the batch has room (see the module comment).
     fn admit(&mut self, rx: &mut mpsc::Receiver<Job>) {
+        let mut started = 0;
         while self.active.len() < self.max_batch {
             let job = match self.held.take() {
                 Some(job) => job,
@@ -262,7 +263,7 @@ impl Worker {
             }
             match guarded(|| self.take_sequence(&job)) {
                 Ok((seq, cached)) => {
-                    self.metrics.queue_depth.fetch_sub(1, Relaxed);
+                    started += 1;
                     let prompt_logprobs = (job.req.echo && job.req.logprobs).then(|| {
                         let (token, bytes) = token_text(&self.tokenizer, job.prompt[0]);
                         vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }]
@@ -279,7 +280,12 @@ impl Worker {
                 }
             }
         }
-        self.publish();
+        // Running first, then waiting: a reader that reads the waiting count before the running
+        // one (the drain on shutdown) always finds a started request in one of them.
+        if started > 0 {
+            self.publish();
+            self.metrics.queue_depth.fetch_sub(started, std::sync::atomic::Ordering::Release);
+        }
     }
 
     /// A sequence for `job` with room reserved for all of it: a copy of the longest cached
