@@ -941,3 +941,13 @@ async fn slow_and_silent_connections_are_closed_and_capped() {
     assert!(t0.elapsed() >= Duration::from_millis(800), "closed before the timeout");
     assert_eq!(health.await.unwrap().unwrap(), 200);
 }
+
+#[test]
+fn zero_sizes_are_refused_at_start_with_the_flag_named() {
+    for (flag, set) in [("--max-queue", (|a: &mut lily::server::ServeArgs| a.max_queue = 0) as fn(&mut lily::server::ServeArgs)), ("--max-batch", |a| a.max_batch = Some(0)), ("--prefill-chunk", |a| a.prefill_chunk = 0)] {
+        let mut a = args();
+        set(&mut a);
+        let e = lily::server::spawn(a).err().expect("refused").to_string();
+        assert!(e.contains(flag), "{flag}: {e}");
+    }
+}
