@@ -113,7 +113,9 @@ batched-start)
   ;;
 batched-gguf)
   # The Q4_0 GGUF of the synthetic 35B at $CK (written by scripts/device_check.sh or `setup`).
-  [ -f "$W/m-Q4_0.gguf" ] || gguf_py bench/write_gguf.py --model "$CK" --out "$W/m-Q4_0.gguf" --outtype q4_0 || exit 1
+  # Written beside and renamed, so a call cut short leaves no partial file to be taken for done.
+  [ -f "$W/m-Q4_0.gguf" ] || { gguf_py bench/write_gguf.py --model "$CK" --out "$W/m-Q4_0.gguf.part" --outtype q4_0 \
+    && mv "$W/m-Q4_0.gguf.part" "$W/m-Q4_0.gguf"; } || exit 1
   ls -la "$W/m-Q4_0.gguf"
   ;;
 batched)
