@@ -23,14 +23,15 @@ if [ ! -f "$CK/config.json" ]; then
   "$LILY" synth --preset 35b-a3b --out "$CK" || exit 1
 fi
 
-# serve ARGS...: starts `lily serve` on a free port and sets URL (the log goes to $OUT/serve.log).
+# serve ARGS...: starts `lily serve` on a free port and sets URL (the log goes to $OUT/$SERVE_LOG).
+SERVE_LOG=serve.log
 serve() {
-  "$LILY" serve --model "$CK" --bind 127.0.0.1:0 "$@" > "$OUT/serve.log" 2>&1 &
+  "$LILY" serve --model "$CK" --bind 127.0.0.1:0 "$@" > "$OUT/$SERVE_LOG" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 600); do
-    URL=$(grep -o 'on http://127\.0\.0\.1:[0-9]*' "$OUT/serve.log" | head -1 | cut -d' ' -f2)
+    URL=$(grep -o 'on http://127\.0\.0\.1:[0-9]*' "$OUT/$SERVE_LOG" | head -1 | cut -d' ' -f2)
     [ -n "$URL" ] && break
-    kill -0 "$SERVER" 2>/dev/null || { log "lily serve exited:"; tail -20 "$OUT/serve.log"; exit 1; }
+    kill -0 "$SERVER" 2>/dev/null || { log "lily serve exited:"; tail -20 "$OUT/$SERVE_LOG"; exit 1; }
     sleep 0.5
   done
   [ -n "$URL" ] || { log "lily serve did not start"; exit 1; }
@@ -40,8 +41,9 @@ serve() {
 serve --max-seq 131072
 trap 'kill $SERVER 2>/dev/null' EXIT
 case $WHAT in load | all)
+  # Four requests per client back to back: a steady load, new prompts prefilled while others decode.
   log "load test"
-  python3 bench/serve_load.py --url "$URL" --concurrency 1,4,16,64 --out "$OUT/serve_load.jsonl" ;;
+  python3 bench/serve_load.py --url "$URL" --concurrency 1,4,16,64 --rounds "${ROUNDS:-4}" --out "$OUT/serve_load.jsonl" ;;
 esac
 case $WHAT in turns | all)
   for n in 30000 90000; do
@@ -50,8 +52,15 @@ case $WHAT in turns | all)
   done ;;
 esac
 case $WHAT in interleave | all)
-  log "a 32K prompt while 15 streams decode"
-  python3 bench/serve_scenarios.py interleave --url "$URL" --streams 15 --long 32768 --out "$OUT/serve_scenarios.jsonl" ;;
+  # The default chunk on the running server, then other chunk sizes on restarted ones.
+  for chunk in default ${CHUNKS:-512}; do
+    if [ "$chunk" != default ]; then
+      curl -s "$URL/metrics" > "$OUT/metrics-main.txt"; kill $SERVER; wait $SERVER 2>/dev/null
+      SERVE_LOG=serve-chunk$chunk.log serve --max-seq 131072 --prefill-chunk "$chunk"
+    fi
+    log "a 32K prompt while 15 streams decode (prefill chunk: $chunk)"
+    python3 bench/serve_scenarios.py interleave --url "$URL" --streams 15 --long 32768 --tag "prefill-chunk=$chunk" --out "$OUT/serve_scenarios.jsonl"
+  done ;;
 esac
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
 log "done"

@@ -1,7 +1,9 @@
 """Load test through the server with the official openai client: C concurrent streaming requests
 per level, each with its own prompt of token ids (no prefix-cache hits), `max_tokens` out with
 `ignore_eos` (every request generates exactly that many), greedy and sampled (temperature 0.7,
-top-p 0.8, top-k 20: what chat clients send).
+top-p 0.8, top-k 20: what chat clients send). With `--rounds R` each client sends R requests
+back to back, so the level measures a steady load (new prompts prefilled while others decode)
+rather than one burst.
 
 Per level it prints one JSON line: aggregate completion tok/s over the level's wall time (first
 request sent to last stream ended), time to first token p50 / p95 (request sent to first text
@@ -61,9 +63,19 @@ async def one_stream(client, model, prompt, max_tokens, params):
     return {"sent": sent, "chunks": chunks, "ended": time.perf_counter(), "completion_tokens": usage.completion_tokens if usage else 0}
 
 
-async def run_level(client, model, level, concurrency, prompt_len, max_tokens, params, vocab):
-    prompts = [prompt_ids(level, c, prompt_len, vocab) for c in range(concurrency)]
-    results = await asyncio.gather(*(one_stream(client, model, p, max_tokens, params) for p in prompts))
+async def run_level(client, model, level, concurrency, prompt_len, max_tokens, params, vocab, rounds=1):
+    """`concurrency` clients, each sending `rounds` requests back to back (a closed loop: a
+    client's next request leaves when its last one ended, so after the first round requests
+    arrive while others decode, as they do in service)."""
+
+    async def client_loop(c):
+        out = []
+        for r in range(rounds):
+            prompt = prompt_ids(level, c + r * 100_003, prompt_len, vocab)
+            out.append(await one_stream(client, model, prompt, max_tokens, params))
+        return out
+
+    results = [x for xs in await asyncio.gather(*(client_loop(c) for c in range(concurrency))) for x in xs]
     start = min(r["sent"] for r in results)
     end = max(r["ended"] for r in results)
     tokens = sum(r["completion_tokens"] for r in results)
@@ -71,7 +83,7 @@ async def run_level(client, model, level, concurrency, prompt_len, max_tokens, p
     itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
     wall = end - start
     return {
-        "requests": concurrency,
+        "requests": len(results),
         "completion_tokens": tokens,
         "wall_secs": round(wall, 4),
         "decode": {"aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None},
@@ -116,8 +128,8 @@ async def main_async(args, url):
         for c in sorted({1, max(int(x) for x in args.concurrency.split(","))}):
             await run_level(client, model, 999, c, args.prompt_len, 8, params, vocab)
         for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-            r = await run_level(client, model, i, c, args.prompt_len, args.max_tokens, params, vocab)
-            rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
+            r = await run_level(client, model, i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds)
+            rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
             print(json.dumps(rec), flush=True)
             lines.append(rec)
     if args.out:
@@ -136,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--api-key", default=os.environ.get("LILY_API_KEY", "unused"))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--modes", default="greedy,sampled")
+    ap.add_argument("--rounds", type=int, default=1, help="requests each client sends back to back (1: one burst of `concurrency` requests)")
     ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=248320, help="prompt ids are drawn below this")

@@ -26,10 +26,11 @@ from serve_load import percentile, prompt_ids  # noqa: E402
 
 
 def document(tokens, seed=1):
-    """About `tokens` tokens of plain words (random, so nothing repeats across runs' prefixes)."""
+    """About `tokens` tokens of plain words (random, so nothing repeats across runs' prefixes):
+    a word and a three-digit number are four tokens (Qwen's tokenizer splits digits)."""
     rng = random.Random(seed)
     words = ["river", "stone", "lamp", "orbit", "cedar", "signal", "harbor", "prism", "meadow", "copper", "violet", "engine", "glacier", "sonnet", "tundra", "quartz"]
-    return " ".join(f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(tokens // 2))
+    return " ".join(f"{rng.choice(words)}{rng.randrange(100, 1000)}" for _ in range(tokens // 4))
 
 
 async def timed_chat(client, model, messages, max_tokens, extra):
@@ -113,7 +114,7 @@ async def main_async(args):
     client = openai.AsyncOpenAI(base_url=args.url + "/v1", api_key=args.api_key, max_retries=0, timeout=1200)
     model = (await client.models.list()).data[0].id
     r = await {"turns": turns, "interleave": interleave}[args.scenario](client, model, args)
-    rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), **r}
+    rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), **({"tag": args.tag} if args.tag else {}), **r}
     print(json.dumps(rec), flush=True)
     if args.out:
         with open(args.out, "a") as f:
@@ -134,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--settle", type=float, default=0.5, help="seconds the streams run alone before the long prompt")
     ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--tag", help="recorded with the result (e.g. the server's settings)")
     ap.add_argument("--out")
     return asyncio.run(main_async(ap.parse_args(argv)))
 

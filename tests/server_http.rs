@@ -130,7 +130,7 @@ async fn prefix_cache_hit_gives_identical_greedy_output() {
     // ...and gives the same output as the same request on a fresh server with no cache.
     let fresh = {
         let mut a = args();
-        a.prefix_cache_mb = 0;
+        a.prefix_cache_mb = Some(0);
         lily::server::spawn(a).unwrap()
     };
     let (_, d) = post(&format!("{}/v1/completions", fresh.url()), json!({"prompt": longer, "max_tokens": 3, "temperature": 0})).await;

@@ -99,12 +99,15 @@ pub struct ServeArgs {
     pub max_batch: Option<usize>,
     /// Prompt tokens prefilled per scheduler turn, between decode steps of the running requests:
     /// larger prefills long prompts faster, smaller keeps the running streams' inter-token
-    /// latency lower while a prompt is prefilled.
+    /// latency lower while a prompt is prefilled. While no request decodes, a turn takes up to
+    /// 16,384.
     #[arg(long, default_value_t = worker::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
-    /// Memory budget of the prefix cache (sequence snapshots), in MiB.
-    #[arg(long, default_value_t = 2048)]
-    pub prefix_cache_mb: usize,
+    /// Memory budget of the prefix cache (sequence snapshots), in MiB. Default: all of the
+    /// sequence memory where the backend has a budget of its own (CUDA; snapshots then give way
+    /// to running requests, least recently used first), else 2048.
+    #[arg(long)]
+    pub prefix_cache_mb: Option<usize>,
     /// A prompt's prefill also snapshots its sequence into the prefix cache every this many
     /// tokens (0: only at chat message starts and before the last token), so prompts that share
     /// a long prefix without a message boundary (a document, then different questions) resume
@@ -169,7 +172,7 @@ impl ServeArgs {
             max_queue: 256,
             max_batch: None,
             prefill_chunk: worker::PREFILL_CHUNK,
-            prefix_cache_mb: 2048,
+            prefix_cache_mb: None,
             prefix_checkpoint_tokens: 2048,
             max_connections: 1024,
             header_timeout_secs: 30,
@@ -285,7 +288,7 @@ fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>, tokenizer
     worker::WorkerConfig {
         max_seq,
         stop_ids,
-        prefix_cache_bytes: args.prefix_cache_mb.saturating_mul(1 << 20),
+        prefix_cache_bytes: args.prefix_cache_mb.map(|mb| mb.saturating_mul(1 << 20)),
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
         checkpoint_every: args.prefix_checkpoint_tokens,

@@ -6,11 +6,12 @@
 //!    the prefix cache, take a sequence and reserve its memory (prompt + max_tokens), evicting
 //!    cached snapshots when the budget needs them. A request that does not fit while others run
 //!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
-//! 2. **Prefill** up to `--prefill-chunk` prompt tokens, from the admitted prompts in order; a
-//!    prompt whose last token is fed draws its first token and joins the decoding rows. So a long
-//!    prompt delays the running streams by one chunk per token, not by its whole prefill. The
-//!    prefill snapshots its sequence into the prefix cache at checkpoints: each chat message's
-//!    start, every `--prefix-checkpoint-tokens`, and before the prompt's last token.
+//! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while no row decodes), from the
+//!    admitted prompts in order; a prompt with all but its last token fed joins the decoding
+//!    rows, whose next step feeds that token and draws the first one. So a long prompt delays
+//!    the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
+//!    its sequence into the prefix cache at checkpoints: each chat message's start, every
+//!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
 //! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
 //!    pipelined single-sequence loop; several run `Backend::decode_batch`; rows whose client wants
 //!    logprobs step on the host with their logits. Without prefill work, a call runs up to
@@ -38,9 +39,19 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-/// Default prompt tokens prefilled per turn of the scheduler (`--prefill-chunk`): what one turn
-/// adds to the running streams' inter-token latency while a prompt is prefilled.
-pub const PREFILL_CHUNK: usize = 512;
+/// Default prompt tokens prefilled per turn of the scheduler while rows decode
+/// (`--prefill-chunk`): what one turn adds to the running streams' inter-token latency while a
+/// prompt is prefilled. Smaller chunks run the prefill kernels below their speed and add decode
+/// steps of a partly filled batch (docs/server.md has the measured trade-off).
+pub const PREFILL_CHUNK: usize = 2048;
+
+/// Prompt tokens per turn while no row decodes: large enough that prompts go in at the prefill's
+/// full speed, small enough that a newcomer is admitted and a departed client noticed within a
+/// second or so.
+const IDLE_PREFILL_CHUNK: usize = 16384;
+
+/// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -135,7 +146,9 @@ impl Job {
 pub struct WorkerConfig {
     pub max_seq: usize,
     pub stop_ids: Vec<u32>,
-    pub prefix_cache_bytes: usize,
+    /// The prefix cache's budget (`None`: the backend's sequence memory, else
+    /// [`DEFAULT_PREFIX_CACHE_BYTES`]).
+    pub prefix_cache_bytes: Option<usize>,
     /// Most sequences decoded together (`None`: the backend's `batch_capacity`).
     pub max_batch: Option<usize>,
     /// Prompt tokens prefilled per turn.
@@ -197,7 +210,8 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
-        let cache = PrefixCache::new(cfg.prefix_cache_bytes);
+        let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
+        let cache = PrefixCache::new(cache_bytes);
         let capacity = backend.batch_capacity();
         let max_batch = match cfg.max_batch {
             Some(m) if m > capacity => {
@@ -329,7 +343,10 @@ impl Worker {
 
     /// Prefills up to `prefill_chunk` prompt tokens, from the admitted prompts in order.
     fn prefill(&mut self) {
-        let mut budget = self.cfg.prefill_chunk.max(1);
+        // The chunk bounds what a turn adds to the decoding rows' inter-token latency; with no
+        // row decoding, nobody waits on a token and prompts go in at full speed.
+        let decoding = self.active.iter().any(|a| a.decoding && !a.finished());
+        let mut budget = if decoding { self.cfg.prefill_chunk.max(1) } else { self.cfg.prefill_chunk.max(IDLE_PREFILL_CHUNK) };
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
@@ -343,6 +360,10 @@ impl Worker {
                     Ok(fed) => budget -= fed.min(budget),
                     Err(e) => a.reply.failed = Some(e),
                 }
+            }
+            if a.decoding {
+                // A row now waits on its first token: the rest of the turn is one chunk at most.
+                budget = budget.min(ctx.cfg.prefill_chunk.max(1));
             }
             if budget == 0 {
                 break;
@@ -519,30 +540,29 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         }
         return Ok(k);
     }
-    let logits = ctx.backend.forward(&mut a.seq, &prompt[n - 1..], LogitsWanted::Last)?;
-    // The job's other choices continue copies of the sequence from the same logits.
+    // All but the last prompt token are in: the row decodes, its first step feeding that token
+    // (so the first token comes from a decode step like every other, batched with the running
+    // rows, with no separate forward). The job's other choices continue copies of the sequence.
+    let last = prompt[n - 1];
     for i in 1..a.reply.job.n {
         let mut seq = a.seq.try_clone()?;
         seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
         let job = a.reply.job.fork(a.reply.job.index + i);
         let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false };
-        first_token(ctx, &mut sibling, logits.clone(), fed)?;
+        start_decoding(&mut sibling, last);
         forks.push(sibling);
     }
-    first_token(ctx, a, logits, fed)?;
-    Ok(1)
+    start_decoding(a, last);
+    Ok(0)
 }
 
-/// Draws a row's first token from its prompt's logits; the row then decodes.
-fn first_token(ctx: &mut Ctx, a: &mut Active, mut logits: Vec<f32>, position: usize) -> anyhow::Result<()> {
+/// The row decodes from `next`, the last prompt token (a request for no tokens ends here).
+fn start_decoding(a: &mut Active, next: u32) {
     a.decoding = true;
+    a.reply.next = next;
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
-    } else {
-        let tok = a.reply.draw(&mut logits, position)?;
-        a.reply.accept(tok, &logits, &ctx.cfg.stop_ids, ctx.tokenizer, ctx.metrics);
     }
-    Ok(())
 }
 
 /// Steps the row's sequence can still take: its remaining tokens within max-seq, at most `cap`.

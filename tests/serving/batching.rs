@@ -84,7 +84,7 @@ fn watch_batch_size(url: String, running: Arc<AtomicBool>) -> (Arc<AtomicU64>, t
 /// The tiny model without a prefix cache, so solo runs leave nothing the concurrent ones reuse.
 fn uncached_args() -> lily::server::ServeArgs {
     let mut a = args();
-    a.prefix_cache_mb = 0;
+    a.prefix_cache_mb = Some(0);
     a
 }
 

@@ -16,7 +16,7 @@ async fn post(url: &str, body: Value) -> Value {
 fn server(prefix_cache_mb: usize, checkpoint_every: usize) -> lily::server::ServerHandle {
     let mut a = args();
     a.max_seq = 4096;
-    a.prefix_cache_mb = prefix_cache_mb;
+    a.prefix_cache_mb = Some(prefix_cache_mb);
     a.prefix_checkpoint_tokens = checkpoint_every;
     lily::server::spawn(a).unwrap()
 }
