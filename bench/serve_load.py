@@ -122,13 +122,14 @@ async def main_async(args, url):
     model = models.data[0].id
     vocab = args.vocab
     lines = []
-    for mode in args.modes.split(","):
+    for m, mode in enumerate(args.modes.split(",")):
         params = {"greedy": GREEDY, "sampled": SAMPLED}[mode]
         # Warm-up: graphs for the batch shapes of this mode, allocator pools.
-        for c in sorted({1, max(int(x) for x in args.concurrency.split(","))}):
-            await run_level(client, model, 999, c, args.prompt_len, 8, params, vocab)
+        for j, c in enumerate(sorted({1, max(int(x) for x in args.concurrency.split(","))})):
+            await run_level(client, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab)
         for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-            r = await run_level(client, model, i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds)
+            # Prompts differ across levels and modes: no request finds another's in the prefix cache.
+            r = await run_level(client, model, 100 * m + i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds)
             rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
             print(json.dumps(rec), flush=True)
             lines.append(rec)

@@ -72,6 +72,26 @@ impl<T> PrefixCache<T> {
         self.entries.push(Entry { tokens, item, bytes, key, last_used: self.clock });
     }
 
+    /// A copy (`copy`) of the item of the longest cached prefix of `prompt`, and that prefix's
+    /// length, as [`PrefixCache::lookup`] finds it. While the copy fails for want of memory
+    /// (`is_full`), other entries are evicted, least recently used first; `None` when nothing
+    /// matches, the error when the copy fails otherwise or nothing else is left to evict.
+    pub fn copy_longest<R>(&mut self, prompt: &[u32], key: Option<&str>, mut copy: impl FnMut(&T) -> anyhow::Result<R>, is_full: impl Fn(&anyhow::Error) -> bool) -> Option<anyhow::Result<(R, usize)>> {
+        let n = self.lookup(prompt, key)?.1;
+        // The hit is now the most recently used entry, so LRU eviction takes it last.
+        let stamp = self.clock;
+        loop {
+            let hit = self.entries.iter().find(|e| e.last_used == stamp).expect("the hit is kept while others remain");
+            match copy(&hit.item) {
+                Ok(r) => return Some(Ok((r, n))),
+                Err(e) if is_full(&e) && self.entries.len() > 1 => {
+                    self.evict_lru();
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+
     /// Drops the least-recently-used entry (to free its memory for a request); false when empty.
     pub fn evict_lru(&mut self) -> bool {
         match self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) {
@@ -172,6 +192,30 @@ mod tests {
         assert_eq!(stops(5), vec![3, 5, 8, 10, 13]);
         assert_eq!(next_checkpoint(&prompt, 0, last, None, 0), last);
         assert_eq!(next_checkpoint(&prompt, 9, last, None, 4), 12);
+    }
+
+    #[test]
+    fn a_hit_copy_evicts_other_entries_while_memory_is_full() {
+        let mut c = PrefixCache::new(100);
+        c.insert(vec![1], "old", 10, None);
+        c.insert(vec![2], "older-used", 10, None);
+        c.insert(vec![3, 4], "hit", 10, None);
+        assert!(c.lookup(&[2, 0], None).is_some()); // "old" is now the least recently used
+        let full = |e: &anyhow::Error| e.to_string() == "full";
+        // The copy succeeds once two entries are gone: they go in LRU order, the hit stays.
+        let mut tries = 0;
+        let r = c.copy_longest(&[3, 4, 5], None, |item| { tries += 1; if tries < 3 { anyhow::bail!("full") } Ok(*item) }, full);
+        assert_eq!(r.map(|r| r.unwrap()), Some(("hit", 2)));
+        assert_eq!((c.len(), find(&mut c, &[3, 4, 0], None)), (1, Some(("hit", 2))));
+        // With nothing else to evict the error stands; an error of another kind evicts nothing.
+        c.insert(vec![7], "other", 10, None);
+        let r = c.copy_longest(&[3, 4, 5], None, |_| -> anyhow::Result<()> { anyhow::bail!("broken") }, full);
+        assert_eq!(r.map(|r| r.unwrap_err().to_string()), Some("broken".into()));
+        assert_eq!(c.len(), 2);
+        let r = c.copy_longest(&[3, 4, 5], None, |_| -> anyhow::Result<()> { anyhow::bail!("full") }, full);
+        assert_eq!(r.map(|r| r.unwrap_err().to_string()), Some("full".into()));
+        assert_eq!((c.len(), c.contains(&[3, 4])), (1, true));
+        assert!(c.copy_longest(&[9, 9], None, |item| Ok(*item), full).is_none());
     }
 
     #[test]

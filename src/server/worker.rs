@@ -306,11 +306,12 @@ impl Worker {
     /// prefix of its prompt, or a fresh one; and the prompt tokens it already holds.
     fn take_sequence(&mut self, job: &Job) -> anyhow::Result<(Sequence, usize)> {
         // Prompt logprobs need every prompt position's logits, which a cached snapshot lacks.
-        let found = if job.req.echo && job.req.logprobs { None } else { self.cache.lookup(&job.prompt, job.req.prompt_cache_key.as_deref()) };
-        // If the copy cannot be allocated (device memory), the request prefills from scratch.
-        let hit = match found.map(|(snap, n)| (snap.try_clone(), n)) {
-            Some((Ok(seq), n)) => Some((seq, n)),
-            Some((Err(e), _)) => {
+        // Other snapshots make room for the copy; if it still cannot be allocated, the request
+        // prefills from scratch.
+        let found = if job.req.echo && job.req.logprobs { None } else { self.cache.copy_longest(&job.prompt, job.req.prompt_cache_key.as_deref(), |snap| snap.try_clone(), is_memory_full) };
+        let hit = match found {
+            Some(Ok(h)) => Some(h),
+            Some(Err(e)) => {
                 eprintln!("lily: prefix cache hit not used (copying the snapshot failed: {e:#})");
                 None
             }
@@ -523,14 +524,20 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         let _ = a.reply.job.events.send(Event::PromptLogprobs { index: a.reply.job.index, entries });
     }
     if fed + 1 < n {
-        // Feed up to the next checkpoint and snapshot there (see `next_checkpoint`); a snapshot
-        // that cannot be allocated is simply not cached.
+        // Feed up to the next checkpoint and snapshot there (see `next_checkpoint`); older
+        // snapshots make room for it, and one that still cannot be allocated is not cached.
         let checkpoint = next_checkpoint(prompt, fed, n - 1, ctx.cfg.message_start, ctx.cfg.checkpoint_every);
         let k = (checkpoint - fed).min(budget);
         ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::None)?;
         let at = a.seq.len();
         if at == checkpoint && cache.budget() > 0 && !cache.contains(&prompt[..at]) {
-            match a.seq.try_clone() {
+            let copy = loop {
+                match a.seq.try_clone() {
+                    Err(e) if is_memory_full(&e) && cache.evict_lru() => {}
+                    r => break r,
+                }
+            };
+            match copy {
                 Ok(snap) => {
                     let bytes = snap.memory_bytes();
                     cache.insert(prompt[..at].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());

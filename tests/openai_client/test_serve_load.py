@@ -3,7 +3,10 @@ model: every level (two rounds of requests per client) reports its requests' tok
 latencies are ordered and positive."""
 
 import json
+import re
 import sys
+
+import httpx
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -17,6 +20,8 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     out = tmp_path / "load.jsonl"
+    hits = lambda: re.search(r"^lily_prefix_cache_hits_total (\d+)", httpx.get(f"{tiny.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text, re.M).group(1)
+    before = hits()
     lines = serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "1,3", "--rounds", "2", "--modes", "greedy,sampled", "--prompt-len", "24", "--max-tokens", "6", "--vocab", str(vocab), "--out", str(out)])
     assert [(r["mode"], r["batch"]) for r in lines] == [("greedy", 1), ("greedy", 3), ("sampled", 1), ("sampled", 3)]
     for r in lines:
@@ -27,6 +32,8 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
         assert 0 < r["ttft_secs"]["p50"] <= r["ttft_secs"]["p95"], r
         assert 0 <= r["itl_secs"]["p50"] <= r["itl_secs"]["p95"], r
     assert [json.loads(l) for l in out.read_text().splitlines()] == lines
+    # Every request's prompt was new to the server: no level is helped by the prefix cache.
+    assert hits() == before
 
 
 def test_scenarios_report_cache_hits_and_interleaving(tiny, model_dir):
