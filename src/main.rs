@@ -15,7 +15,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "lily", version, about = "Batch-1 inference for Qwen3.6-35B-A3B (MLX 4-bit checkpoints)")]
+#[command(name = "lily", version, about = "Inference server for Qwen3.6-35B-A3B (MLX 4-bit checkpoints): CUDA on Hopper, CPU reference")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

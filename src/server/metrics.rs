@@ -83,6 +83,10 @@ pub struct RequestRecord {
     pub tok_s: f64,
     pub finish: String,
     pub error: Option<String>,
+    /// Arrival to admission into the batch (tokenization and waiting in the queue), and arrival
+    /// to the first token: where a request's time to first token went.
+    pub queue_ms: Option<u64>,
+    pub ttft_ms: Option<u64>,
 }
 
 impl RequestRecord {
@@ -90,6 +94,9 @@ impl RequestRecord {
         let mut s = format!("{} {} {} {}ms", self.method, self.path, self.status, self.ms);
         if self.status < 400 {
             let _ = write!(s, " prompt={} cached={} completion={} tok/s={:.1} finish={}", self.prompt, self.cached, self.completion, self.tok_s, self.finish);
+            if let (Some(q), Some(t)) = (self.queue_ms, self.ttft_ms) {
+                let _ = write!(s, " queue={q}ms ttft={t}ms");
+            }
         }
         if let Some(e) = &self.error {
             let _ = write!(s, " error={e:?}");

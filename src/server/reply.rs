@@ -65,6 +65,7 @@ pub struct Reply {
     pipeline: OutputPipeline,
     decoder: StreamDecoder,
     last_token_at: Option<Instant>,
+    pub first_token_at: Option<Instant>,
 }
 
 impl Reply {
@@ -82,7 +83,7 @@ impl Reply {
         let sampler = Sampler::new(params).snapshot();
         let forked = job.index % req.n != 0;
         let usage = if forked { Usage::default() } else { Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() } };
-        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None }
+        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None }
     }
 
     /// Tokens this reply may still produce.
@@ -120,7 +121,10 @@ impl Reply {
         }
         let now = Instant::now();
         match self.last_token_at {
-            None => metrics.ttft.observe(now.duration_since(self.job.arrived).as_secs_f64()),
+            None => {
+                metrics.ttft.observe(now.duration_since(self.job.arrived).as_secs_f64());
+                self.first_token_at = Some(now);
+            }
             Some(t) => metrics.itl.observe(now.duration_since(t).as_secs_f64()),
         }
         self.last_token_at = Some(now);

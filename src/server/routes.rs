@@ -310,7 +310,7 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
     };
     let fail = |e: ApiError| {
         st.metrics.count_request(label, e.status.as_u16());
-        st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()) });
+        st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()), queue_ms: None, ttft_ms: None });
         e.into_response()
     };
     if st.metrics.draining.load(Relaxed) {

@@ -272,7 +272,7 @@ impl Worker {
             if job.events.is_closed() {
                 self.metrics.queue_depth.fetch_sub(1, Relaxed);
                 self.count_gone(&job);
-                self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()) });
+                self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()), queue_ms: None, ttft_ms: None });
                 continue;
             }
             match guarded(|| self.take_sequence(&job)) {
@@ -439,6 +439,8 @@ impl Worker {
                 tok_s: usage.completion_tokens as f64 / secs.max(1e-3),
                 finish: finish.to_string(),
                 error,
+                queue_ms: Some(reply.started.duration_since(job.arrived).as_millis() as u64),
+                ttft_ms: reply.first_token_at.map(|t| t.duration_since(job.arrived).as_millis() as u64),
             });
         }
         self.publish();
@@ -482,6 +484,8 @@ impl Worker {
             tok_s: 0.0,
             finish: "error".into(),
             error: Some(format!("{e:#}")),
+            queue_ms: None,
+            ttft_ms: None,
         });
     }
 

@@ -240,10 +240,9 @@ impl KvSpace {
         let used = rows * self.row_bytes;
         let full = (used / self.page_bytes).min(self.mapped_per_region());
         for r in 0..self.regions {
-            for (i, page) in self.pages[r][..full].iter().enumerate() {
-                dst.map(r * self.region_bytes + i * self.page_bytes, page, self.page_bytes)?;
-                c.pages[r].push(page.clone());
-            }
+            let run: Vec<&PhysPage> = self.pages[r][..full].iter().map(|p| p.as_ref()).collect();
+            dst.map_run(r * self.region_bytes, &run, self.page_bytes)?;
+            c.pages[r].extend(self.pages[r][..full].iter().cloned());
         }
         let partial = used.saturating_sub(full * self.page_bytes);
         if partial > 0 {

@@ -84,12 +84,35 @@ impl AddressRange {
 
     /// Maps `page` (`bytes` long) at `offset` and makes it readable and writable by the device.
     pub fn map(&self, offset: usize, page: &PhysPage, bytes: usize) -> Result<()> {
+        self.map_run(offset, &[page], bytes)
+    }
+
+    /// Maps `pages` (each `page_bytes` long) back to back from `offset`, then makes the whole
+    /// run readable and writable with one access call: the access call is the costly one, and a
+    /// copy of a long sequence maps hundreds of pages.
+    pub fn map_run(&self, offset: usize, pages: &[&PhysPage], page_bytes: usize) -> Result<()> {
+        let bytes = pages.len() * page_bytes;
         assert!(offset + bytes <= self.bytes, "mapping past the reserved range");
+        if pages.is_empty() {
+            return Ok(());
+        }
         self.ctx.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
         let at = self.base + offset as u64;
-        // SAFETY: the range is reserved by us and this offset is not mapped (the caller's page
-        // list says so); the page outlives the mapping (unmapped before the page is dropped).
-        check(unsafe { sys::cuMemMap(at, bytes, 0, page.handle, 0) }, "cuMemMap")?;
+        // Unmaps the first `n` pages of the run (mapped here and never used).
+        let undo = |n: usize| {
+            for i in 0..n {
+                // SAFETY: mapped by this call and never used.
+                unsafe { sys::cuMemUnmap(at + (i * page_bytes) as u64, page_bytes) };
+            }
+        };
+        for (i, page) in pages.iter().enumerate() {
+            // SAFETY: the range is reserved by us and this offset is not mapped (the caller's
+            // page list says so); the page outlives the mapping (unmapped before it is dropped).
+            if let Err(e) = check(unsafe { sys::cuMemMap(at + (i * page_bytes) as u64, page_bytes, 0, page.handle, 0) }, "cuMemMap") {
+                undo(i);
+                return Err(e);
+            }
+        }
         let desc = sys::CUmemAccessDesc {
             location: device_prop(self.ctx.ordinal() as i32).location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -97,8 +120,7 @@ impl AddressRange {
         // SAFETY: `at..at + bytes` was just mapped.
         let r = check(unsafe { sys::cuMemSetAccess(at, bytes, &desc, 1) }, "cuMemSetAccess");
         if r.is_err() {
-            // SAFETY: mapped above and never used.
-            unsafe { sys::cuMemUnmap(at, bytes) };
+            undo(pages.len());
         }
         r
     }
