@@ -377,3 +377,38 @@ fn stream_matches_decode_on_arbitrary_id_sequences() {
         }
     }
 }
+
+/// A long text encoded in pieces cut at `safe_cuts` points (in parallel) gives exactly the ids
+/// of encoding it whole, on texts mixing words, digits, contractions, accents and combining
+/// marks, CJK, emoji, punctuation, runs of spaces and newlines, and added tokens.
+#[test]
+fn encoding_in_pieces_matches_encoding_whole() {
+    let t = tok();
+    assert!(t.encodes_in_parallel());
+    let words = [
+        "river", "Stone", "it's", "we'll", "café", "e\u{301}t\u{e9}", "naïve", "日本語", "中文", "🙂", "👍🏽", "x=1;", "fn(a, b)", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+        "123", "4567", "  ", "   ", "\n", "\n\n", " \n", "\t", "--", "...", "HTTP/1.1", "ÀB", "σίγμα", "क्षि",
+    ];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = |n: usize| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) as usize % n
+    };
+    for case in 0..40 {
+        let mut text = String::new();
+        while text.len() < 3000 {
+            text.push_str(words[next(words.len())]);
+            if next(3) > 0 {
+                text.push(' ');
+            }
+        }
+        let whole = t.inner().encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        for piece in [7, 33, 200] {
+            assert!(lily::tokenizer::safe_cuts(&text, piece).len() > 1, "case {case}: no cut in {text:?}");
+            assert_eq!(t.encode_in_pieces(&text, piece).unwrap(), whole, "case {case}, pieces of {piece}: {text:?}");
+        }
+    }
+    // The document of the serving benchmarks: one line of words and numbers.
+    let doc: String = (0..20_000).map(|i| format!("{}{} ", ["river", "stone", "prism"][i % 3], 100 + i % 900)).collect();
+    assert_eq!(t.encode(&doc).unwrap(), t.inner().encode(doc.as_str(), false).unwrap().get_ids().to_vec());
+}

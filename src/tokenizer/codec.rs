@@ -64,6 +64,9 @@ pub struct Tokenizer {
     is_added: Vec<bool>,
     /// Added tokens by content, so `token_id("<think>")` never depends on the model vocab.
     added: HashMap<String, u32>,
+    /// Long texts may be cut at [`safe_cuts`] points and their pieces encoded in parallel: the
+    /// pre-tokenizer is Qwen's split and no added token holds a space.
+    parallel_safe: bool,
     /// The longest token's bytes: a text of n bytes has at least n / this many tokens.
     max_token_bytes: usize,
 }
@@ -141,7 +144,9 @@ impl Tokenizer {
             is_added[id as usize] = true;
         }
         let max_token_bytes = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(1).max(1);
+        let parallel_safe = splits_like_qwen(&inner) && added.keys().all(|t| !t.contains(' '));
         Ok(Tokenizer {
+            parallel_safe,
             inner,
             bytes,
             offsets,
@@ -161,11 +166,30 @@ impl Tokenizer {
     /// Text -> ids, as HF does for a rendered chat prompt: no BOS/post-processing
     /// (`add_special_tokens=false`), but added-token text such as `<|im_start|>` becomes its id.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode_in_pieces(text, PARALLEL_PIECE_BYTES)
+    }
+
+    /// Whether long texts are encoded in pieces in parallel (see `encode_in_pieces`).
+    pub fn encodes_in_parallel(&self) -> bool {
+        self.parallel_safe
+    }
+
+    /// `encode`, with a text longer than twice `piece_bytes` cut into pieces of about that many
+    /// bytes at [`safe_cuts`] points (where the pre-tokenizer splits anyway, so the ids are the
+    /// same) and the pieces encoded in parallel: a long document's prompt is tokenized on every
+    /// core instead of one.
+    pub fn encode_in_pieces(&self, text: &str, piece_bytes: usize) -> Result<Vec<u32>> {
+        let one = |t: &str| -> Result<Vec<u32>> {
+            let enc = self.inner.encode(t, false).map_err(|e| anyhow!("tokenizer encode failed: {e}"))?;
+            Ok(enc.get_ids().to_vec())
+        };
+        if !self.parallel_safe || text.len() < 2 * piece_bytes.max(1) {
+            return one(text);
+        }
+        use rayon::prelude::*;
+        let pieces = safe_cuts(text, piece_bytes);
+        let ids: Vec<Vec<u32>> = pieces.par_iter().map(|p| one(p)).collect::<Result<_>>()?;
+        Ok(ids.concat())
     }
 
     /// Ids -> text (lossy on invalid UTF-8, like HF). Ids without a token are dropped.
@@ -217,4 +241,45 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// Piece size of the parallel encode: large enough that a piece's work dwarfs its scheduling.
+const PARALLEL_PIECE_BYTES: usize = 32 << 10;
+
+/// Whether the pre-tokenizer is Qwen's regex split ([`PRETOKENIZE_REGEX`]), the one
+/// [`safe_cuts`] reasons about.
+fn splits_like_qwen(inner: &tokenizers::Tokenizer) -> bool {
+    fn has_regex(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Object(m) => m.get("Regex").and_then(|r| r.as_str()) == Some(PRETOKENIZE_REGEX) || m.values().any(has_regex),
+            serde_json::Value::Array(a) => a.iter().any(has_regex),
+            _ => false,
+        }
+    }
+    inner.get_pre_tokenizer().and_then(|p| serde_json::to_value(p).ok()).is_some_and(|v| has_regex(&v))
+}
+
+/// `text` cut into pieces of about `piece_bytes`, each cut just before a space that follows an
+/// ASCII letter or digit and precedes an ASCII letter. Qwen's pre-tokenizer always splits there:
+/// no alternative of its regex runs from an alphanumeric across a space, and a space followed by
+/// a letter starts the word piece ` word` wherever the scan resumes. NFC changes nothing across
+/// it (a space and an ASCII letter compose with nothing), and no added token spans it (none
+/// holds a space, and one ending in `>` never precedes the cut). Without such a point the piece
+/// runs on to the next one.
+pub fn safe_cuts(text: &str, piece_bytes: usize) -> Vec<&str> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut at = piece_bytes.max(1);
+    while at + 1 < b.len() {
+        if b[at] == b' ' && b[at - 1].is_ascii_alphanumeric() && b[at + 1].is_ascii_alphabetic() {
+            out.push(&text[start..at]);
+            start = at;
+            at += piece_bytes.max(1);
+        } else {
+            at += 1;
+        }
+    }
+    out.push(&text[start..]);
+    out
 }

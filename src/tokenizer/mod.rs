@@ -19,7 +19,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-pub use codec::Tokenizer;
+pub use codec::{safe_cuts, Tokenizer};
 pub use specials::{special_id, FIRST_SPECIAL_ID, PRETOKENIZE_REGEX, SPECIAL_TOKENS};
 pub use stream::StreamDecoder;
 pub use template::{ChatTemplate, QWEN36_CHAT_TEMPLATE};
