@@ -83,8 +83,9 @@ pub struct RequestRecord {
     pub tok_s: f64,
     pub finish: String,
     pub error: Option<String>,
-    /// Arrival to admission into the batch (tokenization and waiting in the queue), and arrival
-    /// to the first token: where a request's time to first token went.
+    /// Arrival to joining the batch (template and tokenizer, waiting in the queue, copying a
+    /// prefix-cache hit), and arrival to the first token: where a request's time to first token
+    /// went.
     pub queue_ms: Option<u64>,
     pub ttft_ms: Option<u64>,
 }
