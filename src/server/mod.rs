@@ -23,6 +23,7 @@ pub mod reasoning;
 pub mod reply;
 pub mod request;
 pub mod responses;
+pub mod responses_api;
 pub mod routes;
 pub mod scripted;
 pub mod stop;
@@ -280,6 +281,7 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
         tokenize_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16)),
         sampling_defaults,
         grammars,
+        responses: std::sync::Mutex::new(responses_api::ResponseStore::default()),
     });
     Ok(Loaded { state, worker, rx, backend_name })
 }

@@ -48,6 +48,8 @@ pub struct AppState {
     pub sampling_defaults: crate::engine::sampling::SamplingParams,
     /// Structured-output grammars over the vocabulary.
     pub grammars: Grammars,
+    /// Stored responses of `/v1/responses` (for `previous_response_id` and retrieval).
+    pub responses: std::sync::Mutex<super::responses_api::ResponseStore>,
 }
 
 pub fn now_secs() -> u64 {
@@ -58,6 +60,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(super::responses_api::create))
+        .route("/v1/responses/{id}", get(super::responses_api::retrieve).delete(super::responses_api::delete))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_one))
         .route("/health", get(health))
@@ -97,6 +101,7 @@ pub(super) fn endpoint_label(path: &str) -> &'static str {
     match path {
         "/v1/chat/completions" => "chat_completions",
         "/v1/completions" => "completions",
+        "/v1/responses" => "responses",
         "/v1/models" => "models",
         "/health" => "health",
         "/metrics" => "metrics",
@@ -173,8 +178,8 @@ struct PreparedPrompt {
 }
 
 /// A request that passed validation, ready to queue.
-struct Prepared {
-    req: ParsedRequest,
+pub(super) struct Prepared {
+    pub(super) req: ParsedRequest,
     prompts: Vec<PreparedPrompt>,
     starts_in_reasoning: bool,
     constraint: Option<Constraint>,
@@ -246,7 +251,7 @@ fn fits_before_tokenizing(st: &AppState, text: &str, param: &str) -> Result<(), 
     Ok(())
 }
 
-async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+pub(super) async fn prepare(st: &Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let body = body.map_err(body_error)?;
     let req = request::parse(ep, &body, &st.sampling_defaults)?;
     let st2 = st.clone();
@@ -302,6 +307,45 @@ fn constraint_for(st: &AppState, req: &ParsedRequest) -> Result<Option<llguidanc
     st.grammars.matcher(structure).map(Some).map_err(|e| ApiError::param(param, format!("cannot use this output format: {e}")))
 }
 
+/// Queues a prepared request: one job per prompt, each forking its `n` choices after its
+/// prefill. Their events arrive on the returned receiver, which closes once every job is done
+/// with it; dropping it (the client left) cancels them.
+pub(super) fn enqueue(st: &AppState, p: Prepared, arrived: Instant, path: &'static str) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let n = p.req.n;
+    let jobs: Vec<Job> = p
+        .prompts
+        .into_iter()
+        .enumerate()
+        .map(|(k, q)| Job {
+            req: p.req.clone(),
+            prompt: q.tokens,
+            max_tokens: q.max_tokens,
+            starts_in_reasoning: p.starts_in_reasoning,
+            constraint: p.constraint.clone(),
+            events: tx.clone(),
+            arrived,
+            path,
+            index: k * n,
+            n,
+        })
+        .collect();
+    drop(tx);
+    for job in jobs {
+        st.metrics.queue_depth.fetch_add(1, Relaxed);
+        if let Err(e) = st.queue.try_send(job) {
+            st.metrics.queue_depth.fetch_sub(1, Relaxed);
+            // Jobs already queued see the client gone (the receiver is dropped with the
+            // response) and end unserved.
+            return Err(match e {
+                mpsc::error::TrySendError::Full(_) => ApiError::queue_full(st.max_queue),
+                mpsc::error::TrySendError::Closed(_) => ApiError::unavailable("the model worker has stopped"),
+            });
+        }
+    }
+    Ok(rx)
+}
+
 async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
     let arrived = Instant::now();
     let (label, path) = match ep {
@@ -320,7 +364,6 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let (tx, rx) = mpsc::unbounded_channel();
     let stream = p.req.stream;
     let include_usage = p.req.include_usage;
     let want_logprobs = p.req.logprobs;
@@ -329,37 +372,10 @@ async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesReject
     let choices = p.prompts.len() * n;
     let echoes: Vec<Option<String>> = p.prompts.iter().map(|q| p.req.echo.then(|| q.text.clone())).collect();
     let echo_of = move |i: usize| echoes[i / n].clone();
-    let jobs: Vec<Job> = p
-        .prompts
-        .into_iter()
-        .enumerate()
-        .map(|(k, q)| Job {
-            req: p.req.clone(),
-            prompt: q.tokens,
-            max_tokens: q.max_tokens,
-            starts_in_reasoning: p.starts_in_reasoning,
-            constraint: p.constraint.clone(),
-            events: tx.clone(),
-            arrived,
-            path,
-            index: k * n,
-            n,
-        })
-        .collect();
-    // The channel closes once every job is done with it.
-    drop(tx);
-    for job in jobs {
-        st.metrics.queue_depth.fetch_add(1, Relaxed);
-        if let Err(e) = st.queue.try_send(job) {
-            st.metrics.queue_depth.fetch_sub(1, Relaxed);
-            // Jobs already queued see the client gone (the receiver is dropped with this
-            // response) and end unserved.
-            return match e {
-                mpsc::error::TrySendError::Full(_) => fail(ApiError::queue_full(st.max_queue)),
-                mpsc::error::TrySendError::Closed(_) => fail(ApiError::unavailable("the model worker has stopped")),
-            };
-        }
-    }
+    let rx = match enqueue(&st, p, arrived, path) {
+        Ok(rx) => rx,
+        Err(e) => return fail(e),
+    };
     let serial = st.counter.fetch_add(1, Relaxed) + 1;
     let created = now_secs();
     let id = match ep {
