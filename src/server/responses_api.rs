@@ -30,14 +30,17 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-/// Stored responses kept at most (least recently used out).
+/// Stored responses kept at most, and the bytes of their JSON (each keeps its whole
+/// conversation, so a long document counts once per turn); least recently used out.
 pub const STORE_CAPACITY: usize = 4096;
+pub const STORE_BYTES: usize = 256 << 20;
 
 /// A stored response: the object as returned, and its conversation (chat messages, this
 /// response's output included) for `previous_response_id`.
 struct Stored {
     object: Value,
     conversation: Vec<Value>,
+    bytes: usize,
     last_used: u64,
 }
 
@@ -45,18 +48,24 @@ struct Stored {
 #[derive(Default)]
 pub struct ResponseStore {
     entries: HashMap<String, Stored>,
+    bytes: usize,
     clock: u64,
 }
 
 impl ResponseStore {
     fn put(&mut self, id: String, object: Value, conversation: Vec<Value>) {
-        if self.entries.len() >= STORE_CAPACITY && !self.entries.contains_key(&id) {
-            if let Some(old) = self.entries.iter().min_by_key(|(_, s)| s.last_used).map(|(k, _)| k.clone()) {
-                self.entries.remove(&old);
-            }
+        self.remove(&id);
+        let bytes = object.to_string().len() + conversation.iter().map(|m| m.to_string().len()).sum::<usize>();
+        if bytes > STORE_BYTES {
+            return;
+        }
+        while !self.entries.is_empty() && (self.entries.len() >= STORE_CAPACITY || self.bytes + bytes > STORE_BYTES) {
+            let old = self.entries.iter().min_by_key(|(_, s)| s.last_used).map(|(k, _)| k.clone()).expect("not empty");
+            self.remove(&old);
         }
         self.clock += 1;
-        self.entries.insert(id, Stored { object, conversation, last_used: self.clock });
+        self.bytes += bytes;
+        self.entries.insert(id, Stored { object, conversation, bytes, last_used: self.clock });
     }
 
     fn get(&mut self, id: &str) -> Option<&Stored> {
@@ -69,7 +78,13 @@ impl ResponseStore {
     }
 
     fn remove(&mut self, id: &str) -> bool {
-        self.entries.remove(id).is_some()
+        match self.entries.remove(id) {
+            Some(s) => {
+                self.bytes -= s.bytes;
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -694,5 +709,16 @@ mod tests {
         s.put("new".into(), json!(0), vec![]);
         assert_eq!(s.len(), STORE_CAPACITY);
         assert!(s.get("r1").is_none() && s.get("r0").is_some() && s.get("new").is_some());
+        // Bytes bound it too: two conversations of 100 MiB leave room for one more.
+        let big = |c: char| vec![json!({"role": "user", "content": c.to_string().repeat(100 << 20)})];
+        s.put("a".into(), json!(0), big('a'));
+        s.put("b".into(), json!(0), big('b'));
+        assert!(s.get("a").is_some() && s.get("b").is_some());
+        s.put("c".into(), json!(0), big('c'));
+        assert!(s.get("a").is_none() && s.get("b").is_some() && s.get("c").is_some());
+        assert!(s.bytes <= STORE_BYTES && s.bytes > 200 << 20);
+        // One larger than the whole budget is not stored, and evicts nothing.
+        s.put("huge".into(), json!(0), vec![json!("x".repeat(STORE_BYTES))]);
+        assert!(s.get("huge").is_none() && s.get("b").is_some() && s.get("c").is_some());
     }
 }
