@@ -38,7 +38,7 @@ async fn health_models_metrics_and_404() {
     let r = c.get(format!("{}/v1/chat/completions", s.url())).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 405);
     let text = c.get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
-    for name in ["lily_requests_total", "lily_time_to_first_token_seconds_bucket", "lily_inter_token_latency_seconds_count", "lily_queue_depth", "lily_prefix_cache_hit_ratio", "lily_prompt_tokens_total"] {
+    for name in ["lily_requests_total", "lily_time_to_first_token_seconds_bucket", "lily_inter_token_latency_seconds_count", "lily_request_queue_time_seconds_bucket", "lily_request_prefill_time_seconds_count", "lily_queue_depth", "lily_prefix_cache_hit_ratio", "lily_prompt_tokens_total"] {
         assert!(text.contains(name), "metrics lack {name}:\n{text}");
     }
 }
@@ -58,6 +58,12 @@ async fn chat_non_streaming_tiny_model() {
     assert!(u["completion_tokens"].as_u64().unwrap() <= 6);
     assert_eq!(u["total_tokens"].as_u64().unwrap(), u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap());
     assert!(u["prompt_tokens_details"]["cached_tokens"].is_u64());
+    // The request's time to first token is split into its queue and prefill parts.
+    let text = reqwest::get(format!("{}/metrics", s.url())).await.unwrap().text().await.unwrap();
+    for name in ["lily_request_queue_time_seconds_count", "lily_request_prefill_time_seconds_count"] {
+        let n: u64 = text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+        assert!(n >= 1, "{name} is {n}:\n{text}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,9 +83,8 @@ pub struct RequestRecord {
     pub tok_s: f64,
     pub finish: String,
     pub error: Option<String>,
-    /// Arrival to joining the batch (template and tokenizer, waiting in the queue, copying a
-    /// prefix-cache hit), and arrival to the first token: where a request's time to first token
-    /// went.
+    /// Arrival to joining the batch (template and tokenizer, waiting in the queue), and arrival
+    /// to the first token: where a request's time to first token went.
     pub queue_ms: Option<u64>,
     pub ttft_ms: Option<u64>,
 }
@@ -115,6 +114,10 @@ pub struct Metrics {
     pub cancelled: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Arrival to joining the batch, and joining the batch to the first token: the two parts of
+    /// the time to first token.
+    pub queue_time: Histogram,
+    pub prefill_time: Histogram,
     pub queue_depth: AtomicI64,
     pub running: AtomicI64,
     pub cache_lookups: AtomicU64,
@@ -165,6 +168,8 @@ impl Metrics {
             cancelled: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
+            queue_time: Histogram::new(TTFT_BUCKETS),
+            prefill_time: Histogram::new(TTFT_BUCKETS),
             queue_depth: AtomicI64::new(0),
             running: AtomicI64::new(0),
             cache_lookups: AtomicU64::new(0),
@@ -253,6 +258,8 @@ impl Metrics {
             Counter("lily_requests_cancelled", "Generations cancelled because the client went away.", self.cancelled.load(Relaxed)),
             Histogram("lily_time_to_first_token_seconds", "Time from arrival to the first generated token.", self.ttft.inner.clone()),
             Histogram("lily_inter_token_latency_seconds", "Time between consecutive generated tokens.", self.itl.inner.clone()),
+            Histogram("lily_request_queue_time_seconds", "Time from arrival to joining the running batch (template, tokenizer, waiting).", self.queue_time.inner.clone()),
+            Histogram("lily_request_prefill_time_seconds", "Time from joining the running batch to the first token (prefix-cache copy, prefill, first step).", self.prefill_time.inner.clone()),
             Gauge("lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed) as f64),
             Gauge("lily_requests_running", "Requests being generated.", self.running.load(std::sync::atomic::Ordering::Acquire) as f64),
             Counter("lily_prefix_cache_lookups", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed)),

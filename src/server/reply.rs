@@ -66,6 +66,8 @@ pub struct Reply {
     decoder: StreamDecoder,
     last_token_at: Option<Instant>,
     pub first_token_at: Option<Instant>,
+    /// When the request joined the batch (before its prefix-cache lookup).
+    pub admitted: Instant,
 }
 
 impl Reply {
@@ -83,7 +85,7 @@ impl Reply {
         let sampler = Sampler::new(params).snapshot();
         let forked = job.index % req.n != 0;
         let usage = if forked { Usage::default() } else { Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() } };
-        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None }
+        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None, admitted: Instant::now() }
     }
 
     /// Tokens this reply may still produce.
@@ -123,6 +125,7 @@ impl Reply {
         match self.last_token_at {
             None => {
                 metrics.ttft.observe(now.duration_since(self.job.arrived).as_secs_f64());
+                metrics.prefill_time.observe(now.duration_since(self.admitted).as_secs_f64());
                 self.first_token_at = Some(now);
             }
             Some(t) => metrics.itl.observe(now.duration_since(t).as_secs_f64()),

@@ -275,14 +275,18 @@ impl Worker {
                 self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()), queue_ms: None, ttft_ms: None });
                 continue;
             }
+            let admitted = Instant::now();
             match guarded(|| self.take_sequence(&job)) {
                 Ok((seq, cached)) => {
                     started += 1;
+                    self.metrics.queue_time.observe(admitted.duration_since(job.arrived).as_secs_f64());
                     let prompt_logprobs = (job.req.echo && job.req.logprobs).then(|| {
                         let (token, bytes) = token_text(&self.tokenizer, job.prompt[0]);
                         vec![TokenLogprob { token, bytes, logprob: f32::NAN, top: vec![] }]
                     });
-                    self.active.push(Active { seq, reply: Reply::new(job, cached), prompt_logprobs, decoding: false });
+                    let mut reply = Reply::new(job, cached);
+                    reply.admitted = admitted;
+                    self.active.push(Active { seq, reply, prompt_logprobs, decoding: false });
                 }
                 Err(e) if is_memory_full(&e) && !self.active.is_empty() => {
                     self.held = Some(job);
@@ -439,7 +443,7 @@ impl Worker {
                 tok_s: usage.completion_tokens as f64 / secs.max(1e-3),
                 finish: finish.to_string(),
                 error,
-                queue_ms: Some(reply.started.duration_since(job.arrived).as_millis() as u64),
+                queue_ms: Some(reply.admitted.duration_since(job.arrived).as_millis() as u64),
                 ttft_ms: reply.first_token_at.map(|t| t.duration_since(job.arrived).as_millis() as u64),
             });
         }
@@ -560,6 +564,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
         let job = a.reply.job.fork(a.reply.job.index + i);
         let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false };
+        sibling.reply.admitted = a.reply.admitted;
         start_decoding(&mut sibling, last);
         forks.push(sibling);
     }
