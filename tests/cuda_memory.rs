@@ -100,6 +100,8 @@ fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes()
     let before = in_use(&gpu);
     let mut b = a.try_clone().unwrap();
     assert_eq!(in_use(&gpu) - before, z.slot + 2 * z.page, "the clone copies the partly filled page of each cache, not the full one");
+    // Each holds half of the full pages they share, so their figures add up to what they hold.
+    assert_eq!((a.memory_bytes(), b.memory_bytes()), (z.slot + 3 * z.page + 8, z.slot + 3 * z.page + 8));
     let mut b_ref = gpu.new_sequence(2 * z.rows_per_page).unwrap();
     prefill(&mut gpu, &mut b_ref, &toks);
     // Source and clone step in turn with different tokens, each into its own last page; each
@@ -114,6 +116,7 @@ fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes()
     // The clone keeps the shared pages alive once its source is gone.
     drop(a);
     drop(a_ref);
+    assert_eq!(b.memory_bytes(), z.slot + 4 * z.page + 8, "alone, the clone holds the shared pages whole");
     let lb = gpu.forward(&mut b, &[5], LogitsWanted::Last).unwrap();
     assert_eq!(lb, gpu.forward(&mut b_ref, &[5], LogitsWanted::Last).unwrap());
     drop(b);

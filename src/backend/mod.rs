@@ -19,8 +19,9 @@ pub trait SequenceState: Any + Send + Sync {
     /// Fails, rather than panics, when the copy cannot be allocated ([`MemoryFull`] when the
     /// sequence memory budget is the reason).
     fn try_clone_state(&self, len: usize) -> Result<Box<dyn SequenceState>>;
-    /// Bytes of host or device memory held by this state (memory shared with clones counts in
-    /// each).
+    /// Bytes of host or device memory held by this state. Memory shared with clones is divided
+    /// among them (each of k holders counts 1/k), so the states' figures add up to what they
+    /// hold together; a figure can grow when a sharer goes.
     fn memory_bytes(&self) -> usize;
     /// Makes sure the state can grow to `tokens` tokens later without running out of memory
     /// (a reservation against the backend's budget; [`MemoryFull`] when it does not fit).

@@ -72,6 +72,15 @@ impl<T> PrefixCache<T> {
         self.entries.push(Entry { tokens, item, bytes, key, last_used: self.clock });
     }
 
+    /// Re-reads every entry's size with `bytes_of`: what an entry holds can change after it is
+    /// stored (on the GPU a snapshot shares KV pages with other sequences, and its share grows
+    /// as they go).
+    pub fn refresh_bytes(&mut self, bytes_of: impl Fn(&T) -> usize) {
+        for e in &mut self.entries {
+            e.bytes = bytes_of(&e.item);
+        }
+    }
+
     /// A copy (`copy`) of the item of the longest cached prefix of `prompt`, and that prefix's
     /// length, as [`PrefixCache::lookup`] finds it. While the copy fails for want of memory
     /// (`is_full`), other entries are evicted, least recently used first; `None` when nothing
@@ -216,6 +225,23 @@ mod tests {
         assert_eq!(r.map(|r| r.unwrap_err().to_string()), Some("full".into()));
         assert_eq!((c.len(), c.contains(&[3, 4])), (1, true));
         assert!(c.copy_longest(&[9, 9], None, |item| Ok(*item), full).is_none());
+    }
+
+    #[test]
+    fn sizes_are_re_read_on_refresh() {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        let mut c = PrefixCache::new(100);
+        let size = Rc::new(Cell::new(30));
+        c.insert(vec![1], size.clone(), 30, None);
+        c.insert(vec![2], Rc::new(Cell::new(30)), 30, None);
+        assert_eq!(c.memory_bytes(), 60);
+        // A sharer went: the first entry now holds more, and the budget sees it.
+        size.set(60);
+        c.refresh_bytes(|s| s.get());
+        assert_eq!(c.memory_bytes(), 90);
+        c.insert(vec![3], Rc::new(Cell::new(20)), 20, None);
+        assert_eq!((c.len(), c.contains(&[1])), (2, false));
     }
 
     #[test]

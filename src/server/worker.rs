@@ -463,6 +463,7 @@ impl Worker {
             return;
         };
         let bytes = seq.memory_bytes();
+        self.cache.refresh_bytes(Sequence::memory_bytes);
         self.cache.insert(tokens, seq, bytes, reply.job.req.prompt_cache_key.clone());
     }
 
@@ -495,7 +496,9 @@ impl Worker {
 
     /// Publishes the batch's gauges; the running count last, so a reader that sees a request
     /// finished also sees the memory it left behind.
-    fn publish(&self) {
+    fn publish(&mut self) {
+        // Snapshots' shares of KV pages change as their sharers come and go.
+        self.cache.refresh_bytes(Sequence::memory_bytes);
         let m = &self.metrics;
         m.active_seq_bytes.store(self.active.iter().map(|a| a.seq.memory_bytes() as u64).sum(), Relaxed);
         m.active_tokens.store(self.active.iter().map(|a| a.seq.len() as u64).sum(), Relaxed);
@@ -548,6 +551,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
             match copy {
                 Ok(snap) => {
                     let bytes = snap.memory_bytes();
+                    cache.refresh_bytes(Sequence::memory_bytes);
                     cache.insert(prompt[..at].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());
                 }
                 Err(e) => eprintln!("lily: prompt prefix not cached (copying the sequence failed: {e:#})"),

@@ -175,8 +175,10 @@ impl KvSpace {
         self.pages.iter().map(Vec::len).min().unwrap_or(0)
     }
 
-    pub fn mapped_bytes(&self) -> usize {
-        self.pages.iter().map(Vec::len).sum::<usize>() * self.page_bytes
+    /// This space's share of the pages it maps: a page mapped by k spaces (a sequence and its
+    /// snapshots) counts 1/k in each, so the shares of all spaces add up to the memory they hold.
+    pub fn held_bytes(&self) -> usize {
+        self.pages.iter().flatten().map(|p| self.page_bytes / Arc::strong_count(p)).sum()
     }
 
     /// Reserves pages for `rows` rows in every region ([`crate::backend::MemoryFull`] when the

@@ -150,7 +150,7 @@ impl SequenceState for CudaSequence {
         Ok(Box::new(self.try_clone(len)?))
     }
     fn memory_bytes(&self) -> usize {
-        self.slot.bytes() + self.kv.mapped_bytes() + 8
+        self.slot.bytes() + self.kv.held_bytes() + 8
     }
     fn reserve(&mut self, tokens: usize) -> Result<()> {
         self.kv.reserve(tokens.min(self.max_seq))
