@@ -3,7 +3,8 @@
 * `turns`: a conversation over a long document (DOC_TOKENS tokens of text in the system message):
   turn 1, then turn 2 with the same history, the first answer and a new question; then a new
   conversation over the same document. Time to first token and cached tokens of each (the prefix
-  cache's job: turn 2 and the new conversation should prefill only what is new).
+  cache's job: turn 2 and the new conversation should prefill only what is new), and the memory
+  the three left cached (/metrics before and after).
 * `interleave`: STREAMS streaming requests decode; once they all run, one prompt of LONG tokens
   arrives. Reports the streams' inter-token gaps before it arrived and while it was prefilled
   (the largest is what a running stream waits at worst), and the long prompt's time to first
@@ -18,6 +19,7 @@ import datetime
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -48,7 +50,21 @@ async def timed_chat(client, model, messages, max_tokens, extra):
     return {"ttft_secs": round((first or time.perf_counter()) - t0, 4), "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens, "answer": "".join(text)}
 
 
+def gauges(url, *names):
+    """Values of /metrics gauges (None where absent)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for n in names:
+        m = re.search(rf"^{n} (\S+)$", text, re.M)
+        out[n] = float(m.group(1)) if m else None
+    return out
+
+
 async def turns(client, model, args):
+    memory = ("lily_sequence_memory_used_bytes", "lily_prefix_cache_bytes", "lily_prefix_cache_entries")
+    before = gauges(args.url, *memory)
     doc = document(args.doc_tokens)
     system = {"role": "system", "content": f"Answer from this document.\n\n{doc}"}
     extra = {"ignore_eos": True}
@@ -61,7 +77,11 @@ async def turns(client, model, args):
     for name, r in [("turn1", t1), ("turn2", t2), ("new_conversation", other)]:
         r.pop("answer")
         out[name] = r
-    return {"scenario": "turns", "doc_tokens": args.doc_tokens, **out}
+    after = gauges(args.url, *memory)
+    # What the three requests left cached on the device (the first conversation, its second
+    # turn and the second conversation share the document's KV pages).
+    held = {k.removeprefix("lily_"): (after[k] - before[k]) if None not in (after[k], before[k]) else None for k in memory}
+    return {"scenario": "turns", "doc_tokens": args.doc_tokens, **out, "cached_memory_added": held}
 
 
 async def interleave(client, model, args):

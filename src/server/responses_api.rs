@@ -293,7 +293,8 @@ fn output_items(id: &str, c: &Collected) -> Vec<Value> {
     if !c.reasoning.is_empty() {
         out.push(reasoning_item(&format!("rs_{id}"), &c.reasoning, "completed"));
     }
-    if !c.content.is_empty() || c.calls.is_empty() {
+    // An empty message only when there is nothing else (as the stream does).
+    if !c.content.is_empty() || (c.calls.is_empty() && c.reasoning.is_empty()) {
         out.push(message_item(&format!("msg_{id}"), &c.content, "completed"));
     }
     for (k, (call_id, name, args)) in c.calls.iter().enumerate() {

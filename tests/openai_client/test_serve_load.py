@@ -42,6 +42,9 @@ def test_scenarios_report_cache_hits_and_interleaving(tiny, model_dir):
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     r = serve_scenarios.main(["turns", "--url", tiny.url, "--api-key", API_KEY, "--doc-tokens", "300", "--max-tokens", "4"])
+    # The conversations left snapshots behind, and the scenario says how much they hold.
+    added = r["cached_memory_added"]
+    assert added["prefix_cache_entries"] >= 1 and added["prefix_cache_bytes"] > 0, added
     assert r["turn1"]["cached_tokens"] == 0 or r["turn1"]["cached_tokens"] < r["turn1"]["prompt_tokens"]
     # Turn 2 and the new conversation resume at least from the document's message.
     for k in ("turn2", "new_conversation"):
