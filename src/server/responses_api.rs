@@ -1,4 +1,4 @@
-//! `POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API over the chat
+//! `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API over the chat
 //! pipeline. A request's `instructions`, `input` items and `tools` become a chat request (the
 //! same template, tool-call parser, structured output and scheduler); its events become output
 //! items (`reasoning`, `message`, `function_call`) and, when streamed, the Responses event
