@@ -211,7 +211,7 @@ pub struct Worker {
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
-        let cache = PrefixCache::new(cache_bytes);
+        let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes);
         let capacity = backend.batch_capacity();
         let max_batch = match cfg.max_batch {
             Some(m) if m > capacity => {
@@ -340,7 +340,7 @@ impl Worker {
     fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
         loop {
             match f(self) {
-                Err(e) if is_memory_full(&e) && self.cache.evict_lru() => {}
+                Err(e) if is_memory_full(&e) && self.cache.evict_lru().is_some() => {}
                 r => return r,
             }
         }
@@ -462,9 +462,7 @@ impl Worker {
         } else {
             return;
         };
-        let bytes = seq.memory_bytes();
-        self.cache.refresh_bytes(Sequence::memory_bytes);
-        self.cache.insert(tokens, seq, bytes, reply.job.req.prompt_cache_key.clone());
+        self.cache.insert(tokens, seq, reply.job.req.prompt_cache_key.clone());
     }
 
     /// Answers a request that failed: 503 with the reason when sequence memory ran out, 500
@@ -496,9 +494,7 @@ impl Worker {
 
     /// Publishes the batch's gauges; the running count last, so a reader that sees a request
     /// finished also sees the memory it left behind.
-    fn publish(&mut self) {
-        // Snapshots' shares of KV pages change as their sharers come and go.
-        self.cache.refresh_bytes(Sequence::memory_bytes);
+    fn publish(&self) {
         let m = &self.metrics;
         m.active_seq_bytes.store(self.active.iter().map(|a| a.seq.memory_bytes() as u64).sum(), Relaxed);
         m.active_tokens.store(self.active.iter().map(|a| a.seq.len() as u64).sum(), Relaxed);
@@ -544,16 +540,12 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         if at == checkpoint && cache.budget() > 0 && !cache.contains(&prompt[..at]) {
             let copy = loop {
                 match a.seq.try_clone() {
-                    Err(e) if is_memory_full(&e) && cache.evict_lru() => {}
+                    Err(e) if is_memory_full(&e) && cache.evict_lru().is_some() => {}
                     r => break r,
                 }
             };
             match copy {
-                Ok(snap) => {
-                    let bytes = snap.memory_bytes();
-                    cache.refresh_bytes(Sequence::memory_bytes);
-                    cache.insert(prompt[..at].to_vec(), snap, bytes, a.reply.job.req.prompt_cache_key.clone());
-                }
+                Ok(snap) => cache.insert(prompt[..at].to_vec(), snap, a.reply.job.req.prompt_cache_key.clone()),
                 Err(e) => eprintln!("lily: prompt prefix not cached (copying the sequence failed: {e:#})"),
             }
         }
