@@ -228,6 +228,11 @@ impl Collected {
         self.logprobs.extend(lps);
     }
 
+    /// The calls in the chat message shape: `[{id, type: "function", function: {name, arguments}}]`.
+    pub fn tool_calls(&self) -> Value {
+        self.calls.iter().map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})).collect()
+    }
+
     /// This choice of a chat.completion.
     pub fn chat_choice(&self, index: usize, finish: &str, want_logprobs: bool, rf: ReasoningField) -> Value {
         let mut msg = Map::new();
@@ -241,8 +246,7 @@ impl Collected {
             }
         }
         if !self.calls.is_empty() {
-            let calls: Vec<Value> = self.calls.iter().map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})).collect();
-            msg.insert("tool_calls".into(), Value::Array(calls));
+            msg.insert("tool_calls".into(), self.tool_calls());
         }
         let logprobs = if want_logprobs { json!({"content": chat_logprobs(&self.logprobs)}) } else { Value::Null };
         json!({"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish})

@@ -12,7 +12,7 @@
 use super::error::ApiError;
 use super::request::Endpoint;
 use super::responses::Collected;
-use super::routes::{enqueue, now_secs, prepare, AppState};
+use super::routes::{draining, enqueue, now_secs, prepare, refuse, AppState};
 use super::tools::ToolEvent;
 use super::worker::{Event, Usage};
 use axum::body::Bytes;
@@ -29,6 +29,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+
+const PATH: &str = "/v1/responses";
 
 /// Stored responses kept at most, and the bytes of their JSON (each keeps its whole
 /// conversation, so a long document counts once per turn); least recently used out.
@@ -353,19 +355,16 @@ fn assistant_message(c: &Collected) -> Value {
         m["reasoning_content"] = json!(c.reasoning);
     }
     if !c.calls.is_empty() {
-        m["tool_calls"] = c.calls.iter().map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})).collect();
+        m["tool_calls"] = c.tool_calls();
     }
     m
 }
 
 pub async fn create(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let arrived = Instant::now();
-    let fail = |e: ApiError| {
-        st.metrics.count_request("responses", e.status.as_u16());
-        e.into_response()
-    };
-    if st.metrics.draining.load(Relaxed) {
-        return fail(ApiError::unavailable("the server is shutting down; retry on another replica"));
+    let fail = |e: ApiError| refuse(&st, PATH, arrived, e);
+    if let Some(e) = draining(&st) {
+        return fail(e);
     }
     let body = match body.map_err(super::routes::body_error).and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))) {
         Ok(b) => b,
@@ -392,7 +391,7 @@ pub async fn create(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRe
         return fail(ApiError::param("n", "the Responses API answers one choice"));
     }
     let stream = p.req.stream;
-    let rx = match enqueue(&st, p, arrived, "/v1/responses") {
+    let rx = match enqueue(&st, p, arrived, PATH) {
         Ok(rx) => rx,
         Err(e) => return fail(e),
     };
@@ -418,11 +417,16 @@ pub async fn create(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRe
                 st.metrics.count_request("responses", 200);
                 return Json(finished.complete(&acc, finish_reason, &usage)).into_response();
             }
-            Event::Error(e) => return fail(e),
+            // The worker logged the failure; only the status is counted here.
+            Event::Error(e) => {
+                st.metrics.count_request("responses", e.status.as_u16());
+                return e.into_response();
+            }
             Event::PromptLogprobs { .. } => {}
         }
     }
-    fail(ApiError::internal())
+    st.metrics.count_request("responses", 500);
+    ApiError::internal().into_response()
 }
 
 /// What a response needs once its tokens are in.

@@ -346,19 +346,28 @@ pub(super) fn enqueue(st: &AppState, p: Prepared, arrived: Instant, path: &'stat
     Ok(rx)
 }
 
+/// Answers a generation request that failed before it was queued: counted, logged, and the
+/// error object returned.
+pub(super) fn refuse(st: &AppState, path: &'static str, arrived: Instant, e: ApiError) -> Response {
+    st.metrics.count_request(endpoint_label(path), e.status.as_u16());
+    st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()), queue_ms: None, ttft_ms: None });
+    e.into_response()
+}
+
+/// A generation request that arrives while the server drains: refused, to be retried elsewhere.
+pub(super) fn draining(st: &AppState) -> Option<ApiError> {
+    st.metrics.draining.load(Relaxed).then(|| ApiError::unavailable("the server is shutting down; retry on another replica"))
+}
+
 async fn handle(st: Arc<AppState>, ep: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
     let arrived = Instant::now();
     let (label, path) = match ep {
         Endpoint::Chat => ("chat_completions", "/v1/chat/completions"),
         Endpoint::Completion => ("completions", "/v1/completions"),
     };
-    let fail = |e: ApiError| {
-        st.metrics.count_request(label, e.status.as_u16());
-        st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()), queue_ms: None, ttft_ms: None });
-        e.into_response()
-    };
-    if st.metrics.draining.load(Relaxed) {
-        return fail(ApiError::unavailable("the server is shutting down; retry on another replica"));
+    let fail = |e: ApiError| refuse(&st, path, arrived, e);
+    if let Some(e) = draining(&st) {
+        return fail(e);
     }
     let p = match prepare(&st, ep, body).await {
         Ok(p) => p,
