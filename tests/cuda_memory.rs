@@ -1,8 +1,9 @@
 //! Sequence memory on the CUDA backend (src/backend/cuda/seqmem.rs) on the tiny synthetic
 //! checkpoint: KV pages mapped as a sequence grows (decode across a page boundary against the CPU
 //! reference), clones sharing their full pages and copying the last one (interleaved with their
-//! source, bit-identical to sequences that share nothing), and the budget refusing work that does
-//! not fit with a `MemoryFull` error that leaves every sequence intact. These need an H100/H200
+//! source, bit-identical to sequences that share nothing), snapshots holding their pages unmapped
+//! until a copy continues, and the budget refusing work that does not fit with a `MemoryFull`
+//! error that leaves every sequence intact. These need an H100/H200
 //! (`bash .device/run test cuda_memory`); they are ignored elsewhere.
 //!
 //! The tiny model has one attention layer (2 caches, K and V) of kv_dim 128: with an f32 cache a
@@ -121,6 +122,54 @@ fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes()
     assert_eq!(lb, gpu.forward(&mut b_ref, &[5], LogitsWanted::Last).unwrap());
     drop(b);
     drop(b_ref);
+    assert_eq!(in_use(&gpu), 0);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_snapshots_hold_pages_unmapped_and_their_copies_continue_exactly() {
+    let mut gpu = cuda(None);
+    let z = sizes(&gpu);
+    let vocab = gpu.config().vocab_size;
+    let toks = contract_prompt(2 * z.rows_per_page, vocab);
+    let n = z.rows_per_page + 100;
+    let fresh = |gpu: &mut CudaBackend, k: usize| {
+        let mut s = gpu.new_sequence(2 * z.rows_per_page).unwrap();
+        prefill(gpu, &mut s, &toks[..k]);
+        s
+    };
+    // A snapshot, a snapshot of the snapshot, and the source gone before either continues.
+    let a = fresh(&mut gpu, n);
+    let before = in_use(&gpu);
+    let s = a.try_clone().unwrap();
+    let mut s2 = s.try_clone().unwrap();
+    assert_eq!(in_use(&gpu) - before, 2 * (z.slot + 2 * z.page), "each copy owns a state slot and a copied last page per cache");
+    drop(a);
+    let mut s = s;
+    let mut twin = fresh(&mut gpu, n);
+    for i in 0..8u32 {
+        let t = 11 + 5 * i;
+        let (got, want) = (gpu.forward(&mut s2, &[t], LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, &[t], LogitsWanted::Last).unwrap());
+        assert_eq!(got, want, "the snapshot's snapshot diverged at step {i}");
+    }
+    // The first snapshot is still whole after its copy continued (its own last page untouched).
+    let mut twin = fresh(&mut gpu, n);
+    let rest = &toks[n..n + 40];
+    let (got, want) = (gpu.forward(&mut s, rest, LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, rest, LogitsWanted::Last).unwrap());
+    assert_eq!(got, want, "the first snapshot after its copy continued");
+    drop((s, s2, twin));
+    assert_eq!(in_use(&gpu), 0);
+
+    // A snapshot at a page boundary copies nothing but its state slot.
+    let b = fresh(&mut gpu, z.rows_per_page);
+    let before = in_use(&gpu);
+    let mut c = b.try_clone().unwrap();
+    assert_eq!(in_use(&gpu) - before, z.slot, "full pages only: shared, none copied");
+    assert_eq!(c.memory_bytes(), z.slot + z.page + 8, "half of each of the two shared pages");
+    let mut twin = fresh(&mut gpu, z.rows_per_page);
+    let (got, want) = (gpu.forward(&mut c, &toks[5..9], LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, &toks[5..9], LogitsWanted::Last).unwrap());
+    assert_eq!(got, want, "a boundary snapshot continues into a page of its own");
+    drop((b, c, twin));
     assert_eq!(in_use(&gpu), 0);
 }
 

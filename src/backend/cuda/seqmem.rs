@@ -4,8 +4,9 @@
 //! address range of its max-seq up front (address space, not memory), so its KV layout stays the
 //! contiguous `[position][kv_dim]` the kernels and captured graphs read.
 //!
-//! Pages below a sequence's length are never written again (KV rows are appended), so a clone
-//! maps the same physical pages and copies only the partly filled last one.
+//! Pages below a sequence's length are never written again (KV rows are appended), so a copy
+//! shares the same physical pages and copies only the partly filled last one; it maps the shared
+//! pages only once it continues (see [`KvSpace`]).
 
 use super::budget::Ledger;
 use super::vmm::{granularity, AddressRange, PhysPage};
@@ -133,19 +134,32 @@ impl Drop for StateSlot {
 }
 
 /// The KV caches of one sequence: `regions` (K and V of every attention layer) of
-/// `region_bytes` each in one reserved range, each region's pages mapped in order as the
-/// sequence grows (every region holds the same number).
+/// `region_bytes` each, each region's pages in order (every region holds the same number).
+///
+/// A space that runs maps them into one reserved range as the sequence grows. A copy (a
+/// prefix-cache snapshot, a fork) is *held*: it shares the full pages and owns a copy of each
+/// region's partly filled last page, and maps nothing but those last pages (so later copies can
+/// read them). Mapping hundreds of shared pages costs time in proportion to the context, so a
+/// held space maps them only on its first growth, i.e. when a copy actually continues.
 pub struct KvSpace {
     mem: Arc<SequenceMemory>,
-    range: Option<AddressRange>,
+    mapping: Mapping,
     regions: usize,
     region_bytes: usize,
     row_bytes: usize,
     page_bytes: usize,
-    /// Mapped pages per region, shared with clones.
+    /// Pages per region, full ones shared with copies.
     pages: Vec<Vec<Arc<PhysPage>>>,
     /// Pages reserved against the budget and not yet drawn.
     promised_pages: usize,
+}
+
+enum Mapping {
+    /// Region r's pages back to back from `r * region_bytes` of the range (`None`: no regions).
+    Whole(Option<AddressRange>),
+    /// A copy of `rows` rows, nothing mapped but each region's partly filled last page (when
+    /// `rows` fill no page whole), region r's at `r * page_bytes` of `tail`.
+    Held { rows: usize, tail: Option<AddressRange> },
 }
 
 impl KvSpace {
@@ -153,17 +167,26 @@ impl KvSpace {
     pub fn new(mem: &Arc<SequenceMemory>, regions: usize, max_rows: usize, row_bytes: usize) -> Result<Self> {
         let page_bytes = mem.page_bytes();
         let region_bytes = (max_rows * row_bytes).div_ceil(page_bytes) * page_bytes;
-        let range = if regions > 0 && region_bytes > 0 {
-            Some(AddressRange::reserve(&mem.ctx, regions * region_bytes, page_bytes)?)
-        } else {
-            None
-        };
-        Ok(KvSpace { mem: mem.clone(), range, regions, region_bytes, row_bytes, page_bytes, pages: vec![Vec::new(); regions], promised_pages: 0 })
+        let mut s = KvSpace { mem: mem.clone(), mapping: Mapping::Whole(None), regions, region_bytes, row_bytes, page_bytes, pages: vec![Vec::new(); regions], promised_pages: 0 };
+        s.mapping = Mapping::Whole(s.reserve_range()?);
+        Ok(s)
     }
 
-    /// Device address of region `r` (row 0).
+    /// The address range of every region (`None` when there is nothing to map).
+    fn reserve_range(&self) -> Result<Option<AddressRange>> {
+        if self.regions == 0 || self.region_bytes == 0 {
+            return Ok(None);
+        }
+        Ok(Some(AddressRange::reserve(&self.mem.ctx, self.regions * self.region_bytes, self.page_bytes)?))
+    }
+
+    /// Device address of region `r` (row 0). Only a space that runs has one: every path that
+    /// launches work on a sequence grows it first, which maps a held space.
     pub fn region(&self, r: usize) -> u64 {
-        self.range.as_ref().map_or(0, |a| a.base()) + (r * self.region_bytes) as u64
+        match &self.mapping {
+            Mapping::Whole(range) => range.as_ref().map_or(0, |a| a.base()) + (r * self.region_bytes) as u64,
+            Mapping::Held { .. } => unreachable!("a held KV space is mapped by its first growth, before any use"),
+        }
     }
 
     /// Pages each region needs to hold `rows` rows.
@@ -175,7 +198,12 @@ impl KvSpace {
         self.pages.iter().map(Vec::len).min().unwrap_or(0)
     }
 
-    /// This space's share of the pages it maps: a page mapped by k spaces (a sequence and its
+    /// Whether this is a copy whose shared pages are not mapped yet.
+    pub fn is_held(&self) -> bool {
+        matches!(self.mapping, Mapping::Held { .. })
+    }
+
+    /// This space's share of the pages it holds: a page held by k spaces (a sequence and its
     /// snapshots) counts 1/k in each, so the shares of all spaces add up to the memory they hold.
     pub fn held_bytes(&self) -> usize {
         self.pages.iter().flatten().map(|p| self.page_bytes / Arc::strong_count(p)).sum()
@@ -194,8 +222,10 @@ impl KvSpace {
     }
 
     /// Maps pages until every region holds `rows` rows: drawn from the reservation first, then
-    /// from the free budget; all or none ([`crate::backend::MemoryFull`]).
+    /// from the free budget; all or none ([`crate::backend::MemoryFull`]). A held space first
+    /// maps the pages it holds.
     pub fn grow(&mut self, rows: usize) -> Result<()> {
+        self.map_held()?;
         let want = self.pages_for(rows);
         let missing: usize = self.pages.iter().map(|p| want.saturating_sub(p.len())).sum();
         if missing == 0 {
@@ -204,7 +234,7 @@ impl KvSpace {
         let from_promise = missing.min(self.promised_pages);
         let mut fresh = self.mem.take_pages(missing, from_promise * self.page_bytes)?;
         self.promised_pages -= from_promise;
-        let range = self.range.as_ref().expect("regions with pages have a range");
+        let Mapping::Whole(Some(range)) = &self.mapping else { unreachable!("regions with pages have a range") };
         for r in 0..self.regions {
             while self.pages[r].len() < want {
                 let page = fresh.pop().expect("one page per missing slot");
@@ -221,43 +251,104 @@ impl KvSpace {
         Ok(())
     }
 
-    /// A space holding the first `rows` rows of this one: full pages shared, the partly filled
-    /// last page of each region copied.
+    /// Turns a held space into one that runs: its pages mapped in order into a range of their
+    /// own (the copied last pages in place, so nothing is copied again); a no-op otherwise.
+    fn map_held(&mut self) -> Result<()> {
+        if !self.is_held() {
+            return Ok(());
+        }
+        let range = self.reserve_range()?;
+        if let Some(range) = &range {
+            for r in 0..self.regions {
+                let run: Vec<&PhysPage> = self.pages[r].iter().map(|p| p.as_ref()).collect();
+                if let Err(e) = range.map_run(r * self.region_bytes, &run, self.page_bytes) {
+                    self.unmap_regions(range, r);
+                    return Err(e);
+                }
+            }
+        }
+        let Mapping::Held { tail, .. } = std::mem::replace(&mut self.mapping, Mapping::Whole(range)) else { unreachable!("checked above") };
+        if let Some(tail) = tail {
+            // The copies into the tail pages may still be queued.
+            let _ = self.mem.stream.synchronize();
+            (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
+        }
+        Ok(())
+    }
+
+    /// Unmaps the pages of regions `0..regions` from `range` (after the stream is done with them).
+    fn unmap_regions(&self, range: &AddressRange, regions: usize) {
+        for (r, pages) in self.pages[..regions].iter().enumerate() {
+            (0..pages.len()).for_each(|i| range.unmap(r * self.region_bytes + i * self.page_bytes, self.page_bytes));
+        }
+    }
+
+    /// A held copy of the first `rows` rows of this space: full pages shared, the partly filled
+    /// last page of each region copied (into a page mapped in the copy's small tail range).
+    /// A held space can only be copied whole.
     pub fn try_clone(&self, rows: usize) -> Result<Self> {
-        let range = match &self.range {
-            Some(_) => Some(AddressRange::reserve(&self.mem.ctx, self.regions * self.region_bytes, self.page_bytes)?),
-            None => None,
+        let used = rows * self.row_bytes;
+        let (full, src_tail) = match &self.mapping {
+            Mapping::Whole(None) => (0, 0),
+            Mapping::Whole(Some(_)) => ((used / self.page_bytes).min(self.mapped_per_region()), self.region(0)),
+            Mapping::Held { rows: held, tail } => {
+                if rows != *held {
+                    anyhow::bail!("a held KV space of {held} rows copied at {rows}");
+                }
+                (self.mapped_per_region() - usize::from(tail.is_some()), tail.as_ref().map_or(0, |t| t.base()))
+            }
         };
-        let mut c = KvSpace {
+        let partial = if self.regions == 0 { 0 } else { used.saturating_sub(full * self.page_bytes) };
+        let mut pages: Vec<Vec<Arc<PhysPage>>> = self.pages.iter().map(|p| p[..full.min(p.len())].to_vec()).collect();
+        let tail = if partial > 0 {
+            let fresh = self.mem.take_pages(self.regions, 0)?;
+            let give_back = |fresh: Vec<PhysPage>| {
+                let mut l = self.mem.ledger();
+                fresh.into_iter().for_each(|p| l.give_page(p));
+            };
+            let tail = match AddressRange::reserve(&self.mem.ctx, self.regions * self.page_bytes, self.page_bytes) {
+                Ok(t) => t,
+                Err(e) => {
+                    give_back(fresh);
+                    return Err(e);
+                }
+            };
+            if let Err(e) = tail.map_run(0, &fresh.iter().collect::<Vec<_>>(), self.page_bytes) {
+                give_back(fresh);
+                return Err(e);
+            }
+            for r in 0..self.regions {
+                // A space that runs has region r's partly filled page at `full` pages into the
+                // region; a held one at r pages into its tail.
+                let src = match self.mapping {
+                    Mapping::Whole(_) => src_tail + (r * self.region_bytes + full * self.page_bytes) as u64,
+                    Mapping::Held { .. } => src_tail + (r * self.page_bytes) as u64,
+                };
+                // SAFETY: both are mapped over these `partial` bytes (the source holds `rows`
+                // rows; the tail page was just mapped).
+                let copied = unsafe { cudarc::driver::result::memcpy_dtod_async(tail.base() + (r * self.page_bytes) as u64, src, partial, self.mem.stream.cu_stream()) };
+                if let Err(e) = copied {
+                    let _ = self.mem.stream.synchronize();
+                    (0..self.regions).for_each(|q| tail.unmap(q * self.page_bytes, self.page_bytes));
+                    give_back(fresh);
+                    return Err(anyhow!("device copy failed: {e:?}"));
+                }
+            }
+            fresh.into_iter().zip(pages.iter_mut()).for_each(|(p, region)| region.push(Arc::new(p)));
+            Some(tail)
+        } else {
+            None
+        };
+        Ok(KvSpace {
             mem: self.mem.clone(),
-            range,
+            mapping: Mapping::Held { rows, tail },
             regions: self.regions,
             region_bytes: self.region_bytes,
             row_bytes: self.row_bytes,
             page_bytes: self.page_bytes,
-            pages: vec![Vec::new(); self.regions],
+            pages,
             promised_pages: 0,
-        };
-        let Some(dst) = c.range.as_ref() else { return Ok(c) };
-        let used = rows * self.row_bytes;
-        let full = (used / self.page_bytes).min(self.mapped_per_region());
-        for r in 0..self.regions {
-            let run: Vec<&PhysPage> = self.pages[r][..full].iter().map(|p| p.as_ref()).collect();
-            dst.map_run(r * self.region_bytes, &run, self.page_bytes)?;
-            c.pages[r].extend(self.pages[r][..full].iter().cloned());
-        }
-        let partial = used.saturating_sub(full * self.page_bytes);
-        if partial > 0 {
-            c.grow(rows)?;
-            for r in 0..self.regions {
-                let off = (r * self.region_bytes + full * self.page_bytes) as u64;
-                // SAFETY: both ranges are mapped over these `partial` bytes (this space holds
-                // `rows` rows; the clone grew to them above).
-                unsafe { cudarc::driver::result::memcpy_dtod_async(c.region(0) + off, self.region(0) + off, partial, self.mem.stream.cu_stream()) }
-                    .map_err(|e| anyhow!("device copy failed: {e:?}"))?;
-            }
-        }
-        Ok(c)
+        })
     }
 }
 
@@ -266,19 +357,17 @@ impl Drop for KvSpace {
         if self.promised_pages > 0 {
             self.mem.ledger().unpromise(self.promised_pages * self.page_bytes);
         }
-        let Some(range) = self.range.as_ref() else { return };
         if self.pages.iter().all(Vec::is_empty) {
             return;
         }
         // Unmapping needs the stream done with these addresses.
         let _ = self.mem.stream.synchronize();
-        let mut freed = Vec::new();
-        for (r, pages) in self.pages.iter_mut().enumerate() {
-            for (i, page) in pages.drain(..).enumerate() {
-                range.unmap(r * self.region_bytes + i * self.page_bytes, self.page_bytes);
-                freed.extend(Arc::into_inner(page));
-            }
+        match std::mem::replace(&mut self.mapping, Mapping::Whole(None)) {
+            Mapping::Whole(Some(range)) => self.unmap_regions(&range, self.regions),
+            Mapping::Held { tail: Some(tail), .. } => (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes)),
+            _ => {}
         }
+        let freed: Vec<PhysPage> = self.pages.iter_mut().flat_map(|p| p.drain(..)).filter_map(Arc::into_inner).collect();
         let mut l = self.mem.ledger();
         freed.into_iter().for_each(|p| l.give_page(p));
     }
