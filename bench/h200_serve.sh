@@ -9,6 +9,8 @@
 # its dependencies for Python 3.12: `pip download --only-binary=:all: --python-version 3.12
 # --platform manylinux2014_x86_64 --platform any -d .whl/openai openai`). Run from the
 # repository root:  bash bench/h200_serve.sh [load|turns|interleave|all]
+# SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
+# host tier only); DOCS sets the turns' document sizes (default "30000 90000"); TAG labels rows.
 set -uo pipefail
 CK=${CK:-/root/ck}
 LILY=${LILY:-.device/bin/lily}
@@ -24,7 +26,7 @@ if [ ! -f "$CK/config.json" ]; then
 fi
 
 # serve ARGS...: starts `lily serve` on a free port and sets URL (the log goes to $OUT/$SERVE_LOG).
-SERVE_LOG=serve.log
+SERVE_LOG=${SERVE_LOG:-serve.log}
 serve() {
   "$LILY" serve --model "$CK" --bind 127.0.0.1:0 "$@" > "$OUT/$SERVE_LOG" 2>&1 &
   SERVER=$!
@@ -38,7 +40,8 @@ serve() {
   log "serving at $URL"
 }
 
-serve --max-seq 131072
+# shellcheck disable=SC2086
+serve --max-seq 131072 ${SERVE_ARGS:-}
 trap 'kill $SERVER 2>/dev/null' EXIT
 case $WHAT in load | all)
   # Four requests per client back to back: a steady load, new prompts prefilled while others decode.
@@ -46,9 +49,9 @@ case $WHAT in load | all)
   python3 bench/serve_load.py --url "$URL" --concurrency 1,4,16,64 --rounds "${ROUNDS:-4}" --out "$OUT/serve_load.jsonl" ;;
 esac
 case $WHAT in turns | all)
-  for n in 30000 90000; do
+  for n in ${DOCS:-30000 90000}; do
     log "turns over a $n-token document"
-    python3 bench/serve_scenarios.py turns --url "$URL" --doc-tokens $n --out "$OUT/serve_scenarios.jsonl"
+    python3 bench/serve_scenarios.py turns --url "$URL" --doc-tokens $n ${TAG:+--tag "$TAG"} --out "$OUT/serve_scenarios.jsonl"
   done ;;
 esac
 case $WHAT in interleave | all)

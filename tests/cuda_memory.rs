@@ -2,9 +2,9 @@
 //! checkpoint: KV pages mapped as a sequence grows (decode across a page boundary against the CPU
 //! reference), clones sharing their full pages and copying the last one (interleaved with their
 //! source, bit-identical to sequences that share nothing), snapshots holding their pages unmapped
-//! until a copy continues, and the budget refusing work that does not fit with a `MemoryFull`
-//! error that leaves every sequence intact. These need an H100/H200
-//! (`bash .device/run test cuda_memory`); they are ignored elsewhere.
+//! until a copy continues, copies in pinned host memory restored exactly, and the budget
+//! refusing work that does not fit with a `MemoryFull` error that leaves every sequence intact.
+//! These need an H100/H200 (`bash .device/run test cuda_memory`); they are ignored elsewhere.
 //!
 //! The tiny model has one attention layer (2 caches, K and V) of kv_dim 128: with an f32 cache a
 //! 2 MiB page holds 4,096 positions.
@@ -13,6 +13,7 @@ mod common;
 
 use common::{max_abs_diff, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
+use lily::backend::cuda::hostmem::PinnedPool;
 use lily::backend::cuda::{state, testing, CudaBackend, CudaOptions};
 use lily::backend::{is_memory_full, Backend, BatchRow, LogitsWanted, Sequence};
 use lily::checkpoint::Checkpoint;
@@ -170,6 +171,40 @@ fn cuda_snapshots_hold_pages_unmapped_and_their_copies_continue_exactly() {
     let (got, want) = (gpu.forward(&mut c, &toks[5..9], LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, &toks[5..9], LogitsWanted::Last).unwrap());
     assert_eq!(got, want, "a boundary snapshot continues into a page of its own");
     drop((b, c, twin));
+    assert_eq!(in_use(&gpu), 0);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_host_copies_restore_sequences_exactly() {
+    let mut gpu = cuda(None);
+    let z = sizes(&gpu);
+    let cfg = gpu.config().clone();
+    let toks = contract_prompt(2 * z.rows_per_page, cfg.vocab_size);
+    let n = z.rows_per_page + 100;
+    let fresh = |gpu: &mut CudaBackend| {
+        let mut s = gpu.new_sequence(2 * z.rows_per_page).unwrap();
+        prefill(gpu, &mut s, &toks[..n]);
+        s
+    };
+    // From a running sequence and from a held snapshot (mapped only for the copy).
+    let a = fresh(&mut gpu);
+    let snap = a.try_clone().unwrap();
+    let copies = [a.to_host().unwrap(), snap.to_host().unwrap()];
+    let want = PinnedPool::rounded(z.slot + 2 * n * cfg.kv_dim() * 4);
+    assert_eq!((copies[0].bytes(), copies[1].bytes(), a.host_bytes()), (want, want, want));
+    drop((a, snap));
+    assert_eq!(in_use(&gpu), 0, "host copies hold no device memory");
+    for (k, h) in copies.iter().enumerate() {
+        let mut s = gpu.restore_sequence(h).unwrap();
+        assert_eq!(s.len(), n);
+        let mut twin = fresh(&mut gpu);
+        for i in 0..6u32 {
+            let t = 7 + 13 * i;
+            let (got, want) = (gpu.forward(&mut s, &[t], LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, &[t], LogitsWanted::Last).unwrap());
+            assert_eq!(got, want, "copy {k} diverged at step {i}");
+        }
+    }
     assert_eq!(in_use(&gpu), 0);
 }
 

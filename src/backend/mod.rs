@@ -29,6 +29,17 @@ pub trait SequenceState: Any + Send + Sync {
     fn reserve(&mut self, _tokens: usize) -> Result<()> {
         Ok(())
     }
+    /// A copy of the state of a sequence of `len` tokens in host memory (the prefix cache's host
+    /// tier), which [`Backend::restore_sequence`] of the same backend turns back into a sequence.
+    /// Backends that keep sequences in host memory already store a plain copy.
+    fn to_host(&self, len: usize) -> Result<Box<dyn Any + Send + Sync>> {
+        Ok(Box::new(self.try_clone_state(len)?))
+    }
+    /// Host bytes [`SequenceState::to_host`] takes for a sequence of `len` tokens: all of its
+    /// state, shared or not.
+    fn host_bytes(&self, _len: usize) -> usize {
+        self.memory_bytes()
+    }
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -85,6 +96,33 @@ impl Sequence {
     /// A snapshot that continues independently (an error when its state cannot be allocated).
     pub fn try_clone(&self) -> Result<Self> {
         Ok(Sequence { len: self.len, max_seq: self.max_seq, state: self.state.try_clone_state(self.len)? })
+    }
+
+    /// A copy in host memory ([`Backend::restore_sequence`] brings it back).
+    pub fn to_host(&self) -> Result<HostSequence> {
+        Ok(HostSequence { len: self.len, max_seq: self.max_seq, bytes: self.state.host_bytes(self.len), data: self.state.to_host(self.len)? })
+    }
+
+    /// Host bytes [`Sequence::to_host`] takes.
+    pub fn host_bytes(&self) -> usize {
+        self.state.host_bytes(self.len)
+    }
+}
+
+/// A sequence's caches copied to host memory by [`Sequence::to_host`]: what the prefix cache
+/// keeps of a snapshot it moved out of the backend's memory.
+pub struct HostSequence {
+    pub len: usize,
+    pub max_seq: usize,
+    /// Host memory the copy holds.
+    pub bytes: usize,
+    /// The backend's own form of the copy.
+    pub data: Box<dyn Any + Send + Sync>,
+}
+
+impl HostSequence {
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -156,6 +194,15 @@ pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
     /// A fresh, empty sequence that can hold `max_seq` tokens.
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence>;
+    /// A sequence continuing from a host copy this backend wrote ([`Sequence::to_host`]);
+    /// [`MemoryFull`] when its memory does not fit now. Backends that keep sequences in host
+    /// memory copy the stored state back.
+    fn restore_sequence(&self, host: &HostSequence) -> Result<Sequence> {
+        let Some(state) = host.data.downcast_ref::<Box<dyn SequenceState>>() else {
+            anyhow::bail!("the host copy of a sequence came from another backend");
+        };
+        Ok(Sequence { len: host.len, max_seq: host.max_seq, state: state.try_clone_state(host.len)? })
+    }
     /// Runs `tokens` through the model at the sequence's current position, appending them to
     /// its caches. Returns the requested logits (f32, `vocab_size` per row).
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;

@@ -124,6 +124,12 @@ pub struct Metrics {
     pub cache_hits: AtomicU64,
     pub cache_bytes: AtomicU64,
     pub cache_entries: AtomicU64,
+    /// The prefix cache's host tier: bytes and entries there, hits served from it, entries moved
+    /// to it.
+    pub cache_host_bytes: AtomicU64,
+    pub cache_host_entries: AtomicU64,
+    pub cache_host_hits: AtomicU64,
+    pub cache_spills: AtomicU64,
     /// Memory of the sequences being prefilled or generated (KV + recurrent state).
     pub active_seq_bytes: AtomicU64,
     /// Sequences in the last decode step, and the most one step takes (`--max-batch`).
@@ -176,6 +182,10 @@ impl Metrics {
             cache_hits: AtomicU64::new(0),
             cache_bytes: AtomicU64::new(0),
             cache_entries: AtomicU64::new(0),
+            cache_host_bytes: AtomicU64::new(0),
+            cache_host_entries: AtomicU64::new(0),
+            cache_host_hits: AtomicU64::new(0),
+            cache_spills: AtomicU64::new(0),
             active_seq_bytes: AtomicU64::new(0),
             batch_size: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
@@ -265,8 +275,12 @@ impl Metrics {
             Counter("lily_prefix_cache_lookups", "Prefix-cache lookups.", self.cache_lookups.load(Relaxed)),
             Counter("lily_prefix_cache_hits", "Prefix-cache lookups that reused a cached sequence.", self.cache_hits.load(Relaxed)),
             Gauge("lily_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens.", self.cache_hit_ratio()),
-            Gauge("lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots.", self.cache_bytes.load(Relaxed) as f64),
-            Gauge("lily_prefix_cache_entries", "Prefix-cache entries.", self.cache_entries.load(Relaxed) as f64),
+            Gauge("lily_prefix_cache_bytes", "Memory held by prefix-cache snapshots in the backend's memory (device tier).", self.cache_bytes.load(Relaxed) as f64),
+            Gauge("lily_prefix_cache_entries", "Prefix-cache entries (both tiers).", self.cache_entries.load(Relaxed) as f64),
+            Gauge("lily_prefix_cache_host_bytes", "Host memory held by prefix-cache entries moved out of the device (host tier).", self.cache_host_bytes.load(Relaxed) as f64),
+            Gauge("lily_prefix_cache_host_entries", "Prefix-cache entries in the host tier.", self.cache_host_entries.load(Relaxed) as f64),
+            Counter("lily_prefix_cache_host_hits", "Prefix-cache hits copied back from the host tier.", self.cache_host_hits.load(Relaxed)),
+            Counter("lily_prefix_cache_spills", "Prefix-cache entries moved from the device to the host tier.", self.cache_spills.load(Relaxed)),
             Gauge("lily_batch_size", "Sequences in the last decode step.", self.batch_size.load(Relaxed) as f64),
             Gauge("lily_max_batch", "Most sequences one decode step takes (--max-batch).", self.max_batch.load(Relaxed) as f64),
             Gauge("lily_generation_tokens_per_second", "Generated tokens per second over the last 10 s.", self.generation_rate()),

@@ -109,6 +109,12 @@ pub struct ServeArgs {
     /// to running requests, least recently used first), else 2048.
     #[arg(long)]
     pub prefix_cache_mb: Option<usize>,
+    /// Host memory (pinned) for prefix-cache entries pushed out of the device, in MiB: a hit on
+    /// one copies it back instead of recomputing it (0: none). Default on a GPU: a quarter of
+    /// the host memory available at start, at most 16384; on the CPU backend 0 (its cache is in
+    /// host memory already).
+    #[arg(long)]
+    pub prefix_cache_host_mb: Option<usize>,
     /// A prompt's prefill also snapshots its sequence into the prefix cache every this many
     /// tokens (0: only at chat message starts and before the last token), so prompts that share
     /// a long prefix without a message boundary (a document, then different questions) resume
@@ -174,6 +180,7 @@ impl ServeArgs {
             max_batch: None,
             prefill_chunk: worker::PREFILL_CHUNK,
             prefix_cache_mb: None,
+            prefix_cache_host_mb: None,
             prefix_checkpoint_tokens: 2048,
             max_connections: 1024,
             header_timeout_secs: 30,
@@ -291,6 +298,7 @@ fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>, tokenizer
         max_seq,
         stop_ids,
         prefix_cache_bytes: args.prefix_cache_mb.map(|mb| mb.saturating_mul(1 << 20)),
+        prefix_cache_host_bytes: args.prefix_cache_host_mb.map(|mb| mb.saturating_mul(1 << 20)),
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
         checkpoint_every: args.prefix_checkpoint_tokens,

@@ -5,30 +5,63 @@
 //! logits). `prompt_cache_key` is a preference among valid candidates, never a substitute for
 //! token equality. Entries are bounded by a byte budget and evicted least-recently-used; an
 //! entry's size is read from the item whenever it counts (on the GPU a snapshot shares KV pages
-//! with other sequences, so what it holds changes as they come and go).
+//! with other sequences, so what it holds changes as they come and go). With a host tier, an
+//! entry pushed out of the device moves to host memory (bounded by its own budget, least
+//! recently used across both tiers going first) and a hit on it is copied back.
+
+/// Where an entry's item is: in the backend's own memory (a sequence ready to copy), or moved to
+/// host memory (the host tier: copied back on a hit instead of being recomputed).
+#[derive(Debug)]
+pub enum Stored<T, H> {
+    Device(T),
+    Host(H),
+}
 
 #[derive(Debug)]
-struct Entry<T> {
+struct Entry<T, H> {
     tokens: Vec<u32>,
-    item: T,
+    item: Stored<T, H>,
     key: Option<String>,
     last_used: u64,
 }
 
+/// The host tier: where entries the device budget pushes out go, while they fit its budget.
 #[derive(Debug)]
-pub struct PrefixCache<T> {
-    entries: Vec<Entry<T>>,
+pub struct HostTier<T, H> {
+    pub budget: usize,
+    /// Copies an item to host memory.
+    pub spill: fn(&T) -> anyhow::Result<H>,
+    /// Host bytes the copy of an item will take (known before it is made).
+    pub spill_bytes: fn(&T) -> usize,
+    /// Host bytes a copy holds.
+    pub size: fn(&H) -> usize,
+}
+
+#[derive(Debug)]
+pub struct PrefixCache<T, H = ()> {
+    entries: Vec<Entry<T, H>>,
     budget: usize,
     /// What an item holds now, in bytes.
     size: fn(&T) -> usize,
+    host: Option<HostTier<T, H>>,
     clock: u64,
     pub lookups: u64,
     pub hits: u64,
+    /// Hits served from the host tier.
+    pub host_hits: u64,
+    /// Entries moved to the host tier.
+    pub spills: u64,
 }
 
-impl<T> PrefixCache<T> {
+impl<T, H> PrefixCache<T, H> {
     pub fn new(budget_bytes: usize, size: fn(&T) -> usize) -> Self {
-        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, clock: 0, lookups: 0, hits: 0 }
+        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0 }
+    }
+
+    /// Entries the device budget pushes out move to `tier` instead of being dropped.
+    pub fn with_host_tier(mut self, tier: HostTier<T, H>) -> Self {
+        self.host = Some(tier).filter(|t| t.budget > 0);
+        self
     }
 
     pub fn len(&self) -> usize {
@@ -39,13 +72,38 @@ impl<T> PrefixCache<T> {
         self.entries.is_empty()
     }
 
+    /// Entries in the host tier.
+    pub fn host_len(&self) -> usize {
+        self.entries.iter().filter(|e| matches!(e.item, Stored::Host(_))).count()
+    }
+
+    /// Bytes the device-tier entries hold.
     pub fn memory_bytes(&self) -> usize {
-        self.entries.iter().map(|e| (self.size)(&e.item)).sum()
+        self.entries.iter().map(|e| self.device_bytes(e)).sum()
+    }
+
+    /// Bytes the host-tier entries hold.
+    pub fn host_memory_bytes(&self) -> usize {
+        self.entries.iter().map(|e| self.host_bytes(e)).sum()
+    }
+
+    fn device_bytes(&self, e: &Entry<T, H>) -> usize {
+        match &e.item {
+            Stored::Device(t) => (self.size)(t),
+            Stored::Host(_) => 0,
+        }
+    }
+
+    fn host_bytes(&self, e: &Entry<T, H>) -> usize {
+        match (&e.item, &self.host) {
+            (Stored::Host(h), Some(tier)) => (tier.size)(h),
+            _ => 0,
+        }
     }
 
     /// Best entry for `prompt`: its item (the caller copies it to resume from it) and the
     /// number of tokens it covers.
-    pub fn lookup(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(&T, usize)> {
+    pub fn lookup(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(Stored<&T, &H>, usize)> {
         self.lookups += 1;
         let best = self
             .entries
@@ -59,18 +117,33 @@ impl<T> PrefixCache<T> {
         let e = &mut self.entries[best];
         e.last_used = self.clock;
         self.hits += 1;
-        Some((&e.item, e.tokens.len()))
+        let item = match &e.item {
+            Stored::Device(t) => Stored::Device(t),
+            Stored::Host(h) => {
+                self.host_hits += 1;
+                Stored::Host(h)
+            }
+        };
+        Some((item, e.tokens.len()))
     }
 
     /// Stores `item` holding exactly `tokens`. Replaces an entry with the same tokens; evicts
     /// least-recently-used entries to stay within the budget; an item larger than the whole
-    /// budget is not stored.
+    /// budget goes straight to the host tier (or is not stored without one).
     pub fn insert(&mut self, tokens: Vec<u32>, item: T, key: Option<String>) {
-        let bytes = (self.size)(&item);
-        if tokens.is_empty() || bytes > self.budget {
+        if tokens.is_empty() {
             return;
         }
         self.entries.retain(|e| e.tokens != tokens);
+        let bytes = (self.size)(&item);
+        if bytes > self.budget {
+            self.clock += 1;
+            if let Some(host) = self.spill(&item, self.clock) {
+                self.spills += 1;
+                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used: self.clock });
+            }
+            return;
+        }
         let mut used = self.memory_bytes();
         while used + bytes > self.budget {
             match self.evict_lru() {
@@ -79,35 +152,73 @@ impl<T> PrefixCache<T> {
             }
         }
         self.clock += 1;
-        self.entries.push(Entry { tokens, item, key, last_used: self.clock });
+        self.entries.push(Entry { tokens, item: Stored::Device(item), key, last_used: self.clock });
     }
 
     /// A copy (`copy`) of the item of the longest cached prefix of `prompt`, and that prefix's
     /// length, as [`PrefixCache::lookup`] finds it. While the copy fails for want of memory
-    /// (`is_full`), other entries are evicted, least recently used first; `None` when nothing
-    /// matches, the error when the copy fails otherwise or nothing else is left to evict.
-    pub fn copy_longest<R>(&mut self, prompt: &[u32], key: Option<&str>, mut copy: impl FnMut(&T) -> anyhow::Result<R>, is_full: impl Fn(&anyhow::Error) -> bool) -> Option<anyhow::Result<(R, usize)>> {
+    /// (`is_full`), other device-tier entries are evicted, least recently used first; `None`
+    /// when nothing matches, the error when the copy fails otherwise or nothing else is left to
+    /// evict.
+    pub fn copy_longest<R>(&mut self, prompt: &[u32], key: Option<&str>, mut copy: impl FnMut(Stored<&T, &H>) -> anyhow::Result<R>, is_full: impl Fn(&anyhow::Error) -> bool) -> Option<anyhow::Result<(R, usize)>> {
         let n = self.lookup(prompt, key)?.1;
-        // The hit is now the most recently used entry, so LRU eviction takes it last.
         let stamp = self.clock;
         loop {
-            let hit = self.entries.iter().find(|e| e.last_used == stamp).expect("the hit is kept while others remain");
-            match copy(&hit.item) {
+            let hit = self.entries.iter().find(|e| e.last_used == stamp).expect("the hit is never evicted here");
+            let item = match &hit.item {
+                Stored::Device(t) => Stored::Device(t),
+                Stored::Host(h) => Stored::Host(h),
+            };
+            match copy(item) {
                 Ok(r) => return Some(Ok((r, n))),
-                Err(e) if is_full(&e) && self.entries.len() > 1 => {
-                    self.evict_lru();
-                }
+                Err(e) if is_full(&e) && self.evict_device(Some(stamp)).is_some() => {}
                 Err(e) => return Some(Err(e)),
             }
         }
     }
 
-    /// Drops the least-recently-used entry (to free its memory for a request) and returns what
-    /// it held; `None` when empty.
+    /// Frees the device memory of the least-recently-used device-tier entry (for a request or a
+    /// newer entry): it moves to the host tier when there is one and it fits, else it is
+    /// dropped. Returns the device bytes it held; `None` when no entry is on the device.
     pub fn evict_lru(&mut self) -> Option<usize> {
-        let i = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i)?;
+        self.evict_device(None)
+    }
+
+    fn evict_device(&mut self, keep: Option<u64>) -> Option<usize> {
+        let i = self.entries.iter().enumerate().filter(|(_, e)| matches!(e.item, Stored::Device(_)) && Some(e.last_used) != keep).min_by_key(|(_, e)| e.last_used).map(|(i, _)| i)?;
         let e = self.entries.swap_remove(i);
-        Some((self.size)(&e.item))
+        let freed = self.device_bytes(&e);
+        let Stored::Device(item) = e.item else { unreachable!("chosen among device entries") };
+        if let Some(host) = self.spill(&item, e.last_used) {
+            self.spills += 1;
+            self.entries.push(Entry { tokens: e.tokens, item: Stored::Host(host), key: e.key, last_used: e.last_used });
+        }
+        Some(freed)
+    }
+
+    /// A host copy of `item` (last used at `stamp`) once the host tier has room for it: older
+    /// host entries are dropped for it, never newer ones. `None` when it does not fit or the
+    /// copy fails (it is logged; the entry is then recomputed if ever needed).
+    fn spill(&mut self, item: &T, stamp: u64) -> Option<H> {
+        let tier = self.host.as_ref()?;
+        let (need, budget, spill) = ((tier.spill_bytes)(item), tier.budget, tier.spill);
+        if need > budget {
+            return None;
+        }
+        while self.host_memory_bytes() + need > budget {
+            let oldest = self.entries.iter().enumerate().filter(|(_, e)| matches!(e.item, Stored::Host(_))).min_by_key(|(_, e)| e.last_used).map(|(i, e)| (i, e.last_used));
+            match oldest {
+                Some((i, used)) if used < stamp => drop(self.entries.swap_remove(i)),
+                _ => return None,
+            }
+        }
+        match spill(item) {
+            Ok(h) => Some(h),
+            Err(e) => {
+                eprintln!("lily: prefix-cache entry dropped (moving it to host memory failed: {e:#})");
+                None
+            }
+        }
     }
 
     pub fn clear(&mut self) {
@@ -119,9 +230,9 @@ impl<T> PrefixCache<T> {
         self.entries.iter().any(|e| e.tokens == tokens)
     }
 
-    /// The byte budget (0: nothing is cached).
-    pub fn budget(&self) -> usize {
-        self.budget
+    /// Whether entries are kept at all (a device budget or a host tier).
+    pub fn enabled(&self) -> bool {
+        self.budget > 0 || self.host.is_some()
     }
 }
 
@@ -151,13 +262,28 @@ mod tests {
     /// Test items: a name and the bytes it holds.
     type Item = (&'static str, usize);
 
-    fn cache(budget: usize) -> PrefixCache<Item> {
+    /// A cache whose host copies are the items themselves.
+    type Cache = PrefixCache<Item, Item>;
+
+    fn cache(budget: usize) -> Cache {
         PrefixCache::new(budget, |t| t.1)
     }
 
+    /// `name` of a device-tier item, `host:name` of a host-tier one.
+    fn name(item: Stored<&Item, &Item>) -> String {
+        match item {
+            Stored::Device(t) => t.0.to_string(),
+            Stored::Host(h) => format!("host:{}", h.0),
+        }
+    }
+
     /// `lookup` with the item's name copied out.
-    fn find(c: &mut PrefixCache<Item>, prompt: &[u32], key: Option<&str>) -> Option<(&'static str, usize)> {
-        c.lookup(prompt, key).map(|(t, n)| (t.0, n))
+    fn find(c: &mut Cache, prompt: &[u32], key: Option<&str>) -> Option<(String, usize)> {
+        c.lookup(prompt, key).map(|(t, n)| (name(t), n))
+    }
+
+    fn s(name: &str, n: usize) -> Option<(String, usize)> {
+        Some((name.to_string(), n))
     }
 
     #[test]
@@ -166,11 +292,11 @@ mod tests {
         c.insert(vec![1, 2], ("a", 10), None);
         c.insert(vec![1, 2, 3, 4], ("b", 10), None);
         c.insert(vec![1, 2, 3], ("k", 10), Some("conv".into()));
-        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], None), Some(("b", 4)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], None), s("b", 4));
         // The key never outranks a longer match (a keyed short entry would re-prefill more).
-        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], Some("conv")), Some(("b", 4)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4, 5], Some("conv")), s("b", 4));
         // Exact length is not a hit (one token must remain); the shorter prefix is.
-        assert_eq!(find(&mut c, &[1, 2, 3, 4], None), Some(("k", 3)));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4], None), s("k", 3));
         // A key never bypasses token equality.
         assert_eq!(find(&mut c, &[9, 9, 9, 9, 9], Some("conv")), None);
         assert_eq!(c.lookups, 4);
@@ -185,7 +311,7 @@ mod tests {
         c.insert(long.clone(), ("long", 10), None);
         c.insert(long[..4].to_vec(), ("keyed", 10), Some("user-7".into()));
         let prompt: Vec<u32> = (0..500).collect();
-        assert_eq!(find(&mut c, &prompt, Some("user-7")), Some(("long", 446)));
+        assert_eq!(find(&mut c, &prompt, Some("user-7")), s("long", 446));
     }
 
     #[test]
@@ -218,9 +344,9 @@ mod tests {
         let full = |e: &anyhow::Error| e.to_string() == "full";
         // The copy succeeds once two entries are gone: they go in LRU order, the hit stays.
         let mut tries = 0;
-        let r = c.copy_longest(&[3, 4, 5], None, |item| { tries += 1; if tries < 3 { anyhow::bail!("full") } Ok(item.0) }, full);
-        assert_eq!(r.map(|r| r.unwrap()), Some(("hit", 2)));
-        assert_eq!((c.len(), find(&mut c, &[3, 4, 0], None)), (1, Some(("hit", 2))));
+        let r = c.copy_longest(&[3, 4, 5], None, |item| { tries += 1; if tries < 3 { anyhow::bail!("full") } Ok(name(item)) }, full);
+        assert_eq!(r.map(|r| r.unwrap()), s("hit", 2));
+        assert_eq!((c.len(), find(&mut c, &[3, 4, 0], None)), (1, s("hit", 2)));
         // With nothing else to evict the error stands; an error of another kind evicts nothing.
         c.insert(vec![7], ("other", 10), None);
         let r = c.copy_longest(&[3, 4, 5], None, |_| -> anyhow::Result<()> { anyhow::bail!("broken") }, full);
@@ -229,14 +355,14 @@ mod tests {
         let r = c.copy_longest(&[3, 4, 5], None, |_| -> anyhow::Result<()> { anyhow::bail!("full") }, full);
         assert_eq!(r.map(|r| r.unwrap_err().to_string()), Some("full".into()));
         assert_eq!((c.len(), c.contains(&[3, 4])), (1, true));
-        assert!(c.copy_longest(&[9, 9], None, |item| Ok(item.0), full).is_none());
+        assert!(c.copy_longest(&[9, 9], None, |item| Ok(name(item)), full).is_none());
     }
 
     #[test]
     fn sizes_are_read_from_the_items_when_they_count() {
         use std::cell::Cell;
         use std::rc::Rc;
-        let mut c = PrefixCache::new(100, |s: &Rc<Cell<usize>>| s.get());
+        let mut c: PrefixCache<Rc<Cell<usize>>> = PrefixCache::new(100, |s| s.get());
         let size = Rc::new(Cell::new(30));
         c.insert(vec![1], size.clone(), None);
         c.insert(vec![2], Rc::new(Cell::new(30)), None);
@@ -262,10 +388,71 @@ mod tests {
         c.insert(vec![4], ("big", 26), None); // larger than the budget: not stored
         assert_eq!(c.len(), 2);
         c.insert(vec![3], ("3b", 10), None); // same tokens: replaced
-        assert_eq!(find(&mut c, &[3, 0], None), Some(("3b", 1)));
+        assert_eq!(find(&mut c, &[3, 0], None), s("3b", 1));
         // Eviction on demand takes the least recently used first.
         assert_eq!(c.evict_lru(), Some(10));
         assert!(c.lookup(&[1, 0], None).is_none() && c.lookup(&[3, 0], None).is_some());
         assert!(c.evict_lru().is_some() && c.evict_lru().is_none());
+    }
+
+    fn tiered(budget: usize, host_budget: usize) -> Cache {
+        let tier = HostTier { budget: host_budget, spill: |t: &Item| Ok(*t), spill_bytes: |t| t.1, size: |h| h.1 };
+        cache(budget).with_host_tier(tier)
+    }
+
+    #[test]
+    fn entries_pushed_off_the_device_move_to_the_host_tier_and_hit_there() {
+        let mut c = tiered(20, 25);
+        c.insert(vec![1], ("a", 10), None);
+        c.insert(vec![1, 2], ("b", 10), None);
+        c.insert(vec![1, 2, 3], ("c", 10), None); // a moves to the host
+        assert_eq!((c.memory_bytes(), c.host_memory_bytes(), c.host_len(), c.spills), (20, 10, 1, 1));
+        assert_eq!(find(&mut c, &[1, 9], None), s("host:a", 1));
+        assert_eq!(find(&mut c, &[1, 2, 3, 4], None), s("c", 3), "the longest match wins whatever its tier");
+        assert_eq!((c.hits, c.host_hits), (2, 1));
+        // a was used after b: b moves next, and the host tier (25) then holds both.
+        c.insert(vec![5], ("d", 10), None);
+        assert_eq!(find(&mut c, &[1, 2, 9], None), s("host:b", 2));
+        assert_eq!(c.host_memory_bytes(), 20);
+        // More than the host tier holds: host entries used before the one moving make room
+        // (c moves, a goes), never one used after it.
+        c.insert(vec![6], ("e", 10), None);
+        assert_eq!(find(&mut c, &[1, 9], None), None);
+        assert_eq!(find(&mut c, &[1, 2, 3, 9], None), s("host:c", 3));
+        assert!(c.contains(&[1, 2]));
+        // A copy that finds memory full pushes other device entries out, never the hit; d, used
+        // before everything on the host, is dropped rather than moved.
+        let mut full = 2;
+        let r = c.copy_longest(&[6, 1], None, |item| { full -= 1; if full > 0 { anyhow::bail!("full") } Ok(name(item)) }, |e| e.to_string() == "full");
+        assert_eq!(r.map(|r| r.unwrap()), Some(("e".to_string(), 1)));
+        assert_eq!((find(&mut c, &[5, 1], None), c.len(), c.host_len()), (None, 3, 2));
+    }
+
+    #[test]
+    fn a_host_tier_that_cannot_take_an_entry_drops_it() {
+        let mut c = tiered(20, 15);
+        c.insert(vec![1], ("a", 10), None);
+        c.insert(vec![2], ("b", 10), None);
+        c.insert(vec![3], ("c", 10), None);
+        assert_eq!(find(&mut c, &[1, 0], None), s("host:a", 1));
+        // b is older than a (a was just used): b is dropped rather than a.
+        c.insert(vec![4], ("d", 10), None);
+        assert_eq!((find(&mut c, &[2, 0], None), c.host_len()), (None, 1));
+        // A failed copy loses only that entry.
+        let mut c: Cache = cache(10).with_host_tier(HostTier { budget: 100, spill: |_| anyhow::bail!("no pinned memory"), spill_bytes: |t| t.1, size: |h| h.1 });
+        c.insert(vec![1], ("a", 10), None);
+        c.insert(vec![2], ("b", 10), None);
+        assert_eq!((c.len(), c.host_len(), c.spills), (1, 0, 0));
+        // An entry larger than the device budget goes straight to the host tier.
+        let mut c = tiered(0, 100);
+        assert!(c.enabled());
+        c.insert(vec![1], ("a", 10), None);
+        assert_eq!((find(&mut c, &[1, 0], None), c.memory_bytes(), c.spills), (s("host:a", 1), 0, 1));
+        // An empty host budget is no tier.
+        let mut c = tiered(10, 0);
+        c.insert(vec![1], ("a", 10), None);
+        c.insert(vec![2], ("b", 10), None);
+        assert_eq!((c.len(), c.host_len()), (1, 0));
+        assert!(!tiered(0, 0).enabled());
     }
 }

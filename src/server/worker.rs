@@ -28,10 +28,10 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord};
 use super::output::Delta;
-use super::prefix_cache::{next_checkpoint, PrefixCache};
+use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, LogitsWanted, Sequence};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, Sequence};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -52,6 +52,18 @@ const IDLE_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
+
+/// The most the prefix cache's host tier takes by default (a backend with device memory of its
+/// own; pinned host memory): a quarter of the host memory available at start, at most this.
+pub const DEFAULT_HOST_TIER_BYTES: usize = 16384 << 20;
+
+/// The host tier's default budget: see [`DEFAULT_HOST_TIER_BYTES`] (0 when the host's memory
+/// cannot be read).
+fn default_host_tier_bytes() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let available_kib = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0);
+    (available_kib.saturating_mul(1024) / 4).min(DEFAULT_HOST_TIER_BYTES)
+}
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -149,6 +161,9 @@ pub struct WorkerConfig {
     /// The prefix cache's budget (`None`: the backend's sequence memory, else
     /// [`DEFAULT_PREFIX_CACHE_BYTES`]).
     pub prefix_cache_bytes: Option<usize>,
+    /// The prefix cache's host tier (`None`: [`default_host_tier_bytes`] where the backend has
+    /// device memory of its own, else 0; 0: no host tier).
+    pub prefix_cache_host_bytes: Option<usize>,
     /// Most sequences decoded together (`None`: the backend's `batch_capacity`).
     pub max_batch: Option<usize>,
     /// Prompt tokens prefilled per turn.
@@ -200,7 +215,7 @@ pub struct Worker {
     tokenizer: Arc<Tokenizer>,
     metrics: Arc<Metrics>,
     cfg: WorkerConfig,
-    cache: PrefixCache<Sequence>,
+    cache: PrefixCache<Sequence, HostSequence>,
     max_batch: usize,
     active: Vec<Active>,
     /// The queue's head, waiting for room in the batch or for sequence memory that running
@@ -211,7 +226,9 @@ pub struct Worker {
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
-        let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes);
+        let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| if backend.sequence_memory().is_some() { default_host_tier_bytes() } else { 0 });
+        let host = HostTier { budget: host_bytes, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
+        let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes).with_host_tier(host);
         let capacity = backend.batch_capacity();
         let max_batch = match cfg.max_batch {
             Some(m) if m > capacity => {
@@ -312,7 +329,12 @@ impl Worker {
         // Prompt logprobs need every prompt position's logits, which a cached snapshot lacks.
         // Other snapshots make room for the copy; if it still cannot be allocated, the request
         // prefills from scratch.
-        let found = if job.req.echo && job.req.logprobs { None } else { self.cache.copy_longest(&job.prompt, job.req.prompt_cache_key.as_deref(), |snap| snap.try_clone(), is_memory_full) };
+        let backend = &self.backend;
+        let copy = |item: Stored<&Sequence, &HostSequence>| match item {
+            Stored::Device(snap) => snap.try_clone(),
+            Stored::Host(copy) => backend.restore_sequence(copy),
+        };
+        let found = if job.req.echo && job.req.logprobs { None } else { self.cache.copy_longest(&job.prompt, job.req.prompt_cache_key.as_deref(), copy, is_memory_full) };
         let hit = match found {
             Some(Ok(h)) => Some(h),
             Some(Err(e)) => {
@@ -500,6 +522,10 @@ impl Worker {
         m.active_tokens.store(self.active.iter().map(|a| a.seq.len() as u64).sum(), Relaxed);
         m.cache_bytes.store(self.cache.memory_bytes() as u64, Relaxed);
         m.cache_entries.store(self.cache.len() as u64, Relaxed);
+        m.cache_host_bytes.store(self.cache.host_memory_bytes() as u64, Relaxed);
+        m.cache_host_entries.store(self.cache.host_len() as u64, Relaxed);
+        m.cache_host_hits.store(self.cache.host_hits, Relaxed);
+        m.cache_spills.store(self.cache.spills, Relaxed);
         if let Some(r) = self.backend.sequence_memory() {
             m.seq_memory_budget_bytes.store(r.budget_bytes, Relaxed);
             m.seq_memory_used_bytes.store(r.in_use_bytes, Relaxed);
@@ -514,7 +540,7 @@ impl Worker {
 /// Feeds the next piece of `a`'s prompt, at most `budget` tokens; returns the tokens fed. The
 /// last prompt token is fed alone and yields the first generated token, of this row and of the
 /// rows it forks for the job's other choices (pushed onto `forks`).
-fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active, budget: usize, forks: &mut Vec<Active>) -> anyhow::Result<usize> {
+fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, a: &mut Active, budget: usize, forks: &mut Vec<Active>) -> anyhow::Result<usize> {
     let prompt = &a.reply.job.prompt;
     let (n, fed) = (prompt.len(), a.seq.len());
     if let Some(entries) = a.prompt_logprobs.as_mut() {
@@ -537,7 +563,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence>, a: &mut Active
         let k = (checkpoint - fed).min(budget);
         ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::None)?;
         let at = a.seq.len();
-        if at == checkpoint && cache.budget() > 0 && !cache.contains(&prompt[..at]) {
+        if at == checkpoint && cache.enabled() && !cache.contains(&prompt[..at]) {
             let copy = loop {
                 match a.seq.try_clone() {
                     Err(e) if is_memory_full(&e) && cache.evict_lru().is_some() => {}

@@ -121,3 +121,28 @@ async fn conversations_sharing_a_document_resume_from_it() {
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize;
     assert!(cached <= common && cached + 64 > common, "{cached} cached, {common} shared");
 }
+
+/// The value of an unlabelled metric in a Prometheus text page.
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("{name} not in {page}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_in_the_host_tier_serve_later_turns_exactly() {
+    // No device budget: every snapshot goes to the host tier, and every later turn resumes from
+    // a copy brought back from it.
+    let mut a = args();
+    a.max_seq = 4096;
+    a.prefix_cache_mb = Some(0);
+    a.prefix_cache_host_mb = Some(256);
+    let s = lily::server::spawn(a).unwrap();
+    let last = turns(&s, &chat_turns()).await;
+    let plain = server(0, 2048);
+    let v = post(&format!("{}/v1/chat/completions", plain.url()), chat_turns()[4].clone()).await;
+    assert_eq!(v["choices"][0]["message"], last["choices"][0]["message"]);
+    let page = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
+    assert_eq!(metric(&page, "lily_prefix_cache_host_hits_total"), 4.0, "turns 2 to 5 hit the host tier");
+    assert_eq!(metric(&page, "lily_prefix_cache_bytes"), 0.0);
+    let (host, spills) = (metric(&page, "lily_prefix_cache_host_bytes"), metric(&page, "lily_prefix_cache_spills_total"));
+    assert!(host > 0.0 && host <= (256 << 20) as f64 && spills >= 4.0, "host bytes {host}, spills {spills}");
+}

@@ -19,6 +19,7 @@ pub mod decode;
 pub mod device;
 pub mod forward;
 pub mod gdn;
+pub mod hostmem;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
@@ -34,7 +35,7 @@ pub mod testing;
 pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, LogitsWanted, Sequence, SequenceMemoryReport};
+use super::{Backend, BatchRow, HostSequence, LogitsWanted, Sequence, SequenceMemoryReport};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -361,6 +362,16 @@ impl Backend for CudaBackend {
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
         let st = CudaSequence::new(&self.gpu, &self.mem, &self.cfg, max_seq, self.opts.kv_bf16)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
+    }
+
+    fn restore_sequence(&self, host: &HostSequence) -> Result<Sequence> {
+        let Some(h) = host.data.downcast_ref::<state::CudaHostState>() else {
+            bail!("the host copy of a sequence came from another backend");
+        };
+        let st = CudaSequence::from_host(&self.gpu, &self.mem, &self.cfg, host.max_seq, host.len, h)?;
+        let mut seq = Sequence::new(host.max_seq, Box::new(st));
+        seq.advance(host.len);
+        Ok(seq)
     }
 
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {

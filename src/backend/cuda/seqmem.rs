@@ -9,6 +9,7 @@
 //! pages only once it continues (see [`KvSpace`]).
 
 use super::budget::Ledger;
+use super::hostmem::PinnedPool;
 use super::vmm::{granularity, AddressRange, PhysPage};
 use crate::backend::SequenceMemoryReport;
 use anyhow::{anyhow, Result};
@@ -25,13 +26,24 @@ pub struct SequenceMemory {
     cap: Option<usize>,
     slot_floats: usize,
     ledger: Mutex<Ledger<PhysPage, CudaSlice<f32>>>,
+    /// Pinned host chunks for copies of sequences moved out of the device.
+    pinned: Arc<PinnedPool>,
 }
 
 impl SequenceMemory {
     pub fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, slot_floats: usize, fraction: f64, cap: Option<usize>) -> Result<Arc<Self>> {
         let page = granularity(&ctx)?;
         let ledger = Mutex::new(Ledger::new(page, slot_floats * 4));
-        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger }))
+        let pinned = PinnedPool::new(ctx.clone());
+        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger, pinned }))
+    }
+
+    pub fn pinned(&self) -> &Arc<PinnedPool> {
+        &self.pinned
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger<PhysPage, CudaSlice<f32>>> {
@@ -122,6 +134,10 @@ impl StateSlot {
 
     pub fn bytes(&self) -> usize {
         self.buf().len() * 4
+    }
+
+    pub fn memory(&self) -> &Arc<SequenceMemory> {
+        &self.mem
     }
 }
 
@@ -274,6 +290,35 @@ impl KvSpace {
             (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
         }
         Ok(())
+    }
+
+    /// Runs `f` with the device address of each region's row 0 (`f` queues reads of the rows
+    /// this space holds). A held space maps its pages into a range for the call and unmaps them
+    /// after it (once the stream is done).
+    pub fn read_regions<R>(&self, f: impl FnOnce(&dyn Fn(usize) -> u64) -> Result<R>) -> Result<R> {
+        if !self.is_held() {
+            return f(&|r| self.region(r));
+        }
+        let Some(range) = self.reserve_range()? else { return f(&|_| 0) };
+        for r in 0..self.regions {
+            let run: Vec<&PhysPage> = self.pages[r].iter().map(|p| p.as_ref()).collect();
+            if let Err(e) = range.map_run(r * self.region_bytes, &run, self.page_bytes) {
+                self.unmap_regions(&range, r);
+                return Err(e);
+            }
+        }
+        let out = f(&|r| range.base() + (r * self.region_bytes) as u64);
+        let _ = self.mem.stream.synchronize();
+        self.unmap_regions(&range, self.regions);
+        out
+    }
+
+    pub fn regions(&self) -> usize {
+        self.regions
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
     }
 
     /// Unmaps the pages of regions `0..regions` from `range` (after the stream is done with them).

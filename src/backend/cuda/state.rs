@@ -1,9 +1,11 @@
 //! Per-sequence device state: the step buffer (token id, position), the Gated DeltaNet conv rings
 //! and fp32 recurrent states (one slot of the state pool), and the attention KV caches
 //! (`[position][kv_heads * head_dim]`, f32 or bf16 per sequence, in pages mapped as the sequence
-//! grows; seqmem.rs).
+//! grows; seqmem.rs). A sequence can be copied to pinned host memory and restored from it
+//! (hostmem.rs; the prefix cache's host tier).
 
 use super::device::{ptr, Gpu};
+use super::hostmem::{HostCopy, PinnedPool};
 use super::seqmem::{KvSpace, SequenceMemory, StateSlot};
 use crate::backend::SequenceState;
 use crate::checkpoint::{LayerKind, ModelConfig};
@@ -145,12 +147,66 @@ impl CudaSequence {
     }
 }
 
+/// A sequence's state slot and KV rows in pinned host memory (the prefix cache's host tier),
+/// back to back: the slot, then each region's rows.
+pub struct CudaHostState {
+    copy: HostCopy,
+    kv_bf16: bool,
+    slot_bytes: usize,
+    region_bytes: usize,
+}
+
+impl CudaSequence {
+    /// Host bytes of a copy of a sequence of `len` tokens (whole pinned chunks).
+    fn host_copy_bytes(&self, len: usize) -> usize {
+        PinnedPool::rounded(self.slot.bytes() + self.kv.regions() * len * self.kv.row_bytes())
+    }
+
+    fn copy_to_host(&self, len: usize) -> Result<CudaHostState> {
+        let (slot_bytes, region_bytes) = (self.slot.bytes(), len * self.kv.row_bytes());
+        let mem = self.slot.memory();
+        let mut copy = HostCopy::with_capacity(mem.pinned(), slot_bytes + self.kv.regions() * region_bytes)?;
+        copy.append_from_device(ptr(self.slot.buf(), &self.stream), slot_bytes, &self.stream)?;
+        self.kv.read_regions(|at| {
+            for r in 0..self.kv.regions() {
+                copy.append_from_device(at(r), region_bytes, &self.stream)?;
+            }
+            Ok(())
+        })?;
+        self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
+        Ok(CudaHostState { copy, kv_bf16: self.kv_bf16, slot_bytes, region_bytes })
+    }
+
+    /// A sequence holding what `host` holds (`len` tokens), its KV pages mapped
+    /// ([`crate::backend::MemoryFull`] when they do not fit now).
+    pub fn from_host(gpu: &Gpu, mem: &Arc<SequenceMemory>, cfg: &ModelConfig, max_seq: usize, len: usize, host: &CudaHostState) -> Result<Self> {
+        let mut seq = CudaSequence::new(gpu, mem, cfg, max_seq, host.kv_bf16)?;
+        if host.slot_bytes != seq.slot.bytes() || host.region_bytes != len * seq.kv.row_bytes() {
+            bail!("the host copy of a sequence does not match this model's layout");
+        }
+        seq.grow(len)?;
+        host.copy.read_to_device(0, ptr(seq.slot.buf(), &seq.stream), host.slot_bytes, &seq.stream)?;
+        for r in 0..seq.kv.regions() {
+            host.copy.read_to_device(host.slot_bytes + r * host.region_bytes, seq.kv.region(r), host.region_bytes, &seq.stream)?;
+        }
+        // The copy's chunks may be reused once this returns.
+        seq.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
+        Ok(seq)
+    }
+}
+
 impl SequenceState for CudaSequence {
     fn try_clone_state(&self, len: usize) -> Result<Box<dyn SequenceState>> {
         Ok(Box::new(self.try_clone(len)?))
     }
     fn memory_bytes(&self) -> usize {
         self.slot.bytes() + self.kv.held_bytes() + 8
+    }
+    fn to_host(&self, len: usize) -> Result<Box<dyn Any + Send + Sync>> {
+        Ok(Box::new(self.copy_to_host(len)?))
+    }
+    fn host_bytes(&self, len: usize) -> usize {
+        self.host_copy_bytes(len)
     }
     fn reserve(&mut self, tokens: usize) -> Result<()> {
         self.kv.reserve(tokens.min(self.max_seq))

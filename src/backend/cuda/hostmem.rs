@@ -1,0 +1,113 @@
+//! Page-locked host memory for the prefix cache's host tier: sequences' state and KV copied out
+//! of the device in fixed-size chunks of pinned memory (so the copies run at PCIe DMA speed in
+//! both directions) that are kept for reuse. Pinning memory costs time in proportion to its size,
+//! so a chunk freed by one copy serves the next instead of being pinned anew.
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::{sys, CudaContext, CudaStream, PinnedHostSlice};
+use std::sync::{Arc, Mutex};
+
+/// Bytes per chunk: small enough that rounding a copy up to whole chunks wastes little, large
+/// enough that a long sequence takes tens of chunks, not thousands.
+pub const CHUNK_BYTES: usize = 32 << 20;
+
+/// Chunks of pinned host memory, allocated on demand and kept once freed.
+pub struct PinnedPool {
+    ctx: Arc<CudaContext>,
+    free: Mutex<Vec<PinnedHostSlice<u8>>>,
+}
+
+impl PinnedPool {
+    pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()) })
+    }
+
+    fn take(&self) -> Result<PinnedHostSlice<u8>> {
+        if let Some(c) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(c);
+        }
+        // SAFETY: the chunk's bytes are only read after a copy wrote them. Flags 0: cached,
+        // not write-combined (the host never reads them, but DMA in both directions is full speed).
+        unsafe { self.ctx.alloc_pinned_with_flags::<u8>(CHUNK_BYTES, 0) }.map_err(|e| anyhow!("pinned host allocation of {} MiB: {e:?}", CHUNK_BYTES >> 20))
+    }
+
+    /// Bytes a copy of `bytes` takes: whole chunks.
+    pub fn rounded(bytes: usize) -> usize {
+        bytes.div_ceil(CHUNK_BYTES) * CHUNK_BYTES
+    }
+}
+
+/// A run of device memory copied into pinned chunks, back to back. Its chunks go back to the pool
+/// when it is dropped.
+pub struct HostCopy {
+    chunks: Vec<PinnedHostSlice<u8>>,
+    /// Bytes written so far.
+    len: usize,
+    pool: Arc<PinnedPool>,
+}
+
+impl HostCopy {
+    /// An empty copy with room for `bytes` (all chunks taken now, so a copy that cannot get its
+    /// memory fails before any transfer).
+    pub fn with_capacity(pool: &Arc<PinnedPool>, bytes: usize) -> Result<Self> {
+        let mut c = HostCopy { chunks: Vec::new(), len: 0, pool: pool.clone() };
+        for _ in 0..bytes.div_ceil(CHUNK_BYTES) {
+            c.chunks.push(pool.take()?);
+        }
+        Ok(c)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.chunks.len() * CHUNK_BYTES
+    }
+
+    /// The host address of byte `at` and how many bytes follow it in its chunk.
+    fn at(&self, at: usize) -> Result<(*mut u8, usize)> {
+        let chunk = self.chunks.get(at / CHUNK_BYTES).ok_or_else(|| anyhow!("host copy overrun at byte {at}"))?;
+        // The chunk is driver-allocated memory, not behind a Rust reference: DMA writes it.
+        let base = chunk.as_ptr().map_err(|e| anyhow!("{e:?}"))? as *mut u8;
+        // SAFETY: `at % CHUNK_BYTES` is inside the chunk.
+        Ok((unsafe { base.add(at % CHUNK_BYTES) }, CHUNK_BYTES - at % CHUNK_BYTES))
+    }
+
+    /// Queues a copy of `bytes` device bytes from `src` after what is written so far.
+    pub fn append_from_device(&mut self, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+        let mut done = 0;
+        while done < bytes {
+            let (dst, room) = self.at(self.len + done)?;
+            let n = room.min(bytes - done);
+            // SAFETY: `dst..dst + n` is inside a pinned chunk this copy owns; `src + done` is
+            // mapped device memory the caller keeps alive until the stream is synchronised.
+            let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src + done as u64, n, stream.cu_stream()) };
+            r.result().map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
+            done += n;
+        }
+        self.len += bytes;
+        Ok(())
+    }
+
+    /// Queues a copy of `bytes` bytes from `from` of this copy to device address `dst`.
+    pub fn read_to_device(&self, from: usize, dst: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+        if from + bytes > self.len {
+            anyhow::bail!("host copy read past its {} bytes", self.len);
+        }
+        let mut done = 0;
+        while done < bytes {
+            let (src, room) = self.at(from + done)?;
+            let n = room.min(bytes - done);
+            // SAFETY: `src..src + n` is inside a pinned chunk this copy owns and wrote; `dst` is
+            // mapped device memory of at least `bytes`.
+            let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst + done as u64, src as *const _, n, stream.cu_stream()) };
+            r.result().map_err(|e| anyhow!("host-to-device copy: {e:?}"))?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostCopy {
+    fn drop(&mut self) {
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.append(&mut self.chunks);
+    }
+}
