@@ -87,6 +87,11 @@ pub struct RequestRecord {
     /// to the first token: where a request's time to first token went.
     pub queue_ms: Option<u64>,
     pub ttft_ms: Option<u64>,
+    /// Within the time to first token: taking the request's sequence (the prefix-cache copy or
+    /// restore from the host tier, the memory reservation), and prefilling the prompt up to its
+    /// last token (the rest is the first decode step).
+    pub resume_ms: Option<u64>,
+    pub prefill_ms: Option<u64>,
 }
 
 impl RequestRecord {
@@ -95,7 +100,11 @@ impl RequestRecord {
         if self.status < 400 {
             let _ = write!(s, " prompt={} cached={} completion={} tok/s={:.1} finish={}", self.prompt, self.cached, self.completion, self.tok_s, self.finish);
             if let (Some(q), Some(t)) = (self.queue_ms, self.ttft_ms) {
-                let _ = write!(s, " queue={q}ms ttft={t}ms");
+                let _ = write!(s, " queue={q}ms");
+                if let (Some(r), Some(p)) = (self.resume_ms, self.prefill_ms) {
+                    let _ = write!(s, " resume={r}ms prefill={p}ms");
+                }
+                let _ = write!(s, " ttft={t}ms");
             }
         }
         if let Some(e) = &self.error {
@@ -130,6 +139,7 @@ pub struct Metrics {
     pub cache_host_entries: AtomicU64,
     pub cache_host_hits: AtomicU64,
     pub cache_spills: AtomicU64,
+    pub cache_spill_ms: AtomicU64,
     /// Memory of the sequences being prefilled or generated (KV + recurrent state).
     pub active_seq_bytes: AtomicU64,
     /// Sequences in the last decode step, and the most one step takes (`--max-batch`).
@@ -186,6 +196,7 @@ impl Metrics {
             cache_host_entries: AtomicU64::new(0),
             cache_host_hits: AtomicU64::new(0),
             cache_spills: AtomicU64::new(0),
+            cache_spill_ms: AtomicU64::new(0),
             active_seq_bytes: AtomicU64::new(0),
             batch_size: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
@@ -281,6 +292,7 @@ impl Metrics {
             Gauge("lily_prefix_cache_host_entries", "Prefix-cache entries in the host tier.", self.cache_host_entries.load(Relaxed) as f64),
             Counter("lily_prefix_cache_host_hits", "Prefix-cache hits copied back from the host tier.", self.cache_host_hits.load(Relaxed)),
             Counter("lily_prefix_cache_spills", "Prefix-cache entries moved from the device to the host tier.", self.cache_spills.load(Relaxed)),
+            Counter("lily_prefix_cache_spill_milliseconds", "Time spent copying prefix-cache entries to the host tier.", self.cache_spill_ms.load(Relaxed)),
             Gauge("lily_batch_size", "Sequences in the last decode step.", self.batch_size.load(Relaxed) as f64),
             Gauge("lily_max_batch", "Most sequences one decode step takes (--max-batch).", self.max_batch.load(Relaxed) as f64),
             Gauge("lily_generation_tokens_per_second", "Generated tokens per second over the last 10 s.", self.generation_rate()),

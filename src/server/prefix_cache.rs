@@ -49,13 +49,14 @@ pub struct PrefixCache<T, H = ()> {
     pub hits: u64,
     /// Hits served from the host tier.
     pub host_hits: u64,
-    /// Entries moved to the host tier.
+    /// Entries moved to the host tier, and the milliseconds their copies took.
     pub spills: u64,
+    pub spill_ms: u64,
 }
 
 impl<T, H> PrefixCache<T, H> {
     pub fn new(budget_bytes: usize, size: fn(&T) -> usize) -> Self {
-        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0 }
+        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0, spill_ms: 0 }
     }
 
     /// Entries the device budget pushes out move to `tier` instead of being dropped.
@@ -212,7 +213,10 @@ impl<T, H> PrefixCache<T, H> {
                 _ => return None,
             }
         }
-        match spill(item) {
+        let t0 = std::time::Instant::now();
+        let copy = spill(item);
+        self.spill_ms += t0.elapsed().as_millis() as u64;
+        match copy {
             Ok(h) => Some(h),
             Err(e) => {
                 eprintln!("lily: prefix-cache entry dropped (moving it to host memory failed: {e:#})");

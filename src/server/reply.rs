@@ -66,8 +66,11 @@ pub struct Reply {
     decoder: StreamDecoder,
     last_token_at: Option<Instant>,
     pub first_token_at: Option<Instant>,
-    /// When the request joined the batch (before its prefix-cache lookup).
+    /// When the request joined the batch (before its prefix-cache lookup), when it had its
+    /// sequence, and when all but the last prompt token were in.
     pub admitted: Instant,
+    pub resumed: Instant,
+    pub prompt_in: Option<Instant>,
 }
 
 impl Reply {
@@ -85,7 +88,7 @@ impl Reply {
         let sampler = Sampler::new(params).snapshot();
         let forked = job.index % req.n != 0;
         let usage = if forked { Usage::default() } else { Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() } };
-        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None, admitted: Instant::now() }
+        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None, admitted: Instant::now(), resumed: Instant::now(), prompt_in: None }
     }
 
     /// Tokens this reply may still produce.

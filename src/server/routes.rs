@@ -350,7 +350,7 @@ pub(super) fn enqueue(st: &AppState, p: Prepared, arrived: Instant, path: &'stat
 /// error object returned.
 pub(super) fn refuse(st: &AppState, path: &'static str, arrived: Instant, e: ApiError) -> Response {
     st.metrics.count_request(endpoint_label(path), e.status.as_u16());
-    st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()), queue_ms: None, ttft_ms: None });
+    st.metrics.record(RequestRecord { method: "POST", path, status: e.status.as_u16(), ms: arrived.elapsed().as_millis() as u64, prompt: 0, cached: 0, completion: 0, tok_s: 0.0, finish: String::new(), error: Some(e.message.clone()), queue_ms: None, ttft_ms: None, resume_ms: None, prefill_ms: None });
     e.into_response()
 }
 

@@ -289,7 +289,7 @@ impl Worker {
             if job.events.is_closed() {
                 self.metrics.queue_depth.fetch_sub(1, Relaxed);
                 self.count_gone(&job);
-                self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()), queue_ms: None, ttft_ms: None });
+                self.metrics.record(RequestRecord { method: "POST", path: job.path, status: 499, ms: job.arrived.elapsed().as_millis() as u64, prompt: job.prompt.len(), cached: 0, completion: 0, tok_s: 0.0, finish: "cancelled".into(), error: Some("client went away while queued".into()), queue_ms: None, ttft_ms: None, resume_ms: None, prefill_ms: None });
                 continue;
             }
             let admitted = Instant::now();
@@ -303,6 +303,7 @@ impl Worker {
                     });
                     let mut reply = Reply::new(job, cached);
                     reply.admitted = admitted;
+                    reply.resumed = Instant::now();
                     self.active.push(Active { seq, reply, prompt_logprobs, decoding: false });
                 }
                 Err(e) if is_memory_full(&e) && !self.active.is_empty() => {
@@ -467,6 +468,8 @@ impl Worker {
                 error,
                 queue_ms: Some(reply.admitted.duration_since(job.arrived).as_millis() as u64),
                 ttft_ms: reply.first_token_at.map(|t| t.duration_since(job.arrived).as_millis() as u64),
+                resume_ms: Some(reply.resumed.duration_since(reply.admitted).as_millis() as u64),
+                prefill_ms: reply.prompt_in.map(|t| t.duration_since(reply.resumed).as_millis() as u64),
             });
         }
         self.publish();
@@ -511,6 +514,8 @@ impl Worker {
             error: Some(format!("{e:#}")),
             queue_ms: None,
             ttft_ms: None,
+            resume_ms: None,
+            prefill_ms: None,
         });
     }
 
@@ -526,6 +531,7 @@ impl Worker {
         m.cache_host_entries.store(self.cache.host_len() as u64, Relaxed);
         m.cache_host_hits.store(self.cache.host_hits, Relaxed);
         m.cache_spills.store(self.cache.spills, Relaxed);
+        m.cache_spill_ms.store(self.cache.spill_ms, Relaxed);
         if let Some(r) = self.backend.sequence_memory() {
             m.seq_memory_budget_bytes.store(r.budget_bytes, Relaxed);
             m.seq_memory_used_bytes.store(r.in_use_bytes, Relaxed);
@@ -586,7 +592,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, 
         seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
         let job = a.reply.job.fork(a.reply.job.index + i);
         let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false };
-        sibling.reply.admitted = a.reply.admitted;
+        (sibling.reply.admitted, sibling.reply.resumed) = (a.reply.admitted, a.reply.resumed);
         start_decoding(&mut sibling, last);
         forks.push(sibling);
     }
@@ -597,6 +603,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, 
 /// The row decodes from `next`, the last prompt token (a request for no tokens ends here).
 fn start_decoding(a: &mut Active, next: u32) {
     a.decoding = true;
+    a.reply.prompt_in.get_or_insert_with(Instant::now);
     a.reply.next = next;
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
