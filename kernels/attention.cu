@@ -565,7 +565,11 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
 // 64 keys, K and V are read from the f32 cache, rounded to bf16 into shared memory; S = Q K^T
 // and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
-// softmax in exp2. grid (ceil(T / (64/group)), nkv), block 128, dynamic smem 3*64*(HD+8) bf16.
+// softmax in exp2. grid (ceil(T / (64/group)), nkv, splits), block 128, dynamic smem
+// 3*64*(HD+8) bf16. With splits > 1 (a few tokens over a long cache, where T/(64/group) x nkv blocks
+// would leave most SMs idle), block z takes the z-th run of `kchunk` keys (a multiple of 64) and
+// writes unnormalised partials (o, and m in natural-log units with l) as attn_combine_batch reads
+// them: rows [T][nh][splits].
 #define PFA_LD(HD) ((HD) + 8)
 __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -576,7 +580,8 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
 template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
                            const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
-                           float* __restrict__ out) {
+                           float* __restrict__ out, int kchunk, float* __restrict__ part_o,
+                           float* __restrict__ part_ml) {
     constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
     extern __shared__ __align__(16) u16 pfa_tc_sm[];
     u16* Qs = pfa_tc_sm;
@@ -613,6 +618,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     const int last_t = min(T - 1, tok0 + qt - 1);
     const int nkeys = pos0 + last_t + 1;
+    const int splits = gridDim.z, k_lo = blockIdx.z * kchunk, k_hi = splits > 1 ? min(nkeys, k_lo + kchunk) : nkeys;
     const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
     const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
     const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
@@ -621,7 +627,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     // load, which would serialise the batch) and zeroed by a select.
     constexpr int KB = 4, KITER = 64 * F4 / 128;
     static_assert(KITER % KB == 0, "tile load batches");
-    for (int kt = 0; kt < nkeys; kt += 64) {
+    for (int kt = k_lo; kt < k_hi; kt += 64) {
         __syncthreads();
 #pragma unroll 2
         for (int i0 = 0; i0 < KITER; i0 += KB) {
@@ -716,6 +722,25 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
         l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 1);
         l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 2);
     }
+    if (splits > 1) {
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+            const int r = warp * 16 + g + 8 * hv;
+            const int t = tok0 + r / group, h = kvh * group + r % group;
+            if (t >= T) continue;
+            const size_t row = ((size_t)t * nh + h) * splits + blockIdx.z;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) part_o[row * HD + nt * 8 + 2 * (lane & 3) + cc] = o[nt][hv * 2 + cc];
+            if ((lane & 3) == 0) {
+                // exp2 units to natural ones: the partial weights are exp(m - M) in the combine.
+                part_ml[2 * row] = m[hv] == NEG_INF ? NEG_INF : m[hv] * 0.6931471805599453f;
+                part_ml[2 * row + 1] = l[hv];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int hv = 0; hv < 2; ++hv) {
         const int r = warp * 16 + g + 8 * hv;
@@ -737,7 +762,9 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(const float* q, const float* gate,  \
                                                                               const KV* kc, const KV* vc, int T,  \
                                                                               int pos0, int nh, int nkv,          \
-                                                                              float scale, float* out) {          \
-        pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                         \
+                                                                              float scale, float* out,            \
+                                                                              int kchunk, float* part_o,          \
+                                                                              float* part_ml) {                   \
+        pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out, kchunk, part_o, part_ml);                \
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)

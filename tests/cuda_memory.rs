@@ -154,6 +154,7 @@ fn cuda_snapshots_hold_pages_unmapped_and_their_copies_continue_exactly() {
         assert_eq!(got, want, "the snapshot's snapshot diverged at step {i}");
     }
     // The first snapshot is still whole after its copy continued (its own last page untouched).
+    drop(twin);
     let mut twin = fresh(&mut gpu, n);
     let rest = &toks[n..n + 40];
     let (got, want) = (gpu.forward(&mut s, rest, LogitsWanted::Last).unwrap(), gpu.forward(&mut twin, rest, LogitsWanted::Last).unwrap());

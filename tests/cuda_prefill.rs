@@ -202,7 +202,8 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
 fn cuda_prefill_attention_tc_matches_f32() {
     let b = cuda();
     for &(nh, nkv, hd) in &[(4usize, 2usize, 64usize), (16, 2, 256), (8, 8, 128)] {
-        for &(t, pos0) in &[(1usize, 0usize), (37, 0), (200, 0), (70, 150)] {
+        // The last two split the keys over blocks (a few tokens over a long cache).
+        for &(t, pos0) in &[(1usize, 0usize), (37, 0), (200, 0), (70, 150), (5, 3000), (20, 5000)] {
             let n = pos0 + t;
             let q = rnd(21 + t as u64, t * nh * hd);
             let gate = rnd(22, t * nh * hd);

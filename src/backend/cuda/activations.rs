@@ -117,6 +117,10 @@ pub struct ChunkScratch {
     pub shared_gate: CudaSlice<f32>,
     pub shared_up: CudaSlice<f32>,
     pub shared_down: CudaSlice<f32>,
+    /// Split prefill attention's partials (`attention::chunk`): output rows and (max, sum) pairs
+    /// per query token, q head and split.
+    pub attn_part_o: CudaSlice<f32>,
+    pub attn_part_ml: CudaSlice<f32>,
     /// Operands of the cuBLAS GEMMs, when cuBLAS is loaded.
     pub blas: Option<BlasScratch>,
 }
@@ -135,6 +139,8 @@ impl ChunkScratch {
         } else {
             None
         };
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let split_rows = if super::attention::chunk_supported(nh, nkv) { super::attention::chunk_split_rows(nh, nkv, gpu.sms as usize) } else { 1 };
         Ok(ChunkScratch {
             ids: i(n)?,
             conv: f(cfg.gdn_conv_dim())?,
@@ -152,6 +158,8 @@ impl ChunkScratch {
             shared_gate: f(sinter)?,
             shared_up: f(sinter)?,
             shared_down: f(h)?,
+            attn_part_o: gpu.zeros::<f32>(split_rows * nh * cfg.head_dim)?,
+            attn_part_ml: gpu.zeros::<f32>(split_rows * nh * 2)?,
             blas,
         })
     }

@@ -237,12 +237,43 @@ pub fn chunk_supported(nh: usize, nkv: usize) -> bool {
     nkv > 0 && nh.is_multiple_of(nkv) && nh >= nkv && 64 % (nh / nkv) == 0
 }
 
-/// Causal attention of `n` queries at `pos0..` over the cache (`pos0 + n` positions), gated.
-pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, n: usize, pos0: usize, exact: bool) -> Result<()> {
+/// Most key splits of the tensor-core prefill attention (the combine kernel merges up to 256).
+const MAX_CHUNK_SPLITS: usize = 128;
+
+/// Fewest keys a split of the prefill attention takes: shorter splits cost more in partials and
+/// the combine than their extra blocks save.
+const MIN_SPLIT_KEYS: usize = 512;
+
+/// Key splits of the tensor-core prefill attention for `n` queries over `keys` cache positions
+/// on `sms` SMs: a block holds 64 / group queries of one KV head and streams every key up to its
+/// last query, so a few tokens over a long cache (a conversation's next turn) make a handful of
+/// blocks that each read the whole cache. Split so the blocks fill the SMs about twice; 1 when
+/// the query tiles fill them already.
+pub fn chunk_splits(n: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(64 / (nh / nkv)) * nkv;
+    if blocks >= sms {
+        return 1;
+    }
+    (2 * sms).div_ceil(blocks).min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_CHUNK_SPLITS)
+}
+
+/// Partial rows (query token x split) [`chunk_splits`] can ask for at most, so one buffer of
+/// `rows x nh x hd` (+ `x 2` for max and sum) serves every call.
+pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
+    let qt = 64 / (nh / nkv);
+    (1..=sms.div_ceil(nkv) * qt).map(|n| (n, chunk_splits(n, nh, nkv, usize::MAX, sms))).filter(|&(_, s)| s > 1).map(|(n, s)| n * s).max().unwrap_or(1)
+}
+
+/// Causal attention of `n` queries at `pos0..` over the cache (`pos0 + n` positions), gated. The
+/// tensor-core kernel splits the keys over blocks when [`chunk_splits`] says so, with partials in
+/// `part` (room for [`chunk_split_rows`] rows) merged by the decode's combine kernel.
+pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, n: usize, pos0: usize, exact: bool) -> Result<()> {
     let (k, threads, smem) =
         select_chunk(d.hd, d.kv_bf16, exact).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd))?;
     let qt = 64 / (d.nh / d.nkv);
-    let args = [
+    let keys = pos0 + n;
+    let splits = if exact { 1 } else { chunk_splits(n, d.nh, d.nkv, keys, gpu.sms as usize) };
+    let mut args = vec![
         Arg::P(p.q),
         Arg::P(p.gate),
         Arg::P(p.kcache),
@@ -254,7 +285,14 @@ pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, n: usize, pos0: usize, exact
         Arg::F(d.scale()),
         Arg::P(p.out),
     ];
-    gpu.launch(k, (n.div_ceil(qt) as u32, d.nkv as u32, 1), threads, smem, &args)
+    if !exact {
+        args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml)]);
+    }
+    gpu.launch(k, (n.div_ceil(qt) as u32, d.nkv as u32, splits as u32), threads, smem, &args)?;
+    if splits > 1 {
+        combine_batch(gpu, d, p, part, splits, n)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -280,6 +318,25 @@ mod tests {
         assert_eq!(split_smem(256), 98_304);
         assert_eq!(select_chunk(256, true, false).unwrap().2, 101_376);
         assert!(!chunk_supported(12, 5) && !chunk_supported(3 * 128, 3));
+    }
+
+    #[test]
+    fn prefill_attention_splits_keys_only_when_its_query_tiles_leave_sms_idle() {
+        let (nh, nkv, sms) = (16, 2, 132);
+        // A turn's 25 new tokens over 94K cached ones: 8 blocks, so 33 splits fill 264 slots.
+        assert_eq!(chunk_splits(25, nh, nkv, 94_000, sms), 33);
+        // Short caches are not split below 512 keys per split; long chunks are not split.
+        assert_eq!(chunk_splits(25, nh, nkv, 1_500, sms), 2);
+        assert_eq!(chunk_splits(25, nh, nkv, 900, sms), 1);
+        assert_eq!(chunk_splits(2048, nh, nkv, 94_000, sms), 1);
+        assert_eq!(chunk_splits(1, nh, nkv, 262_144, sms), 128);
+        // The partial buffer covers every split call (520 queries x 3 splits is the most here).
+        let rows = chunk_split_rows(nh, nkv, sms);
+        assert_eq!(rows, 1560);
+        for n in 1..3000 {
+            let splits = chunk_splits(n, nh, nkv, 262_144, sms);
+            assert!(splits == 1 || n * splits <= rows, "n = {n}");
+        }
     }
 
     #[test]

@@ -127,7 +127,8 @@ impl Pass for ChunkPass<'_> {
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
         attention::prep_chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0)?;
         self.point(probe, Point::Phase("attn.prep"))?;
-        attention::chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0, self.exact)?;
+        let part = attention::SplitPartials { o: self.p(&self.s.attn_part_o), ml: self.p(&self.s.attn_part_ml) };
+        attention::chunk(self.gpu, &self.dims.attn, &p, &part, n, self.span.pos0, self.exact)?;
         self.point(probe, Point::Phase("attn.core"))?;
         self.gemm.run(&at.o, h, p.out, n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("attn.out"))

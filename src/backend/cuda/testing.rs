@@ -267,10 +267,12 @@ pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc:
     }
     let (qd, gd, kd, vd) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.upload(kc)?, gpu.upload(vc)?);
     let od = gpu.zeros::<f32>(t * nh * hd)?;
+    let rows = attention::chunk_split_rows(nh, nkv, gpu.sms as usize);
+    let (po, pml) = (gpu.zeros::<f32>(rows * nh * hd)?, gpu.zeros::<f32>(rows * nh * 2)?);
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16: false };
     let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: p(&kd), vcache: p(&vd), out: p(&od) };
-    attention::chunk(gpu, &d, &ptrs, t, pos0, exact)?;
+    attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, t, pos0, exact)?;
     read(gpu, &od)
 }
 
