@@ -219,6 +219,10 @@ pub trait Backend: Send {
         None
     }
 
+    /// Host copies of sequences ([`Sequence::to_host`]) will take up to `bytes`: a backend whose
+    /// copies need memory prepared ahead (pinned pages) starts preparing it, in the background.
+    fn prepare_host_copies(&self, _bytes: usize) {}
+
     /// The most sequences one decode step should take: the backend's own row limit, and how many
     /// sequences its memory holds at their smallest (the server's default `--max-batch`).
     fn batch_capacity(&self) -> usize {

@@ -229,6 +229,9 @@ impl Worker {
         let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| if backend.sequence_memory().is_some() { default_host_tier_bytes() } else { 0 });
         let host = HostTier { budget: host_bytes, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
         let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes).with_host_tier(host);
+        if host_bytes > 0 {
+            backend.prepare_host_copies(host_bytes);
+        }
         let capacity = backend.batch_capacity();
         let max_batch = match cfg.max_batch {
             Some(m) if m > capacity => {

@@ -1,10 +1,12 @@
 //! Page-locked host memory for the prefix cache's host tier: sequences' state and KV copied out
 //! of the device in fixed-size chunks of pinned memory (so the copies run at PCIe DMA speed in
-//! both directions) that are kept for reuse. Pinning memory costs time in proportion to its size,
-//! so a chunk freed by one copy serves the next instead of being pinned anew.
+//! both directions) that are kept for reuse. Pinning memory costs time in proportion to its size
+//! (about as long as copying it several times over), so the pool is filled ahead by a background
+//! thread ([`PinnedPool::warm`]) and a chunk freed by one copy serves the next.
 
 use anyhow::{anyhow, Result};
 use cudarc::driver::{sys, CudaContext, CudaStream, PinnedHostSlice};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 /// Bytes per chunk: small enough that rounding a copy up to whole chunks wastes little, large
@@ -15,20 +17,49 @@ pub const CHUNK_BYTES: usize = 32 << 20;
 pub struct PinnedPool {
     ctx: Arc<CudaContext>,
     free: Mutex<Vec<PinnedHostSlice<u8>>>,
+    /// Chunks pinned so far (in copies or free).
+    pinned: AtomicUsize,
 }
 
 impl PinnedPool {
     pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()) })
+        Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()), pinned: AtomicUsize::new(0) })
+    }
+
+    /// Pins chunks in a background thread until the pool holds `bytes` (it then keeps them until
+    /// the process ends), so copies draw on chunks already pinned. A failure stops the warm-up and
+    /// is logged: copies then pin what they need themselves.
+    pub fn warm(self: &Arc<Self>, bytes: usize) {
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new().name("lily-pin".into()).spawn(move || {
+            while (pool.pinned.load(Relaxed) + 1) * CHUNK_BYTES <= bytes {
+                match pool.alloc() {
+                    Ok(c) => pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(c),
+                    Err(e) => {
+                        eprintln!("lily: pinning host memory for the prefix cache stopped: {e:#}");
+                        return;
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            eprintln!("lily: cannot start the thread that pins host memory: {e}");
+        }
     }
 
     fn take(&self) -> Result<PinnedHostSlice<u8>> {
         if let Some(c) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(c);
         }
+        self.alloc()
+    }
+
+    fn alloc(&self) -> Result<PinnedHostSlice<u8>> {
         // SAFETY: the chunk's bytes are only read after a copy wrote them. Flags 0: cached,
         // not write-combined (the host never reads them, but DMA in both directions is full speed).
-        unsafe { self.ctx.alloc_pinned_with_flags::<u8>(CHUNK_BYTES, 0) }.map_err(|e| anyhow!("pinned host allocation of {} MiB: {e:?}", CHUNK_BYTES >> 20))
+        let c = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(CHUNK_BYTES, 0) }.map_err(|e| anyhow!("pinned host allocation of {} MiB: {e:?}", CHUNK_BYTES >> 20))?;
+        self.pinned.fetch_add(1, Relaxed);
+        Ok(c)
     }
 
     /// Bytes a copy of `bytes` takes: whole chunks.

@@ -349,6 +349,10 @@ impl Backend for CudaBackend {
         Some(self.mem.report())
     }
 
+    fn prepare_host_copies(&self, bytes: usize) {
+        self.mem.pinned().warm(bytes);
+    }
+
     /// The batch GEMMs' row limit, or fewer when the sequence memory budget cannot hold that
     /// many sequences at their smallest.
     fn batch_capacity(&self) -> usize {
