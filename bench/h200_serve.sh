@@ -43,6 +43,8 @@ serve() {
 # shellcheck disable=SC2086
 serve --max-seq 131072 ${SERVE_ARGS:-}
 trap 'kill $SERVER 2>/dev/null' EXIT
+# SETTLE: seconds to wait before the first request (e.g. while the host tier's memory is pinned).
+sleep "${SETTLE:-0}"
 case $WHAT in load | all)
   # Four requests per client back to back: a steady load, new prompts prefilled while others decode.
   log "load test"
