@@ -52,6 +52,13 @@ fn prefill(b: &mut CudaBackend, seq: &mut Sequence, toks: &[u32]) {
     testing::prefill(b, seq, toks, LogitsWanted::None, 1024, true).unwrap();
 }
 
+/// A fresh sequence of room `max` holding `toks`.
+fn prefilled(b: &mut CudaBackend, toks: &[u32], max: usize) -> Sequence {
+    let mut s = b.new_sequence(max).unwrap();
+    prefill(b, &mut s, toks);
+    s
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_kv_pages_are_mapped_as_the_sequence_grows_and_decode_crosses_them() {
@@ -134,11 +141,7 @@ fn cuda_snapshots_hold_pages_unmapped_and_their_copies_continue_exactly() {
     let vocab = gpu.config().vocab_size;
     let toks = contract_prompt(2 * z.rows_per_page, vocab);
     let n = z.rows_per_page + 100;
-    let fresh = |gpu: &mut CudaBackend, k: usize| {
-        let mut s = gpu.new_sequence(2 * z.rows_per_page).unwrap();
-        prefill(gpu, &mut s, &toks[..k]);
-        s
-    };
+    let fresh = |gpu: &mut CudaBackend, k: usize| prefilled(gpu, &toks[..k], 2 * z.rows_per_page);
     // A snapshot, a snapshot of the snapshot, and the source gone before either continues.
     let a = fresh(&mut gpu, n);
     let before = in_use(&gpu);
@@ -183,11 +186,7 @@ fn cuda_host_copies_restore_sequences_exactly() {
     let cfg = gpu.config().clone();
     let toks = contract_prompt(2 * z.rows_per_page, cfg.vocab_size);
     let n = z.rows_per_page + 100;
-    let fresh = |gpu: &mut CudaBackend| {
-        let mut s = gpu.new_sequence(2 * z.rows_per_page).unwrap();
-        prefill(gpu, &mut s, &toks[..n]);
-        s
-    };
+    let fresh = |gpu: &mut CudaBackend| prefilled(gpu, &toks[..n], 2 * z.rows_per_page);
     // From a running sequence and from a held snapshot (mapped only for the copy).
     let a = fresh(&mut gpu);
     let snap = a.try_clone().unwrap();
