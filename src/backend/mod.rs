@@ -219,6 +219,11 @@ pub trait Backend: Send {
         None
     }
 
+    /// The prefix cache's host tier by default: 0 where sequences live in host memory already.
+    fn default_host_tier_bytes(&self) -> usize {
+        0
+    }
+
     /// Host copies of sequences ([`Sequence::to_host`]) will take up to `bytes`: a backend whose
     /// copies need memory prepared ahead (pinned pages) starts preparing it, in the background.
     fn prepare_host_copies(&self, _bytes: usize) {}

@@ -53,18 +53,6 @@ const IDLE_PREFILL_CHUNK: usize = 16384;
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
 
-/// The most the prefix cache's host tier takes by default (a backend with device memory of its
-/// own; pinned host memory): a quarter of the host memory available at start, at most this.
-pub const DEFAULT_HOST_TIER_BYTES: usize = 16384 << 20;
-
-/// The host tier's default budget: see [`DEFAULT_HOST_TIER_BYTES`] (0 when the host's memory
-/// cannot be read).
-fn default_host_tier_bytes() -> usize {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let available_kib = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0);
-    (available_kib.saturating_mul(1024) / 4).min(DEFAULT_HOST_TIER_BYTES)
-}
-
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
 const PROMPT_LOGPROB_CHUNK: usize = 32;
@@ -161,8 +149,8 @@ pub struct WorkerConfig {
     /// The prefix cache's budget (`None`: the backend's sequence memory, else
     /// [`DEFAULT_PREFIX_CACHE_BYTES`]).
     pub prefix_cache_bytes: Option<usize>,
-    /// The prefix cache's host tier (`None`: [`default_host_tier_bytes`] where the backend has
-    /// device memory of its own, else 0; 0: no host tier).
+    /// The prefix cache's host tier (`None`: the backend's `default_host_tier_bytes`; 0: no host
+    /// tier).
     pub prefix_cache_host_bytes: Option<usize>,
     /// Most sequences decoded together (`None`: the backend's `batch_capacity`).
     pub max_batch: Option<usize>,
@@ -226,7 +214,7 @@ pub struct Worker {
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
-        let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| if backend.sequence_memory().is_some() { default_host_tier_bytes() } else { 0 });
+        let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| backend.default_host_tier_bytes());
         let host = HostTier { budget: host_bytes, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
         let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes).with_host_tier(host);
         if host_bytes > 0 {

@@ -13,6 +13,17 @@ use std::sync::{Arc, Mutex};
 /// enough that a long sequence takes tens of chunks, not thousands.
 pub const CHUNK_BYTES: usize = 32 << 20;
 
+/// The most the prefix cache's host tier takes by default.
+pub const DEFAULT_TIER_BYTES: usize = 16384 << 20;
+
+/// The host tier's default budget: a quarter of the host memory available now, at most
+/// [`DEFAULT_TIER_BYTES`] (0 when it cannot be read).
+pub fn default_tier_bytes() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let available_kib = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0);
+    (available_kib.saturating_mul(1024) / 4).min(DEFAULT_TIER_BYTES)
+}
+
 /// Chunks of pinned host memory, allocated on demand and kept once freed.
 pub struct PinnedPool {
     ctx: Arc<CudaContext>,

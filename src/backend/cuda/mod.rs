@@ -349,6 +349,10 @@ impl Backend for CudaBackend {
         Some(self.mem.report())
     }
 
+    fn default_host_tier_bytes(&self) -> usize {
+        hostmem::default_tier_bytes()
+    }
+
     fn prepare_host_copies(&self, bytes: usize) {
         self.mem.pinned().warm(bytes);
     }
