@@ -225,7 +225,7 @@ pub trait Backend: Send {
     }
 
     /// Host copies of sequences ([`Sequence::to_host`]) will take up to `bytes`: a backend whose
-    /// copies need memory prepared ahead (pinned pages) starts preparing it, in the background.
+    /// copies need memory prepared ahead (pinned pages) prepares it now.
     fn prepare_host_copies(&self, _bytes: usize) {}
 
     /// The most sequences one decode step should take: the backend's own row limit, and how many

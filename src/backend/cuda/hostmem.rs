@@ -1,8 +1,8 @@
 //! Page-locked host memory for the prefix cache's host tier: sequences' state and KV copied out
 //! of the device in fixed-size chunks of pinned memory (so the copies run at PCIe DMA speed in
 //! both directions) that are kept for reuse. Pinning memory costs time in proportion to its size
-//! (about as long as copying it several times over), so the pool is filled ahead by a background
-//! thread ([`PinnedPool::warm`]) and a chunk freed by one copy serves the next.
+//! (about as long as copying it several times over), so the pool is filled when the server loads
+//! ([`PinnedPool::warm`]) and a chunk freed by one copy serves the next.
 
 use anyhow::{anyhow, Result};
 use cudarc::driver::{sys, CudaContext, CudaStream, PinnedHostSlice};
@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 /// enough that a long sequence takes tens of chunks, not thousands.
 pub const CHUNK_BYTES: usize = 32 << 20;
 
-/// The most the prefix cache's host tier takes by default.
-pub const DEFAULT_TIER_BYTES: usize = 16384 << 20;
+/// The most the prefix cache's host tier takes by default (pinned at load: about half a second
+/// per GiB).
+pub const DEFAULT_TIER_BYTES: usize = 8192 << 20;
 
 /// The host tier's default budget: a quarter of the host memory available now, at most
 /// [`DEFAULT_TIER_BYTES`] (0 when it cannot be read).
@@ -37,25 +38,16 @@ impl PinnedPool {
         Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()), pinned: AtomicUsize::new(0) })
     }
 
-    /// Pins chunks in a background thread until the pool holds `bytes` (it then keeps them until
-    /// the process ends), so copies draw on chunks already pinned. A failure stops the warm-up and
-    /// is logged: copies then pin what they need themselves.
-    pub fn warm(self: &Arc<Self>, bytes: usize) {
-        let pool = self.clone();
-        let spawned = std::thread::Builder::new().name("lily-pin".into()).spawn(move || {
-            while (pool.pinned.load(Relaxed) + 1) * CHUNK_BYTES <= bytes {
-                match pool.alloc() {
-                    Ok(c) => pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(c),
-                    Err(e) => {
-                        eprintln!("lily: pinning host memory for the prefix cache stopped: {e:#}");
-                        return;
-                    }
-                }
-            }
-        });
-        if let Err(e) = spawned {
-            eprintln!("lily: cannot start the thread that pins host memory: {e}");
+    /// Pins chunks until the pool holds `bytes` (it keeps them until the process ends), so copies
+    /// draw on chunks already pinned; returns the bytes pinned. Runs before serving: pinning
+    /// beside running work held up its driver calls for seconds. A failure stops it with what it
+    /// has: copies then pin what they need themselves.
+    pub fn warm(&self, bytes: usize) -> Result<usize> {
+        while (self.pinned.load(Relaxed) + 1) * CHUNK_BYTES <= bytes {
+            let c = self.alloc()?;
+            self.free.lock().unwrap_or_else(|p| p.into_inner()).push(c);
         }
+        Ok(self.pinned.load(Relaxed) * CHUNK_BYTES)
     }
 
     fn take(&self) -> Result<PinnedHostSlice<u8>> {

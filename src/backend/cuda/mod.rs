@@ -354,7 +354,12 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_host_copies(&self, bytes: usize) {
-        self.mem.pinned().warm(bytes);
+        let t0 = std::time::Instant::now();
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        match self.mem.pinned().warm(bytes) {
+            Ok(b) => eprintln!("lily: pinned {:.1} GiB of host memory for the prefix cache's host tier in {:.1}s", gib(b), t0.elapsed().as_secs_f64()),
+            Err(e) => eprintln!("lily: pinning host memory for the prefix cache stopped: {e:#}"),
+        }
     }
 
     /// The batch GEMMs' row limit, or fewer when the sequence memory budget cannot hold that
