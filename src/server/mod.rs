@@ -111,7 +111,7 @@ pub struct ServeArgs {
     pub prefix_cache_mb: Option<usize>,
     /// Host memory (pinned) for prefix-cache entries pushed out of the device, in MiB: a hit on
     /// one copies it back instead of recomputing it (0: none). Pinned while the server loads
-    /// (about half a second per GiB). Default on a GPU: a quarter of the host memory available
+    /// (about 0.7 s per GiB). Default on a GPU: a quarter of the host memory available
     /// at start, at most 8192; on the CPU backend 0 (its cache is in host memory already).
     #[arg(long)]
     pub prefix_cache_host_mb: Option<usize>,

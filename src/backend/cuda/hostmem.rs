@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 /// enough that a long sequence takes tens of chunks, not thousands.
 pub const CHUNK_BYTES: usize = 32 << 20;
 
-/// The most the prefix cache's host tier takes by default (pinned at load: about half a second
+/// The most the prefix cache's host tier takes by default (pinned at load: about 0.7 s
 /// per GiB).
 pub const DEFAULT_TIER_BYTES: usize = 8192 << 20;
 
