@@ -17,6 +17,15 @@ pub enum Stored<T, H> {
     Host(H),
 }
 
+impl<T, H> Stored<T, H> {
+    pub fn as_ref(&self) -> Stored<&T, &H> {
+        match self {
+            Stored::Device(t) => Stored::Device(t),
+            Stored::Host(h) => Stored::Host(h),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Entry<T, H> {
     tokens: Vec<u32>,
@@ -118,14 +127,10 @@ impl<T, H> PrefixCache<T, H> {
         let e = &mut self.entries[best];
         e.last_used = self.clock;
         self.hits += 1;
-        let item = match &e.item {
-            Stored::Device(t) => Stored::Device(t),
-            Stored::Host(h) => {
-                self.host_hits += 1;
-                Stored::Host(h)
-            }
-        };
-        Some((item, e.tokens.len()))
+        if matches!(e.item, Stored::Host(_)) {
+            self.host_hits += 1;
+        }
+        Some((e.item.as_ref(), e.tokens.len()))
     }
 
     /// Stores `item` holding exactly `tokens`. Replaces an entry with the same tokens; evicts
@@ -166,11 +171,7 @@ impl<T, H> PrefixCache<T, H> {
         let stamp = self.clock;
         loop {
             let hit = self.entries.iter().find(|e| e.last_used == stamp).expect("the hit is never evicted here");
-            let item = match &hit.item {
-                Stored::Device(t) => Stored::Device(t),
-                Stored::Host(h) => Stored::Host(h),
-            };
-            match copy(item) {
+            match copy(hit.item.as_ref()) {
                 Ok(r) => return Some(Ok((r, n))),
                 Err(e) if is_full(&e) && self.evict_device(Some(stamp)).is_some() => {}
                 Err(e) => return Some(Err(e)),

@@ -91,10 +91,6 @@ impl HostCopy {
         Ok(c)
     }
 
-    pub fn bytes(&self) -> usize {
-        self.chunks.len() * CHUNK_BYTES
-    }
-
     /// The host address of byte `at` and how many bytes follow it in its chunk.
     fn at(&self, at: usize) -> Result<(*mut u8, usize)> {
         let chunk = self.chunks.get(at / CHUNK_BYTES).ok_or_else(|| anyhow!("host copy overrun at byte {at}"))?;
@@ -104,18 +100,27 @@ impl HostCopy {
         Ok((unsafe { base.add(at % CHUNK_BYTES) }, CHUNK_BYTES - at % CHUNK_BYTES))
     }
 
-    /// Queues a copy of `bytes` device bytes from `src` after what is written so far.
-    pub fn append_from_device(&mut self, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+    /// Calls `f(host address, offset into the run, length)` for the pieces of bytes
+    /// `from..from + bytes` of this copy, split where they cross a chunk.
+    fn pieces(&self, from: usize, bytes: usize, mut f: impl FnMut(*mut u8, usize, usize) -> Result<()>) -> Result<()> {
         let mut done = 0;
         while done < bytes {
-            let (dst, room) = self.at(self.len + done)?;
+            let (host, room) = self.at(from + done)?;
             let n = room.min(bytes - done);
+            f(host, done, n)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Queues a copy of `bytes` device bytes from `src` after what is written so far.
+    pub fn append_from_device(&mut self, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+        self.pieces(self.len, bytes, |dst, done, n| {
             // SAFETY: `dst..dst + n` is inside a pinned chunk this copy owns; `src + done` is
             // mapped device memory the caller keeps alive until the stream is synchronised.
             let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src + done as u64, n, stream.cu_stream()) };
-            r.result().map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
-            done += n;
-        }
+            r.result().map_err(|e| anyhow!("device-to-host copy: {e:?}"))
+        })?;
         self.len += bytes;
         Ok(())
     }
@@ -125,17 +130,12 @@ impl HostCopy {
         if from + bytes > self.len {
             anyhow::bail!("host copy read past its {} bytes", self.len);
         }
-        let mut done = 0;
-        while done < bytes {
-            let (src, room) = self.at(from + done)?;
-            let n = room.min(bytes - done);
+        self.pieces(from, bytes, |src, done, n| {
             // SAFETY: `src..src + n` is inside a pinned chunk this copy owns and wrote; `dst` is
             // mapped device memory of at least `bytes`.
             let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst + done as u64, src as *const _, n, stream.cu_stream()) };
-            r.result().map_err(|e| anyhow!("host-to-device copy: {e:?}"))?;
-            done += n;
-        }
-        Ok(())
+            r.result().map_err(|e| anyhow!("host-to-device copy: {e:?}"))
+        })
     }
 }
 

@@ -42,10 +42,6 @@ impl SequenceMemory {
         &self.pinned
     }
 
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
     fn ledger(&self) -> MutexGuard<'_, Ledger<PhysPage, CudaSlice<f32>>> {
         // A panic while holding the lock leaves plain counters behind; keep going with them.
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
@@ -215,7 +211,7 @@ impl KvSpace {
     }
 
     /// Whether this is a copy whose shared pages are not mapped yet.
-    pub fn is_held(&self) -> bool {
+    fn is_held(&self) -> bool {
         matches!(self.mapping, Mapping::Held { .. })
     }
 
@@ -273,23 +269,28 @@ impl KvSpace {
         if !self.is_held() {
             return Ok(());
         }
-        let range = self.reserve_range()?;
-        if let Some(range) = &range {
-            for r in 0..self.regions {
-                let run: Vec<&PhysPage> = self.pages[r].iter().map(|p| p.as_ref()).collect();
-                if let Err(e) = range.map_run(r * self.region_bytes, &run, self.page_bytes) {
-                    self.unmap_regions(range, r);
-                    return Err(e);
-                }
-            }
-        }
+        let range = self.map_all()?;
         let Mapping::Held { tail, .. } = std::mem::replace(&mut self.mapping, Mapping::Whole(range)) else { unreachable!("checked above") };
         if let Some(tail) = tail {
             // The copies into the tail pages may still be queued.
             let _ = self.mem.stream.synchronize();
-            (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
+            self.unmap_tail(&tail);
         }
         Ok(())
+    }
+
+    /// A range of this space's own with every page it holds mapped in order (`None` when there
+    /// is nothing to map); nothing stays mapped on failure.
+    fn map_all(&self) -> Result<Option<AddressRange>> {
+        let Some(range) = self.reserve_range()? else { return Ok(None) };
+        for r in 0..self.regions {
+            let run: Vec<&PhysPage> = self.pages[r].iter().map(|p| p.as_ref()).collect();
+            if let Err(e) = range.map_run(r * self.region_bytes, &run, self.page_bytes) {
+                self.unmap_regions(&range, r);
+                return Err(e);
+            }
+        }
+        Ok(Some(range))
     }
 
     /// Runs `f` with the device address of each region's row 0 (`f` queues reads of the rows
@@ -299,14 +300,7 @@ impl KvSpace {
         if !self.is_held() {
             return f(&|r| self.region(r));
         }
-        let Some(range) = self.reserve_range()? else { return f(&|_| 0) };
-        for r in 0..self.regions {
-            let run: Vec<&PhysPage> = self.pages[r].iter().map(|p| p.as_ref()).collect();
-            if let Err(e) = range.map_run(r * self.region_bytes, &run, self.page_bytes) {
-                self.unmap_regions(&range, r);
-                return Err(e);
-            }
-        }
+        let Some(range) = self.map_all()? else { return f(&|_| 0) };
         let out = f(&|r| range.base() + (r * self.region_bytes) as u64);
         let _ = self.mem.stream.synchronize();
         self.unmap_regions(&range, self.regions);
@@ -319,6 +313,11 @@ impl KvSpace {
 
     pub fn row_bytes(&self) -> usize {
         self.row_bytes
+    }
+
+    /// Unmaps the one page per region of a held space's `tail` (after the stream is done with it).
+    fn unmap_tail(&self, tail: &AddressRange) {
+        (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
     }
 
     /// Unmaps the pages of regions `0..regions` from `range` (after the stream is done with them).
@@ -374,7 +373,7 @@ impl KvSpace {
                 let copied = unsafe { cudarc::driver::result::memcpy_dtod_async(tail.base() + (r * self.page_bytes) as u64, src, partial, self.mem.stream.cu_stream()) };
                 if let Err(e) = copied {
                     let _ = self.mem.stream.synchronize();
-                    (0..self.regions).for_each(|q| tail.unmap(q * self.page_bytes, self.page_bytes));
+                    self.unmap_tail(&tail);
                     give_back(fresh);
                     return Err(anyhow!("device copy failed: {e:?}"));
                 }
@@ -409,7 +408,7 @@ impl Drop for KvSpace {
         let _ = self.mem.stream.synchronize();
         match std::mem::replace(&mut self.mapping, Mapping::Whole(None)) {
             Mapping::Whole(Some(range)) => self.unmap_regions(&range, self.regions),
-            Mapping::Held { tail: Some(tail), .. } => (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes)),
+            Mapping::Held { tail: Some(tail), .. } => self.unmap_tail(&tail),
             _ => {}
         }
         let freed: Vec<PhysPage> = self.pages.iter_mut().flat_map(|p| p.drain(..)).filter_map(Arc::into_inner).collect();
