@@ -684,14 +684,14 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 
 // Exclusive scan of the per-expert counts and of their 64-token tile counts (E <= 512, one
 // thread per expert: warp scans, then the warp totals); zeroes `fill`. When `tiles` is set it
-// also lists the (expert, first token) tiles of 64 tokens for the grouped GEMMs, in expert order:
-// tiles[0] = count. block 512.
+// also lists the (expert, first token) tiles of `tile` tokens in expert order (64 for the grouped
+// GEMMs, 16 for moe_tcb's passes): tiles[0] = count. block 512.
 extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
-                                   int* __restrict__ fill, int* __restrict__ tiles) {
+                                   int* __restrict__ fill, int* __restrict__ tiles, int tile) {
     __shared__ int wc[16], wt[16];
     const int e = threadIdx.x;
     const int c = e < E ? counts[e] : 0;
-    const int nt = tiles ? (c + TC_BN - 1) / TC_BN : 0;
+    const int nt = tiles ? (c + tile - 1) / tile : 0;
     int oc, ot;
     block_excl_scan2(c, nt, wc, wt, oc, ot);
     if (e < E) {
@@ -699,7 +699,7 @@ extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* _
         fill[e] = 0;
         for (int k = 0, t = ot; k < nt; ++k, ++t) {
             tiles[1 + 2 * t] = e;
-            tiles[2 + 2 * t] = k * TC_BN;
+            tiles[2 + 2 * t] = k * tile;
         }
     }
     if (tiles && e == (int)blockDim.x - 1) tiles[0] = ot + nt;

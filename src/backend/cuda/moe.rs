@@ -168,11 +168,32 @@ pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Resu
     }
 }
 
-/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens: every tile holds
-/// at least one of the n * k slots.
-pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
-    ((n * d.k).div_ceil(64) + d.e).min(n * d.k)
+/// Slots per tile of the grouped GEMMs' lists (TC_BN in kernels/common.cuh).
+pub const GEMM_TILE: usize = 64;
+
+/// Upper bound on the (expert, `tile`-slot) tiles of `n` tokens' routing: every tile holds at
+/// least one of the n * k slots, all but one per expert hold `tile`.
+pub fn tiles_of(n: usize, d: &MoeDims, tile: usize) -> usize {
+    ((n * d.k).div_ceil(tile) + d.e).min(n * d.k)
 }
+
+/// Upper bound on the (expert, 64-token) tiles of a grouped GEMM over `n` tokens.
+pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
+    tiles_of(n, d, GEMM_TILE)
+}
+
+/// Whether a prefill chunk of `n` tokens runs its routed experts as `moe_tcb` passes: few
+/// tokens (see [`TCB_PREFILL_TOKENS`]), not the exact f32 mode, and matrices the kernel takes.
+pub fn prefill_uses_tcb(n: usize, exact: bool, m: &DevMoe, d: &MoeDims) -> bool {
+    let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
+    let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
+    !exact && n <= TCB_PREFILL_TOKENS && d.group == 64 && d.sinter == d.inter && mats.iter().all(|q| q4(q))
+}
+
+/// Most prefill tokens whose routed experts run as `moe_tcb` passes (16 slots of an expert per
+/// block, staged bf16 inputs) instead of the grouped GEMMs: with up to ~32 slots per expert the
+/// GEMMs' 64-slot tiles run mostly empty and read the weights far below bandwidth.
+pub const TCB_PREFILL_TOKENS: usize = 1024;
 
 /// Routing scratch of a prefill chunk.
 pub struct RouteLists {
@@ -218,14 +239,14 @@ impl RouteLists {
 /// The f32 router and shared-expert gate logits of `n` normalised rows (`a.u`), then the routing:
 /// top-k per token and the per-expert slot lists and tiles (a multi-token pass).
 #[allow(clippy::too_many_arguments)]
-pub fn gate_and_route(gpu: &Gpu, gemm: &Gemm, m: &DevMoe, d: &MoeDims, a: &Activations, s: &ChunkScratch, n: usize) -> Result<RouteLists> {
+pub fn gate_and_route(gpu: &Gpu, gemm: &Gemm, m: &DevMoe, d: &MoeDims, a: &Activations, s: &ChunkScratch, n: usize, tile: usize) -> Result<RouteLists> {
     let (u, p) = (ptr(&a.u, &gpu.stream), |x: &CudaSlice<f32>| ptr(x, &gpu.stream));
     gemm.few_rows(&m.router, d.e, u, n, p(&a.router), d.e)?;
     gemm.few_rows(&m.shared_expert_gate, 1, u, n, p(&a.sgl), 1)?;
     let r = RouteLists::over(gpu, a, s);
     gpu.zero(r.counts, d.e * 4)?;
     route(gpu, d, &r, n)?;
-    slot_lists(gpu, d.e, &r, n * d.k)?;
+    slot_lists(gpu, d.e, &r, n * d.k, tile)?;
     Ok(r)
 }
 
@@ -235,9 +256,10 @@ pub fn route(gpu: &Gpu, d: &MoeDims, r: &RouteLists, n: usize) -> Result<()> {
     gpu.launch(PF_ROUTE, (n.div_ceil(4) as u32, 1, 1), 128, 0, &args)
 }
 
-/// Slot offsets and tiles from the counts, then the per-expert slot lists of `slots` top-k slots.
-pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize) -> Result<()> {
-    let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles)];
+/// Slot offsets and tiles of `tile` slots from the counts, then the per-expert slot lists of
+/// `slots` top-k slots.
+pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile: usize) -> Result<()> {
+    let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles), Arg::I(tile as i32)];
     gpu.launch(PF_SCAN, (1, 1, 1), 512, 0, &args)?;
     let args = [Arg::P(r.top_ids), Arg::I(slots as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.list)];
     gpu.launch(PF_SCATTER, (slots.div_ceil(256) as u32, 1, 1), 256, 0, &args)
@@ -403,6 +425,8 @@ mod tests {
         // A decode batch: at most one tile per routed slot.
         assert_eq!(max_tiles(1, &big), 8);
         assert_eq!(max_tiles(16, &big), 128);
+        // moe_tcb's 16-slot passes over a 700-token prefill chunk: 5,600 slots.
+        assert_eq!(tiles_of(700, &big, BATCH_TILE), 350 + 256);
         // A batched decode step: 16-slot tiles, at most one per routed slot, plus the shared
         // expert's.
         assert_eq!(batch_max_tiles(16, &big), 128 + 1);

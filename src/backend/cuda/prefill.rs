@@ -16,7 +16,7 @@ use super::forward::{self, LayerDims, Pass, Point, Probe, TokenSpan};
 use super::gdn::{self, GdnChunkScratch, GdnDims};
 use super::moe;
 use super::ops;
-use super::qmatmul::Gemm;
+use super::qmatmul::{self, Gemm, Grouped};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
@@ -138,14 +138,29 @@ impl Pass for ChunkPass<'_> {
         let (a, s, n, d) = (self.act, self.s, self.span.n, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
-        let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n)?;
+        let tcb = moe::prefill_uses_tcb(n, self.exact, m, &d);
+        let tile = if tcb { moe::BATCH_TILE } else { moe::GEMM_TILE };
+        let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
-        let grouped = |xdiv| r.grouped(&d, n, xdiv);
         let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
-        self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
-        self.point(probe, Point::Phase("moe.gate_up"))?;
-        self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
-        self.point(probe, Point::Phase("moe.down"))?;
+        if tcb {
+            // The routed experts as moe_tcb passes over staged bf16 inputs (the shared expert
+            // runs below as a dense product, so none of the lists' experts is it).
+            let grouped = |xdiv| Grouped { max_tiles: moe::tiles_of(n, &d, tile), ..r.grouped(&d, n, xdiv) };
+            let none = |q, up| moe::SharedExpert { q, up, expert: usize::MAX, base: None };
+            qmatmul::stage_tcb(self.gpu, u, h, n, 0, self.dims.eps, 0, &s.tcb_tokens)?;
+            moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
+            qmatmul::stage_tcb(self.gpu, eg, d.inter, n * k, 0, self.dims.eps, 0, &s.tcb_slots)?;
+            moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
+            self.point(probe, Point::Phase("moe.down"))?;
+        } else {
+            let grouped = |xdiv| r.grouped(&d, n, xdiv);
+            self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
+            self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
+            self.point(probe, Point::Phase("moe.down"))?;
+        }
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
         self.gemm.glu(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None)?;
         self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;

@@ -191,7 +191,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
     let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
     let r = RouteLists { logits: 0, top_ids: p(&idd), top_w: 0, counts: p(&cd), offsets: p(&od), fill: p(&fd), list: p(&ld), tiles: p(&td) };
-    moe::slot_lists(gpu, experts, &r, tokens * k)?;
+    moe::slot_lists(gpu, experts, &r, tokens * k, moe::GEMM_TILE)?;
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
     let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
