@@ -469,6 +469,195 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
 }
 
+// ---- moe_tcb_ring: moe_tcb with each warp's weights streamed through a ring in shared memory ----
+// A warp walks its items (16-row tile, matrix, 512-column chunk) in order; each item's codes,
+// scales and biases are copied into one stage of the warp's ring with cp.async TCR_STAGES items
+// ahead of their use, the first ones before the block's token prologue (weights do not depend on
+// the tokens), so a warp keeps up to TCR_STAGES items of weight reads in flight instead of one
+// dependent load chain per item. Stage layout: the codes of 16 rows (TCR_ROW bytes per row: 256
+// of codes and 32 of padding, so the 8 rows one load instruction touches fill all 32 banks
+// twice), then the rows' TC_NG bf16 scales, then their TC_NG biases.
+#define TCR_STAGES 3
+#define TCR_ROW 288
+#define TCR_STAGE (16 * TCR_ROW + 2 * 16 * TC_NG * 2)
+
+__device__ __forceinline__ void tcr_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void tcr_wait_older() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(TCR_STAGES - 1) : "memory");
+}
+
+// Copies the item (rows r0..r0+15 of [rows][cols], groups [G0, G1)) into stage `st` (the whole
+// warp; rows past `rows` are not copied and their outputs are never stored).
+__device__ __forceinline__ void tcr_issue(char* st, const u32* __restrict__ w, const u16* __restrict__ s,
+                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int G1) {
+    const int lane = threadIdx.x & 31, ng = G1 - G0, gpr = cols >> 6;
+    const size_t wpr = (size_t)cols >> 3;
+    for (int p = lane; p < 32 * ng; p += 32) {
+        const int r = p / (2 * ng), q = p % (2 * ng);
+        if (r0 + r < rows) tcb_cp16(st + r * TCR_ROW + q * 16, w + (size_t)(r0 + r) * wpr + 8 * G0 + 4 * q);
+    }
+    u16* ss = reinterpret_cast<u16*>(st + 16 * TCR_ROW);
+    u16* bs = ss + 16 * TC_NG;
+    if (ng == TC_NG && (gpr & 7) == 0 && (G0 & 7) == 0) {
+        // 16 aligned bytes per row and array: lanes 0-15 copy scales, 16-31 biases.
+        const int r = lane & 15;
+        if (r0 + r < rows)
+            tcb_cp16((lane < 16 ? ss : bs) + r * TC_NG, (lane < 16 ? s : b) + (size_t)(r0 + r) * gpr + G0);
+    } else {
+        for (int p = lane; p < 16 * ng; p += 32) {
+            const int r = p / ng, j = p % ng;
+            if (r0 + r < rows) {
+                ss[r * TC_NG + j] = s[(size_t)(r0 + r) * gpr + G0 + j];
+                bs[r * TC_NG + j] = b[(size_t)(r0 + r) * gpr + G0 + j];
+            }
+        }
+    }
+}
+
+// The item of stage `st` into registers, in tc_load's layout.
+__device__ __forceinline__ void tcr_load(TcItem& it, const char* st) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < TC_NG; ++j) {
+        it.qa[j] = *reinterpret_cast<const uint2*>(st + g * TCR_ROW + j * 32 + t * 8);
+        it.qb[j] = *reinterpret_cast<const uint2*>(st + (g + 8) * TCR_ROW + j * 32 + t * 8);
+    }
+    const u16* ss = reinterpret_cast<const u16*>(st + 16 * TCR_ROW);
+    const u16* bs = ss + 16 * TC_NG;
+    it.sa = *reinterpret_cast<const uint4*>(ss + g * TC_NG);
+    it.sb = *reinterpret_cast<const uint4*>(ss + (g + 8) * TC_NG);
+    it.ba = *reinterpret_cast<const uint4*>(bs + g * TC_NG);
+    it.bb = *reinterpret_cast<const uint4*>(bs + (g + 8) * TC_NG);
+}
+
+// A warp's items: tile tt (rows r_first + tt * stride), then chunk k, then matrix m (gate, up).
+struct TcrWalk {
+    const u32 *w, *w2;
+    const u16 *s, *b, *s2, *b2;
+    int r_first, stride, r_end, cols, kc, nmat, total;
+    char* ring;
+    __device__ void at(int i, int& r0, int& k, int& m) const {
+        const int per_tile = nmat * kc, rem = i % per_tile;
+        r0 = r_first + (i / per_tile) * stride;
+        k = rem / nmat;
+        m = rem % nmat;
+    }
+    // Starts item i's copies (nothing past the last item) and commits one group either way, so
+    // that every warp's group count, and with it tcr_wait_older, stays uniform.
+    __device__ void issue(int i) const {
+        if (i < total) {
+            int r0, k, m;
+            at(i, r0, k, m);
+            const int g0 = k * TC_NG, g1 = min(cols >> 6, g0 + TC_NG);
+            tcr_issue(ring + (i % TCR_STAGES) * TCR_STAGE, m ? w2 : w, m ? s2 : s, m ? b2 : b, r_end, r0, cols, g0, g1);
+        }
+        tcr_commit();
+    }
+};
+
+template <int NTG>
+__device__ __forceinline__ void moe_tcb_ring_rows(const TcrWalk& wk, float* __restrict__ y, int rows,
+                                                  const int* slots, int nt, const u32* xf, const float* gsum) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, gpr = wk.cols >> 6;
+    float acc[NTG][4], up[NTG][4];
+    for (int i = 0; i < wk.total; ++i) {
+        int r0, k, m;
+        wk.at(i, r0, k, m);
+        if (k == 0 && m == 0) {
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[tg][q] = up[tg][q] = 0.f;
+        }
+        tcr_wait_older();
+        __syncwarp();
+        TcItem it;
+        tcr_load(it, wk.ring + (i % TCR_STAGES) * TCR_STAGE);
+        __syncwarp();  // every lane holds the item before its stage is refilled
+        wk.issue(i + TCR_STAGES);
+        const int g0 = k * TC_NG, g1 = min(gpr, g0 + TC_NG);
+        if (m == 0) tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
+        else tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, up);
+        if (k == wk.kc - 1 && m == wk.nmat - 1) {
+            if (wk.nmat == 2) {
+#pragma unroll
+                for (int tg = 0; tg < NTG; ++tg)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
+            }
+            auto store = [&](int row, int tok, float v) {
+                if (row < wk.r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
+            };
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) {
+                store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+                store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+                store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+                store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
+            }
+        }
+    }
+}
+
+// moe_tcb's products (same arguments, plus `ring`: stages per warp in the dynamic shared memory
+// after the token fragments, min(TCR_STAGES, the most items a warp has)). A tile holds at most
+// TCB_TOK slots, so a block makes one pass. Dynamic shared memory: (2 * gpr * TCB_WORDS +
+// TCB_TOK * gpr) words + 8 * ring * TCR_STAGE bytes.
+extern "C" __global__ void __launch_bounds__(256, 2)
+moe_tcb_ring(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
+             const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
+             const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
+             const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
+             float* __restrict__ y, int rows, int cols, int rpb, const u32* __restrict__ frag,
+             const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets,
+             const int* __restrict__ list, const int* __restrict__ tiles, int ring) {
+    extern __shared__ float smem[];
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int gpr = cols >> 6, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
+    if (e == shared_e) {
+        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2;
+    } else {
+        w += erows * wpr;
+        s += erows * gpr;
+        b += erows * gpr;
+        if (w2) {
+            w2 += erows * wpr;
+            s2 += erows * gpr;
+            b2 += erows * gpr;
+        }
+    }
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    TcrWalk wk;
+    wk.w = w, wk.s = s, wk.b = b, wk.w2 = w2, wk.s2 = s2, wk.b2 = b2;
+    const int r_begin = blockIdx.x * rpb;
+    wk.r_end = min(rows, r_begin + rpb);
+    wk.r_first = r_begin + warp * 16;
+    wk.stride = 16 * nw;
+    wk.cols = cols;
+    wk.kc = (gpr + TC_NG - 1) / TC_NG;
+    wk.nmat = w2 ? 2 : 1;
+    const int my_tiles = wk.r_first < wk.r_end ? (wk.r_end - wk.r_first + wk.stride - 1) / wk.stride : 0;
+    wk.total = my_tiles * wk.nmat * wk.kc;
+    wk.ring = reinterpret_cast<char*>(gsum + TCB_TOK * gpr) + (size_t)warp * ring * TCR_STAGE;
+    for (int i = 0; i < TCR_STAGES; ++i) wk.issue(i);
+    const int nt = min(TCB_TOK, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
+    if ((int)threadIdx.x < nt) {
+        const int sl = lst[threadIdx.x];
+        slot[threadIdx.x] = sl;
+        xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
+    }
+    __syncthreads();
+    // Waits for this thread's copies, the ring's first stages among them.
+    load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+    if (nt > 8) moe_tcb_ring_rows<2>(wk, y, rows, slot, nt, xf, gsum);
+    else moe_tcb_ring_rows<1>(wk, y, rows, slot, nt, xf, gsum);
+}
+
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan
 // by shuffles, then the earlier warps' totals from `wa` / `wb` (one entry per warp, shared). Ends
 // with the block synchronised.

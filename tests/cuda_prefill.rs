@@ -452,6 +452,12 @@ fn cuda_prefill_chunks_equal_one_call() {
         assert_eq!(start, toks.len());
         let e1 = max_abs_diff(&parts[vocab..], &whole[vocab..]);
         let e0 = max_abs_diff(&parts[..vocab], &whole[..vocab]);
+        // Per position (after the first): on the bf16 path a router near tie of the tiny random
+        // checkpoint (top-2 of 8) flips an expert at a few positions when the inputs move by
+        // bf16 rounding (cuda_prefill_logits_match_cpu), and those positions move by O(1).
+        let per_pos: Vec<f32> = (1..toks.len())
+            .map(|t| max_abs_diff(&parts[t * vocab..(t + 1) * vocab], &whole[t * vocab..(t + 1) * vocab]))
+            .collect();
         // Internal chunking of one call (chunk 37 < T): same result.
         let mut s3 = gpu.new_sequence(300).unwrap();
         let chunked = testing::prefill(&mut gpu, &mut s3, &toks, LogitsWanted::All, 37, exact)
@@ -469,11 +475,16 @@ fn cuda_prefill_chunks_equal_one_call() {
         // Tokens after the first see the first token's KV/state from the f32 decode step on both
         // sides only in `parts`, so on the bf16 path they carry that difference too.
         let tol = if exact { 1e-4 } else { 0.15 };
+        let over: Vec<usize> = (0..per_pos.len()).filter(|&i| per_pos[i] >= tol).map(|i| i + 1).collect();
+        eprintln!("  calls: {} of {} positions at or over {tol} ({over:?})", over.len(), per_pos.len());
         // Internal chunking is exact on the f32 path; on the bf16 path the route depends on the
         // chunk's token count (cuBLAS at >= 128 tokens, the fused tensor-core kernel below, with
         // the same bf16 operands but another summation order), so it gets the bf16 tolerance.
         let tol2 = if exact { 1e-4 } else { tol };
-        assert!(e0 < tol && e1 < tol && e2 < tol2 && e3 < tol);
+        // The f32 path has no near-tie flips at this tolerance; the bf16 path may flip at a few
+        // positions (at most 5% of them), never at the first or in the state decode continues from.
+        let flips = if exact { 0 } else { per_pos.len() / 20 };
+        assert!(e0 < tol && over.len() <= flips && e2 < tol2 && e3 < tol, "e0 {e0} e1 {e1} e2 {e2} e3 {e3}");
     }
 }
 
