@@ -23,7 +23,6 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
-const MOE_TCB_RING: Kernel = Kernel::ordered(&MOE, "moe_tcb_ring");
 const MOE_ROUTE_BATCH: Kernel = Kernel::ordered(&MOE, "moe_route_batch");
 
 #[derive(Clone, Copy, Debug)]
@@ -368,9 +367,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
     }
     let gpr = q.cols / 64;
-    let ring = tcb_ring_stages(rows, q.cols, up.is_some());
-    let use_ring = std::env::var("LILY_MOE_TCB").map_or(true, |v| v != "old");
-    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4 + if use_ring { 8 * ring * TCR_STAGE } else { 0 }) as u32;
+    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
     let (w, s, b) = q.ptrs(gpu);
     let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
     let (sw, ss, sb) = shared.q.ptrs(gpu);
@@ -404,26 +401,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Arg::P(g.list),
         Arg::P(g.tiles),
     ];
-    let grid = (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1);
-    if use_ring {
-        let mut args = args.to_vec();
-        args.push(Arg::I(ring as i32));
-        gpu.launch(MOE_TCB_RING, grid, GEMV_THREADS, smem, &args)
-    } else {
-        gpu.launch(MOE_TCB, grid, GEMV_THREADS, smem, &args)
-    }
-}
-
-/// Bytes of one stage of `moe_tcb_ring`'s per-warp weight ring (TCR_STAGE in kernels/moe.cu).
-const TCR_STAGE: usize = 16 * 288 + 2 * 16 * TC_NG * 2;
-
-/// Stages per warp of `moe_tcb_ring`'s weight ring: TCR_STAGES (3), or fewer when no warp has
-/// that many items (16-row tile, matrix, 512-column chunk) to stream.
-fn tcb_ring_stages(rows: usize, cols: usize, glu: bool) -> usize {
-    let warps = GEMV_THREADS as usize / 32;
-    let tiles_per_warp = rows.min(MOE_TCB_ROWS).div_ceil(16).div_ceil(warps);
-    let items = tiles_per_warp * if glu { 2 } else { 1 } * cols.div_ceil(64 * TC_NG);
-    items.min(3)
+    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 #[cfg(test)]
@@ -454,16 +432,5 @@ mod tests {
         assert_eq!(batch_max_tiles(16, &big), 128 + 1);
         assert_eq!(batch_max_tiles(64, &big), 512 / 16 + 256 + 4);
         assert_eq!(batch_max_tiles(1, &big), 8 + 1);
-    }
-
-    #[test]
-    fn weight_ring_stages_cover_each_warps_items() {
-        // 35B gate|up: one 16-row tile per warp, two matrices of four 512-column chunks.
-        assert_eq!(tcb_ring_stages(512, 2048, true), 3);
-        // 35B down: one chunk of one matrix per warp.
-        assert_eq!(tcb_ring_stages(2048, 512, false), 1);
-        // Tiny gate|up (64 rows: warps 0-3 hold a tile, two matrices of one chunk) and down.
-        assert_eq!(tcb_ring_stages(64, 128, true), 2);
-        assert_eq!(tcb_ring_stages(128, 64, false), 1);
     }
 }

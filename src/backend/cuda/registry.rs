@@ -129,7 +129,6 @@ pub const MOE: Module = Module {
         "moe_gate_up_tc",
         "moe_down_tc",
         "moe_tcb",
-        "moe_tcb_ring",
         "moe_route_batch",
         "pf_route",
         "pf_scan",
