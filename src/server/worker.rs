@@ -8,8 +8,8 @@
 //!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
 //! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while no row decodes), from the
 //!    admitted prompts in order; a prompt with all but its last token fed joins the decoding
-//!    rows after one step of its own that feeds that token and draws the first one (its client
-//!    gets it as soon as its prompt is in, not after the turn). So a long prompt delays
+//!    rows and ends the turn, so the next step feeds that token and draws the first one as soon
+//!    as its prompt is in, with the running rows' next tokens. So a long prompt delays
 //!    the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
 //!    its sequence into the prefix cache at checkpoints: each chat message's start, every
 //!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
@@ -382,13 +382,10 @@ impl Worker {
                 }
             }
             if a.decoding {
-                // Its client has waited for the whole prompt: the first token comes now, not after
-                // the turn's other prompts and the next decode step.
-                if !a.finished() {
-                    first_step(&mut ctx, a);
-                }
-                // A row now waits on its next token: the rest of the turn is one chunk at most.
-                budget = budget.min(ctx.cfg.prefill_chunk.max(1));
+                // Its client has waited for the whole prompt: the turn ends here, and the next
+                // decode step draws its first token with the running rows' next ones, instead of
+                // after the turn's other prompts.
+                budget = 0;
             }
             if budget == 0 {
                 break;
@@ -581,9 +578,8 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, 
         return Ok(k);
     }
     // All but the last prompt token are in: the row decodes, its first step feeding that token
-    // (so the first token comes from a decode step like every other, with no separate forward;
-    // `Worker::prefill` runs that step at once). The job's other choices continue copies of the
-    // sequence and draw their first tokens in the next batched step.
+    // (so the first token comes from a decode step like every other, batched with the running
+    // rows, with no separate forward). The job's other choices continue copies of the sequence.
     let last = prompt[n - 1];
     for i in 1..a.reply.job.n {
         let mut seq = a.seq.try_clone()?;
@@ -605,17 +601,6 @@ fn start_decoding(a: &mut Active, next: u32) {
     a.reply.next = next;
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
-    }
-}
-
-/// A row's first step, right after its prompt is in: the step that feeds the last prompt token
-/// and draws the first generated one, alone (the same draw, keyed by seed and position, as in a
-/// batch).
-fn first_step(ctx: &mut Ctx, a: &mut Active) {
-    if a.reply.wants_logits() {
-        host_step(ctx, a);
-    } else {
-        solo_steps(ctx, a, 1);
     }
 }
 
