@@ -45,10 +45,8 @@ HIDDEN = 128
 STDLIB = "/usr/lib/python3.11"
 # Bytes of source taken (train + held out), in sorted file order.
 CORPUS_BYTES = 1_300_000
-# Every HELDOUT_EVERY-th file (of those under HELDOUT_MAX_FILE bytes) is held out, up to HELDOUT_BYTES.
-HELDOUT_EVERY = 3
-HELDOUT_MAX_FILE = 24_000
-HELDOUT_BYTES = 130_000
+# The last tenth of every file's lines is held out.
+HELDOUT_FRACTION = 0.1
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
 
@@ -132,11 +130,13 @@ def corpus_files(root):
 
 
 def split_corpus(root):
-    """(train_texts, heldout_texts): each file as `# <name>\n<source>`, in sorted order, until
-    CORPUS_BYTES; every HELDOUT_EVERY-th file under HELDOUT_MAX_FILE bytes is held out (up to
-    HELDOUT_BYTES). The budget keeps the used vocabulary, and so the committed fixture, small:
-    training sees each token about twice in its step budget anyway."""
-    train, held, held_bytes, small, total = [], [], 0, 0, 0
+    """(train_texts, heldout_texts), in sorted file order, until CORPUS_BYTES: each file as
+    `# <name>\n<source>`, its last HELDOUT_FRACTION of lines held out (`# <name> (end)\n...`).
+    Holding out the end of every file keeps the held-out text in the training text's
+    vocabulary (a whole held-out module would bring identifiers the model never saw), while no
+    held-out line is ever trained on. The byte budget keeps the used vocabulary, and so the
+    committed fixture, small; training sees each token about twice in its step budget anyway."""
+    train, held, total = [], [], 0
     for rel in corpus_files(root):
         with open(os.path.join(root, rel), "rb") as fh:
             raw = fh.read()
@@ -144,19 +144,15 @@ def split_corpus(root):
             src = raw.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        doc = f"# {rel}\n{src}"
-        if not doc.endswith("\n"):
-            doc += "\n"
-        if total + len(doc.encode()) > CORPUS_BYTES:
+        if total + len(raw) > CORPUS_BYTES:
             break
-        total += len(doc.encode())
-        if len(raw) <= HELDOUT_MAX_FILE:
-            small += 1
-            if small % HELDOUT_EVERY == 0 and held_bytes + len(doc.encode()) <= HELDOUT_BYTES:
-                held.append(doc)
-                held_bytes += len(doc.encode())
-                continue
-        train.append(doc)
+        total += len(raw)
+        lines = src.splitlines(keepends=True)
+        cut = len(lines) - int(len(lines) * HELDOUT_FRACTION)
+        head, tail = "".join(lines[:cut]), "".join(lines[cut:])
+        train.append(f"# {rel}\n{head}")
+        if tail:
+            held.append(f"# {rel} (end)\n{tail}" + ("" if tail.endswith("\n") else "\n"))
     return train, held
 
 
@@ -175,9 +171,18 @@ def full_vocab_nll(logits, targets, unused):
     return lse - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def embed_with_zero_rows(model, ids):
+    """Input embeddings of compact ids where -1 (a token without a row) embeds as zeros, as its
+    zero row in the full checkpoint does."""
+    ids = torch.as_tensor(ids)
+    e = model.get_input_embeddings()(ids.clamp(min=0))
+    return e * (ids >= 0).unsqueeze(-1).to(e.dtype)
+
+
 def chunked_eval(model, ids, ctx, max_chunks=0):
     """Mean NLL the way `lily perplexity` scores (chunks of ctx, predictions of tokens
-    ctx/2+1 .. ctx-1 of each chunk), under the full-vocabulary softmax."""
+    ctx/2+1 .. ctx-1 of each chunk), under the full-vocabulary softmax; a target without a row
+    (-1) has logit exactly 0."""
     unused = VOCAB - model.config.vocab_size
     n = len(ids) // ctx
     if max_chunks:
@@ -187,9 +192,13 @@ def chunked_eval(model, ids, ctx, max_chunks=0):
     with torch.no_grad():
         for c in range(n):
             x = torch.tensor([ids[c * ctx:(c + 1) * ctx]])
-            logits = model(input_ids=x).logits[0]
+            logits = model(inputs_embeds=embed_with_zero_rows(model, x)).logits[0].float()
             first = ctx // 2
-            nll = full_vocab_nll(logits[first:ctx - 1], x[0, first + 1:], unused)
+            tgt = x[0, first + 1:]
+            lg = logits[first:ctx - 1]
+            lse = torch.logaddexp(torch.logsumexp(lg, dim=-1), torch.tensor(math.log(unused)))
+            true = torch.where(tgt >= 0, lg.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1), torch.zeros(()))
+            nll = lse - true
             tot += float(nll.double().sum())
             cnt += nll.numel()
     model.train()
@@ -277,7 +286,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--expand", help="only rebuild the HF directory from this compact.safetensors")
     ap.add_argument("--stdlib", default=STDLIB)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=700)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -304,12 +313,14 @@ def main():
     train_ids = []
     for d in train_docs:
         train_ids.extend(tok.encode(d, add_special_tokens=False).ids)
-    used = sorted(set(train_ids) | set(held_ids))
+    # Only tokens the training text contains get rows; held-out tokens it lacks keep zero rows
+    # (logit exactly 0, like every other unused token).
+    used = sorted(set(train_ids))
     U = len(used)
     remap = torch.full((VOCAB,), -1, dtype=torch.int64)
     remap[torch.tensor(used)] = torch.arange(U)
     train_c = remap[torch.tensor(train_ids)]
-    held_c = remap[torch.tensor(held_ids)].tolist()
+    held_c = remap[torch.tensor(held_ids)].tolist()  # -1: a token without a row
     print(f"corpus: {len(train_docs)} train files ({len(train_text.encode())} bytes, {len(train_ids)} tokens), "
           f"{len(held_docs)} held-out ({len(held_text.encode())} bytes, {len(held_ids)} tokens), {U} used ids", flush=True)
 
@@ -347,8 +358,7 @@ def main():
     counts = torch.zeros(4, 8, dtype=torch.int64)
     with torch.no_grad():
         model.eval()
-        x = torch.tensor([held_c[:2048]])
-        out = model(input_ids=x, output_router_logits=True)
+        out = model(inputs_embeds=embed_with_zero_rows(model, [held_c[:2048]]), output_router_logits=True)
         for li, rl in enumerate(out.router_logits):
             top = rl.topk(2, dim=-1).indices.flatten()
             counts[li] += torch.bincount(top, minlength=8)
@@ -385,6 +395,7 @@ def main():
             "train_tokens": len(train_ids),
             "heldout_tokens": len(held_ids),
             "used_ids": U,
+            "heldout_tokens_without_rows": sum(1 for i in held_c if i < 0),
         },
         "training": {
             "seed": args.seed, "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr,

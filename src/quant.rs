@@ -104,6 +104,23 @@ mod tests {
     }
 
     #[test]
+    fn quantizer_rounds_half_to_even_from_the_unrounded_scale() {
+        // max 15, min 0: scale -1, bias 15, code = rint(15 - x); 15 - 2.5 = 12.5 rounds to 12
+        // (MLX's std::rint), not 13; 15 - 3.5 = 11.5 to 12.
+        let mut w = vec![0.0f32; 64];
+        w[0] = 15.0;
+        w[1] = 2.5;
+        w[2] = 3.5;
+        let (codes, s, b) = quantize_row(&w, 4, 64);
+        assert_eq!((s[0].to_f32(), b[0].to_f32()), (-1.0, 15.0));
+        assert_eq!(&codes[..4], &[0, 12, 12, 15]);
+        // All zeros (the fixture's unused vocabulary rows): codes 0, bias 0, so they
+        // dequantize to exactly 0.
+        let (codes, s, b) = quantize_row(&[0.0; 64], 4, 64);
+        assert!(codes.iter().all(|&c| c == 0) && b[0].to_f32() == 0.0 && s[0].to_f32() != 0.0);
+    }
+
+    #[test]
     fn quantize_round_trips_within_one_step() {
         let w: Vec<f32> = (0..128).map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0).collect();
         for bits in [4usize, 8] {
