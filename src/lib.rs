@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod engine;
 pub mod model;
 pub mod quant;
+pub mod quantize;
 pub mod server;
 pub mod synth;
 pub mod tokenizer;

@@ -37,6 +37,20 @@ enum Command {
         #[arg(long)]
         layers: Option<usize>,
     },
+    /// Convert a Hugging Face bf16 checkpoint (Qwen3.5/3.6 MoE family, fused experts) into the
+    /// MLX affine 4-bit layout Lily loads (router and shared-expert gate at 8 bits), tensor for
+    /// tensor identical to `mlx_lm.convert -q`; vision and MTP weights are dropped.
+    Quantize {
+        /// The Hugging Face checkpoint directory (config.json, safetensors shards).
+        #[arg(long)]
+        hf: PathBuf,
+        /// Output directory (must not exist, or be empty).
+        #[arg(long)]
+        out: PathBuf,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Validate a checkpoint and print its configuration.
     Info {
         #[arg(long)]
@@ -155,6 +169,7 @@ fn main() {
         Command::Run(args) => cmd_run(args),
         Command::Serve(args) => lily::server::run(args),
         Command::Perplexity(args) => cmd_perplexity(args),
+        Command::Quantize { hf, out, quiet } => cmd_quantize(hf, out, quiet),
         Command::Logits { model, positions, backend, out, path } => cmd_logits(model, positions, backend, &path, out),
     };
     if let Err(e) = result {
@@ -298,6 +313,19 @@ fn cmd_logits(model: Option<PathBuf>, positions: usize, kind: BackendKind, path:
     });
     std::fs::write(&out, serde_json::to_string(&doc)?).with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!("lily: wrote {} positions of logits to {} ({:.1} s forward)", positions, out.display(), secs);
+    Ok(())
+}
+
+fn cmd_quantize(hf: PathBuf, out: PathBuf, quiet: bool) -> Result<()> {
+    let r = lily::quantize::quantize_checkpoint(&hf, &out, !quiet)?;
+    eprintln!(
+        "lily: wrote {}: {} tensors, {:.3} GB in {} shard(s) in {:.1} s",
+        r.dir.display(),
+        r.tensors,
+        r.bytes as f64 / 1e9,
+        r.shards,
+        r.seconds
+    );
     Ok(())
 }
 

@@ -37,41 +37,51 @@ pub fn dequantize_row(packed: &[u32], scales: &[bf16], biases: &[bf16], bits: us
     let _ = cols;
 }
 
-/// MLX's quantizer (`mlx/backend/cpu/quantized.cpp`): per group, the edge of larger magnitude
-/// is represented exactly; returns (codes, scales, biases) for one row.
+/// MLX's affine quantizer (`quantize` in mlx/backend/cpu/quantized.cpp), bit for bit: per
+/// group, the edge of larger magnitude is represented exactly (the scale is negative when that
+/// edge is the maximum, so codes still count up from the bias), and the codes are computed
+/// from the f32 scale and bias *before* they are rounded to bf16 for storage. Every rounding is
+/// round-half-to-even (`std::rint`), and the arithmetic is plain f32 (no fused multiply-add),
+/// so `lily quantize` reproduces `mlx_lm.convert -q` exactly. Returns (codes, scales, biases)
+/// for one row whose values are `w` (bf16-exact values when the source is bf16).
 pub fn quantize_row(w: &[f32], bits: usize, group: usize) -> (Vec<u8>, Vec<bf16>, Vec<bf16>) {
-    let levels = ((1u32 << bits) - 1) as f32;
     let mut codes = Vec::with_capacity(w.len());
     let mut scales = Vec::with_capacity(w.len() / group);
     let mut biases = Vec::with_capacity(w.len() / group);
     for g in w.chunks(group) {
-        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-        for &x in g {
-            lo = lo.min(x);
-            hi = hi.max(x);
-        }
-        let mut s = ((hi - lo) / levels).max(1e-7);
-        // The edge of larger magnitude is represented exactly; the scale is negative when
-        // that edge is the maximum, so codes still count up from the bias.
-        let min_side = lo.abs() > hi.abs();
-        let edge = if min_side { lo } else { hi };
-        let mut bias = 0.0;
-        if !min_side {
-            s = -s;
-        }
-        let q0 = (edge / s).round();
-        if q0 != 0.0 {
-            s = edge / q0;
-            bias = edge;
-        }
-        let (sb, bb) = (bf16::from_f32(s), bf16::from_f32(bias));
-        for &x in g {
-            codes.push(((x - bb.to_f32()) / sb.to_f32()).round().clamp(0.0, levels) as u8);
-        }
-        scales.push(sb);
-        biases.push(bb);
+        let (s, b) = quantize_group(g, bits, &mut codes);
+        scales.push(s);
+        biases.push(b);
     }
     (codes, scales, biases)
+}
+
+/// One group of [`quantize_row`]: appends its codes, returns its stored scale and bias.
+pub fn quantize_group(g: &[f32], bits: usize, codes: &mut Vec<u8>) -> (bf16, bf16) {
+    let n_bins = ((1u32 << bits) - 1) as f32;
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &x in g {
+        // std::min/max order as in MLX (a NaN input is not propagated the same way; the
+        // quantize command rejects non-finite weights before getting here).
+        hi = if hi < x { x } else { hi };
+        lo = if x < lo { x } else { lo };
+    }
+    let min_side = lo.abs() > hi.abs();
+    let mut scale = ((hi - lo) / n_bins).max(1e-7);
+    if !min_side {
+        scale = -scale;
+    }
+    let edge = if min_side { lo } else { hi };
+    let q0 = (edge / scale).round_ties_even();
+    let mut bias = 0.0f32;
+    if q0 != 0.0 {
+        scale = edge / q0;
+        bias = edge;
+    }
+    for &x in g {
+        codes.push(((x - bias) / scale).round_ties_even().clamp(0.0, n_bins) as u8);
+    }
+    (bf16::from_f32(scale), bf16::from_f32(bias))
 }
 
 #[cfg(test)]
@@ -91,6 +101,23 @@ mod tests {
         let mut p8 = Vec::new();
         pack_codes(&[1, 2, 3, 250], 8, &mut p8);
         assert_eq!(p8[0].to_le_bytes(), [1, 2, 3, 250]);
+    }
+
+    #[test]
+    fn quantizer_rounds_half_to_even_from_the_unrounded_scale() {
+        // max 15, min 0: scale -1, bias 15, code = rint(15 - x); 15 - 2.5 = 12.5 rounds to 12
+        // (MLX's std::rint), not 13; 15 - 3.5 = 11.5 to 12.
+        let mut w = vec![0.0f32; 64];
+        w[0] = 15.0;
+        w[1] = 2.5;
+        w[2] = 3.5;
+        let (codes, s, b) = quantize_row(&w, 4, 64);
+        assert_eq!((s[0].to_f32(), b[0].to_f32()), (-1.0, 15.0));
+        assert_eq!(&codes[..4], &[0, 12, 12, 15]);
+        // All zeros (the fixture's unused vocabulary rows): codes 0, bias 0, so they
+        // dequantize to exactly 0.
+        let (codes, s, b) = quantize_row(&[0.0; 64], 4, 64);
+        assert!(codes.iter().all(|&c| c == 0) && b[0].to_f32() == 0.0 && s[0].to_f32() != 0.0);
     }
 
     #[test]
