@@ -24,6 +24,7 @@ t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*" >&2; }
 
 rm -rf "$W/mlx" "$W/synth"
 cp -r "$FX/mlx" "$W/mlx"
+gunzip -f "$W/mlx/model.safetensors.gz"
 $LILY synth --preset tiny --out "$W/synth" > /dev/null 2>&1
 cp "$W/synth/tokenizer.json" "$W/synth/tokenizer_config.json" "$W/synth/chat_template.jinja" "$W/mlx/"
 $LILY info --model "$W/mlx" > /dev/null

@@ -6,7 +6,7 @@
 
 mod fixture;
 
-use fixture::{fixture_dir, hf_checkpoint, lily, read_safetensors, HfTensor};
+use fixture::{fixture_dir, hf_checkpoint, lily, mlx_checkpoint, read_safetensors, HfTensor};
 use std::path::Path;
 
 #[test]
@@ -22,7 +22,9 @@ fn quantize_is_bit_identical_to_mlx_lm_convert() {
     let (ok, _, err) = lily(&["quantize", "--hf", hf.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
     assert!(ok, "{err}");
 
-    let want = read_safetensors(&fixture_dir().join("mlx/model.safetensors"));
+    let mlx = work.path().join("mlx");
+    mlx_checkpoint(&mlx);
+    let want = read_safetensors(&mlx.join("model.safetensors"));
     let got = read_safetensors(&out.join("model.safetensors"));
     let names = |m: &std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>| m.keys().cloned().collect::<Vec<_>>();
     assert_eq!(names(&got), names(&want), "tensor names");
@@ -103,7 +105,8 @@ fn bad_inputs_are_one_line_errors() {
     assert!(e.contains("llama") && e.contains("config.json"), "{e}");
 
     // Already quantized: the MLX fixture itself.
-    let e = quantize_err(&fixture_dir().join("mlx"));
+    mlx_checkpoint(&w.join("mlx"));
+    let e = quantize_err(&w.join("mlx"));
     assert!(e.contains("already quantized"), "{e}");
 
     let gguf = w.join("model.gguf");
