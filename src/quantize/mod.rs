@@ -61,8 +61,7 @@ pub fn quantize_checkpoint(hf: &Path, out: &Path, progress: bool) -> Result<Quan
     let used: std::collections::BTreeSet<&str> = jobs.iter().map(|j| match j {
         Job::Quantize { src, .. } | Job::Float { src, .. } => src.as_str(),
     }).collect();
-    if let Some((name, t)) = src.tensors.iter().find(|(n, _)| !used.contains(n.as_str())) {
-        let _ = name;
+    if let Some((_, t)) = src.tensors.iter().find(|(n, _)| !used.contains(n.as_str())) {
         bail!("{}: unexpected tensor {} (not part of a qwen3_5_moe text model of this config.json)", src.file_of(t), t.hf_name);
     }
 
