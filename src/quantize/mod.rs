@@ -15,7 +15,7 @@ mod source;
 
 use crate::checkpoint::config::{ModelConfig, GATE_BITS};
 use crate::checkpoint::layout::{expected_weights, DType};
-use crate::synth::assign_shards;
+use crate::synth::{assign_shards, write_json};
 use anyhow::{anyhow, bail, Context, Result};
 use convert::Job;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -228,12 +228,6 @@ fn shard_header(planned: &[Planned], shard: usize) -> Vec<u8> {
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&text);
     out
-}
-
-fn write_json(path: &Path, v: &Value) -> Result<()> {
-    let mut text = serde_json::to_string_pretty(v).expect("JSON serialises");
-    text.push('\n');
-    std::fs::write(path, text).map_err(|e| anyhow!("{}: cannot write: {e}", path.display()))
 }
 
 /// The output directory and the hidden sibling it is written into.

@@ -224,7 +224,8 @@ fn generation_config(cfg: &ModelConfig) -> Value {
     })
 }
 
-fn write_json(path: &Path, v: &Value) -> Result<()> {
+/// Pretty JSON with a final newline (config files of the checkpoints we write).
+pub(crate) fn write_json(path: &Path, v: &Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(v).expect("JSON serialises");
     text.push('\n');
     std::fs::write(path, text).map_err(|e| anyhow!("{}: cannot write: {e}", path.display()))
