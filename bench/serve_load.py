@@ -1,9 +1,10 @@
 """Load test through the server with the official openai client: C concurrent streaming requests
 per level, each with its own prompt of token ids (no prefix-cache hits), `max_tokens` out with
 `ignore_eos` (every request generates exactly that many), greedy and sampled (temperature 0.7,
-top-p 0.8, top-k 20: what chat clients send). With `--rounds R` each client sends R requests
-back to back, so the level measures a steady load (new prompts prefilled while others decode)
-rather than one burst.
+top-p 0.8, top-k 20: what chat clients send), or sampled with `response_format` json_object
+(`--modes json`: structured output, every token drawn under the grammar's mask). With
+`--rounds R` each client sends R requests back to back, so the level measures a steady load (new
+prompts prefilled while others decode) rather than one burst.
 
 Per level it prints one JSON line: aggregate completion tok/s over the level's wall time (first
 request sent to last stream ended), time to first token p50 / p95 (request sent to first text
@@ -26,6 +27,8 @@ import time
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.8, "extra_body": {"top_k": 20, "ignore_eos": True}}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+# Structured output as applications send it: sampled, the answer held to JSON by the server.
+JSON = {"temperature": 0.7, "top_p": 0.8, "extra_body": {"top_k": 20, "ignore_eos": True, "response_format": {"type": "json_object"}}}
 
 
 def percentile(xs, q):
@@ -123,7 +126,7 @@ async def main_async(args, url):
     vocab = args.vocab
     lines = []
     for m, mode in enumerate(args.modes.split(",")):
-        params = {"greedy": GREEDY, "sampled": SAMPLED}[mode]
+        params = {"greedy": GREEDY, "sampled": SAMPLED, "json": JSON}[mode]
         # Warm-up: graphs for the batch shapes of this mode, allocator pools.
         for j, c in enumerate(sorted({1, max(int(x) for x in args.concurrency.split(","))})):
             await run_level(client, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab)

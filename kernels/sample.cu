@@ -160,12 +160,14 @@ __device__ __forceinline__ void sample_slice(int n, int& lo, int& hi) {
     hi = min(n, lo + chunk);
 }
 
-// z = logits with the repetition, presence and frequency penalties of the counts applied (as
-// Sampler::apply_penalties); zmax; the min-p threshold; which searches the row needs.
-// part: gridDim.x floats.
+// z = logits with the tokens outside the row's mask at -inf (where masked[r]: mask row r, bit
+// t % 32 of word t / 32 allows token t, as the host's backend::apply_mask) and the repetition,
+// presence and frequency penalties of the counts applied (as Sampler::apply_penalties); zmax; the
+// min-p threshold; which searches the row needs. part: gridDim.x floats.
 extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, const SampleParams* __restrict__ prm,
-                                       const int* __restrict__ counts, float* __restrict__ z, SampleRow* __restrict__ row,
-                                       float* __restrict__ part) {
+                                       const int* __restrict__ counts, const int* __restrict__ masked,
+                                       const u32* __restrict__ mask, int mask_words, float* __restrict__ z,
+                                       SampleRow* __restrict__ row, float* __restrict__ part) {
     pdl_wait_trigger();
     const size_t r = blockIdx.y;
     logits += r * n;
@@ -175,12 +177,14 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
     row += r;
     part += r * gridDim.x;
     const SampleParams p = *prm;
+    const u32* allowed = masked[r] ? mask + r * mask_words : nullptr;
     int lo, hi;
     sample_slice(n, lo, hi);
     float m = NEG_INF;
     unsigned long long fin = 0;
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float v = logits[i];
+        if (allowed && !((allowed[i >> 5] >> (i & 31)) & 1u)) v = NEG_INF;
         if (p.penalties) {
             const int c = counts[i];
             if (c > 0) {

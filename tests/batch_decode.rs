@@ -46,7 +46,7 @@ fn every_row_decodes_as_it_would_alone() {
         .collect();
     // Row 1 hangs up after its third token.
     let produced = cpu
-        .decode_batch(&mut rows, &mut |i, t| {
+        .decode_batch(&mut rows, &mut |i: usize, t: u32| {
             got[i].push(t);
             order.push(i);
             !(i == 1 && got[i].len() == 3)
@@ -86,7 +86,7 @@ fn invalid_rows_fail_before_any_step() {
             BatchRow { seq: &mut a, first_token: ta, max_tokens: 2, sampler: greedy.clone() },
             BatchRow { seq: &mut b, first_token: tok, max_tokens: max, sampler: snap },
         ];
-        let e = cpu.decode_batch(&mut rows, &mut |_, _| {
+        let e = cpu.decode_batch(&mut rows, &mut |_: usize, _: u32| {
             calls += 1;
             true
         });
@@ -95,4 +95,21 @@ fn invalid_rows_fail_before_any_step() {
         assert_eq!(calls, 0);
         assert_eq!((a.len(), b.len()), (4, 4));
     }
+}
+
+#[test]
+fn token_masks_hold_their_rows_and_leave_the_others_alone() {
+    let mut cpu = CpuBackend::new(&Checkpoint::open(tiny_checkpoint()).unwrap()).unwrap();
+    let lens = [3, 8, 13, 21];
+    common::check_token_masks(&mut cpu, &mut |b| {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                let p = batch_prompt(i, l, b.config().vocab_size);
+                let mut seq = b.new_sequence(64).unwrap();
+                b.forward(&mut seq, &p[..l - 1], LogitsWanted::None).unwrap();
+                (seq, p[l - 1])
+            })
+            .collect()
+    });
 }

@@ -62,7 +62,7 @@ fn decode_together(b: &mut CudaBackend, seqs: &mut [(Sequence, u32)], max: &[usi
         .map(|(((seq, first), &m), s)| BatchRow { seq, first_token: *first, max_tokens: m, sampler: s.clone() })
         .collect();
     let produced = b
-        .decode_batch(&mut rows, &mut |i, t| {
+        .decode_batch(&mut rows, &mut |i: usize, t: u32| {
             out[i].push(t);
             stop_row_at != Some((i, out[i].len()))
         })
@@ -186,15 +186,15 @@ fn cuda_batch_rejects_bad_rows_before_any_step() {
         BatchRow { seq: &mut s1, first_token: t1, max_tokens: 4, sampler: greedy() },
         BatchRow { seq: &mut other, first_token: 1, max_tokens: 4, sampler: greedy() },
     ];
-    let e = gpu.decode_batch(&mut rows, &mut |_, _| true).unwrap_err().to_string();
+    let e = gpu.decode_batch(&mut rows, &mut |_: usize, _: u32| true).unwrap_err().to_string();
     assert!(e.contains("KV cache"), "{e}");
     let (mut s2, t2) = prefilled(&mut gpu, 1, 10);
     let len = s2.len();
     let mut rows = vec![BatchRow { seq: &mut s2, first_token: t2, max_tokens: 10_000, sampler: greedy() }];
-    let e = gpu.decode_batch(&mut rows, &mut |_, _| true).unwrap_err().to_string();
+    let e = gpu.decode_batch(&mut rows, &mut |_: usize, _: u32| true).unwrap_err().to_string();
     assert!(e.contains("max-seq"), "{e}");
     let mut rows = vec![BatchRow { seq: &mut s2, first_token: u32::MAX, max_tokens: 1, sampler: greedy() }];
-    assert!(gpu.decode_batch(&mut rows, &mut |_, _| true).is_err());
+    assert!(gpu.decode_batch(&mut rows, &mut |_: usize, _: u32| true).is_err());
     assert_eq!(s2.len(), len, "nothing ran");
 }
 
@@ -255,4 +255,22 @@ fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {
         assert_eq!(got.tiles[0] as usize, tiles.len() / 2);
         assert_eq!(&got.tiles[1..], &tiles[..]);
     }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_token_masks_hold_their_rows_and_leave_the_others_alone() {
+    let mut gpu = cuda(true);
+    let lens = [3, 40, 65, 200];
+    common::check_token_masks(&mut gpu, &mut |b| {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                let p = batch_prompt(i, l, b.config().vocab_size);
+                let mut seq = b.new_sequence(512).unwrap();
+                b.forward(&mut seq, &p[..l - 1], LogitsWanted::None).unwrap();
+                (seq, p[l - 1])
+            })
+            .collect()
+    });
 }

@@ -270,7 +270,7 @@ fn cuda_budget_refuses_work_that_does_not_fit_and_loses_nothing() {
         BatchRow { seq: &mut s4, first_token: 1, max_tokens: 4, sampler: greedy() },
         BatchRow { seq: &mut s3, first_token: 2, max_tokens: 4, sampler: greedy() },
     ];
-    let e = gpu.decode_batch(&mut rows, &mut |_, _| true).unwrap_err();
+    let e = gpu.decode_batch(&mut rows, &mut |_: usize, _: u32| true).unwrap_err();
     assert!(is_memory_full(&e), "{e:#}");
     assert_eq!((s4.len(), s3.len()), (100, z.rows_per_page));
 }

@@ -311,9 +311,10 @@ pub trait Backend: Send {
 
     /// Decodes several sequences together: each step feeds one token of every unfinished row
     /// (its `first_token`, then its previous output) and produces the row's next token with its
-    /// own sampling, calling `on_token(row index, token)` in row order; `on_token` returning false
-    /// finishes that row, as does reaching its `max_tokens`. The other rows go on. Returns the
-    /// tokens produced per row.
+    /// own sampling, restricted to the tokens `hooks.mask` allows where it constrains the row,
+    /// calling `hooks.token(row index, token)` in row order; `token` returning false finishes
+    /// that row, as does reaching its `max_tokens`. The other rows go on. Returns the tokens
+    /// produced per row.
     ///
     /// Each row's sequence then holds its `first_token` and every produced token except the
     /// last (the rules of [`Backend::decode_sampled`] without pipelining). A row's tokens do not
@@ -324,27 +325,69 @@ pub trait Backend: Send {
     ///
     /// The default runs the rows one after the other through `forward` and the host sampler
     /// (the CPU reference).
-    fn decode_batch(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
-        check_batch(self.config().vocab_size, rows)?;
+    fn decode_batch(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
+        let vocab = self.config().vocab_size;
+        check_batch(vocab, rows)?;
         let mut samplers: Vec<_> = rows.iter().map(|r| r.sampler.clone()).collect();
         let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
         let mut produced = vec![0usize; rows.len()];
         let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
+        let mut allowed = vec![0u32; mask_words(vocab)];
         while !live.is_empty() {
             let mut next = Vec::with_capacity(live.len());
             for &i in &live {
                 let at = rows[i].seq.len();
+                let masked = hooks.mask(i, &mut allowed)?;
                 let mut logits = self.forward(rows[i].seq, &[cur[i]], LogitsWanted::Last)?;
+                if masked {
+                    apply_mask(&mut logits, &allowed);
+                }
                 cur[i] = samplers[i].sample_at(&mut logits, at);
                 samplers[i].observe(cur[i]);
                 produced[i] += 1;
-                if on_token(i, cur[i]) && produced[i] < rows[i].max_tokens {
+                if hooks.token(i, cur[i]) && produced[i] < rows[i].max_tokens {
                     next.push(i);
                 }
             }
             live = next;
         }
         Ok(produced)
+    }
+}
+
+/// What a batched decode ([`Backend::decode_batch`]) asks its caller between steps. A closure
+/// `FnMut(row, token) -> bool` is the hooks of rows that are never constrained.
+pub trait StepHooks {
+    /// Row `row` produced `token`; false finishes the row.
+    fn token(&mut self, row: usize, token: u32) -> bool;
+
+    /// Fills `allowed` ([`mask_words`] words) with the tokens row `row` may draw next, bit
+    /// `t % 32` of word `t / 32`, and returns true; or returns false when the row is not
+    /// constrained at this step (`allowed` is then not read). Asked before every step of every
+    /// row still decoding. The token is drawn with the row's sampling from the allowed tokens
+    /// only, as if every other logit were -inf.
+    fn mask(&mut self, _row: usize, _allowed: &mut [u32]) -> Result<bool> {
+        Ok(false)
+    }
+}
+
+impl<F: FnMut(usize, u32) -> bool> StepHooks for F {
+    fn token(&mut self, row: usize, token: u32) -> bool {
+        self(row, token)
+    }
+}
+
+/// Words of a token bitmask over a vocabulary of `vocab` entries.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// Sets the logits of the tokens `allowed` leaves out to -inf.
+pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        if allowed.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+            *l = f32::NEG_INFINITY;
+        }
     }
 }
 

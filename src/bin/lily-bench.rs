@@ -262,7 +262,7 @@ mod batch {
         let len = args.prompt_len;
         if !args.no_warmup {
             let mut warm = prefilled(backend, n, len, max_seq)?;
-            backend.decode_batch(&mut rows(&mut warm, 3, params), &mut |_, _| true)?;
+            backend.decode_batch(&mut rows(&mut warm, 3, params), &mut |_: usize, _: u32| true)?;
             mem.extend(backend.device_memory());
         }
         let t0 = Instant::now();
@@ -271,7 +271,7 @@ mod batch {
         // 1..=decode_steps are measured. A step ends with its last row's token.
         let mut tokens = vec![Vec::with_capacity(args.decode_steps + 1); n];
         let mut step_ends = Vec::with_capacity(args.decode_steps + 1);
-        let produced = backend.decode_batch(&mut rows(&mut seqs, args.decode_steps + 1, params), &mut |i, t| {
+        let produced = backend.decode_batch(&mut rows(&mut seqs, args.decode_steps + 1, params), &mut |i: usize, t: u32| {
             tokens[i].push(t);
             if i + 1 == n {
                 step_ends.push(Instant::now());

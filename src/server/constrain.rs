@@ -200,17 +200,26 @@ impl Constraint {
         self.active = true;
     }
 
-    /// Sets the logits of tokens the grammar does not allow next to -inf (only the end of
-    /// sequence once it is complete).
-    pub fn mask(&mut self, logits: &mut [f32]) -> anyhow::Result<()> {
+    /// The tokens the grammar allows next (only the end of sequence once it is complete) into
+    /// `words` (bit `t % 32` of word `t / 32`, as `backend::StepHooks::mask`); false while the
+    /// constraint waits (every token allowed, `words` untouched).
+    pub fn allowed(&mut self, words: &mut [u32]) -> anyhow::Result<bool> {
         if !self.active {
-            return Ok(());
+            return Ok(false);
         }
-        let allowed = self.matcher.compute_mask_or_eos()?;
-        for (i, l) in logits.iter_mut().enumerate() {
-            if !allowed.is_allowed(i as u32) {
-                *l = f32::NEG_INFINITY;
-            }
+        let vob = self.matcher.compute_mask_or_eos()?;
+        let src = vob.as_slice();
+        for (i, w) in words.iter_mut().enumerate() {
+            *w = src.get(i).copied().unwrap_or(0);
+        }
+        Ok(true)
+    }
+
+    /// Sets the logits of tokens the grammar does not allow next to -inf.
+    pub fn mask(&mut self, logits: &mut [f32]) -> anyhow::Result<()> {
+        let mut words = vec![0u32; crate::backend::mask_words(logits.len())];
+        if self.allowed(&mut words)? {
+            crate::backend::apply_mask(logits, &words);
         }
         Ok(())
     }

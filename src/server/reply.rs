@@ -96,10 +96,24 @@ impl Reply {
         self.job.max_tokens.saturating_sub(self.generated.len())
     }
 
-    /// Each token needs the logits on the host (logprobs, or a structured-output mask), so the
-    /// reply's steps run there.
+    /// Each token needs the logits on the host (logprobs), so the reply's steps run there.
+    /// Structured output does not: its mask goes to the backend's sampler (`StepHooks::mask`).
     pub fn wants_logits(&self) -> bool {
-        self.job.req.logprobs || self.job.constraint.is_some()
+        self.job.req.logprobs
+    }
+
+    /// The tokens the structured-output constraint allows next (`StepHooks::mask`), or false
+    /// when none applies now. A constraint that fails ends the request with its error, and
+    /// the row is left unconstrained for the step that is already due.
+    pub fn allowed(&mut self, words: &mut [u32]) -> bool {
+        let Some(c) = self.job.constraint.as_mut() else { return false };
+        match c.allowed(words) {
+            Ok(on) => on,
+            Err(e) => {
+                self.failed = Some(e.context("structured output"));
+                false
+            }
+        }
     }
 
     /// Draws the next token from `logits` (fed at `position`): masked by the structured-output
@@ -120,6 +134,10 @@ impl Reply {
     /// the device): sends what it releases to the client and says whether to go on. When it
     /// returns false, `end` says why.
     pub fn accept(&mut self, tok: u32, logits: &[f32], stop_ids: &[u32], tokenizer: &Tokenizer, metrics: &Metrics) -> bool {
+        if self.failed.is_some() {
+            // Drawn after the constraint failed (see `allowed`): not the request's.
+            return false;
+        }
         if stop_ids.contains(&tok) && !self.job.req.ignore_eos {
             self.end = Some(End::StopToken);
             return false;

@@ -32,7 +32,7 @@ use super::output::Delta;
 use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, Sequence};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, Sequence, StepHooks};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -411,7 +411,8 @@ impl Worker {
         let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
         match device.len() {
             0 => {}
-            1 if host.is_empty() && !prefill_waits => {
+            // The pipelined single-sequence loop takes no token masks.
+            1 if host.is_empty() && !prefill_waits && device[0].reply.job.constraint.is_none() => {
                 let mut device = device;
                 solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }
@@ -642,7 +643,8 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
         replies.push(reply);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut |i, t| replies[i].accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer()));
+    let mut hooks = RowHooks { replies: &mut replies, token: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer() };
+    let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut hooks));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
         let msg = format!("{e:#}");
@@ -652,7 +654,24 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
     }
 }
 
-/// One step of a row whose logits the host needs (logprobs, structured output).
+/// A batched decode's view of its rows' replies: each token goes to its reply, and a reply's
+/// structured-output constraint masks its row's draws.
+struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
+    replies: &'a mut [&'r mut Reply],
+    token: &'a mut F,
+}
+
+impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
+    fn token(&mut self, row: usize, token: u32) -> bool {
+        (self.token)(self.replies[row], token)
+    }
+
+    fn mask(&mut self, row: usize, allowed: &mut [u32]) -> anyhow::Result<bool> {
+        Ok(self.replies[row].allowed(allowed))
+    }
+}
+
+/// One step of a row whose logits the host needs (logprobs).
 fn host_step(ctx: &mut Ctx, a: &mut Active) {
     let at = a.seq.len();
     let r = guarded(|| {

@@ -117,3 +117,71 @@ pub fn random_quant(rows: usize, cols: usize, bits: usize, seed: u64) -> lily::c
         scale_dtype: lily::checkpoint::layout::DType::BF16,
     }
 }
+
+/// Token masks in a batched decode (`StepHooks::mask`), the same check on every backend. `fresh`
+/// makes the same four rows each time (sequence and first token): greedy, greedy, seeded sampled,
+/// seeded sampled. Decoded once without masks, then with row 0 forced onto a token per step
+/// (an allowed set of one), row 2 held to three tokens per step, row 3's hook saying
+/// "unconstrained" and row 1 left alone: row 0 gets exactly the forced tokens, row 2 only
+/// allowed ones, and rows 1 and 3 what they got without masks (a mask touches its own row only).
+/// Then two greedy rows, row 0 masked at one step only (the step leaves the argmax kernel for
+/// the sampler and comes back): row 1 unchanged, row 0 forced at that step.
+pub fn check_token_masks(b: &mut dyn lily::backend::Backend, fresh: &mut dyn FnMut(&mut dyn lily::backend::Backend) -> Vec<(lily::backend::Sequence, u32)>) {
+    use lily::backend::{BatchRow, StepHooks};
+    use lily::engine::sampling::{SamplerSnapshot, SamplingParams};
+    const STEPS: usize = 6;
+    let vocab = b.config().vocab_size as u32;
+    let greedy = SamplerSnapshot { params: SamplingParams::greedy(), seed: 0, counts: vec![] };
+    let sampled = |seed| SamplerSnapshot { params: SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, ..Default::default() }, seed, counts: vec![] };
+    let snaps = [greedy.clone(), greedy.clone(), sampled(11), sampled(12)];
+    // Tokens of a step's allowed sets, spread over the vocabulary.
+    let forced = |step: usize| (7919 * (step as u32 + 1) + 13) % vocab;
+    let set = |step: usize| [(104_729 * (step as u32 + 3)) % vocab, (15_485_863 * (step as u32 + 5)) % vocab, (step as u32 * 31 + 2) % vocab];
+
+    struct Hooks<'a> {
+        out: Vec<Vec<u32>>,
+        rule: &'a dyn Fn(usize, usize) -> Option<Vec<u32>>,
+    }
+    impl StepHooks for Hooks<'_> {
+        fn token(&mut self, row: usize, token: u32) -> bool {
+            self.out[row].push(token);
+            true
+        }
+        fn mask(&mut self, row: usize, allowed: &mut [u32]) -> anyhow::Result<bool> {
+            let Some(tokens) = (self.rule)(row, self.out[row].len()) else { return Ok(false) };
+            allowed.iter_mut().for_each(|w| *w = 0);
+            for t in tokens {
+                allowed[t as usize / 32] |= 1 << (t % 32);
+            }
+            Ok(true)
+        }
+    }
+    let mut run = |b: &mut dyn lily::backend::Backend, snaps: &[SamplerSnapshot], rule: &dyn Fn(usize, usize) -> Option<Vec<u32>>| {
+        let mut seqs = fresh(b);
+        seqs.truncate(snaps.len());
+        let mut rows: Vec<BatchRow> = seqs.iter_mut().zip(snaps).map(|((seq, t), s)| BatchRow { seq, first_token: *t, max_tokens: STEPS, sampler: s.clone() }).collect();
+        let mut hooks = Hooks { out: vec![Vec::new(); snaps.len()], rule };
+        b.decode_batch(&mut rows, &mut hooks).unwrap();
+        hooks.out
+    };
+    let free = run(b, &snaps, &|_, _| None);
+    let masked = run(b, &snaps, &|row, step| match row {
+        0 => Some(vec![forced(step)]),
+        2 => Some(set(step).to_vec()),
+        _ => None,
+    });
+    assert_eq!(masked[0], (0..STEPS).map(forced).collect::<Vec<_>>(), "row 0: the forced tokens");
+    for (s, t) in masked[2].iter().enumerate() {
+        assert!(set(s).contains(t), "row 2, step {s}: token {t} outside {:?}", set(s));
+    }
+    assert_eq!(masked[1], free[1], "row 1 (no mask) beside masked rows");
+    assert_eq!(masked[3], free[3], "row 3 (hook: unconstrained) beside masked rows");
+    assert_ne!(free[0], masked[0], "the forced tokens are not what row 0 picks by itself");
+
+    let two = [greedy.clone(), greedy];
+    let free = run(b, &two, &|_, _| None);
+    let once = run(b, &two, &|row, step| (row == 0 && step == 2).then(|| vec![forced(2)]));
+    assert_eq!(once[1], free[1], "greedy row 1 when row 0 is masked at one step");
+    assert_eq!(once[0][..2], free[0][..2], "row 0 before its masked step");
+    assert_eq!(once[0][2], forced(2), "row 0 at its masked step");
+}

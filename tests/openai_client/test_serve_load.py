@@ -22,8 +22,8 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
     out = tmp_path / "load.jsonl"
     hits = lambda: re.search(r"^lily_prefix_cache_hits_total (\d+)", httpx.get(f"{tiny.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text, re.M).group(1)
     before = hits()
-    lines = serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "1,3", "--rounds", "2", "--modes", "greedy,sampled", "--prompt-len", "24", "--max-tokens", "6", "--vocab", str(vocab), "--out", str(out)])
-    assert [(r["mode"], r["batch"]) for r in lines] == [("greedy", 1), ("greedy", 3), ("sampled", 1), ("sampled", 3)]
+    lines = serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "1,3", "--rounds", "2", "--modes", "greedy,sampled,json", "--prompt-len", "24", "--max-tokens", "6", "--vocab", str(vocab), "--out", str(out)])
+    assert [(r["mode"], r["batch"]) for r in lines] == [(m, c) for m in ("greedy", "sampled", "json") for c in (1, 3)]
     for r in lines:
         assert r["requests"] == 2 * r["concurrency"], r
         # ignore_eos: every request generates exactly max_tokens.

@@ -32,7 +32,7 @@ use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use super::{CudaBackend, StepGraph};
-use crate::backend::{check_batch, BatchRow};
+use crate::backend::{check_batch, mask_words, BatchRow, StepHooks};
 use crate::checkpoint::ModelConfig;
 use crate::engine::sampling::SamplerSnapshot;
 use anyhow::{anyhow, bail, Result};
@@ -385,7 +385,7 @@ impl CudaBackend {
     }
 
     /// `Backend::decode_batch` on the device (see there for the contract).
-    pub(super) fn batch_decode(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
+    pub(super) fn batch_decode(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
         let vocab = self.cfg.vocab_size;
         check_batch(vocab, rows)?;
         if rows.len() > MAX_BATCH {
@@ -407,6 +407,13 @@ impl CudaBackend {
         self.fit_batch(live.len())?;
         let mut bound = false;
         let mut host = vec![0i32; 2 * live.len()];
+        // Token masks of the rows the hooks constrain, uploaded before each step that has one.
+        let words = mask_words(vocab);
+        let mut masks = vec![0u32; live.len() * words];
+        let mut masked = vec![0i32; live.len()];
+        // Whether the device's mask flags may be set (a previous call may have left them so).
+        let mut flags_set = true;
+        let mut last_out = None;
         while !live.is_empty() {
             let n = live.len();
             // Each row writes its KV at its length: map a page where one starts (all rows or none
@@ -415,7 +422,22 @@ impl CudaBackend {
                 let end = rows[i].seq.len() + 1;
                 rows[i].seq.state_mut::<CudaSequence>().grow(end)?;
             }
-            let out = if live.iter().all(|&i| snaps[i].params.is_plain_greedy()) { StepOut::Greedy } else { StepOut::Sample };
+            for (r, &i) in live.iter().enumerate() {
+                masked[r] = hooks.mask(i, &mut masks[r * words..(r + 1) * words])? as i32;
+            }
+            let any_masked = masked[..n].iter().any(|&m| m != 0);
+            let plain = live.iter().all(|&i| snaps[i].params.is_plain_greedy());
+            let out = if plain && !any_masked { StepOut::Greedy } else { StepOut::Sample };
+            // The sampling state is loaded when rows are bound for sampling.
+            if last_out != Some(out) {
+                bound = false;
+            }
+            last_out = Some(out);
+            if any_masked || flags_set {
+                let b = &mut self.batcher.as_mut().expect("fitted").bufs;
+                b.sample.load_masks(&self.gpu, &masked[..n], any_masked.then(|| &masks[..n * words]))?;
+                flags_set = any_masked;
+            }
             if !bound {
                 let seqs: Vec<&CudaSequence> = live.iter().map(|&i| rows[i].seq.state::<CudaSequence>()).collect();
                 let toks: Vec<u32> = live.iter().map(|&i| cur[i]).collect();
@@ -443,7 +465,7 @@ impl CudaBackend {
                 if snaps[i].params.has_penalties() {
                     snaps[i].observe(tok as u32);
                 }
-                if on_token(i, tok as u32) && produced[i] < rows[i].max_tokens {
+                if hooks.token(i, tok as u32) && produced[i] < rows[i].max_tokens {
                     next.push(i);
                 }
             }

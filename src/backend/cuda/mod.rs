@@ -35,7 +35,7 @@ pub mod testing;
 pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, HostSequence, LogitsWanted, Sequence, SequenceMemoryReport};
+use super::{Backend, BatchRow, HostSequence, LogitsWanted, Sequence, SequenceMemoryReport, StepHooks};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -420,8 +420,8 @@ impl Backend for CudaBackend {
 
     /// Batched decode through the batch GEMMs, per-row mixers and device token choice
     /// (batch.rs), one CUDA graph per batch shape.
-    fn decode_batch(&mut self, rows: &mut [BatchRow], on_token: &mut dyn FnMut(usize, u32) -> bool) -> Result<Vec<usize>> {
-        self.batch_decode(rows, on_token)
+    fn decode_batch(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
+        self.batch_decode(rows, hooks)
     }
 }
 

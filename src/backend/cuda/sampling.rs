@@ -6,6 +6,7 @@
 use super::device::{ptr, Arg, Gpu};
 use super::registry::{Kernel, SAMPLE};
 use crate::engine::sampling::SamplerSnapshot;
+use crate::backend::mask_words;
 use anyhow::{anyhow, Result};
 use cudarc::driver::CudaSlice;
 
@@ -106,12 +107,14 @@ const SELECT_PASSES: i32 = 8;
 const ROW_WORDS: usize = 5;
 
 /// Device state of sampling `rows` sequences (one for the single-sequence decode): per row its
-/// parameters, the counts of its generated tokens (penalties), the penalised logits and the
-/// passes' partials, rows back to back.
+/// parameters, the counts of its generated tokens (penalties), its token mask and whether it
+/// applies, the penalised logits and the passes' partials, rows back to back.
 pub struct SampleScratch {
     pub rows: usize,
     pub params: CudaSlice<SampleParams>,
     pub counts: CudaSlice<i32>,
+    masked: CudaSlice<i32>,
+    mask: CudaSlice<u32>,
     z: CudaSlice<f32>,
     hist: CudaSlice<u64>,
     row: CudaSlice<u64>,
@@ -124,6 +127,8 @@ impl SampleScratch {
             rows,
             params: gpu.zeros(rows)?,
             counts: gpu.zeros(rows * vocab)?,
+            masked: gpu.zeros(rows)?,
+            mask: gpu.zeros(rows * mask_words(vocab))?,
             z: gpu.zeros(rows * vocab)?,
             hist: gpu.zeros(rows * SAMPLE_BLOCKS as usize * SAMPLE_BINS)?,
             row: gpu.zeros(rows * ROW_WORDS)?,
@@ -157,6 +162,22 @@ impl SampleScratch {
         let mut dst = self.params.slice_mut(0..params.len());
         st.memcpy_htod(&params, &mut dst).map_err(|e| anyhow!("sampling state upload: {e:?}"))
     }
+
+    /// Sets which of the first `flags.len()` rows draw only from their allowed tokens
+    /// (`StepHooks::mask`), and with `masks` (`mask_words(vocab)` words per row) those tokens.
+    pub fn load_masks(&mut self, gpu: &Gpu, flags: &[i32], masks: Option<&[u32]>) -> Result<()> {
+        let st = &gpu.stream;
+        if flags.len() > self.rows || masks.is_some_and(|m| m.len() > self.mask.len()) {
+            anyhow::bail!("{} masked sampling rows for a scratch of {}", flags.len(), self.rows);
+        }
+        let mut dst = self.masked.slice_mut(0..flags.len());
+        st.memcpy_htod(flags, &mut dst).map_err(|e| anyhow!("token mask upload: {e:?}"))?;
+        if let Some(m) = masks {
+            let mut dst = self.mask.slice_mut(0..m.len());
+            st.memcpy_htod(m, &mut dst).map_err(|e| anyhow!("token mask upload: {e:?}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// Samples the next token from `n` logits as the loaded parameters say, into the step buffer, for
@@ -164,9 +185,11 @@ impl SampleScratch {
 pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize) -> Result<()> {
     let st = &gpu.stream;
     let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
+    let (masked, mask) = (ptr(&s.masked, st), ptr(&s.mask, st));
     let grid = (blocks_per_row(rows).min(SAMPLE_BLOCKS), rows as u32, 1);
     let ni = Arg::I(n as i32);
-    gpu.launch(SAMPLE_PREP, grid, 1024, 0, &[Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(z), Arg::P(row), Arg::P(part)])?;
+    let prep = [Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row), Arg::P(part)];
+    gpu.launch(SAMPLE_PREP, grid, 1024, 0, &prep)?;
     for pass in 0..SELECT_PASSES {
         gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass)])?;
     }
