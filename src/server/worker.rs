@@ -14,9 +14,11 @@
 //!    its sequence into the prefix cache at checkpoints: each chat message's start, every
 //!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
 //! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
-//!    pipelined single-sequence loop; several run `Backend::decode_batch`; rows whose client wants
-//!    logprobs step on the host with their logits. Without prefill work, a call runs up to
-//!    [`DECODE_HORIZON`] steps and ends early when a new request can be admitted.
+//!    pipelined single-sequence loop; several run `Backend::decode_batch`, where a structured-
+//!    output row's grammar masks its draws (`StepHooks::mask`); rows whose client wants logprobs,
+//!    and a structured-output row with no other row to batch with, step on the host with their
+//!    logits. Without prefill work, a call runs up to [`DECODE_HORIZON`] steps and ends early
+//!    when a new request can be admitted.
 //! 4. **Retire** finished rows: the final event, usage and metrics, and the sequence into the
 //!    prefix cache.
 //!
@@ -406,13 +408,17 @@ impl Worker {
         for a in active.iter_mut().filter(|a| a.decoding && !a.finished() && a.seq.len() >= a.seq.max_seq()) {
             a.reply.end = Some(End::Length);
         }
-        let (host, device): (Vec<&mut Active>, Vec<&mut Active>) = active.iter_mut().filter(|a| a.decoding && !a.finished()).partition(|a| a.reply.wants_logits());
+        // Structured-output rows step in the batch, masked in its sampler; alone, one steps on
+        // the host like a logprobs row (the single-sequence forward beats a batch step of one).
+        let stepping = || active.iter().filter(|a| a.decoding && !a.finished());
+        let alone = stepping().filter(|a| !a.reply.wants_logits()).count() == 1;
+        let (host, device): (Vec<&mut Active>, Vec<&mut Active>) =
+            active.iter_mut().filter(|a| a.decoding && !a.finished()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
         ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
         let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
         match device.len() {
             0 => {}
-            // The pipelined single-sequence loop takes no token masks.
-            1 if host.is_empty() && !prefill_waits && device[0].reply.job.constraint.is_none() => {
+            1 if host.is_empty() && !prefill_waits => {
                 let mut device = device;
                 solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }

@@ -124,6 +124,41 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_output() {
+    let s = lily::server::spawn(uncached_args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    // Two greedy and two seeded sampled json_object streams among two plain ones: the JSON
+    // rows step in the batch (their grammar masks their draws) and must come out as alone.
+    let json_body = |i: usize, sampled: bool| {
+        let mut b = body(i, 24, sampled);
+        b["response_format"] = json!({"type": "json_object"});
+        b
+    };
+    let cases = [json_body(0, false), json_body(1, true), body(2, 24, false), json_body(3, false), json_body(4, true), body(5, 24, true)];
+    let mut solo = Vec::new();
+    for b in &cases {
+        solo.push(stream(&url, b.clone(), None).await);
+    }
+    let running = Arc::new(AtomicBool::new(true));
+    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
+    let tasks: Vec<_> = cases.iter().map(|b| tokio::spawn(stream_owned(url.clone(), b.clone()))).collect();
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(t.await.unwrap());
+    }
+    running.store(false, Relaxed);
+    watcher.await.unwrap();
+    for (k, (a, b)) in solo.iter().zip(&together).enumerate() {
+        assert_eq!(a.text, b.text, "case {k}: the batched stream differs from its solo run");
+        assert_eq!(a.finish, b.finish, "case {k}");
+        if cases[k].get("response_format").is_some() {
+            assert!(a.text.trim_start().starts_with('{'), "case {k}: {:?} is not a JSON object's start", a.text);
+        }
+    }
+    assert!(max_batch.load(Relaxed) >= 2, "/metrics never showed a batch of two or more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_leaves_the_others_untouched() {
     let s = lily::server::spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
