@@ -3,7 +3,8 @@
 //   decode (T = 1):     gdn_step
 //   batched decode:     gdn_step_batch (one token of each of B sequences)
 //   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_32, pf_gdn_scan_64,
-//                       pf_gdn_scan_128, pf_gdn_norm
+//                       pf_gdn_scan_128 (exact), pf_gdn_chunk_prep_{64,128} +
+//                       pf_gdn_chunk_scan_{64,128} (chunked), pf_gdn_norm
 
 // softplus as the CPU reference computes it (src/backend/cpu/ops.rs).
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -390,6 +391,246 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
 PF_GDN_SCAN(32)
 PF_GDN_SCAN(64)
 PF_GDN_SCAN(128)
+
+// ---- the chunked scan (default mode): chunks of GC tokens in the WY form ----
+// Within a chunk whose state starts at S0, with g_t = log a_t and G_t = sum_{s<=t} g_s:
+//   d_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{s<t} exp(G_t - G_s) (k_t . k_s) d_s)
+//   o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) d_s
+//   S   = exp(G_last) S0 + sum_s exp(G_last - G_s) k_s d_s^T
+// (unrolling gdn::recurrent_step's S = aS; d = b(v - S^T k); S += k d^T; o = S^T q). So
+// D = U - W S0, where (I + A) U = diag(beta) V and (I + A) W = diag(beta exp(G)) K with
+// A[t][s] = beta_t exp(G_t - G_s) (k_t . k_s) for s < t: everything but the product with S0 is
+// local to the chunk. pf_gdn_chunk_prep computes it for every (chunk, value head) at once: U, W,
+// M[t][s] = exp(G_t - G_s) (q_t . k_s) for s <= t, and G; pf_gdn_chunk_scan then walks the chunks
+// in order per (value head, GCV state columns), three small matrix products per chunk in f32.
+// Same math as the exact scan in another order (rounding differences only), so the exact mode
+// keeps pf_gdn_scan_* and the default takes this for longer inputs (gdn.rs select_scan_path).
+// Chunk c of a launch covers tokens c*GC .. of the `T` given; scratch is indexed by that chunk.
+#define GC 64
+#define GCV 32
+
+// grid (ceil(T / GC), nv), block 256 (dv + DK <= 256: thread j solves column j of [U | W]).
+// Dynamic shared memory: (2 GC (DK + 1) + GC (GC + 1) + 2 GC) floats.
+template <int DK>
+__device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn,
+                               const float* __restrict__ conv, const float* __restrict__ braw,
+                               const float* __restrict__ araw, const float* __restrict__ dt_bias,
+                               const float* __restrict__ neg_a, int T, int nk, int nv, int dv, int C,
+                               float* __restrict__ u, float* __restrict__ w, float* __restrict__ mq,
+                               float* __restrict__ gsc) {
+    extern __shared__ float cp_sm[];
+    constexpr int LD = DK + 1;
+    float* Ks = cp_sm;
+    float* Qs = Ks + GC * LD;
+    float* As = Qs + GC * LD;
+    float* bs = As + GC * (GC + 1);
+    float* Gs = bs + GC;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int t0 = c * GC, nt = min(GC, T - t0);
+    const int kh = h / (nv / nk), key_dim = nk * DK;
+    for (int idx = tid; idx < GC * DK; idx += blockDim.x) {
+        const int t = idx / DK, i = idx % DK;
+        const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
+        Ks[t * LD + i] = t < nt ? kn[off] : 0.f;
+        Qs[t * LD + i] = t < nt ? qn[off] : 0.f;
+    }
+    if (tid < GC) {
+        float b = 0.f, g = 0.f;  // padding: beta 0 (nothing written), no decay
+        if (tid < nt) {
+            b = sigmoid_f(braw[(size_t)(t0 + tid) * nv + h]);
+            g = neg_a[h] * softplus_f(araw[(size_t)(t0 + tid) * nv + h] + dt_bias[h]);
+        }
+        bs[tid] = b;
+        Gs[tid] = g;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float acc = 0.f;
+        for (int t = 0; t < GC; ++t) {
+            acc += Gs[t];
+            Gs[t] = acc;
+        }
+    }
+    __syncthreads();
+    float* m_out = mq + ((size_t)c * nv + h) * GC * GC;
+    for (int p = tid; p < GC * GC; p += blockDim.x) {
+        const int t = p / GC, s = p % GC;
+        float a = 0.f, m = 0.f;
+        if (s <= t) {
+            float kk = 0.f, qk = 0.f;
+#pragma unroll 8
+            for (int i = 0; i < DK; ++i) {
+                const float ks = Ks[s * LD + i];
+                kk = fmaf(Ks[t * LD + i], ks, kk);
+                qk = fmaf(Qs[t * LD + i], ks, qk);
+            }
+            const float e = expf(Gs[t] - Gs[s]);
+            m = e * qk;
+            if (s < t) a = bs[t] * e * kk;
+        }
+        As[t * (GC + 1) + s] = a;
+        m_out[p] = m;
+    }
+    __syncthreads();
+    const int j = tid;
+    if (j < dv + DK) {
+        const bool is_u = j < dv;
+        float X[GC];
+#pragma unroll
+        for (int t = 0; t < GC; ++t) {
+            float r = 0.f;
+            if (t < nt) r = is_u ? bs[t] * conv[(size_t)(t0 + t) * C + 2 * key_dim + h * dv + j]
+                                 : bs[t] * expf(Gs[t]) * Ks[t * LD + j - dv];
+            X[t] = r;
+        }
+#pragma unroll
+        for (int t = 1; t < GC; ++t) {
+            float x = X[t];
+#pragma unroll
+            for (int s = 0; s < t; ++s) x = fmaf(-As[t * (GC + 1) + s], X[s], x);
+            X[t] = x;
+        }
+        const size_t row0 = ((size_t)c * nv + h) * GC;
+#pragma unroll
+        for (int t = 0; t < GC; ++t) {
+            if (is_u) u[(row0 + t) * dv + j] = X[t];
+            else w[(row0 + t) * DK + j - dv] = X[t];
+        }
+    }
+    if (tid < GC) gsc[((size_t)c * nv + h) * GC + tid] = Gs[tid];
+}
+
+// grid (nv, dv / GCV), block 256. The block's state columns live transposed in shared memory
+// (St[j][i], i along the key dim). Per chunk: D = U - W S and Q S (thread: column j = tid % 32,
+// rows t = tid / 32 + 8m), then O = exp(G) Q S + M D, then S = exp(G_last) S + sum_s exp(G_last -
+// G_s) k_s d_s^T (thread: column j, key rows 16 (tid / 32) ..+16). Dynamic shared memory:
+// (GCV (DK + 4) + 3 GC (DK + 4) + GC (GC + 4) + GC GCV + GC (GCV + 1) + 2 GC) floats.
+template <int DK>
+__device__ void gdn_chunk_scan(const float* __restrict__ qn, const float* __restrict__ kn,
+                               const float* __restrict__ u, const float* __restrict__ w,
+                               const float* __restrict__ mq, const float* __restrict__ gsc,
+                               float* __restrict__ state, float* __restrict__ o, int T, int nk, int nv, int dv) {
+    extern __shared__ __align__(16) float cs_sm[];
+    constexpr int LD = DK + 4, MLD = GC + 4, DLD = GCV + 1;
+    float* St = cs_sm;
+    float* Ws = St + GCV * LD;
+    float* Qs = Ws + GC * LD;
+    float* Ks = Qs + GC * LD;
+    float* Ms = Ks + GC * LD;
+    float* Us = Ms + GC * MLD;
+    float* Ds = Us + GC * GCV;
+    float* Gs = Ds + GC * DLD;
+    float* Es = Gs + GC;
+    const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x;
+    const int j = tid & 31, tq = tid >> 5;
+    const int kh = h / (nv / nk), key_dim = nk * DK;
+    float* S = state + (size_t)h * DK * dv;
+    for (int idx = tid; idx < DK * GCV; idx += blockDim.x) {
+        const int i = idx / GCV, jj = idx % GCV;
+        St[jj * LD + i] = S[(size_t)i * dv + c0 + jj];
+    }
+    const int nch = (T + GC - 1) / GC;
+    for (int c = 0; c < nch; ++c) {
+        const int t0 = c * GC, nt = min(GC, T - t0);
+        const size_t row0 = ((size_t)c * nv + h) * GC;
+        __syncthreads();  // the previous chunk is done with every buffer
+        for (int idx = tid; idx < GC * (DK / 4); idx += blockDim.x) {
+            const int t = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            cp_async16(&Ws[t * LD + i], w + (row0 + t) * DK + i);
+            if (t < nt) {
+                const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
+                cp_async16(&Qs[t * LD + i], qn + off);
+                cp_async16(&Ks[t * LD + i], kn + off);
+            } else {
+                *reinterpret_cast<float4*>(&Qs[t * LD + i]) = make_float4(0.f, 0.f, 0.f, 0.f);
+                *reinterpret_cast<float4*>(&Ks[t * LD + i]) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+        for (int idx = tid; idx < GC * (GC / 4); idx += blockDim.x) {
+            const int t = idx / (GC / 4), s = (idx % (GC / 4)) * 4;
+            cp_async16(&Ms[t * MLD + s], mq + (row0 + t) * GC + s);
+        }
+        for (int idx = tid; idx < GC * (GCV / 4); idx += blockDim.x) {
+            const int t = idx / (GCV / 4), jj = (idx % (GCV / 4)) * 4;
+            cp_async16(&Us[t * GCV + jj], u + (row0 + t) * dv + c0 + jj);
+        }
+        cp_async_commit();
+        if (tid < GC) Gs[tid] = gsc[row0 + tid];
+        cp_async_wait_all();
+        __syncthreads();
+        const float glast = Gs[GC - 1];
+        if (tid < GC) Es[tid] = expf(glast - Gs[tid]);
+        // D = U - W S and Q S for rows tq + 8m.
+        float dw[8], qs[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) dw[m] = qs[m] = 0.f;
+#pragma unroll 2
+        for (int i = 0; i < DK; i += 4) {
+            const float4 s4 = *reinterpret_cast<const float4*>(&St[j * LD + i]);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int t = tq + 8 * m;
+                const float4 w4 = *reinterpret_cast<const float4*>(&Ws[t * LD + i]);
+                const float4 q4 = *reinterpret_cast<const float4*>(&Qs[t * LD + i]);
+                dw[m] = fmaf(w4.x, s4.x, fmaf(w4.y, s4.y, fmaf(w4.z, s4.z, fmaf(w4.w, s4.w, dw[m]))));
+                qs[m] = fmaf(q4.x, s4.x, fmaf(q4.y, s4.y, fmaf(q4.z, s4.z, fmaf(q4.w, s4.w, qs[m]))));
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int t = tq + 8 * m;
+            Ds[t * DLD + j] = Us[t * GCV + j] - dw[m];
+        }
+        __syncthreads();  // D complete; S no longer read until its update
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int t = tq + 8 * m;
+            float acc = expf(Gs[t]) * qs[m];
+            for (int s = 0; s <= t; ++s) acc = fmaf(Ms[t * MLD + s], Ds[s * DLD + j], acc);
+            if (t < nt) o[(size_t)(t0 + t) * nv * dv + (size_t)h * dv + c0 + j] = acc;
+        }
+        // S = exp(G_last) S + sum_s exp(G_last - G_s) k_s d_s^T, rows i0 .. i0 + DK/8 of column j.
+        constexpr int RI = DK / 8;
+        const int i0 = tq * RI;
+        const float el = expf(glast);
+        float acc[RI];
+#pragma unroll
+        for (int r = 0; r < RI; ++r) acc[r] = el * St[j * LD + i0 + r];
+        for (int s = 0; s < GC; ++s) {
+            const float ds = Es[s] * Ds[s * DLD + j];
+#pragma unroll
+            for (int r = 0; r < RI; r += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(&Ks[s * LD + i0 + r]);
+                acc[r] = fmaf(k4.x, ds, acc[r]);
+                acc[r + 1] = fmaf(k4.y, ds, acc[r + 1]);
+                acc[r + 2] = fmaf(k4.z, ds, acc[r + 2]);
+                acc[r + 3] = fmaf(k4.w, ds, acc[r + 3]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RI; ++r) St[j * LD + i0 + r] = acc[r];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < DK * GCV; idx += blockDim.x) {
+        const int i = idx / GCV, jj = idx % GCV;
+        S[(size_t)i * dv + c0 + jj] = St[jj * LD + i];
+    }
+}
+
+#define PF_GDN_CHUNK(DK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) pf_gdn_chunk_prep_##DK(                                      \
+        const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
+        const float* dt_bias, const float* neg_a, int T, int nk, int nv, int dv, int C, float* u, float* w,        \
+        float* mq, float* gsc) {                                                                                   \
+        gdn_chunk_prep<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, T, nk, nv, dv, C, u, w, mq, gsc);             \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) pf_gdn_chunk_scan_##DK(                                      \
+        const float* qn, const float* kn, const float* u, const float* w, const float* mq, const float* gsc,       \
+        float* state, float* o, int T, int nk, int nv, int dv) {                                                   \
+        gdn_chunk_scan<DK>(qn, kn, u, w, mq, gsc, state, o, T, nk, nv, dv);                                        \
+    }
+PF_GDN_CHUNK(64)
+PF_GDN_CHUNK(128)
 
 // Gated RMSNorm per (token, value head): norm(o) * w * silu(z). grid (T, nv), block dv.
 extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
