@@ -3,7 +3,6 @@
 //! fields whatever the token count; each path adds the scratch only its kernels use.
 
 use super::device::Gpu;
-use super::gdn::{self, ChunkedScratch, GdnDims};
 use super::moe::{max_tiles, tiles_of, MoeDims, BATCH_TILE, TCB_PREFILL_TOKENS};
 use super::qmatmul::TcbStaging;
 use super::qmatmul::BlasScratch;
@@ -105,9 +104,6 @@ pub struct ChunkScratch {
     pub qn: CudaSlice<f32>,
     pub kn: CudaSlice<f32>,
     pub o: CudaSlice<f32>,
-    /// The chunked GDN scan's U, W, masked q.k and decays (`gdn::ChunkedScratch`; one float
-    /// each where the heads do not take it).
-    pub gdn_chunked: [CudaSlice<f32>; 4],
     /// MoE routing: per-expert counts, offsets, fill cursors; slot lists; tensor-core tiles.
     pub counts: CudaSlice<i32>,
     pub offsets: CudaSlice<i32>,
@@ -156,11 +152,6 @@ impl ChunkScratch {
             qn: f(qk)?,
             kn: f(qk)?,
             o: f(vd)?,
-            gdn_chunked: {
-                let d = GdnDims::new(cfg);
-                let sizes = if gdn::chunked_supported(&d) { ChunkedScratch::sizes(&d) } else { [1; 4] };
-                [gpu.zeros(sizes[0])?, gpu.zeros(sizes[1])?, gpu.zeros(sizes[2])?, gpu.zeros(sizes[3])?]
-            },
             counts: i(e)?,
             offsets: i(e)?,
             fill: i(e)?,

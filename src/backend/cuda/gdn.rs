@@ -1,8 +1,7 @@
 //! Gated DeltaNet (kernels/gdn.cu), the CUDA side of `cpu/gdn.rs`: the fused decode step (conv
 //! ring, L2 norms, recurrent update, gated norm for one token) and the prefill pieces over T
-//! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the scan, gated norm).
-//! The scan is the exact recurrence with the state in registers (the exact mode, short chunks)
-//! or its chunked form (the default for longer chunks; `select_scan_path`).
+//! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the exact recurrent
+//! scan with the state in registers, gated norm).
 
 use super::device::{Arg, Gpu};
 use super::registry::{Kernel, GDN};
@@ -106,26 +105,6 @@ pub struct GdnChunkScratch {
     pub qn: u64,
     pub kn: u64,
     pub o: u64,
-    /// The chunked scan's per-chunk U, W, masked q.k and cumulative decays, for
-    /// [`CHUNKED_SCAN_TOKENS`] tokens (zero: none, the exact scan only).
-    pub chunked: ChunkedScratch,
-}
-
-/// Device pointers of the chunked scan's scratch (`ChunkedScratch::sizes` floats each).
-#[derive(Clone, Copy, Default)]
-pub struct ChunkedScratch {
-    pub u: u64,
-    pub w: u64,
-    pub mq: u64,
-    pub g: u64,
-}
-
-impl ChunkedScratch {
-    /// Floats of u, w, mq and g for one launch pair of up to [`CHUNKED_SCAN_TOKENS`] tokens.
-    pub fn sizes(d: &GdnDims) -> [usize; 4] {
-        let rows = CHUNKED_SCAN_TOKENS.div_ceil(SCAN_CHUNK) * SCAN_CHUNK * d.nv;
-        [rows * d.dv, rows * d.dk, rows * SCAN_CHUNK, rows]
-    }
 }
 
 /// Causal conv over `n` tokens at `pos0` (history from the ring), the ring update, q/k L2 norms.
@@ -156,97 +135,9 @@ fn scan_block_columns(dk: usize) -> usize {
     4 * 32 / (dk / 16).clamp(2, 8)
 }
 
-/// Tokens per chunk of the chunked scan (GC in gdn.cu) and state columns per block of its walk (GCV).
-const SCAN_CHUNK: usize = 64;
-const SCAN_COLUMNS: usize = 32;
-/// Tokens of one launch pair of the chunked scan (a prefill chunk takes several): what its
-/// scratch holds.
-pub const CHUNKED_SCAN_TOKENS: usize = 1024;
-/// Fewer tokens than this run the exact scan also in the default mode: the chunked form's two
-/// launches and its per-chunk setup cost more than they save.
-pub const CHUNKED_MIN_TOKENS: usize = 128;
-
-/// How a prefill chunk's GDN recurrence runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScanPath {
-    /// `pf_gdn_scan_*`: token by token, the state in registers.
-    Exact,
-    /// `pf_gdn_chunk_prep_*` + `pf_gdn_chunk_scan_*`: 64-token chunks in the WY form.
-    Chunked,
-}
-
-/// Whether the chunked scan takes these head dims: key dims 64 or 128, value columns in blocks of
-/// 32, one thread per column of [U | W] (dv + dk <= 256), key heads shared by whole groups.
-pub fn chunked_supported(d: &GdnDims) -> bool {
-    matches!(d.dk, 64 | 128) && d.dv.is_multiple_of(SCAN_COLUMNS) && d.dv + d.dk <= 256 && d.nk > 0 && d.nv.is_multiple_of(d.nk)
-}
-
-/// The scan of a prefill chunk of `n` tokens: the chunked form outside the exact mode once the
-/// chunk is long enough, else the exact recurrence.
-pub fn select_scan_path(d: &GdnDims, n: usize, exact: bool) -> ScanPath {
-    if !exact && n >= CHUNKED_MIN_TOKENS && chunked_supported(d) {
-        ScanPath::Chunked
-    } else {
-        ScanPath::Exact
-    }
-}
-
-/// The recurrence over `n` tokens for every value head on the path `select_scan_path` picks:
-/// reads q/k (normalised), v from the conv output (row stride `conv_dim`), raw b/a; updates the
-/// state; writes `o`.
-pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, exact: bool) -> Result<()> {
-    match select_scan_path(d, n, exact) {
-        ScanPath::Chunked => scan_chunked(gpu, d, p, s, n),
-        ScanPath::Exact => scan_exact(gpu, d, p, s, n),
-    }
-}
-
-fn chunked_kernels(dk: usize) -> Option<(Kernel, Kernel)> {
-    match dk {
-        64 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_64"), Kernel::ordered(&GDN, "pf_gdn_chunk_scan_64"))),
-        128 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_128"), Kernel::ordered(&GDN, "pf_gdn_chunk_scan_128"))),
-        _ => None,
-    }
-}
-
-/// Dynamic shared memory of pf_gdn_chunk_prep and pf_gdn_chunk_scan (gdn.cu).
-fn chunked_smem(dk: usize) -> (u32, u32) {
-    let (c, v) = (SCAN_CHUNK, SCAN_COLUMNS);
-    let prep = 2 * c * (dk + 1) + c * (c + 1) + 2 * c;
-    let walk = v * (dk + 4) + 3 * c * (dk + 4) + c * (c + 4) + c * v + c * (v + 1) + 2 * c;
-    ((prep * 4) as u32, (walk * 4) as u32)
-}
-
-/// The chunked scan (see gdn.cu): per [`CHUNKED_SCAN_TOKENS`] tokens, every chunk's U, W, masked
-/// q.k and decays at once, then the walk over the chunks that carries the state.
-pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
-    let Some((prep, walk)) = chunked_kernels(d.dk).filter(|_| chunked_supported(d)) else {
-        bail!("GDN heads (key dim {}, value dim {}) not supported by the chunked scan", d.dk, d.dv);
-    };
-    let c = &s.chunked;
-    if c.u == 0 {
-        bail!("the chunked GDN scan has no scratch");
-    }
-    let (prep_smem, walk_smem) = chunked_smem(d.dk);
-    let key_dim = d.nk * d.dk;
-    let dims = |t: usize| [t, d.nk, d.nv, d.dv].map(|v| Arg::I(v as i32));
-    for tb in (0..n).step_by(CHUNKED_SCAN_TOKENS) {
-        let t = (n - tb).min(CHUNKED_SCAN_TOKENS);
-        let at = |base: u64, row: usize| Arg::P(base + (tb * row * 4) as u64);
-        let (qn, kn) = (at(s.qn, key_dim), at(s.kn, key_dim));
-        let mut args = vec![qn, kn, at(s.conv, d.conv_dim), at(p.b, d.nv), at(p.a, d.nv), Arg::P(p.dt_bias), Arg::P(p.neg_a)];
-        args.extend(dims(t));
-        args.extend([Arg::I(d.conv_dim as i32), Arg::P(c.u), Arg::P(c.w), Arg::P(c.mq), Arg::P(c.g)]);
-        gpu.launch(prep, (t.div_ceil(SCAN_CHUNK) as u32, d.nv as u32, 1), 256, prep_smem, &args)?;
-        let mut args = vec![qn, kn, Arg::P(c.u), Arg::P(c.w), Arg::P(c.mq), Arg::P(c.g), Arg::P(p.state), at(s.o, d.nv * d.dv)];
-        args.extend(dims(t));
-        gpu.launch(walk, (d.nv as u32, (d.dv / SCAN_COLUMNS) as u32, 1), 256, walk_smem, &args)?;
-    }
-    Ok(())
-}
-
-/// The exact recurrence (`pf_gdn_scan_*`).
-pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
+/// The exact recurrence over `n` tokens for every value head: reads q/k (normalised), v from the
+/// conv output (row stride `conv_dim`), raw b/a; updates the state; writes `o`.
+pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
     let Some(k) = select_scan(d.dk) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
@@ -282,26 +173,5 @@ mod tests {
         assert!(step_supported(&GdnDims { dk: 96, ..tiny }));
         assert!(!chunk_supported(&GdnDims { dk: 96, ..tiny }));
         assert!(!step_supported(&GdnDims { dk: 128, dv: 512, ..tiny }));
-    }
-
-    #[test]
-    fn the_default_mode_runs_longer_chunks_through_the_chunked_scan() {
-        let big = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
-        let tiny = GdnDims::new(&ModelConfig::tiny());
-        for d in [big, tiny] {
-            assert!(chunked_supported(&d));
-            assert_eq!(select_scan_path(&d, CHUNKED_MIN_TOKENS, false), ScanPath::Chunked);
-            assert_eq!(select_scan_path(&d, 4096, false), ScanPath::Chunked);
-            assert_eq!(select_scan_path(&d, CHUNKED_MIN_TOKENS - 1, false), ScanPath::Exact);
-            assert_eq!(select_scan_path(&d, 4096, true), ScanPath::Exact);
-        }
-        // Key dims without an instance, too many columns for one thread each.
-        assert_eq!(select_scan_path(&GdnDims { dk: 32, ..tiny }, 4096, false), ScanPath::Exact);
-        assert_eq!(select_scan_path(&GdnDims { dk: 128, dv: 256, ..tiny }, 4096, false), ScanPath::Exact);
-        // The 35B's scratch: 1,024 tokens x 32 value heads of U (128), W (128), q.k (64) and G.
-        assert_eq!(ChunkedScratch::sizes(&big), [1024 * 32 * 128, 1024 * 32 * 128, 1024 * 32 * 64, 1024 * 32]);
-        // Shared memory within what a block may take (227 KB).
-        let (prep, walk) = chunked_smem(128);
-        assert!(prep <= 227 * 1024 && walk <= 227 * 1024, "{prep} {walk}");
     }
 }

@@ -75,10 +75,6 @@ pub const GDN: Module = Module {
         "pf_gdn_scan_32",
         "pf_gdn_scan_64",
         "pf_gdn_scan_128",
-        "pf_gdn_chunk_prep_64",
-        "pf_gdn_chunk_scan_64",
-        "pf_gdn_chunk_prep_128",
-        "pf_gdn_chunk_scan_128",
         "pf_gdn_norm",
     ],
 };

@@ -7,7 +7,7 @@ use super::attention::{self, AttnDims, AttnPtrs};
 use super::decode::{self, StepOut};
 use super::device::{ptr, Gpu};
 use super::forward::Probe;
-use super::gdn::{self, ChunkedScratch, GdnChunkScratch, GdnDims, GdnPtrs};
+use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 use super::moe::{self, MoeDims, RouteLists};
 use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped};
 use super::sampling;
@@ -277,11 +277,10 @@ pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc:
 }
 
 /// The prefill GDN scan for one value head over T tokens: q, k `[T][dk]` (normalised, q
-/// pre-scaled), v `[T][dv]`, raw gate inputs b, a `[T]`, state `s0` `[dk][dv]`; the exact
-/// recurrence or (`chunked`) the chunked form at any length. Returns (outputs `[T][dv]`, final
-/// state).
+/// pre-scaled), v `[T][dv]`, raw gate inputs b, a `[T]`, state `s0` `[dk][dv]`. Returns (outputs
+/// `[T][dv]`, final state).
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize, chunked: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize) -> Result<(Vec<f32>, Vec<f32>)> {
     let gpu = &b.gpu;
     let t = braw.len();
     let c = 2 * dk + dv;
@@ -296,14 +295,7 @@ pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], 
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: p(&sd), y: 0 };
-    if chunked {
-        let sizes = ChunkedScratch::sizes(&d);
-        let scratch = [gpu.zeros::<f32>(sizes[0])?, gpu.zeros::<f32>(sizes[1])?, gpu.zeros::<f32>(sizes[2])?, gpu.zeros::<f32>(sizes[3])?];
-        let c = ChunkedScratch { u: p(&scratch[0]), w: p(&scratch[1]), mq: p(&scratch[2]), g: p(&scratch[3]) };
-        gdn::scan_chunked(gpu, &d, &ptrs, &GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked: c }, t)?;
-        return Ok((read(gpu, &od)?, read(gpu, &sd)?));
-    }
-    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked: ChunkedScratch::default() };
-    gdn::scan_exact(gpu, &d, &ptrs, &s, t)?;
+    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
+    gdn::scan(gpu, &d, &ptrs, &s, t)?;
     Ok((read(gpu, &od)?, read(gpu, &sd)?))
 }
