@@ -118,16 +118,27 @@ pub fn random_quant(rows: usize, cols: usize, bits: usize, seed: u64) -> lily::c
     }
 }
 
-/// Token masks in a batched decode (`StepHooks::mask`), the same check on every backend. `fresh`
-/// makes the same four rows each time (sequence and first token): greedy, greedy, seeded sampled,
-/// seeded sampled. Decoded once without masks, then with row 0 forced onto a token per step
+/// Token masks in a batched decode (`StepHooks::mask`), the same check on every backend. Four
+/// rows, prompts of `lens` tokens (`batch_prompt`; all but the last prefilled into sequences of
+/// `max_seq`, the last fed by the first step): greedy, greedy, seeded sampled, seeded sampled. Decoded once without masks, then with row 0 forced onto a token per step
 /// (an allowed set of one), row 2 held to three tokens per step, row 3's hook saying
 /// "unconstrained" and row 1 left alone: row 0 gets exactly the forced tokens, row 2 only
 /// allowed ones, and rows 1 and 3 what they got without masks (a mask touches its own row only).
 /// Then two greedy rows, row 0 masked at one step only (the step leaves the argmax kernel for
 /// the sampler and comes back): row 1 unchanged, row 0 forced at that step.
-pub fn check_token_masks(b: &mut dyn lily::backend::Backend, fresh: &mut dyn FnMut(&mut dyn lily::backend::Backend) -> Vec<(lily::backend::Sequence, u32)>) {
-    use lily::backend::{BatchRow, StepHooks};
+pub fn check_token_masks(b: &mut dyn lily::backend::Backend, lens: [usize; 4], max_seq: usize) {
+    use lily::backend::{BatchRow, LogitsWanted, StepHooks};
+    let fresh = |b: &mut dyn lily::backend::Backend| -> Vec<(lily::backend::Sequence, u32)> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                let p = lily::engine::contract::batch_prompt(i, l, b.config().vocab_size);
+                let mut seq = b.new_sequence(max_seq).unwrap();
+                b.forward(&mut seq, &p[..l - 1], LogitsWanted::None).unwrap();
+                (seq, p[l - 1])
+            })
+            .collect()
+    };
     use lily::engine::sampling::{SamplerSnapshot, SamplingParams};
     const STEPS: usize = 6;
     let vocab = b.config().vocab_size as u32;
@@ -156,7 +167,7 @@ pub fn check_token_masks(b: &mut dyn lily::backend::Backend, fresh: &mut dyn FnM
             Ok(true)
         }
     }
-    let mut run = |b: &mut dyn lily::backend::Backend, snaps: &[SamplerSnapshot], rule: &dyn Fn(usize, usize) -> Option<Vec<u32>>| {
+    let run = |b: &mut dyn lily::backend::Backend, snaps: &[SamplerSnapshot], rule: &dyn Fn(usize, usize) -> Option<Vec<u32>>| {
         let mut seqs = fresh(b);
         seqs.truncate(snaps.len());
         let mut rows: Vec<BatchRow> = seqs.iter_mut().zip(snaps).map(|((seq, t), s)| BatchRow { seq, first_token: *t, max_tokens: STEPS, sampler: s.clone() }).collect();

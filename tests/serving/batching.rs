@@ -82,6 +82,25 @@ fn watch_batch_size(url: String, running: Arc<AtomicBool>) -> (Arc<AtomicU64>, t
 }
 
 /// The tiny model without a prefix cache, so solo runs leave nothing the concurrent ones reuse.
+/// Each body streamed alone, one after the other, then all of them at once: (solo, together,
+/// the largest `lily_batch_size` /metrics showed meanwhile).
+async fn solo_then_together(s: &lily::server::ServerHandle, url: &str, bodies: &[Value]) -> (Vec<Stream>, Vec<Stream>, u64) {
+    let mut solo = Vec::new();
+    for b in bodies {
+        solo.push(stream(url, b.clone(), None).await);
+    }
+    let running = Arc::new(AtomicBool::new(true));
+    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
+    let tasks: Vec<_> = bodies.iter().map(|b| tokio::spawn(stream_owned(url.to_string(), b.clone()))).collect();
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(t.await.unwrap());
+    }
+    running.store(false, Relaxed);
+    watcher.await.unwrap();
+    (solo, together, max_batch.load(Relaxed))
+}
+
 fn uncached_args() -> lily::server::ServeArgs {
     let mut a = args();
     a.prefix_cache_mb = Some(0);
@@ -93,20 +112,8 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
     let s = lily::server::spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // 8 greedy streams and 2 seeded sampled ones (with a penalty).
-    let cases: Vec<(usize, bool)> = (0..8).map(|i| (i, false)).chain([(8, true), (9, true)]).collect();
-    let mut solo = Vec::new();
-    for &(i, sampled) in &cases {
-        solo.push(stream(&url, body(i, 40, sampled), None).await);
-    }
-    let running = Arc::new(AtomicBool::new(true));
-    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
-    let tasks: Vec<_> = cases.iter().map(|&(i, sampled)| tokio::spawn(stream_owned(url.clone(), body(i, 40, sampled)))).collect();
-    let mut together = Vec::new();
-    for t in tasks {
-        together.push(t.await.unwrap());
-    }
-    running.store(false, Relaxed);
-    watcher.await.unwrap();
+    let cases: Vec<Value> = (0..8).map(|i| body(i, 40, false)).chain([body(8, 40, true), body(9, 40, true)]).collect();
+    let (solo, together, max_batch) = solo_then_together(&s, &url, &cases).await;
     for (k, (a, b)) in solo.iter().zip(&together).enumerate() {
         assert!(!a.text.is_empty(), "case {k} produced text");
         assert_eq!(a.text, b.text, "case {k}: the batched stream differs from its solo run");
@@ -120,7 +127,7 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
             }
         }
     }
-    assert!(max_batch.load(Relaxed) >= 2, "/metrics never showed a batch of two or more");
+    assert!(max_batch >= 2, "/metrics never showed a batch of two or more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,19 +142,7 @@ async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_out
         b
     };
     let cases = [json_body(0, false), json_body(1, true), body(2, 24, false), json_body(3, false), json_body(4, true), body(5, 24, true)];
-    let mut solo = Vec::new();
-    for b in &cases {
-        solo.push(stream(&url, b.clone(), None).await);
-    }
-    let running = Arc::new(AtomicBool::new(true));
-    let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
-    let tasks: Vec<_> = cases.iter().map(|b| tokio::spawn(stream_owned(url.clone(), b.clone()))).collect();
-    let mut together = Vec::new();
-    for t in tasks {
-        together.push(t.await.unwrap());
-    }
-    running.store(false, Relaxed);
-    watcher.await.unwrap();
+    let (solo, together, max_batch) = solo_then_together(&s, &url, &cases).await;
     for (k, (a, b)) in solo.iter().zip(&together).enumerate() {
         assert_eq!(a.text, b.text, "case {k}: the batched stream differs from its solo run");
         assert_eq!(a.finish, b.finish, "case {k}");
@@ -155,7 +150,7 @@ async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_out
             assert!(a.text.trim_start().starts_with('{'), "case {k}: {:?} is not a JSON object's start", a.text);
         }
     }
-    assert!(max_batch.load(Relaxed) >= 2, "/metrics never showed a batch of two or more");
+    assert!(max_batch >= 2, "/metrics never showed a batch of two or more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
