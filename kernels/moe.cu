@@ -497,9 +497,10 @@ __device__ __forceinline__ void block_excl_scan2(int a, int b, int* wa, int* wb,
 // another order. grid (ceil((E + 1) / RB_ROWS), ceil(n / RB_TOK)), block RB_THREADS; each thread
 // owns 8-column chunks of H for the block's RB_ROWS rows and RB_TOK tokens, read straight from
 // global memory (every block reads all of u; it is L2-resident). Tiles are TCB_TOK slots (one
-// moe_tcb pass each). `done` counts finished blocks;
-// the last one resets it, so the kernel replays in a graph. Dynamic shared memory: rb_smem().
-#define RB_ROWS 4
+// moe_tcb pass each). `done` counts finished blocks; the last one resets it, so the kernel
+// replays in a graph. Dynamic shared memory: route_batch_smem (moe.rs). Instances of 1 and 4
+// router rows per block (moe_route_batch_1 / _4): few tokens spread the router over more blocks
+// (moe.rs route_rows_per_block).
 #define RB_TOK 16
 #define RB_THREADS 256
 
@@ -519,7 +520,8 @@ __device__ __forceinline__ void rb_dequant8(const u32* __restrict__ w, const u16
     }
 }
 
-extern "C" __global__ void __launch_bounds__(RB_THREADS)
+template <int RB_ROWS>
+__device__ __forceinline__ void
 moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32* __restrict__ rw,
                 const u16* __restrict__ rs, const u16* __restrict__ rbias, int rbits, const u32* __restrict__ gw,
                 const u16* __restrict__ gs, const u16* __restrict__ gbias, int gbits, int E, int K,
@@ -658,6 +660,18 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     if (with_shared)
         for (int t = tid; t < n; t += RB_THREADS) list[n * K + t] = n * K + t;
 }
+
+#define MOE_ROUTE_BATCH(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(RB_THREADS) moe_route_batch_##R(                                \
+        const float* u, int n, int H, int group, const u32* rw, const u16* rs, const u16* rbias, int rbits,       \
+        const u32* gw, const u16* gs, const u16* gbias, int gbits, int E, int K, float* logits, float* sgl,       \
+        int* top_ids, float* top_w, int* counts, int* offsets, int* fill, int* list, int* tiles, int with_shared, \
+        unsigned* done) {                                                                                         \
+        moe_route_batch<R>(u, n, H, group, rw, rs, rbias, rbits, gw, gs, gbias, gbits, E, K, logits, sgl,         \
+                           top_ids, top_w, counts, offsets, fill, list, tiles, with_shared, done);                \
+    }
+MOE_ROUTE_BATCH(1)
+MOE_ROUTE_BATCH(4)
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
