@@ -180,6 +180,11 @@ impl Active {
     fn finished(&self) -> bool {
         self.reply.end.is_some() || self.reply.failed.is_some()
     }
+
+    /// Takes decode steps: its prompt is in and it has not finished.
+    fn stepping(&self) -> bool {
+        self.decoding && !self.finished()
+    }
 }
 
 /// What the steps need besides the rows (borrowed apart from them).
@@ -367,7 +372,7 @@ impl Worker {
     fn prefill(&mut self) {
         // The chunk bounds what a turn adds to the decoding rows' inter-token latency; with no
         // row decoding, nobody waits on a token and prompts go in at full speed.
-        let decoding = self.active.iter().any(|a| a.decoding && !a.finished());
+        let decoding = self.active.iter().any(Active::stepping);
         let mut budget = if decoding { self.cfg.prefill_chunk.max(1) } else { self.cfg.prefill_chunk.max(IDLE_PREFILL_CHUNK) };
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
@@ -405,15 +410,14 @@ impl Worker {
         let Worker { backend, tokenizer, metrics, cfg, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         // A row at max-seq cannot take another step.
-        for a in active.iter_mut().filter(|a| a.decoding && !a.finished() && a.seq.len() >= a.seq.max_seq()) {
+        for a in active.iter_mut().filter(|a| a.stepping() && a.seq.len() >= a.seq.max_seq()) {
             a.reply.end = Some(End::Length);
         }
         // Structured-output rows step in the batch, masked in its sampler; alone, one steps on
         // the host like a logprobs row (the single-sequence forward beats a batch step of one).
-        let stepping = || active.iter().filter(|a| a.decoding && !a.finished());
-        let alone = stepping().filter(|a| !a.reply.wants_logits()).count() == 1;
+        let alone = active.iter().filter(|a| a.stepping() && !a.reply.wants_logits()).count() == 1;
         let (host, device): (Vec<&mut Active>, Vec<&mut Active>) =
-            active.iter_mut().filter(|a| a.decoding && !a.finished()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
+            active.iter_mut().filter(|a| a.stepping()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
         ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
         let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
         match device.len() {
