@@ -3,7 +3,7 @@
 //! output projection. The cache stores k after norm and RoPE.
 
 use super::ops::{apply_rope, rms_norm_rows, sigmoid, softmax};
-use super::qmatmul::{dot, qmatmul_all};
+use super::qmatmul::{dot_fast, qmatmul_all};
 use crate::checkpoint::ModelConfig;
 use crate::model::AttentionWeights;
 use rayon::prelude::*;
@@ -71,7 +71,7 @@ pub fn forward(w: &AttentionWeights, cfg: &ModelConfig, inv_freq: &[f64], u: &[f
         let kvh = h / group;
         let qh = &q[idx * hd..(idx + 1) * hd];
         let n = pos0 + t + 1; // causal: positions 0..=pos0+t
-        let mut scores: Vec<f32> = (0..n).map(|p| dot(qh, &cache.k[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]) * scale).collect();
+        let mut scores: Vec<f32> = (0..n).map(|p| dot_fast(qh, &cache.k[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]) * scale).collect();
         softmax(&mut scores);
         out.fill(0.0);
         for (p, &pr) in scores.iter().enumerate() {

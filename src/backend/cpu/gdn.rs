@@ -3,7 +3,7 @@
 //! output projection. The recurrent state is f32 `[value_head][Dk][Dv]` (HF layout).
 
 use super::ops::{l2_normalize, rms_norm, sigmoid, silu, softplus};
-use super::qmatmul::{dot, qmatmul_all};
+use super::qmatmul::{dot_fast, qmatmul_all};
 use crate::checkpoint::ModelConfig;
 use crate::model::GdnWeights;
 use rayon::prelude::*;
@@ -93,7 +93,7 @@ pub fn chunked(s: &mut [f32], inp: &HeadInputs, dk: usize, dv: usize, out: &mut 
         let mut l = vec![0.0f32; n * n];
         for r in 0..n {
             for c in 0..r {
-                l[r * n + c] = beta[r] * dot(kr(r), kr(c)) * (gamma[r] - gamma[c]).exp();
+                l[r * n + c] = beta[r] * dot_fast(kr(r), kr(c)) * (gamma[r] - gamma[c]).exp();
             }
         }
         // Forward substitution with (I + L): U = T·diag(β)V, W = T·diag(β e^γ)K.
@@ -144,7 +144,7 @@ pub fn chunked(s: &mut [f32], inp: &HeadInputs, dk: usize, dv: usize, out: &mut 
                 }
             }
             for c in 0..=r {
-                let a = dot(qr(r), kr(c)) * (gamma[r] - gamma[c]).exp();
+                let a = dot_fast(qr(r), kr(c)) * (gamma[r] - gamma[c]).exp();
                 for (x, &y) in o.iter_mut().zip(&vnew[c * dv..(c + 1) * dv]) {
                     *x += a * y;
                 }
