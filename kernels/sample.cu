@@ -254,13 +254,22 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
     int lo, hi;
     sample_slice(n, lo, hi);
     unsigned long long tm = 0;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const float v = z[i];
-        if (!sample_finite(v)) continue;
-        const u32 key = sample_key(v);
-        if (phase == 0) {
-            if ((key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], 1ull);
-        } else {
+    if (phase == 0) {
+        // Counts: most of a row's keys share their top bits, so the lanes of a warp that hit the
+        // same bin add once together (one shared atomic per distinct bin instead of per lane).
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            const u32 key = sample_key(v);
+            const bool take = sample_finite(v) && (key & mask) == prefix;
+            const u32 bin = take ? (key >> shift) & 255u : 0xffffffffu;
+            const u32 peers = __match_any_sync(__activemask(), bin);
+            if (take && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (unsigned long long)__popc(peers));
+        }
+    } else {
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            if (!sample_finite(v)) continue;
+            const u32 key = sample_key(v);
             if (v < tau_k) continue;
             const unsigned long long w = sample_mass(v, zmax, p.temperature);
             if (pass == 4) tm += w;  // the top-k set's mass: top-p is relative to it

@@ -229,7 +229,6 @@ unsafe fn row_dot_avx2(w: &QuantTensor, r: usize, x: &[f32], xsum: &[f32]) -> f3
     let (sb, bb) = (w.scales.as_bytes(), w.biases.as_bytes());
     assert!(x.len() >= gpr * group && xsum.len() >= gpr && (w.bits == 4 || w.bits == 8) && group % 8 == 0);
     let (wp, xp) = (row_words.as_ptr(), x.as_ptr());
-    let term = |g: usize, d: f32| scale_at(sb, w.scale_dtype, r * gpr + g) * d + scale_at(bb, w.scale_dtype, r * gpr + g) * xsum[g];
     let mut acc = 0.0f32;
     for g in 0..gpr {
         let (ws, xs) = (wp.add(g * words_per_group), xp.add(g * group));
