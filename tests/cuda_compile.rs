@@ -17,9 +17,15 @@ fn every_kernel_compiles_for_sm90a() {
     }
     let (maj, min) = nvrtc_version().expect("nvrtcVersion");
     eprintln!("NVRTC {maj}.{min}");
+    // One thread per module: NVRTC compiles separate programs concurrently, and a module takes
+    // seconds on one core.
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = MODULES.iter().map(|m| (m, scope.spawn(move || compile_cubin(m.name, &module_source(m.source))))).collect();
+        jobs.into_iter().map(|(m, j)| (m, j.join().expect("compile thread panicked"))).collect()
+    });
     let mut failures = Vec::new();
-    for m in MODULES {
-        match compile_cubin(m.name, &module_source(m.source)) {
+    for (m, result) in results {
+        match result {
             Ok(cubin) => {
                 assert!(cubin.len() > 64, "{}: empty cubin", m.name);
                 // The entry points the backend loads must be present (names are in the ELF symbol table).
