@@ -153,12 +153,12 @@ fn row_dot_generic(w: &QuantTensor, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
     acc
 }
 
-// AVX2 versions of the scalar loops, written with intrinsics so that they vectorise at every
-// optimisation level (the test builds' opt-level 1 does not auto-vectorise). Each of the 8 (or 4)
-// lanes is one of the scalar loop's accumulators, products and sums are rounded as there
-// (multiply then add, no FMA) and the lanes are summed in the same order, so the results are
-// bit-identical to the scalar loops; independent groups or tokens run side by side so that the
-// additions' latency overlaps. Picked at run time, so the binary still runs on any x86-64.
+// AVX2 versions of the scalar loops, written with intrinsics so that they vectorise at any
+// optimisation level (opt-level 1 has no loop vectoriser). Each of the 8 (or 4) lanes is one of
+// the scalar loop's accumulators, products and sums are rounded as there (multiply then add, no
+// FMA) and the lanes are summed in the same order, so the results are bit-identical to the scalar
+// loops; four rows (decode) or four tokens (prefill) run side by side so that the additions'
+// latency overlaps. Picked at run time, so the binary still runs on any x86-64.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
