@@ -185,6 +185,11 @@ impl Active {
     fn stepping(&self) -> bool {
         self.decoding && !self.finished()
     }
+
+    /// Still being prefilled: its prompt is not all in and it has not finished.
+    fn prefilling(&self) -> bool {
+        !self.decoding && !self.finished()
+    }
 }
 
 /// What the steps need besides the rows (borrowed apart from them).
@@ -377,12 +382,12 @@ impl Worker {
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
-        for a in active.iter_mut().filter(|a| !a.decoding && !a.finished()) {
+        for a in active.iter_mut().filter(|a| a.prefilling()) {
             if a.reply.client_gone() {
                 a.reply.end = Some(End::ClientGone);
                 continue;
             }
-            while budget > 0 && !a.decoding && !a.finished() {
+            while budget > 0 && a.prefilling() {
                 match guarded(|| prefill_step(&mut ctx, cache, a, budget, &mut forks)) {
                     Ok(fed) => budget -= fed.min(budget),
                     Err(e) => a.reply.failed = Some(e),
@@ -403,7 +408,7 @@ impl Worker {
 
     /// Decodes the rows whose prompt is in (see the module comment).
     fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
-        let prefill_waits = self.active.iter().any(|a| !a.decoding && !a.finished());
+        let prefill_waits = self.active.iter().any(Active::prefilling);
         // A new request ends a decode call early only if it could be admitted now.
         let room = self.held.is_none() && self.active.len() < self.max_batch;
         let newcomer = || room && !rx.is_empty();
