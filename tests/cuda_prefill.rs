@@ -22,7 +22,7 @@ use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::options::DEFAULT_PREFILL_CHUNK as DEFAULT_CHUNK;
 use lily::backend::cuda::qmatmul::{FewRowRoute, GemmRoute};
 use lily::backend::cuda::{testing, CudaBackend};
-use lily::backend::{Backend, LogitsWanted};
+use lily::backend::{Backend, LogitsWanted, PrefillPiece, Sequence};
 use lily::checkpoint::Checkpoint;
 use lily::engine::sampling::argmax;
 use lily::model::ModelWeights;
@@ -539,4 +539,68 @@ fn cuda_prefill_bench() {
         dt,
         n as f64 / dt
     );
+}
+
+/// Several sequences' pieces in one prefill call (the server's prefill rounds) leave each
+/// sequence as its piece fed alone would: pieces of 260, 100 (after 40 tokens already in), 2, 1
+/// and 77 tokens, in one chunk and in chunks of 64 that cut pieces, and a piece with a token
+/// outside the vocabulary fails alone.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_pieces_equal_each_alone() {
+    let mut gpu = cuda();
+    let vocab = gpu.config().vocab_size;
+    let lens = [260usize, 100, 2, 1, 77];
+    let prompts: Vec<Vec<u32>> = (0..lens.len()).map(|i| prompt(40 + lens[i] + 7 * i, vocab)[7 * i..].to_vec()).collect();
+    // Sequence 1 holds 40 tokens before its piece.
+    let prior = |i: usize| if i == 1 { 40 } else { 0 };
+    for exact in [true, false] {
+        let mut alone = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut s = gpu.new_sequence(400).unwrap();
+            let piece = &p[prior(i)..prior(i) + lens[i]];
+            if prior(i) > 0 {
+                testing::prefill(&mut gpu, &mut s, &p[..prior(i)], LogitsWanted::None, DEFAULT_CHUNK, exact).unwrap();
+            }
+            if piece.len() == 1 {
+                gpu.forward(&mut s, piece, LogitsWanted::None).unwrap();
+            } else {
+                testing::prefill(&mut gpu, &mut s, piece, LogitsWanted::None, DEFAULT_CHUNK, exact).unwrap();
+            }
+            alone.push(gpu.forward(&mut s, &[42], LogitsWanted::Last).unwrap());
+        }
+        for chunk in [DEFAULT_CHUNK, 64] {
+            let mut seqs: Vec<Sequence> = (0..prompts.len()).map(|_| gpu.new_sequence(400).unwrap()).collect();
+            for (i, s) in seqs.iter_mut().enumerate() {
+                if prior(i) > 0 {
+                    testing::prefill(&mut gpu, s, &prompts[i][..prior(i)], LogitsWanted::None, DEFAULT_CHUNK, exact).unwrap();
+                }
+            }
+            // A sixth piece with a bad token: it fails, the others go in.
+            let mut bad_seq = gpu.new_sequence(400).unwrap();
+            let bad = vec![1, 2, vocab as u32, 3];
+            let mut pieces: Vec<PrefillPiece> =
+                seqs.iter_mut().enumerate().map(|(i, seq)| PrefillPiece { seq, tokens: &prompts[i][prior(i)..prior(i) + lens[i]] }).collect();
+            pieces.insert(2, PrefillPiece { seq: &mut bad_seq, tokens: &bad });
+            let results = testing::prefill_pieces(&mut gpu, &mut pieces, chunk, exact);
+            drop(pieces);
+            assert_eq!(results.len(), 6);
+            assert!(results[2].as_ref().unwrap_err().to_string().contains("outside the vocabulary"), "{:?}", results[2]);
+            assert!(results.iter().enumerate().all(|(i, r)| i == 2 || r.is_ok()), "{results:?}");
+            assert_eq!(bad_seq.len(), 0);
+            for (i, s) in seqs.iter_mut().enumerate() {
+                assert_eq!(s.len(), prior(i) + lens[i]);
+                let together = gpu.forward(s, &[42], LogitsWanted::Last).unwrap();
+                let e = max_abs_diff(&together, &alone[i]);
+                eprintln!("pieces together vs alone (exact={exact}, chunk {chunk}): sequence {i} ({} tokens) next-step logits max |diff| {e:.3e}", lens[i]);
+                // The f32 path computes each row alone; on the bf16 path the routes depend on the
+                // chunk's token count (as in cuda_prefill_chunks_equal_one_call).
+                let tol = if exact { 1e-4 } else { 0.15 };
+                assert!(e < tol, "sequence {i}: {e}");
+                if exact {
+                    assert_eq!(argmax(&together), argmax(&alone[i]), "sequence {i}");
+                }
+            }
+        }
+    }
 }

@@ -207,6 +207,17 @@ pub trait Backend: Send {
     /// its caches. Returns the requested logits (f32, `vocab_size` per row).
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
 
+    /// Feeds a piece of prompt to each of several sequences, with no logits: what `forward`
+    /// with [`LogitsWanted::None`] does per piece. Returns one result per piece, in order; a
+    /// piece that fails (a token outside the vocabulary, no room) leaves its sequence as it was
+    /// and does not stop the others. A sequence may appear only once.
+    ///
+    /// The default feeds the pieces one after the other (the CPU reference); the CUDA backend runs
+    /// them through one forward, so their projections and experts read the weights once.
+    fn prefill_pieces(&mut self, pieces: &mut [PrefillPiece]) -> Vec<Result<()>> {
+        pieces.iter_mut().map(|p| self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ())).collect()
+    }
+
     /// Device memory in use and the device's total, in bytes (`None` for the host backend).
     /// "In use" is the whole device's (cuMemGetInfo), i.e. ours on a dedicated GPU.
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -417,6 +428,12 @@ pub struct BatchRow<'a> {
     pub max_tokens: usize,
     /// Its sampling: parameters, seed, counts so far (`Sampler::snapshot`).
     pub sampler: crate::engine::sampling::SamplerSnapshot,
+}
+
+/// A piece of prompt for one sequence of [`Backend::prefill_pieces`], fed at its position.
+pub struct PrefillPiece<'a> {
+    pub seq: &'a mut Sequence,
+    pub tokens: &'a [u32],
 }
 
 /// The attention KV cache element type the user asked for (`--kv-cache`).

@@ -226,25 +226,23 @@ fn emit(common: serde_json::Value, arm: serde_json::Value, json_out: Option<&std
 mod batch {
     use super::Args;
     use anyhow::{bail, Result};
-    use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
+    use lily::backend::{Backend, BatchRow, PrefillPiece, Sequence};
     use lily::engine::contract::{batch_prompt, token_digest};
     use lily::engine::sampling::{Sampler, SamplingParams};
     use serde_json::json;
     use std::time::Instant;
 
-    /// The N prompts' sequences prefilled up to their last token (returned beside them).
+    /// The N prompts' sequences prefilled up to their last token (returned beside them), all in
+    /// one `prefill_pieces` call as the server's prefill rounds do.
     fn prefilled(backend: &mut dyn Backend, n: usize, len: usize, max_seq: usize) -> Result<Vec<(Sequence, u32)>> {
         let vocab = backend.config().vocab_size;
-        (0..n)
-            .map(|i| {
-                let prompt = batch_prompt(i, len, vocab);
-                let mut seq = backend.new_sequence(max_seq)?;
-                if len > 1 {
-                    backend.forward(&mut seq, &prompt[..len - 1], LogitsWanted::None)?;
-                }
-                Ok((seq, prompt[len - 1]))
-            })
-            .collect()
+        let prompts: Vec<Vec<u32>> = (0..n).map(|i| batch_prompt(i, len, vocab)).collect();
+        let mut seqs = (0..n).map(|_| backend.new_sequence(max_seq)).collect::<Result<Vec<_>>>()?;
+        if len > 1 {
+            let mut pieces: Vec<PrefillPiece> = seqs.iter_mut().zip(&prompts).map(|(seq, p)| PrefillPiece { seq, tokens: &p[..len - 1] }).collect();
+            backend.prefill_pieces(&mut pieces).into_iter().collect::<Result<Vec<()>>>()?;
+        }
+        Ok(seqs.into_iter().zip(prompts).map(|(seq, p)| (seq, p[len - 1])).collect())
     }
 
     /// Row i samples with seed + i (distinct streams, reproducible).

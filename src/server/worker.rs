@@ -34,7 +34,7 @@ use super::output::Delta;
 use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, Sequence, StepHooks};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, StepHooks};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -373,35 +373,38 @@ impl Worker {
         }
     }
 
-    /// Prefills up to `prefill_chunk` prompt tokens, from the admitted prompts in order.
+    /// Prefills up to `prefill_chunk` prompt tokens (more while no row decodes), from the
+    /// admitted prompts in order, in rounds of one backend call over several prompts' pieces
+    /// ([`prefill_round`]). A prompt that is in ends the turn (see the module comment).
     fn prefill(&mut self) {
         // The chunk bounds what a turn adds to the decoding rows' inter-token latency; with no
         // row decoding, nobody waits on a token and prompts go in at full speed.
+        let chunk = self.cfg.prefill_chunk.max(1);
         let decoding = self.active.iter().any(Active::stepping);
-        let mut budget = if decoding { self.cfg.prefill_chunk.max(1) } else { self.cfg.prefill_chunk.max(IDLE_PREFILL_CHUNK) };
+        let mut budget = if decoding { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
-        for a in active.iter_mut().filter(|a| a.prefilling()) {
-            if a.reply.client_gone() {
-                a.reply.end = Some(End::ClientGone);
-                continue;
-            }
-            while budget > 0 && a.prefilling() {
-                match guarded(|| prefill_step(&mut ctx, cache, a, budget, &mut forks)) {
-                    Ok(fed) => budget -= fed.min(budget),
+        loop {
+            // Rows with all but their last prompt token in decode from the next step on. Their
+            // clients have waited for the whole prompt: the turn ends here, and the next decode
+            // step draws their first tokens with the running rows' next ones, instead of after
+            // more prompts.
+            let mut started = false;
+            for a in active.iter_mut().filter(|a| a.prefilling() && a.seq.len() + 1 >= a.reply.job.prompt.len()) {
+                match guarded(|| start_row(&mut ctx, a, &mut forks)) {
+                    Ok(()) => started = true,
                     Err(e) => a.reply.failed = Some(e),
                 }
             }
-            if a.decoding {
-                // Its client has waited for the whole prompt: the turn ends here, and the next
-                // decode step draws its first token with the running rows' next ones, instead of
-                // after the turn's other prompts.
-                budget = 0;
-            }
-            if budget == 0 {
+            if started || budget == 0 {
                 break;
             }
+            let fed = prefill_round(&mut ctx, cache, active, budget, chunk);
+            if fed == 0 {
+                break;
+            }
+            budget -= fed.min(budget);
         }
         active.extend(forks);
     }
@@ -553,50 +556,118 @@ impl Worker {
     }
 }
 
-/// Feeds the next piece of `a`'s prompt, at most `budget` tokens; returns the tokens fed. The
-/// last prompt token is fed alone and yields the first generated token, of this row and of the
-/// rows it forks for the job's other choices (pushed onto `forks`).
-fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, a: &mut Active, budget: usize, forks: &mut Vec<Active>) -> anyhow::Result<usize> {
-    let prompt = &a.reply.job.prompt;
-    let (n, fed) = (prompt.len(), a.seq.len());
-    if let Some(entries) = a.prompt_logprobs.as_mut() {
-        if fed + 1 < n {
-            let k = (n - 1 - fed).min(PROMPT_LOGPROB_CHUNK).min(budget);
-            let logits = ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::All)?;
-            let vocab = logits.len() / k;
-            for (j, row) in logits.chunks(vocab).enumerate() {
-                entries.push(logprob_entry(ctx.tokenizer, row, prompt[fed + j + 1], a.reply.job.req.top_logprobs));
-            }
-            return Ok(k);
+/// One round of prefill: the next piece of each prefilling row's prompt, in order, up to its
+/// next checkpoint, at most `budget` tokens in all; rows join while fewer than `chunk` tokens are
+/// packed (so many short prompts go in a chunk at a time, and the first of them start sooner).
+/// The pieces go through one backend call, so their projections and experts read the weights
+/// once; each row is snapshotted into the prefix cache at its checkpoint. A row whose client
+/// wants prompt logprobs runs its own forwards (it needs every position's logits). Returns the
+/// tokens fed.
+fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, active: &mut [Active], budget: usize, chunk: usize) -> usize {
+    // (row, tokens, the row's checkpoint)
+    let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+    let mut packed = 0;
+    for (i, a) in active.iter_mut().enumerate() {
+        if !a.prefilling() {
+            continue;
         }
-        let entries = a.prompt_logprobs.take().expect("checked above");
+        if packed >= budget.min(chunk) {
+            break;
+        }
+        if a.reply.client_gone() {
+            a.reply.end = Some(End::ClientGone);
+            continue;
+        }
+        let left = budget - packed;
+        if a.prompt_logprobs.is_some() {
+            match guarded(|| prompt_logprob_piece(ctx, a, left)) {
+                Ok(k) => packed += k,
+                Err(e) => a.reply.failed = Some(e),
+            }
+            continue;
+        }
+        let (prompt, fed) = (&a.reply.job.prompt, a.seq.len());
+        let checkpoint = next_checkpoint(prompt, fed, prompt.len() - 1, ctx.cfg.message_start, ctx.cfg.checkpoint_every);
+        let k = (checkpoint - fed).min(left);
+        plan.push((i, k, checkpoint));
+        packed += k;
+    }
+    if plan.is_empty() {
+        return packed;
+    }
+    let results = {
+        let mut pieces: Vec<PrefillPiece> = Vec::with_capacity(plan.len());
+        let mut next = plan.iter().peekable();
+        for (i, a) in active.iter_mut().enumerate() {
+            if let Some(&(_, k, _)) = next.next_if(|p| p.0 == i) {
+                let fed = a.seq.len();
+                pieces.push(PrefillPiece { seq: &mut a.seq, tokens: &a.reply.job.prompt[fed..fed + k] });
+            }
+        }
+        guarded(|| Ok(ctx.backend.prefill_pieces(&mut pieces)))
+    };
+    match results {
+        Ok(results) => {
+            for (&(i, _, checkpoint), r) in plan.iter().zip(results) {
+                match r {
+                    Ok(()) => snapshot_at(cache, &mut active[i], checkpoint),
+                    Err(e) => active[i].reply.failed = Some(e),
+                }
+            }
+        }
+        Err(e) => {
+            for &(i, _, _) in &plan {
+                active[i].reply.failed = Some(anyhow::anyhow!("{e:#}"));
+            }
+        }
+    }
+    packed
+}
+
+/// Snapshots `a`'s sequence into the prefix cache when it stands at `checkpoint` (see
+/// `next_checkpoint`); older snapshots make room for it, and one that still cannot be allocated
+/// is not cached.
+fn snapshot_at(cache: &mut PrefixCache<Sequence, HostSequence>, a: &mut Active, checkpoint: usize) {
+    let (prompt, at) = (&a.reply.job.prompt, a.seq.len());
+    if at != checkpoint || !cache.enabled() || cache.contains(&prompt[..at]) {
+        return;
+    }
+    let copy = loop {
+        match a.seq.try_clone() {
+            Err(e) if is_memory_full(&e) && cache.evict_lru().is_some() => {}
+            r => break r,
+        }
+    };
+    match copy {
+        Ok(snap) => cache.insert(prompt[..at].to_vec(), snap, a.reply.job.req.prompt_cache_key.clone()),
+        Err(e) => eprintln!("lily: prompt prefix not cached (copying the sequence failed: {e:#})"),
+    }
+}
+
+/// Feeds the next prompt tokens of a row that wants prompt logprobs (at most `budget`, with
+/// every position's logits) and records their entries; returns the tokens fed.
+fn prompt_logprob_piece(ctx: &mut Ctx, a: &mut Active, budget: usize) -> anyhow::Result<usize> {
+    let (prompt, fed) = (&a.reply.job.prompt, a.seq.len());
+    let entries = a.prompt_logprobs.as_mut().expect("a prompt-logprobs row");
+    let k = (prompt.len() - 1 - fed).min(PROMPT_LOGPROB_CHUNK).min(budget);
+    let logits = ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::All)?;
+    let vocab = logits.len() / k;
+    for (j, row) in logits.chunks(vocab).enumerate() {
+        entries.push(logprob_entry(ctx.tokenizer, row, prompt[fed + j + 1], a.reply.job.req.top_logprobs));
+    }
+    Ok(k)
+}
+
+/// All but the last prompt token are in: the row decodes, its first step feeding that token
+/// (so the first token comes from a decode step like every other, batched with the running
+/// rows, with no separate forward). Its prompt logprobs, if asked for, go out now; the job's
+/// other choices continue copies of the sequence (pushed onto `forks`).
+fn start_row(ctx: &mut Ctx, a: &mut Active, forks: &mut Vec<Active>) -> anyhow::Result<()> {
+    if let Some(entries) = a.prompt_logprobs.take() {
         let _ = a.reply.job.events.send(Event::PromptLogprobs { index: a.reply.job.index, entries });
     }
-    if fed + 1 < n {
-        // Feed up to the next checkpoint and snapshot there (see `next_checkpoint`); older
-        // snapshots make room for it, and one that still cannot be allocated is not cached.
-        let checkpoint = next_checkpoint(prompt, fed, n - 1, ctx.cfg.message_start, ctx.cfg.checkpoint_every);
-        let k = (checkpoint - fed).min(budget);
-        ctx.backend.forward(&mut a.seq, &prompt[fed..fed + k], LogitsWanted::None)?;
-        let at = a.seq.len();
-        if at == checkpoint && cache.enabled() && !cache.contains(&prompt[..at]) {
-            let copy = loop {
-                match a.seq.try_clone() {
-                    Err(e) if is_memory_full(&e) && cache.evict_lru().is_some() => {}
-                    r => break r,
-                }
-            };
-            match copy {
-                Ok(snap) => cache.insert(prompt[..at].to_vec(), snap, a.reply.job.req.prompt_cache_key.clone()),
-                Err(e) => eprintln!("lily: prompt prefix not cached (copying the sequence failed: {e:#})"),
-            }
-        }
-        return Ok(k);
-    }
-    // All but the last prompt token are in: the row decodes, its first step feeding that token
-    // (so the first token comes from a decode step like every other, batched with the running
-    // rows, with no separate forward). The job's other choices continue copies of the sequence.
-    let last = prompt[n - 1];
+    let prompt = &a.reply.job.prompt;
+    let last = prompt[prompt.len() - 1];
     for i in 1..a.reply.job.n {
         let mut seq = a.seq.try_clone()?;
         seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
@@ -607,7 +678,7 @@ fn prefill_step(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, 
         forks.push(sibling);
     }
     start_decoding(a, last);
-    Ok(0)
+    Ok(())
 }
 
 /// The row decodes from `next`, the last prompt token (a request for no tokens ends here).

@@ -5,10 +5,11 @@
 //! prefill.rs: GEMMs, scans, flash attention). The final norm and lm_head are the caller's, since
 //! which rows need logits depends on the call.
 //!
-//! The tokens are those of one sequence at consecutive positions (decode, prefill chunk) or one
-//! token of each sequence of a batch (batched decode, batch.rs); the loop is the same, only the
-//! state addresses differ ([`LayerStates`]: one sequence's buffers, or the batch's per-row
-//! pointer tables) and the mixer kernels' addressing.
+//! The tokens are those of one sequence at consecutive positions (decode), runs of consecutive
+//! positions of one or more sequences (a prefill chunk's segments), or one token of each
+//! sequence of a batch (batched decode, batch.rs); the loop is the same, only the state addresses
+//! differ ([`LayerStates`]: one sequence's buffers, each segment's, or the batch's per-row pointer
+//! tables) and the mixer kernels' addressing.
 
 use super::activations::Activations;
 use super::attention::{AttnDims, AttnPtrs};
@@ -21,14 +22,6 @@ use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
-
-/// The tokens a prefill chunk processes: `n` tokens of one sequence at positions
-/// `pos0..pos0 + n`.
-#[derive(Clone, Copy, Debug)]
-pub struct TokenSpan {
-    pub n: usize,
-    pub pos0: usize,
-}
 
 /// Shapes every pass reads: norms, quantisation group, and each layer family's dims.
 #[derive(Clone, Copy, Debug)]

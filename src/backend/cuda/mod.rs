@@ -35,11 +35,11 @@ pub mod testing;
 pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, HostSequence, LogitsWanted, Sequence, SequenceMemoryReport, StepHooks};
+use super::{Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, SequenceMemoryReport, StepHooks};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use decode::{Decoder, StepOut};
 pub use device::Gpu;
 use forward::Probe;
@@ -272,6 +272,14 @@ impl CudaBackend {
 
     /// The batched prefill of `tokens` at the sequence's position (validated by the caller).
     fn prefill(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+        let pos = seq.len();
+        let out = self.prefill_run(&[prefill::Piece { seq: seq.state::<CudaSequence>(), pos, tokens }], wanted)?;
+        seq.advance(tokens.len());
+        Ok(out)
+    }
+
+    /// One prefill call over `pieces` (validated by the caller; see `prefill::Prefill::run`).
+    fn prefill_run(&mut self, pieces: &[prefill::Piece], wanted: LogitsWanted) -> Result<Vec<f32>> {
         let run = prefill::Prefill {
             gpu: &self.gpu,
             cfg: &self.cfg,
@@ -282,10 +290,7 @@ impl CudaBackend {
             exact: self.opts.exact_prefill,
             profile: self.opts.profile,
         };
-        let pos = seq.len();
-        let out = run.run(&mut self.chunk_buffers, seq.state_mut::<CudaSequence>(), pos, tokens, wanted)?;
-        seq.advance(tokens.len());
-        Ok(out)
+        run.run(&mut self.chunk_buffers, pieces, wanted)
     }
 
     /// Single tokens, and models whose shapes the prefill kernels do not cover (or
@@ -394,6 +399,40 @@ impl Backend for CudaBackend {
         } else {
             self.forward_per_token(seq, tokens, wanted)
         }
+    }
+
+    /// The pieces that pass `check_tokens` go through one prefill call (several sequences' rows
+    /// in each chunk); a failure of that call fails each of them.
+    fn prefill_pieces(&mut self, pieces: &mut [PrefillPiece]) -> Vec<Result<()>> {
+        let batched = prefill::supported(&self.cfg) && !self.opts.decode_forward;
+        let mut results: Vec<Result<()>> = Vec::with_capacity(pieces.len());
+        let mut ok = Vec::new();
+        for (i, p) in pieces.iter_mut().enumerate() {
+            // A single token runs the decode step, as `forward` does.
+            if !batched || p.tokens.len() < 2 {
+                results.push(self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ()));
+                continue;
+            }
+            let r = self.check_tokens(p.seq, p.tokens);
+            if r.is_ok() {
+                ok.push(i);
+            }
+            results.push(r);
+        }
+        if ok.is_empty() {
+            return results;
+        }
+        let run = {
+            let views: Vec<prefill::Piece> = ok.iter().map(|&i| prefill::Piece { seq: pieces[i].seq.state::<CudaSequence>(), pos: pieces[i].seq.len(), tokens: pieces[i].tokens }).collect();
+            self.prefill_run(&views, LogitsWanted::None)
+        };
+        for &i in &ok {
+            match &run {
+                Ok(_) => pieces[i].seq.advance(pieces[i].tokens.len()),
+                Err(e) => results[i] = Err(anyhow!("{e:#}")),
+            }
+        }
+        results
     }
 
     /// Greedy decode with the token kept on the device: each step's graph ends with

@@ -12,16 +12,17 @@ use super::activations::{Activations, ChunkScratch};
 use super::attention;
 use super::blas::Blas;
 use super::device::{ptr, Gpu};
-use super::forward::{self, LayerDims, Pass, Point, Probe, TokenSpan};
-use super::gdn::{self, GdnChunkScratch, GdnDims};
+use super::attention::{AttnDims, AttnPtrs};
+use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
+use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 use super::moe;
 use super::ops;
 use super::qmatmul::{self, Gemm, Grouped};
 use super::state::CudaSequence;
-use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevWeights};
+use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
-use anyhow::{anyhow, Result};
-use cudarc::driver::CudaSlice;
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaSlice, CudaStream};
 
 /// Rows of logits computed per lm_head pass when all positions' logits are wanted.
 const LOGIT_ROWS: usize = 64;
@@ -53,14 +54,47 @@ impl ChunkBuffers {
     }
 }
 
-/// The prefill launches of one chunk.
+/// One sequence's tokens in a chunk: rows `r0..r0 + n` of the chunk's activations, at positions
+/// `pos0..pos0 + n` of `seq`. A chunk holds one segment per sequence it feeds.
+pub struct Segment<'a> {
+    pub seq: &'a CudaSequence,
+    pub r0: usize,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+impl Segment<'_> {
+    /// `base` (row-major f32 rows of `width` values) at this segment's first row.
+    fn rows(&self, base: u64, width: usize) -> u64 {
+        base + (self.r0 * width * 4) as u64
+    }
+}
+
+/// The segments' layer states, for `forward::layers`: it checks every segment's sequence against
+/// the model's layer kinds. The chunk pass takes each segment's own states from its sequence.
+struct Segments<'s, 'a>(&'s [Segment<'a>]);
+
+impl LayerStates for Segments<'_, '_> {
+    fn layer(&self, li: usize, mixer: &DevMixer, st: &CudaStream) -> Result<(u64, u64)> {
+        let mut first = None;
+        for seg in self.0 {
+            let p = seg.seq.layer(li, mixer, st)?;
+            first.get_or_insert(p);
+        }
+        first.ok_or_else(|| anyhow!("a prefill chunk with no tokens"))
+    }
+}
+
+/// The prefill launches of one chunk: the projections, norms and experts over all its rows, the
+/// mixers' conv, scan and attention per segment (each over its own sequence's state).
 struct ChunkPass<'a> {
     gpu: &'a Gpu,
     w: &'a DevWeights,
     act: &'a Activations,
     s: &'a ChunkScratch,
     gemm: Gemm<'a>,
-    span: TokenSpan,
+    rows: usize,
+    segments: &'a [Segment<'a>],
     exact: bool,
     dims: LayerDims,
 }
@@ -72,7 +106,7 @@ impl ChunkPass<'_> {
 
     /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it.
     fn norm(&self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
-        let (n, h) = (self.span.n, self.w.embed.cols);
+        let (n, h) = (self.rows, self.w.embed.cols);
         ops::rms_norm(self.gpu, self.p(&self.act.x), self.p(gain), self.p(&self.act.u), n, h, self.dims.eps)?;
         self.gemm.stage(self.p(&self.act.u), n, h)?;
         self.point(probe, Point::Phase("norm"))
@@ -85,7 +119,7 @@ impl Pass for ChunkPass<'_> {
     }
 
     fn residual(&self) -> (&CudaSlice<f32>, usize) {
-        (&self.act.x, self.span.n * self.w.embed.cols)
+        (&self.act.x, self.rows * self.w.embed.cols)
     }
 
     fn embed(&mut self, probe: &mut Probe) -> Result<()> {
@@ -93,8 +127,8 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("embed"))
     }
 
-    fn gdn(&mut self, _li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
-        let (a, n, d) = (self.act, self.span.n, self.dims.gdn);
+    fn gdn(&mut self, li: usize, lw: &DevLayer, g: &DevGdn, _ring: u64, _state: u64, probe: &mut Probe) -> Result<()> {
+        let (a, n, d) = (self.act, self.rows, self.dims.gdn);
         let (u, h) = (self.p(&a.u), self.w.embed.cols);
         self.norm(&lw.input_norm, probe)?;
         let (cdim, vd, nv) = (d.conv_dim, d.nv * d.dv, d.nv);
@@ -103,20 +137,25 @@ impl Pass for ChunkPass<'_> {
         self.gemm.few_rows(&g.in_b, nv, u, n, self.p(&a.b), nv)?;
         self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
-        let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
+        // The scratch is the segments' in turn (one stream orders them).
         let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
-        gdn::conv(self.gpu, &d, &p, &s, n, self.span.pos0)?;
-        self.point(probe, Point::Phase("gdn.conv"))?;
-        gdn::scan(self.gpu, &d, &p, &s, n)?;
-        self.point(probe, Point::Phase("gdn.scan"))?;
-        gdn::gated_norm(self.gpu, &d, &p, &s, n)?;
-        self.point(probe, Point::Phase("gdn.norm"))?;
-        self.gemm.run(&g.out, h, p.y, n, self.p(&a.x), h, true, None)?;
+        for seg in self.segments {
+            let (ring, state) = seg.seq.layer_ptrs(li);
+            let all = forward::gdn_ptrs(self.gpu, a, g, ring, state);
+            let p = GdnPtrs { qkv: seg.rows(all.qkv, cdim), z: seg.rows(all.z, vd), b: seg.rows(all.b, nv), a: seg.rows(all.a, nv), y: seg.rows(all.y, vd), ..all };
+            gdn::conv(self.gpu, &d, &p, &s, seg.n, seg.pos0)?;
+            self.point(probe, Point::Phase("gdn.conv"))?;
+            gdn::scan(self.gpu, &d, &p, &s, seg.n)?;
+            self.point(probe, Point::Phase("gdn.scan"))?;
+            gdn::gated_norm(self.gpu, &d, &p, &s, seg.n)?;
+            self.point(probe, Point::Phase("gdn.norm"))?;
+        }
+        self.gemm.run(&g.out, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("gdn.out"))
     }
 
-    fn attention(&mut self, _li: usize, lw: &DevLayer, at: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()> {
-        let (a, n) = (self.act, self.span.n);
+    fn attention(&mut self, li: usize, lw: &DevLayer, at: &DevAttn, _kcache: u64, _vcache: u64, probe: &mut Probe) -> Result<()> {
+        let (a, n) = (self.act, self.rows);
         let (u, h) = (self.p(&a.u), self.w.embed.cols);
         self.norm(&lw.input_norm, probe)?;
         let (qrows, kvd) = (at.q.rows, at.k.rows);
@@ -124,18 +163,32 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&at.k, kvd, u, n, self.p(&a.kraw), kvd, false, None)?;
         self.gemm.run(&at.v, kvd, u, n, self.p(&a.vraw), kvd, false, None)?;
         self.point(probe, Point::Phase("attn.proj"))?;
-        let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
-        attention::prep_chunk(self.gpu, &self.dims.attn, &p, n, self.span.pos0)?;
-        self.point(probe, Point::Phase("attn.prep"))?;
         let part = attention::SplitPartials { o: self.p(&self.s.attn_part_o), ml: self.p(&self.s.attn_part_ml) };
-        attention::chunk(self.gpu, &self.dims.attn, &p, &part, n, self.span.pos0, self.exact)?;
-        self.point(probe, Point::Phase("attn.core"))?;
-        self.gemm.run(&at.o, h, p.out, n, self.p(&a.x), h, true, None)?;
+        for seg in self.segments {
+            let (kcache, vcache) = seg.seq.layer_ptrs(li);
+            let d = AttnDims { kv_bf16: seg.seq.kv_bf16, ..self.dims.attn };
+            let inner = d.nh * d.hd;
+            let all = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
+            let p = AttnPtrs {
+                qg: seg.rows(all.qg, qrows),
+                kraw: seg.rows(all.kraw, kvd),
+                vraw: seg.rows(all.vraw, kvd),
+                q: seg.rows(all.q, inner),
+                gate: seg.rows(all.gate, inner),
+                out: seg.rows(all.out, inner),
+                ..all
+            };
+            attention::prep_chunk(self.gpu, &d, &p, seg.n, seg.pos0)?;
+            self.point(probe, Point::Phase("attn.prep"))?;
+            attention::chunk(self.gpu, &d, &p, &part, seg.n, seg.pos0, self.exact)?;
+            self.point(probe, Point::Phase("attn.core"))?;
+        }
+        self.gemm.run(&at.o, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("attn.out"))
     }
 
     fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
-        let (a, s, n, d) = (self.act, self.s, self.span.n, self.dims.moe);
+        let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         let tcb = moe::prefill_uses_tcb(n, self.exact, m, &d);
@@ -172,7 +225,7 @@ impl Pass for ChunkPass<'_> {
 
 fn qmatmul_embed(pass: &ChunkPass) -> Result<()> {
     let (ids, x) = (pass.p(&pass.s.ids), pass.p(&pass.act.x));
-    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.dims.group, ids, 1, pass.span.n, x)
+    super::qmatmul::embed_rows(pass.gpu, &pass.w.embed, pass.dims.group, ids, 1, pass.rows, x)
 }
 
 /// Where a chunk's logits go: rows `r0..r1` of the chunk, computed `LOGIT_ROWS` at a time.
@@ -197,41 +250,83 @@ pub struct Prefill<'a> {
     pub profile: bool,
 }
 
+/// A piece of a prefill call: `tokens` fed at position `pos` of `seq`.
+pub struct Piece<'a> {
+    pub seq: &'a CudaSequence,
+    pub pos: usize,
+    pub tokens: &'a [u32],
+}
+
+/// The chunks of a call over pieces of `lens` tokens: each chunk takes, in piece order, the next
+/// tokens of every piece with tokens left, up to `chunk` tokens in all; entries are (piece, first
+/// token, tokens). So a piece appears at most once per chunk and its tokens go in in order, and
+/// one piece is cut into consecutive chunks of `chunk` tokens.
+pub fn plan_chunks(lens: &[usize], chunk: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    let chunk = chunk.max(1);
+    let mut fed = vec![0usize; lens.len()];
+    let mut plan = Vec::new();
+    loop {
+        let (mut room, mut c) = (chunk, Vec::new());
+        for (i, &len) in lens.iter().enumerate() {
+            let k = (len - fed[i]).min(room);
+            if k > 0 {
+                c.push((i, fed[i], k));
+                fed[i] += k;
+                room -= k;
+            }
+        }
+        if c.is_empty() {
+            return plan;
+        }
+        plan.push(c);
+    }
+}
+
 impl Prefill<'_> {
-    /// Runs `tokens` (validated: in vocabulary, room in the sequence) through the model in chunks
-    /// at position `pos` of `seq`; returns the wanted logits as the `Backend` trait does.
-    pub fn run(&self, bufs: &mut Option<ChunkBuffers>, seq: &mut CudaSequence, pos: usize, tokens: &[u32], wanted: crate::backend::LogitsWanted) -> Result<Vec<f32>> {
+    /// Runs the pieces (validated: tokens in vocabulary, room in each sequence, each sequence
+    /// once) through the model in chunks ([`plan_chunks`]); returns the wanted logits as the
+    /// `Backend` trait does, which only a call of one piece may want.
+    pub fn run(&self, bufs: &mut Option<ChunkBuffers>, pieces: &[Piece], wanted: crate::backend::LogitsWanted) -> Result<Vec<f32>> {
+        use crate::backend::LogitsWanted;
+        if pieces.len() != 1 && wanted != LogitsWanted::None {
+            bail!("a prefill of several sequences returns no logits");
+        }
         let (gpu, cfg) = (self.gpu, self.cfg);
-        let chunk = self.chunk.max(1);
-        let nmax = tokens.len().min(chunk);
+        let lens: Vec<usize> = pieces.iter().map(|p| p.tokens.len()).collect();
+        let plan = plan_chunks(&lens, self.chunk);
+        let nmax = plan.iter().map(|c| c.iter().map(|e| e.2).sum::<usize>()).max().unwrap_or(0);
         let rows_cap = match wanted {
-            crate::backend::LogitsWanted::All => nmax.min(LOGIT_ROWS),
+            LogitsWanted::All => nmax.min(LOGIT_ROWS),
             _ => 1,
         };
         ChunkBuffers::fit(bufs, gpu, cfg, nmax, rows_cap, self.blas.is_some())?;
         let b = bufs.as_mut().expect("fitted above");
         let mut probe = Probe::profiling(self.profile);
         let mut out = Vec::new();
-        let mut start = 0;
-        while start < tokens.len() {
-            let n = chunk.min(tokens.len() - start);
-            let span = TokenSpan { n, pos0: pos + start };
-            let ids: Vec<i32> = tokens[start..start + n].iter().map(|&t| t as i32).collect();
-            gpu.stream.memcpy_htod(&ids, &mut b.scratch.ids).map_err(|e| anyhow!("token upload: {e:?}"))?;
-            self.chunk_layers(b, seq, span, &mut probe)?;
-            if let Some((r0, r1)) = logit_rows(wanted, n, start + n == tokens.len()) {
-                out.extend(self.logits(b, r0, r1, &mut probe)?);
+        for c in &plan {
+            let mut segments = Vec::with_capacity(c.len());
+            let mut ids: Vec<i32> = Vec::with_capacity(nmax);
+            for &(i, start, n) in c {
+                let p = &pieces[i];
+                segments.push(Segment { seq: p.seq, r0: ids.len(), n, pos0: p.pos + start });
+                ids.extend(p.tokens[start..start + n].iter().map(|&t| t as i32));
             }
-            start += n;
+            gpu.stream.memcpy_htod(&ids, &mut b.scratch.ids).map_err(|e| anyhow!("token upload: {e:?}"))?;
+            self.chunk_layers(b, ids.len(), &segments, &mut probe)?;
+            if let [(0, start, n)] = c[..] {
+                if let Some((r0, r1)) = logit_rows(wanted, n, start + n == lens[0]) {
+                    out.extend(self.logits(b, r0, r1, &mut probe)?);
+                }
+            }
         }
         gpu.sync()?;
         if self.profile {
-            report(&probe.phase_ms(gpu)?, tokens.len());
+            report(&probe.phase_ms(gpu)?, lens.iter().sum());
         }
         Ok(out)
     }
 
-    fn chunk_layers(&self, b: &ChunkBuffers, seq: &CudaSequence, span: TokenSpan, probe: &mut Probe) -> Result<()> {
+    fn chunk_layers(&self, b: &ChunkBuffers, rows: usize, segments: &[Segment], probe: &mut Probe) -> Result<()> {
         let blas = self.blas.and_then(|l| b.scratch.blas.as_ref().map(|s| (l, s, self.cublas_min_tokens)));
         let mut pass = ChunkPass {
             gpu: self.gpu,
@@ -239,11 +334,13 @@ impl Prefill<'_> {
             act: &b.act,
             s: &b.scratch,
             gemm: Gemm::new(self.gpu, self.cfg.quant.group_size, self.exact, blas),
-            span,
+            rows,
+            segments,
             exact: self.exact,
-            dims: LayerDims::new(self.cfg, seq.kv_bf16),
+            // Each segment's attention reads its own sequence's KV type.
+            dims: LayerDims::new(self.cfg, false),
         };
-        forward::layers(&mut pass, self.w, seq, probe)
+        forward::layers(&mut pass, self.w, &Segments(segments), probe)
     }
 
     /// Final norm + lm_head of chunk rows `r0..r1`, to the host. The lm_head stays on the fused
@@ -277,5 +374,33 @@ fn report(phases: &[(&'static str, f64)], tokens: usize) {
     eprintln!("lily: CUDA prefill profile, {tokens} tokens: {total:.2} ms GPU ({:.0} tok/s)", tokens as f64 / (total / 1000.0));
     for (name, t) in phases {
         eprintln!("  {name:<14} {t:>9.3} ms  {:>5.1}%", 100.0 * t / total);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_chunks;
+
+    #[test]
+    fn chunks_take_every_piece_in_order_once_per_chunk() {
+        // One piece: consecutive chunks.
+        assert_eq!(plan_chunks(&[10], 4), vec![vec![(0, 0, 4)], vec![(0, 4, 4)], vec![(0, 8, 2)]]);
+        // Several: each chunk fills from the pieces in order; a piece cut by the chunk's end goes
+        // on first in the next one.
+        assert_eq!(plan_chunks(&[3, 5, 2], 6), vec![vec![(0, 0, 3), (1, 0, 3)], vec![(1, 3, 2), (2, 0, 2)]]);
+        assert_eq!(plan_chunks(&[2, 0, 1], 8), vec![vec![(0, 0, 2), (2, 0, 1)]]);
+        assert!(plan_chunks(&[], 8).is_empty());
+        // Every token once, in order, and no chunk over its size.
+        let lens = [700, 1, 2500, 64, 699];
+        let plan = plan_chunks(&lens, 2048);
+        let mut fed = vec![0; lens.len()];
+        for c in &plan {
+            assert!(c.iter().map(|e| e.2).sum::<usize>() <= 2048);
+            for &(i, start, n) in c {
+                assert_eq!(start, fed[i]);
+                fed[i] += n;
+            }
+        }
+        assert_eq!(fed, lens);
     }
 }

@@ -63,6 +63,15 @@ pub fn prefill(b: &mut CudaBackend, seq: &mut Sequence, tokens: &[u32], wanted: 
     out
 }
 
+/// `Backend::prefill_pieces` with the chunk and precision given.
+pub fn prefill_pieces(b: &mut CudaBackend, pieces: &mut [crate::backend::PrefillPiece], chunk: usize, exact: bool) -> Vec<Result<()>> {
+    let saved = (b.opts.prefill_chunk, b.opts.exact_prefill);
+    (b.opts.prefill_chunk, b.opts.exact_prefill) = (chunk, exact);
+    let out = crate::backend::Backend::prefill_pieces(b, pieces);
+    (b.opts.prefill_chunk, b.opts.exact_prefill) = saved;
+    out
+}
+
 /// One matrix times `x` (`gain`: RMSNorm of x first) through the decode GEMV the options select.
 pub fn gemv(b: &CudaBackend, q: &QuantTensor, x: &[f32], gain: Option<&[f32]>) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
