@@ -7,9 +7,10 @@
 //!    cached snapshots when the budget needs them. A request that does not fit while others run
 //!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
 //! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while no row decodes), from the
-//!    admitted prompts in order; a prompt with all but its last token fed joins the decoding
-//!    rows and ends the turn, so the next step feeds that token and draws the first one as soon
-//!    as its prompt is in, with the running rows' next tokens. So a long prompt delays
+//!    admitted prompts in order, several prompts' pieces per backend call (`prefill_round`: one
+//!    forward reads the weights once for all of them); a prompt with all but its last token fed
+//!    joins the decoding rows and ends the turn, so the next step feeds that token and draws the
+//!    first one as soon as its prompt is in, with the running rows' next tokens. So a long prompt delays
 //!    the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
 //!    its sequence into the prefix cache at checkpoints: each chat message's start, every
 //!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
@@ -557,8 +558,9 @@ impl Worker {
 }
 
 /// One round of prefill: the next piece of each prefilling row's prompt, in order, up to its
-/// next checkpoint, at most `budget` tokens in all; rows join while fewer than `chunk` tokens are
-/// packed (so many short prompts go in a chunk at a time, and the first of them start sooner).
+/// next checkpoint, at most `budget` tokens in all; after the first, rows join while their whole
+/// piece fits in `chunk` tokens (so short prompts go in a chunk at a time, and every prompt a
+/// round starts also ends in it).
 /// The pieces go through one backend call, so their projections and experts read the weights
 /// once; each row is snapshotted into the prefix cache at its checkpoint. A row whose client
 /// wants prompt logprobs runs its own forwards (it needs every position's logits). Returns the
@@ -588,6 +590,11 @@ fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>,
         }
         let (prompt, fed) = (&a.reply.job.prompt, a.seq.len());
         let checkpoint = next_checkpoint(prompt, fed, prompt.len() - 1, ctx.cfg.message_start, ctx.cfg.checkpoint_every);
+        // A row joins a round only if its whole piece fits the chunk: one that would be cut
+        // waits for the round and its next one too, for nothing (the first row is cut as needed).
+        if !plan.is_empty() && packed + (checkpoint - fed) > chunk {
+            continue;
+        }
         let k = (checkpoint - fed).min(left);
         plan.push((i, k, checkpoint));
         packed += k;
