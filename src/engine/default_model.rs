@@ -26,8 +26,17 @@ pub fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
     let dir = cache_dir().join(format!("tiny-synthetic-seed{DEFAULT_SEED}-v1"));
     if !dir.join("config.json").exists() {
         eprintln!("lily: no --model given; writing the embedded tiny synthetic checkpoint to {} (once)", dir.display());
-        std::fs::create_dir_all(dir.parent().unwrap_or(Path::new("."))).with_context(|| format!("cannot create {}", dir.display()))?;
-        synthesize(&Preset::Tiny.config(), &dir, DEFAULT_SEED, false)?;
+        let parent = dir.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+        // Written beside it and renamed into place, so processes starting together never read a
+        // half-written checkpoint: the first rename wins, the others drop their copies.
+        let tmp = tempfile::Builder::new().prefix(".tiny-synthetic-").tempdir_in(parent).with_context(|| format!("cannot write into {}", parent.display()))?;
+        synthesize(&Preset::Tiny.config(), tmp.path(), DEFAULT_SEED, false)?;
+        if let Err(e) = std::fs::rename(tmp.path(), &dir) {
+            if !dir.join("config.json").exists() {
+                return Err(e).with_context(|| format!("cannot move the checkpoint into {}", dir.display()));
+            }
+        }
     }
     eprintln!(
         "lily: using the embedded tiny synthetic checkpoint at {} — its weights are RANDOM, so the text is gibberish; pass --model DIR for a real Qwen3.6-35B-A3B MLX 4-bit checkpoint",

@@ -8,6 +8,10 @@
 
 use crate::backend::{Backend, LogitsWanted};
 use crate::engine::sampling::log_softmax;
+use rayon::prelude::*;
+
+/// Positions scored together (their log-softmax rows live at once when they are saved).
+const SCORE_BLOCK: usize = 64;
 use anyhow::{bail, Context, Result};
 use half::f16;
 use std::io::{Read, Write};
@@ -91,15 +95,27 @@ pub fn evaluate(
         if logits.len() != cfg.ctx * vocab {
             bail!("the backend returned {} logits for {} positions", logits.len(), cfg.ctx);
         }
-        for t in first..cfg.ctx - 1 {
-            let row = &logits[t * vocab..(t + 1) * vocab];
-            let lp = log_softmax(row);
-            let token = chunk[t + 1];
-            let s = Scored { token, logprob: lp[token as usize] as f64, argmax: crate::engine::sampling::argmax(row) };
-            nll.push(-s.logprob);
-            scored.push(s);
-            if let Some(w) = save.as_deref_mut() {
-                w.push(token, &lp)?;
+        // Positions are scored in parallel, a block at a time (a block's log-softmax rows are
+        // kept only when they are saved), and recorded in order.
+        let positions: Vec<usize> = (first..cfg.ctx - 1).collect();
+        for block in positions.chunks(SCORE_BLOCK) {
+            let keep = save.is_some();
+            let rows: Vec<(Scored, Option<Vec<f32>>)> = block
+                .par_iter()
+                .map(|&t| {
+                    let row = &logits[t * vocab..(t + 1) * vocab];
+                    let lp = log_softmax(row);
+                    let token = chunk[t + 1];
+                    let s = Scored { token, logprob: lp[token as usize] as f64, argmax: crate::engine::sampling::argmax(row) };
+                    (s, keep.then_some(lp))
+                })
+                .collect();
+            for (s, lp) in rows {
+                nll.push(-s.logprob);
+                if let (Some(w), Some(lp)) = (save.as_deref_mut(), lp) {
+                    w.push(s.token, &lp)?;
+                }
+                scored.push(s);
             }
         }
         on_chunk(ci, &Ppl::of(&nll));

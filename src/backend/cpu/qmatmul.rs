@@ -128,11 +128,13 @@ pub fn qmatmul(w: &QuantTensor, row0: usize, nrows: usize, x: &[f32], tokens: us
     if tokens == 1 {
         out.copy_from_slice(&rt);
     } else {
-        for r in 0..nrows {
-            for t in 0..tokens {
-                out[t * nrows + r] = rt[r * tokens + t];
+        // In parallel, token rows of `out` per task (a serial transpose of a 248K-row lm_head
+        // over hundreds of tokens took a tenth of a scoring run).
+        out.par_chunks_mut(nrows).enumerate().for_each(|(t, o)| {
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = rt[r * tokens + t];
             }
-        }
+        });
     }
 }
 
