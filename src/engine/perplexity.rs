@@ -98,8 +98,8 @@ pub fn evaluate(
         // Positions are scored in parallel, a block at a time (a block's log-softmax rows are
         // kept only when they are saved), and recorded in order.
         let positions: Vec<usize> = (first..cfg.ctx - 1).collect();
+        let keep = save.is_some();
         for block in positions.chunks(SCORE_BLOCK) {
-            let keep = save.is_some();
             let rows: Vec<(Scored, Option<Vec<f32>>)> = block
                 .par_iter()
                 .map(|&t| {

@@ -312,6 +312,13 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Whether `n` tokens of a sequence go through the batched prefill (else the decode step per
+    /// token): more than one, on a model whose shapes the prefill kernels take, unless
+    /// `opts.decode_forward`.
+    fn prefills(&self, n: usize) -> bool {
+        n > 1 && prefill::supported(&self.cfg) && !self.opts.decode_forward
+    }
+
     /// Checks tokens and room before a forward, and maps the KV pages it writes.
     fn check_tokens(&self, seq: &mut Sequence, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
@@ -394,7 +401,7 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
         self.check_tokens(seq, tokens)?;
-        if tokens.len() > 1 && prefill::supported(&self.cfg) && !self.opts.decode_forward {
+        if self.prefills(tokens.len()) {
             self.prefill(seq, tokens, wanted)
         } else {
             self.forward_per_token(seq, tokens, wanted)
@@ -404,12 +411,11 @@ impl Backend for CudaBackend {
     /// The pieces that pass `check_tokens` go through one prefill call (several sequences' rows
     /// in each chunk); a failure of that call fails each of them.
     fn prefill_pieces(&mut self, pieces: &mut [PrefillPiece]) -> Vec<Result<()>> {
-        let batched = prefill::supported(&self.cfg) && !self.opts.decode_forward;
         let mut results: Vec<Result<()>> = Vec::with_capacity(pieces.len());
         let mut ok = Vec::new();
         for (i, p) in pieces.iter_mut().enumerate() {
-            // A single token runs the decode step, as `forward` does.
-            if !batched || p.tokens.len() < 2 {
+            // What `forward` would not prefill (a single token, say) takes its path.
+            if !self.prefills(p.tokens.len()) {
                 results.push(self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ()));
                 continue;
             }

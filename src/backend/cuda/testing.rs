@@ -56,18 +56,19 @@ pub fn prefill(b: &mut CudaBackend, seq: &mut Sequence, tokens: &[u32], wanted: 
         bail!("the batched prefill does not support this model's shapes");
     }
     b.check_tokens(seq, tokens)?;
-    let saved = (b.opts.prefill_chunk, b.opts.exact_prefill);
-    (b.opts.prefill_chunk, b.opts.exact_prefill) = (chunk, exact);
-    let out = b.prefill(seq, tokens, wanted);
-    (b.opts.prefill_chunk, b.opts.exact_prefill) = saved;
-    out
+    with_prefill_options(b, chunk, exact, |b| b.prefill(seq, tokens, wanted))
 }
 
 /// `Backend::prefill_pieces` with the chunk and precision given.
 pub fn prefill_pieces(b: &mut CudaBackend, pieces: &mut [crate::backend::PrefillPiece], chunk: usize, exact: bool) -> Vec<Result<()>> {
+    with_prefill_options(b, chunk, exact, |b| crate::backend::Backend::prefill_pieces(b, pieces))
+}
+
+/// Runs `f` with the prefill chunk and precision set, then restores the backend's own.
+fn with_prefill_options<T>(b: &mut CudaBackend, chunk: usize, exact: bool, f: impl FnOnce(&mut CudaBackend) -> T) -> T {
     let saved = (b.opts.prefill_chunk, b.opts.exact_prefill);
     (b.opts.prefill_chunk, b.opts.exact_prefill) = (chunk, exact);
-    let out = crate::backend::Backend::prefill_pieces(b, pieces);
+    let out = f(b);
     (b.opts.prefill_chunk, b.opts.exact_prefill) = saved;
     out
 }
