@@ -546,11 +546,14 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMM: the same product as pf_gemm with bf16 operands and f32 accumulation
-// (mma.sync m16n8k16). Per k-tile of 64 columns the weight tile (128 rows) is dequantised
-// (s*q + b, f32) and rounded to bf16 into shared memory, the activation tile (64 tokens) is
-// rounded to bf16 on the way in; the next tile's global loads are issued before the current
-// tile's mma so their latency hides behind the math. 8 warps as 4 (rows) x 2 (tokens), 32x32
-// outputs per warp. Needs cols % 64 == 0 and group % 32 == 0.
+// (mma.sync m16n8k16). Per k-tile of 64 columns the weight tile (128 rows) is dequantised to bf16
+// into shared memory, the activation tile (64 tokens) is rounded to bf16 on the way in; the next
+// tile's global loads are issued before the current tile's mma so their latency hides behind the
+// math. 8 warps as 4 (rows) x 2 (tokens), 32x32 outputs per warp. Needs cols % 64 == 0 and
+// group % 32 == 0.
+// Both tiles hold each 8 columns c0..c7 in the order c0 c4 c1 c5 c2 c6 c3 c7: that is the order
+// in which one lop3 per pair turns a word of 8 nibbles into bf16 pairs (nibbles j and j + 4 sit
+// 16 bits apart), and a product over k does not depend on the order of its k.
 // Grouped (MoE) mode: `tiles` = [ntiles, (expert, first token)...] from pf_scan; blockIdx.y is
 // the tile (blocks past ntiles exit).
 // SwiGLU mode (w2 != nullptr): the block's 128 shared-memory rows are 64 rows of W (gate) and the
@@ -561,33 +564,53 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 #define TC_LD (TC_BK + 8)
 // TC_BN (tokens per tile), smem_u32, ldsm_x4 and mma_bf16 are in common.cuh.
 
-// 8 nibbles (columns 0..7 of `q`) dequantised and packed as 4 bf16 pairs.
-__device__ __forceinline__ uint4 deq_nib8(u32 q, float sc, float bi) {
-    uint4 r;
-    r.x = pack_bf16(fmaf(sc, code_f(q & 15u), bi), fmaf(sc, code_f((q >> 4) & 15u), bi));
-    r.y = pack_bf16(fmaf(sc, code_f((q >> 8) & 15u), bi), fmaf(sc, code_f((q >> 12) & 15u), bi));
-    r.z = pack_bf16(fmaf(sc, code_f((q >> 16) & 15u), bi), fmaf(sc, code_f((q >> 20) & 15u), bi));
-    r.w = pack_bf16(fmaf(sc, code_f((q >> 24) & 15u), bi), fmaf(sc, code_f(q >> 28), bi));
+// s*q + b for a bf16 pair of codes p (bf16 128 + q in each half: the codes OR'ed into 0x4300),
+// with the scale and bias pairs s2 and b2: 128 + q - 128 is exact, then one fused multiply-add
+// rounds s*q + b to bf16 once.
+__device__ __forceinline__ u32 affine_bf16x2(u32 p, u32 s2, u32 b2) {
+    u32 q, r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
     return r;
 }
-// 8 bytes (two words, columns 0..7) dequantised and packed.
-__device__ __forceinline__ uint4 deq_byte8(u32 q0, u32 q1, float sc, float bi) {
-    uint4 r;
-    r.x = pack_bf16(fmaf(sc, code_f(q0 & 255u), bi), fmaf(sc, code_f((q0 >> 8) & 255u), bi));
-    r.y = pack_bf16(fmaf(sc, code_f((q0 >> 16) & 255u), bi), fmaf(sc, code_f(q0 >> 24), bi));
-    r.z = pack_bf16(fmaf(sc, code_f(q1 & 255u), bi), fmaf(sc, code_f((q1 >> 8) & 255u), bi));
-    r.w = pack_bf16(fmaf(sc, code_f((q1 >> 16) & 255u), bi), fmaf(sc, code_f(q1 >> 24), bi));
+// Nibbles j and j + 4 of q as bf16 (128 + code) in the low and high half.
+template <int J>
+__device__ __forceinline__ u32 nib_magic_pair(u32 q) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(q >> (4 * J)), "r"(0x000F000Fu), "r"(0x43004300u));
     return r;
+}
+// 8 nibbles (columns 0..7 of `q`) dequantised to bf16 in the tiles' order (0 4 1 5 2 6 3 7).
+__device__ __forceinline__ uint4 deq_nib8_perm(u32 q, u32 s2, u32 b2) {
+    return make_uint4(affine_bf16x2(nib_magic_pair<0>(q), s2, b2), affine_bf16x2(nib_magic_pair<1>(q), s2, b2),
+                      affine_bf16x2(nib_magic_pair<2>(q), s2, b2), affine_bf16x2(nib_magic_pair<3>(q), s2, b2));
+}
+// 8 bytes (two words, columns 0..7) dequantised in f32 (fmaf, as the CPU), rounded to bf16, in
+// the tiles' order.
+__device__ __forceinline__ float deq_byte(u32 q, int j, float sc, float bi) {
+    return fmaf(sc, code_f((q >> (8 * j)) & 255u), bi);
+}
+__device__ __forceinline__ uint4 deq_byte8_perm(u32 q0, u32 q1, float sc, float bi) {
+    uint4 r;
+    r.x = pack_bf16(deq_byte(q0, 0, sc, bi), deq_byte(q1, 0, sc, bi));
+    r.y = pack_bf16(deq_byte(q0, 1, sc, bi), deq_byte(q1, 1, sc, bi));
+    r.z = pack_bf16(deq_byte(q0, 2, sc, bi), deq_byte(q1, 2, sc, bi));
+    r.w = pack_bf16(deq_byte(q0, 3, sc, bi), deq_byte(q1, 3, sc, bi));
+    return r;
+}
+// 8 activations (columns 0..7) as bf16 in the tiles' order.
+__device__ __forceinline__ uint4 pack_bf16x8_perm(float4 lo, float4 hi) {
+    return make_uint4(pack_bf16(lo.x, hi.x), pack_bf16(lo.y, hi.y), pack_bf16(lo.z, hi.z), pack_bf16(lo.w, hi.w));
 }
 
 // ---------------------------------------------------------------------------------------------
 // Operands of the cuBLAS GEMMs (src/backend/cuda/blas.rs), used for chunks of many tokens.
 // A whole quantised matrix dequantised to bf16 [rows][cols], with exactly pf_gemm_tc's rounding
-// (deq_nib8 / deq_byte8), or to f32 for the few-row GEMMs that pick experts and gates.
-// One thread per 8 columns (never straddles a group: groups are multiples of 32).
-// grid ceil(rows * cols / 8 / 256), block 256.
-// Item i = row r, columns 8k..8k+7: the 8 values s*q + b in f32, each one fmaf as in deq_nib8 /
-// deq_byte8 (so the bf16 kernel's rounding is pf_gemm_tc's exactly). False past the matrix.
+// (deq_nib8_perm / deq_byte8_perm, in column order), or to f32 for the few-row GEMMs that pick
+// experts and gates. One thread per 8 columns (never straddles a group: groups are multiples of
+// 32). grid ceil(rows * cols / 8 / 256), block 256.
+// Item i = row r, columns 8k..8k+7: the 8 values s*q + b in f32, each one fmaf as in deq_byte8_perm.
+// False past the matrix.
 __device__ __forceinline__ bool deq_item(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
                                          size_t i, float (&v)[8]) {
@@ -615,6 +638,19 @@ extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16*
                                            const u16* __restrict__ b, int bits, int rows, int cols, int group,
                                            uint4* __restrict__ out) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (bits == 4) {
+        // deq_nib8_perm's pairs (j, j + 4) put back in column order: one bf16 fma per value.
+        const int per_row = cols >> 3;
+        if (i >= (size_t)rows * per_row) return;
+        const size_t r = i / per_row;
+        const int g = (int)(i - r * per_row) * 8 / group;
+        const u32 s2 = 0x10001u * __ldg(s + r * (cols / group) + g), b2 = 0x10001u * __ldg(b + r * (cols / group) + g);
+        const uint4 p = deq_nib8_perm(__ldg(w + i), s2, b2);
+        // p.x = (c0, c4), p.y = (c1, c5), p.z = (c2, c6), p.w = (c3, c7).
+        out[i] = make_uint4(__byte_perm(p.x, p.y, 0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632),
+                            __byte_perm(p.z, p.w, 0x7632));
+        return;
+    }
     float v[8];
     if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
     out[i] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
@@ -684,13 +720,14 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
     __syncthreads();
 
     uint4 qa = make_uint4(0, 0, 0, 0), qb = qa;
-    float sc = 0.f, bi = 0.f;
-    float4 xv[4];
+    u16 sc = 0, bi = 0;
+    // Two units of 8 columns of one token per thread: 64 tokens x 8 units.
+    float4 xv[2][2];
     auto load = [&](int k0) {
         if (rvalid) {
             const int g = (k0 + lhalf * 32) / group;
-            sc = bf16f(__ldg(srow + g));
-            bi = bf16f(__ldg(brow + g));
+            sc = __ldg(srow + g);
+            bi = __ldg(brow + g);
             if (bits == 4) {
                 qa = __ldg(reinterpret_cast<const uint4*>(wrow + (k0 >> 3)) + lhalf);
             } else {
@@ -700,11 +737,12 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
             }
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 3, u = idx & 7;
             const int xr = xrow[tok];
-            xv[i] = xr >= 0 ? __ldg(reinterpret_cast<const float4*>(x + (size_t)xr * cols + k0) + f)
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4* src = reinterpret_cast<const float4*>(x + (size_t)(xr >= 0 ? xr : 0) * cols + k0) + 2 * u;
+            xv[i][0] = xr >= 0 ? __ldg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+            xv[i][1] = xr >= 0 ? __ldg(src + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
     auto store = [&](int buf) {
@@ -713,23 +751,22 @@ pf_gemm_tc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __re
             const uint4 z = make_uint4(0, 0, 0, 0);
             dst[0] = z; dst[1] = z; dst[2] = z; dst[3] = z;
         } else if (bits == 4) {
-            dst[0] = deq_nib8(qa.x, sc, bi);
-            dst[1] = deq_nib8(qa.y, sc, bi);
-            dst[2] = deq_nib8(qa.z, sc, bi);
-            dst[3] = deq_nib8(qa.w, sc, bi);
+            const u32 s2 = 0x10001u * sc, b2 = 0x10001u * bi;
+            dst[0] = deq_nib8_perm(qa.x, s2, b2);
+            dst[1] = deq_nib8_perm(qa.y, s2, b2);
+            dst[2] = deq_nib8_perm(qa.z, s2, b2);
+            dst[3] = deq_nib8_perm(qa.w, s2, b2);
         } else {
-            dst[0] = deq_byte8(qa.x, qa.y, sc, bi);
-            dst[1] = deq_byte8(qa.z, qa.w, sc, bi);
-            dst[2] = deq_byte8(qb.x, qb.y, sc, bi);
-            dst[3] = deq_byte8(qb.z, qb.w, sc, bi);
+            const float fs = bf16f(sc), fb = bf16f(bi);
+            dst[0] = deq_byte8_perm(qa.x, qa.y, fs, fb);
+            dst[1] = deq_byte8_perm(qa.z, qa.w, fs, fb);
+            dst[2] = deq_byte8_perm(qb.x, qb.y, fs, fb);
+            dst[3] = deq_byte8_perm(qb.z, qb.w, fs, fb);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int idx = tid + i * 256, tok = idx >> 4, f = idx & 15;
-            uint2 v;
-            v.x = pack_bf16(xv[i].x, xv[i].y);
-            v.y = pack_bf16(xv[i].z, xv[i].w);
-            *reinterpret_cast<uint2*>(Bs + buf * TC_BN * TC_LD + tok * TC_LD + f * 4) = v;
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * 256, tok = idx >> 3, u = idx & 7;
+            *reinterpret_cast<uint4*>(Bs + buf * TC_BN * TC_LD + tok * TC_LD + u * 8) = pack_bf16x8_perm(xv[i][0], xv[i][1]);
         }
     };
 
