@@ -350,6 +350,29 @@ __device__ __forceinline__ float bf16_of(const uint4& v, int j) {
     return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
+// The bf16 pair (v_j, v_j) of group j's scale or bias (v: 8 bf16, one per group of an item).
+__device__ __forceinline__ u32 bf16x2_of(const uint4& v, int j) {
+    const u32 w = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+    return 0x10001u * ((j & 1) ? (w >> 16) : (w & 0xffffu));
+}
+
+// s*q + b for a bf16 pair of codes p (bf16 128 + q in each half: the codes OR'ed into 0x4300),
+// with the scale and bias pairs s2 and b2: 128 + q - 128 is exact, then one fused multiply-add
+// rounds s*q + b to bf16 once.
+__device__ __forceinline__ u32 affine_bf16x2(u32 p, u32 s2, u32 b2) {
+    u32 q, r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
+    return r;
+}
+// Nibbles j and j + 4 of q as bf16 (128 + code) in the low and high half.
+template <int J>
+__device__ __forceinline__ u32 nib_magic_pair(u32 q) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(q >> (4 * J)), "r"(0x000F000Fu), "r"(0x43004300u));
+    return r;
+}
+
 // One warp's work item: rows r0 + g and r0 + g + 8 (lane g = lane/4) of a 4-bit matrix
 // [rows][cols] (group 64) over the groups [G0, G1) (G1 - G0 <= TC_NG). tc_load issues every
 // load of the item (codes, scales, biases) into registers, so a caller can start them before
@@ -579,6 +602,39 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
             acc[tg][1] += fmaf(s0, c[tg][1], b0 * gs1);
             acc[tg][2] += fmaf(s1, c[tg][2], b1 * gs0);
             acc[tg][3] += fmaf(s1, c[tg][3], b1 * gs1);
+        }
+    }
+}
+
+// tcb_mma with the item's weights dequantised to bf16 (s*q + b rounded once, as pf_gemm_tc's
+// tiles) in the A fragments, so the products accumulate straight into acc across groups: no
+// per-group partials, scales or group sums (fewer registers for many token groups). The staged
+// group sums are not read.
+template <int NTG>
+__device__ __forceinline__ void tcb_mma_affine(const TcItem& it, const u32* xf, int gpr, int G0, int G1,
+                                               float (&acc)[NTG][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < TC_NG; ++j) {
+        const int G = G0 + j;
+        if (G >= G1) break;  // warp-uniform
+        const u32 sa = bf16x2_of(it.sa, j), ba = bf16x2_of(it.ba, j), sb = bf16x2_of(it.sb, j), bb = bf16x2_of(it.bb, j);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+            u32 a[4];
+            if (i & 1) {
+                a[0] = affine_bf16x2(nib_magic_pair<2>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<2>(wb), sb, bb);
+                a[2] = affine_bf16x2(nib_magic_pair<3>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<3>(wb), sb, bb);
+            } else {
+                a[0] = affine_bf16x2(nib_magic_pair<0>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<0>(wb), sb, bb);
+                a[2] = affine_bf16x2(nib_magic_pair<1>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<1>(wb), sb, bb);
+            }
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) {
+                const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);
+                mma_bf16(acc[tg], a, bx.x, bx.y);
+            }
         }
     }
 }

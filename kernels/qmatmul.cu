@@ -564,22 +564,6 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 #define TC_LD (TC_BK + 8)
 // TC_BN (tokens per tile), smem_u32, ldsm_x4 and mma_bf16 are in common.cuh.
 
-// s*q + b for a bf16 pair of codes p (bf16 128 + q in each half: the codes OR'ed into 0x4300),
-// with the scale and bias pairs s2 and b2: 128 + q - 128 is exact, then one fused multiply-add
-// rounds s*q + b to bf16 once.
-__device__ __forceinline__ u32 affine_bf16x2(u32 p, u32 s2, u32 b2) {
-    u32 q, r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
-    return r;
-}
-// Nibbles j and j + 4 of q as bf16 (128 + code) in the low and high half.
-template <int J>
-__device__ __forceinline__ u32 nib_magic_pair(u32 q) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(q >> (4 * J)), "r"(0x000F000Fu), "r"(0x43004300u));
-    return r;
-}
 // 8 nibbles (columns 0..7 of `q`) dequantised to bf16 in the tiles' order (0 4 1 5 2 6 3 7).
 __device__ __forceinline__ uint4 deq_nib8_perm(u32 q, u32 s2, u32 b2) {
     return make_uint4(affine_bf16x2(nib_magic_pair<0>(q), s2, b2), affine_bf16x2(nib_magic_pair<1>(q), s2, b2),

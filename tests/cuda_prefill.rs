@@ -21,6 +21,7 @@ use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::options::DEFAULT_PREFILL_CHUNK as DEFAULT_CHUNK;
 use lily::backend::cuda::qmatmul::{FewRowRoute, GemmRoute};
+use lily::backend::cuda::testing::GroupedRoute;
 use lily::backend::cuda::{testing, CudaBackend};
 use lily::backend::{Backend, LogitsWanted, PrefillPiece, Sequence};
 use lily::checkpoint::Checkpoint;
@@ -175,14 +176,14 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
                 want[s * rows..(s + 1) * rows].copy_from_slice(&g);
             }
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            for exact in [true, false] {
-                let got = testing::grouped_gemm(&b, q, up, ne, &x, t, &ids, k, exact)
+            for route in [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::StagedLong] {
+                let got = testing::grouped_gemm(&b, q, up, ne, &x, t, &ids, k, route)
                     .unwrap();
                 let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
                 eprintln!(
-                    "grouped {name} exact={exact} T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})"
+                    "grouped {name} {route:?} T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})"
                 );
-                if exact {
+                if route == GroupedRoute::F32 {
                     assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
                 } else {
                     assert!(
@@ -369,6 +370,19 @@ fn cuda_prefill_logits_match_cpu() {
     // Measured on the H200 (2026-11-29): ~4.5e-2 overall, 190/200. The tiny checkpoint's random
     // router is full of near ties (top-2 of 8), so a bf16-level change of a router input flips an
     // expert for a few percent of (token, layer) pairs and those positions move by O(1).
+    assert!(r < 0.1, "relative logit error {r}");
+    assert!(t1 >= 180, "top-1 agreement {t1}/200");
+    // The long-chunk expert kernels (pf_moe_tcb_*, taken here for every chunk), same bounds.
+    testing::options_mut(&mut gpu).tcb_prefill_tokens = 0;
+    let mut s5 = gpu.new_sequence(256).unwrap();
+    let long = testing::prefill(&mut gpu, &mut s5, &toks, LogitsWanted::All, DEFAULT_CHUNK, false)
+        .unwrap();
+    testing::options_mut(&mut gpu).tcb_prefill_tokens = lily::backend::cuda::moe::TCB_PREFILL_TOKENS;
+    let (e, r, t1) = (max_abs_diff(&long, &want), rel_rms(&long, &want), top1(&long));
+    eprintln!(
+        "bf16 prefill 200 tokens, long-chunk expert kernels: rel RMS err {r:.2e}, max abs err {e:.3e}, top-1 {t1}/200; vs the short-chunk kernels rel RMS {:.2e}",
+        rel_rms(&long, &tc)
+    );
     assert!(r < 0.1, "relative logit error {r}");
     assert!(t1 >= 180, "top-1 agreement {t1}/200");
     // Last only equals the last row of All (same path).

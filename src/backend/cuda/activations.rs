@@ -3,7 +3,7 @@
 //! fields whatever the token count; each path adds the scratch only its kernels use.
 
 use super::device::Gpu;
-use super::moe::{max_tiles, tiles_of, MoeDims, BATCH_TILE, TCB_PREFILL_TOKENS};
+use super::moe::{max_tiles, tiles_of, MoeDims, BATCH_TILE};
 use super::qmatmul::TcbStaging;
 use super::qmatmul::BlasScratch;
 use super::sampling::{SampleScratch, ARGMAX_SCRATCH};
@@ -118,8 +118,8 @@ pub struct ChunkScratch {
     pub shared_gate: CudaSlice<f32>,
     pub shared_up: CudaSlice<f32>,
     pub shared_down: CudaSlice<f32>,
-    /// Staged bf16 inputs of the routed experts' `moe_tcb` passes for chunks of up to
-    /// `moe::TCB_PREFILL_TOKENS` tokens: the tokens (gate|up), then the slots (down).
+    /// Staged bf16 inputs of the routed experts' passes (`moe::PrefillExperts::Tcb` and
+    /// `TcbLong`): the tokens (gate|up), then the slots (down).
     pub tcb_tokens: TcbStaging,
     pub tcb_slots: TcbStaging,
     /// Split prefill attention's partials (`attention::chunk`): output rows and (max, sum) pairs
@@ -156,15 +156,15 @@ impl ChunkScratch {
             offsets: i(e)?,
             fill: i(e)?,
             list: i(n * k)?,
-            tiles: i(1 + 2 * max_tiles(n, &MoeDims::new(cfg)).max(tiles_of(n.min(TCB_PREFILL_TOKENS), &MoeDims::new(cfg), BATCH_TILE)))?,
+            tiles: i(1 + 2 * max_tiles(n, &MoeDims::new(cfg)).max(tiles_of(n, &MoeDims::new(cfg), BATCH_TILE)))?,
             expert_gate: f(k * cfg.moe_intermediate_size)?,
             expert_up: f(k * cfg.moe_intermediate_size)?,
             expert_down: f(k * h)?,
             shared_gate: f(sinter)?,
             shared_up: f(sinter)?,
             shared_down: f(h)?,
-            tcb_tokens: TcbStaging::new(gpu, n.min(TCB_PREFILL_TOKENS), h)?,
-            tcb_slots: TcbStaging::new(gpu, n.min(TCB_PREFILL_TOKENS) * k, cfg.moe_intermediate_size)?,
+            tcb_tokens: TcbStaging::new(gpu, n, h)?,
+            tcb_slots: TcbStaging::new(gpu, n * k, cfg.moe_intermediate_size)?,
             attn_part_o: gpu.zeros::<f32>(split_rows * nh * cfg.head_dim)?,
             attn_part_ml: gpu.zeros::<f32>(split_rows * nh * 2)?,
             blas,

@@ -286,6 +286,7 @@ impl CudaBackend {
             w: &self.w,
             blas: self.blas.as_ref(),
             cublas_min_tokens: self.opts.cublas_min_tokens,
+            tcb_prefill_tokens: self.opts.tcb_prefill_tokens,
             chunk: self.opts.prefill_chunk,
             exact: self.opts.exact_prefill,
             profile: self.opts.profile,

@@ -23,6 +23,8 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
+const PF_MOE_TCB_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_glu");
+const PF_MOE_TCB_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_down");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::ordered(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::ordered(&MOE, "moe_route_batch_4");
 
@@ -183,17 +185,40 @@ pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
     tiles_of(n, d, GEMM_TILE)
 }
 
-/// Whether a prefill chunk of `n` tokens runs its routed experts as `moe_tcb` passes: few
-/// tokens (see [`TCB_PREFILL_TOKENS`]), not the exact f32 mode, and matrices the kernel takes.
-pub fn prefill_uses_tcb(n: usize, exact: bool, m: &DevMoe, d: &MoeDims) -> bool {
-    let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
-    let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
-    !exact && n <= TCB_PREFILL_TOKENS && d.group == 64 && d.sinter == d.inter && mats.iter().all(|q| q4(q))
+/// How a prefill chunk runs its routed experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillExperts {
+    /// `moe_tcb`: passes of 16 slots over 16-slot tiles (chunks of at most `tcb_tokens` tokens).
+    Tcb,
+    /// `pf_moe_tcb_glu` / `_down`: passes of 32 / 64 slots over 64-slot tiles (longer chunks).
+    TcbLong,
+    /// The grouped GEMMs: `pf_gemm` in the exact f32 mode, `pf_gemm_tc` for matrices the staged
+    /// kernels do not take.
+    Gemm,
 }
 
-/// Most prefill tokens whose routed experts run as `moe_tcb` passes (16 slots of an expert per
-/// block, staged bf16 inputs) instead of the grouped GEMMs: with up to ~32 slots per expert the
-/// GEMMs' 64-slot tiles run mostly empty and read the weights far below bandwidth.
+/// Whether the staged expert kernels take the layer: 4-bit experts of whole 64-column groups,
+/// the shared expert as wide as a routed one.
+pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
+    let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
+    let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
+    d.group == 64 && d.sinter == d.inter && mats.iter().all(|q| q4(q))
+}
+
+/// The route of a prefill chunk of `n` tokens: in the bf16 mode, the staged kernels where they
+/// fit (`moe_tcb` up to `tcb_tokens` tokens, see [`TCB_PREFILL_TOKENS`]), else the grouped GEMMs.
+pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, staged_fit: bool) -> PrefillExperts {
+    if exact || !staged_fit {
+        PrefillExperts::Gemm
+    } else if n <= tcb_tokens {
+        PrefillExperts::Tcb
+    } else {
+        PrefillExperts::TcbLong
+    }
+}
+
+/// Most prefill tokens whose routed experts run as `moe_tcb` passes (16 slots per pass): with up
+/// to ~32 slots per expert, passes of 32 or 64 would run mostly empty.
 pub const TCB_PREFILL_TOKENS: usize = 1024;
 
 /// Routing scratch of a prefill chunk.
@@ -418,6 +443,52 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
+/// Rows of an expert per `pf_moe_tcb_*` block (8 warps of one 16-row item; PF_MOE_TCB_ROWS).
+const PF_MOE_TCB_ROWS: usize = 128;
+
+/// Token groups (8 slots each) per pass of `pf_moe_tcb_glu` / `_down` (their NTG).
+fn pf_moe_tcb_groups(glu: bool) -> usize {
+    if glu {
+        4
+    } else {
+        8
+    }
+}
+
+/// The routed experts of a long prefill chunk (`pf_moe_tcb_glu` with `up`, else `pf_moe_tcb_down`):
+/// per slot of the (expert, 64-slot) tiles of the lists, `y[slot] = W_e · x[slot / xdiv]`, or
+/// `silu(W_e · x) * (Up_e · x)`, x staged in `st` (4-bit, group 64).
+pub fn moe_tcb_prefill(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
+    if !same(q) || !up.is_none_or(same) || !q.cols.is_multiple_of(64) {
+        bail!("the prefill expert kernel takes 4-bit matrices of whole 64-column groups");
+    }
+    let ntg = pf_moe_tcb_groups(up.is_some());
+    let smem = (ntg * TC_NG * TCB_WORDS * 4) as u32;
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    let stream = &gpu.stream;
+    let args = [
+        Arg::P(w),
+        Arg::P(s),
+        Arg::P(b),
+        Arg::P(w2),
+        Arg::P(s2),
+        Arg::P(b2),
+        Arg::P(y),
+        Arg::I(rows as i32),
+        Arg::I(q.cols as i32),
+        Arg::P(ptr(&st.frag, stream)),
+        Arg::I(g.xdiv as i32),
+        Arg::P(g.counts),
+        Arg::P(g.offsets),
+        Arg::P(g.list),
+        Arg::P(g.tiles),
+    ];
+    let k = if up.is_some() { PF_MOE_TCB_GLU } else { PF_MOE_TCB_DOWN };
+    gpu.launch(k, (rows.div_ceil(PF_MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -433,6 +504,22 @@ mod tests {
         let d = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
         assert_eq!(route_batch_smem(&d, 16, 1), 4 * (16 * 256 + 2 * 256 + 16 * 8 + 2 * 8 * 8));
         assert_eq!(route_batch_smem(&d, 16, 4), route_batch_smem(&d, 16, 1));
+    }
+
+    #[test]
+    fn prefill_chunks_pick_their_expert_kernels() {
+        use super::{prefill_experts, PrefillExperts::*, TCB_PREFILL_TOKENS as T};
+        assert_eq!(prefill_experts(700, false, T, true), Tcb);
+        assert_eq!(prefill_experts(T, false, T, true), Tcb);
+        assert_eq!(prefill_experts(T + 1, false, T, true), TcbLong);
+        assert_eq!(prefill_experts(4096, false, T, true), TcbLong);
+        assert_eq!(prefill_experts(4096, false, 0, true), TcbLong);
+        assert_eq!(prefill_experts(1, false, 0, true), TcbLong);
+        // The exact f32 mode and shapes the staged kernels do not take: the grouped GEMMs.
+        assert_eq!(prefill_experts(4096, true, T, true), Gemm);
+        assert_eq!(prefill_experts(700, true, T, true), Gemm);
+        assert_eq!(prefill_experts(4096, false, T, false), Gemm);
+        assert_eq!(prefill_experts(700, false, T, false), Gemm);
     }
 
     #[test]

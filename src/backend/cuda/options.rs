@@ -61,6 +61,9 @@ pub struct CudaOptions {
     pub cublas_min_tokens: usize,
     /// Test-only: run the CUDA-core MoE decode kernels even where the tensor-core ones apply.
     pub force_cuda_core_moe: bool,
+    /// Test-only: see [`super::moe::TCB_PREFILL_TOKENS`] (0 sends every prefill chunk's routed
+    /// experts to the long-chunk kernels).
+    pub tcb_prefill_tokens: usize,
 }
 
 impl Default for CudaOptions {
@@ -80,6 +83,7 @@ impl Default for CudaOptions {
             gemv_tc_min_tiles: GEMV_TC_MIN_TILES,
             cublas_min_tokens: CUBLAS_MIN_TOKENS,
             force_cuda_core_moe: false,
+            tcb_prefill_tokens: super::moe::TCB_PREFILL_TOKENS,
         }
     }
 }

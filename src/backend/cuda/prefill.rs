@@ -15,6 +15,7 @@ use super::device::{ptr, Gpu};
 use super::attention::{AttnDims, AttnPtrs};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
+use super::moe::PrefillExperts;
 use super::moe;
 use super::ops;
 use super::qmatmul::{self, Gemm, Grouped};
@@ -96,6 +97,7 @@ struct ChunkPass<'a> {
     rows: usize,
     segments: &'a [Segment<'a>],
     exact: bool,
+    tcb_prefill_tokens: usize,
     dims: LayerDims,
 }
 
@@ -191,28 +193,38 @@ impl Pass for ChunkPass<'_> {
         let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
-        let tcb = moe::prefill_uses_tcb(n, self.exact, m, &d);
-        let tile = if tcb { moe::BATCH_TILE } else { moe::GEMM_TILE };
+        let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::staged_experts_fit(m, &d));
+        let tile = if route == PrefillExperts::Tcb { moe::BATCH_TILE } else { moe::GEMM_TILE };
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
         let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
-        if tcb {
-            // The routed experts as moe_tcb passes over staged bf16 inputs (the shared expert
-            // runs below as a dense product, so none of the lists' experts is it).
-            let grouped = |xdiv| Grouped { max_tiles: moe::tiles_of(n, &d, tile), ..r.grouped(&d, n, xdiv) };
-            let none = |q, up| moe::SharedExpert { q, up, expert: usize::MAX, base: None };
-            qmatmul::stage_tcb(self.gpu, u, h, n, 0, self.dims.eps, 0, &s.tcb_tokens)?;
-            moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
-            self.point(probe, Point::Phase("moe.gate_up"))?;
-            qmatmul::stage_tcb(self.gpu, eg, d.inter, n * k, 0, self.dims.eps, 0, &s.tcb_slots)?;
-            moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
-            self.point(probe, Point::Phase("moe.down"))?;
-        } else {
-            let grouped = |xdiv| r.grouped(&d, n, xdiv);
-            self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
-            self.point(probe, Point::Phase("moe.gate_up"))?;
-            self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
-            self.point(probe, Point::Phase("moe.down"))?;
+        let grouped = |xdiv| Grouped { max_tiles: moe::tiles_of(n, &d, tile), ..r.grouped(&d, n, xdiv) };
+        match route {
+            PrefillExperts::Tcb | PrefillExperts::TcbLong => {
+                // Passes over staged bf16 inputs (the shared expert runs below as a dense
+                // product, so none of the lists' experts is it).
+                let none = |q, up| moe::SharedExpert { q, up, expert: usize::MAX, base: None };
+                qmatmul::stage_tcb(self.gpu, u, h, n, 0, self.dims.eps, 0, &s.tcb_tokens)?;
+                if route == PrefillExperts::Tcb {
+                    moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
+                } else {
+                    moe::moe_tcb_prefill(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, &s.tcb_tokens, eg, grouped(k))?;
+                }
+                self.point(probe, Point::Phase("moe.gate_up"))?;
+                qmatmul::stage_tcb(self.gpu, eg, d.inter, n * k, 0, self.dims.eps, 0, &s.tcb_slots)?;
+                if route == PrefillExperts::Tcb {
+                    moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
+                } else {
+                    moe::moe_tcb_prefill(self.gpu, &m.down_exps, None, h, &s.tcb_slots, ed, grouped(1))?;
+                }
+                self.point(probe, Point::Phase("moe.down"))?;
+            }
+            PrefillExperts::Gemm => {
+                self.gemm.glu(&m.gate_exps, &m.up_exps, d.inter, u, n, eg, eu, n * k, Some(grouped(k)))?;
+                self.point(probe, Point::Phase("moe.gate_up"))?;
+                self.gemm.run(&m.down_exps, h, eg, n, ed, h, false, Some(grouped(1)))?;
+                self.point(probe, Point::Phase("moe.down"))?;
+            }
         }
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
         self.gemm.glu(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None)?;
@@ -245,6 +257,7 @@ pub struct Prefill<'a> {
     pub w: &'a DevWeights,
     pub blas: Option<&'a Blas>,
     pub cublas_min_tokens: usize,
+    pub tcb_prefill_tokens: usize,
     pub chunk: usize,
     pub exact: bool,
     pub profile: bool,
@@ -337,6 +350,7 @@ impl Prefill<'_> {
             rows,
             segments,
             exact: self.exact,
+            tcb_prefill_tokens: self.tcb_prefill_tokens,
             // Each segment's attention reads its own sequence's KV type.
             dims: LayerDims::new(self.cfg, false),
         };

@@ -129,6 +129,8 @@ pub const MOE: Module = Module {
         "moe_gate_up_tc",
         "moe_down_tc",
         "moe_tcb",
+        "pf_moe_tcb_glu",
+        "pf_moe_tcb_down",
         "moe_route_batch_1",
         "moe_route_batch_4",
         "pf_route",

@@ -9,7 +9,7 @@ use super::device::{ptr, Gpu};
 use super::forward::Probe;
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 use super::moe::{self, MoeDims, RouteLists};
-use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped};
+use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
 use super::sampling;
 use super::state::CudaSequence;
 use super::weights::DevQ;
@@ -177,12 +177,23 @@ fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: Ro
     read(gpu, &y)
 }
 
-/// The grouped (MoE) GEMM as the prefill runs it: `q` stacks `experts` matrices of
+/// The kernel of a grouped product ([`grouped_gemm`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupedRoute {
+    /// `pf_gemm` (the exact f32 mode).
+    F32,
+    /// `pf_gemm_tc` (bf16 tensor cores).
+    TensorCore,
+    /// `stage_tcb` + `pf_moe_tcb_glu` / `_down` (the routed experts of long prefill chunks).
+    StagedLong,
+}
+
+/// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
 /// `q.rows / experts` rows; token t's j-th slot (`ids[t*k + j]`, distinct per token) gets
 /// `W_e · x[t]`, or with `up` the fused `silu(W_e·x) * (Up_e·x)`. Returns `[tokens*k][rows]`.
-/// `exact`: the f32 kernel, else the tensor-core one. Routing lists come from the MoE kernels.
+/// Routing lists (64-slot tiles) come from the MoE kernels.
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, exact: bool) -> Result<Vec<f32>> {
+pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, route: GroupedRoute) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
     if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) {
         bail!("grouped_gemm: bad shapes");
@@ -205,7 +216,13 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
     let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
-    let mm = Gemm::new(gpu, q.group, exact, None);
+    if route == GroupedRoute::StagedLong {
+        let st = TcbStaging::new(gpu, tokens, q.cols)?;
+        qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 0.0, 0, &st)?;
+        moe::moe_tcb_prefill(gpu, &dq, du.as_ref(), rows, &st, yp, g(k))?;
+        return read(gpu, &y);
+    }
+    let mm = Gemm::new(gpu, q.group, route == GroupedRoute::F32, None);
     match &du {
         Some(u) => mm.glu(&dq, u, rows, xp, tokens, yp, tp, tokens * k, Some(g(k)))?,
         None => mm.run(&dq, rows, xp, tokens, yp, rows, false, Some(g(k)))?,
