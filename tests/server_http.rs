@@ -137,7 +137,7 @@ async fn prefix_cache_hit_gives_identical_greedy_output() {
     let fresh = {
         let mut a = args();
         a.prefix_cache_mb = Some(0);
-        lily::server::spawn(a).unwrap()
+        spawn(a).unwrap()
     };
     let (_, d) = post(&format!("{}/v1/completions", fresh.url()), json!({"prompt": longer, "max_tokens": 3, "temperature": 0})).await;
     assert_eq!(d["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
@@ -186,7 +186,7 @@ async fn bad_requests_get_4xx_with_error_objects() {
     {
         let mut a = args();
         a.max_body_bytes = 1024;
-        let small = lily::server::spawn(a).unwrap();
+        let small = spawn(a).unwrap();
         let body = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a".repeat(4000));
         let r = c.post(format!("{}/v1/chat/completions", small.url())).header("content-type", "application/json").body(body).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 413);
@@ -225,7 +225,7 @@ async fn bad_requests_get_4xx_with_error_objects() {
 async fn api_key_is_enforced() {
     let mut a = args();
     a.api_key = Some("sk-test-123".into());
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let c = client();
     let url = format!("{}/v1/chat/completions", s.url());
     let body = json!({"messages": user("hi"), "max_tokens": 2});
@@ -245,7 +245,7 @@ async fn api_key_is_enforced() {
 async fn full_queue_answers_429_with_retry_after() {
     let mut a = args();
     a.max_queue = 1;
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // Occupy the model with a long streaming request, and wait until it is running, so the
     // queue (one slot) is empty when the burst arrives: deterministic on a loaded machine.
@@ -288,7 +288,7 @@ async fn full_queue_answers_429_with_retry_after() {
 async fn an_abandoned_plain_request_counts_as_499() {
     // A non-streamed request whose client gives up: its handler goes with the connection, so the
     // worker, which notices, counts it.
-    let s = lily::server::spawn(args()).unwrap();
+    let s = spawn(args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let r = client().post(&url).timeout(Duration::from_millis(300)).json(&json!({"prompt": "a long story", "max_tokens": 900, "temperature": 0})).send().await;
     assert!(r.is_err(), "the client gave up");
@@ -305,7 +305,7 @@ async fn an_abandoned_plain_request_counts_as_499() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_cancels_generation() {
-    let s = lily::server::spawn(args()).unwrap();
+    let s = spawn(args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let mut r = client().post(&url).json(&json!({"prompt": "a long story", "max_tokens": 900, "temperature": 0, "stream": true})).send().await.unwrap();
     // Wait for the first token, then hang up.
@@ -498,7 +498,7 @@ async fn a_panicking_request_does_not_stop_the_server() {
     }
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let backend = Flaky { inner: lily::backend::cpu::CpuBackend::new(&ck).unwrap(), poison: 4242 };
-    let s = lily::server::spawn_with_backend(args(), Box::new(backend)).unwrap();
+    let s = spawn_with_backend(args(), Box::new(backend)).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let (st, v) = post(&url, json!({"prompt": [1, 4242, 3], "max_tokens": 2})).await;
     assert_eq!(st, 500, "{v}");
@@ -565,7 +565,7 @@ async fn a_sequence_that_cannot_be_copied_is_served_uncached() {
         }
     }
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
-    let s = lily::server::spawn_with_backend(args(), Box::new(Fixed { cfg: ck.config.clone() })).unwrap();
+    let s = spawn_with_backend(args(), Box::new(Fixed { cfg: ck.config.clone() })).unwrap();
     let url = format!("{}/v1/completions", s.url());
     for _ in 0..2 {
         let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
@@ -661,7 +661,7 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
     use std::sync::{Arc, Mutex};
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let used = Arc::new(Mutex::new(0));
-    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::ZERO })).unwrap();
+    let s = spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::ZERO })).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // 6 + 4 tokens: the request holds 20 units, and leaves two snapshots of 20 in the cache.
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
@@ -700,7 +700,7 @@ async fn a_request_waits_for_memory_that_running_requests_hold() {
     use std::sync::{Arc, Mutex};
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let used = Arc::new(Mutex::new(0));
-    let s = lily::server::spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::from_millis(5) })).unwrap();
+    let s = spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::from_millis(5) })).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let ask = |p: u32| post(&url, json!({"prompt": [p, p, p, p, p, p], "max_tokens": 40, "temperature": 0}));
     let ((s1, v1), (s2, v2)) = tokio::join!(ask(1), async {
@@ -738,7 +738,7 @@ async fn cors_preflight_lists_the_requested_headers() {
     // client with an API key needs the header named.
     let mut a = args();
     a.cors_origins = vec!["*".into()];
-    let s = lily::server::spawn(a).expect("start server");
+    let s = spawn(a).expect("start server");
     let r = client()
         .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url()))
         .header("origin", "https://app.example")
@@ -922,7 +922,7 @@ async fn slow_and_silent_connections_are_closed_and_capped() {
     let mut a = args();
     a.header_timeout_secs = 1;
     a.max_connections = 2;
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let addr = s.url().trim_start_matches("http://").to_string();
     let mut slow = std::net::TcpStream::connect(&addr).unwrap();
     slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty").unwrap();
@@ -953,7 +953,7 @@ fn zero_sizes_are_refused_at_start_with_the_flag_named() {
     for (flag, set) in [("--max-queue", (|a: &mut lily::server::ServeArgs| a.max_queue = 0) as fn(&mut lily::server::ServeArgs)), ("--max-batch", |a| a.max_batch = Some(0)), ("--prefill-chunk", |a| a.prefill_chunk = 0)] {
         let mut a = args();
         set(&mut a);
-        let e = lily::server::spawn(a).err().expect("refused").to_string();
+        let e = spawn(a).err().expect("refused").to_string();
         assert!(e.contains(flag), "{flag}: {e}");
     }
 }

@@ -26,7 +26,7 @@ async fn two_hundred_streaming_clients_with_disconnects() {
     let mut a = args();
     a.max_queue = 512;
     a.prefix_cache_mb = Some(8);
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let url = format!("{}/v1/chat/completions", s.url());
     let c = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
 

@@ -203,7 +203,8 @@ struct Loaded {
     backend_name: &'static str,
 }
 
-fn load(args: &ServeArgs) -> Result<Loaded> {
+/// `tokenizer`: the model's tokenizer already loaded, else it is loaded from the model directory.
+fn load(args: &ServeArgs, tokenizer: Option<Arc<Tokenizer>>) -> Result<Loaded> {
     if args.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
@@ -219,7 +220,10 @@ fn load(args: &ServeArgs) -> Result<Loaded> {
     let ck = Checkpoint::open(&dir).with_context(|| format!("cannot open checkpoint {}", dir.display()))?;
     let config = ck.config.clone();
     eprintln!("lily: checkpoint ok ({} tensors, {:.1} MB) in {:.1}s; loading tokenizer", ck.tensor_count(), ck.total_bytes() as f64 / 1e6, t0.elapsed().as_secs_f64());
-    let tokenizer = Arc::new(Tokenizer::load(&dir).with_context(|| format!("cannot load the tokenizer of {}", dir.display()))?);
+    let tokenizer = match tokenizer {
+        Some(t) => t,
+        None => Arc::new(Tokenizer::load(&dir).with_context(|| format!("cannot load the tokenizer of {}", dir.display()))?),
+    };
     let template = match ChatTemplate::load(&dir) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {
@@ -412,13 +416,22 @@ impl Drop for ServerHandle {
 
 /// Loads the model and starts serving on a background thread; returns once listening.
 pub fn spawn(args: ServeArgs) -> Result<ServerHandle> {
-    let loaded = load(&args)?;
+    let loaded = load(&args, None)?;
     spawn_loaded(args, loaded)
 }
 
-/// Like [`spawn`] with a caller-supplied backend (tests: a scripted or instrumented backend).
-pub fn spawn_with_backend(args: ServeArgs, backend: Box<dyn Backend>) -> Result<ServerHandle> {
-    let mut loaded = load(&ServeArgs { test_script: None, ..args.clone() })?;
+/// Like [`spawn`] with the model's tokenizer already loaded (`args.model`'s own: the caller
+/// vouches for that). Tests start many servers of one model, and a 248K-token vocabulary takes
+/// ~2 s of CPU to load.
+pub fn spawn_with_tokenizer(args: ServeArgs, tokenizer: Arc<Tokenizer>) -> Result<ServerHandle> {
+    let loaded = load(&args, Some(tokenizer))?;
+    spawn_loaded(args, loaded)
+}
+
+/// Like [`spawn`] with a caller-supplied backend (tests: a scripted or instrumented backend), and
+/// optionally the model's tokenizer already loaded (as [`spawn_with_tokenizer`]).
+pub fn spawn_with_backend(args: ServeArgs, tokenizer: Option<Arc<Tokenizer>>, backend: Box<dyn Backend>) -> Result<ServerHandle> {
+    let mut loaded = load(&ServeArgs { test_script: None, ..args.clone() }, tokenizer)?;
     let tok = loaded.state.tokenizer.clone();
     let metrics = loaded.state.metrics.clone();
     let max_seq = loaded.state.max_seq;
@@ -468,7 +481,7 @@ fn spawn_loaded(args: ServeArgs, loaded: Loaded) -> Result<ServerHandle> {
 
 /// `lily serve`: loads the model, prints the URL, serves until Ctrl-C (or `q` in the dashboard).
 pub fn run(args: ServeArgs) -> Result<()> {
-    let loaded = load(&args)?;
+    let loaded = load(&args, None)?;
     let Loaded { state, worker, rx, backend_name } = loaded;
     let metrics = state.metrics.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -4,9 +4,10 @@
 #![allow(dead_code)]
 
 use lily::server::{ServeArgs, ServerHandle};
+use lily::tokenizer::Tokenizer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 #[path = "../scratch/mod.rs"]
 mod scratch;
@@ -20,6 +21,31 @@ pub fn tiny_checkpoint() -> &'static Path {
     })
 }
 
+/// The tiny checkpoint's tokenizer, loaded once per test binary (~2 s of CPU each time).
+pub fn tiny_tokenizer() -> Arc<Tokenizer> {
+    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    T.get_or_init(|| Arc::new(Tokenizer::load(tiny_checkpoint()).expect("load the tiny tokenizer"))).clone()
+}
+
+/// The tiny tokenizer when `args` serves the tiny checkpoint.
+fn shared_tokenizer(args: &ServeArgs) -> Option<Arc<Tokenizer>> {
+    (args.model.as_deref() == Some(tiny_checkpoint())).then(tiny_tokenizer)
+}
+
+/// `lily::server::spawn`; servers of the tiny checkpoint share its tokenizer.
+pub fn spawn(args: ServeArgs) -> anyhow::Result<ServerHandle> {
+    match shared_tokenizer(&args) {
+        Some(t) => lily::server::spawn_with_tokenizer(args, t),
+        None => lily::server::spawn(args),
+    }
+}
+
+/// `lily::server::spawn_with_backend`, sharing the tiny tokenizer as [`spawn`] does.
+pub fn spawn_with_backend(args: ServeArgs, backend: Box<dyn lily::backend::Backend>) -> anyhow::Result<ServerHandle> {
+    let t = shared_tokenizer(&args);
+    lily::server::spawn_with_backend(args, t, backend)
+}
+
 pub fn args() -> ServeArgs {
     let mut a = ServeArgs::for_model(Some(tiny_checkpoint().to_path_buf()));
     a.bind = "127.0.0.1:0".into();
@@ -30,7 +56,7 @@ pub fn args() -> ServeArgs {
 /// A server running the tiny model on the CPU backend.
 pub fn tiny_server() -> &'static ServerHandle {
     static S: OnceLock<ServerHandle> = OnceLock::new();
-    S.get_or_init(|| lily::server::spawn(args()).expect("start server"))
+    S.get_or_init(|| spawn(args()).expect("start server"))
 }
 
 /// The rules of the scripted (test-only) backend used for deterministic output.
@@ -60,7 +86,7 @@ pub fn scripted_server() -> &'static ServerHandle {
     S.get_or_init(|| {
         let mut a = args();
         a.test_script = Some(script_path());
-        lily::server::spawn(a).expect("start scripted server")
+        spawn(a).expect("start scripted server")
     })
 }
 
@@ -112,5 +138,5 @@ impl<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send> lily::back
 pub fn steered_server<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send + 'static>(steer: F) -> ServerHandle {
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let inner: Box<dyn lily::backend::Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
-    lily::server::spawn_with_backend(args(), Box::new(Steered { inner, steer })).unwrap()
+    spawn_with_backend(args(), Box::new(Steered { inner, steer })).unwrap()
 }

@@ -109,7 +109,7 @@ fn uncached_args() -> lily::server::ServeArgs {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
-    let s = lily::server::spawn(uncached_args()).unwrap();
+    let s = spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // 8 greedy streams and 2 seeded sampled ones (with a penalty).
     let cases: Vec<Value> = (0..8).map(|i| body(i, 40, false)).chain([body(8, 40, true), body(9, 40, true)]).collect();
@@ -132,7 +132,7 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_output() {
-    let s = lily::server::spawn(uncached_args()).unwrap();
+    let s = spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     // Two greedy and two seeded sampled json_object streams among two plain ones: the JSON
     // rows step in the batch (their grammar masks their draws) and must come out as alone.
@@ -155,7 +155,7 @@ async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_out
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_leaves_the_others_untouched() {
-    let s = lily::server::spawn(uncached_args()).unwrap();
+    let s = spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let mut solo = Vec::new();
     for i in 0..4 {
@@ -187,7 +187,7 @@ async fn a_client_that_hangs_up_leaves_the_others_untouched() {
 async fn a_long_prompt_is_prefilled_between_the_running_streams_steps() {
     let mut a = uncached_args();
     a.prefill_chunk = 32;
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let streams: Vec<_> = (0..3).map(|i| tokio::spawn(stream_owned(url.clone(), body(i, 120, false)))).collect();
     // Once the streams run, a prompt of 600 tokens arrives: 19 turns of 32 tokens.
@@ -214,7 +214,7 @@ async fn a_long_prompt_is_prefilled_between_the_running_streams_steps() {
 async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     let mut a = uncached_args();
     a.max_batch = Some(2);
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let running = Arc::new(AtomicBool::new(true));
     let (max_batch, watcher) = watch_batch_size(format!("{}/metrics", s.url()), running.clone());
@@ -234,7 +234,7 @@ async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
 async fn n_choices_share_a_prefill_and_several_prompts_get_theirs() {
     // Two prompts x three choices: choice i answers prompt i / 3; seeded choices differ from each
     // other, each choice is reproducible, and the prompt is counted once per prompt.
-    let s = lily::server::spawn(uncached_args()).unwrap();
+    let s = spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let body = json!({"prompt": ["Once upon a time", [1000, 1001, 1002]], "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 7});
     let r = client().post(&url).json(&body).send().await.unwrap();
@@ -278,7 +278,7 @@ async fn n_choices_share_a_prefill_and_several_prompts_get_theirs() {
 async fn draining_refuses_new_requests_and_finishes_running_ones() {
     // As on SIGTERM: /health turns 503 "draining" (a gateway stops routing here), new requests
     // get 503, and the stream already running ends normally with all its tokens.
-    let s = lily::server::spawn(uncached_args()).unwrap();
+    let s = spawn(uncached_args()).unwrap();
     let base = s.url();
     let url = format!("{base}/v1/completions");
     let running = tokio::spawn(stream_owned(url.clone(), body(0, 80, false)));

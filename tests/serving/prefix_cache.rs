@@ -18,7 +18,7 @@ fn server(prefix_cache_mb: usize, checkpoint_every: usize) -> lily::server::Serv
     a.max_seq = 4096;
     a.prefix_cache_mb = Some(prefix_cache_mb);
     a.prefix_checkpoint_tokens = checkpoint_every;
-    lily::server::spawn(a).unwrap()
+    spawn(a).unwrap()
 }
 
 /// The prompt tokens a chat request would be fed.
@@ -135,7 +135,7 @@ async fn entries_in_the_host_tier_serve_later_turns_exactly() {
     a.max_seq = 4096;
     a.prefix_cache_mb = Some(0);
     a.prefix_cache_host_mb = Some(256);
-    let s = lily::server::spawn(a).unwrap();
+    let s = spawn(a).unwrap();
     let last = turns(&s, &chat_turns()).await;
     let plain = server(0, 2048);
     let v = post(&format!("{}/v1/chat/completions", plain.url()), chat_turns()[4].clone()).await;

@@ -15,8 +15,7 @@ async fn post(url: &str, body: Value) -> (u16, Value) {
 }
 
 fn tokenizer() -> Arc<lily::tokenizer::Tokenizer> {
-    static T: OnceLock<Arc<lily::tokenizer::Tokenizer>> = OnceLock::new();
-    T.get_or_init(|| Arc::new(lily::tokenizer::Tokenizer::load(tiny_checkpoint()).unwrap())).clone()
+    tiny_tokenizer()
 }
 
 fn grammars() -> &'static Grammars {
@@ -90,7 +89,7 @@ fn server() -> &'static lily::server::ServerHandle {
     S.get_or_init(|| {
         let mut a = args();
         a.enable_thinking = Some(false);
-        lily::server::spawn(a).unwrap()
+        spawn(a).unwrap()
     })
 }
 
