@@ -381,11 +381,24 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     }
 }
 
+// Up to GDN_SCAN_SEGS sequences' scans in one launch (blockIdx.z = segment): segment z is rows
+// r0[z] .. r0[z] + n[z] of the chunk's inputs and outputs, with its own state. The recurrence is
+// a chain of dependent steps per token, so segments side by side run in the time of the longest
+// instead of the sum. Passed by value (gdn.rs ScanSegments has this layout).
+#define GDN_SCAN_SEGS 16
+struct ScanSegs {
+    float* state[GDN_SCAN_SEGS];
+    int r0[GDN_SCAN_SEGS];
+    int n[GDN_SCAN_SEGS];
+};
 #define PF_GDN_SCAN(DK)                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) pf_gdn_scan_##DK(                                           \
         const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
-        const float* dt_bias, const float* neg_a, float* state, float* o, int T, int nk, int nv, int dv, int C) {   \
-        gdn_scan<DK>(qn, kn, conv, braw, araw, dt_bias, neg_a, state, o, T, nk, nv, dv, C);                        \
+        const float* dt_bias, const float* neg_a, const ScanSegs segs, float* o, int nk, int nv, int dv, int C) {   \
+        const size_t r0 = segs.r0[blockIdx.z];                                                                     \
+        const size_t kd = (size_t)nk * DK;                                                                         \
+        gdn_scan<DK>(qn + r0 * kd, kn + r0 * kd, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias, neg_a,    \
+                     segs.state[blockIdx.z], o + r0 * nv * dv, segs.n[blockIdx.z], nk, nv, dv, C);                 \
     }
 PF_GDN_SCAN(32)
 PF_GDN_SCAN(64)

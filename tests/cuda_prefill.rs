@@ -196,6 +196,42 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     }
 }
 
+/// The scan of several sequences side by side (a prefill chunk of several segments, more than one
+/// launch's worth) equals each sequence's scan alone, bit for bit.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_gdn_scan_segments_equal_each_alone() {
+    let b = cuda();
+    for &(dk, dv) in &[(64usize, 64usize), (128, 128), (32, 96)] {
+        // 18 segments: two launches (16 per launch), lengths 1..200.
+        let lens: Vec<usize> = (0..18).map(|i| [1usize, 9, 64, 200, 3, 17][i % 6] + i).collect();
+        let inputs: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let s = 100 * i as u64;
+                let unit = |x: Vec<f32>| {
+                    let mut x = x;
+                    x.chunks_exact_mut(dk).for_each(|r| ops::l2_normalize(r, 1e-6));
+                    x
+                };
+                (unit(rnd(s + 1, t * dk)), unit(rnd(s + 2, t * dk)), rnd(s + 3, t * dv), rnd(s + 4, t), rnd(s + 5, t), rnd(s + 6, dk * dv))
+            })
+            .collect();
+        let segs: Vec<testing::ScanInput> = inputs
+            .iter()
+            .map(|(q, k, v, b, a, s0)| testing::ScanInput { q, k, v, braw: b, araw: a, s0 })
+            .collect();
+        let together = testing::gdn_scan_segments(&b, &segs, 0.3, -0.7, dk, dv).unwrap();
+        for (i, (q, k, v, br, ar, s0)) in inputs.iter().enumerate() {
+            let alone = testing::gdn_scan(&b, q, k, v, br, ar, 0.3, -0.7, s0, dk, dv).unwrap();
+            assert_eq!(together[i].0, alone.0, "dk={dk} segment {i} (T={}): outputs", lens[i]);
+            assert_eq!(together[i].1, alone.1, "dk={dk} segment {i} (T={}): state", lens[i]);
+        }
+        eprintln!("gdn scan dk={dk} dv={dv}: {} segments side by side equal each alone", lens.len());
+    }
+}
+
 /// The tensor-core attention against the f32 SIMT kernel (itself checked through the strict
 /// logits tests) and a direct CPU evaluation, with keys already in the cache (pos0 > 0).
 #[test]

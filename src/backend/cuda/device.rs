@@ -15,7 +15,12 @@ pub enum Arg {
     P(u64),
     I(i32),
     F(f32),
+    /// A struct passed by value, as 8-byte words (the kernel's parameter may be shorter).
+    S([u64; ARG_STRUCT_WORDS]),
 }
+
+/// Most 8-byte words of a struct argument ([`Arg::S`]).
+pub const ARG_STRUCT_WORDS: usize = 32;
 
 /// True when the CUDA driver library can be loaded.
 pub fn driver_available() -> bool {
@@ -173,6 +178,7 @@ fn launch_ex(
             Arg::P(p) => p as *const u64 as *mut c_void,
             Arg::I(i) => i as *const i32 as *mut c_void,
             Arg::F(x) => x as *const f32 as *mut c_void,
+            Arg::S(w) => w.as_ptr() as *mut c_void,
         })
         .collect();
     // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the

@@ -3,7 +3,7 @@
 //! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the exact recurrent
 //! scan with the state in registers, gated norm).
 
-use super::device::{Arg, Gpu};
+use super::device::{Arg, Gpu, ARG_STRUCT_WORDS};
 use super::registry::{Kernel, GDN};
 use crate::checkpoint::ModelConfig;
 use anyhow::{bail, Result};
@@ -135,17 +135,47 @@ fn scan_block_columns(dk: usize) -> usize {
     4 * 32 / (dk / 16).clamp(2, 8)
 }
 
-/// The exact recurrence over `n` tokens for every value head: reads q/k (normalised), v from the
-/// conv output (row stride `conv_dim`), raw b/a; updates the state; writes `o`.
-pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
+/// Sequences per scan launch (GDN_SCAN_SEGS in kernels/gdn.cu).
+pub const SCAN_SEGS: usize = 16;
+
+/// One sequence's rows `r0..r0 + n` of a chunk, scanned with its layer state `state`.
+#[derive(Clone, Copy, Debug)]
+pub struct ScanSegment {
+    pub state: u64,
+    pub r0: usize,
+    pub n: usize,
+}
+
+/// The kernel's `ScanSegs` (states, then the r0 and n arrays of i32) for up to [`SCAN_SEGS`].
+fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
+    const _: () = assert!(SCAN_SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
+    let mut w = [0u64; ARG_STRUCT_WORDS];
+    for (i, s) in segs.iter().enumerate() {
+        w[i] = s.state;
+        let half = 32 * (i % 2);
+        w[SCAN_SEGS + i / 2] |= (s.r0 as u32 as u64) << half;
+        w[SCAN_SEGS + SCAN_SEGS / 2 + i / 2] |= (s.n as u32 as u64) << half;
+    }
+    Arg::S(w)
+}
+
+/// The exact recurrence over each segment's tokens for every value head, the segments side by
+/// side ([`SCAN_SEGS`] per launch): reads q/k (normalised), v from the conv output (row stride
+/// `conv_dim`), raw b/a at the segment's rows; updates its state; writes `o` at its rows.
+/// `p` and `s` point at the chunk's first row.
+pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ScanSegment]) -> Result<()> {
     let Some(k) = select_scan(d.dk) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
-    let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a, p.state, s.o];
-    let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
-    args.extend([n, d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
-    let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, 1);
-    gpu.launch(k, grid, 128, 0, &args)
+    for group in segs.chunks(SCAN_SEGS) {
+        let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a];
+        let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
+        args.extend([scan_segs_arg(group), Arg::P(s.o)]);
+        args.extend([d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
+        let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, group.len() as u32);
+        gpu.launch(k, grid, 128, 0, &args)?;
+    }
+    Ok(())
 }
 
 /// Gated RMSNorm of the scan outputs with z into `y`.
@@ -157,6 +187,21 @@ pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scan_segments_pack_as_the_kernel_reads_them() {
+        let segs: Vec<ScanSegment> = (0..3).map(|i| ScanSegment { state: 0x1000 + i as u64, r0: 10 * i, n: 7 + i }).collect();
+        let Arg::S(w) = scan_segs_arg(&segs) else { panic!("not a struct argument") };
+        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let int = |at: usize| i32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        for (i, s) in segs.iter().enumerate() {
+            assert_eq!(w[i], s.state);
+            // float* state[16] (128 bytes), int r0[16] (64), int n[16] (64).
+            assert_eq!(int(128 + 4 * i), s.r0 as i32);
+            assert_eq!(int(192 + 4 * i), s.n as i32);
+        }
+        assert_eq!(w[3..SCAN_SEGS], [0; SCAN_SEGS - 3]);
+    }
 
     #[test]
     fn kernels_for_the_35b_and_tiny_shapes() {

@@ -14,7 +14,7 @@ use super::blas::Blas;
 use super::device::{ptr, Gpu};
 use super::attention::{AttnDims, AttnPtrs};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
-use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
+use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs, ScanSegment};
 use super::moe::PrefillExperts;
 use super::moe;
 use super::ops;
@@ -139,19 +139,24 @@ impl Pass for ChunkPass<'_> {
         self.gemm.few_rows(&g.in_b, nv, u, n, self.p(&a.b), nv)?;
         self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
-        // The scratch is the segments' in turn (one stream orders them).
+        // Each segment's conv (its own ring) into its rows of the scratch, then one scan over
+        // all segments side by side (each its own state), then the norm over all rows.
         let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
+        let qk = d.nk * d.dk;
+        let mut scans = Vec::with_capacity(self.segments.len());
         for seg in self.segments {
             let (ring, state) = seg.seq.layer_ptrs(li);
-            let all = forward::gdn_ptrs(self.gpu, a, g, ring, state);
-            let p = GdnPtrs { qkv: seg.rows(all.qkv, cdim), z: seg.rows(all.z, vd), b: seg.rows(all.b, nv), a: seg.rows(all.a, nv), y: seg.rows(all.y, vd), ..all };
-            gdn::conv(self.gpu, &d, &p, &s, seg.n, seg.pos0)?;
-            self.point(probe, Point::Phase("gdn.conv"))?;
-            gdn::scan(self.gpu, &d, &p, &s, seg.n)?;
-            self.point(probe, Point::Phase("gdn.scan"))?;
-            gdn::gated_norm(self.gpu, &d, &p, &s, seg.n)?;
-            self.point(probe, Point::Phase("gdn.norm"))?;
+            let p = GdnPtrs { qkv: seg.rows(self.p(&a.qkv), cdim), ..forward::gdn_ptrs(self.gpu, a, g, ring, state) };
+            let rows = GdnChunkScratch { conv: seg.rows(s.conv, cdim), qn: seg.rows(s.qn, qk), kn: seg.rows(s.kn, qk), o: s.o };
+            gdn::conv(self.gpu, &d, &p, &rows, seg.n, seg.pos0)?;
+            scans.push(ScanSegment { state, r0: seg.r0, n: seg.n });
         }
+        self.point(probe, Point::Phase("gdn.conv"))?;
+        let all = forward::gdn_ptrs(self.gpu, a, g, 0, 0);
+        gdn::scan(self.gpu, &d, &all, &s, &scans)?;
+        self.point(probe, Point::Phase("gdn.scan"))?;
+        gdn::gated_norm(self.gpu, &d, &all, &s, n)?;
+        self.point(probe, Point::Phase("gdn.norm"))?;
         self.gemm.run(&g.out, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("gdn.out"))
     }

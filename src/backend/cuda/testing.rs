@@ -323,6 +323,55 @@ pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], 
     let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: p(&sd), y: 0 };
     let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
-    gdn::scan(gpu, &d, &ptrs, &s, t)?;
+    gdn::scan(gpu, &d, &ptrs, &s, &[gdn::ScanSegment { state: p(&sd), r0: 0, n: t }])?;
     Ok((read(gpu, &od)?, read(gpu, &sd)?))
+}
+
+/// One value head's inputs to [`gdn_scan_segments`]: q, k `[T][dk]`, v `[T][dv]`, raw gates b, a
+/// `[T]`, initial state `[dk][dv]`.
+pub struct ScanInput<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub braw: &'a [f32],
+    pub araw: &'a [f32],
+    pub s0: &'a [f32],
+}
+
+/// Several sequences' scans (one value head each) as the prefill runs a chunk of several
+/// segments: their rows one after the other, one launch per [`gdn::SCAN_SEGS`] segments. Returns
+/// each segment's (outputs, final state).
+pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    let gpu = &b.gpu;
+    let c = 2 * dk + dv;
+    let total: usize = segs.iter().map(|s| s.braw.len()).sum();
+    let (mut q, mut k, mut conv, mut braw, mut araw) = (Vec::new(), Vec::new(), vec![0.0f32; total * c], Vec::new(), Vec::new());
+    let mut r0 = 0;
+    let mut states = Vec::new();
+    let mut scans = Vec::new();
+    for s in segs {
+        let t = s.braw.len();
+        q.extend_from_slice(s.q);
+        k.extend_from_slice(s.k);
+        braw.extend_from_slice(s.braw);
+        araw.extend_from_slice(s.araw);
+        for i in 0..t {
+            conv[(r0 + i) * c + 2 * dk..(r0 + i + 1) * c].copy_from_slice(&s.v[i * dv..(i + 1) * dv]);
+        }
+        let sd = gpu.upload(s.s0)?;
+        scans.push(gdn::ScanSegment { state: ptr(&sd, &gpu.stream), r0, n: t });
+        states.push(sd);
+        r0 += t;
+    }
+    let up = |v: &[f32]| gpu.upload(v);
+    let (qd, kd, cd, bd, ad) = (up(&q)?, up(&k)?, up(&conv)?, up(&braw)?, up(&araw)?);
+    let (dtb, nga) = (up(&[dt_bias])?, up(&[neg_a])?);
+    let od = gpu.zeros::<f32>(total * dv)?;
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
+    let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: 0, y: 0 };
+    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
+    gdn::scan(gpu, &d, &ptrs, &s, &scans)?;
+    let o = read(gpu, &od)?;
+    scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), read(gpu, sd)?))).collect()
 }
