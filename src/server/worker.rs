@@ -45,9 +45,10 @@ use tokio::sync::mpsc;
 
 /// Default prompt tokens prefilled per turn of the scheduler while rows decode
 /// (`--prefill-chunk`): what one turn adds to the running streams' inter-token latency while a
-/// prompt is prefilled. Smaller chunks run the prefill kernels below their speed and add decode
-/// steps of a partly filled batch (docs/server.md has the measured trade-off).
-pub const PREFILL_CHUNK: usize = 2048;
+/// prompt is prefilled. Smaller chunks run the prefill kernels below their speed, take fewer
+/// prompts per forward and add decode steps of a partly filled batch (docs/server.md and
+/// docs/benchmarks.md have the measured trade-off).
+pub const PREFILL_CHUNK: usize = 4096;
 
 /// Prompt tokens per turn while no row decodes: large enough that prompts go in at the prefill's
 /// full speed, small enough that a newcomer is admitted and a departed client noticed within a
