@@ -384,6 +384,14 @@ fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
     4 * sums.max(routing)
 }
 
+/// Codes, scales and biases of `q`, then of `up` (zeros without it): the leading arguments of the
+/// staged expert kernels.
+fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>) -> [Arg; 6] {
+    let (w, s, b) = q.ptrs(gpu);
+    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+    [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(w2), Arg::P(s2), Arg::P(b2)]
+}
+
 /// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
 const MOE_TCB_ROWS: usize = 128;
 
@@ -407,25 +415,11 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     }
     let gpr = q.cols / 64;
     let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
-    let (w, s, b) = q.ptrs(gpu);
-    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
-    let (sw, ss, sb) = shared.q.ptrs(gpu);
-    let (sw2, ss2, sb2) = shared.up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
     let base = shared.base.map_or(i32::MAX, |b| b.min(i32::MAX as usize) as i32);
     let stream = &gpu.stream;
-    let args = [
-        Arg::P(w),
-        Arg::P(s),
-        Arg::P(b),
-        Arg::P(w2),
-        Arg::P(s2),
-        Arg::P(b2),
-        Arg::P(sw),
-        Arg::P(ss),
-        Arg::P(sb),
-        Arg::P(sw2),
-        Arg::P(ss2),
-        Arg::P(sb2),
+    let mut args = matrix_pair_args(gpu, q, up).to_vec();
+    args.extend(matrix_pair_args(gpu, shared.q, shared.up));
+    args.extend([
         Arg::I(shared.expert as i32),
         Arg::I(base),
         Arg::P(y),
@@ -439,7 +433,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Arg::P(g.offsets),
         Arg::P(g.list),
         Arg::P(g.tiles),
-    ];
+    ]);
     gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
@@ -465,16 +459,9 @@ pub fn moe_tcb_prefill(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: 
     }
     let ntg = pf_moe_tcb_groups(up.is_some());
     let smem = (ntg * TC_NG * TCB_WORDS * 4) as u32;
-    let (w, s, b) = q.ptrs(gpu);
-    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
     let stream = &gpu.stream;
-    let args = [
-        Arg::P(w),
-        Arg::P(s),
-        Arg::P(b),
-        Arg::P(w2),
-        Arg::P(s2),
-        Arg::P(b2),
+    let mut args = matrix_pair_args(gpu, q, up).to_vec();
+    args.extend([
         Arg::P(y),
         Arg::I(rows as i32),
         Arg::I(q.cols as i32),
@@ -484,7 +471,7 @@ pub fn moe_tcb_prefill(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: 
         Arg::P(g.offsets),
         Arg::P(g.list),
         Arg::P(g.tiles),
-    ];
+    ]);
     let k = if up.is_some() { PF_MOE_TCB_GLU } else { PF_MOE_TCB_DOWN };
     gpu.launch(k, (rows.div_ceil(PF_MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
