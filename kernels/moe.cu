@@ -388,13 +388,39 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
 // rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
 // Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
+// acc = silu(acc) * up (the GLU of a 16-row item's gate and up accumulators).
+template <int NTG>
+__device__ __forceinline__ void tcb_swiglu(float (&acc)[NTG][4], const float (&up)[NTG][4]) {
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
+}
+// A 16-row item's accumulators (tcb_mma's layout) into y[slots[tok]][row] for its rows below
+// r_end and the pass's nt tokens.
+template <int NTG>
+__device__ __forceinline__ void tcb_store(const float (&acc)[NTG][4], float* __restrict__ y, int rows, int r_end, int r0,
+                                          const int* slots, int nt) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    auto store = [&](int row, int tok, float v) {
+        if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
+    };
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) {
+        store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
+        store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
+        store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
+        store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
+    }
+}
+
 template <int NTG>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, const u32* __restrict__ w2,
                                              const u16* __restrict__ s2, const u16* __restrict__ b2,
                                              float* __restrict__ y, int rows, int cols, int r_begin, int r_end,
                                              const int* slots, int nt, const u32* xf, const float* gsum) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5;
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
     for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
@@ -402,21 +428,9 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
         if (w2) {
             float up[NTG][4];
             tcb_tile<NTG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
-#pragma unroll
-            for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
+            tcb_swiglu<NTG>(acc, up);
         }
-        auto store = [&](int row, int tok, float v) {
-            if (row < r_end && tok < nt) y[(size_t)slots[tok] * rows + row] = v;
-        };
-#pragma unroll
-        for (int tg = 0; tg < NTG; ++tg) {
-            store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
-            store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
-            store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
-            store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
-        }
+        tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
     }
 }
 
@@ -526,7 +540,7 @@ __device__ __forceinline__ void pf_moe_tcb_body(const u32* __restrict__ w, const
         s2 += erows * gpr;
         b2 += erows * gpr;
     }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5;
     const int r_begin = blockIdx.x * PF_MOE_TCB_ROWS, r_end = min(rows, r_begin + PF_MOE_TCB_ROWS);
     const int r0 = r_begin + warp * 16;  // one 16-row item per warp
     __shared__ int slot[TOK], xrow[TOK];
@@ -562,22 +576,8 @@ __device__ __forceinline__ void pf_moe_tcb_body(const u32* __restrict__ w, const
             }
         }
         if (r0 < r_end) {
-            if constexpr (GLU) {
-#pragma unroll
-                for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[tg][q] = silu_f(acc[tg][q]) * up[tg][q];
-            }
-            auto store = [&](int row, int tok, float v) {
-                if (row < r_end && tok < nt) y[(size_t)slot[tok] * rows + row] = v;
-            };
-#pragma unroll
-            for (int tg = 0; tg < NTG; ++tg) {
-                store(r0 + g, tg * 8 + 2 * t, acc[tg][0]);
-                store(r0 + g, tg * 8 + 2 * t + 1, acc[tg][1]);
-                store(r0 + g + 8, tg * 8 + 2 * t, acc[tg][2]);
-                store(r0 + g + 8, tg * 8 + 2 * t + 1, acc[tg][3]);
-            }
+            if constexpr (GLU) tcb_swiglu<NTG>(acc, up);
+            tcb_store<NTG>(acc, y, rows, r_end, r0, slot, nt);
         }
     }
 }
