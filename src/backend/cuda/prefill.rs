@@ -87,7 +87,8 @@ impl LayerStates for Segments<'_, '_> {
 }
 
 /// The prefill launches of one chunk: the projections, norms and experts over all its rows, the
-/// mixers' conv, scan and attention per segment (each over its own sequence's state).
+/// GDN conv and the attention per segment and the GDN scans of all segments side by side (each
+/// over its own sequence's state).
 struct ChunkPass<'a> {
     gpu: &'a Gpu,
     w: &'a DevWeights,
