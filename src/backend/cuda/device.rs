@@ -10,13 +10,14 @@ use std::sync::Arc;
 
 /// One kernel argument (raw device pointers keep launches free of borrow juggling; all buffers
 /// outlive the stream work because the backend owns them and synchronises before freeing).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Arg {
     P(u64),
     I(i32),
     F(f32),
-    /// A struct passed by value, as 8-byte words (the kernel's parameter may be shorter).
-    S([u64; ARG_STRUCT_WORDS]),
+    /// A struct passed by value, as 8-byte words (the kernel's parameter may be shorter). Boxed,
+    /// so the other arguments of every launch stay 16 bytes.
+    S(Box<[u64; ARG_STRUCT_WORDS]>),
 }
 
 /// Most 8-byte words of a struct argument ([`Arg::S`]).

@@ -112,9 +112,9 @@ pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, 
     let c = d.conv_dim;
     let cgrid = c.div_ceil(256) as u32;
     let (ni, ci, kci, posi) = (Arg::I(n as i32), Arg::I(c as i32), Arg::I(d.kc as i32), Arg::I(pos0 as i32));
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni, ci, kci, posi, Arg::P(s.conv)];
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::P(s.conv)];
     gpu.launch(PF_GDN_CONV, (cgrid, n as u32, 1), 256, 0, &args)?;
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci, kci, posi];
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci.clone(), kci, posi];
     gpu.launch(PF_GDN_RING, (cgrid, n.min(d.kc) as u32, 1), 256, 0, &args)?;
     let args = [Arg::P(s.conv), ci, Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
     gpu.launch(PF_GDN_QK, (n as u32, d.nk as u32, 1), d.dk as u32, 0, &args)
@@ -156,7 +156,7 @@ fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
         w[SCAN_SEGS + i / 2] |= (s.r0 as u32 as u64) << half;
         w[SCAN_SEGS + SCAN_SEGS / 2 + i / 2] |= (s.n as u32 as u64) << half;
     }
-    Arg::S(w)
+    Arg::S(Box::new(w))
 }
 
 /// The exact recurrence over each segment's tokens for every value head, the segments side by

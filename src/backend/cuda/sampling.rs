@@ -188,10 +188,10 @@ pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratc
     let (masked, mask) = (ptr(&s.masked, st), ptr(&s.mask, st));
     let grid = (blocks_per_row(rows).min(SAMPLE_BLOCKS), rows as u32, 1);
     let ni = Arg::I(n as i32);
-    let prep = [Arg::P(logits), ni, Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row), Arg::P(part)];
+    let prep = [Arg::P(logits), ni.clone(), Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row), Arg::P(part)];
     gpu.launch(SAMPLE_PREP, grid, 1024, 0, &prep)?;
     for pass in 0..SELECT_PASSES {
-        gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass)])?;
+        gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni.clone(), Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass)])?;
     }
     gpu.launch(SAMPLE_DRAW, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(counts), Arg::P(step), Arg::P(part)])
 }
