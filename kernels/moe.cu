@@ -379,15 +379,6 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
 }
 
 // ============================ batched decode (B tokens) ============================
-// The expert products of a batched decode step: for every (expert, 64-slot tile) of the routing
-// lists (moe_route_batch) and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
-// stage_tcb: fragments and group sums, gathered per slot), or with a second matrix (GLU: gate W
-// and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64, bf16 activations on
-// the tensor cores; tcb_mma in common.cuh). Expert `shared_e` is the shared expert: its matrices
-// are sw / sw2, and its slots (shared_base + t) read token t's row. Each active expert's rows are read
-// once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
-// rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
-// Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
 // acc = silu(acc) * up (the GLU of a 16-row item's gate and up accumulators).
 template <int NTG>
 __device__ __forceinline__ void tcb_swiglu(float (&acc)[NTG][4], const float (&up)[NTG][4]) {
@@ -414,6 +405,15 @@ __device__ __forceinline__ void tcb_store(const float (&acc)[NTG][4], float* __r
     }
 }
 
+// The expert products of a batched decode step: for every (expert, 64-slot tile) of the routing
+// lists (moe_route_batch) and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
+// stage_tcb: fragments and group sums, gathered per slot), or with a second matrix (GLU: gate W
+// and up W2) y[slot][r] = silu(W_e[r] . x) * (W2_e[r] . x) (4-bit, group 64, bf16 activations on
+// the tensor cores; tcb_mma in common.cuh). Expert `shared_e` is the shared expert: its matrices
+// are sw / sw2, and its slots (shared_base + t) read token t's row. Each active expert's rows are read
+// once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
+// rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
+// Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
 template <int NTG>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, const u32* __restrict__ w2,
@@ -530,7 +530,7 @@ __device__ __forceinline__ void pf_moe_tcb_body(const u32* __restrict__ w, const
     const int cnt = min(TC_BN, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
     const int gpr = cols >> 6, nchunks = (gpr + TC_NG - 1) / TC_NG;
-    u32* xf = reinterpret_cast<u32*>(pmt_sm);
+    u32* xf = pmt_sm;
     const size_t erows = (size_t)e * rows;
     w += erows * ((size_t)cols >> 3);
     s += erows * gpr;
