@@ -9,13 +9,13 @@
 use crate::backend::{Backend, LogitsWanted};
 use crate::engine::sampling::log_softmax;
 use rayon::prelude::*;
-
-/// Positions scored together (their log-softmax rows live at once when they are saved).
-const SCORE_BLOCK: usize = 64;
 use anyhow::{bail, Context, Result};
 use half::f16;
 use std::io::{Read, Write};
 use std::path::Path;
+
+/// Positions scored together (their log-softmax rows live at once when they are saved).
+const SCORE_BLOCK: usize = 64;
 
 /// How the text is cut.
 #[derive(Clone, Copy, Debug)]
@@ -97,12 +97,11 @@ pub fn evaluate(
         }
         // Positions are scored in parallel, a block at a time (a block's log-softmax rows are
         // kept only when they are saved), and recorded in order.
-        let positions: Vec<usize> = (first..cfg.ctx - 1).collect();
-        let keep = save.is_some();
-        for block in positions.chunks(SCORE_BLOCK) {
-            let rows: Vec<(Scored, Option<Vec<f32>>)> = block
-                .par_iter()
-                .map(|&t| {
+        let (end, keep) = (cfg.ctx - 1, save.is_some());
+        for b0 in (first..end).step_by(SCORE_BLOCK) {
+            let rows: Vec<(Scored, Option<Vec<f32>>)> = (b0..(b0 + SCORE_BLOCK).min(end))
+                .into_par_iter()
+                .map(|t| {
                     let row = &logits[t * vocab..(t + 1) * vocab];
                     let lp = log_softmax(row);
                     let token = chunk[t + 1];

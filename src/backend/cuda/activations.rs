@@ -3,7 +3,7 @@
 //! fields whatever the token count; each path adds the scratch only its kernels use.
 
 use super::device::Gpu;
-use super::moe::{max_tiles, tiles_of, MoeDims, BATCH_TILE};
+use super::moe::{tiles_of, MoeDims, BATCH_TILE};
 use super::qmatmul::TcbStaging;
 use super::qmatmul::BlasScratch;
 use super::sampling::{SampleScratch, ARGMAX_SCRATCH};
@@ -156,7 +156,8 @@ impl ChunkScratch {
             offsets: i(e)?,
             fill: i(e)?,
             list: i(n * k)?,
-            tiles: i(1 + 2 * max_tiles(n, &MoeDims::new(cfg)).max(tiles_of(n, &MoeDims::new(cfg), BATCH_TILE)))?,
+            // The 16-slot tiles of the short-chunk route outnumber the grouped routes' 64-slot ones.
+            tiles: i(1 + 2 * tiles_of(n, &MoeDims::new(cfg), BATCH_TILE))?,
             expert_gate: f(k * cfg.moe_intermediate_size)?,
             expert_up: f(k * cfg.moe_intermediate_size)?,
             expert_down: f(k * h)?,

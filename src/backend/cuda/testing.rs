@@ -308,23 +308,8 @@ pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc:
 /// `[T][dv]`, final state).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-    let gpu = &b.gpu;
-    let t = braw.len();
-    let c = 2 * dk + dv;
-    let mut conv = vec![0.0f32; t * c];
-    for i in 0..t {
-        conv[i * c + 2 * dk..(i + 1) * c].copy_from_slice(&v[i * dv..(i + 1) * dv]);
-    }
-    let up = |v: &[f32]| gpu.upload(v);
-    let (qd, kd, cd, bd, ad) = (up(q)?, up(k)?, up(&conv)?, up(braw)?, up(araw)?);
-    let (dtb, nga, sd) = (up(&[dt_bias])?, up(&[neg_a])?, up(s0)?);
-    let od = gpu.zeros::<f32>(t * dv)?;
-    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-    let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
-    let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: p(&sd), y: 0 };
-    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
-    gdn::scan(gpu, &d, &ptrs, &s, &[gdn::ScanSegment { state: p(&sd), r0: 0, n: t }])?;
-    Ok((read(gpu, &od)?, read(gpu, &sd)?))
+    let mut out = gdn_scan_segments(b, &[ScanInput { q, k, v, braw, araw, s0 }], dt_bias, neg_a, dk, dv)?;
+    Ok(out.remove(0))
 }
 
 /// One value head's inputs to [`gdn_scan_segments`]: q, k `[T][dk]`, v `[T][dv]`, raw gates b, a
