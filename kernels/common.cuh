@@ -536,7 +536,9 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 
 // Staged activations (stage_tcb in qmatmul.cu) live in global memory in the same layout, indexed
 // by global token group (row >> 3), with the group sums beside them (gsum[row * gpr + G]); a
-// block copies its tokens' fragments into shared memory with 16-byte asynchronous copies.
+// block copies its tokens' fragments into shared memory with 16-byte asynchronous copies, and
+// their group sums token-minor (gsum[G * ntok + j], ntok = 8 or 16 the block's token columns), so
+// the four lanes t of an mma read their tokens' pair as one conflict-free float2.
 __device__ __forceinline__ void tcb_cp16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
@@ -546,24 +548,22 @@ __device__ __forceinline__ void tcb_cp_wait_all() {
 }
 
 // Copies the staged rows rows[j] (or row j0 + j without `rows`) for tokens j < nt into the block's
-// fragments xf and group sums gsum (tokens nt..7 or nt..15 zero), then waits and syncs.
+// fragments xf and group sums gsum, then waits and syncs. Token columns nt..ntok - 1 keep whatever
+// they held: an mma's output column depends on its B column alone, and those outputs are never
+// stored.
 __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
                                int nt, const int* rows, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     // 16-byte pieces: (token, group, step i, half) -> 4 words of the token's 8 in that record.
-    for (int p = threadIdx.x; p < ntok * gpr * 8; p += blockDim.x) {
+    for (int p = threadIdx.x; p < nt * gpr * 8; p += blockDim.x) {
         const int j = p / (gpr * 8), rem = p % (gpr * 8), G = rem >> 3, i = (rem >> 1) & 3, h = rem & 1;
         u32* dst = xf + (((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + h * 4;
-        if (j < nt) {
-            const int r = rows ? rows[j] : j0 + j;
-            tcb_cp16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
-        } else {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-        }
+        const int r = rows ? rows[j] : j0 + j;
+        tcb_cp16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
     }
-    for (int p = threadIdx.x; p < ntok * gpr; p += blockDim.x) {
-        const int j = p / gpr, G = p % gpr;
-        gsum[p] = j < nt ? gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G] : 0.f;
+    for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
+        const int j = p % nt, G = p / nt;
+        gsum[G * ntok + j] = gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G];
     }
     tcb_cp_wait_all();
     __syncthreads();
@@ -597,7 +597,8 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
         const float b0 = bf16_of(it.ba, j) - s0, b1 = bf16_of(it.bb, j) - s1;
 #pragma unroll
         for (int tg = 0; tg < NTG; ++tg) {
-            const float gs0 = gsum[(tg * 8 + 2 * t) * gpr + G], gs1 = gsum[(tg * 8 + 2 * t + 1) * gpr + G];
+            const float2 gs = *reinterpret_cast<const float2*>(gsum + G * (8 * NTG) + tg * 8 + 2 * t);
+            const float gs0 = gs.x, gs1 = gs.y;
             acc[tg][0] += fmaf(s0, c[tg][0], b0 * gs0);
             acc[tg][1] += fmaf(s0, c[tg][1], b0 * gs1);
             acc[tg][2] += fmaf(s1, c[tg][2], b1 * gs0);
