@@ -7,7 +7,7 @@
 # 2. the HF weights in compact form (hf-compact.safetensors: only the used rows of the embedding
 #    and head; tests/fixture/mod.rs rebuilds the full checkpoint), its config, the held-out text;
 # 3. `lily quantize` of TRAIN_OUT/hf compared tensor by tensor with mlx/;
-# 4. the regression figures of tests/fixture_ppl.rs in fixture.json: Lily CPU's PPL on the first
+# 4. the regression figures of tests/cpu/fixture_ppl.rs in fixture.json: Lily CPU's PPL on the first
 #    2 chunks of 512, the transformers f32 reference's (scripts/fixture_reference.py) and the
 #    add-one unigram's on the same positions.
 # Needs mlx, mlx-lm, torch and transformers (pip).
@@ -64,7 +64,7 @@ counts = torch.bincount(torch.tensor(train_ids), minlength=train_fixture.VOCAB).
 logp = torch.log((counts + 1.0) / (counts.sum() + train_fixture.VOCAB))
 scored = [held_ids[c * 512 + t + 1] for c in range(2) for t in range(256, 511)]
 meta["regression"] = {
-    "what": "tests/fixture_ppl.rs: lily perplexity --ctx 512 --chunks 2 --backend cpu on mlx/ and heldout.txt",
+    "what": "tests/cpu/fixture_ppl.rs: lily perplexity --ctx 512 --chunks 2 --backend cpu on mlx/ and heldout.txt",
     "ctx": 512, "chunks": 2, "tokens_scored": lily["tokens_scored"],
     "lily_cpu_ppl": lily["ppl"],
     "reference_ppl": ref["ppl"],

@@ -2,7 +2,7 @@
 //! mlx-community MLX affine 4-bit layout that Lily loads (the names, dtypes and shapes of
 //! `crate::checkpoint::layout`, which `lily synth` writes too), with the router (`mlp.gate`) and
 //! `mlp.shared_expert_gate` at 8 bits, group 64 everywhere. Tensor bytes are identical to
-//! `mlx_lm.convert -q` (tests/quantize.rs checks this on the trained fixture).
+//! `mlx_lm.convert -q` (tests/cpu/quantize.rs checks this on the trained fixture).
 //!
 //! * Streaming: the input is memory-mapped and converted one output weight at a time, rows in
 //!   parallel (rayon); only that weight's output is held, then written at its precomputed offset.

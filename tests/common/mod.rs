@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 #[path = "../scratch/mod.rs"]
-mod scratch;
+pub mod scratch;
 
 /// Seed the committed goldens were generated from.
 pub const GOLDEN_SEED: u64 = 0;

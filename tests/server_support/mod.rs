@@ -1,25 +1,16 @@
-//! Shared fixtures of the server tests: the tiny synthetic checkpoint (written once per test
-//! binary), servers on ephemeral loopback ports, and an SSE reader.
+//! Shared fixtures of the server tests: the tiny synthetic checkpoint (tests/common), servers on
+//! ephemeral loopback ports, and an SSE reader.
 
 #![allow(dead_code)]
 
 use lily::server::{ServeArgs, ServerHandle};
 use lily::tokenizer::Tokenizer;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-#[path = "../scratch/mod.rs"]
-mod scratch;
-
-pub fn tiny_checkpoint() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = scratch::scratch_dir().join("tiny");
-        lily::synth::synthesize(&lily::synth::Preset::Tiny.config(), &dir, 0, false).expect("synthesize tiny checkpoint");
-        dir
-    })
-}
+pub use crate::common::tiny_checkpoint;
+use crate::common::scratch;
 
 /// The tiny checkpoint's tokenizer, loaded once per test binary (~2 s of CPU each time).
 pub fn tiny_tokenizer() -> Arc<Tokenizer> {
@@ -92,6 +83,14 @@ pub fn scripted_server() -> &'static ServerHandle {
 
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().build().unwrap()
+}
+
+/// POSTs `body` as JSON: the status and the reply as JSON (as a JSON string when it is not JSON).
+pub async fn post(url: &str, body: Value) -> (u16, Value) {
+    let r = client().post(url).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
 }
 
 pub fn user(text: &str) -> Value {

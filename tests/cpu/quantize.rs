@@ -4,9 +4,7 @@
 //! `mlx_lm.convert -q` wrote (the committed `mlx/` directory), tensor for tensor; inputs that are
 //! not such a checkpoint are one-line errors naming the file and tensor.
 
-mod fixture;
-
-use fixture::{fixture_dir, hf_checkpoint, lily, mlx_checkpoint, read_safetensors, HfTensor};
+use crate::fixture::{fixture_dir, hf_checkpoint, lily, mlx_checkpoint, read_safetensors, HfTensor};
 use std::path::Path;
 
 #[test]

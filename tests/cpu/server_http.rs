@@ -2,18 +2,9 @@
 //! CPU backend for generation paths, and the test-only scripted backend where the model's text
 //! must be known (tool calls, reasoning, stop strings).
 
-mod server_support;
-
 use serde_json::{json, Value};
-use server_support::*;
+use crate::server_support::*;
 use std::time::{Duration, Instant};
-
-async fn post(url: &str, body: Value) -> (u16, Value) {
-    let r = client().post(url).json(&body).send().await.unwrap();
-    let status = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-}
 
 fn assert_error_object(v: &Value) {
     let e = &v["error"];

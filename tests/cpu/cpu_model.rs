@@ -2,9 +2,7 @@
 //! scripts/transformers_goldens.py on the tiny synthetic checkpoint, seed 0) and against itself
 //! (prefill vs decode, chunk boundaries).
 
-mod common;
-
-use common::{max_abs_diff, rel_rms, tiny_checkpoint};
+use crate::common::{max_abs_diff, rel_rms, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsWanted};
 use lily::checkpoint::Checkpoint;
@@ -25,7 +23,7 @@ fn backend() -> CpuBackend {
 }
 
 fn golden() -> Value {
-    serde_json::from_str(include_str!("goldens/tiny_transformers.json")).unwrap()
+    serde_json::from_str(include_str!("../goldens/tiny_transformers.json")).unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -46,7 +44,7 @@ fn teacher_forced_logits_match_transformers() {
 /// (scripts/mlx_logits.py --float32, mlx 0.32.4 CPU): a second, independent reference.
 #[test]
 fn teacher_forced_logits_match_mlx_lm() {
-    check_teacher_forced(&serde_json::from_str(include_str!("goldens/tiny_mlx_lm_f32.json")).unwrap(), "mlx-lm");
+    check_teacher_forced(&serde_json::from_str(include_str!("../goldens/tiny_mlx_lm_f32.json")).unwrap(), "mlx-lm");
 }
 
 fn check_teacher_forced(g: &Value, name: &str) {

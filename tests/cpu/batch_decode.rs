@@ -3,9 +3,7 @@
 //! `decode_sampled` produces for it alone, rows leave independently, sequences keep the same
 //! length rules, and invalid rows fail before anything runs.
 
-mod common;
-
-use common::tiny_checkpoint;
+use crate::common::{check_token_masks, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
 use lily::checkpoint::Checkpoint;
@@ -100,5 +98,5 @@ fn invalid_rows_fail_before_any_step() {
 #[test]
 fn token_masks_hold_their_rows_and_leave_the_others_alone() {
     let mut cpu = CpuBackend::new(&Checkpoint::open(tiny_checkpoint()).unwrap()).unwrap();
-    common::check_token_masks(&mut cpu, [3, 8, 13, 21], 64);
+    check_token_masks(&mut cpu, [3, 8, 13, 21], 64);
 }

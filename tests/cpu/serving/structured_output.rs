@@ -7,13 +7,6 @@ use serde_json::{json, Value};
 use crate::server_support::*;
 use std::sync::{Arc, OnceLock};
 
-async fn post(url: &str, body: Value) -> (u16, Value) {
-    let r = client().post(url).json(&body).send().await.unwrap();
-    let status = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-}
-
 fn tokenizer() -> Arc<lily::tokenizer::Tokenizer> {
     tiny_tokenizer()
 }

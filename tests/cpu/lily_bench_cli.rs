@@ -2,9 +2,7 @@
 //! (exit 1, no panic) for a --max-seq that cannot hold the run or bad sampling flags; sampled runs
 //! report their settings and repeat with the seed.
 
-mod common;
-
-use common::tiny_checkpoint;
+use crate::common::tiny_checkpoint;
 use std::process::Command;
 
 fn bench(extra: &[&str]) -> std::process::Output {

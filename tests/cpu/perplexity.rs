@@ -3,13 +3,11 @@
 //! logits; a saved run compared with itself has zero KL and full top-1 agreement; bad inputs are
 //! one-line errors.
 
-mod common;
-
-use common::tiny_checkpoint;
+use crate::common::tiny_checkpoint;
+use crate::fixture::lily;
 use lily::backend::{open_backend, BackendKind, LogitsWanted};
 use lily::checkpoint::Checkpoint;
 use lily::engine::perplexity::{evaluate, first_scored, PplConfig};
-use std::process::Command;
 
 #[test]
 fn ppl_is_the_mean_nll_of_the_second_half_of_each_chunk() {
@@ -37,11 +35,6 @@ fn ppl_is_the_mean_nll_of_the_second_half_of_each_chunk() {
     assert!((ppl.ppl / want - 1.0).abs() < 1e-5, "PPL {} against {want}", ppl.ppl);
     assert_eq!(seen.last().unwrap().1, ppl.ppl);
     assert!(ppl.ppl_stderr > 0.0 && ppl.ppl_stderr < ppl.ppl);
-}
-
-fn lily(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_lily")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[test]

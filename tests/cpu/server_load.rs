@@ -3,11 +3,9 @@
 //! client that stayed got a complete stream, the server drains its queue and keeps serving,
 //! and memory returns near the baseline. Bounded to 60 s.
 
-mod server_support;
-
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use server_support::*;
+use crate::server_support::*;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
@@ -21,8 +19,15 @@ struct Outcome {
     hung_up: bool,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_streaming_clients_with_disconnects() {
+/// Runs in a process of its own ([`crate::alone`]): the memory check reads the process's RSS,
+/// which the other tests of this binary would move.
+#[test]
+fn two_hundred_streaming_clients_with_disconnects() {
+    let name = format!("{}::two_hundred_streaming_clients_with_disconnects", module_path!().split_once("::").unwrap().1);
+    crate::alone(&name, || tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap().block_on(load()));
+}
+
+async fn load() {
     let mut a = args();
     a.max_queue = 512;
     a.prefix_cache_mb = Some(8);

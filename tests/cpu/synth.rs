@@ -1,6 +1,6 @@
 //! `lily synth` end to end on the tiny preset: determinism, layout against `expected_weights`,
 //! sharding, weight statistics, directory safety. Run in release (`cargo test --release --test
-//! synth`); the tiny checkpoint is ~40 MB.
+//! cpu synth::`); the tiny checkpoint is ~40 MB.
 
 use half::bf16;
 use lily::checkpoint::layout::{expected_weights, Init, WeightKind};
@@ -279,7 +279,7 @@ fn directory_safety() {
     assert!(e.contains("not a directory"), "{e}");
 }
 
-/// Throughput of the writer: `cargo test --release --test synth -- --ignored --nocapture`.
+/// Throughput of the writer: `cargo test --release --test cpu synth::throughput_tiny -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn throughput_tiny() {
@@ -293,7 +293,7 @@ fn throughput_tiny() {
 
 /// A preset (`$LILY_SYNTH_PRESET`, default 35b-a3b) into `$LILY_SYNTH_DIR` (default
 /// /tmp/synth35), with a progress bar, then opened by the loader:
-/// `LILY_SYNTH_DIR=/tmp/synth35 cargo test --release --test synth synth_preset -- --ignored --nocapture`.
+/// `LILY_SYNTH_DIR=/tmp/synth35 cargo test --release --test cpu synth::synth_preset -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn synth_preset() {
@@ -309,7 +309,7 @@ fn synth_preset() {
 }
 
 /// Throughput on an 8-layer cut of the real model (~3.9 GB, fits in the page cache's dirty
-/// budget on most machines): `cargo test --release --test synth throughput_mid -- --ignored --nocapture`.
+/// budget on most machines): `cargo test --release --test cpu synth::throughput_mid -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn throughput_mid() {

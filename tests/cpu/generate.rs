@@ -3,9 +3,7 @@
 //! that samples from host logits; sampled requests without logprobs go through
 //! `Backend::decode_sampled` and stay reproducible from the request seed.
 
-mod common;
-
-use common::tiny_checkpoint;
+use crate::common::tiny_checkpoint;
 use lily::backend::{open_backend, BackendKind};
 use lily::checkpoint::Checkpoint;
 use lily::engine::generate::{generate, FinishReason, GenerationStats, Next};

@@ -1,8 +1,6 @@
 //! Every damaged or unsupported checkpoint is a one-line error naming the file and tensor.
 
-mod common;
-
-use common::{tiny_checkpoint, tiny_copy};
+use crate::common::{tiny_checkpoint, tiny_copy};
 use lily::checkpoint::Checkpoint;
 use std::path::Path;
 

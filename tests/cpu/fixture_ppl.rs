@@ -5,9 +5,7 @@
 //! chunks (scripts/fixture_reference.py) within 0.1% (the target for every Lily path),
 //! and far below the unigram model's.
 
-mod fixture;
-
-use fixture::{fixture_dir, lily, mlx_checkpoint};
+use crate::fixture::{fixture_dir, lily, mlx_checkpoint};
 
 #[test]
 fn cpu_perplexity_of_the_fixture_is_the_recorded_one() {
