@@ -571,11 +571,6 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // writes unnormalised partials (o, and m in natural-log units with l) as attn_combine_batch reads
 // them: rows [T][nh][splits].
 #define PFA_LD(HD) ((HD) + 8)
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
 
 template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,

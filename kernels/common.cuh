@@ -265,6 +265,12 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
 }
+// The same, each matrix transposed (an operand stored the other way round).
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
 // D += A B on the tensor cores: A 16x16 bf16 (4 registers of pairs), B 16x8 bf16 (2), f32 C/D.
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(

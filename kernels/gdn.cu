@@ -2,8 +2,8 @@
 // src/backend/cpu/gdn.rs.
 //   decode (T = 1):     gdn_step
 //   batched decode:     gdn_step_batch (one token of each of B sequences)
-//   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_32, pf_gdn_scan_64,
-//                       pf_gdn_scan_128, pf_gdn_norm
+//   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_{32,64,128} (exact),
+//                       pf_gdn_chunk_prep_{64,128} + pf_gdn_chunk_walk_{64,128} (chunked), pf_gdn_norm
 
 // softplus as the CPU reference computes it (src/backend/cpu/ops.rs).
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -403,6 +403,423 @@ struct ScanSegs {
 PF_GDN_SCAN(32)
 PF_GDN_SCAN(64)
 PF_GDN_SCAN(128)
+
+// ---- the chunked scan (default mode): 64-token chunks in the WY form on the tensor cores ----
+// Within a chunk whose state starts at S0, with g_t = log a_t and G_t = sum_{s<=t} g_s, unrolling
+// the recurrence above (S = aS; d = b(v - S^T k); S += k d^T; o = S^T q) gives
+//   (I + A) D = diag(b) V - diag(b e^G) K S0,   A[t][s] = b_t e^(G_t - G_s) k_t.k_s (s < t)
+//   O = diag(e^G) Q S0 + M D,                    M[t][s] = e^(G_t - G_s) q_t.k_s  (s <= t)
+//   S = e^(G_last) S0 + Kd^T D,                  Kd[s]   = e^(G_last - G_s) k_s
+// so with T = (I + A)^-1, U = T diag(b) V and W = T diag(b e^G) K: D = U - W S0. Everything but
+// the products with S0 is local to the chunk: pf_gdn_chunk_prep computes it for every (chunk,
+// value head) at once, pf_gdn_chunk_walk then carries the state through the chunks in order per
+// (value head, GCV state columns), five mma products per chunk. Operands are bf16 with f32
+// accumulation (T by forward substitution in f32; U, the state and the outputs stay f32): within
+// 1.5x of the error the bf16 rounding of q, k and v alone gives (scripts/gdn_chunk_accuracy.py).
+// Padding past a segment's last token has b = 0, k = q = 0 and no decay, so it changes nothing.
+// Scratch per chunk index ch = (chunk of the launch) * nv + h, the chunks of a launch's segments
+// one after the other (gdn.rs ChunkedScratch).
+#define GC 64      // tokens per chunk
+#define GCV 32     // state columns per walk block
+#define GC_LDM 72  // row stride (bf16) of the 64 x 64 tiles (T, M)
+#define GC_LDC 40  // row stride (bf16) of the 32-column tiles (S, D)
+#define GC_LDU 36  // row stride (f32) of the walk's U columns
+
+__device__ __forceinline__ u16 bf16_rn(float x) { return (u16)(pack_bf16(x, 0.f) & 0xffffu); }
+__device__ __forceinline__ void st_bf16x4(u16* p, float4 v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+}
+__device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// First chunk index of segment z: the chunks of the segments before it.
+__device__ __forceinline__ int seg_chunk_base(const ScanSegs& s, int z) {
+    int b = 0;
+    for (int i = 0; i < z; ++i) b += (s.n[i] + GC - 1) / GC;
+    return b;
+}
+
+// One (chunk, value head): grid (chunks of the longest segment, nv, segments), block 128.
+// Dynamic shared memory: 3 GC (DK + 8) + GC GC_LDM + GC (dv + 8) bf16, GC 68 + 2 GC f32.
+template <int DK>
+__device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn,
+                               const float* __restrict__ conv, const float* __restrict__ braw,
+                               const float* __restrict__ araw, const float* __restrict__ dt_bias,
+                               const float* __restrict__ neg_a, int T, int cg0, int nk, int nv, int dv, int C,
+                               float* __restrict__ u_out, u16* __restrict__ w_out, u16* __restrict__ qg_out,
+                               u16* __restrict__ kd_out, u16* __restrict__ m_out, float* __restrict__ eg_out) {
+    constexpr int LDK = DK + 8, LDA = 68;
+    extern __shared__ __align__(16) unsigned char gcp_sm[];
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t0 = c * GC;
+    if (t0 >= T) return;
+    const int nt = min(GC, T - t0), ldv = dv + 8;
+    u16* Kb = reinterpret_cast<u16*>(gcp_sm);  // k                       [GC][LDK]
+    u16* Qb = Kb + GC * LDK;                    // q                       [GC][LDK]
+    u16* Xk = Qb + GC * LDK;                    // b e^G k                 [GC][LDK]
+    u16* Tb = Xk + GC * LDK;                    // T                       [GC][GC_LDM]
+    u16* Xv = Tb + GC * GC_LDM;                 // b v                     [GC][ldv]
+    float* Af = reinterpret_cast<float*>(Xv + GC * ldv);  // A (f32)       [GC][LDA]
+    float* bs = Af + GC * LDA;
+    float* Gs = bs + GC;
+    const int kh = h / (nv / nk), key_dim = nk * DK;
+    if (tid < GC) {
+        float b = 0.f, g = 0.f;
+        if (tid < nt) {
+            b = sigmoid_f(braw[(size_t)(t0 + tid) * nv + h]);
+            g = neg_a[h] * softplus_f(araw[(size_t)(t0 + tid) * nv + h] + dt_bias[h]);
+        }
+        bs[tid] = b;
+        Gs[tid] = g;
+    }
+    __syncthreads();
+    if (warp == 0) {  // G: inclusive prefix sums of the log decays
+        float lo = Gs[lane], hi = Gs[32 + lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float a = __shfl_up_sync(0xffffffffu, lo, o), b = __shfl_up_sync(0xffffffffu, hi, o);
+            if (lane >= o) {
+                lo += a;
+                hi += b;
+            }
+        }
+        hi += __shfl_sync(0xffffffffu, lo, 31);
+        Gs[lane] = lo;
+        Gs[32 + lane] = hi;
+    }
+    __syncthreads();
+    const float glast = Gs[GC - 1];
+    const size_t ch = (size_t)(cg0 + c) * nv + h;
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int idx = tid; idx < GC * (DK / 4); idx += 128) {
+        const int t = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        float4 q4 = zero4, k4 = zero4;
+        if (t < nt) {
+            const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
+            q4 = *reinterpret_cast<const float4*>(qn + off);
+            k4 = *reinterpret_cast<const float4*>(kn + off);
+        }
+        const float eg = expf(Gs[t]);
+        st_bf16x4(Kb + t * LDK + i, k4);
+        st_bf16x4(Qb + t * LDK + i, q4);
+        st_bf16x4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
+        st_bf16x4(qg_out + (ch * GC + t) * DK + i, scale4(eg, q4));
+        st_bf16x4(kd_out + (ch * GC + t) * DK + i, scale4(expf(glast - Gs[t]), k4));
+    }
+    for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
+        const int t = idx / (dv / 4), j = (idx % (dv / 4)) * 4;
+        float4 v4 = zero4;
+        if (t < nt) v4 = *reinterpret_cast<const float4*>(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
+        st_bf16x4(Xv + t * ldv + j, scale4(bs[t], v4));
+    }
+    if (tid == 0) eg_out[ch] = expf(glast);
+    __syncthreads();
+    const int g = lane >> 2, q = lane & 3;
+    {  // k.k and q.k for this warp's 16 rows and the columns up to them
+        float kk[8][4], qk[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kk[i][e] = qk[i][e] = 0.f;
+        const u32 kA = smem_u32(Kb) + ((warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
+        const u32 qA = smem_u32(Qb) + ((warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
+        const u32 kB = smem_u32(Kb) + (((lane & 7) + ((lane >> 4) << 3)) * LDK + (((lane >> 3) & 1) << 3)) * 2;
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            u32 ak[4], aq[4];
+            ldsm_x4(kA + ks * 32, ak[0], ak[1], ak[2], ak[3]);
+            ldsm_x4(qA + ks * 32, aq[0], aq[1], aq[2], aq[3]);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                if (np <= warp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(kB + (np * 16 * LDK + ks * 16) * 2, b0, b1, b2, b3);
+                    mma_bf16(kk[2 * np], ak, b0, b1);
+                    mma_bf16(kk[2 * np + 1], ak, b2, b3);
+                    mma_bf16(qk[2 * np], aq, b0, b1);
+                    mma_bf16(qk[2 * np + 1], aq, b2, b3);
+                }
+            }
+        }
+        // A (strictly lower) into shared memory, M (lower) to the scratch; zeros above the diagonal.
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            if (n8 > 2 * warp + 1) continue;
+#pragma unroll
+            for (int hv = 0; hv < 2; ++hv) {
+                const int t = warp * 16 + g + 8 * hv, s = n8 * 8 + 2 * q;
+                float av[2], mv[2];
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const float ex = s + x <= t ? expf(Gs[t] - Gs[s + x]) : 0.f;
+                    av[x] = s + x < t ? bs[t] * ex * kk[n8][2 * hv + x] : 0.f;
+                    mv[x] = ex * qk[n8][2 * hv + x];
+                }
+                *reinterpret_cast<float2*>(Af + t * LDA + s) = make_float2(av[0], av[1]);
+                *reinterpret_cast<u32*>(m_out + (ch * GC + t) * GC + s) = pack_bf16(mv[0], mv[1]);
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < GC) {  // column tid of T = (I + A)^-1 by forward substitution (unit lower triangular)
+        float x[GC];
+#pragma unroll
+        for (int i = 0; i < GC; ++i) {
+            float acc = i == tid ? 1.f : 0.f;
+#pragma unroll
+            for (int j = 0; j < i; j += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(Af + i * LDA + j);
+                acc = fmaf(-a.x, x[j], acc);
+                if (j + 1 < i) acc = fmaf(-a.y, x[j + 1], acc);
+                if (j + 2 < i) acc = fmaf(-a.z, x[j + 2], acc);
+                if (j + 3 < i) acc = fmaf(-a.w, x[j + 3], acc);
+            }
+            x[i] = acc;
+        }
+#pragma unroll
+        for (int i = 0; i < GC; ++i) Tb[i * GC_LDM + tid] = bf16_rn(x[i]);
+    }
+    __syncthreads();
+    // U = T (b V) and W = T (b e^G K): this warp's 16 rows; T is lower triangular, so only the
+    // k-steps up to them.
+    u32 ta[4][4];
+    const u32 tA = smem_u32(Tb) + ((warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        if (ks <= warp) ldsm_x4(tA + ks * 32, ta[ks][0], ta[ks][1], ta[ks][2], ta[ks][3]);
+    const int row = warp * 16 + g;
+    const int xoff = ((lane & 7) + (((lane >> 3) & 1) << 3));
+    const u32 vB = smem_u32(Xv) + (xoff * ldv + ((lane >> 4) << 3)) * 2;
+    const u32 kB = smem_u32(Xk) + (xoff * LDK + ((lane >> 4) << 3)) * 2;
+    for (int cb = 0; cb < dv + DK; cb += 32) {
+        const bool is_u = cb < dv;
+        const int col0 = is_u ? cb : cb - dv, ld = is_u ? ldv : LDK;
+        const u32 xB = is_u ? vB : kB;
+        float acc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if (ks > warp) continue;
+#pragma unroll
+            for (int cp = 0; cp < 2; ++cp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(xB + (ks * 16 * ld + col0 + cp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(acc[2 * cp], ta[ks], b0, b1);
+                mma_bf16(acc[2 * cp + 1], ta[ks], b2, b3);
+            }
+        }
+#pragma unroll
+        for (int n8 = 0; n8 < 4; ++n8) {
+            const int col = col0 + n8 * 8 + 2 * q;
+            const size_t r0 = ch * GC + row, r1 = r0 + 8;
+            if (is_u) {
+                *reinterpret_cast<float2*>(u_out + r0 * dv + col) = make_float2(acc[n8][0], acc[n8][1]);
+                *reinterpret_cast<float2*>(u_out + r1 * dv + col) = make_float2(acc[n8][2], acc[n8][3]);
+            } else {
+                *reinterpret_cast<u32*>(w_out + r0 * DK + col) = pack_bf16(acc[n8][0], acc[n8][1]);
+                *reinterpret_cast<u32*>(w_out + r1 * DK + col) = pack_bf16(acc[n8][2], acc[n8][3]);
+            }
+        }
+    }
+}
+
+// One (value head, GCV state columns) through all chunks of a segment: grid (nv, dv / GCV,
+// segments), block 128. The state columns live in the warps' mma accumulators in f32 (warp w:
+// key rows w DK/4 ..) and, rounded to bf16, in shared memory as the products' operand; each
+// chunk's tiles are copied in with cp.async one chunk ahead. Dynamic shared memory:
+// 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + GC) GC_LDC bf16, 2 GC GC_LDU f32.
+template <int DK>
+__device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __restrict__ w_in,
+                               const u16* __restrict__ qg_in, const u16* __restrict__ kd_in,
+                               const u16* __restrict__ m_in, const float* __restrict__ eg_in,
+                               float* __restrict__ state, float* __restrict__ o, int T, int cg0, int nv, int dv) {
+    constexpr int LDK = DK + 8, MT = DK / 64, RW = DK / 4;
+    extern __shared__ __align__(16) unsigned char gcw_sm[];
+    u16* Wb = reinterpret_cast<u16*>(gcw_sm);  // W          [2][GC][LDK]
+    u16* Qb = Wb + 2 * GC * LDK;                // e^G q      [2][GC][LDK]
+    u16* Kb = Qb + 2 * GC * LDK;                // Kd         [2][GC][LDK]
+    u16* Mb = Kb + 2 * GC * LDK;                // M          [2][GC][GC_LDM]
+    u16* Sb = Mb + 2 * GC * GC_LDM;             // S (bf16)   [DK][GC_LDC]
+    u16* Db = Sb + DK * GC_LDC;                 // D (bf16)   [GC][GC_LDC]
+    float* Ub = reinterpret_cast<float*>(Db + GC * GC_LDC);  // U columns [2][GC][GC_LDU]
+    const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    float* S = state + (size_t)h * DK * dv + c0;
+    float sacc[MT][4][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int n8 = 0; n8 < 4; ++n8) {
+            const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
+            const float2 lo = *reinterpret_cast<const float2*>(S + (size_t)r * dv + col);
+            const float2 hi = *reinterpret_cast<const float2*>(S + (size_t)(r + 8) * dv + col);
+            sacc[mi][n8][0] = lo.x;
+            sacc[mi][n8][1] = lo.y;
+            sacc[mi][n8][2] = hi.x;
+            sacc[mi][n8][3] = hi.y;
+            *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(lo.x, lo.y);
+            *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(hi.x, hi.y);
+        }
+    const int nch = (T + GC - 1) / GC;
+    auto issue = [&](int c, int bf) {
+        const size_t ch = (size_t)(cg0 + c) * nv + h;
+        const u16* w = w_in + ch * GC * DK;
+        const u16* qg = qg_in + ch * GC * DK;
+        const u16* kd = kd_in + ch * GC * DK;
+        for (int idx = tid; idx < GC * (DK / 8); idx += 128) {
+            const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
+            const int so = (bf * GC + t) * LDK + i;
+            cp_async16(Wb + so, w + t * DK + i);
+            cp_async16(Qb + so, qg + t * DK + i);
+            cp_async16(Kb + so, kd + t * DK + i);
+        }
+        const u16* m = m_in + ch * GC * GC;
+        for (int idx = tid; idx < GC * (GC / 8); idx += 128) {
+            const int t = idx / (GC / 8), s = (idx % (GC / 8)) * 8;
+            cp_async16(Mb + (bf * GC + t) * GC_LDM + s, m + t * GC + s);
+        }
+        const float* u = u_in + ch * GC * dv + c0;
+        for (int idx = tid; idx < GC * (GCV / 4); idx += 128) {
+            const int t = idx / (GCV / 4), j = (idx % (GCV / 4)) * 4;
+            cp_async16(Ub + (bf * GC + t) * GC_LDU + j, u + (size_t)t * dv + j);
+        }
+        cp_async_commit();
+    };
+    const int xoff = ((lane & 7) + (((lane >> 3) & 1) << 3)), yoff = ((lane >> 4) << 3);
+    const u32 sB = smem_u32(Sb) + (xoff * GC_LDC + yoff) * 2;
+    const u32 dB = smem_u32(Db) + (xoff * GC_LDC + yoff) * 2;
+    const int row = warp * 16 + g;
+    if (nch > 0) issue(0, 0);
+    for (int c = 0; c < nch; ++c) {
+        const int bf = c & 1, t0 = c * GC, nt = min(GC, T - t0);
+        if (c + 1 < nch) {
+            issue(c + 1, bf ^ 1);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const float eg = eg_in[(size_t)(cg0 + c) * nv + h];
+        // D = U - W S and P = (e^G Q) S for this warp's 16 token rows.
+        float dacc[4][4], pacc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dacc[i][e] = pacc[i][e] = 0.f;
+        const u32 aoff = ((bf * GC + warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
+        const u32 wA = smem_u32(Wb) + aoff, qA = smem_u32(Qb) + aoff;
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            u32 aw[4], aq[4];
+            ldsm_x4(wA + ks * 32, aw[0], aw[1], aw[2], aw[3]);
+            ldsm_x4(qA + ks * 32, aq[0], aq[1], aq[2], aq[3]);
+#pragma unroll
+            for (int cp = 0; cp < 2; ++cp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(sB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(dacc[2 * cp], aw, b0, b1);
+                mma_bf16(dacc[2 * cp + 1], aw, b2, b3);
+                mma_bf16(pacc[2 * cp], aq, b0, b1);
+                mma_bf16(pacc[2 * cp + 1], aq, b2, b3);
+            }
+        }
+        const float* U = Ub + bf * GC * GC_LDU;
+#pragma unroll
+        for (int n8 = 0; n8 < 4; ++n8) {
+            const int col = n8 * 8 + 2 * q;
+            const float2 u0 = *reinterpret_cast<const float2*>(U + row * GC_LDU + col);
+            const float2 u1 = *reinterpret_cast<const float2*>(U + (row + 8) * GC_LDU + col);
+            *reinterpret_cast<u32*>(Db + row * GC_LDC + col) = pack_bf16(u0.x - dacc[n8][0], u0.y - dacc[n8][1]);
+            *reinterpret_cast<u32*>(Db + (row + 8) * GC_LDC + col) = pack_bf16(u1.x - dacc[n8][2], u1.y - dacc[n8][3]);
+        }
+        __syncthreads();  // D complete; every warp is done reading S
+        // O = P + M D (M is lower triangular: the k-steps up to this warp's rows).
+        const u32 mA = smem_u32(Mb) + ((bf * GC + warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if (ks > warp) continue;
+            u32 a[4];
+            ldsm_x4(mA + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int cp = 0; cp < 2; ++cp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(pacc[2 * cp], a, b0, b1);
+                mma_bf16(pacc[2 * cp + 1], a, b2, b3);
+            }
+        }
+        float* orow = o + (size_t)h * dv + c0;
+        const size_t ostride = (size_t)nv * dv;
+#pragma unroll
+        for (int n8 = 0; n8 < 4; ++n8) {
+            const int col = n8 * 8 + 2 * q;
+            if (row < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row) * ostride + col) = make_float2(pacc[n8][0], pacc[n8][1]);
+            if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(pacc[n8][2], pacc[n8][3]);
+        }
+        // S = e^(G_last) S + Kd^T D for this warp's key rows (Kd^T through transposed loads).
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int n8 = 0; n8 < 4; ++n8)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[mi][n8][e] *= eg;
+        const u32 kT = smem_u32(Kb) + ((bf * GC + (lane & 7) + ((lane >> 4) << 3)) * LDK + warp * RW + (((lane >> 3) & 1) << 3)) * 2;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            u32 bd[2][4];
+#pragma unroll
+            for (int cp = 0; cp < 2; ++cp) ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, bd[cp][0], bd[cp][1], bd[cp][2], bd[cp][3]);
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) {
+                u32 a[4];
+                ldsm_x4_t(kT + (ks * 16 * LDK + mi * 16) * 2, a[0], a[1], a[2], a[3]);
+#pragma unroll
+                for (int cp = 0; cp < 2; ++cp) {
+                    mma_bf16(sacc[mi][2 * cp], a, bd[cp][0], bd[cp][1]);
+                    mma_bf16(sacc[mi][2 * cp + 1], a, bd[cp][2], bd[cp][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int n8 = 0; n8 < 4; ++n8) {
+                const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
+                *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(sacc[mi][n8][0], sacc[mi][n8][1]);
+                *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(sacc[mi][n8][2], sacc[mi][n8][3]);
+            }
+        __syncthreads();  // this chunk's buffers and D are free again
+    }
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int n8 = 0; n8 < 4; ++n8) {
+            const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
+            *reinterpret_cast<float2*>(S + (size_t)r * dv + col) = make_float2(sacc[mi][n8][0], sacc[mi][n8][1]);
+            *reinterpret_cast<float2*>(S + (size_t)(r + 8) * dv + col) = make_float2(sacc[mi][n8][2], sacc[mi][n8][3]);
+        }
+}
+
+#define PF_GDN_CHUNK(DK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) pf_gdn_chunk_prep_##DK(                                      \
+        const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
+        const float* dt_bias, const float* neg_a, const ScanSegs segs, float* u, u16* w, u16* qg, u16* kd, u16* m, \
+        float* eg, int nk, int nv, int dv, int C) {                                                                \
+        const int z = blockIdx.z;                                                                                  \
+        const size_t r0 = segs.r0[z], kd_ = (size_t)nk * DK;                                                       \
+        gdn_chunk_prep<DK>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,   \
+                           neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, qg, kd, m, eg);         \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) pf_gdn_chunk_walk_##DK(                                      \
+        const float* u, const u16* w, const u16* qg, const u16* kd, const u16* m, const float* eg,                 \
+        const ScanSegs segs, float* o, int nv, int dv) {                                                           \
+        const int z = blockIdx.z;                                                                                  \
+        gdn_chunk_walk<DK>(u, w, qg, kd, m, eg, segs.state[z], o + (size_t)segs.r0[z] * nv * dv, segs.n[z],        \
+                           seg_chunk_base(segs, z), nv, dv);                                                       \
+    }
+PF_GDN_CHUNK(64)
+PF_GDN_CHUNK(128)
 
 // Gated RMSNorm per (token, value head): norm(o) * w * silu(z). grid (T, nv), block dv.
 extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,

@@ -3,6 +3,7 @@
 //! fields whatever the token count; each path adds the scratch only its kernels use.
 
 use super::device::Gpu;
+use super::gdn::{self, ChunkedScratch, GdnDims};
 use super::moe::{tiles_of, MoeDims, BATCH_TILE};
 use super::qmatmul::TcbStaging;
 use super::qmatmul::BlasScratch;
@@ -104,6 +105,9 @@ pub struct ChunkScratch {
     pub qn: CudaSlice<f32>,
     pub kn: CudaSlice<f32>,
     pub o: CudaSlice<f32>,
+    /// The chunked GDN scan's per-chunk products (`gdn::ChunkedScratch`; one element each where
+    /// the heads do not take that scan).
+    pub gdn_chunked: GdnChunked,
     /// MoE routing: per-expert counts, offsets, fill cursors; slot lists; tensor-core tiles.
     pub counts: CudaSlice<i32>,
     pub offsets: CudaSlice<i32>,
@@ -130,6 +134,31 @@ pub struct ChunkScratch {
     pub blas: Option<BlasScratch>,
 }
 
+/// Buffers of [`gdn::ChunkedScratch`]: U and e^G_last in f32, W, e^G q, Kd and M in bf16.
+pub struct GdnChunked {
+    pub chunks: usize,
+    pub f32s: [CudaSlice<f32>; 2],
+    pub bf16s: [CudaSlice<u16>; 4],
+}
+
+impl GdnChunked {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize) -> Result<Self> {
+        let d = GdnDims::new(cfg);
+        let chunks = if gdn::chunked_supported(&d) { ChunkedScratch::chunks_for(n) } else { 0 };
+        let [u, w, qg, kd, m, eg] = ChunkedScratch::sizes(&d, chunks);
+        Ok(GdnChunked { chunks, f32s: [gpu.zeros(u)?, gpu.zeros(eg)?], bf16s: [gpu.zeros(w)?, gpu.zeros(qg)?, gpu.zeros(kd)?, gpu.zeros(m)?] })
+    }
+
+    /// The device pointers the scan takes.
+    pub fn ptrs(&self, gpu: &Gpu) -> ChunkedScratch {
+        let f = |s: &CudaSlice<f32>| super::device::ptr(s, &gpu.stream);
+        let h = |s: &CudaSlice<u16>| super::device::ptr(s, &gpu.stream);
+        let [u, eg] = &self.f32s;
+        let [w, qg, kd, m] = &self.bf16s;
+        ChunkedScratch { u: f(u), w: h(w), qg: h(qg), kd: h(kd), m: h(m), eg: f(eg), chunks: self.chunks }
+    }
+}
+
 impl ChunkScratch {
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize, blas: bool) -> Result<Self> {
         let f = |k: usize| gpu.zeros::<f32>(n * k);
@@ -152,6 +181,7 @@ impl ChunkScratch {
             qn: f(qk)?,
             kn: f(qk)?,
             o: f(vd)?,
+            gdn_chunked: GdnChunked::new(gpu, cfg, n)?,
             counts: i(e)?,
             offsets: i(e)?,
             fill: i(e)?,

@@ -1,7 +1,7 @@
 //! Gated DeltaNet (kernels/gdn.cu), the CUDA side of `cpu/gdn.rs`: the fused decode step (conv
 //! ring, L2 norms, recurrent update, gated norm for one token) and the prefill pieces over T
-//! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the exact recurrent
-//! scan with the state in registers, gated norm).
+//! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the scan: the exact
+//! recurrence with the state in registers, or the chunked form on the tensor cores; gated norm).
 
 use super::device::{Arg, Gpu, ARG_STRUCT_WORDS};
 use super::registry::{Kernel, GDN};
@@ -99,12 +99,48 @@ fn step_args(d: &GdnDims, p: &GdnPtrs, step: u64) -> Vec<Arg> {
     args
 }
 
-/// Prefill scratch of the layer: conv outputs `[T][conv_dim]`, normalised q and k, scan outputs.
+/// Prefill scratch of the layer: conv outputs `[T][conv_dim]`, normalised q and k, scan outputs,
+/// the chunked scan's per-chunk products.
 pub struct GdnChunkScratch {
     pub conv: u64,
     pub qn: u64,
     pub kn: u64,
     pub o: u64,
+    pub chunked: ChunkedScratch,
+}
+
+/// Tokens per chunk of the chunked scan (GC in gdn.cu) and state columns per walk block (GCV).
+const SCAN_CHUNK: usize = 64;
+const SCAN_COLUMNS: usize = 32;
+/// Segments shorter than this run the exact scan also in the default mode: one chunk's setup
+/// costs about what its tokens' exact steps do.
+pub const CHUNKED_MIN_TOKENS: usize = 64;
+
+/// Device pointers of the chunked scan's scratch for `chunks` chunks of every value head (one
+/// launch's segments, chunk after chunk): U (f32), W, e^G q, Kd and M (bf16), e^G_last (f32).
+#[derive(Clone, Copy, Default)]
+pub struct ChunkedScratch {
+    pub u: u64,
+    pub w: u64,
+    pub qg: u64,
+    pub kd: u64,
+    pub m: u64,
+    pub eg: u64,
+    pub chunks: usize,
+}
+
+impl ChunkedScratch {
+    /// Chunks one launch of at most [`SCAN_SEGS`] segments of `tokens` in all may take (each
+    /// segment's last chunk may be partial).
+    pub fn chunks_for(tokens: usize) -> usize {
+        tokens.div_ceil(SCAN_CHUNK) + SCAN_SEGS
+    }
+
+    /// Elements of u, w, qg, kd, m, eg for `chunks` chunks (u16 for the bf16 ones).
+    pub fn sizes(d: &GdnDims, chunks: usize) -> [usize; 6] {
+        let rows = chunks * d.nv * SCAN_CHUNK;
+        [rows * d.dv, rows * d.dk, rows * d.dk, rows * d.dk, rows * SCAN_CHUNK, chunks * d.nv]
+    }
 }
 
 /// Causal conv over `n` tokens at `pos0` (history from the ring), the ring update, q/k L2 norms.
@@ -159,23 +195,103 @@ fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
     Arg::S(Box::new(w))
 }
 
-/// The exact recurrence over each segment's tokens for every value head, the segments side by
-/// side ([`SCAN_SEGS`] per launch): reads q/k (normalised), v from the conv output (row stride
-/// `conv_dim`), raw b/a at the segment's rows; updates its state; writes `o` at its rows.
-/// `p` and `s` point at the chunk's first row.
-pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ScanSegment]) -> Result<()> {
+/// How a launch of segments runs the GDN recurrence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScanPath {
+    /// `pf_gdn_scan_*`: token by token, the state in registers (f32, as the CPU).
+    Exact,
+    /// `pf_gdn_chunk_prep_*` + `pf_gdn_chunk_walk_*`: 64-token chunks in the WY form on the
+    /// tensor cores (bf16 operands, f32 state).
+    Chunked,
+}
+
+/// Whether the chunked scan takes these head dims: key dims 64 or 128, value columns in blocks of
+/// 32 (at most 256: the prep's shared memory), key heads shared by whole groups of value heads.
+pub fn chunked_supported(d: &GdnDims) -> bool {
+    matches!(d.dk, 64 | 128) && d.dv.is_multiple_of(SCAN_COLUMNS) && d.dv <= 256 && d.nk > 0 && d.nv.is_multiple_of(d.nk)
+}
+
+/// The path of a segment of `n` tokens: the chunked form outside the exact mode once it is long
+/// enough, else the exact recurrence.
+pub fn select_scan_path(d: &GdnDims, n: usize, exact: bool) -> ScanPath {
+    if !exact && n >= CHUNKED_MIN_TOKENS && chunked_supported(d) {
+        ScanPath::Chunked
+    } else {
+        ScanPath::Exact
+    }
+}
+
+/// The recurrence over each segment's tokens for every value head, the segments side by side
+/// ([`SCAN_SEGS`] per launch), each on the path `select_scan_path` picks for its length alone (so
+/// a sequence's outputs do not depend on the segments beside it): reads q/k (normalised), v from
+/// the conv output (row stride `conv_dim`), raw b/a at the segment's rows; updates its state;
+/// writes `o` at its rows. `p` and `s` point at the chunk's first row.
+pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ScanSegment], exact: bool) -> Result<()> {
+    let (chunked, short): (Vec<ScanSegment>, Vec<ScanSegment>) =
+        segs.iter().partition(|g| select_scan_path(d, g.n, exact) == ScanPath::Chunked);
+    for group in chunked.chunks(SCAN_SEGS) {
+        scan_chunked(gpu, d, p, s, group)?;
+    }
+    for group in short.chunks(SCAN_SEGS) {
+        scan_exact(gpu, d, p, s, group)?;
+    }
+    Ok(())
+}
+
+/// The exact recurrence (`pf_gdn_scan_*`) over up to [`SCAN_SEGS`] segments.
+pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
     let Some(k) = select_scan(d.dk) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
-    for group in segs.chunks(SCAN_SEGS) {
-        let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a];
-        let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
-        args.extend([scan_segs_arg(group), Arg::P(s.o)]);
-        args.extend([d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
-        let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, group.len() as u32);
-        gpu.launch(k, grid, 128, 0, &args)?;
+    let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a];
+    let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
+    args.extend([scan_segs_arg(group), Arg::P(s.o)]);
+    args.extend([d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
+    let grid = (d.nv as u32, d.dv.div_ceil(scan_block_columns(d.dk)) as u32, group.len() as u32);
+    gpu.launch(k, grid, 128, 0, &args)
+}
+
+fn chunked_kernels(dk: usize) -> Option<(Kernel, Kernel)> {
+    match dk {
+        64 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_64"), Kernel::ordered(&GDN, "pf_gdn_chunk_walk_64"))),
+        128 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_128"), Kernel::ordered(&GDN, "pf_gdn_chunk_walk_128"))),
+        _ => None,
     }
-    Ok(())
+}
+
+/// Dynamic shared memory of pf_gdn_chunk_prep and pf_gdn_chunk_walk (gdn.cu).
+fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
+    let c = SCAN_CHUNK;
+    let (ldk, ldm, ldc, ldu) = (dk + 8, 72, 40, 36);
+    let prep = 2 * (3 * c * ldk + c * ldm + c * (dv + 8)) + 4 * (c * 68 + 2 * c);
+    let walk = 2 * (2 * (3 * c * ldk + c * ldm) + (dk + c) * ldc) + 4 * (2 * c * ldu);
+    (prep as u32, walk as u32)
+}
+
+/// The chunked scan (see gdn.cu) over up to [`SCAN_SEGS`] segments: every chunk's products at
+/// once, then the walk through each segment's chunks that carries its state.
+pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
+    let Some((prep, walk)) = chunked_kernels(d.dk).filter(|_| chunked_supported(d)) else {
+        bail!("GDN heads (key dim {}, value dim {}) not supported by the chunked scan", d.dk, d.dv);
+    };
+    let c = &s.chunked;
+    let chunks: usize = group.iter().map(|g| g.n.div_ceil(SCAN_CHUNK)).sum();
+    if chunks > c.chunks {
+        bail!("the chunked GDN scan has scratch for {} chunks, the segments need {chunks}", c.chunks);
+    }
+    let longest = group.iter().map(|g| g.n).max().unwrap_or(0);
+    let (prep_smem, walk_smem) = chunked_smem(d.dk, d.dv);
+    let outs = [c.u, c.w, c.qg, c.kd, c.m, c.eg].map(Arg::P);
+    let mut args: Vec<Arg> = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a].into_iter().map(Arg::P).collect();
+    args.push(scan_segs_arg(group));
+    args.extend(outs.iter().cloned());
+    args.extend([d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
+    let grid = (longest.div_ceil(SCAN_CHUNK) as u32, d.nv as u32, group.len() as u32);
+    gpu.launch(prep, grid, 128, prep_smem, &args)?;
+    let mut args: Vec<Arg> = outs.into_iter().collect();
+    args.extend([scan_segs_arg(group), Arg::P(s.o), Arg::I(d.nv as i32), Arg::I(d.dv as i32)]);
+    let grid = (d.nv as u32, (d.dv / SCAN_COLUMNS) as u32, group.len() as u32);
+    gpu.launch(walk, grid, 128, walk_smem, &args)
 }
 
 /// Gated RMSNorm of the scan outputs with z into `y`.
@@ -201,6 +317,32 @@ mod tests {
             assert_eq!(int(192 + 4 * i), s.n as i32);
         }
         assert_eq!(w[3..SCAN_SEGS], [0; SCAN_SEGS - 3]);
+    }
+
+    #[test]
+    fn the_default_mode_scans_long_segments_in_chunks() {
+        let big = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
+        let tiny = GdnDims::new(&ModelConfig::tiny());
+        for d in [big, tiny] {
+            assert!(chunked_supported(&d));
+            assert_eq!(select_scan_path(&d, CHUNKED_MIN_TOKENS, false), ScanPath::Chunked);
+            assert_eq!(select_scan_path(&d, 4096, false), ScanPath::Chunked);
+            assert_eq!(select_scan_path(&d, CHUNKED_MIN_TOKENS - 1, false), ScanPath::Exact);
+            assert_eq!(select_scan_path(&d, 4096, true), ScanPath::Exact);
+        }
+        // Key dims without an instance, too many value columns for the prep's shared memory.
+        assert_eq!(select_scan_path(&GdnDims { dk: 32, ..tiny }, 4096, false), ScanPath::Exact);
+        assert_eq!(select_scan_path(&GdnDims { dk: 128, dv: 512, ..tiny }, 4096, false), ScanPath::Exact);
+        assert_eq!(select_scan_path(&GdnDims { dv: 96 + 16, ..tiny }, 4096, false), ScanPath::Exact);
+        // 16 segments of 4,096 tokens in all: at most one partial chunk each.
+        assert_eq!(ChunkedScratch::chunks_for(4096), 64 + 16);
+        let sizes = ChunkedScratch::sizes(&big, 80);
+        assert_eq!(sizes, [80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 64, 80 * 32]);
+        // Shared memory within what a block may take (227 KB): the 35B's walk 156,672 bytes.
+        let (prep, walk) = chunked_smem(128, 128);
+        assert_eq!(walk, 156_672);
+        assert!(prep <= 227 * 1024 && walk <= 227 * 1024, "{prep} {walk}");
+        assert!(chunked_smem(128, 256).0 <= 227 * 1024);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! docs/cuda-prefill.md). Per chunk of up to `prefill_chunk` tokens at positions
 //! `pos0..pos0 + n`: embed → per layer { RMSNorm → projections (qmatmul.rs: f32 tiles, bf16
 //! tensor cores, or cuBLAS on dequantised weights for long chunks) → GDN (conv with the ring's
-//! history, L2 norms, exact recurrence, gated norm) or attention (norms + RoPE + KV append, causal
+//! history, L2 norms, the recurrence exact or in 64-token chunks, gated norm) or attention (norms + RoPE + KV append, causal
 //! flash attention) → out-projection added into the residual → RMSNorm → router → GPU top-k and
 //! per-expert slot lists → grouped expert GEMMs → shared expert → weighted combine } → final
 //! norm and lm_head only for the rows whose logits are wanted. The sequence state is left exactly as the
@@ -142,19 +142,20 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("gdn.proj"))?;
         // Each segment's conv (its own ring) into its rows of the scratch, then one scan over
         // all segments side by side (each its own state), then the norm over all rows.
-        let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o) };
+        let chunked = self.s.gdn_chunked.ptrs(self.gpu);
+        let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o), chunked };
         let qk = d.nk * d.dk;
         let mut scans = Vec::with_capacity(self.segments.len());
         for seg in self.segments {
             let (ring, state) = seg.seq.layer_ptrs(li);
             let p = GdnPtrs { qkv: seg.rows(self.p(&a.qkv), cdim), ..forward::gdn_ptrs(self.gpu, a, g, ring, state) };
-            let rows = GdnChunkScratch { conv: seg.rows(s.conv, cdim), qn: seg.rows(s.qn, qk), kn: seg.rows(s.kn, qk), o: s.o };
+            let rows = GdnChunkScratch { conv: seg.rows(s.conv, cdim), qn: seg.rows(s.qn, qk), kn: seg.rows(s.kn, qk), o: s.o, chunked };
             gdn::conv(self.gpu, &d, &p, &rows, seg.n, seg.pos0)?;
             scans.push(ScanSegment { state, r0: seg.r0, n: seg.n });
         }
         self.point(probe, Point::Phase("gdn.conv"))?;
         let all = forward::gdn_ptrs(self.gpu, a, g, 0, 0);
-        gdn::scan(self.gpu, &d, &all, &s, &scans)?;
+        gdn::scan(self.gpu, &d, &all, &s, &scans, self.exact)?;
         self.point(probe, Point::Phase("gdn.scan"))?;
         gdn::gated_norm(self.gpu, &d, &all, &s, n)?;
         self.point(probe, Point::Phase("gdn.norm"))?;

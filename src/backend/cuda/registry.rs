@@ -75,6 +75,10 @@ pub const GDN: Module = Module {
         "pf_gdn_scan_32",
         "pf_gdn_scan_64",
         "pf_gdn_scan_128",
+        "pf_gdn_chunk_prep_64",
+        "pf_gdn_chunk_walk_64",
+        "pf_gdn_chunk_prep_128",
+        "pf_gdn_chunk_walk_128",
         "pf_gdn_norm",
     ],
 };

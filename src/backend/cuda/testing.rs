@@ -8,6 +8,7 @@ use super::decode::{self, StepOut};
 use super::device::{ptr, Gpu};
 use super::forward::Probe;
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
+pub use super::gdn::ScanPath;
 use super::moe::{self, MoeDims, RouteLists};
 use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
 use super::sampling;
@@ -303,12 +304,12 @@ pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc:
     read(gpu, &od)
 }
 
-/// The prefill GDN scan for one value head over T tokens: q, k `[T][dk]` (normalised, q
+/// The prefill GDN scan for one value head over T tokens on `path`: q, k `[T][dk]` (normalised, q
 /// pre-scaled), v `[T][dv]`, raw gate inputs b, a `[T]`, state `s0` `[dk][dv]`. Returns (outputs
 /// `[T][dv]`, final state).
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-    let mut out = gdn_scan_segments(b, &[ScanInput { q, k, v, braw, araw, s0 }], dt_bias, neg_a, dk, dv)?;
+pub fn gdn_scan(b: &CudaBackend, q: &[f32], k: &[f32], v: &[f32], braw: &[f32], araw: &[f32], dt_bias: f32, neg_a: f32, s0: &[f32], dk: usize, dv: usize, path: gdn::ScanPath) -> Result<(Vec<f32>, Vec<f32>)> {
+    let mut out = gdn_scan_segments(b, &[ScanInput { q, k, v, braw, araw, s0 }], dt_bias, neg_a, dk, dv, path)?;
     Ok(out.remove(0))
 }
 
@@ -324,9 +325,10 @@ pub struct ScanInput<'a> {
 }
 
 /// Several sequences' scans (one value head each) as the prefill runs a chunk of several
-/// segments: their rows one after the other, one launch per [`gdn::SCAN_SEGS`] segments. Returns
-/// each segment's (outputs, final state).
-pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+/// segments: their rows one after the other, one launch per [`gdn::SCAN_SEGS`] segments, each on
+/// `path` whatever its length. Returns each segment's (outputs, final state).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize, path: gdn::ScanPath) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
     let gpu = &b.gpu;
     let c = 2 * dk + dv;
     let total: usize = segs.iter().map(|s| s.braw.len()).sum();
@@ -355,8 +357,19 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: 0, y: 0 };
-    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od) };
-    gdn::scan(gpu, &d, &ptrs, &s, &scans)?;
+    // The chunked scan's scratch as the prefill sizes it for a chunk of these tokens.
+    let chunks = gdn::ChunkedScratch::chunks_for(total);
+    let [u, w, qg, kdd, m, eg] = gdn::ChunkedScratch::sizes(&d, chunks);
+    let (fs, hs) = ([gpu.zeros::<f32>(u)?, gpu.zeros::<f32>(eg)?], [gpu.zeros::<u16>(w)?, gpu.zeros::<u16>(qg)?, gpu.zeros::<u16>(kdd)?, gpu.zeros::<u16>(m)?]);
+    let h = |s: &CudaSlice<u16>| ptr(s, &gpu.stream);
+    let chunked = gdn::ChunkedScratch { u: p(&fs[0]), w: h(&hs[0]), qg: h(&hs[1]), kd: h(&hs[2]), m: h(&hs[3]), eg: p(&fs[1]), chunks };
+    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked };
+    for group in scans.chunks(gdn::SCAN_SEGS) {
+        match path {
+            gdn::ScanPath::Exact => gdn::scan_exact(gpu, &d, &ptrs, &s, group)?,
+            gdn::ScanPath::Chunked => gdn::scan_chunked(gpu, &d, &ptrs, &s, group)?,
+        }
+    }
     let o = read(gpu, &od)?;
     scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), read(gpu, sd)?))).collect()
 }
