@@ -413,7 +413,7 @@ PF_GDN_SCAN(128)
 // so with T = (I + A)^-1, U = T diag(b) V and W = T diag(b e^G) K: D = U - W S0. Everything but
 // the products with S0 is local to the chunk: pf_gdn_chunk_prep computes it for every (chunk,
 // value head) at once, pf_gdn_chunk_walk then carries the state through the chunks in order per
-// (value head, GCV state columns), five mma products per chunk. Operands are bf16 with f32
+// (value head, GCV state columns), four mma products per chunk. Operands are bf16 with f32
 // accumulation (T by forward substitution in f32; U, the state and the outputs stay f32): within
 // 1.5x of the error the bf16 rounding of q, k and v alone gives (scripts/gdn_chunk_accuracy.py).
 // Padding past a segment's last token has b = 0, k = q = 0 and no decay, so it changes nothing.
@@ -440,7 +440,8 @@ __device__ __forceinline__ int seg_chunk_base(const ScanSegs& s, int z) {
 }
 
 // One (chunk, value head): grid (chunks of the longest segment, nv, segments), block 128.
-// Dynamic shared memory: 3 GC (DK + 8) + GC GC_LDM + GC (dv + 8) bf16, GC 68 + 2 GC f32.
+// Dynamic shared memory (gdn.rs chunked_smem): a region that holds q and k (bf16) for the k.k and
+// q.k products, then A (f32) and T (bf16); b e^G k and b v (bf16); b and G (f32).
 template <int DK>
 __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn,
                                const float* __restrict__ conv, const float* __restrict__ braw,
@@ -449,18 +450,19 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
                                float* __restrict__ u_out, u16* __restrict__ w_out, u16* __restrict__ qg_out,
                                u16* __restrict__ kd_out, u16* __restrict__ m_out, float* __restrict__ eg_out) {
     constexpr int LDK = DK + 8, LDA = 68;
+    constexpr int REGION = (2 * GC * LDK * 2 > GC * LDA * 4 + GC * GC_LDM * 2) ? 2 * GC * LDK * 2 : GC * LDA * 4 + GC * GC_LDM * 2;
     extern __shared__ __align__(16) unsigned char gcp_sm[];
     const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t0 = c * GC;
     if (t0 >= T) return;
     const int nt = min(GC, T - t0), ldv = dv + 8;
-    u16* Kb = reinterpret_cast<u16*>(gcp_sm);  // k                       [GC][LDK]
-    u16* Qb = Kb + GC * LDK;                    // q                       [GC][LDK]
-    u16* Xk = Qb + GC * LDK;                    // b e^G k                 [GC][LDK]
-    u16* Tb = Xk + GC * LDK;                    // T                       [GC][GC_LDM]
-    u16* Xv = Tb + GC * GC_LDM;                 // b v                     [GC][ldv]
-    float* Af = reinterpret_cast<float*>(Xv + GC * ldv);  // A (f32)       [GC][LDA]
-    float* bs = Af + GC * LDA;
+    u16* Qb = reinterpret_cast<u16*>(gcp_sm);              // q                 [GC][LDK]
+    u16* Kb = Qb + GC * LDK;                                // k                 [GC][LDK]
+    float* Af = reinterpret_cast<float*>(gcp_sm);           // A (f32), after q.k and k.k   [GC][LDA]
+    u16* Tb = reinterpret_cast<u16*>(Af + GC * LDA);        // T                 [GC][GC_LDM]
+    u16* Xk = reinterpret_cast<u16*>(gcp_sm + REGION);      // b e^G k           [GC][LDK]
+    u16* Xv = Xk + GC * LDK;                                // b v               [GC][ldv]
+    float* bs = reinterpret_cast<float*>(Xv + GC * ldv);
     float* Gs = bs + GC;
     const int kh = h / (nv / nk), key_dim = nk * DK;
     if (tid < GC) {
@@ -491,6 +493,8 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
     const float glast = Gs[GC - 1];
     const size_t ch = (size_t)(cg0 + c) * nv + h;
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Unrolled so that each thread's loads are in flight together.
+#pragma unroll 4
     for (int idx = tid; idx < GC * (DK / 4); idx += 128) {
         const int t = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
         float4 q4 = zero4, k4 = zero4;
@@ -506,6 +510,7 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         st_bf16x4(qg_out + (ch * GC + t) * DK + i, scale4(eg, q4));
         st_bf16x4(kd_out + (ch * GC + t) * DK + i, scale4(expf(glast - Gs[t]), k4));
     }
+#pragma unroll 4
     for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
         const int t = idx / (dv / 4), j = (idx % (dv / 4)) * 4;
         float4 v4 = zero4;
@@ -541,6 +546,7 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
                 }
             }
         }
+        __syncthreads();  // q and k are read: A takes their place
         // A (strictly lower) into shared memory, M (lower) to the scratch; zeros above the diagonal.
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
@@ -562,19 +568,20 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
     }
     __syncthreads();
     if (tid < GC) {  // column tid of T = (I + A)^-1 by forward substitution (unit lower triangular)
+        // Four partial sums per row: a quarter of the dependent chain.
         float x[GC];
 #pragma unroll
         for (int i = 0; i < GC; ++i) {
-            float acc = i == tid ? 1.f : 0.f;
+            float acc[4] = {i == tid ? 1.f : 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < i; j += 4) {
                 const float4 a = *reinterpret_cast<const float4*>(Af + i * LDA + j);
-                acc = fmaf(-a.x, x[j], acc);
-                if (j + 1 < i) acc = fmaf(-a.y, x[j + 1], acc);
-                if (j + 2 < i) acc = fmaf(-a.z, x[j + 2], acc);
-                if (j + 3 < i) acc = fmaf(-a.w, x[j + 3], acc);
+                acc[0] = fmaf(-a.x, x[j], acc[0]);
+                if (j + 1 < i) acc[1] = fmaf(-a.y, x[j + 1], acc[1]);
+                if (j + 2 < i) acc[2] = fmaf(-a.z, x[j + 2], acc[2]);
+                if (j + 3 < i) acc[3] = fmaf(-a.w, x[j + 3], acc[3]);
             }
-            x[i] = acc;
+            x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
 #pragma unroll
         for (int i = 0; i < GC; ++i) Tb[i * GC_LDM + tid] = bf16_rn(x[i]);
@@ -625,10 +632,11 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
 }
 
 // One (value head, GCV state columns) through all chunks of a segment: grid (nv, dv / GCV,
-// segments), block 128. The state columns live in the warps' mma accumulators in f32 (warp w:
-// key rows w DK/4 ..) and, rounded to bf16, in shared memory as the products' operand; each
-// chunk's tiles are copied in with cp.async one chunk ahead. Dynamic shared memory:
-// 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + GC) GC_LDC bf16, 2 GC GC_LDU f32.
+// segments), block 256. Warps 0-3 own the state columns in f32 mma accumulators (warp w: key
+// rows w DK/4 ..) and per chunk make D = U - W S and then the new state; warps 4-7 make
+// P = (e^G Q) S and then O = P + M D beside them. The state, rounded to bf16, is the products'
+// operand in shared memory; each chunk's tiles are copied in with cp.async one chunk ahead.
+// Dynamic shared memory: 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + GC) GC_LDC bf16, 2 GC GC_LDU f32.
 template <int DK>
 __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __restrict__ w_in,
                                const u16* __restrict__ qg_in, const u16* __restrict__ kd_in,
@@ -643,31 +651,35 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
     u16* Sb = Mb + 2 * GC * GC_LDM;             // S (bf16)   [DK][GC_LDC]
     u16* Db = Sb + DK * GC_LDC;                 // D (bf16)   [GC][GC_LDC]
     float* Ub = reinterpret_cast<float*>(Db + GC * GC_LDC);  // U columns [2][GC][GC_LDU]
-    const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x, lane = tid & 31;
+    const int warp = (tid >> 5) & 3;
+    const bool owns_state = tid < 128;
     const int g = lane >> 2, q = lane & 3;
     float* S = state + (size_t)h * DK * dv + c0;
     float sacc[MT][4][4];
+    if (owns_state) {
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+        for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-        for (int n8 = 0; n8 < 4; ++n8) {
-            const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
-            const float2 lo = *reinterpret_cast<const float2*>(S + (size_t)r * dv + col);
-            const float2 hi = *reinterpret_cast<const float2*>(S + (size_t)(r + 8) * dv + col);
-            sacc[mi][n8][0] = lo.x;
-            sacc[mi][n8][1] = lo.y;
-            sacc[mi][n8][2] = hi.x;
-            sacc[mi][n8][3] = hi.y;
-            *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(lo.x, lo.y);
-            *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(hi.x, hi.y);
-        }
+            for (int n8 = 0; n8 < 4; ++n8) {
+                const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
+                const float2 lo = *reinterpret_cast<const float2*>(S + (size_t)r * dv + col);
+                const float2 hi = *reinterpret_cast<const float2*>(S + (size_t)(r + 8) * dv + col);
+                sacc[mi][n8][0] = lo.x;
+                sacc[mi][n8][1] = lo.y;
+                sacc[mi][n8][2] = hi.x;
+                sacc[mi][n8][3] = hi.y;
+                *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(lo.x, lo.y);
+                *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(hi.x, hi.y);
+            }
+    }
     const int nch = (T + GC - 1) / GC;
     auto issue = [&](int c, int bf) {
         const size_t ch = (size_t)(cg0 + c) * nv + h;
         const u16* w = w_in + ch * GC * DK;
         const u16* qg = qg_in + ch * GC * DK;
         const u16* kd = kd_in + ch * GC * DK;
-        for (int idx = tid; idx < GC * (DK / 8); idx += 128) {
+        for (int idx = tid; idx < GC * (DK / 8); idx += 256) {
             const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
             const int so = (bf * GC + t) * LDK + i;
             cp_async16(Wb + so, w + t * DK + i);
@@ -675,12 +687,12 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
             cp_async16(Kb + so, kd + t * DK + i);
         }
         const u16* m = m_in + ch * GC * GC;
-        for (int idx = tid; idx < GC * (GC / 8); idx += 128) {
+        for (int idx = tid; idx < GC * (GC / 8); idx += 256) {
             const int t = idx / (GC / 8), s = (idx % (GC / 8)) * 8;
             cp_async16(Mb + (bf * GC + t) * GC_LDM + s, m + t * GC + s);
         }
         const float* u = u_in + ch * GC * dv + c0;
-        for (int idx = tid; idx < GC * (GCV / 4); idx += 128) {
+        for (int idx = tid; idx < GC * (GCV / 4); idx += 256) {
             const int t = idx / (GCV / 4), j = (idx % (GCV / 4)) * 4;
             cp_async16(Ub + (bf * GC + t) * GC_LDU + j, u + (size_t)t * dv + j);
         }
@@ -700,105 +712,106 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
             cp_async_wait_all();
         }
         __syncthreads();
-        const float eg = eg_in[(size_t)(cg0 + c) * nv + h];
-        // D = U - W S and P = (e^G Q) S for this warp's 16 token rows.
-        float dacc[4][4], pacc[4][4];
+        // This warp's 16 token rows of D = U - W S (warps 0-3) or P = (e^G Q) S (warps 4-7).
+        float acc[4][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dacc[i][e] = pacc[i][e] = 0.f;
-        const u32 aoff = ((bf * GC + warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
-        const u32 wA = smem_u32(Wb) + aoff, qA = smem_u32(Qb) + aoff;
+        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        const u32 aA = smem_u32(owns_state ? Wb : Qb) + ((bf * GC + warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
 #pragma unroll
         for (int ks = 0; ks < DK / 16; ++ks) {
-            u32 aw[4], aq[4];
-            ldsm_x4(wA + ks * 32, aw[0], aw[1], aw[2], aw[3]);
-            ldsm_x4(qA + ks * 32, aq[0], aq[1], aq[2], aq[3]);
+            u32 a[4];
+            ldsm_x4(aA + ks * 32, a[0], a[1], a[2], a[3]);
 #pragma unroll
             for (int cp = 0; cp < 2; ++cp) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(sB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(dacc[2 * cp], aw, b0, b1);
-                mma_bf16(dacc[2 * cp + 1], aw, b2, b3);
-                mma_bf16(pacc[2 * cp], aq, b0, b1);
-                mma_bf16(pacc[2 * cp + 1], aq, b2, b3);
+                mma_bf16(acc[2 * cp], a, b0, b1);
+                mma_bf16(acc[2 * cp + 1], a, b2, b3);
             }
         }
-        const float* U = Ub + bf * GC * GC_LDU;
+        if (owns_state) {
+            const float* U = Ub + bf * GC * GC_LDU;
 #pragma unroll
-        for (int n8 = 0; n8 < 4; ++n8) {
-            const int col = n8 * 8 + 2 * q;
-            const float2 u0 = *reinterpret_cast<const float2*>(U + row * GC_LDU + col);
-            const float2 u1 = *reinterpret_cast<const float2*>(U + (row + 8) * GC_LDU + col);
-            *reinterpret_cast<u32*>(Db + row * GC_LDC + col) = pack_bf16(u0.x - dacc[n8][0], u0.y - dacc[n8][1]);
-            *reinterpret_cast<u32*>(Db + (row + 8) * GC_LDC + col) = pack_bf16(u1.x - dacc[n8][2], u1.y - dacc[n8][3]);
+            for (int n8 = 0; n8 < 4; ++n8) {
+                const int col = n8 * 8 + 2 * q;
+                const float2 u0 = *reinterpret_cast<const float2*>(U + row * GC_LDU + col);
+                const float2 u1 = *reinterpret_cast<const float2*>(U + (row + 8) * GC_LDU + col);
+                *reinterpret_cast<u32*>(Db + row * GC_LDC + col) = pack_bf16(u0.x - acc[n8][0], u0.y - acc[n8][1]);
+                *reinterpret_cast<u32*>(Db + (row + 8) * GC_LDC + col) = pack_bf16(u1.x - acc[n8][2], u1.y - acc[n8][3]);
+            }
         }
         __syncthreads();  // D complete; every warp is done reading S
-        // O = P + M D (M is lower triangular: the k-steps up to this warp's rows).
-        const u32 mA = smem_u32(Mb) + ((bf * GC + warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
+        if (!owns_state) {
+            // O = P + M D (M is lower triangular: the k-steps up to this warp's rows).
+            const u32 mA = smem_u32(Mb) + ((bf * GC + warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            if (ks > warp) continue;
-            u32 a[4];
-            ldsm_x4(mA + ks * 32, a[0], a[1], a[2], a[3]);
-#pragma unroll
-            for (int cp = 0; cp < 2; ++cp) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(pacc[2 * cp], a, b0, b1);
-                mma_bf16(pacc[2 * cp + 1], a, b2, b3);
-            }
-        }
-        float* orow = o + (size_t)h * dv + c0;
-        const size_t ostride = (size_t)nv * dv;
-#pragma unroll
-        for (int n8 = 0; n8 < 4; ++n8) {
-            const int col = n8 * 8 + 2 * q;
-            if (row < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row) * ostride + col) = make_float2(pacc[n8][0], pacc[n8][1]);
-            if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(pacc[n8][2], pacc[n8][3]);
-        }
-        // S = e^(G_last) S + Kd^T D for this warp's key rows (Kd^T through transposed loads).
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-            for (int n8 = 0; n8 < 4; ++n8)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mi][n8][e] *= eg;
-        const u32 kT = smem_u32(Kb) + ((bf * GC + (lane & 7) + ((lane >> 4) << 3)) * LDK + warp * RW + (((lane >> 3) & 1) << 3)) * 2;
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            u32 bd[2][4];
-#pragma unroll
-            for (int cp = 0; cp < 2; ++cp) ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, bd[cp][0], bd[cp][1], bd[cp][2], bd[cp][3]);
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
+            for (int ks = 0; ks < 4; ++ks) {
+                if (ks > warp) continue;
                 u32 a[4];
-                ldsm_x4_t(kT + (ks * 16 * LDK + mi * 16) * 2, a[0], a[1], a[2], a[3]);
+                ldsm_x4(mA + ks * 32, a[0], a[1], a[2], a[3]);
 #pragma unroll
                 for (int cp = 0; cp < 2; ++cp) {
-                    mma_bf16(sacc[mi][2 * cp], a, bd[cp][0], bd[cp][1]);
-                    mma_bf16(sacc[mi][2 * cp + 1], a, bd[cp][2], bd[cp][3]);
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
+                    mma_bf16(acc[2 * cp], a, b0, b1);
+                    mma_bf16(acc[2 * cp + 1], a, b2, b3);
                 }
             }
+            float* orow = o + (size_t)h * dv + c0;
+            const size_t ostride = (size_t)nv * dv;
+#pragma unroll
+            for (int n8 = 0; n8 < 4; ++n8) {
+                const int col = n8 * 8 + 2 * q;
+                if (row < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row) * ostride + col) = make_float2(acc[n8][0], acc[n8][1]);
+                if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(acc[n8][2], acc[n8][3]);
+            }
+        } else {
+            // S = e^(G_last) S + Kd^T D for this warp's key rows (Kd^T through transposed loads).
+            const float eg = eg_in[(size_t)(cg0 + c) * nv + h];
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int n8 = 0; n8 < 4; ++n8)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sacc[mi][n8][e] *= eg;
+            const u32 kT = smem_u32(Kb) + ((bf * GC + (lane & 7) + ((lane >> 4) << 3)) * LDK + warp * RW + (((lane >> 3) & 1) << 3)) * 2;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                u32 bd[2][4];
+#pragma unroll
+                for (int cp = 0; cp < 2; ++cp) ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, bd[cp][0], bd[cp][1], bd[cp][2], bd[cp][3]);
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi) {
+                    u32 a[4];
+                    ldsm_x4_t(kT + (ks * 16 * LDK + mi * 16) * 2, a[0], a[1], a[2], a[3]);
+#pragma unroll
+                    for (int cp = 0; cp < 2; ++cp) {
+                        mma_bf16(sacc[mi][2 * cp], a, bd[cp][0], bd[cp][1]);
+                        mma_bf16(sacc[mi][2 * cp + 1], a, bd[cp][2], bd[cp][3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int n8 = 0; n8 < 4; ++n8) {
+                    const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
+                    *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(sacc[mi][n8][0], sacc[mi][n8][1]);
+                    *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(sacc[mi][n8][2], sacc[mi][n8][3]);
+                }
         }
+        __syncthreads();  // this chunk's buffers and D are free again
+    }
+    if (owns_state) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
             for (int n8 = 0; n8 < 4; ++n8) {
                 const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
-                *reinterpret_cast<u32*>(Sb + r * GC_LDC + col) = pack_bf16(sacc[mi][n8][0], sacc[mi][n8][1]);
-                *reinterpret_cast<u32*>(Sb + (r + 8) * GC_LDC + col) = pack_bf16(sacc[mi][n8][2], sacc[mi][n8][3]);
+                *reinterpret_cast<float2*>(S + (size_t)r * dv + col) = make_float2(sacc[mi][n8][0], sacc[mi][n8][1]);
+                *reinterpret_cast<float2*>(S + (size_t)(r + 8) * dv + col) = make_float2(sacc[mi][n8][2], sacc[mi][n8][3]);
             }
-        __syncthreads();  // this chunk's buffers and D are free again
     }
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int n8 = 0; n8 < 4; ++n8) {
-            const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
-            *reinterpret_cast<float2*>(S + (size_t)r * dv + col) = make_float2(sacc[mi][n8][0], sacc[mi][n8][1]);
-            *reinterpret_cast<float2*>(S + (size_t)(r + 8) * dv + col) = make_float2(sacc[mi][n8][2], sacc[mi][n8][3]);
-        }
 }
 
 #define PF_GDN_CHUNK(DK)                                                                                           \
@@ -811,7 +824,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
         gdn_chunk_prep<DK>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,   \
                            neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, qg, kd, m, eg);         \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) pf_gdn_chunk_walk_##DK(                                      \
+    extern "C" __global__ void __launch_bounds__(256) pf_gdn_chunk_walk_##DK(                                      \
         const float* u, const u16* w, const u16* qg, const u16* kd, const u16* m, const float* eg,                 \
         const ScanSegs segs, float* o, int nv, int dv) {                                                           \
         const int z = blockIdx.z;                                                                                  \

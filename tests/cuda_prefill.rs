@@ -549,14 +549,22 @@ fn cuda_prefill_chunks_equal_one_call() {
         let tol = if exact { 1e-4 } else { 0.15 };
         let over: Vec<usize> = (0..per_pos.len()).filter(|&i| per_pos[i] >= tol).map(|i| i + 1).collect();
         eprintln!("  calls: {} of {} positions at or over {tol} ({over:?})", over.len(), per_pos.len());
-        // Internal chunking is exact on the f32 path; on the bf16 path the route depends on the
-        // chunk's token count (cuBLAS at >= 128 tokens, the fused tensor-core kernel below, with
-        // the same bf16 operands but another summation order), so it gets the bf16 tolerance.
-        let tol2 = if exact { 1e-4 } else { tol };
+        // Internal chunking is exact on the f32 path; on the bf16 path the routes depend on the
+        // segment's token count (cuBLAS at >= 128 tokens, the fused tensor-core kernel below; the
+        // chunked GDN scan at >= 64 tokens, the exact recurrence below), with bf16 operands in
+        // another order, so it gets the bf16 tolerance and the same near-tie flips as the calls.
+        let over2: Vec<usize> = (1..toks.len())
+            .filter(|&t| max_abs_diff(&chunked[t * vocab..(t + 1) * vocab], &whole[t * vocab..(t + 1) * vocab]) >= tol)
+            .collect();
+        eprintln!("  internal chunk 37: {} of {} positions at or over {tol} ({over2:?})", over2.len(), per_pos.len());
         // The f32 path has no near-tie flips at this tolerance; the bf16 path may flip at a few
         // positions (at most 5% of them), never at the first or in the state decode continues from.
         let flips = if exact { 0 } else { per_pos.len() / 20 };
-        assert!(e0 < tol && over.len() <= flips && e2 < tol2 && e3 < tol, "e0 {e0} e1 {e1} e2 {e2} e3 {e3}");
+        let e2_first = max_abs_diff(&chunked[..vocab], &whole[..vocab]);
+        assert!(
+            e0 < tol && over.len() <= flips && over2.len() <= flips && e2_first < tol && e3 < tol,
+            "e0 {e0} e1 {e1} e2 {e2} e3 {e3}"
+        );
     }
 }
 

@@ -263,7 +263,9 @@ fn chunked_kernels(dk: usize) -> Option<(Kernel, Kernel)> {
 fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
     let c = SCAN_CHUNK;
     let (ldk, ldm, ldc, ldu) = (dk + 8, 72, 40, 36);
-    let prep = 2 * (3 * c * ldk + c * ldm + c * (dv + 8)) + 4 * (c * 68 + 2 * c);
+    // q and k for the k.k / q.k products, then A (f32) and T in their place; b e^G k, b v; b, G.
+    let region = (2 * 2 * c * ldk).max(4 * c * 68 + 2 * c * ldm);
+    let prep = region + 2 * (c * ldk + c * (dv + 8)) + 4 * 2 * c;
     let walk = 2 * (2 * (3 * c * ldk + c * ldm) + (dk + c) * ldc) + 4 * (2 * c * ldu);
     (prep as u32, walk as u32)
 }
@@ -291,7 +293,7 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     let mut args: Vec<Arg> = outs.into_iter().collect();
     args.extend([scan_segs_arg(group), Arg::P(s.o), Arg::I(d.nv as i32), Arg::I(d.dv as i32)]);
     let grid = (d.nv as u32, (d.dv / SCAN_COLUMNS) as u32, group.len() as u32);
-    gpu.launch(walk, grid, 128, walk_smem, &args)
+    gpu.launch(walk, grid, 256, walk_smem, &args)
 }
 
 /// Gated RMSNorm of the scan outputs with z into `y`.
@@ -338,9 +340,10 @@ mod tests {
         assert_eq!(ChunkedScratch::chunks_for(4096), 64 + 16);
         let sizes = ChunkedScratch::sizes(&big, 80);
         assert_eq!(sizes, [80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 64, 80 * 32]);
-        // Shared memory within what a block may take (227 KB): the 35B's walk 156,672 bytes.
+        // Shared memory within what a block may take (227 KB): the 35B's walk 156,672 bytes (one
+        // block per SM), its prep 70,144 (three).
         let (prep, walk) = chunked_smem(128, 128);
-        assert_eq!(walk, 156_672);
+        assert_eq!((prep, walk), (70_144, 156_672));
         assert!(prep <= 227 * 1024 && walk <= 227 * 1024, "{prep} {walk}");
         assert!(chunked_smem(128, 256).0 <= 227 * 1024);
     }
