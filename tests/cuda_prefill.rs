@@ -557,13 +557,21 @@ fn cuda_prefill_chunks_equal_one_call() {
             .filter(|&t| max_abs_diff(&chunked[t * vocab..(t + 1) * vocab], &whole[t * vocab..(t + 1) * vocab]) >= tol)
             .collect();
         eprintln!("  internal chunk 37: {} of {} positions at or over {tol} ({over2:?})", over2.len(), per_pos.len());
-        // The f32 path has no near-tie flips at this tolerance; the bf16 path may flip at a few
-        // positions (at most 5% of them), never at the first or in the state decode continues from.
-        let flips = if exact { 0 } else { per_pos.len() / 20 };
+        // The f32 path has no near-tie flips at this tolerance. On the bf16 path a call's GDN scan
+        // runs chunked with bf16 operands from 64 tokens and exactly below, so the calls and the
+        // whole differ by ~3e-3 relative in the GDN outputs; that flips the tiny model's router
+        // near ties at a few positions (12 of 259 on the H200), never at the first or in the
+        // state decode continues from. A broken hand-off between calls would move every later
+        // position instead: the median position stays within a third of the tolerance.
+        let flips = if exact { 0 } else { per_pos.len() / 10 };
         let e2_first = max_abs_diff(&chunked[..vocab], &whole[..vocab]);
+        let mut sorted = per_pos.clone();
+        sorted.sort_by(f32::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        eprintln!("  calls: median position {median:.3e}");
         assert!(
-            e0 < tol && over.len() <= flips && over2.len() <= flips && e2_first < tol && e3 < tol,
-            "e0 {e0} e1 {e1} e2 {e2} e3 {e3}"
+            e0 < tol && over.len() <= flips && over2.len() <= flips && e2_first < tol && e3 < tol && median < tol / 3.0,
+            "e0 {e0} e1 {e1} e2 {e2} e3 {e3} median {median}"
         );
     }
 }
