@@ -432,6 +432,26 @@ __device__ __forceinline__ void st_bf16x4(u16* p, float4 v) {
 __device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
+// acc (this warp's 16 rows x 32 columns) += A B over the k-steps below ks_end (KMAX at most): A
+// row-major in shared memory at this lane's ldmatrix address aA of the rows (32 bytes per k-step),
+// B stored [k][n] with row stride ldb elements at this lane's transposed-ldmatrix address bB.
+template <int KMAX>
+__device__ __forceinline__ void mma_rows16_cols32(float (&acc)[4][4], u32 aA, u32 bB, int ldb, int ks_end) {
+#pragma unroll
+    for (int ks = 0; ks < KMAX; ++ks) {
+        if (ks >= ks_end) continue;
+        u32 a[4];
+        ldsm_x4(aA + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int cp = 0; cp < 2; ++cp) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(bB + (ks * 16 * ldb + cp * 16) * 2, b0, b1, b2, b3);
+            mma_bf16(acc[2 * cp], a, b0, b1);
+            mma_bf16(acc[2 * cp + 1], a, b2, b3);
+        }
+    }
+}
+
 // First chunk index of segment z: the chunks of the segments before it.
 __device__ __forceinline__ int seg_chunk_base(const ScanSegs& s, int z) {
     int b = 0;
@@ -717,18 +737,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
         const u32 aA = smem_u32(owns_state ? Wb : Qb) + ((bf * GC + warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
-#pragma unroll
-        for (int ks = 0; ks < DK / 16; ++ks) {
-            u32 a[4];
-            ldsm_x4(aA + ks * 32, a[0], a[1], a[2], a[3]);
-#pragma unroll
-            for (int cp = 0; cp < 2; ++cp) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(sB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(acc[2 * cp], a, b0, b1);
-                mma_bf16(acc[2 * cp + 1], a, b2, b3);
-            }
-        }
+        mma_rows16_cols32<DK / 16>(acc, aA, sB, GC_LDC, DK / 16);
         if (owns_state) {
             const float* U = Ub + bf * GC * GC_LDU;
 #pragma unroll
@@ -744,19 +753,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
         if (!owns_state) {
             // O = P + M D (M is lower triangular: the k-steps up to this warp's rows).
             const u32 mA = smem_u32(Mb) + ((bf * GC + warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                if (ks > warp) continue;
-                u32 a[4];
-                ldsm_x4(mA + ks * 32, a[0], a[1], a[2], a[3]);
-#pragma unroll
-                for (int cp = 0; cp < 2; ++cp) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, b0, b1, b2, b3);
-                    mma_bf16(acc[2 * cp], a, b0, b1);
-                    mma_bf16(acc[2 * cp + 1], a, b2, b3);
-                }
-            }
+            mma_rows16_cols32<4>(acc, mA, dB, GC_LDC, warp + 1);
             float* orow = o + (size_t)h * dv + c0;
             const size_t ostride = (size_t)nv * dv;
 #pragma unroll
