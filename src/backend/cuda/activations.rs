@@ -142,10 +142,10 @@ pub struct GdnChunked {
 }
 
 impl GdnChunked {
-    fn new(gpu: &Gpu, cfg: &ModelConfig, n: usize) -> Result<Self> {
-        let d = GdnDims::new(cfg);
-        let chunks = if gdn::chunked_supported(&d) { ChunkedScratch::chunks_for(n) } else { 0 };
-        let [u, w, qg, kd, m, eg] = ChunkedScratch::sizes(&d, chunks);
+    /// For prefill chunks of up to `n` tokens.
+    pub fn new(gpu: &Gpu, d: &GdnDims, n: usize) -> Result<Self> {
+        let chunks = if gdn::chunked_supported(d) { ChunkedScratch::chunks_for(n) } else { 0 };
+        let [u, w, qg, kd, m, eg] = ChunkedScratch::sizes(d, chunks);
         Ok(GdnChunked { chunks, f32s: [gpu.zeros(u)?, gpu.zeros(eg)?], bf16s: [gpu.zeros(w)?, gpu.zeros(qg)?, gpu.zeros(kd)?, gpu.zeros(m)?] })
     }
 
@@ -181,7 +181,7 @@ impl ChunkScratch {
             qn: f(qk)?,
             kn: f(qk)?,
             o: f(vd)?,
-            gdn_chunked: GdnChunked::new(gpu, cfg, n)?,
+            gdn_chunked: GdnChunked::new(gpu, &GdnDims::new(cfg), n)?,
             counts: i(e)?,
             offsets: i(e)?,
             fill: i(e)?,

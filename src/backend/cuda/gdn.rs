@@ -195,7 +195,7 @@ fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
     Arg::S(Box::new(w))
 }
 
-/// How a launch of segments runs the GDN recurrence.
+/// How a segment's GDN recurrence runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScanPath {
     /// `pf_gdn_scan_*`: token by token, the state in registers (f32, as the CPU).

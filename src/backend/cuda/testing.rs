@@ -3,6 +3,7 @@
 //! step, and prefill with chosen options. Variants are chosen through [`CudaOptions`] fields or
 //! the families' route enums, as the backend chooses them.
 
+use super::activations::GdnChunked;
 use super::attention::{self, AttnDims, AttnPtrs};
 use super::decode::{self, StepOut};
 use super::device::{ptr, Gpu};
@@ -358,12 +359,8 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: 0, y: 0 };
     // The chunked scan's scratch as the prefill sizes it for a chunk of these tokens.
-    let chunks = gdn::ChunkedScratch::chunks_for(total);
-    let [u, w, qg, kdd, m, eg] = gdn::ChunkedScratch::sizes(&d, chunks);
-    let (fs, hs) = ([gpu.zeros::<f32>(u)?, gpu.zeros::<f32>(eg)?], [gpu.zeros::<u16>(w)?, gpu.zeros::<u16>(qg)?, gpu.zeros::<u16>(kdd)?, gpu.zeros::<u16>(m)?]);
-    let h = |s: &CudaSlice<u16>| ptr(s, &gpu.stream);
-    let chunked = gdn::ChunkedScratch { u: p(&fs[0]), w: h(&hs[0]), qg: h(&hs[1]), kd: h(&hs[2]), m: h(&hs[3]), eg: p(&fs[1]), chunks };
-    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked };
+    let chunked = GdnChunked::new(gpu, &d, total)?;
+    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked: chunked.ptrs(gpu) };
     for group in scans.chunks(gdn::SCAN_SEGS) {
         match path {
             gdn::ScanPath::Exact => gdn::scan_exact(gpu, &d, &ptrs, &s, group)?,
