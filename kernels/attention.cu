@@ -198,12 +198,6 @@ __device__ __forceinline__ void attn_store_partial(const float (&o)[HD / 32], fl
 // one online-softmax update and the V accumulation from shared memory.
 #define ATTN_TP 16
 #define ATTN_NS 3
-__device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // One recursive-halving step over xor distance MSK: the lane keeps values [0, H) or [H, 2H)
 // (by its MSK bit) in slots [0, H), each plus the partner's copy.

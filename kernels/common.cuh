@@ -280,6 +280,41 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- warpgroup MMA (wgmma, sm_90a): the prefill's routed experts (moe.cu) ----
+// A 64 x N x 16 product of one warpgroup (4 warps, 128 threads): A from registers (each warp its
+// 16 rows, mma.sync's A fragment layout), B (16 x N, K-major) read by the tensor cores from
+// shared memory through a descriptor, f32 accumulators in registers. It runs asynchronously:
+// commit, then wait before reading the accumulators, and keep the A registers unchanged until
+// then (ptxas checks both and serialises the pipeline where it cannot prove them).
+//
+// B's layout without swizzling: core matrices of 8 rows (N) x 16 bytes (8 k values), each 128
+// contiguous bytes; the descriptor holds the start address, the byte distance between the two
+// core matrices of a k16 step (LBO, along K) and between consecutive 8-row groups (SBO, along N),
+// all in units of 16 bytes.
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo_bytes >> 4) << 16) |
+           ((unsigned long long)(sbo_bytes >> 4) << 32);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the tensor cores'
+// async-proxy reads.
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Keeps the compiler from moving accesses of an accumulator register across this point.
+__device__ __forceinline__ void wgmma_keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// d += A B, m64n64k16, bf16 inputs, f32 accumulators (thread (warp w, g, t) holds rows 16w + g and
+// 16w + g + 8, columns 8j + 2t and + 1 as d[4j .. 4j + 3]).
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const u32 (&a)[4], unsigned long long desc) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
 // ---- tensor-core decode GEMV (4-bit codes, group 64): gemv_tc, moe_gate_up_tc, moe_down_tc ----
 // Why: a decode GEMV on the CUDA cores spends ~4.5 instructions per 4-bit weight (extract,
 // convert, FMA); over the ~1.9 GB a token reads that is ~0.5 ms of pure issue time, and the
@@ -377,6 +412,22 @@ __device__ __forceinline__ u32 nib_magic_pair(u32 q) {
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(q >> (4 * J)), "r"(0x000F000Fu), "r"(0x43004300u));
     return r;
+}
+
+// The A fragment of mma step i (0..3) of one 64-column group, dequantised to bf16 (s*q + b
+// rounded once): qa / qb are lane t's 16 codes of the group in rows g and g + 8 (columns 16t ..
+// 16t + 15), (s, b) each row's scale and bias as bf16 pairs (v, v). Step i's k slots (2t, 2t + 1)
+// hold the columns 16t + 8(i >> 1) + 2(i & 1) + (0, 4), slots (2t + 8, 2t + 9) the next column
+// pair (+ 1, + 5): the activation operand must be laid out the same way (stage_tcb, stage_wg).
+__device__ __forceinline__ void affine_a_frag(uint2 qa, uint2 qb, int i, u32 sa, u32 ba, u32 sb, u32 bb, u32 (&a)[4]) {
+    const u32 wa = i < 2 ? qa.x : qa.y, wb = i < 2 ? qb.x : qb.y;
+    if (i & 1) {
+        a[0] = affine_bf16x2(nib_magic_pair<2>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<2>(wb), sb, bb);
+        a[2] = affine_bf16x2(nib_magic_pair<3>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<3>(wb), sb, bb);
+    } else {
+        a[0] = affine_bf16x2(nib_magic_pair<0>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<0>(wb), sb, bb);
+        a[2] = affine_bf16x2(nib_magic_pair<1>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<1>(wb), sb, bb);
+    }
 }
 
 // One warp's work item: rows r0 + g and r0 + g + 8 (lane g = lane/4) of a 4-bit matrix
@@ -548,6 +599,14 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 __device__ __forceinline__ void tcb_cp16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
+// 16 bytes global -> shared (a shared-space address), asynchronously; commit; wait until at most N
+// of this thread's committed groups are in flight.
+__device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void tcb_cp_wait_all() {
     asm volatile("cp.async.commit_group;" ::: "memory");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -628,15 +687,8 @@ __device__ __forceinline__ void tcb_mma_affine(const TcItem& it, const u32* xf, 
         const u32 sa = bf16x2_of(it.sa, j), ba = bf16x2_of(it.ba, j), sb = bf16x2_of(it.sb, j), bb = bf16x2_of(it.bb, j);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
             u32 a[4];
-            if (i & 1) {
-                a[0] = affine_bf16x2(nib_magic_pair<2>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<2>(wb), sb, bb);
-                a[2] = affine_bf16x2(nib_magic_pair<3>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<3>(wb), sb, bb);
-            } else {
-                a[0] = affine_bf16x2(nib_magic_pair<0>(wa), sa, ba); a[1] = affine_bf16x2(nib_magic_pair<0>(wb), sb, bb);
-                a[2] = affine_bf16x2(nib_magic_pair<1>(wa), sa, ba); a[3] = affine_bf16x2(nib_magic_pair<1>(wb), sb, bb);
-            }
+            affine_a_frag(it.qa[j], it.qb[j], i, sa, ba, sb, bb, a);
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) {
                 const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);

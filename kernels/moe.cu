@@ -596,6 +596,208 @@ extern "C" __global__ void __launch_bounds__(256, 2) pf_moe_tcb_down(PF_MOE_TCB_
     pf_moe_tcb_body<8, false>(PF_MOE_TCB_PASS);
 }
 
+// ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
+// Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
+// forward), and mma.sync made every warp load its B fragments from shared memory and build its A
+// fragments for each 16 x 8 x 16 product: the issue slots, not the tensor cores, bound them. A
+// wgmma of 64 rows x 64 slots x 16 columns reads its B (the slots' activations) from shared
+// memory by itself, asynchronously, so each warp only dequantises its weights into A fragments
+// (affine_a_frag, the operands the other bf16 paths multiply) while the previous group's
+// products run.
+//
+// Per CTA (two warpgroups): one (expert, 64-slot) tile of pf_scan's lists and a block of rows.
+// The slots' bf16 inputs (stage_wg's order) stream through WG_STAGES groups of 64 columns in
+// shared memory by cp.async; every thread loads its own two rows' codes, scales and biases two
+// groups ahead into registers. GLU (gate|up with SwiGLU): each warp's 16 A rows are 8 gate rows
+// and the same 8 up rows (A rows g and g + 8 of lane g), so the thread holding a slot's gate
+// accumulator holds its up one too; the result h = silu(gate) * up goes out as bf16 in
+// stage_wg's order, the down product's input. Down: each warp 16 rows, f32 out [slot][row].
+#define WG_N 64          // slots per tile: the token columns of each wgmma
+#define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
+#define WG_THREADS 256   // two warpgroups
+#define WG_GLU_ROWS 64   // output rows per CTA: 32 per warpgroup (gate and up interleaved)
+#define WG_DOWN_ROWS 128 // 64 per warpgroup
+
+// The u16 index, within a staged row of whole 64-column groups, of column c in stage_wg's order.
+__device__ __forceinline__ int wg_pos(int c) {
+    const int G = c >> 6, cg = c & 63, t = cg >> 4, h = (cg >> 3) & 1, nib = cg & 7, J = nib & 3;
+    const int i = 2 * h + (J >> 1), reg = J & 1;
+    return 2 * (G * 32 + i * 8 + reg * 4 + t) + (nib >> 2);
+}
+
+// stage_wg: rows of x [n][cols] (f32) as bf16 words in the order the wgmma's B reads them: word
+// 32G + 8i + 4reg + t of a row holds columns (c, c + 4), c = 64G + 16t + 8(i >> 1) + 2(i & 1) + reg,
+// i.e. k slots (2t, 2t + 1) (reg 0) and (2t + 8, 2t + 9) (reg 1) of mma step i of group G as
+// affine_a_frag pairs them; each 16 bytes (fixed G, i, reg) is one row of a core matrix.
+// grid (n), block 256.
+extern "C" __global__ void __launch_bounds__(256) stage_wg(const float* __restrict__ x, int cols, u32* __restrict__ out) {
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    for (int w = threadIdx.x; w < cols / 2; w += blockDim.x) {
+        const int G = w >> 5, i = (w >> 3) & 3, reg = (w >> 2) & 1, t = w & 3;
+        const int c = 64 * G + 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
+        out[(size_t)blockIdx.x * (cols / 2) + w] = pack_bf16(xr[c], xr[c + 4]);
+    }
+}
+
+// One thread's codes, scales and biases of one 64-column group in its two A rows.
+struct WgGroup {
+    uint2 qa, qb;
+    u32 sa, ba, sb, bb;  // bf16 bits
+};
+
+template <bool GLU>
+__device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
+                                               const u16* __restrict__ b, const u32* __restrict__ w2,
+                                               const u16* __restrict__ s2, const u16* __restrict__ b2,
+                                               void* __restrict__ out, int rows, int cols,
+                                               const u32* __restrict__ x, int xdiv, const int* __restrict__ counts,
+                                               const int* __restrict__ offsets, const int* __restrict__ list,
+                                               const int* __restrict__ tiles) {
+    extern __shared__ uint4 wg_sm4[];  // 16-byte aligned: cp.async pieces, descriptor addresses
+    unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int cnt = min(WG_N, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    const int gpr = cols >> 6, xwords = cols >> 1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    int* slot = reinterpret_cast<int*>(wg_sm + WG_STAGES * WG_N * 128);
+    int* xrow = slot + WG_N;
+    if (tid < WG_N) {
+        const int sl = tid < cnt ? lst[tid] : -1;
+        slot[tid] = sl;
+        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
+    }
+    // This thread's A rows: GLU: gate and up row R (one output row); down: rows R and R + 8. A row
+    // past `rows` reads the expert's row 0 with zero scale and bias, i.e. zero weights.
+    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
+    const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
+    const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
+    const size_t ra = erows + (va ? R : 0), rb = erows + (vb ? (GLU ? R : R + 8) : 0);
+    const uint2* qa = reinterpret_cast<const uint2*>(w + ra * wpr) + t;  // group G: qa[4G]
+    const uint2* qb = reinterpret_cast<const uint2*>((GLU ? w2 : w) + rb * wpr) + t;
+    const u16 *sa = s + ra * gpr, *ba = b + ra * gpr;
+    const u16 *sb = (GLU ? s2 : s) + rb * gpr, *bb = (GLU ? b2 : b) + rb * gpr;
+    const u32 ma = va ? 0x10001u : 0u, mb = vb ? 0x10001u : 0u;  // bf16 v -> (v, v), or 0
+    auto load = [&](WgGroup& c, int G) {
+        G = min(G, gpr - 1);  // past the last group: loaded, never used
+        c.qa = __ldg(qa + 4 * G);
+        c.qb = __ldg(qb + 4 * G);
+        c.sa = ma * __ldg(sa + G);
+        c.ba = ma * __ldg(ba + G);
+        c.sb = mb * __ldg(sb + G);
+        c.bb = mb * __ldg(bb + G);
+    };
+    auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
+    };
+    WgGroup c0, c1;
+    load(c0, 0);
+    load(c1, 1);
+    __syncthreads();  // slot and xrow
+    // Group G's inputs of the tile's slots go into stage G % WG_STAGES: 16-byte pieces p = 2i + reg
+    // of each slot's row (one core-matrix row each) at p * (WG_N * 16) + n * 16, so step i's B is
+    // two core matrices along K (LBO WG_N * 16 bytes) by WG_N / 8 along N (SBO 128 bytes). A warp
+    // copies 8 slots x 4 pieces: whole 64-byte runs of each row into conflict-free 128-byte rows of
+    // shared memory. Each thread copies the same WG_CP pieces of every group.
+    constexpr int WG_CP = WG_N * 8 / WG_THREADS;
+    const u32 sm0 = smem_u32(wg_sm);
+    const u32* src[WG_CP];
+    u32 dst[WG_CP];
+    bool cp_on[WG_CP];
+#pragma unroll
+    for (int k = 0; k < WG_CP; ++k) {
+        const int idx = tid + k * WG_THREADS, l = idx & 31, n = (l & 7) + 8 * ((idx >> 5) & 7), p = (l >> 3) + 4 * (idx >> 8);
+        const int r = xrow[n];
+        cp_on[k] = r >= 0;
+        src[k] = x + (size_t)max(r, 0) * xwords + p * 4;
+        dst[k] = sm0 + p * (WG_N * 16) + n * 16;
+    }
+    // Always one commit (empty past the last group), so the group count is uniform.
+    auto copy_group = [&](int G) {
+        if (G < gpr) {
+            const u32 st = (G % WG_STAGES) * (WG_N * 128);
+#pragma unroll
+            for (int k = 0; k < WG_CP; ++k)
+                if (cp_on[k]) cp_async16(dst[k] + st, src[k] + G * 32);
+        }
+        cp_commit();
+    };
+    float acc[32];
+#pragma unroll
+    for (int q = 0; q < 32; ++q) acc[q] = 0.f;
+#pragma unroll
+    for (int G = 0; G < WG_STAGES - 1; ++G) copy_group(G);
+    u32 a0[4][4], a1[4][4];
+    build(c0, a0);
+    // Group G: its inputs landed (every thread's copies, made visible to the async proxy) and
+    // every warpgroup is done with group G - 1, whose stage takes group G + WG_STAGES - 1; then
+    // the four wgmmas of G run while this thread loads group G + 2's codes and builds G + 1's A.
+    auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+        cp_wait<WG_STAGES - 2>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        copy_group(G + WG_STAGES - 1);
+        WgGroup c2;
+        load(c2, G + 2);
+        const u32 st = sm0 + (G % WG_STAGES) * (WG_N * 128);
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma_m64n64k16(acc, cur[i], wgmma_desc(st + i * 2 * (WG_N * 16), WG_N * 16, 128));
+        wgmma_commit();
+        if (G + 1 < gpr) build(c1, nxt);
+        c1 = c2;
+        wgmma_wait<0>();
+    };
+    for (int G = 0; G < gpr; G += 2) {
+        step(G, a0, a1);
+        if (G + 1 < gpr) step(G + 1, a1, a0);
+    }
+#pragma unroll
+    for (int q = 0; q < 32; ++q) wgmma_keep(acc[q]);
+    if (GLU) {
+        if (!va) return;
+        u16* h = reinterpret_cast<u16*>(out);
+        const int pos = wg_pos(R);
+#pragma unroll
+        for (int j = 0; j < WG_N / 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int n = 8 * j + 2 * t + q;
+                if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
+            }
+    } else {
+        float* y = reinterpret_cast<float*>(out);
+#pragma unroll
+        for (int j = 0; j < WG_N / 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int n = 8 * j + 2 * t + q;
+                if (n >= cnt) continue;
+                float* yr = y + (size_t)slot[n] * rows;
+                if (va) yr[R] = acc[4 * j + q];
+                if (vb) yr[R + 8] = acc[4 * j + 2 + q];
+            }
+    }
+}
+
+#define PF_MOE_WG_ARGS                                                                                          \
+    const u32 *__restrict__ w, const u16 *__restrict__ s, const u16 *__restrict__ b, const u32 *__restrict__ w2, \
+        const u16 *__restrict__ s2, const u16 *__restrict__ b2, void *__restrict__ out, int rows, int cols,     \
+        const u32 *__restrict__ x, int xdiv, const int *__restrict__ counts, const int *__restrict__ offsets,    \
+        const int *__restrict__ list, const int *__restrict__ tiles
+#define PF_MOE_WG_PASS w, s, b, w2, s2, b2, out, rows, cols, x, xdiv, counts, offsets, list, tiles
+// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
+// tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
+// dynamic shared memory WG_STAGES * WG_N * 128 + 2 * WG_N * 4 bytes.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<true>(PF_MOE_WG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_down(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<false>(PF_MOE_WG_PASS);
+}
+
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan
 // by shuffles, then the earlier warps' totals from `wa` / `wb` (one entry per warp, shared). Ends
 // with the block synchronised.

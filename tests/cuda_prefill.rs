@@ -17,13 +17,14 @@
 
 mod common;
 
-use common::{layer0_matrices, max_abs_diff, rel_rms, rnd, tiny_checkpoint};
+use common::{layer0_matrices, max_abs_diff, random_quant, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::options::DEFAULT_PREFILL_CHUNK as DEFAULT_CHUNK;
 use lily::backend::cuda::qmatmul::{FewRowRoute, GemmRoute};
 use lily::backend::cuda::testing::GroupedRoute;
 use lily::backend::cuda::{testing, CudaBackend};
 use lily::backend::{Backend, LogitsWanted, PrefillPiece, Sequence};
+use lily::checkpoint::store::QuantTensor;
 use lily::checkpoint::Checkpoint;
 use lily::engine::sampling::argmax;
 use lily::model::ModelWeights;
@@ -143,6 +144,7 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     let b = cuda();
     let moe = &mw.layers[0].moe;
     let (ne, k) = (cfg.num_experts, cfg.num_experts_per_tok);
+    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::StagedLong, GroupedRoute::Wgmma];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
         // k distinct experts per token, pseudo-random.
@@ -154,44 +156,57 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
                 e = (e + 1 + i % 3) % ne;
             }
         }
-        for (name, q, up) in [
-            ("gate|up swiglu", &moe.gate_exps, Some(&moe.up_exps)),
-            ("down", &moe.down_exps, None),
-        ] {
-            let rows = q.rows / ne;
-            let x = rnd(11 + t as u64, t * q.cols);
-            let mut want = vec![0.0f32; t * k * rows];
-            for s in 0..t * k {
-                let e = ids[s] as usize;
-                let xt = &x[(s / k) * q.cols..(s / k + 1) * q.cols];
-                let mut g = vec![0.0f32; rows];
-                qmatmul::qmatmul(q, e * rows, rows, xt, 1, &mut g);
-                if let Some(u) = up {
-                    let mut uu = vec![0.0f32; rows];
-                    qmatmul::qmatmul(u, e * rows, rows, xt, 1, &mut uu);
-                    for (gv, uv) in g.iter_mut().zip(&uu) {
-                        *gv = ops::silu(*gv) * uv;
-                    }
-                }
-                want[s * rows..(s + 1) * rows].copy_from_slice(&g);
+        grouped_case(&b, "gate|up swiglu", &moe.gate_exps, Some(&moe.up_exps), ne, k, t, &ids, &routes);
+        grouped_case(&b, "down", &moe.down_exps, None, ne, k, t, &ids, &routes);
+    }
+}
+
+/// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
+/// 512): 300 tokens on 8 of 8 experts put 300 slots on each (five 64-slot tiles, the last one part
+/// full), and the 32 groups of a 2,048-column row stream through the wgmma kernel's stages.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_expert_kernels_at_35b_widths() {
+    let b = cuda();
+    let (ne, k, t) = (8usize, 8usize, 300usize);
+    let ids: Vec<u32> = (0..t).flat_map(|i| (0..k).map(move |j| ((i + j) % ne) as u32)).collect();
+    let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
+    let routes = [GroupedRoute::StagedLong, GroupedRoute::Wgmma];
+    grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
+    grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
+}
+
+/// One grouped product (`up`: the fused SwiGLU pair) of `t` random tokens routed by `ids` through
+/// each route, against the CPU: the f32 route to rounding, the bf16 ones within the tensor-core
+/// tolerance.
+#[allow(clippy::too_many_arguments)]
+fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantTensor>, ne: usize, k: usize, t: usize, ids: &[u32], routes: &[GroupedRoute]) {
+    let rows = q.rows / ne;
+    let x = rnd(11 + t as u64, t * q.cols);
+    let mut want = vec![0.0f32; t * k * rows];
+    for s in 0..t * k {
+        let e = ids[s] as usize;
+        let xt = &x[(s / k) * q.cols..(s / k + 1) * q.cols];
+        let mut g = vec![0.0f32; rows];
+        qmatmul::qmatmul(q, e * rows, rows, xt, 1, &mut g);
+        if let Some(u) = up {
+            let mut uu = vec![0.0f32; rows];
+            qmatmul::qmatmul(u, e * rows, rows, xt, 1, &mut uu);
+            for (gv, uv) in g.iter_mut().zip(&uu) {
+                *gv = ops::silu(*gv) * uv;
             }
-            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            for route in [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::StagedLong] {
-                let got = testing::grouped_gemm(&b, q, up, ne, &x, t, &ids, k, route)
-                    .unwrap();
-                let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
-                eprintln!(
-                    "grouped {name} {route:?} T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})"
-                );
-                if route == GroupedRoute::F32 {
-                    assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
-                } else {
-                    assert!(
-                        r < 1e-2 && e <= 3e-2 * scale,
-                        "{name} T={t}: rel {r} max {e}"
-                    );
-                }
-            }
+        }
+        want[s * rows..(s + 1) * rows].copy_from_slice(&g);
+    }
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for &route in routes {
+        let got = testing::grouped_gemm(b, q, up, ne, &x, t, ids, k, route).unwrap();
+        let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
+        eprintln!("grouped {name} {route:?} T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})");
+        if route == GroupedRoute::F32 {
+            assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
+        } else {
+            assert!(r < 1e-2 && e <= 3e-2 * scale, "{name} {route:?} T={t}: rel {r} max {e}");
         }
     }
 }

@@ -25,6 +25,9 @@ const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
 const PF_MOE_TCB_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_glu");
 const PF_MOE_TCB_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_down");
+const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
+const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
+const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::ordered(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::ordered(&MOE, "moe_route_batch_4");
 
@@ -190,8 +193,10 @@ pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
 pub enum PrefillExperts {
     /// `moe_tcb`: passes of 16 slots over 16-slot tiles (chunks of at most `tcb_tokens` tokens).
     Tcb,
-    /// `pf_moe_tcb_glu` / `_down`: passes of 32 / 64 slots over 64-slot tiles (longer chunks).
+    /// `pf_moe_tcb_glu` / `_down`: passes of 32 / 64 slots over 64-slot tiles.
     TcbLong,
+    /// `stage_wg` + `pf_moe_wg_glu` / `_down`: wgmma over 64-slot tiles (longer chunks).
+    Wg,
     /// The grouped GEMMs: `pf_gemm` in the exact f32 mode, `pf_gemm_tc` for matrices the staged
     /// kernels do not take.
     Gemm,
@@ -202,7 +207,7 @@ pub enum PrefillExperts {
 pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
     let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
     let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
-    d.group == 64 && d.sinter == d.inter && mats.iter().all(|q| q4(q))
+    d.group == 64 && d.sinter == d.inter && d.inter.is_multiple_of(64) && mats.iter().all(|q| q4(q))
 }
 
 /// The route of a prefill chunk of `n` tokens: in the bf16 mode, the staged kernels where they
@@ -213,7 +218,7 @@ pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, staged_fit: boo
     } else if n <= tcb_tokens {
         PrefillExperts::Tcb
     } else {
-        PrefillExperts::TcbLong
+        PrefillExperts::Wg
     }
 }
 
@@ -476,6 +481,76 @@ pub fn moe_tcb_prefill(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: 
     gpu.launch(k, (rows.div_ceil(PF_MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
+/// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of
+/// the lists' [`GEMM_TILE`] slots, two warpgroups per block, 64 gate|up or 128 down rows each,
+/// `WG_STAGES` 64-column groups of the slots' inputs in shared memory.
+const WG_THREADS: u32 = 256;
+const WG_GLU_ROWS: usize = 64;
+const WG_DOWN_ROWS: usize = 128;
+const WG_STAGES: usize = 4;
+const WG_SMEM: u32 = (WG_STAGES * GEMM_TILE * 128 + 2 * GEMM_TILE * 4) as u32;
+
+/// Index (in bf16 units) of column `c` within a row staged for the wgmma kernels (`stage_wg` and
+/// the gate|up kernel's output; `wg_pos` in kernels/moe.cu): word 32G + 8i + 4reg + t holds the
+/// columns (c, c + 4), c = 64G + 16t + 8(i / 2) + 2(i % 2) + reg.
+pub fn wg_column_pos(c: usize) -> usize {
+    let (grp, cg) = (c / 64, c % 64);
+    let (t, h, nib) = (cg / 16, (cg / 8) % 2, cg % 8);
+    let j = nib % 4;
+    let (i, reg) = (2 * h + j / 2, j % 2);
+    2 * (grp * 32 + i * 8 + reg * 4 + t) + nib / 4
+}
+
+/// `stage_wg`: `n` rows of `x` (`cols` f32 each, whole 64-column groups) as bf16 in the wgmma
+/// kernels' column order into `out` (`n * cols / 2` words).
+pub fn stage_wg(gpu: &Gpu, x: u64, cols: usize, n: usize, out: u64) -> Result<()> {
+    if !cols.is_multiple_of(64) {
+        bail!("wgmma staging takes whole 64-column groups, not {cols} columns");
+    }
+    gpu.launch(STAGE_WG, (n as u32, 1, 1), 256, 0, &[Arg::P(x), Arg::I(cols as i32), Arg::P(out)])
+}
+
+/// Whether the wgmma expert kernels take these matrices: 4-bit, whole 64-column groups alike.
+pub fn wg_takes(mats: &[&DevQ]) -> bool {
+    mats.iter().all(|q| q.bits == 4 && q.cols.is_multiple_of(64) && q.cols == mats[0].cols)
+}
+
+/// The routed experts' gate|up products of a prefill chunk on wgmma: per slot of the lists'
+/// 64-slot tiles, `h[slot] = silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x`
+/// and `h` in the wgmma order (`stage_wg`); `rows` per expert.
+pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped) -> Result<()> {
+    if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
+        bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups and outputs of whole groups");
+    }
+    wg_launch(gpu, PF_MOE_WG_GLU, matrix_pair_args(gpu, gate, Some(up)), rows, gate.cols, x, h, g, WG_GLU_ROWS)
+}
+
+/// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (f32 out,
+/// `h` in the wgmma order).
+pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
+    if !wg_takes(&[down]) {
+        bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");
+    }
+    wg_launch(gpu, PF_MOE_WG_DOWN, matrix_pair_args(gpu, down, None), rows, down.cols, h, y, g, WG_DOWN_ROWS)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped, rows_per_block: usize) -> Result<()> {
+    let mut args = mats.to_vec();
+    args.extend([
+        Arg::P(out),
+        Arg::I(rows as i32),
+        Arg::I(cols as i32),
+        Arg::P(x),
+        Arg::I(g.xdiv as i32),
+        Arg::P(g.counts),
+        Arg::P(g.offsets),
+        Arg::P(g.list),
+        Arg::P(g.tiles),
+    ]);
+    gpu.launch(k, (rows.div_ceil(rows_per_block) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -494,14 +569,34 @@ mod tests {
     }
 
     #[test]
+    fn wgmma_column_order_is_a_permutation_that_pairs_columns_four_apart() {
+        for cols in [64usize, 128, 512, 2048] {
+            let mut seen = vec![false; cols];
+            for c in 0..cols {
+                let p = wg_column_pos(c);
+                assert!(p < cols && !seen[p], "column {c} of {cols}: position {p} repeated or out of range");
+                seen[p] = true;
+                // Every 64-column group stays within its own 64 positions.
+                assert_eq!(p / 64, c / 64);
+            }
+            // Word w of a row holds (c, c + 4) with c from the staging formula (stage_wg).
+            for w in 0..cols / 2 {
+                let (grp, i, reg, t) = (w / 32, (w / 8) % 4, (w / 4) % 2, w % 4);
+                let c = 64 * grp + 16 * t + 8 * (i / 2) + 2 * (i % 2) + reg;
+                assert_eq!((wg_column_pos(c), wg_column_pos(c + 4)), (2 * w, 2 * w + 1));
+            }
+        }
+    }
+
+    #[test]
     fn prefill_chunks_pick_their_expert_kernels() {
         use super::{prefill_experts, PrefillExperts::*, TCB_PREFILL_TOKENS as T};
         assert_eq!(prefill_experts(700, false, T, true), Tcb);
         assert_eq!(prefill_experts(T, false, T, true), Tcb);
-        assert_eq!(prefill_experts(T + 1, false, T, true), TcbLong);
-        assert_eq!(prefill_experts(4096, false, T, true), TcbLong);
-        assert_eq!(prefill_experts(4096, false, 0, true), TcbLong);
-        assert_eq!(prefill_experts(1, false, 0, true), TcbLong);
+        assert_eq!(prefill_experts(T + 1, false, T, true), Wg);
+        assert_eq!(prefill_experts(4096, false, T, true), Wg);
+        assert_eq!(prefill_experts(4096, false, 0, true), Wg);
+        assert_eq!(prefill_experts(1, false, 0, true), Wg);
         // The exact f32 mode and shapes the staged kernels do not take: the grouped GEMMs.
         assert_eq!(prefill_experts(4096, true, T, true), Gemm);
         assert_eq!(prefill_experts(700, true, T, true), Gemm);

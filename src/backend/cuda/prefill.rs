@@ -201,6 +201,12 @@ impl Pass for ChunkPass<'_> {
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::staged_experts_fit(m, &d));
+        // TRIAL ONLY (removed before commit): A/B of the expert routes in one binary.
+        let route = match (std::env::var("LILY_TRIAL_EXPERTS").as_deref(), route) {
+            (Ok("long"), PrefillExperts::Wg) => PrefillExperts::TcbLong,
+            (Ok("wg"), PrefillExperts::Tcb) => PrefillExperts::Wg,
+            _ => route,
+        };
         let tile = if route == PrefillExperts::Tcb { moe::BATCH_TILE } else { moe::GEMM_TILE };
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
@@ -224,6 +230,16 @@ impl Pass for ChunkPass<'_> {
                 } else {
                     moe::moe_tcb_prefill(self.gpu, &m.down_exps, None, h, &s.tcb_slots, ed, grouped(1))?;
                 }
+                self.point(probe, Point::Phase("moe.down"))?;
+            }
+            PrefillExperts::Wg => {
+                // The slots' inputs and the gate|up outputs in bf16, wgmma order, in the staging
+                // buffers of the other staged routes.
+                let (xw, hw) = (self.p(&s.tcb_tokens.frag), self.p(&s.tcb_slots.frag));
+                moe::stage_wg(self.gpu, u, h, n, xw)?;
+                moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k))?;
+                self.point(probe, Point::Phase("moe.gate_up"))?;
+                moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1))?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Gemm => {

@@ -186,8 +186,11 @@ pub enum GroupedRoute {
     F32,
     /// `pf_gemm_tc` (bf16 tensor cores).
     TensorCore,
-    /// `stage_tcb` + `pf_moe_tcb_glu` / `_down` (the routed experts of long prefill chunks).
+    /// `stage_tcb` + `pf_moe_tcb_glu` / `_down`.
     StagedLong,
+    /// `stage_wg` + `pf_moe_wg_glu` / `_down` (the routed experts of long prefill chunks): the
+    /// gate|up output is bf16 in the wgmma order, read back here as f32 `[slot][row]`.
+    Wgmma,
 }
 
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
@@ -223,6 +226,20 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 0.0, 0, &st)?;
         moe::moe_tcb_prefill(gpu, &dq, du.as_ref(), rows, &st, yp, g(k))?;
         return read(gpu, &y);
+    }
+    if route == GroupedRoute::Wgmma {
+        let xs = gpu.zeros::<u32>(tokens * q.cols / 2)?;
+        let xsp = ptr(&xs, &gpu.stream);
+        moe::stage_wg(gpu, xp, q.cols, tokens, xsp)?;
+        let Some(u) = &du else {
+            moe::moe_wg_down(gpu, &dq, rows, xsp, yp, g(k))?;
+            return read(gpu, &y);
+        };
+        let h = gpu.zeros::<u16>(tokens * k * rows)?;
+        moe::moe_wg_glu(gpu, &dq, u, rows, xsp, ptr(&h, &gpu.stream), g(k))?;
+        let h = read(gpu, &h)?;
+        let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
+        return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
     let mm = Gemm::new(gpu, q.group, route == GroupedRoute::F32, None);
     match &du {
