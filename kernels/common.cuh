@@ -672,32 +672,6 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
     }
 }
 
-// tcb_mma with the item's weights dequantised to bf16 (s*q + b rounded once, as pf_gemm_tc's
-// tiles) in the A fragments, so the products accumulate straight into acc across groups: no
-// per-group partials, scales or group sums (fewer registers for many token groups). The staged
-// group sums are not read.
-template <int NTG>
-__device__ __forceinline__ void tcb_mma_affine(const TcItem& it, const u32* xf, int gpr, int G0, int G1,
-                                               float (&acc)[NTG][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < TC_NG; ++j) {
-        const int G = G0 + j;
-        if (G >= G1) break;  // warp-uniform
-        const u32 sa = bf16x2_of(it.sa, j), ba = bf16x2_of(it.ba, j), sb = bf16x2_of(it.sb, j), bb = bf16x2_of(it.bb, j);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 a[4];
-            affine_a_frag(it.qa[j], it.qb[j], i, sa, ba, sb, bb, a);
-#pragma unroll
-            for (int tg = 0; tg < NTG; ++tg) {
-                const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);
-                mma_bf16(acc[tg], a, bx.x, bx.y);
-            }
-        }
-    }
-}
-
 // The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
 // tokens.
 template <int NTG>

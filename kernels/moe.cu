@@ -1,9 +1,10 @@
 // Sparse mixture of experts: routing (softmax top-k), the experts' SwiGLU MLPs and the shared
 // expert, combined into the residual stream. Same math as src/backend/cpu/moe.rs.
 //   decode (T = 1):     moe_gate_up, moe_down, moe_gate_up_tc, moe_down_tc
-//   prefill (T tokens): pf_route, pf_scan, pf_scatter, pf_moe_combine (the expert GEMMs
-//                       themselves are pf_gemm / pf_gemm_tc in grouped mode, qmatmul.cu; their
-//                       SwiGLU, where not fused, is pf_swiglu in ops.cu)
+//   prefill (T tokens): pf_route, pf_scan, pf_scatter, pf_moe_combine; the expert products:
+//                       stage_wg + pf_moe_wg_glu / pf_moe_wg_down (wgmma) for long chunks,
+//                       moe_tcb for short ones, pf_gemm / pf_gemm_tc in grouped mode (qmatmul.cu)
+//                       in the f32 mode
 //   batched decode:     moe_route_batch, moe_tcb, pf_moe_combine
 
 // ================================ decode (T = 1) ================================
@@ -481,119 +482,6 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
         if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }
-}
-
-// The routed experts of a long prefill chunk (pf_moe_tcb_glu / pf_moe_tcb_down): moe_tcb's
-// weight path (each warp's 16-row item in registers, its A fragments built there, no shared-memory
-// round trip for the weights) over passes of 8 * NTG slots of a (expert, 64-slot) tile of
-// pf_scan's lists, so each weight read and converted serves up to 64 slots instead of 16. The
-// weights are dequantised to bf16 in the fragments (tcb_mma_affine: s*q + b rounded once, the
-// operands of pf_gemm_tc), so the accumulators need no per-group partials. The staged inputs
-// (stage_tcb's bf16 fragments) are copied into shared memory one 512-column chunk (TC_NG groups)
-// at a time, the accumulators staying in registers over the chunks. GLU: y[slot][r] =
-// silu(W[r] . x) * (W2[r] . x), gate and up items converted one after the other (one TcItem
-// live). grid (ceil(rows / PF_MOE_TCB_ROWS), tiles), block 256 (8 warps, one 16-row item each).
-// Dynamic shared memory: NTG * TC_NG * TCB_WORDS words.
-#define PF_MOE_TCB_ROWS 128
-// The staged rows rows[j] (j < nt; the rest zero) of groups g0 .. g0 + ng (of gpr) into xf, laid
-// out as load_tokens_tc's with TC_NG groups per token group; then waits and syncs.
-template <int NTG>
-__device__ __forceinline__ void load_chunk_tc(const u32* __restrict__ frag, int gpr, int g0, int ng, int nt,
-                                              const int* rows, u32* xf) {
-    // 16-byte pieces: (token, local group, step i, half h).
-    for (int p = threadIdx.x; p < 8 * NTG * TC_NG * 8; p += blockDim.x) {
-        const int j = p / (TC_NG * 8), rem = p % (TC_NG * 8), G = rem >> 3, i = (rem >> 1) & 3, h = rem & 1;
-        u32* dst = xf + (((j >> 3) * TC_NG + G) * 4 + i) * 64 + (j & 7) * 8 + h * 4;
-        if (j < nt && G < ng) {
-            const int r = rows[j];
-            tcb_cp16(dst, frag + (((size_t)(r >> 3) * gpr + g0 + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
-        } else {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
-    tcb_cp_wait_all();
-    __syncthreads();
-}
-
-template <int NTG, bool GLU>
-__device__ __forceinline__ void pf_moe_tcb_body(const u32* __restrict__ w, const u16* __restrict__ s,
-                                                const u16* __restrict__ b, const u32* __restrict__ w2,
-                                                const u16* __restrict__ s2, const u16* __restrict__ b2,
-                                                float* __restrict__ y, int rows, int cols,
-                                                const u32* __restrict__ frag, int xdiv, const int* __restrict__ counts,
-                                                const int* __restrict__ offsets, const int* __restrict__ list,
-                                                const int* __restrict__ tiles) {
-    constexpr int TOK = 8 * NTG;
-    extern __shared__ u32 pmt_sm[];
-    if ((int)blockIdx.y >= tiles[0]) return;
-    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
-    const int cnt = min(TC_BN, counts[e] - f0);
-    const int* lst = list + offsets[e] + f0;
-    const int gpr = cols >> 6, nchunks = (gpr + TC_NG - 1) / TC_NG;
-    u32* xf = pmt_sm;
-    const size_t erows = (size_t)e * rows;
-    w += erows * ((size_t)cols >> 3);
-    s += erows * gpr;
-    b += erows * gpr;
-    if (GLU) {
-        w2 += erows * ((size_t)cols >> 3);
-        s2 += erows * gpr;
-        b2 += erows * gpr;
-    }
-    const int warp = threadIdx.x >> 5;
-    const int r_begin = blockIdx.x * PF_MOE_TCB_ROWS, r_end = min(rows, r_begin + PF_MOE_TCB_ROWS);
-    const int r0 = r_begin + warp * 16;  // one 16-row item per warp
-    __shared__ int slot[TOK], xrow[TOK];
-    for (int c0 = 0; c0 < cnt; c0 += TOK) {
-        const int nt = min(TOK, cnt - c0);
-        __syncthreads();  // the previous pass's slots are no longer read
-        if ((int)threadIdx.x < nt) {
-            const int sl = lst[c0 + threadIdx.x];
-            slot[threadIdx.x] = sl;
-            xrow[threadIdx.x] = sl / xdiv;
-        }
-        float acc[NTG][4], up[GLU ? NTG : 1][4];
-#pragma unroll
-        for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[tg][q] = 0.f;
-#pragma unroll
-        for (int tg = 0; tg < (GLU ? NTG : 1); ++tg)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) up[tg][q] = 0.f;
-        for (int k = 0; k < nchunks; ++k) {
-            const int g0 = k * TC_NG, g1 = min(gpr, g0 + TC_NG);
-            __syncthreads();  // slots written; the previous chunk's fragments are no longer read
-            load_chunk_tc<NTG>(frag, gpr, g0, g1 - g0, nt, xrow, xf);
-            if (r0 < r_end) {
-                TcItem it;
-                tc_load(it, w, s, b, r_end, r0, cols, g0, g1);
-                tcb_mma_affine<NTG>(it, xf, TC_NG, 0, g1 - g0, acc);
-                if constexpr (GLU) {
-                    tc_load(it, w2, s2, b2, r_end, r0, cols, g0, g1);
-                    tcb_mma_affine<NTG>(it, xf, TC_NG, 0, g1 - g0, up);
-                }
-            }
-        }
-        if (r0 < r_end) {
-            if constexpr (GLU) tcb_swiglu<NTG>(acc, up);
-            tcb_store<NTG>(acc, y, rows, r_end, r0, slot, nt);
-        }
-    }
-}
-
-#define PF_MOE_TCB_ARGS                                                                                          \
-    const u32 *__restrict__ w, const u16 *__restrict__ s, const u16 *__restrict__ b, const u32 *__restrict__ w2, \
-        const u16 *__restrict__ s2, const u16 *__restrict__ b2, float *__restrict__ y, int rows, int cols,      \
-        const u32 *__restrict__ frag, int xdiv, const int *__restrict__ counts,                                  \
-        const int *__restrict__ offsets, const int *__restrict__ list, const int *__restrict__ tiles
-#define PF_MOE_TCB_PASS w, s, b, w2, s2, b2, y, rows, cols, frag, xdiv, counts, offsets, list, tiles
-// gate|up with SwiGLU: passes of 32 slots (two accumulator sets in registers); down: 64 slots.
-extern "C" __global__ void __launch_bounds__(256, 2) pf_moe_tcb_glu(PF_MOE_TCB_ARGS) {
-    pf_moe_tcb_body<4, true>(PF_MOE_TCB_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) pf_moe_tcb_down(PF_MOE_TCB_ARGS) {
-    pf_moe_tcb_body<8, false>(PF_MOE_TCB_PASS);
 }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============

@@ -144,7 +144,7 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     let b = cuda();
     let moe = &mw.layers[0].moe;
     let (ne, k) = (cfg.num_experts, cfg.num_experts_per_tok);
-    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::StagedLong, GroupedRoute::Wgmma];
+    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::Wgmma];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
         // k distinct experts per token, pseudo-random.
@@ -171,7 +171,7 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     let (ne, k, t) = (8usize, 8usize, 300usize);
     let ids: Vec<u32> = (0..t).flat_map(|i| (0..k).map(move |j| ((i + j) % ne) as u32)).collect();
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
-    let routes = [GroupedRoute::StagedLong, GroupedRoute::Wgmma];
+    let routes = [GroupedRoute::Wgmma];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
 }
@@ -445,7 +445,7 @@ fn cuda_prefill_logits_match_cpu() {
     // expert for a few percent of (token, layer) pairs and those positions move by O(1).
     assert!(r < 0.1, "relative logit error {r}");
     assert!(t1 >= 180, "top-1 agreement {t1}/200");
-    // The long-chunk expert kernels (pf_moe_tcb_*, taken here for every chunk), same bounds.
+    // The long-chunk expert kernels (pf_moe_wg_*, taken here for every chunk), same bounds.
     testing::options_mut(&mut gpu).tcb_prefill_tokens = 0;
     let mut s5 = gpu.new_sequence(256).unwrap();
     let long = testing::prefill(&mut gpu, &mut s5, &toks, LogitsWanted::All, DEFAULT_CHUNK, false)

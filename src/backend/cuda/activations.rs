@@ -122,8 +122,8 @@ pub struct ChunkScratch {
     pub shared_gate: CudaSlice<f32>,
     pub shared_up: CudaSlice<f32>,
     pub shared_down: CudaSlice<f32>,
-    /// Staged bf16 inputs of the routed experts' passes (`moe::PrefillExperts::Tcb` and
-    /// `TcbLong`): the tokens (gate|up), then the slots (down).
+    /// Staged bf16 inputs of the routed experts' products (`moe::PrefillExperts::Tcb` and
+    /// `Wg`): the tokens (gate|up), then the slots (down).
     pub tcb_tokens: TcbStaging,
     pub tcb_slots: TcbStaging,
     /// Split prefill attention's partials (`attention::chunk`): output rows and (max, sum) pairs

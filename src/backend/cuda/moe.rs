@@ -23,8 +23,6 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
-const PF_MOE_TCB_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_glu");
-const PF_MOE_TCB_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_tcb_down");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -193,8 +191,6 @@ pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
 pub enum PrefillExperts {
     /// `moe_tcb`: passes of 16 slots over 16-slot tiles (chunks of at most `tcb_tokens` tokens).
     Tcb,
-    /// `pf_moe_tcb_glu` / `_down`: passes of 32 / 64 slots over 64-slot tiles.
-    TcbLong,
     /// `stage_wg` + `pf_moe_wg_glu` / `_down`: wgmma over 64-slot tiles (longer chunks).
     Wg,
     /// The grouped GEMMs: `pf_gemm` in the exact f32 mode, `pf_gemm_tc` for matrices the staged
@@ -440,45 +436,6 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Arg::P(g.tiles),
     ]);
     gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
-}
-
-/// Rows of an expert per `pf_moe_tcb_*` block (8 warps of one 16-row item; PF_MOE_TCB_ROWS).
-const PF_MOE_TCB_ROWS: usize = 128;
-
-/// Token groups (8 slots each) per pass of `pf_moe_tcb_glu` / `_down` (their NTG).
-fn pf_moe_tcb_groups(glu: bool) -> usize {
-    if glu {
-        4
-    } else {
-        8
-    }
-}
-
-/// The routed experts of a long prefill chunk (`pf_moe_tcb_glu` with `up`, else `pf_moe_tcb_down`):
-/// per slot of the (expert, 64-slot) tiles of the lists, `y[slot] = W_e · x[slot / xdiv]`, or
-/// `silu(W_e · x) * (Up_e · x)`, x staged in `st` (4-bit, group 64).
-pub fn moe_tcb_prefill(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
-    if !same(q) || !up.is_none_or(same) || !q.cols.is_multiple_of(64) {
-        bail!("the prefill expert kernel takes 4-bit matrices of whole 64-column groups");
-    }
-    let ntg = pf_moe_tcb_groups(up.is_some());
-    let smem = (ntg * TC_NG * TCB_WORDS * 4) as u32;
-    let stream = &gpu.stream;
-    let mut args = matrix_pair_args(gpu, q, up).to_vec();
-    args.extend([
-        Arg::P(y),
-        Arg::I(rows as i32),
-        Arg::I(q.cols as i32),
-        Arg::P(ptr(&st.frag, stream)),
-        Arg::I(g.xdiv as i32),
-        Arg::P(g.counts),
-        Arg::P(g.offsets),
-        Arg::P(g.list),
-        Arg::P(g.tiles),
-    ]);
-    let k = if up.is_some() { PF_MOE_TCB_GLU } else { PF_MOE_TCB_DOWN };
-    gpu.launch(k, (rows.div_ceil(PF_MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of

@@ -201,40 +201,26 @@ impl Pass for ChunkPass<'_> {
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::staged_experts_fit(m, &d));
-        // TRIAL ONLY (removed before commit): A/B of the expert routes in one binary.
-        let route = match (std::env::var("LILY_TRIAL_EXPERTS").as_deref(), route) {
-            (Ok("long"), PrefillExperts::Wg) => PrefillExperts::TcbLong,
-            (Ok("wg"), PrefillExperts::Tcb) => PrefillExperts::Wg,
-            _ => route,
-        };
         let tile = if route == PrefillExperts::Tcb { moe::BATCH_TILE } else { moe::GEMM_TILE };
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
         let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));
         let grouped = |xdiv| Grouped { max_tiles: moe::tiles_of(n, &d, tile), ..r.grouped(&d, n, xdiv) };
         match route {
-            PrefillExperts::Tcb | PrefillExperts::TcbLong => {
+            PrefillExperts::Tcb => {
                 // Passes over staged bf16 inputs (the shared expert runs below as a dense
                 // product, so none of the lists' experts is it).
                 let none = |q, up| moe::SharedExpert { q, up, expert: usize::MAX, base: None };
                 qmatmul::stage_tcb(self.gpu, u, h, n, 0, self.dims.eps, 0, &s.tcb_tokens)?;
-                if route == PrefillExperts::Tcb {
-                    moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
-                } else {
-                    moe::moe_tcb_prefill(self.gpu, &m.gate_exps, Some(&m.up_exps), d.inter, &s.tcb_tokens, eg, grouped(k))?;
-                }
+                moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
                 qmatmul::stage_tcb(self.gpu, eg, d.inter, n * k, 0, self.dims.eps, 0, &s.tcb_slots)?;
-                if route == PrefillExperts::Tcb {
-                    moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
-                } else {
-                    moe::moe_tcb_prefill(self.gpu, &m.down_exps, None, h, &s.tcb_slots, ed, grouped(1))?;
-                }
+                moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Wg => {
                 // The slots' inputs and the gate|up outputs in bf16, wgmma order, in the staging
-                // buffers of the other staged routes.
+                // buffers of the short chunks' route.
                 let (xw, hw) = (self.p(&s.tcb_tokens.frag), self.p(&s.tcb_slots.frag));
                 moe::stage_wg(self.gpu, u, h, n, xw)?;
                 moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k))?;

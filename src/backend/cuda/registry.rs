@@ -133,8 +133,6 @@ pub const MOE: Module = Module {
         "moe_gate_up_tc",
         "moe_down_tc",
         "moe_tcb",
-        "pf_moe_tcb_glu",
-        "pf_moe_tcb_down",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_down",

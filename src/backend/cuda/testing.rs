@@ -11,7 +11,7 @@ use super::forward::Probe;
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 pub use super::gdn::ScanPath;
 use super::moe::{self, MoeDims, RouteLists};
-use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
+use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped};
 use super::sampling;
 use super::state::CudaSequence;
 use super::weights::DevQ;
@@ -186,8 +186,6 @@ pub enum GroupedRoute {
     F32,
     /// `pf_gemm_tc` (bf16 tensor cores).
     TensorCore,
-    /// `stage_tcb` + `pf_moe_tcb_glu` / `_down`.
-    StagedLong,
     /// `stage_wg` + `pf_moe_wg_glu` / `_down` (the routed experts of long prefill chunks): the
     /// gate|up output is bf16 in the wgmma order, read back here as f32 `[slot][row]`.
     Wgmma,
@@ -221,12 +219,6 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
     let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
-    if route == GroupedRoute::StagedLong {
-        let st = TcbStaging::new(gpu, tokens, q.cols)?;
-        qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 0.0, 0, &st)?;
-        moe::moe_tcb_prefill(gpu, &dq, du.as_ref(), rows, &st, yp, g(k))?;
-        return read(gpu, &y);
-    }
     if route == GroupedRoute::Wgmma {
         let xs = gpu.zeros::<u32>(tokens * q.cols / 2)?;
         let xsp = ptr(&xs, &gpu.stream);
