@@ -493,7 +493,7 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // (affine_a_frag, the operands the other bf16 paths multiply) while the previous group's
 // products run.
 //
-// Per CTA (two warpgroups): one (expert, 64-slot) tile of pf_scan's lists and a block of rows.
+// Per CTA (four warpgroups): one (expert, 64-slot) tile of pf_scan's lists and a block of rows.
 // The slots' bf16 inputs (stage_wg's order) stream through WG_STAGES groups of 64 columns in
 // shared memory by cp.async; every thread loads its own two rows' codes, scales and biases two
 // groups ahead into registers. GLU (gate|up with SwiGLU): each warp's 16 A rows are 8 gate rows
@@ -502,9 +502,9 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // stage_wg's order, the down product's input. Down: each warp 16 rows, f32 out [slot][row].
 #define WG_N 64          // slots per tile: the token columns of each wgmma
 #define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
-#define WG_THREADS 256   // two warpgroups
-#define WG_GLU_ROWS 64   // output rows per CTA: 32 per warpgroup (gate and up interleaved)
-#define WG_DOWN_ROWS 128 // 64 per warpgroup
+#define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
+#define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
+#define WG_DOWN_ROWS 256 // 64 per warpgroup
 
 // The u16 index, within a staged row of whole 64-column groups, of column c in stage_wg's order.
 __device__ __forceinline__ int wg_pos(int c) {
@@ -679,10 +679,10 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
 // tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
 // dynamic shared memory WG_STAGES * WG_N * 128 + 2 * WG_N * 4 bytes.
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
     pf_moe_wg_body<true>(PF_MOE_WG_PASS);
 }
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_down(PF_MOE_WG_ARGS) {
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down(PF_MOE_WG_ARGS) {
     pf_moe_wg_body<false>(PF_MOE_WG_PASS);
 }
 

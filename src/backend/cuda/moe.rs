@@ -439,11 +439,11 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of
-/// the lists' [`GEMM_TILE`] slots, two warpgroups per block, 64 gate|up or 128 down rows each,
+/// the lists' [`GEMM_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows,
 /// `WG_STAGES` 64-column groups of the slots' inputs in shared memory.
-const WG_THREADS: u32 = 256;
-const WG_GLU_ROWS: usize = 64;
-const WG_DOWN_ROWS: usize = 128;
+const WG_THREADS: u32 = 512;
+const WG_GLU_ROWS: usize = 128;
+const WG_DOWN_ROWS: usize = 256;
 const WG_STAGES: usize = 4;
 const WG_SMEM: u32 = (WG_STAGES * GEMM_TILE * 128 + 2 * GEMM_TILE * 4) as u32;
 
