@@ -198,8 +198,9 @@ pub enum PrefillExperts {
     Gemm,
 }
 
-/// Whether the staged expert kernels take the layer: 4-bit experts of whole 64-column groups,
-/// the shared expert as wide as a routed one.
+/// Whether the staged expert kernels take the layer: 4-bit experts of whole 64-column groups (and
+/// 64-row groups of intermediate outputs, the wgmma down product's columns), the shared expert as
+/// wide as a routed one.
 pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
     let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
     let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
@@ -468,7 +469,7 @@ pub fn stage_wg(gpu: &Gpu, x: u64, cols: usize, n: usize, out: u64) -> Result<()
 }
 
 /// Whether the wgmma expert kernels take these matrices: 4-bit, whole 64-column groups alike.
-pub fn wg_takes(mats: &[&DevQ]) -> bool {
+fn wg_takes(mats: &[&DevQ]) -> bool {
     mats.iter().all(|q| q.bits == 4 && q.cols.is_multiple_of(64) && q.cols == mats[0].cols)
 }
 
