@@ -596,9 +596,7 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 // block copies its tokens' fragments into shared memory with 16-byte asynchronous copies, and
 // their group sums token-minor (gsum[G * ntok + j], ntok = 8 or 16 the block's token columns), so
 // the four lanes t of an mma read their tokens' pair as one conflict-free float2.
-__device__ __forceinline__ void tcb_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
+//
 // 16 bytes global -> shared (a shared-space address), asynchronously; commit; wait until at most N
 // of this thread's committed groups are in flight.
 __device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
@@ -607,9 +605,10 @@ __device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void tcb_cp16(void* dst, const void* src) { cp_async16(smem_u32(dst), src); }
 __device__ __forceinline__ void tcb_cp_wait_all() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    cp_commit();
+    cp_wait<0>();
 }
 
 // Copies the staged rows rows[j] (or row j0 + j without `rows`) for tokens j < nt into the block's
