@@ -602,10 +602,11 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 __device__ __forceinline__ void cp_async16(unsigned s, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
 }
+// The same to a generic pointer into shared memory.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16(smem_u32(dst), src); }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void tcb_cp16(void* dst, const void* src) { cp_async16(smem_u32(dst), src); }
 __device__ __forceinline__ void tcb_cp_wait_all() {
     cp_commit();
     cp_wait<0>();
@@ -623,7 +624,7 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
         const int j = p / (gpr * 8), rem = p % (gpr * 8), G = rem >> 3, i = (rem >> 1) & 3, h = rem & 1;
         u32* dst = xf + (((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + h * 4;
         const int r = rows ? rows[j] : j0 + j;
-        tcb_cp16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
+        cp_async16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
     }
     for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
         const int j = p % nt, G = p / nt;

@@ -245,11 +245,6 @@ extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int 
 // floats) so the PARTS distinct float4 reads of a step hit distinct banks.
 // grid (nv, ceil(dv / (128/PARTS))), block 128.
 #define PF_GDN_TB 16
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 template <int DK>
 __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
@@ -286,7 +281,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
             cp_async16(&qs[bf][tt][d], qn + off);
             cp_async16(&ks[bf][tt][d], kn + off);
         }
-        cp_async_commit();
+        cp_commit();
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int idx = tid + 128 * j, tt = idx / BC, cc = idx % BC;
@@ -300,7 +295,7 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     // Completes block tb in buffer bf: waits for its copies, stores v and the gates. Ends synced.
     auto stage = [&](int tb, int bf) {
         const int nt = min(TB, T - tb);
-        cp_async_wait_all();
+        cp_wait<0>();
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int idx = tid + 128 * j;
@@ -430,7 +425,6 @@ __device__ __forceinline__ void st_bf16x4(u16* p, float4 v) {
     *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
 }
 __device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // acc (this warp's 16 rows x 32 columns) += A B over the k-steps below ks_end (KMAX at most): A
 // row-major in shared memory at this lane's ldmatrix address aA of the rows (32 bytes per k-step),
@@ -716,7 +710,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
             const int t = idx / (GCV / 4), j = (idx % (GCV / 4)) * 4;
             cp_async16(Ub + (bf * GC + t) * GC_LDU + j, u + (size_t)t * dv + j);
         }
-        cp_async_commit();
+        cp_commit();
     };
     const int xoff = ((lane & 7) + (((lane >> 3) & 1) << 3)), yoff = ((lane >> 4) << 3);
     const u32 sB = smem_u32(Sb) + (xoff * GC_LDC + yoff) * 2;
@@ -727,9 +721,9 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
         const int bf = c & 1, t0 = c * GC, nt = min(GC, T - t0);
         if (c + 1 < nch) {
             issue(c + 1, bf ^ 1);
-            cp_async_wait_one();
+            cp_wait<1>();
         } else {
-            cp_async_wait_all();
+            cp_wait<0>();
         }
         __syncthreads();
         // This warp's 16 token rows of D = U - W S (warps 0-3) or P = (e^G Q) S (warps 4-7).
