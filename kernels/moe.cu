@@ -488,19 +488,23 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
 // forward), and mma.sync made every warp load its B fragments from shared memory and build its A
 // fragments for each 16 x 8 x 16 product: the issue slots, not the tensor cores, bound them. A
-// wgmma of 64 rows x 64 slots x 16 columns reads its B (the slots' activations) from shared
+// wgmma of 64 rows x 128 slots x 16 columns reads its B (the slots' activations) from shared
 // memory by itself, asynchronously, so each warp only dequantises its weights into A fragments
 // (affine_a_frag, the operands the other bf16 paths multiply) while the previous group's
-// products run.
+// products run, and each dequantised weight serves 128 slots.
 //
-// Per CTA (four warpgroups): one (expert, 64-slot) tile of pf_scan's lists and a block of rows.
-// The slots' bf16 inputs (stage_wg's order) stream through WG_STAGES groups of 64 columns in
-// shared memory by cp.async; every thread loads its own two rows' codes, scales and biases two
-// groups ahead into registers. GLU (gate|up with SwiGLU): each warp's 16 A rows are 8 gate rows
-// and the same 8 up rows (A rows g and g + 8 of lane g), so the thread holding a slot's gate
-// accumulator holds its up one too; the result h = silu(gate) * up goes out as bf16 in
-// stage_wg's order, the down product's input. Down: each warp 16 rows, f32 out [slot][row].
-#define WG_N 64          // slots per tile: the token columns of each wgmma
+// Per CTA (four warpgroups): one (expert, 128-slot) tile of pf_scan's lists and a block of 256 A
+// rows. Every 64-column group, the block copies the slots' bf16 inputs (stage_wg's order) and
+// its rows' codes into one of WG_STAGES stages of shared memory by cp.async, and the rows'
+// scales and biases 8 groups at a time; each thread then reads its two rows' operands from
+// there. Whole 16-byte copies shared by the block, not each thread's own small loads: per-thread
+// 4- and 8-byte copies of the same bytes queued so many requests that the gate|up kernel got
+// slower than with plain loads two groups ahead (docs/cuda-prefill.md). GLU (gate|up with
+// SwiGLU): each warp's 16 A rows are 8 gate rows and the same 8 up rows (A rows g and g + 8 of
+// lane g), so the thread holding a slot's gate accumulator holds its up one too; the result
+// h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input. Down: each
+// warp 16 rows, f32 out [slot][row].
+#define WG_N 128         // slots per tile: the token columns of each wgmma
 #define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
 #define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
@@ -527,10 +531,20 @@ extern "C" __global__ void __launch_bounds__(256) stage_wg(const float* __restri
     }
 }
 
-// One thread's codes, scales and biases of one 64-column group in its two A rows.
+// Shared memory of a CTA: WG_STAGES stages of (the slots' inputs of one 64-column group, the
+// block's 256 A rows' codes of one group), two buffers of the rows' scales and biases of 8
+// groups, then the tile's slot and input-row indices.
+#define WG_AROWS 256                 // A rows per CTA: 16 per warp
+#define WG_CODES (WG_AROWS * 32)     // one group's codes of the A rows
+#define WG_SCALES (WG_AROWS * 2 * 16)  // 8 groups' scales and biases of the A rows
+#define WG_STAGE (WG_N * 128 + WG_CODES)
+// moe::WG_SMEM: WG_STAGES * WG_STAGE + 2 * WG_SCALES + 2 * WG_N * 4 bytes.
+
+// One thread's A operands of one group before dequantisation: its two rows' codes (lane t's 16
+// columns each) and their scales and biases as bf16 pairs.
 struct WgGroup {
     uint2 qa, qb;
-    u32 sa, ba, sb, bb;  // bf16 bits
+    u32 sa, ba, sb, bb;
 };
 
 template <bool GLU>
@@ -541,101 +555,153 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                                                const u32* __restrict__ x, int xdiv, const int* __restrict__ counts,
                                                const int* __restrict__ offsets, const int* __restrict__ list,
                                                const int* __restrict__ tiles) {
+    constexpr int N = WG_N;
     extern __shared__ uint4 wg_sm4[];  // 16-byte aligned: cp.async pieces, descriptor addresses
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
-    const int cnt = min(WG_N, counts[e] - f0);
+    const int cnt = min(N, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
     const int gpr = cols >> 6, xwords = cols >> 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    int* slot = reinterpret_cast<int*>(wg_sm + WG_STAGES * WG_N * 128);
-    int* xrow = slot + WG_N;
-    if (tid < WG_N) {
+    constexpr int STAGE = WG_STAGE, SCALES = WG_STAGES * STAGE;
+    int* slot = reinterpret_cast<int*>(wg_sm + SCALES + 2 * WG_SCALES);
+    int* xrow = slot + N;
+    if (tid < N) {
         const int sl = tid < cnt ? lst[tid] : -1;
         slot[tid] = sl;
         xrow[tid] = sl >= 0 ? sl / xdiv : -1;
     }
-    // This thread's A rows: GLU: gate and up row R (one output row); down: rows R and R + 8. A row
-    // past `rows` reads the expert's row 0 with zero scale and bias, i.e. zero weights.
-    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-    const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
-    const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
-    const size_t ra = erows + (va ? R : 0), rb = erows + (vb ? (GLU ? R : R + 8) : 0);
-    const uint2* qa = reinterpret_cast<const uint2*>(w + ra * wpr) + t;  // group G: qa[4G]
-    const uint2* qb = reinterpret_cast<const uint2*>((GLU ? w2 : w) + rb * wpr) + t;
-    const u16 *sa = s + ra * gpr, *ba = b + ra * gpr;
-    const u16 *sb = (GLU ? s2 : s) + rb * gpr, *bb = (GLU ? b2 : b) + rb * gpr;
-    const u32 ma = va ? 0x10001u : 0u, mb = vb ? 0x10001u : 0u;  // bf16 v -> (v, v), or 0
-    auto load = [&](WgGroup& c, int G) {
-        G = min(G, gpr - 1);  // past the last group: loaded, never used
-        c.qa = __ldg(qa + 4 * G);
-        c.qb = __ldg(qb + 4 * G);
-        c.sa = ma * __ldg(sa + G);
-        c.ba = ma * __ldg(ba + G);
-        c.sb = mb * __ldg(sb + G);
-        c.bb = mb * __ldg(bb + G);
+    // A row k (0..255) of the block: warp k / 16, lane group k % 8, the thread's row a (k & 8 == 0)
+    // or b. GLU: a = gate row R, b = up row R (one output row R); down: a = R, b = R + 8. A row
+    // past `rows` reads the expert's row 0 with zero scales and biases, i.e. zero weights.
+    auto a_row = [&](int k, bool& valid) {
+        const int wk = k >> 4, bk = (k >> 3) & 1, gk = k & 7;
+        const int R = GLU ? blockIdx.x * WG_GLU_ROWS + wk * 8 + gk : blockIdx.x * WG_DOWN_ROWS + wk * 16 + bk * 8 + gk;
+        valid = R < rows;
+        return e * rows + (valid ? R : 0);
     };
+    // The block's copies: thread tid copies half tid & 1 of row tid >> 1's codes of each group
+    // (32 bytes per row) and, every 8 groups, its scales (tid & 1 == 0) or biases (16 bytes).
+    const int crow = tid >> 1, chalf = tid & 1;
+    bool cvalid;
+    const int cr = a_row(crow, cvalid);
+    const bool cup = GLU && ((crow >> 3) & 1);
+    // Offsets rather than pointers, to spare registers: bytes into the codes, elements into the
+    // scales or biases of the copied row; the matrix is picked at each copy.
+    const u32 coff = (u32)cr * (u32)(cols >> 1) + chalf * 16, soff = (u32)cr * (u32)gpr;
+    const u32 sm0 = smem_u32(wg_sm);
+    const u32 cdst = sm0 + N * 128 + crow * 32 + chalf * 16;  // + SCALES - N * 128: the scales' place
+    auto copy_codes = [&](int G) {
+        if (G < gpr) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(cup ? w2 : w);
+            cp_async16(cdst + (G % WG_STAGES) * STAGE, src + coff + G * 32);
+        }
+    };
+    // Groups 8k .. 8k + 7 into buffer k % 2: 16 bytes when they are whole and aligned (gpr a
+    // multiple of 8), else element by element (small matrices), zeros past the row or for rows
+    // past `rows`.
+    auto copy_scales = [&](int k) {
+        if (8 * k >= gpr) return;
+        const u16* src = (chalf ? (cup ? b2 : b) : (cup ? s2 : s)) + soff;
+        const u32 dst = cdst + (SCALES - N * 128) + (k & 1) * WG_SCALES;
+        if ((gpr & 7) == 0) {
+            cp_async16z(dst, src + 8 * k, cvalid);
+        } else {
+            u32 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int G0 = 8 * k + 2 * j;
+                const u32 lo = cvalid && G0 < gpr ? src[G0] : 0u, hi = cvalid && G0 + 1 < gpr ? src[G0 + 1] : 0u;
+                v[j] = lo | (hi << 16);
+            }
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+        }
+    };
+    // This thread's operands of group G from shared memory.
+    const int ka = (warp * 2) * 8 + g, kb = ka + 8;
+    auto read = [&](int G, WgGroup& c) {
+        const u32 cs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + 8 * t, ss = sm0 + SCALES + ((G >> 3) & 1) * WG_SCALES + 2 * (G & 7);
+        u32 sa, ba, sb, bb;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs + ka * 32));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + kb * 32));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sb) : "r"(ss + kb * 32));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
+        c.sa = sa * 0x10001u; c.ba = ba * 0x10001u; c.sb = sb * 0x10001u; c.bb = bb * 0x10001u;
+    };
+    __syncthreads();  // slot and xrow
+    // Group G's inputs of the tile's slots go into stage G % WG_STAGES: 16-byte pieces p = 2i + reg
+    // of each slot's row (one core-matrix row each) at p * (N * 16) + n * 16, so step i's B is two
+    // core matrices along K (LBO N * 16 bytes) by N / 8 along N (SBO 128 bytes). A warp copies 8
+    // slots x 4 pieces: whole 64-byte runs of each row into conflict-free 128-byte rows of shared
+    // memory. Each thread copies the same WG_CP pieces of every group.
+    // Thread tid's first piece: slot n, piece p; its other is piece p + 4 of the same slot.
+    constexpr int WG_CP = N * 8 / WG_THREADS, NG = N / 8;
+    const int n_in = (lane & 7) + 8 * ((tid >> 5) & (NG - 1)), p_in = lane >> 3;
+    const int r_in = xrow[n_in];
+    const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = sm0 + p_in * (N * 16) + n_in * 16;
+    auto copy_inputs = [&](int G) {
+        if (G < gpr && r_in >= 0) {
+            const u32 st = (G % WG_STAGES) * STAGE;
+#pragma unroll
+            for (int k = 0; k < WG_CP; ++k) cp_async16(xdst + st + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
+        }
+    };
+    float acc[N / 2];
+#pragma unroll
+    for (int q = 0; q < N / 2; ++q) acc[q] = 0.f;
+    // Commits (one per step, some empty, so the count is uniform): P0 = inputs(0), codes(0),
+    // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step G: inputs(G + 3),
+    // codes(G + 4) and, when G % 8 == 0, scales(G / 8 + 1). Step G waits for all but the two latest
+    // commits (everything up to step G - 3's), then the barrier: group G's inputs and group
+    // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
+    // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
+    static_assert(WG_STAGES == 4, "the commit accounting below");
+    copy_inputs(0);
+    copy_codes(0);
+    copy_codes(1);
+    copy_scales(0);
+    cp_commit();
+    copy_inputs(1);
+    copy_codes(2);
+    cp_commit();
+    copy_inputs(2);
+    copy_codes(3);
+    cp_commit();
+    u32 a0[4][4], a1[4][4];
     auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
     };
-    WgGroup c0, c1;
-    load(c0, 0);
-    load(c1, 1);
-    __syncthreads();  // slot and xrow
-    // Group G's inputs of the tile's slots go into stage G % WG_STAGES: 16-byte pieces p = 2i + reg
-    // of each slot's row (one core-matrix row each) at p * (WG_N * 16) + n * 16, so step i's B is
-    // two core matrices along K (LBO WG_N * 16 bytes) by WG_N / 8 along N (SBO 128 bytes). A warp
-    // copies 8 slots x 4 pieces: whole 64-byte runs of each row into conflict-free 128-byte rows of
-    // shared memory. Each thread copies the same WG_CP pieces of every group.
-    constexpr int WG_CP = WG_N * 8 / WG_THREADS;
-    const u32 sm0 = smem_u32(wg_sm);
-    const u32* src[WG_CP];
-    u32 dst[WG_CP];
-    bool cp_on[WG_CP];
-#pragma unroll
-    for (int k = 0; k < WG_CP; ++k) {
-        const int idx = tid + k * WG_THREADS, l = idx & 31, n = (l & 7) + 8 * ((idx >> 5) & 7), p = (l >> 3) + 4 * (idx >> 8);
-        const int r = xrow[n];
-        cp_on[k] = r >= 0;
-        src[k] = x + (size_t)max(r, 0) * xwords + p * 4;
-        dst[k] = sm0 + p * (WG_N * 16) + n * 16;
+    cp_wait<2>();
+    __syncthreads();
+    {
+        WgGroup c;
+        read(0, c);
+        build(c, a0);
     }
-    // Always one commit (empty past the last group), so the group count is uniform.
-    auto copy_group = [&](int G) {
-        if (G < gpr) {
-            const u32 st = (G % WG_STAGES) * (WG_N * 128);
-#pragma unroll
-            for (int k = 0; k < WG_CP; ++k)
-                if (cp_on[k]) cp_async16(dst[k] + st, src[k] + G * 32);
-        }
-        cp_commit();
-    };
-    float acc[32];
-#pragma unroll
-    for (int q = 0; q < 32; ++q) acc[q] = 0.f;
-#pragma unroll
-    for (int G = 0; G < WG_STAGES - 1; ++G) copy_group(G);
-    u32 a0[4][4], a1[4][4];
-    build(c0, a0);
-    // Group G: its inputs landed (every thread's copies, made visible to the async proxy) and
-    // every warpgroup is done with group G - 1, whose stage takes group G + WG_STAGES - 1; then
-    // the four wgmmas of G run while this thread loads group G + 2's codes and builds G + 1's A.
+    // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
     auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
-        cp_wait<WG_STAGES - 2>();
+        cp_wait<2>();
         fence_proxy_async_smem();
         __syncthreads();
-        copy_group(G + WG_STAGES - 1);
-        WgGroup c2;
-        load(c2, G + 2);
-        const u32 st = sm0 + (G % WG_STAGES) * (WG_N * 128);
+        const bool more = G + 1 < gpr;
+        copy_inputs(G + 3);
+        copy_codes(G + 4);
+        if ((G & 7) == 0) copy_scales((G >> 3) + 1);
+        cp_commit();
+        const u32 st = sm0 + (G % WG_STAGES) * STAGE;
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_m64n64k16(acc, cur[i], wgmma_desc(st + i * 2 * (WG_N * 16), WG_N * 16, 128));
+        for (int i = 0; i < 4; ++i) wgmma_m64n128k16(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
         wgmma_commit();
-        if (G + 1 < gpr) build(c1, nxt);
-        c1 = c2;
+        if (more) {
+            WgGroup c;
+            read(G + 1, c);
+            build(c, nxt);
+        }
         wgmma_wait<0>();
     };
     for (int G = 0; G < gpr; G += 2) {
@@ -643,13 +709,15 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         if (G + 1 < gpr) step(G + 1, a1, a0);
     }
 #pragma unroll
-    for (int q = 0; q < 32; ++q) wgmma_keep(acc[q]);
+    for (int q = 0; q < N / 2; ++q) wgmma_keep(acc[q]);
+    const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
+    const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
     if (GLU) {
         if (!va) return;
         u16* h = reinterpret_cast<u16*>(out);
         const int pos = wg_pos(R);
 #pragma unroll
-        for (int j = 0; j < WG_N / 8; ++j)
+        for (int j = 0; j < NG; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int n = 8 * j + 2 * t + q;
@@ -658,7 +726,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     } else {
         float* y = reinterpret_cast<float*>(out);
 #pragma unroll
-        for (int j = 0; j < WG_N / 8; ++j)
+        for (int j = 0; j < NG; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int n = 8 * j + 2 * t + q;
@@ -678,7 +746,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 #define PF_MOE_WG_PASS w, s, b, w2, s2, b2, out, rows, cols, x, xdiv, counts, offsets, list, tiles
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
 // tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
-// dynamic shared memory WG_STAGES * WG_N * 128 + 2 * WG_N * 4 bytes.
+// dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
     pf_moe_wg_body<true>(PF_MOE_WG_PASS);
 }

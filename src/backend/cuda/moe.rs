@@ -191,7 +191,7 @@ pub fn max_tiles(n: usize, d: &MoeDims) -> usize {
 pub enum PrefillExperts {
     /// `moe_tcb`: passes of 16 slots over 16-slot tiles (chunks of at most `tcb_tokens` tokens).
     Tcb,
-    /// `stage_wg` + `pf_moe_wg_glu` / `_down`: wgmma over 64-slot tiles (longer chunks).
+    /// `stage_wg` + `pf_moe_wg_glu` / `_down`: wgmma over [`WG_TILE`]-slot tiles (longer chunks).
     Wg,
     /// The grouped GEMMs: `pf_gemm` in the exact f32 mode, `pf_gemm_tc` for matrices the staged
     /// kernels do not take.
@@ -440,13 +440,19 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of
-/// the lists' [`GEMM_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows,
-/// `WG_STAGES` 64-column groups of the slots' inputs in shared memory.
+/// the lists' [`WG_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows (256 A
+/// rows), `WG_STAGES` stages of one 64-column group's slot inputs and codes of the block's rows,
+/// and two buffers of 8 groups' scales and biases in shared memory.
 const WG_THREADS: u32 = 512;
 const WG_GLU_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
 const WG_STAGES: usize = 4;
-const WG_SMEM: u32 = (WG_STAGES * GEMM_TILE * 128 + 2 * GEMM_TILE * 4) as u32;
+const WG_AROWS: usize = 256;
+const WG_SMEM: u32 = (WG_STAGES * (WG_TILE * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32;
+
+/// Slots per tile of the wgmma expert kernels (WG_N in kernels/moe.cu): each dequantised weight
+/// serves this many slots.
+pub const WG_TILE: usize = 128;
 
 /// Index (in bf16 units) of column `c` within a row staged for the wgmma kernels (`stage_wg` and
 /// the gate|up kernel's output; `wg_pos` in kernels/moe.cu): word 32G + 8i + 4reg + t holds the
@@ -474,7 +480,7 @@ fn wg_takes(mats: &[&DevQ]) -> bool {
 }
 
 /// The routed experts' gate|up products of a prefill chunk on wgmma: per slot of the lists'
-/// 64-slot tiles, `h[slot] = silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x`
+/// [`WG_TILE`]-slot tiles, `h[slot] = silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x`
 /// and `h` in the wgmma order (`stage_wg`); `rows` per expert.
 pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped) -> Result<()> {
     if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
@@ -544,6 +550,16 @@ mod tests {
                 assert_eq!((wg_column_pos(c), wg_column_pos(c + 4)), (2 * w, 2 * w + 1));
             }
         }
+    }
+
+    #[test]
+    fn wgmma_blocks_fit_hoppers_shared_memory() {
+        // 227 KiB of dynamic shared memory per block on sm_90, one block per SM.
+        assert!(super::WG_SMEM as usize <= 227 * 1024, "{}", super::WG_SMEM);
+        // The block's copies: one 16-byte piece of codes per thread per group, 8 groups' scales or
+        // biases per thread, two pieces of the slots' inputs per thread.
+        assert_eq!(super::WG_AROWS * 2, super::WG_THREADS as usize);
+        assert_eq!(super::WG_TILE * 8, 2 * super::WG_THREADS as usize);
     }
 
     #[test]

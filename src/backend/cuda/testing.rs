@@ -194,7 +194,7 @@ pub enum GroupedRoute {
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
 /// `q.rows / experts` rows; token t's j-th slot (`ids[t*k + j]`, distinct per token) gets
 /// `W_e · x[t]`, or with `up` the fused `silu(W_e·x) * (Up_e·x)`. Returns `[tokens*k][rows]`.
-/// Routing lists (64-slot tiles) come from the MoE kernels.
+/// Routing lists (64-slot tiles, 128 for the wgmma route) come from the MoE kernels.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, route: GroupedRoute) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
@@ -210,12 +210,13 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     }
     let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
     let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
-    let mt = moe::max_tiles(tokens, &d);
+    let tile = if route == GroupedRoute::Wgmma { moe::WG_TILE } else { moe::GEMM_TILE };
+    let mt = moe::tiles_of(tokens, &d, tile);
     let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
     let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
     let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
     let r = RouteLists { logits: 0, top_ids: p(&idd), top_w: 0, counts: p(&cd), offsets: p(&od), fill: p(&fd), list: p(&ld), tiles: p(&td) };
-    moe::slot_lists(gpu, experts, &r, tokens * k, moe::GEMM_TILE)?;
+    moe::slot_lists(gpu, experts, &r, tokens * k, tile)?;
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
     let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
