@@ -219,9 +219,10 @@ pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, staged_fit: boo
     }
 }
 
-/// Most prefill tokens whose routed experts run as `moe_tcb` passes (16 slots per pass): with up
-/// to ~32 slots per expert, passes of 32 or 64 would run mostly empty.
-pub const TCB_PREFILL_TOKENS: usize = 1024;
+/// Most prefill tokens whose routed experts run as `moe_tcb` passes (16 slots per pass); longer
+/// chunks take the wgmma kernels. Measured on one H200 (docs/cuda-prefill.md): `moe_tcb` 3% faster
+/// at 512 tokens (~16 slots per expert), the wgmma kernels 1% faster at 700 and 13% at 1,024.
+pub const TCB_PREFILL_TOKENS: usize = 640;
 
 /// Routing scratch of a prefill chunk.
 pub struct RouteLists {
@@ -565,7 +566,8 @@ mod tests {
     #[test]
     fn prefill_chunks_pick_their_expert_kernels() {
         use super::{prefill_experts, PrefillExperts::*, TCB_PREFILL_TOKENS as T};
-        assert_eq!(prefill_experts(700, false, T, true), Tcb);
+        assert_eq!(prefill_experts(512, false, T, true), Tcb);
+        assert_eq!(prefill_experts(700, false, T, true), Wg);
         assert_eq!(prefill_experts(T, false, T, true), Tcb);
         assert_eq!(prefill_experts(T + 1, false, T, true), Wg);
         assert_eq!(prefill_experts(4096, false, T, true), Wg);
