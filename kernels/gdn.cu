@@ -2,7 +2,7 @@
 // src/backend/cpu/gdn.rs.
 //   decode (T = 1):     gdn_step
 //   batched decode:     gdn_step_batch (one token of each of B sequences)
-//   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_qk, pf_gdn_scan_{32,64,128} (exact),
+//   prefill (T tokens): pf_gdn_conv, pf_gdn_ring, pf_gdn_conv_qk, pf_gdn_scan_{32,64,128} (exact),
 //                       pf_gdn_chunk_prep_{64,128} + pf_gdn_chunk_walk_{64,128} (chunked), pf_gdn_norm
 
 // softplus as the CPU reference computes it (src/backend/cpu/ops.rs).
@@ -192,20 +192,34 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_step_batch(const float*
 // The scan is the exact recurrence (gdn::recurrent_step) run over the chunk with the state in
 // registers.
 
-// Causal depthwise conv + SiLU over T tokens at positions pos0.. (history from the ring):
-// grid (ceil(C/256), T).
-extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const float* __restrict__ ring,
-                                       const float* __restrict__ taps, int T, int C, int KC, int pos0,
-                                       float* __restrict__ out) {
-    const int t = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= C) return;
-    float acc = 0.f;
+// Causal depthwise conv + SiLU of 4 channels ch..ch + 3 of token t at position pos0 + t (history
+// from the ring): sum over taps j of taps[j] * input(pos0 + t - (KC - 1) + j), in that order.
+__device__ __forceinline__ float4 gdn_conv4(const float* __restrict__ qkv, const float* __restrict__ ring,
+                                            const float* __restrict__ taps, int t, int ch, int C, int KC, int pos0) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int j = 0; j < KC; ++j) {
-        int p = pos0 + t - (KC - 1) + j;
-        float in = p >= pos0 ? qkv[(size_t)(p - pos0) * C + ch] : (p < 0 ? 0.f : ring[(size_t)(p % KC) * C + ch]);
-        acc += taps[(size_t)j * C + ch] * in;
+        const int p = pos0 + t - (KC - 1) + j;
+        float4 in = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (p >= pos0) in = *reinterpret_cast<const float4*>(qkv + (size_t)(p - pos0) * C + ch);
+        else if (p >= 0) in = *reinterpret_cast<const float4*>(ring + (size_t)(p % KC) * C + ch);
+        const float4 w = *reinterpret_cast<const float4*>(taps + (size_t)j * C + ch);
+        acc.x += w.x * in.x;
+        acc.y += w.y * in.y;
+        acc.z += w.z * in.z;
+        acc.w += w.w * in.w;
     }
-    out[(size_t)t * C + ch] = silu_f(acc);
+    return make_float4(silu_f(acc.x), silu_f(acc.y), silu_f(acc.z), silu_f(acc.w));
+}
+
+// The conv of the value channels [c0, C) of T tokens into out (same layout as qkv; the q and k
+// channels go through pf_gdn_conv_qk): each thread 4 channels of one token. grid
+// (ceil((C - c0) / 1024), T), block 256.
+extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const float* __restrict__ ring,
+                                       const float* __restrict__ taps, int T, int C, int KC, int pos0, int c0,
+                                       float* __restrict__ out) {
+    const int t = blockIdx.y, ch = c0 + 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (ch >= C) return;
+    *reinterpret_cast<float4*>(out + (size_t)t * C + ch) = gdn_conv4(qkv, ring, taps, t, ch, C, KC, pos0);
 }
 
 // After the conv: the ring slots of the last min(T, KC) positions get their pre-conv inputs.
@@ -218,19 +232,34 @@ extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, float* __r
     ring[(size_t)(p % KC) * C + ch] = qkv[(size_t)t * C + ch];
 }
 
-// L2 norm of q and k per (token, key head) (eps 1e-6, in f64 like ops::l2_normalize), q scaled
-// by dk^-1/2: grid (T, nk), block dk.
-extern "C" __global__ void pf_gdn_qk(const float* __restrict__ conv, int C, int nk, int dk, float* __restrict__ qn,
-                                     float* __restrict__ kn) {
-    __shared__ float red[33];
-    const int t = blockIdx.x, kh = blockIdx.y, i = threadIdx.x, key_dim = nk * dk;
-    float q = conv[(size_t)t * C + kh * dk + i];
-    float k = conv[(size_t)t * C + key_dim + kh * dk + i];
-    float sq = block_sum(q * q, red);
-    float sk = block_sum(k * k, red);
-    float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
-    qn[(size_t)t * key_dim + kh * dk + i] = q * iq * (1.f / sqrtf((float)dk));
-    kn[(size_t)t * key_dim + kh * dk + i] = k * ik;
+// The conv of the q and k channels of one (token, key head) per warp, then their L2 norms (eps
+// 1e-6, the sum of squares in f64 like ops::l2_normalize), q scaled by dk^-1/2, into qn and kn
+// [T][nk * dk]: lane l holds channels 4l..4l + 3 of the head (dk <= 128). grid (ceil(T * nk / 8)),
+// block 256.
+extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const float* __restrict__ ring,
+                                          const float* __restrict__ taps, int T, int C, int KC, int pos0, int nk,
+                                          int dk, float* __restrict__ qn, float* __restrict__ kn) {
+    const int lane = threadIdx.x & 31, pair = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (pair >= T * nk) return;
+    const int t = pair / nk, kh = pair % nk, key_dim = nk * dk, c = 4 * lane;
+    const bool on = c < dk;
+    float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
+    if (on) {
+        q = gdn_conv4(qkv, ring, taps, t, kh * dk + c, C, KC, pos0);
+        k = gdn_conv4(qkv, ring, taps, t, key_dim + kh * dk + c, C, KC, pos0);
+    }
+    auto sq = [](float4 v) { return (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w; };
+    double sqq = sq(q), sqk = sq(k);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
+        sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+    }
+    if (!on) return;
+    const float iq = (float)(1.0 / sqrt(sqq + 1e-6)) * (1.f / sqrtf((float)dk)), ik = (float)(1.0 / sqrt(sqk + 1e-6));
+    const size_t off = (size_t)t * key_dim + kh * dk + c;
+    *reinterpret_cast<float4*>(qn + off) = make_float4(q.x * iq, q.y * iq, q.z * iq, q.w * iq);
+    *reinterpret_cast<float4*>(kn + off) = make_float4(k.x * ik, k.y * ik, k.z * ik, k.w * ik);
 }
 
 // The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);

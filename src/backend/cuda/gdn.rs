@@ -12,7 +12,7 @@ const GDN_STEP: Kernel = Kernel::dependent(&GDN, "gdn_step");
 const GDN_STEP_BATCH: Kernel = Kernel::dependent(&GDN, "gdn_step_batch");
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
-const PF_GDN_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_qk");
+const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
 const PF_GDN_NORM: Kernel = Kernel::ordered(&GDN, "pf_gdn_norm");
 
 /// Shape constants of a GDN layer.
@@ -143,17 +143,22 @@ impl ChunkedScratch {
     }
 }
 
-/// Causal conv over `n` tokens at `pos0` (history from the ring), the ring update, q/k L2 norms.
+/// The causal conv + SiLU of `n` tokens at positions `pos0..` (history from the ring): the value
+/// channels into `s.conv`, the q and k channels straight into their L2-normalised `s.qn` / `s.kn`;
+/// then the ring takes the last inputs.
 pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, pos0: usize) -> Result<()> {
-    let c = d.conv_dim;
-    let cgrid = c.div_ceil(256) as u32;
+    let (c, key_dim) = (d.conv_dim, d.nk * d.dk);
+    if d.dk > 128 || !d.dk.is_multiple_of(4) || !c.is_multiple_of(4) {
+        bail!("the prefill conv takes key heads of at most 128 channels in fours, not {}", d.dk);
+    }
     let (ni, ci, kci, posi) = (Arg::I(n as i32), Arg::I(c as i32), Arg::I(d.kc as i32), Arg::I(pos0 as i32));
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::P(s.conv)];
-    gpu.launch(PF_GDN_CONV, (cgrid, n as u32, 1), 256, 0, &args)?;
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci.clone(), kci, posi];
-    gpu.launch(PF_GDN_RING, (cgrid, n.min(d.kc) as u32, 1), 256, 0, &args)?;
-    let args = [Arg::P(s.conv), ci, Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
-    gpu.launch(PF_GDN_QK, (n as u32, d.nk as u32, 1), d.dk as u32, 0, &args)
+    let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::I(2 * key_dim as i32), Arg::P(s.conv)];
+    gpu.launch(PF_GDN_CONV, (v_blocks, n as u32, 1), 256, 0, &args)?;
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
+    gpu.launch(PF_GDN_CONV_QK, ((n * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
+    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci, kci, posi];
+    gpu.launch(PF_GDN_RING, (c.div_ceil(256) as u32, n.min(d.kc) as u32, 1), 256, 0, &args)
 }
 
 /// The scan instance for a key head dim (the state of one column lives in registers).

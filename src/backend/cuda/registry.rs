@@ -71,7 +71,7 @@ pub const GDN: Module = Module {
         "gdn_step_batch",
         "pf_gdn_conv",
         "pf_gdn_ring",
-        "pf_gdn_qk",
+        "pf_gdn_conv_qk",
         "pf_gdn_scan_32",
         "pf_gdn_scan_64",
         "pf_gdn_scan_128",
