@@ -854,15 +854,20 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
 PF_GDN_CHUNK(64)
 PF_GDN_CHUNK(128)
 
-// Gated RMSNorm per (token, value head): norm(o) * w * silu(z). grid (T, nv), block dv.
+// Gated RMSNorm per (token, value head): norm(o) * w * silu(z), one warp per head row in float4s
+// (lane l: channels 4l..4l + 3, dv <= 128). grid (ceil(T * nv / 8)), block 256.
 extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
-                                       const float* __restrict__ norm_w, float* __restrict__ y, int nv, int dv,
+                                       const float* __restrict__ norm_w, float* __restrict__ y, int T, int nv, int dv,
                                        float eps) {
-    __shared__ float red[33];
-    const int t = blockIdx.x, n = blockIdx.y, j = threadIdx.x;
-    size_t idx = (size_t)t * nv * dv + n * dv + j;
-    float v = o[idx];
-    float ss = block_sum(v * v, red);
-    float inv = inv_rms_from(ss, dv, eps);
-    y[idx] = v * inv * norm_w[j] * silu_f(z[idx]);
+    const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), j = 4 * lane;
+    if (row >= T * nv) return;
+    const bool on = j < dv;
+    const size_t idx = (size_t)row * dv + j;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (on) v = *reinterpret_cast<const float4*>(o + idx);
+    const float inv = inv_rms_from(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w), dv, eps);
+    if (!on) return;
+    const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = *reinterpret_cast<const float4*>(z + idx);
+    *reinterpret_cast<float4*>(y + idx) = make_float4(v.x * inv * w.x * silu_f(g.x), v.y * inv * w.y * silu_f(g.y),
+                                                      v.z * inv * w.z * silu_f(g.z), v.w * inv * w.w * silu_f(g.w));
 }

@@ -303,8 +303,11 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
 
 /// Gated RMSNorm of the scan outputs with z into `y`.
 pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
-    let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
-    gpu.launch(PF_GDN_NORM, (n as u32, d.nv as u32, 1), d.dv as u32, 0, &args)
+    if d.dv > 128 || !d.dv.is_multiple_of(4) {
+        bail!("the prefill gated norm takes value heads of at most 128 channels in fours, not {}", d.dv);
+    }
+    let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::I(n as i32), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
+    gpu.launch(PF_GDN_NORM, ((n * d.nv).div_ceil(8) as u32, 1, 1), 256, 0, &args)
 }
 
 #[cfg(test)]
