@@ -198,6 +198,17 @@ pub enum PrefillExperts {
     Gemm,
 }
 
+impl PrefillExperts {
+    /// Slots per tile of the routing lists this route's kernels walk.
+    pub fn tile(self) -> usize {
+        match self {
+            PrefillExperts::Tcb => BATCH_TILE,
+            PrefillExperts::Wg => WG_TILE,
+            PrefillExperts::Gemm => GEMM_TILE,
+        }
+    }
+}
+
 /// Whether the staged expert kernels take the layer: 4-bit experts of whole 64-column groups (and
 /// 64-row groups of intermediate outputs, the wgmma down product's columns), the shared expert as
 /// wide as a routed one.

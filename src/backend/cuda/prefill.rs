@@ -201,11 +201,7 @@ impl Pass for ChunkPass<'_> {
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
         let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::staged_experts_fit(m, &d));
-        let tile = match route {
-            PrefillExperts::Tcb => moe::BATCH_TILE,
-            PrefillExperts::Wg => moe::WG_TILE,
-            PrefillExperts::Gemm => moe::GEMM_TILE,
-        };
+        let tile = route.tile();
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
         let (eg, eu, ed) = (self.p(&s.expert_gate), self.p(&s.expert_up), self.p(&s.expert_down));

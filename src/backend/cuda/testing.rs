@@ -210,7 +210,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     }
     let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
     let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
-    let tile = if route == GroupedRoute::Wgmma { moe::WG_TILE } else { moe::GEMM_TILE };
+    let tile = if route == GroupedRoute::Wgmma { moe::PrefillExperts::Wg } else { moe::PrefillExperts::Gemm }.tile();
     let mt = moe::tiles_of(tokens, &d, tile);
     let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
     let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
