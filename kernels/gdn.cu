@@ -30,7 +30,8 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
                                               const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
                                               const float* __restrict__ norm_w, float* __restrict__ state,
                                               float* __restrict__ y, const int* __restrict__ step, int nk, int nv,
-                                              int dk, int dv, int KC, float eps) {
+                                              int dk, int dv, int KC, float eps, u32* __restrict__ frag = nullptr,
+                                              float* __restrict__ gsum = nullptr, int row = 0) {
     extern __shared__ float sm[];
     float* qs = sm;            // dk
     float* ks = qs + dk;       // dk
@@ -158,7 +159,23 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
         float ss = 0.f;
         for (int w = 0; w < (dv >> 5); ++w) ss += red[2 * kw + w];
         const float inv = inv_rms_from(ss, dv, eps);
-        y[(size_t)n * dv + j] = o * inv * nwj * silu_f(zj);
+        const float yj = o * inv * nwj * silu_f(zj);
+        y[(size_t)n * dv + j] = yj;
+        if (frag) vs[j] = yj;  // v is no longer read
+    }
+    if (frag) {
+        // The head's outputs staged for the out-projection's batched GEMV as stage_tcb stages a
+        // row without a gain (same pairs, bf16 words and group sums): one warp per 64-column
+        // group of the head (dv % 64 == 0), group n * dv / 64 + G of the row.
+        __syncthreads();
+        const int gpr = (nv * dv) >> 6, q = lane, i = q >> 3, t = (q >> 1) & 3, reg = q & 1;
+        for (int G = warp; G < (dv >> 6); G += nt >> 5) {
+            const int c = 64 * G + 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg, Gr = n * (dv >> 6) + G;
+            const u32 w = pack_bf16(vs[c], vs[c + 4]);
+            const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
+            if (lane == 0) gsum[(size_t)row * gpr + Gr] = gs;
+            frag[(((size_t)(row >> 3) * gpr + Gr) * 4 + i) * 64 + (row & 7) * 8 + t * 2 + reg] = w;
+        }
     }
 }
 
@@ -180,11 +197,12 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_step_batch(const float*
                                           const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
                                           const float* __restrict__ norm_w, float* const* __restrict__ states,
                                           float* __restrict__ y, const int* __restrict__ steps, int nk, int nv,
-                                          int dk, int dv, int KC, float eps) {
+                                          int dk, int dv, int KC, float eps, u32* __restrict__ frag,
+                                          float* __restrict__ gsum) {
     const int b = blockIdx.y;
     const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
     gdn_step_impl(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
-                  dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps);
+                  dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps, frag, gsum, b);
 }
 
 // ============================== prefill (T tokens) ==============================

@@ -282,42 +282,92 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
 // (inv = 1/rms(x) per row), and with `u_out` also the f32 values (the normalised rows the f32
 // router reads). Staged once per input, read by every block of the GEMVs that follow. Rows
 // nrows..ceil16(nrows) are written as zeros. grid (ceil16(nrows)), block 256.
+//
+// A block is one row: a short chain of dependent steps, so every load is issued before the
+// norm's reduction and each thread then finishes whole pieces from registers. Thread m's piece
+// is the 8 columns 8m..8m+7 of group G = m / 8 (j = m % 8): the pairs (c, c + 4) of its first 4
+// columns, which are fragment words (i, t, reg) with t = j / 2, i = 2 (j % 2) + s / 2, reg = s % 2
+// (s = 0..3), i.e. two pairs of adjacent words. The group sum adds the 32 pairs' values in
+// warp_sum's butterfly order over the pair index q = 8i + 2t + reg (bit 4: lane bit 0; bit 3: s / 2;
+// bits 1-2: lane bits 1-2; bit 0: s % 2), and the norm's sum of squares is block_sum over the
+// columns c = tid + 256k, so the staged bits do not depend on this layout.
+__device__ __forceinline__ void stage_piece(float (&v)[8], int m, bool on, int r, int gpr, float* __restrict__ u_out,
+                                            int cols, u32* __restrict__ frag, float* __restrict__ gsum) {
+    const int G = m >> 3, j = m & 7, t = j >> 1;
+    if (on && u_out) {
+        float4* u = reinterpret_cast<float4*>(u_out + (size_t)r * cols + 8 * m);
+        u[0] = make_float4(v[0], v[1], v[2], v[3]);
+        u[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    u32 w[4];
+    float a[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        w[s] = pack_bf16(v[s], v[s + 4]);
+        a[s] = __uint_as_float(w[s] << 16) + __uint_as_float(w[s] & 0xffff0000u);
+        a[s] += __shfl_xor_sync(0xffffffffu, a[s], 1);  // q bit 4
+    }
+    float b0 = a[0] + a[2], b1 = a[1] + a[3];  // q bit 3
+    b0 += __shfl_xor_sync(0xffffffffu, b0, 4);  // q bit 2
+    b1 += __shfl_xor_sync(0xffffffffu, b1, 4);
+    b0 += __shfl_xor_sync(0xffffffffu, b0, 2);  // q bit 1
+    b1 += __shfl_xor_sync(0xffffffffu, b1, 2);
+    if (m < (cols >> 3)) {
+        if (j == 0) gsum[(size_t)r * gpr + G] = b0 + b1;  // q bit 0
+        const int i0 = 2 * (j & 1);
+        u32* f = frag + (((size_t)(r >> 3) * gpr + G) * 4 + i0) * 64 + (r & 7) * 8 + t * 2;
+        *reinterpret_cast<uint2*>(f) = make_uint2(w[0], w[1]);
+        *reinterpret_cast<uint2*>(f + 64) = make_uint2(w[2], w[3]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restrict__ gain, float eps,
           float* __restrict__ u_out, u32* __restrict__ frag, float* __restrict__ gsum) {
     __shared__ float red[33];
     pdl_wait_trigger();
-    const int r = blockIdx.x, gpr = cols >> 6, lane = threadIdx.x & 31;
+    const int r = blockIdx.x, gpr = cols >> 6, nm = cols >> 3, tid = threadIdx.x;
     const bool live = r < nrows;
     const float* xr = x + (size_t)r * cols;
+    // The first piece's operands before the reduction (whole warps run the pieces: the group
+    // sums shuffle across lanes).
+    const int m0 = tid;
+    const bool on0 = live && m0 < nm;
+    float v[8];
+    {
+        const float4 p = on0 ? *reinterpret_cast<const float4*>(xr + 8 * m0) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 q = on0 ? *reinterpret_cast<const float4*>(xr + 8 * m0 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+    }
+    float g[8];
+    if (gain && m0 < nm) {
+        const float4 p = *reinterpret_cast<const float4*>(gain + 8 * m0);
+        const float4 q = *reinterpret_cast<const float4*>(gain + 8 * m0 + 4);
+        g[0] = p.x, g[1] = p.y, g[2] = p.z, g[3] = p.w, g[4] = q.x, g[5] = q.y, g[6] = q.z, g[7] = q.w;
+    }
     float inv = 1.f;
     if (gain) {
         float ss = 0.f;
         if (live)
-            for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+            for (int c = tid; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
         inv = inv_rms_from(block_sum(ss, red), cols, eps);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * g[k];
     }
-    // Pair p = (group G, q): q = (i, t, reg) as in the fragment layout; a warp holds one group.
-    for (int p = threadIdx.x; p < cols / 2; p += blockDim.x) {
-        const int G = p >> 5, q = p & 31, i = q >> 3, t = (q >> 1) & 3, reg = q & 1;
-        const int c = 64 * G + 16 * t + 8 * (i >> 1) + 2 * (i & 1) + reg;
-        float v0 = 0.f, v1 = 0.f;
-        if (live) {
-            v0 = xr[c] * inv;
-            v1 = xr[c + 4] * inv;
-            if (gain) {
-                v0 *= gain[c];
-                v1 *= gain[c + 4];
-            }
-            if (u_out) {
-                u_out[(size_t)r * cols + c] = v0;
-                u_out[(size_t)r * cols + c + 4] = v1;
-            }
+    if ((tid & ~31) < nm) stage_piece(v, m0, on0, r, gpr, u_out, cols, frag, gsum);
+    for (int m = tid + blockDim.x; (m & ~31) < nm; m += blockDim.x) {
+        const bool on = live && m < nm;
+        const float4 p = on ? *reinterpret_cast<const float4*>(xr + 8 * m) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 q = on ? *reinterpret_cast<const float4*>(xr + 8 * m + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+        if (gain && m < nm) {
+            const float4 gp = *reinterpret_cast<const float4*>(gain + 8 * m);
+            const float4 gq = *reinterpret_cast<const float4*>(gain + 8 * m + 4);
+            const float gg[8] = {gp.x, gp.y, gp.z, gp.w, gq.x, gq.y, gq.z, gq.w};
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * gg[k];
         }
-        const u32 w = pack_bf16(v0, v1);
-        const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
-        if (lane == 0) gsum[(size_t)r * gpr + G] = gs;
-        frag[(((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + t * 2 + reg] = w;
+        stage_piece(v, m, on, r, gpr, u_out, cols, frag, gsum);
     }
 }
 

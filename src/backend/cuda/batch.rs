@@ -229,9 +229,14 @@ impl Pass for BatchPass<'_> {
         self.gemv(sets.mixer_in, h)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
         let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
-        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n)?;
+        // The step stages its outputs for the out-projection itself where each head's outputs are
+        // whole staged groups: one launch less per layer.
+        let fused = gdn::stages_output(&self.dims.gdn);
+        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n, fused.then_some(&self.b.staged))?;
         self.point(probe, Point::Phase("gdn.step"))?;
-        self.stage(p.y, g.out.cols, n, None, 0)?;
+        if !fused {
+            self.stage(p.y, g.out.cols, n, None, 0)?;
+        }
         self.gemv(sets.mixer_out, g.out.cols)?;
         self.point(probe, Point::Phase("gdn.out"))
     }

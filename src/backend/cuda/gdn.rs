@@ -3,7 +3,8 @@
 //! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the scan: the exact
 //! recurrence with the state in registers, or the chunked form on the tensor cores; gated norm).
 
-use super::device::{Arg, Gpu, ARG_STRUCT_WORDS};
+use super::device::{ptr, Arg, Gpu, ARG_STRUCT_WORDS};
+use super::qmatmul::TcbStaging;
 use super::registry::{Kernel, GDN};
 use crate::checkpoint::ModelConfig;
 use anyhow::{bail, Result};
@@ -86,9 +87,27 @@ pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
 
 /// One token of each of `rows` sequences (batched decode): `p.ring` and `p.state` are device
 /// tables of the rows' ring and state pointers, `steps` their `[token, position]` pairs, the
-/// activations row-major over the rows.
-pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize) -> Result<()> {
-    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), d.step_smem(), &step_args(d, p, steps))
+/// activations row-major over the rows. With `staged` the outputs are also staged there for the
+/// out-projection's batched GEMV, as `stage_tcb` without a gain would (see [`stages_output`]).
+pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>) -> Result<()> {
+    let mut args = step_args(d, p, steps);
+    let s = &gpu.stream;
+    match staged {
+        Some(st) => {
+            if !stages_output(d) || rows > st.rows || d.nv * d.dv > st.cols {
+                bail!("the GDN step cannot stage {rows} x {} outputs into {} x {}", d.nv * d.dv, st.rows, st.cols);
+            }
+            args.extend([Arg::P(ptr(&st.frag, s)), Arg::P(ptr(&st.gsum, s))]);
+        }
+        None => args.extend([Arg::P(0), Arg::P(0)]),
+    }
+    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), d.step_smem(), &args)
+}
+
+/// Whether the batched step can stage its outputs itself: each head's outputs are whole 64-column
+/// groups of the staged row.
+pub fn stages_output(d: &GdnDims) -> bool {
+    d.dv.is_multiple_of(64)
 }
 
 fn step_args(d: &GdnDims, p: &GdnPtrs, step: u64) -> Vec<Arg> {
