@@ -166,7 +166,8 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     if (frag) {
         // The head's outputs staged for the out-projection's batched GEMV as stage_tcb stages a
         // row without a gain (same pairs, bf16 words and group sums): one warp per 64-column
-        // group of the head (dv % 64 == 0), group n * dv / 64 + G of the row.
+        // group of the head (dv % 64 == 0), group n * dv / 64 + G of the row. The rows past the
+        // step's (which stage_tcb zeroes) are left as they are: the GEMVs copy only the step's rows.
         __syncthreads();
         const int gpr = (nv * dv) >> 6, q = lane, i = q >> 3, t = (q >> 1) & 3, reg = q & 1;
         for (int G = warp; G < (dv >> 6); G += nt >> 5) {

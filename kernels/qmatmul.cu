@@ -339,7 +339,7 @@ stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restr
         const float4 q = on0 ? *reinterpret_cast<const float4*>(xr + 8 * m0 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
         v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
     }
-    float g[8];
+    float g[8];  // unset in lanes past the row: their 8-lane groups are never stored
     if (gain && m0 < nm) {
         const float4 p = *reinterpret_cast<const float4*>(gain + 8 * m0);
         const float4 q = *reinterpret_cast<const float4*>(gain + 8 * m0 + 4);
