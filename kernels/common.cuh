@@ -591,6 +591,11 @@ __device__ __forceinline__ void tc_reduce(float& acc0, float& acc1) {
 #define TCB_TOK 16       // tokens per block pass (two n8 token groups)
 #define TCB_WORDS 256    // fragment words per 64-column group and token group
 
+// The word of row (token) r's pair (i, t, reg) of group G in that layout, gpr groups per row.
+__device__ __forceinline__ size_t tcb_word(int r, int gpr, int G, int i, int t, int reg) {
+    return (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + t * 2 + reg;
+}
+
 // Staged activations (stage_tcb in qmatmul.cu) live in global memory in the same layout, indexed
 // by global token group (row >> 3), with the group sums beside them (gsum[row * gpr + G]); a
 // block copies its tokens' fragments into shared memory with 16-byte asynchronous copies, and

@@ -175,7 +175,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
             const u32 w = pack_bf16(vs[c], vs[c + 4]);
             const float gs = warp_sum(__uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u));
             if (lane == 0) gsum[(size_t)row * gpr + Gr] = gs;
-            frag[(((size_t)(row >> 3) * gpr + Gr) * 4 + i) * 64 + (row & 7) * 8 + t * 2 + reg] = w;
+            frag[tcb_word(row, gpr, Gr, i, t, reg)] = w;
         }
     }
 }

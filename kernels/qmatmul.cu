@@ -315,7 +315,7 @@ __device__ __forceinline__ void stage_piece(float (&v)[8], int m, bool on, int r
     if (m < (cols >> 3)) {
         if (j == 0) gsum[(size_t)r * gpr + G] = b0 + b1;  // q bit 0
         const int i0 = 2 * (j & 1);
-        u32* f = frag + (((size_t)(r >> 3) * gpr + G) * 4 + i0) * 64 + (r & 7) * 8 + t * 2;
+        u32* f = frag + tcb_word(r, gpr, G, i0, t, 0);
         *reinterpret_cast<uint2*>(f) = make_uint2(w[0], w[1]);
         *reinterpret_cast<uint2*>(f + 64) = make_uint2(w[2], w[3]);
     }
