@@ -563,8 +563,37 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // 3*64*(HD+8) bf16. With splits > 1 (a few tokens over a long cache, where T/(64/group) x nkv blocks
 // would leave most SMs idle), block z takes the z-th run of `kchunk` keys (a multiple of 64) and
 // writes unnormalised partials (o, and m in natural-log units with l) as attn_combine_batch reads
-// them: rows [T][nh][splits].
+// them: rows [T][nh][splits]. Blocks run the longest query rows first (block x takes the
+// (gridDim.x - 1 - x)-th run of tokens): the causal blocks' work grows with their tokens, and the
+// last wave of a grid in launch order would otherwise hold only the longest ones.
+//
+// The bf16 cache's tiles need no rounding, so they are copied straight into shared memory with
+// 16-byte cp.async (rows past the last key zero-filled): the next tile's K is in flight while this
+// tile's softmax and PV run, its V while the next S runs. The f32 cache's tiles are rounded on the
+// way, through registers, one tile at a time. Both give the same bf16 operands.
 #define PFA_LD(HD) ((HD) + 8)
+
+template <typename KV>
+struct KvIsBf16 {
+    static constexpr bool value = false;
+};
+template <>
+struct KvIsBf16<u16> {
+    static constexpr bool value = true;
+};
+
+// The bf16 cache's rows kt .. kt + 63 of one kv head into a tile of shared memory (row stride LD
+// bf16): 16-byte asynchronous copies, rows at or past `nkeys` zero-filled (their source clamped to
+// the last key, never read).
+template <int HD>
+__device__ __forceinline__ void pfa_tile_async(const u16* __restrict__ src, size_t kv_dim, int kt, int nkeys, u16* dst) {
+    constexpr int LD = PFA_LD(HD), P = HD / 8;
+    for (int idx = threadIdx.x; idx < 64 * P; idx += 128) {
+        const int kr = idx / P, c = idx % P;
+        cp_async16z(smem_u32(dst + kr * LD + c * 8), src + (size_t)min(kt + kr, nkeys - 1) * kv_dim + c * 8,
+                    kt + kr < nkeys);
+    }
+}
 
 template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
@@ -577,7 +606,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     u16* Ks = Qs + 64 * LD;
     u16* Vs = Ks + 64 * LD;
     const int group = nh / nkv, qt = 64 / group;
-    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int kvh = blockIdx.y, tok0 = (gridDim.x - 1 - blockIdx.x) * qt;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t kv_dim = (size_t)nkv * HD;
     const float qscale = scale * 1.4426950408889634f;
@@ -611,13 +640,12 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     const u32 q_addr = smem_u32(Qs) + ((warp * 16 + (lane & 15)) * LD + ((lane >> 4) << 3)) * 2;
     const u32 k_addr = smem_u32(Ks) + (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
     const u32 v_addr = smem_u32(Vs) + (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
-    // Tile loads in batches of KB: every load of a batch is issued before the first is used. The
-    // rows past the last key are read clamped to it (always valid memory, no branch around the
-    // load, which would serialise the batch) and zeroed by a select.
+    // The f32 cache's tile loads in batches of KB: every load of a batch is issued before the first
+    // is used. The rows past the last key are read clamped to it (always valid memory, no branch
+    // around the load, which would serialise the batch) and zeroed by a select.
     constexpr int KB = 4, KITER = 64 * F4 / 128;
     static_assert(KITER % KB == 0, "tile load batches");
-    for (int kt = k_lo; kt < k_hi; kt += 64) {
-        __syncthreads();
+    auto load_tiles_f32 = [&](int kt) {
 #pragma unroll 2
         for (int i0 = 0; i0 < KITER; i0 += KB) {
             float4 kv[KB], vv[KB];
@@ -640,70 +668,114 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     make_uint2(pack_bf16(v4.x, v4.y), pack_bf16(v4.z, v4.w));
             }
         }
+    };
+    constexpr bool ASYNC = KvIsBf16<KV>::value;
+    // bf16 cache: commit groups K(k_lo), V(k_lo), then per tile K(next) after the S products and
+    // V(next) after PV (empty past the last tile, so every wait below sees the same count).
+    auto load_k = [&](int kt) {
+        if constexpr (ASYNC) {
+            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(kc) + kvh * HD, kv_dim, kt, nkeys, Ks);
+            cp_commit();
+        }
+    };
+    auto load_v = [&](int kt) {
+        if constexpr (ASYNC) {
+            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(vc) + kvh * HD, kv_dim, kt, nkeys, Vs);
+            cp_commit();
+        }
+    };
+    load_k(k_lo);
+    load_v(k_lo);
+    for (int kt = k_lo; kt < k_hi; kt += 64) {
+        if constexpr (ASYNC) {
+            cp_wait<1>();  // K(kt); V(kt) may still be in flight
+        } else {
+            __syncthreads();  // every warp is done with the previous tile
+            load_tiles_f32(kt);
+        }
         __syncthreads();
-        if (kt > warp_pq) continue;  // every row of this warp is before the whole tile
+        // A warp whose rows are all before the whole tile skips its products (not the barriers).
+        const bool active = kt <= warp_pq;
         float s[8][4];
 #pragma unroll
         for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        if (active) {
 #pragma unroll 4
-        for (int ks = 0; ks < HD / 16; ++ks) {
-            u32 a[4];
-            ldsm_x4(q_addr + ks * 32, a[0], a[1], a[2], a[3]);
+            for (int ks = 0; ks < HD / 16; ++ks) {
+                u32 a[4];
+                ldsm_x4(q_addr + ks * 32, a[0], a[1], a[2], a[3]);
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(k_addr + (np * 16 * LD + ks * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(s[2 * np], a, b0, b1);
-                mma_bf16(s[2 * np + 1], a, b2, b3);
+                for (int np = 0; np < 4; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(k_addr + (np * 16 * LD + ks * 16) * 2, b0, b1, b2, b3);
+                    mma_bf16(s[2 * np], a, b0, b1);
+                    mma_bf16(s[2 * np + 1], a, b2, b3);
+                }
             }
         }
-        // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
-        float mt[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
-                if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
-                mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
-            }
-        float base[2], corr[2];
-#pragma unroll
-        for (int hv = 0; hv < 2; ++hv) {
-            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
-            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
-            const float mn = fmaxf(m[hv], mt[hv]);
-            base[hv] = mn == NEG_INF ? 0.f : mn;
-            corr[hv] = exp2f(m[hv] - base[hv]);
-            m[hv] = mn;
-            l[hv] *= corr[hv];
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            o[nt][0] *= corr[0];
-            o[nt][1] *= corr[0];
-            o[nt][2] *= corr[1];
-            o[nt][3] *= corr[1];
+        if constexpr (ASYNC) {
+            __syncthreads();  // every warp is done with K(kt)
+            load_k(kt + 64);
         }
         u32 pa[4][4];
+        if (active) {
+            // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
+            float mt[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
-            const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
-            l[0] += p0 + p1;
-            l[1] += p2 + p3;
-            pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
-            pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
-        }
+            for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
+                    mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
+                }
+            float base[2], corr[2];
 #pragma unroll
-            for (int dp = 0; dp < HD / 16; ++dp) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(v_addr + (kk * 16 * LD + dp * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(o[2 * dp], pa[kk], b0, b1);
-                mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
+            for (int hv = 0; hv < 2; ++hv) {
+                mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+                mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+                const float mn = fmaxf(m[hv], mt[hv]);
+                base[hv] = mn == NEG_INF ? 0.f : mn;
+                corr[hv] = exp2f(m[hv] - base[hv]);
+                m[hv] = mn;
+                l[hv] *= corr[hv];
             }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                o[nt][0] *= corr[0];
+                o[nt][1] *= corr[0];
+                o[nt][2] *= corr[1];
+                o[nt][3] *= corr[1];
+            }
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
+                const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
+                l[0] += p0 + p1;
+                l[1] += p2 + p3;
+                pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+                pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+            }
+        }
+        if constexpr (ASYNC) {
+            cp_wait<1>();  // V(kt); K(kt + 64) may still be in flight
+            __syncthreads();
+        }
+        if (active) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < HD / 16; ++dp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(v_addr + (kk * 16 * LD + dp * 16) * 2, b0, b1, b2, b3);
+                    mma_bf16(o[2 * dp], pa[kk], b0, b1);
+                    mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
+                }
+            }
+        }
+        if constexpr (ASYNC) {
+            __syncthreads();  // every warp is done with V(kt)
+            load_v(kt + 64);
         }
     }
 #pragma unroll
