@@ -273,10 +273,18 @@ fn cuda_prefill_attention_tc_matches_f32() {
             let gate = rnd(22, t * nh * hd);
             let kc: Vec<f32> = rnd(23, n * nkv * hd).iter().map(|v| 2.0 * v).collect();
             let vc = rnd(24, n * nkv * hd);
-            let f32o = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true)
+            let f32o = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false, true)
                 .unwrap();
-            let tc = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false)
+            let tc = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false, false)
                 .unwrap();
+            // The bf16 cache's tiles are copied as they are (cp.async), the f32 cache's rounded
+            // to bf16 on the way: the same operands, so the same bits.
+            let tc_bf16 = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true, false)
+                .unwrap();
+            assert!(
+                tc.iter().zip(&tc_bf16).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "bf16-cache attention differs from the f32 cache's: nh={nh} nkv={nkv} hd={hd} T={t} pos0={pos0}"
+            );
             // CPU: softmax(q k / sqrt(hd)) v * sigmoid(gate), causal.
             let mut want = vec![0.0f32; t * nh * hd];
             let scale = 1.0 / (hd as f32).sqrt();

@@ -299,18 +299,29 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
 /// f32 caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`. `exact`: the f32
 /// kernel, else the tensor-core one.
 #[allow(clippy::too_many_arguments)]
-pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc: &[f32], t: usize, pos0: usize, nh: usize, nkv: usize, hd: usize, exact: bool) -> Result<Vec<f32>> {
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc: &[f32], t: usize, pos0: usize, nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
-    if attention::select_chunk(hd, false, exact).is_none() || !attention::chunk_supported(nh, nkv) {
+    if attention::select_chunk(hd, kv_bf16, exact).is_none() || !attention::chunk_supported(nh, nkv) {
         bail!("chunk_attention: unsupported shape");
     }
-    let (qd, gd, kd, vd) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.upload(kc)?, gpu.upload(vc)?);
+    let (qd, gd) = (gpu.upload(q)?, gpu.upload(gate)?);
+    // The cache as the model keeps it: f32, or bf16 rounded to nearest even.
+    let bf16_bits = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+    let (kf, vf, kh, vh);
+    let (kcache, vcache) = if kv_bf16 {
+        (kh, vh) = (gpu.upload(&bf16_bits(kc))?, gpu.upload(&bf16_bits(vc))?);
+        (ptr(&kh, &gpu.stream), ptr(&vh, &gpu.stream))
+    } else {
+        (kf, vf) = (gpu.upload(kc)?, gpu.upload(vc)?);
+        (ptr(&kf, &gpu.stream), ptr(&vf, &gpu.stream))
+    };
     let od = gpu.zeros::<f32>(t * nh * hd)?;
     let rows = attention::chunk_split_rows(nh, nkv, gpu.sms as usize);
     let (po, pml) = (gpu.zeros::<f32>(rows * nh * hd)?, gpu.zeros::<f32>(rows * nh * 2)?);
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-    let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16: false };
-    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: p(&kd), vcache: p(&vd), out: p(&od) };
+    let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16 };
+    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache, vcache, out: p(&od) };
     attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, t, pos0, exact)?;
     read(gpu, &od)
 }
