@@ -7,9 +7,11 @@
 //! fields have no environment variable: tests set them on the struct.
 
 /// Tokens per prefill chunk unless `LILY_CUDA_PREFILL_CHUNK` says otherwise. Long chunks fill the
-/// grouped expert tiles better (4,096 tokens put ~128 on each of 256 experts) and dequantise the
-/// dense weights for cuBLAS less often; the scratch is ~0.8 GB for the 35B model at 4,096.
-pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
+/// grouped expert tiles better (8,192 tokens put ~256 slots, two full 128-slot tiles, on each of
+/// 256 experts) and dequantise the dense weights for cuBLAS less often; the scratch is ~2.2 GB for
+/// the 35B model at 8,192 (~0.8 GB at 4,096). The server's turns while rows decode stay shorter
+/// (`server::worker::PREFILL_CHUNK`), so this bounds a backend call, not a decode stall.
+pub const DEFAULT_PREFILL_CHUNK: usize = 8192;
 
 /// Share of the device's memory the backend plans to use (weights, scratch and sequences); the
 /// rest is left to the driver and transient allocations.
