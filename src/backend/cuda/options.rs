@@ -152,7 +152,7 @@ mod tests {
         let d = CudaOptions::default();
         assert!(d.kv_bf16 && d.cublas && d.graphs && d.pdl);
         assert!(!d.profile && !d.exact_prefill && !d.decode_forward && !d.force_cuda_core_moe);
-        assert_eq!(d.prefill_chunk, 4096);
+        assert_eq!(d.prefill_chunk, 8192);
     }
 
     #[test]
