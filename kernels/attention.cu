@@ -557,7 +557,7 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
 // head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
-// 64 keys, K and V are read from the f32 cache, rounded to bf16 into shared memory; S = Q K^T
+// 64 keys, K and V go to shared memory in bf16 (copied or rounded, below); S = Q K^T
 // and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
 // softmax in exp2. grid (ceil(T / (64/group)), nkv, splits), block 128, dynamic smem
 // 3*64*(HD+8) bf16. With splits > 1 (a few tokens over a long cache, where T/(64/group) x nkv blocks
