@@ -672,20 +672,14 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     constexpr bool ASYNC = KvIsBf16<KV>::value;
     // bf16 cache: commit groups K(k_lo), V(k_lo), then per tile K(next) after the S products and
     // V(next) after PV (empty past the last tile, so every wait below sees the same count).
-    auto load_k = [&](int kt) {
+    auto load_tile = [&](const KV* cache, u16* tile, int kt) {
         if constexpr (ASYNC) {
-            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(kc) + kvh * HD, kv_dim, kt, nkeys, Ks);
+            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(cache) + kvh * HD, kv_dim, kt, nkeys, tile);
             cp_commit();
         }
     };
-    auto load_v = [&](int kt) {
-        if constexpr (ASYNC) {
-            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(vc) + kvh * HD, kv_dim, kt, nkeys, Vs);
-            cp_commit();
-        }
-    };
-    load_k(k_lo);
-    load_v(k_lo);
+    load_tile(kc, Ks, k_lo);
+    load_tile(vc, Vs, k_lo);
     for (int kt = k_lo; kt < k_hi; kt += 64) {
         if constexpr (ASYNC) {
             cp_wait<1>();  // K(kt); V(kt) may still be in flight
@@ -715,7 +709,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
         }
         if constexpr (ASYNC) {
             __syncthreads();  // every warp is done with K(kt)
-            load_k(kt + 64);
+            load_tile(kc, Ks, kt + 64);
         }
         u32 pa[4][4];
         if (active) {
@@ -775,7 +769,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
         }
         if constexpr (ASYNC) {
             __syncthreads();  // every warp is done with V(kt)
-            load_v(kt + 64);
+            load_tile(vc, Vs, kt + 64);
         }
     }
 #pragma unroll
