@@ -144,7 +144,7 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     let b = cuda();
     let moe = &mw.layers[0].moe;
     let (ne, k) = (cfg.num_experts, cfg.num_experts_per_tok);
-    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::Wgmma];
+    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::Wgmma, GroupedRoute::Tcb];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
         // k distinct experts per token, pseudo-random.
@@ -163,7 +163,8 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
 
 /// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
 /// 512): 300 tokens on 8 of 8 experts put 300 slots on each (five 64-slot tiles, the last one part
-/// full), and the 32 groups of a 2,048-column row stream through the wgmma kernel's stages.
+/// full), and the 32 groups of a 2,048-column row stream through the wgmma kernel's stages and
+/// through `moe_tcb`'s four 512-column items per row.
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_prefill_expert_kernels_at_35b_widths() {
@@ -171,7 +172,7 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     let (ne, k, t) = (8usize, 8usize, 300usize);
     let ids: Vec<u32> = (0..t).flat_map(|i| (0..k).map(move |j| ((i + j) % ne) as u32)).collect();
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
-    let routes = [GroupedRoute::Wgmma];
+    let routes = [GroupedRoute::Wgmma, GroupedRoute::Tcb];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
 }

@@ -11,7 +11,7 @@ use super::forward::Probe;
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 pub use super::gdn::ScanPath;
 use super::moe::{self, MoeDims, RouteLists};
-use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped};
+use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
 use super::sampling;
 use super::state::CudaSequence;
 use super::weights::DevQ;
@@ -189,6 +189,9 @@ pub enum GroupedRoute {
     /// `stage_wg` + `pf_moe_wg_glu` / `_down` (the routed experts of long prefill chunks): the
     /// gate|up output is bf16 in the wgmma order, read back here as f32 `[slot][row]`.
     Wgmma,
+    /// `stage_tcb` + `moe_tcb` (the batched decode's and short prefill chunks' expert kernel,
+    /// 16-slot tiles).
+    Tcb,
 }
 
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
@@ -210,7 +213,12 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     }
     let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
     let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
-    let tile = if route == GroupedRoute::Wgmma { moe::PrefillExperts::Wg } else { moe::PrefillExperts::Gemm }.tile();
+    let tile = match route {
+        GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
+        GroupedRoute::Tcb => moe::PrefillExperts::Tcb,
+        GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
+    }
+    .tile();
     let mt = moe::tiles_of(tokens, &d, tile);
     let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
     let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
@@ -233,6 +241,14 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let h = read(gpu, &h)?;
         let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
+    }
+    if route == GroupedRoute::Tcb {
+        let st = TcbStaging::new(gpu, tokens, q.cols)?;
+        qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 1e-6, 0, &st)?;
+        // No shared expert: expert number `experts` is in none of the lists.
+        let shared = moe::SharedExpert { q: &dq, up: du.as_ref(), expert: experts, base: None };
+        moe::moe_tcb(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
+        return read(gpu, &y);
     }
     let mm = Gemm::new(gpu, q.group, route == GroupedRoute::F32, None);
     match &du {
