@@ -16,7 +16,7 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 // Same math and order as src/backend/cpu/gdn.rs (recurrent_step).
 //
 // Threads: dv * (dk / 32). Thread (j, r) owns column j and rows [32r, 32r + 32) of S, kept in
-// registers across both passes (read once, written once).
+// registers across both passes (read once, written once), or in shared memory (SMEM_STATE).
 //
 // The conv history is a ring of KC slots indexed by position: the new input goes to slot
 // pos % KC, which only held position pos - KC (no longer needed). Blocks sharing a key head read
@@ -24,6 +24,11 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 // written, so there is no race without a second kernel.
 #define GDN_SL 32
 
+// SMEM_STATE (the batched step): the state slice goes through shared memory by cp.async instead of
+// registers, so a thread holds no state and three blocks fit on an SM (two with the register
+// slice): more of the state's reads are in flight while other blocks run their conv and norms.
+// The same operations in the same order either way.
+template <bool SMEM_STATE>
 __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, const float* __restrict__ z,
                                               const float* __restrict__ braw, const float* __restrict__ araw,
                                               float* __restrict__ ring, const float* __restrict__ taps,
@@ -33,7 +38,8 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
                                               int dk, int dv, int KC, float eps, u32* __restrict__ frag = nullptr,
                                               float* __restrict__ gsum = nullptr, int row = 0) {
     extern __shared__ float sm[];
-    float* qs = sm;            // dk
+    float* Ssm = sm;           // dk * dv (SMEM_STATE)
+    float* qs = SMEM_STATE ? sm + dk * dv : sm;  // dk
     float* ks = qs + dk;       // dk
     float* vs = ks + dk;       // dv
     float* part = vs + dv;     // 2 * (dk/32) * dv: kv partials, then o partials
@@ -47,8 +53,11 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
     const bool active = r < dk / GDN_SL;
     float* S = state + (size_t)n * dk * dv;
-    float s[GDN_SL];
-    if (active) {
+    float s[SMEM_STATE ? 1 : GDN_SL];
+    if constexpr (SMEM_STATE) {
+        for (int p = tid; p < (dk * dv) >> 2; p += nt) cp_async16(Ssm + 4 * p, S + 4 * p);
+        cp_commit();
+    } else if (active) {
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
     }
@@ -101,6 +110,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
         // q/k channels are shared by `group` value heads: the first of them stores the history.
         if (idx >= 2 * dk || n % group == 0) ring[(size_t)slot * conv_dim + ch] = cur;
     }
+    if constexpr (SMEM_STATE) cp_wait<0>();
     __syncthreads();
     // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale: the first dk threads
     // (whole warps) reduce q*q and k*k, one barrier publishes the warp sums, and every thread
@@ -122,11 +132,13 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     const float g = nega * softplus_f(an + dtb);
     const float alpha = expf(g);
     float kv = 0.f;
+    // The decayed state entry, S * alpha (one rounding, never fused with what follows).
+    auto decayed = [&](int ii) { return SMEM_STATE ? __fmul_rn(Ssm[(i0 + ii) * dv + j], alpha) : s[ii]; };
     if (active) {
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
-            s[ii] = s[ii] * alpha;
-            kv += s[ii] * (ks[i0 + ii] * ik);
+            if constexpr (!SMEM_STATE) s[ii] = s[ii] * alpha;
+            kv = fmaf(decayed(ii), ks[i0 + ii] * ik, kv);
         }
         part[r * dv + j] = kv;
     }
@@ -140,9 +152,9 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
         float o = 0.f;
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
-            s[ii] += (ks[i0 + ii] * ik) * delta;
-            o += s[ii] * (qs[i0 + ii] * iq * qscale);
-            S[(size_t)(i0 + ii) * dv + j] = s[ii];
+            const float sn = fmaf(ks[i0 + ii] * ik, delta, decayed(ii));
+            o = fmaf(sn, qs[i0 + ii] * iq * qscale, o);
+            S[(size_t)(i0 + ii) * dv + j] = sn;
         }
         part_o[r * dv + j] = o;
     }
@@ -186,13 +198,13 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
                                     const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
                                     const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
                                     const int* __restrict__ step, int nk, int nv, int dk, int dv, int KC, float eps) {
-    gdn_step_impl(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps);
+    gdn_step_impl<false>(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps);
 }
 
 // The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
 // its projections at row b of the token-major activations, its conv ring and state from the
 // per-row pointer tables, its [token, position] at steps[2b]. Each row is exactly gdn_step.
-extern "C" __global__ void __launch_bounds__(512, 2) gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
+extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
                                           const float* __restrict__ braw, const float* __restrict__ araw,
                                           float* const* __restrict__ rings, const float* __restrict__ taps,
                                           const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
@@ -202,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_step_batch(const float*
                                           float* __restrict__ gsum) {
     const int b = blockIdx.y;
     const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
-    gdn_step_impl(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
+    gdn_step_impl<true>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
                   dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps, frag, gsum, b);
 }
 

@@ -164,10 +164,17 @@ pub struct StepKey {
 }
 
 /// Split count of a batch step: enough for the longest row this call can reach, rounded up to a
-/// power of two so few graphs cover every length.
-pub fn batch_splits(max_len: usize) -> usize {
-    attention::splits_for(max_len).next_power_of_two().min(MAX_SPLITS)
+/// power of two so few graphs cover every length, and no more than [`SPLIT_ROWS`] (row, split)
+/// pairs need: past about two waves of blocks, more splits only shorten each block's stream of
+/// K/V tiles, so its cp.async ring never fills (docs/cuda.md, "Batched decode").
+pub fn batch_splits(max_len: usize, rows: usize) -> usize {
+    let by_len = attention::splits_for(max_len).next_power_of_two().min(MAX_SPLITS);
+    let by_rows = (SPLIT_ROWS / rows.max(1)).max(1);
+    by_len.min(1 << by_rows.ilog2())
 }
+
+/// (row, split) pairs a batch step's attention aims for (with two KV heads, 512 blocks).
+const SPLIT_ROWS: usize = 256;
 
 /// Buffer capacity for `rows` rows: a power of two of at least 8 (fewer reallocations, which
 /// drop the captured graphs).
@@ -408,7 +415,7 @@ impl CudaBackend {
             return Ok(produced);
         }
         let reach = rows.iter().map(|r| r.seq.len() + r.max_tokens).max().unwrap_or(1);
-        let splits = batch_splits(reach);
+        let splits = batch_splits(reach, rows.len());
         self.fit_batch(live.len())?;
         let mut bound = false;
         let mut host = vec![0i32; 2 * live.len()];
@@ -498,7 +505,7 @@ impl CudaBackend {
         let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();
         let pos: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         self.bind_rows(&states, tokens, &pos, &[], StepOut::Logits)?;
-        self.run_batch_step(StepKey { rows: n, splits: batch_splits(reach), kv_bf16, out: StepOut::Logits })?;
+        self.run_batch_step(StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits })?;
         let b = &self.batcher.as_ref().expect("fitted").bufs;
         let vocab = self.cfg.vocab_size;
         let out = self.gpu.stream.clone_dtoh(&b.act.logits.slice(0..n * vocab)).map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))?;
@@ -516,10 +523,17 @@ mod tests {
 
     #[test]
     fn splits_and_capacity() {
-        assert_eq!(batch_splits(1), 1);
-        assert_eq!(batch_splits(829), 32);
-        assert_eq!(batch_splits(4096 + 129), MAX_SPLITS);
-        assert_eq!(batch_splits(262_144), MAX_SPLITS);
+        assert_eq!(batch_splits(1, 1), 1);
+        assert_eq!(batch_splits(829, 1), 32);
+        assert_eq!(batch_splits(4096 + 129, 1), MAX_SPLITS);
+        assert_eq!(batch_splits(262_144, 1), MAX_SPLITS);
+        // Many rows: fewer, longer splits (700-token prompts + 128 steps reach 828).
+        assert_eq!(batch_splits(829, 4), 32);
+        assert_eq!(batch_splits(829, 16), 16);
+        assert_eq!(batch_splits(829, 64), 4);
+        assert_eq!(batch_splits(829, 128), 2);
+        assert_eq!(batch_splits(262_144, 64), 4);
+        assert_eq!(batch_splits(829, 300), 1);
         assert_eq!(capacity_for(1), 8);
         assert_eq!(capacity_for(16), 16);
         assert_eq!(capacity_for(17), 32);

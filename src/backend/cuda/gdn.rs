@@ -49,7 +49,14 @@ impl GdnDims {
     fn step_smem(&self) -> u32 {
         ((2 * self.dk + self.dv + 2 * (self.dk / 32) * self.dv + 33) * 4) as u32
     }
+    /// `gdn_step_batch` keeps the head's state slice in shared memory in front of the rest.
+    fn step_batch_smem(&self) -> u32 {
+        self.step_smem() + (self.dk * self.dv * 4) as u32
+    }
 }
+
+/// Shared memory a block may opt into on Hopper (227 KiB).
+const SMEM_OPTIN_LIMIT: u32 = 227 * 1024;
 
 /// Whether the decode step takes these head dims (key dims in 32-lane slices, one block of at most
 /// 1,024 threads per value head). The backend needs it.
@@ -101,7 +108,11 @@ pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, 
         }
         None => args.extend([Arg::P(0), Arg::P(0)]),
     }
-    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), d.step_smem(), &args)
+    let smem = d.step_batch_smem();
+    if smem > SMEM_OPTIN_LIMIT {
+        bail!("the batched GDN step keeps a {} x {} state slice in shared memory: {smem} bytes do not fit", d.dk, d.dv);
+    }
+    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), smem, &args)
 }
 
 /// Whether the batched step can stage its outputs itself: each head's outputs are whole 64-column
@@ -332,6 +343,14 @@ pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_batched_step_fits_three_blocks_per_sm_at_35b_dims() {
+        let d = GdnDims::new(&crate::checkpoint::ModelConfig::qwen36_35b_a3b());
+        // 228 KiB of shared memory per SM, 1 KiB of it reserved per block.
+        assert!(3 * (d.step_batch_smem() + 1024) <= 228 * 1024, "{}", d.step_batch_smem());
+        assert_eq!(d.step_threads(), 512);
+    }
 
     #[test]
     fn scan_segments_pack_as_the_kernel_reads_them() {
