@@ -5,7 +5,7 @@
 
 use super::device::{ptr, Arg, Gpu, ARG_STRUCT_WORDS};
 use super::qmatmul::TcbStaging;
-use super::registry::{Kernel, GDN};
+use super::registry::{Kernel, GDN, SMEM_OPTIN_LIMIT};
 use crate::checkpoint::ModelConfig;
 use anyhow::{bail, Result};
 
@@ -54,9 +54,6 @@ impl GdnDims {
         self.step_smem() + (self.dk * self.dv * 4) as u32
     }
 }
-
-/// Shared memory a block may opt into on Hopper (227 KiB).
-const SMEM_OPTIN_LIMIT: u32 = 227 * 1024;
 
 /// Whether the decode step takes these head dims (key dims in 32-lane slices, one block of at most
 /// 1,024 threads per value head). The backend needs it.
@@ -390,8 +387,8 @@ mod tests {
         // block per SM), its prep 70,144 (three).
         let (prep, walk) = chunked_smem(128, 128);
         assert_eq!((prep, walk), (70_144, 156_672));
-        assert!(prep <= 227 * 1024 && walk <= 227 * 1024, "{prep} {walk}");
-        assert!(chunked_smem(128, 256).0 <= 227 * 1024);
+        assert!(prep <= SMEM_OPTIN_LIMIT && walk <= SMEM_OPTIN_LIMIT, "{prep} {walk}");
+        assert!(chunked_smem(128, 256).0 <= SMEM_OPTIN_LIMIT);
     }
 
     #[test]

@@ -165,6 +165,9 @@ pub const MODULES: &[&Module] = &[&QMATMUL, &GDN, &ATTENTION, &MOE, &OPS, &SAMPL
 /// Dynamic shared memory a kernel may use without the opt-in attribute.
 const SMEM_DEFAULT_LIMIT: u32 = 48 * 1024;
 
+/// Dynamic shared memory a block may opt into on sm_90 (227 KiB).
+pub const SMEM_OPTIN_LIMIT: u32 = 227 * 1024;
+
 /// The loaded modules of one CUDA context.
 pub struct Registry {
     ctx: Arc<CudaContext>,

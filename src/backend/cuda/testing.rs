@@ -312,9 +312,8 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
 }
 
 /// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and rotated),
-/// f32 caches `[pos0 + t][nkv][hd]`; returns the gated outputs `[t][nh][hd]`. `exact`: the f32
-/// kernel, else the tensor-core one.
-#[allow(clippy::too_many_arguments)]
+/// caches `[pos0 + t][nkv][hd]` given in f32 and kept as the model would (bf16 with `kv_bf16`);
+/// returns the gated outputs `[t][nh][hd]`. `exact`: the f32 kernel, else the tensor-core one.
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc: &[f32], t: usize, pos0: usize, nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
