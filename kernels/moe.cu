@@ -484,6 +484,54 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
 }
 
+// moe_tcp: moe_tcb's blocks made persistent. One wave of blocks, each taking a contiguous run of
+// the (tile, 16-row) items: a block stages the tokens of each tile its run meets once (one or two
+// tiles in a batched decode step) and its warps then walk several items apiece (moe_tcb_rows),
+// where a moe_tcb block stages its tile for 128 rows, one item per warp. The same products in the
+// same order: bit-identical. grid: one wave (any count), block 256; moe_tcb's shared memory.
+extern "C" __global__ void __launch_bounds__(256, 2)
+moe_tcp(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
+        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
+        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
+        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
+        float* __restrict__ y, int rows, int cols, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+        int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list,
+        const int* __restrict__ tiles) {
+    extern __shared__ float smem[];
+    const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
+    const long long total = (long long)tiles[0] * rtiles;
+    const int i0 = (int)(total * blockIdx.x / gridDim.x), i1 = (int)(total * (blockIdx.x + 1) / gridDim.x);
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    const size_t wpr = (size_t)cols >> 3;
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
+    for (int lo = i0; lo < i1;) {
+        const int ti = lo / rtiles, hi = min(i1, (ti + 1) * rtiles);
+        const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];
+        const int nt = min(TCB_TOK, counts[e] - f0);
+        const int* lst = list + offsets[e] + f0;
+        const bool sh = e == shared_e;
+        const size_t erows = sh ? 0 : (size_t)e * rows;
+        const u32* we = (sh ? sw : w) + erows * wpr;
+        const u16 *se = (sh ? ss : s) + erows * gpr, *be = (sh ? sb : b) + erows * gpr;
+        const u32* w2e = w2 ? (sh ? sw2 : w2) + erows * wpr : nullptr;
+        const u16 *s2e = w2 ? (sh ? ss2 : s2) + erows * gpr : nullptr, *b2e = w2 ? (sh ? sb2 : b2) + erows * gpr : nullptr;
+        __syncthreads();  // the previous tile's fragments and slots are no longer read
+        if ((int)threadIdx.x < nt) {
+            const int sl = lst[threadIdx.x];
+            slot[threadIdx.x] = sl;
+            // Shared-expert slots shared_base + t read token t's row.
+            xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
+        }
+        __syncthreads();
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+        const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
+        if (nt > 8) moe_tcb_rows<2>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        lo = hi;
+    }
+}
+
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
 // forward), and mma.sync made every warp load its B fragments from shared memory and build its A

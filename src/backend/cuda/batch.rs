@@ -290,7 +290,8 @@ impl Pass for BatchPass<'_> {
         self.point(probe, Point::Phase("moe.gate_up"))?;
         self.stage(gate, d.inter, n * (k + 1), None, 0)?;
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
-        moe::moe_tcb(self.gpu, &m.down_exps, None, &shared_down, h, st, down, grouped(1))?;
+        // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, st, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;

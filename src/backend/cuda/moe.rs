@@ -23,6 +23,7 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
+const MOE_TCP: Kernel = Kernel::ordered(&MOE, "moe_tcp");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -423,6 +424,25 @@ pub struct SharedExpert<'a> {
 /// its own matrices (4-bit, group 64).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS))?;
+    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
+}
+
+/// `moe_tcp`: the products of [`moe_tcb`] on one wave of persistent blocks, each taking a
+/// contiguous run of the lists' (tile, 16-row) items and staging each tile it meets once
+/// (bit-identical results). The batched decode's down products: there each warp's share of a
+/// 128-row moe_tcb block is one 512-column item, so the block's staging was most of its time.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    let per_sm = super::qmatmul::blocks_per_sm(gpu, MOE_TCP, smem, 2)?;
+    gpu.launch(MOE_TCP, ((gpu.sms as usize * per_sm) as u32, 1, 1), GEMV_THREADS, smem, &args)
+}
+
+/// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp) and dynamic shared memory of
+/// the staged expert kernels, after checking the matrices.
+#[allow(clippy::too_many_arguments)]
+fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>) -> Result<(Vec<Arg>, u32)> {
     let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
@@ -433,13 +453,9 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     let stream = &gpu.stream;
     let mut args = matrix_pair_args(gpu, q, up).to_vec();
     args.extend(matrix_pair_args(gpu, shared.q, shared.up));
+    args.extend([Arg::I(shared.expert as i32), Arg::I(base), Arg::P(y), Arg::I(rows as i32), Arg::I(q.cols as i32)]);
+    args.extend(rows_per_block.map(|r| Arg::I(r as i32)));
     args.extend([
-        Arg::I(shared.expert as i32),
-        Arg::I(base),
-        Arg::P(y),
-        Arg::I(rows as i32),
-        Arg::I(q.cols as i32),
-        Arg::I(MOE_TCB_ROWS as i32),
         Arg::P(ptr(&st.frag, stream)),
         Arg::P(ptr(&st.gsum, stream)),
         Arg::I(g.xdiv as i32),
@@ -448,7 +464,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Arg::P(g.list),
         Arg::P(g.tiles),
     ]);
-    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
+    Ok((args, smem))
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of

@@ -156,7 +156,7 @@ pub fn tc_geometry(tiles: usize, cols: usize, sms: usize, blocks_per_sm: usize) 
 
 /// Resident GEMV blocks per SM with `smem` bytes of shared memory, 1 to 8 (`fallback` when the
 /// driver does not say).
-fn blocks_per_sm(gpu: &Gpu, k: Kernel, smem: u32, fallback: u32) -> Result<usize> {
+pub(super) fn blocks_per_sm(gpu: &Gpu, k: Kernel, smem: u32, fallback: u32) -> Result<usize> {
     Ok(gpu
         .function(k)?
         .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)

@@ -133,6 +133,7 @@ pub const MOE: Module = Module {
         "moe_gate_up_tc",
         "moe_down_tc",
         "moe_tcb",
+        "moe_tcp",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_down",

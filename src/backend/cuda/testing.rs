@@ -192,6 +192,8 @@ pub enum GroupedRoute {
     /// `stage_tcb` + `moe_tcb` (the batched decode's and short prefill chunks' expert kernel,
     /// 16-slot tiles).
     Tcb,
+    /// `stage_tcb` + `moe_tcp` (persistent blocks over the same tiles; bit-identical to `Tcb`).
+    Tcp,
 }
 
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
@@ -215,7 +217,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
-        GroupedRoute::Tcb => moe::PrefillExperts::Tcb,
+        GroupedRoute::Tcb | GroupedRoute::Tcp => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
     }
     .tile();
@@ -242,12 +244,13 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
-    if route == GroupedRoute::Tcb {
+    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp) {
         let st = TcbStaging::new(gpu, tokens, q.cols)?;
         qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 1e-6, 0, &st)?;
         // No shared expert: expert number `experts` is in none of the lists.
         let shared = moe::SharedExpert { q: &dq, up: du.as_ref(), expert: experts, base: None };
-        moe::moe_tcb(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
+        let experts_kernel = if route == GroupedRoute::Tcb { moe::moe_tcb } else { moe::moe_tcp };
+        experts_kernel(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
         return read(gpu, &y);
     }
     let mm = Gemm::new(gpu, q.group, route == GroupedRoute::F32, None);
