@@ -436,7 +436,15 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
     let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
     let per_sm = super::qmatmul::blocks_per_sm(gpu, MOE_TCP, smem, 2)?;
-    gpu.launch(MOE_TCP, ((gpu.sms as usize * per_sm) as u32, 1, 1), GEMV_THREADS, smem, &args)
+    let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
+    gpu.launch(MOE_TCP, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
+}
+
+/// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the
+/// `max_items` (tile, 16-row) items the lists can hold apiece, so at a batch of one (9 tiles)
+/// the blocks split the work as moe_tcb's do.
+fn tcp_blocks(max_items: usize, wave: usize) -> usize {
+    max_items.div_ceil((GEMV_THREADS / 32) as usize).clamp(1, wave.max(1))
 }
 
 /// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp) and dynamic shared memory of
@@ -588,6 +596,18 @@ mod tests {
         // biases per thread, two pieces of the slots' inputs per thread.
         assert_eq!(super::WG_AROWS * 2, super::WG_THREADS as usize);
         assert_eq!(super::WG_TILE * 8, 2 * super::WG_THREADS as usize);
+    }
+
+    #[test]
+    fn persistent_down_blocks_give_each_warp_an_item() {
+        let big = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
+        let down_items = |n| batch_max_tiles(n, &big) * 2048 / 16;
+        // One token: 9 tiles of 128 row items, 8 per block, as moe_tcb's 144 blocks of 128 rows.
+        assert_eq!(super::tcp_blocks(down_items(1), 264), 144);
+        // From a few tokens on, one wave.
+        assert_eq!(super::tcp_blocks(down_items(4), 264), 264);
+        assert_eq!(super::tcp_blocks(down_items(64), 264), 264);
+        assert_eq!(super::tcp_blocks(0, 264), 1);
     }
 
     #[test]
