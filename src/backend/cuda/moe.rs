@@ -430,8 +430,9 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 
 /// `moe_tcp`: the products of [`moe_tcb`] on one wave of persistent blocks, each taking a
 /// contiguous run of the lists' (tile, 16-row) items and staging each tile it meets once
-/// (bit-identical results). The batched decode's down products: there each warp's share of a
-/// 128-row moe_tcb block is one 512-column item, so the block's staging was most of its time.
+/// (bit-identical results). The down products of the batched decode and of short prefill
+/// chunks: there each warp's share of a 128-row moe_tcb block is one 512-column item, so the
+/// block's staging was most of its time.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
     let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;

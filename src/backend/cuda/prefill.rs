@@ -215,7 +215,8 @@ impl Pass for ChunkPass<'_> {
                 moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &none(&m.shared_gate, Some(&m.shared_up)), d.inter, &s.tcb_tokens, eg, grouped(k))?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
                 qmatmul::stage_tcb(self.gpu, eg, d.inter, n * k, 0, self.dims.eps, 0, &s.tcb_slots)?;
-                moe::moe_tcb(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
+                // Persistent blocks for down, as in the batched decode (one item per warp otherwise).
+                moe::moe_tcp(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Wg => {

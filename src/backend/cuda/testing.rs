@@ -189,10 +189,11 @@ pub enum GroupedRoute {
     /// `stage_wg` + `pf_moe_wg_glu` / `_down` (the routed experts of long prefill chunks): the
     /// gate|up output is bf16 in the wgmma order, read back here as f32 `[slot][row]`.
     Wgmma,
-    /// `stage_tcb` + `moe_tcb` (the batched decode's and short prefill chunks' expert kernel,
-    /// 16-slot tiles).
+    /// `stage_tcb` + `moe_tcb` (the gate|up kernel of the batched decode and of short prefill
+    /// chunks, 16-slot tiles).
     Tcb,
-    /// `stage_tcb` + `moe_tcp` (persistent blocks over the same tiles; bit-identical to `Tcb`).
+    /// `stage_tcb` + `moe_tcp` (their down kernel: persistent blocks over the same tiles;
+    /// bit-identical to `Tcb`).
     Tcp,
 }
 
