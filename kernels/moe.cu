@@ -30,27 +30,31 @@
 #define ROUTE_MAXE_PER_LANE 16
 __device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
-    float v[ROUTE_MAXE_PER_LANE];
+    // Each logit as an unsigned key in the same order (-0 made +0 first, so the two tie as
+    // floats do), taken candidates set to 0: a round of the top-k is then two warp reductions
+    // (the largest key, then the lowest id holding it: ties -> lower id) instead of a butterfly
+    // of ten dependent shuffles.
+    u32 v[ROUTE_MAXE_PER_LANE];
 #pragma unroll
-    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) v[t] = (lane + 32 * t < E) ? logits[lane + 32 * t] : NEG_INF;
+    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) {
+        const u32 b = __float_as_uint((lane + 32 * t < E) ? logits[lane + 32 * t] + 0.f : NEG_INF);
+        v[t] = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+    }
     float top = 0.f, my_e = 0.f;
     int my_id = 0x7fffffff;
     for (int k = 0; k < K; ++k) {
-        float best = NEG_INF;
-        int bi = 0x7fffffff;
+        u32 best = 0u, bi = 0xffffffffu;
 #pragma unroll
         for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
             if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        if (k == 0) top = best;
+        const u32 m = __reduce_max_sync(0xffffffffu, best);
+        bi = __reduce_min_sync(0xffffffffu, best == m ? bi : 0xffffffffu);
+        const float bestf = __uint_as_float((m & 0x80000000u) ? m & 0x7fffffffu : ~m);
+        if (k == 0) top = bestf;
 #pragma unroll
         for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-            if (lane + 32 * t == bi) v[t] = NEG_INF;
-        if (lane == k) { my_id = bi; my_e = expf(best - top); }
+            if (lane + 32 * t == (int)bi) v[t] = 0u;
+        if (lane == k) { my_id = (int)bi; my_e = expf(bestf - top); }
     }
     // Lane k < K holds the k-th pick. The normaliser is summed in pick order (as the CPU does),
     // and each pick's place in id order is its rank among the picks (ids are distinct): a few

@@ -100,8 +100,8 @@ pub struct ServeArgs {
     pub max_batch: Option<usize>,
     /// Prompt tokens prefilled per scheduler turn, between decode steps of the running requests:
     /// larger prefills long prompts faster, smaller keeps the running streams' inter-token
-    /// latency lower while a prompt is prefilled. While no request decodes, a turn takes up to
-    /// 16,384.
+    /// latency lower while a prompt is prefilled. While more prompts wait than requests decode
+    /// (none decoding included), a turn takes up to 16,384 in one forward.
     #[arg(long, default_value_t = worker::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Memory budget of the prefix cache (sequence snapshots), in MiB. Default: all of the

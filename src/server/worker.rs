@@ -6,9 +6,10 @@
 //!    the prefix cache, take a sequence and reserve its memory (prompt + max_tokens), evicting
 //!    cached snapshots when the budget needs them. A request that does not fit while others run
 //!    waits at the head of the queue until they free memory; one that cannot fit at all gets 503.
-//! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while no row decodes), from the
-//!    admitted prompts in order, several prompts' pieces per backend call (`prefill_round`: one
-//!    forward reads the weights once for all of them); a prompt with all but its last token fed
+//! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while more prompts wait than rows
+//!    decode, e.g. a burst of requests: `turn_tokens`), from the admitted prompts in order,
+//!    several prompts' pieces per backend call (`prefill_round`: one forward reads the weights
+//!    once for all of them); a prompt with all but its last token fed
 //!    joins the decoding rows and ends the turn, so the next step feeds that token and draws the
 //!    first one as soon as its prompt is in, with the running rows' next tokens. So a long
 //!    prompt delays the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
@@ -50,9 +51,9 @@ use tokio::sync::mpsc;
 /// docs/benchmarks.md have the measured trade-off).
 pub const PREFILL_CHUNK: usize = 4096;
 
-/// Prompt tokens per turn while no row decodes: large enough that prompts go in at the prefill's
-/// full speed, small enough that a newcomer is admitted and a departed client noticed within a
-/// second or so.
+/// Prompt tokens per turn while more prompts wait than rows decode ([`turn_tokens`]): large
+/// enough that prompts go in at the prefill's full speed, small enough that a newcomer is admitted
+/// and a departed client noticed within a second or so.
 const IDLE_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
@@ -375,15 +376,14 @@ impl Worker {
         }
     }
 
-    /// Prefills up to `prefill_chunk` prompt tokens (more while no row decodes), from the
-    /// admitted prompts in order, in rounds of one backend call over several prompts' pieces
+    /// Prefills up to `prefill_chunk` prompt tokens (more while more prompts wait than rows
+    /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend call over several prompts' pieces
     /// ([`prefill_round`]). A prompt that is in ends the turn (see the module comment).
     fn prefill(&mut self) {
-        // The chunk bounds what a turn adds to the decoding rows' inter-token latency; with no
-        // row decoding, nobody waits on a token and prompts go in at full speed.
-        let chunk = self.cfg.prefill_chunk.max(1);
-        let decoding = self.active.iter().any(Active::stepping);
-        let mut budget = if decoding { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
+        let decoding = self.active.iter().filter(|a| a.stepping()).count();
+        let waiting = self.active.iter().filter(|a| a.prefilling()).count();
+        let chunk = turn_tokens(self.cfg.prefill_chunk, decoding, waiting);
+        let mut budget = chunk;
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
@@ -555,6 +555,22 @@ impl Worker {
             m.batch_size.store(0, Relaxed);
         }
         m.running.store(self.active.len() as i64, Release);
+    }
+}
+
+/// Prompt tokens one turn prefills, and the most one forward of it takes: `--prefill-chunk` while
+/// at least as many rows decode as prompts wait, since the turn adds to those rows' inter-token
+/// latency; [`IDLE_PREFILL_CHUNK`] while more prompts wait than rows decode (none decoding
+/// included). Then most of the batch waits on the prompts, and one forward takes them together at
+/// the prefill's full speed where chunks would take a few of them per turn, each turn followed by
+/// a decode step of the part of the batch that is in (a burst of requests arriving together, as
+/// when a batch's streams end at the same step and their clients send the next ones).
+fn turn_tokens(chunk: usize, decoding: usize, waiting: usize) -> usize {
+    let chunk = chunk.max(1);
+    if waiting > decoding {
+        chunk.max(IDLE_PREFILL_CHUNK)
+    } else {
+        chunk
     }
 }
 
@@ -778,5 +794,24 @@ fn host_step(ctx: &mut Ctx, a: &mut Active) {
             a.reply.accept(tok, &logits, &ctx.cfg.stop_ids, ctx.tokenizer, ctx.metrics);
         }
         Err(e) => a.reply.failed = Some(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_turn_takes_a_chunk_unless_more_prompts_wait_than_rows_decode() {
+        // Rows decoding and no more prompts than rows: one chunk per turn bounds their stall.
+        assert_eq!(turn_tokens(4096, 15, 1), 4096);
+        assert_eq!(turn_tokens(4096, 1, 1), 4096);
+        assert_eq!(turn_tokens(4096, 3, 0), 4096);
+        // A burst (15 prompts behind one decoding row) or nobody decoding: one large forward.
+        assert_eq!(turn_tokens(4096, 1, 15), IDLE_PREFILL_CHUNK);
+        assert_eq!(turn_tokens(4096, 0, 1), IDLE_PREFILL_CHUNK);
+        // A chunk above the burst size is kept; a zero chunk still feeds a token.
+        assert_eq!(turn_tokens(65536, 0, 3), 65536);
+        assert_eq!(turn_tokens(0, 2, 1), 1);
     }
 }
