@@ -242,42 +242,66 @@ __device__ __forceinline__ float4 gdn_conv4(const float* __restrict__ qkv, const
     return make_float4(silu_f(acc.x), silu_f(acc.y), silu_f(acc.z), silu_f(acc.w));
 }
 
-// The conv of the value channels [c0, C) of T tokens into out (same layout as qkv; the q and k
-// channels go through pf_gdn_conv_qk): each thread 4 channels of one token. grid
-// (ceil((C - c0) / 1024), T), block 256.
-extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const float* __restrict__ ring,
-                                       const float* __restrict__ taps, int T, int C, int KC, int pos0, int c0,
+// The conv kernels take up to GDN_CONV_SEGS sequences in one launch: segment z is rows
+// r0[z] .. r0[z + 1] of the chunk (the last one up to the launch's end), back to back, at
+// positions pos0[z].., with its own conv ring. A chunk of many short prompts (a burst of
+// requests) is then three launches per layer instead of three per prompt. Passed by value
+// (gdn.rs conv_segs_arg has this layout).
+#define GDN_CONV_SEGS 16
+struct ConvSegs {
+    float* ring[GDN_CONV_SEGS];
+    int r0[GDN_CONV_SEGS];
+    int pos0[GDN_CONV_SEGS];
+};
+// The segment holding chunk row t.
+__device__ __forceinline__ int conv_seg(const ConvSegs& s, int nseg, int t) {
+    int z = 0;
+    while (z + 1 < nseg && t >= s.r0[z + 1]) ++z;
+    return z;
+}
+
+// The conv of the value channels [c0, C) of the T rows from segs.r0[0] into out (rows of the
+// chunk, same layout as qkv; the q and k channels go through pf_gdn_conv_qk): each thread 4
+// channels of one row. grid (ceil((C - c0) / 1024), T), block 256.
+extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                       const float* __restrict__ taps, int T, int C, int KC, int c0,
                                        float* __restrict__ out) {
-    const int t = blockIdx.y, ch = c0 + 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    const int t = segs.r0[0] + blockIdx.y, ch = c0 + 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (ch >= C) return;
-    *reinterpret_cast<float4*>(out + (size_t)t * C + ch) = gdn_conv4(qkv, ring, taps, t, ch, C, KC, pos0);
+    const int z = conv_seg(segs, nseg, t), r0 = segs.r0[z];
+    *reinterpret_cast<float4*>(out + (size_t)t * C + ch) =
+        gdn_conv4(qkv + (size_t)r0 * C, segs.ring[z], taps, t - r0, ch, C, KC, segs.pos0[z]);
 }
 
-// After the conv: the ring slots of the last min(T, KC) positions get their pre-conv inputs.
-// grid (ceil(C/256), min(T, KC)).
-extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, float* __restrict__ ring, int T, int C, int KC,
-                                       int pos0) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= C) return;
-    const int t = T - 1 - blockIdx.y, p = pos0 + t;
-    ring[(size_t)(p % KC) * C + ch] = qkv[(size_t)t * C + ch];
+// After the conv: each segment's ring slots of its last min(n, KC) positions get their pre-conv
+// inputs. grid (ceil(C/256), KC, nseg); T rows in all from segs.r0[0].
+extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, const ConvSegs segs, int nseg, int T, int C,
+                                       int KC) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x, z = blockIdx.z;
+    const int r0 = segs.r0[z], n = (z + 1 < nseg ? segs.r0[z + 1] : segs.r0[0] + T) - r0;
+    if (ch >= C || (int)blockIdx.y >= min(n, KC)) return;
+    const int t = n - 1 - blockIdx.y, p = segs.pos0[z] + t;
+    segs.ring[z][(size_t)(p % KC) * C + ch] = qkv[(size_t)(r0 + t) * C + ch];
 }
 
-// The conv of the q and k channels of one (token, key head) per warp, then their L2 norms (eps
+// The conv of the q and k channels of one (row, key head) per warp, then their L2 norms (eps
 // 1e-6, the sum of squares in f64 like ops::l2_normalize), q scaled by dk^-1/2, into qn and kn
-// [T][nk * dk]: lane l holds channels 4l..4l + 3 of the head (dk <= 128). grid (ceil(T * nk / 8)),
-// block 256.
-extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const float* __restrict__ ring,
-                                          const float* __restrict__ taps, int T, int C, int KC, int pos0, int nk,
+// [rows][nk * dk] of the chunk: lane l holds channels 4l..4l + 3 of the head (dk <= 128). T rows
+// from segs.r0[0]; grid (ceil(T * nk / 8)), block 256.
+extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                          const float* __restrict__ taps, int T, int C, int KC, int nk,
                                           int dk, float* __restrict__ qn, float* __restrict__ kn) {
     const int lane = threadIdx.x & 31, pair = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (pair >= T * nk) return;
-    const int t = pair / nk, kh = pair % nk, key_dim = nk * dk, c = 4 * lane;
+    const int t = segs.r0[0] + pair / nk, kh = pair % nk, key_dim = nk * dk, c = 4 * lane;
+    const int z = conv_seg(segs, nseg, t), r0 = segs.r0[z], pos0 = segs.pos0[z];
+    const float* ring = segs.ring[z];
     const bool on = c < dk;
     float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
     if (on) {
-        q = gdn_conv4(qkv, ring, taps, t, kh * dk + c, C, KC, pos0);
-        k = gdn_conv4(qkv, ring, taps, t, key_dim + kh * dk + c, C, KC, pos0);
+        const float* xs = qkv + (size_t)r0 * C;
+        q = gdn_conv4(xs, ring, taps, t - r0, kh * dk + c, C, KC, pos0);
+        k = gdn_conv4(xs, ring, taps, t - r0, key_dim + kh * dk + c, C, KC, pos0);
     }
     auto sq = [](float4 v) { return (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w; };
     double sqq = sq(q), sqk = sq(k);

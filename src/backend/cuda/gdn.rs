@@ -170,22 +170,57 @@ impl ChunkedScratch {
     }
 }
 
-/// The causal conv + SiLU of `n` tokens at positions `pos0..` (history from the ring): the value
-/// channels into `s.conv`, the q and k channels straight into their L2-normalised `s.qn` / `s.kn`;
-/// then the ring takes the last inputs.
-pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, pos0: usize) -> Result<()> {
+/// Sequences per conv launch (GDN_CONV_SEGS in kernels/gdn.cu).
+pub const CONV_SEGS: usize = 16;
+
+/// One sequence's rows `r0..r0 + n` of a prefill chunk, at positions `pos0..`, with its conv ring.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvSegment {
+    pub ring: u64,
+    pub r0: usize,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// `struct ConvSegs` (kernels/gdn.cu) for up to [`CONV_SEGS`] segments: the rings, then the first
+/// rows and positions as i32 pairs per word.
+fn conv_segs_arg(segs: &[ConvSegment]) -> Arg {
+    const _: () = assert!(CONV_SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
+    let mut w = [0u64; ARG_STRUCT_WORDS];
+    for (i, s) in segs.iter().enumerate() {
+        w[i] = s.ring;
+        let half = 32 * (i % 2);
+        w[CONV_SEGS + i / 2] |= (s.r0 as u32 as u64) << half;
+        w[CONV_SEGS + CONV_SEGS / 2 + i / 2] |= (s.pos0 as u32 as u64) << half;
+    }
+    Arg::S(Box::new(w))
+}
+
+/// The prefill conv of every segment (rows back to back, in row order) of a chunk: the causal
+/// conv + SiLU of q, k and v from `p.qkv` (the chunk's rows) and each segment's ring into the
+/// scratch (q and k L2-normalised), then each ring advanced; up to [`CONV_SEGS`] segments per
+/// launch.
+pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ConvSegment]) -> Result<()> {
     let (c, key_dim) = (d.conv_dim, d.nk * d.dk);
     if d.dk > 128 || !d.dk.is_multiple_of(4) || !c.is_multiple_of(4) {
         bail!("the prefill conv takes key heads of at most 128 channels in fours, not {}", d.dk);
     }
-    let (ni, ci, kci, posi) = (Arg::I(n as i32), Arg::I(c as i32), Arg::I(d.kc as i32), Arg::I(pos0 as i32));
-    let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::I(2 * key_dim as i32), Arg::P(s.conv)];
-    gpu.launch(PF_GDN_CONV, (v_blocks, n as u32, 1), 256, 0, &args)?;
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), Arg::P(p.taps), ni.clone(), ci.clone(), kci.clone(), posi.clone(), Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
-    gpu.launch(PF_GDN_CONV_QK, ((n * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
-    let args = [Arg::P(p.qkv), Arg::P(p.ring), ni, ci, kci, posi];
-    gpu.launch(PF_GDN_RING, (c.div_ceil(256) as u32, n.min(d.kc) as u32, 1), 256, 0, &args)
+    if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
+        bail!("the prefill conv takes non-empty segments back to back");
+    }
+    for group in segs.chunks(CONV_SEGS) {
+        let rows = group.iter().map(|g| g.n).sum::<usize>();
+        let (segs_arg, nseg) = (conv_segs_arg(group), Arg::I(group.len() as i32));
+        let (ti, ci, kci) = (Arg::I(rows as i32), Arg::I(c as i32), Arg::I(d.kc as i32));
+        let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
+        let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(2 * key_dim as i32), Arg::P(s.conv)];
+        gpu.launch(PF_GDN_CONV, (v_blocks, rows as u32, 1), 256, 0, &args)?;
+        let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
+        gpu.launch(PF_GDN_CONV_QK, ((rows * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
+        let args = [Arg::P(p.qkv), segs_arg, nseg, ti, ci, kci];
+        gpu.launch(PF_GDN_RING, (c.div_ceil(256) as u32, d.kc as u32, group.len() as u32), 256, 0, &args)?;
+    }
+    Ok(())
 }
 
 /// The scan instance for a key head dim (the state of one column lives in registers).

@@ -14,7 +14,7 @@ use super::blas::Blas;
 use super::device::{ptr, Gpu};
 use super::attention::{AttnDims, AttnPtrs};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
-use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs, ScanSegment};
+use super::gdn::{self, ConvSegment, GdnChunkScratch, GdnDims, ScanSegment};
 use super::moe::PrefillExperts;
 use super::moe;
 use super::ops;
@@ -140,21 +140,19 @@ impl Pass for ChunkPass<'_> {
         self.gemm.few_rows(&g.in_b, nv, u, n, self.p(&a.b), nv)?;
         self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
-        // Each segment's conv (its own ring) into its rows of the scratch, then one scan over
-        // all segments side by side (each its own state), then the norm over all rows.
+        // The segments' convs (each its own ring) into their rows of the scratch, then one scan
+        // over all segments side by side (each its own state), then the norm over all rows.
         let chunked = self.s.gdn_chunked.ptrs(self.gpu);
         let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o), chunked };
-        let qk = d.nk * d.dk;
-        let mut scans = Vec::with_capacity(self.segments.len());
+        let (mut convs, mut scans) = (Vec::with_capacity(self.segments.len()), Vec::with_capacity(self.segments.len()));
         for seg in self.segments {
             let (ring, state) = seg.seq.layer_ptrs(li);
-            let p = GdnPtrs { qkv: seg.rows(self.p(&a.qkv), cdim), ..forward::gdn_ptrs(self.gpu, a, g, ring, state) };
-            let rows = GdnChunkScratch { conv: seg.rows(s.conv, cdim), qn: seg.rows(s.qn, qk), kn: seg.rows(s.kn, qk), o: s.o, chunked };
-            gdn::conv(self.gpu, &d, &p, &rows, seg.n, seg.pos0)?;
+            convs.push(ConvSegment { ring, r0: seg.r0, n: seg.n, pos0: seg.pos0 });
             scans.push(ScanSegment { state, r0: seg.r0, n: seg.n });
         }
-        self.point(probe, Point::Phase("gdn.conv"))?;
         let all = forward::gdn_ptrs(self.gpu, a, g, 0, 0);
+        gdn::conv(self.gpu, &d, &all, &s, &convs)?;
+        self.point(probe, Point::Phase("gdn.conv"))?;
         gdn::scan(self.gpu, &d, &all, &s, &scans, self.exact)?;
         self.point(probe, Point::Phase("gdn.scan"))?;
         gdn::gated_norm(self.gpu, &d, &all, &s, n)?;
