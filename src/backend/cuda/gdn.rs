@@ -182,18 +182,24 @@ pub struct ConvSegment {
     pub pos0: usize,
 }
 
-/// `struct ConvSegs` (kernels/gdn.cu) for up to [`CONV_SEGS`] segments: the rings, then the first
-/// rows and positions as i32 pairs per word.
-fn conv_segs_arg(segs: &[ConvSegment]) -> Arg {
-    const _: () = assert!(CONV_SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
+/// A segment table passed by value (`ScanSegs` and `ConvSegs` in kernels/gdn.cu): a pointer per
+/// segment, then two i32 arrays (two values per word), for up to 16 segments.
+fn segment_table(segs: impl Iterator<Item = (u64, usize, usize)>) -> Arg {
+    const SEGS: usize = 16;
+    const _: () = assert!(SEGS == SCAN_SEGS && SEGS == CONV_SEGS && SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
     let mut w = [0u64; ARG_STRUCT_WORDS];
-    for (i, s) in segs.iter().enumerate() {
-        w[i] = s.ring;
+    for (i, (p, a, b)) in segs.take(SEGS).enumerate() {
+        w[i] = p;
         let half = 32 * (i % 2);
-        w[CONV_SEGS + i / 2] |= (s.r0 as u32 as u64) << half;
-        w[CONV_SEGS + CONV_SEGS / 2 + i / 2] |= (s.pos0 as u32 as u64) << half;
+        w[SEGS + i / 2] |= (a as u32 as u64) << half;
+        w[SEGS + SEGS / 2 + i / 2] |= (b as u32 as u64) << half;
     }
     Arg::S(Box::new(w))
+}
+
+/// `struct ConvSegs`: the rings, the first rows, the positions.
+fn conv_segs_arg(segs: &[ConvSegment]) -> Arg {
+    segment_table(segs.iter().map(|s| (s.ring, s.r0, s.pos0)))
 }
 
 /// The prefill conv of every segment (rows back to back, in row order) of a chunk: the causal
@@ -249,17 +255,9 @@ pub struct ScanSegment {
     pub n: usize,
 }
 
-/// The kernel's `ScanSegs` (states, then the r0 and n arrays of i32) for up to [`SCAN_SEGS`].
+/// The kernel's `ScanSegs`: the states, the first rows, the row counts.
 fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
-    const _: () = assert!(SCAN_SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
-    let mut w = [0u64; ARG_STRUCT_WORDS];
-    for (i, s) in segs.iter().enumerate() {
-        w[i] = s.state;
-        let half = 32 * (i % 2);
-        w[SCAN_SEGS + i / 2] |= (s.r0 as u32 as u64) << half;
-        w[SCAN_SEGS + SCAN_SEGS / 2 + i / 2] |= (s.n as u32 as u64) << half;
-    }
-    Arg::S(Box::new(w))
+    segment_table(segs.iter().map(|s| (s.state, s.r0, s.n)))
 }
 
 /// How a segment's GDN recurrence runs.
@@ -424,6 +422,22 @@ mod tests {
         assert_eq!((prep, walk), (70_144, 156_672));
         assert!(prep <= SMEM_OPTIN_LIMIT && walk <= SMEM_OPTIN_LIMIT, "{prep} {walk}");
         assert!(chunked_smem(128, 256).0 <= SMEM_OPTIN_LIMIT);
+    }
+
+    #[test]
+    fn segment_tables_pack_pointers_then_two_i32_arrays() {
+        let seg = |ring, r0, n, pos0| ConvSegment { ring, r0, n, pos0 };
+        let Arg::S(w) = conv_segs_arg(&[seg(0x1000, 0, 5, 7), seg(0x2000, 5, 3, 0), seg(0x3000, 8, 1, 9)]) else {
+            panic!("a segment table is a struct argument");
+        };
+        assert_eq!(&w[..4], &[0x1000, 0x2000, 0x3000, 0]);
+        // r0 = [0, 5, 8], pos0 = [7, 0, 9]: little-endian i32 pairs.
+        assert_eq!(&w[16..18], &[5 << 32, 8]);
+        assert_eq!(&w[24..26], &[7, 9]);
+        let Arg::S(w) = scan_segs_arg(&[ScanSegment { state: 0x4000, r0: 3, n: 4 }]) else {
+            panic!("a segment table is a struct argument");
+        };
+        assert_eq!((w[0], w[16], w[24]), (0x4000, 3, 4));
     }
 
     #[test]
