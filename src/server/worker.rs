@@ -377,8 +377,9 @@ impl Worker {
     }
 
     /// Prefills up to `prefill_chunk` prompt tokens (more while more prompts wait than rows
-    /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend call over several prompts' pieces
-    /// ([`prefill_round`]). A prompt that is in ends the turn (see the module comment).
+    /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend
+    /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
+    /// (see the module comment).
     fn prefill(&mut self) {
         let decoding = self.active.iter().filter(|a| a.stepping()).count();
         let waiting = self.active.iter().filter(|a| a.prefilling()).count();
