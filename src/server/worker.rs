@@ -9,9 +9,9 @@
 //! 2. **Prefill** up to `--prefill-chunk` prompt tokens (more while more prompts wait than rows
 //!    decode, e.g. a burst of requests: `turn_tokens`), from the admitted prompts in order,
 //!    several prompts' pieces per backend call (`prefill_round`: one forward reads the weights
-//!    once for all of them); a prompt with all but its last token fed
-//!    joins the decoding rows and ends the turn, so the next step feeds that token and draws the
-//!    first one as soon as its prompt is in, with the running rows' next tokens. So a long
+//!    once for all of them); a prompt with all but its last token fed joins the decoding rows
+//!    and ends the turn, so the next step feeds that token and draws the first one as soon as
+//!    its prompt is in, with the running rows' next tokens. So a long
 //!    prompt delays the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
 //!    its sequence into the prefix cache at checkpoints: each chat message's start, every
 //!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
@@ -54,7 +54,7 @@ pub const PREFILL_CHUNK: usize = 4096;
 /// Prompt tokens per turn while more prompts wait than rows decode ([`turn_tokens`]): large
 /// enough that prompts go in at the prefill's full speed, small enough that a newcomer is admitted
 /// and a departed client noticed within a second or so.
-const IDLE_PREFILL_CHUNK: usize = 16384;
+const BURST_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
@@ -561,7 +561,7 @@ impl Worker {
 
 /// Prompt tokens one turn prefills, and the most one forward of it takes: `--prefill-chunk` while
 /// at least as many rows decode as prompts wait, since the turn adds to those rows' inter-token
-/// latency; [`IDLE_PREFILL_CHUNK`] while more prompts wait than rows decode (none decoding
+/// latency; [`BURST_PREFILL_CHUNK`] while more prompts wait than rows decode (none decoding
 /// included). Then most of the batch waits on the prompts, and one forward takes them together at
 /// the prefill's full speed where chunks would take a few of them per turn, each turn followed by
 /// a decode step of the part of the batch that is in (a burst of requests arriving together, as
@@ -569,7 +569,7 @@ impl Worker {
 fn turn_tokens(chunk: usize, decoding: usize, waiting: usize) -> usize {
     let chunk = chunk.max(1);
     if waiting > decoding {
-        chunk.max(IDLE_PREFILL_CHUNK)
+        chunk.max(BURST_PREFILL_CHUNK)
     } else {
         chunk
     }
@@ -809,8 +809,8 @@ mod tests {
         assert_eq!(turn_tokens(4096, 1, 1), 4096);
         assert_eq!(turn_tokens(4096, 3, 0), 4096);
         // A burst (15 prompts behind one decoding row) or nobody decoding: one large forward.
-        assert_eq!(turn_tokens(4096, 1, 15), IDLE_PREFILL_CHUNK);
-        assert_eq!(turn_tokens(4096, 0, 1), IDLE_PREFILL_CHUNK);
+        assert_eq!(turn_tokens(4096, 1, 15), BURST_PREFILL_CHUNK);
+        assert_eq!(turn_tokens(4096, 0, 1), BURST_PREFILL_CHUNK);
         // A chunk above the burst size is kept; a zero chunk still feeds a token.
         assert_eq!(turn_tokens(65536, 0, 3), 65536);
         assert_eq!(turn_tokens(0, 2, 1), 1);

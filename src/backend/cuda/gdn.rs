@@ -214,16 +214,16 @@ pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[Co
     if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
         bail!("the prefill conv takes non-empty segments back to back");
     }
+    let (ci, kci) = (Arg::I(c as i32), Arg::I(d.kc as i32));
+    let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
     for group in segs.chunks(CONV_SEGS) {
         let rows = group.iter().map(|g| g.n).sum::<usize>();
-        let (segs_arg, nseg) = (conv_segs_arg(group), Arg::I(group.len() as i32));
-        let (ti, ci, kci) = (Arg::I(rows as i32), Arg::I(c as i32), Arg::I(d.kc as i32));
-        let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
+        let (segs_arg, nseg, ti) = (conv_segs_arg(group), Arg::I(group.len() as i32), Arg::I(rows as i32));
         let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(2 * key_dim as i32), Arg::P(s.conv)];
         gpu.launch(PF_GDN_CONV, (v_blocks, rows as u32, 1), 256, 0, &args)?;
         let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
         gpu.launch(PF_GDN_CONV_QK, ((rows * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
-        let args = [Arg::P(p.qkv), segs_arg, nseg, ti, ci, kci];
+        let args = [Arg::P(p.qkv), segs_arg, nseg, ti, ci.clone(), kci.clone()];
         gpu.launch(PF_GDN_RING, (c.div_ceil(256) as u32, d.kc as u32, group.len() as u32), 256, 0, &args)?;
     }
     Ok(())
