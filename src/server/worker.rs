@@ -11,9 +11,9 @@
 //!    several prompts' pieces per backend call (`prefill_round`: one forward reads the weights
 //!    once for all of them); a prompt with all but its last token fed joins the decoding rows
 //!    and ends the turn, so the next step feeds that token and draws the first one as soon as
-//!    its prompt is in, with the running rows' next tokens. So a long
-//!    prompt delays the running streams by one chunk per turn, not by its whole prefill. The prefill snapshots
-//!    its sequence into the prefix cache at checkpoints: each chat message's start, every
+//!    its prompt is in, with the running rows' next tokens. So a long prompt delays the running
+//!    streams by one chunk per turn, not by its whole prefill. The prefill snapshots its
+//!    sequence into the prefix cache at checkpoints: each chat message's start, every
 //!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
 //! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
 //!    pipelined single-sequence loop; several run `Backend::decode_batch`, where a structured-
