@@ -24,6 +24,13 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 // written, so there is no race without a second kernel.
 #define GDN_SL 32
 
+template <bool SMEM_STATE>
+__device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
+                                              float* __restrict__ S, float bn, float an, float zj, float dtb,
+                                              float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
+                                              int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
+                                              int row);
+
 // SMEM_STATE (the batched step): the state slice goes through shared memory by cp.async instead of
 // registers, so a thread holds no state and three blocks fit on an SM (two with the register
 // slice): more of the state's reads are in flight while other blocks run their conv and norms.
@@ -42,8 +49,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     float* qs = SMEM_STATE ? sm + dk * dv : sm;  // dk
     float* ks = qs + dk;       // dk
     float* vs = ks + dk;       // dv
-    float* part = vs + dv;     // 2 * (dk/32) * dv: kv partials, then o partials
-    float* red = part + 2 * (dk / GDN_SL) * dv;  // 33
+    // then the scratch of gdn_step_tail: 2 * (dk/32) * dv kv / o partials, 33 floats.
     const int n = blockIdx.x, group = nv / nk, kh = n / group;
     const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
     const int pos = step[1], slot = pos % KC;
@@ -112,6 +118,26 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     }
     if constexpr (SMEM_STATE) cp_wait<0>();
     __syncthreads();
+    gdn_step_tail<SMEM_STATE>(Ssm, s, qs, S, bn, an, zj, dtb, nega, nwj, y, n, nv, dk, dv, eps, frag, gsum, row);
+}
+
+// Everything after the conv: q, k (normalised here) and v of the head in qs | ks | vs (then the
+// scratch of GdnDims::step_smem), the state slice in Ssm (SMEM_STATE, loaded and synchronised)
+// or in s (this thread's 32 entries), written back to S; the head's gated-norm outputs to y
+// and, with `frag`, staged for the out-projection at row `row`.
+template <bool SMEM_STATE>
+__device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
+                                              float* __restrict__ S, float bn, float an, float zj, float dtb,
+                                              float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
+                                              int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
+                                              int row) {
+    float* ks = qs + dk;
+    float* vs = ks + dk;
+    float* part = vs + dv;
+    float* red = part + 2 * (dk / GDN_SL) * dv;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
+    const bool active = r < dk / GDN_SL;
     // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale: the first dk threads
     // (whole warps) reduce q*q and k*k, one barrier publishes the warp sums, and every thread
     // forms the same factors. q and k are normalised where they are read (the same products,
@@ -217,6 +243,141 @@ extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(const float*
     gdn_step_impl<true>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
                   dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps, frag, gsum, b);
 }
+
+// The batched step on one wave of persistent blocks: block i takes the (row, head) items i,
+// i + gridDim.x, ... (item = row * nv + head) and copies what an item reads (its state slice,
+// the conv history and inputs of its channels, z, its gate inputs) into a ring of stages in
+// shared memory by cp.async, GDN_PS_STAGES - 1 items ahead, so the next items' 64 KB are loading
+// while this one computes and this one's arithmetic waits on no global load. (A gdn_step_batch
+// block's slice is the only load it has in flight, and each of its small loads queues behind
+// the state traffic.) Each item is exactly gdn_step_batch's block for that (row, head): the
+// same operations in the same order.
+//
+// Shared memory (GdnDims::step_persist_smem): GDN_PS_STAGES stages of [state dk*dv | history
+// (KC-1)*nch | this step's inputs nch | z dv | b, a, dt_bias, neg_a], nch = 2dk + dv (the q, k
+// and v channels of the head, in that order), the rows' ring and state pointers, then
+// gdn_step_tail's scratch, then the rows' positions.
+#define GDN_PS_STAGES 3
+__device__ __forceinline__ int gdn_ps_stage(int dk, int dv, int KC) { return dk * dv + KC * (2 * dk + dv) + dv + 4; }
+__device__ __forceinline__ void cp_async4(unsigned s, const void* g) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(g) : "memory");
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(const float* __restrict__ qkv, const float* __restrict__ z,
+                                          const float* __restrict__ braw, const float* __restrict__ araw,
+                                          float* const* __restrict__ rings, const float* __restrict__ taps,
+                                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                          const float* __restrict__ norm_w, float* const* __restrict__ states,
+                                          float* __restrict__ y, const int* __restrict__ steps, int nk, int nv,
+                                          int dk, int dv, int KC, float eps, u32* __restrict__ frag,
+                                          float* __restrict__ gsum, int rows) {
+    extern __shared__ __align__(16) float gps_sm[];
+    const int tid = threadIdx.x, nt = blockDim.x, items = rows * nv;
+    const int nch = 2 * dk + dv, key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv, group = nv / nk;
+    const int stage = gdn_ps_stage(dk, dv, KC);
+    float** sring = reinterpret_cast<float**>(gps_sm + GDN_PS_STAGES * stage);
+    float** sstate = sring + rows;
+    float* scratch = reinterpret_cast<float*>(sstate + rows);
+    int* spos = reinterpret_cast<int*>(scratch + 2 * dk + dv + 2 * (dk / GDN_SL) * dv + 33);
+    // The rows' tables and positions (the positions written by the previous step's token choice,
+    // as gdn_step_batch reads them before its wait) and this thread's norm weight.
+    for (int i = tid; i < rows; i += nt) {
+        spos[i] = steps[2 * i + 1];
+        sring[i] = rings[i];
+        sstate[i] = states[i];
+    }
+    const float nwj = norm_w[tid % dv];
+    __syncthreads();
+    // Channel c (0..nch) of head n: its index in a conv row.
+    auto chan = [&](int n, int c) {
+        const int kh = n / group;
+        if (c < dk) return kh * dk + c;
+        if (c < 2 * dk) return key_dim + kh * dk + (c - dk);
+        return 2 * key_dim + n * dv + (c - 2 * dk);
+    };
+    auto stage_of = [&](int k) { return gps_sm + (k % GDN_PS_STAGES) * stage; };
+    auto copy_state = [&](int k, int it) {
+        const float* S = sstate[it / nv] + (size_t)(it % nv) * dk * dv;
+        const u32 dst = smem_u32(stage_of(k));
+        for (int p = tid; p < (dk * dv) >> 2; p += nt) cp_async16(dst + 16 * p, S + 4 * p);
+    };
+    // Everything else of the item (after the wait: qkv, z, b and a are the previous kernel's).
+    auto copy_inputs = [&](int k, int it) {
+        const int b = it / nv, n = it % nv, pos = spos[b];
+        float* in = stage_of(k) + dk * dv;
+        const int q4 = nch >> 2;
+        for (int p = tid; p < KC * q4; p += nt) {
+            const int rr = p / q4, c4 = 4 * (p % q4), ch = chan(n, c4);
+            const float* src;
+            if (rr < KC - 1) {  // history: position pos - (KC - 1) + rr, nothing before position 0
+                const int ps = pos - (KC - 1) + rr;
+                if (ps < 0) continue;
+                src = sring[b] + (size_t)(ps % KC) * conv_dim + ch;
+            } else {
+                src = qkv + (size_t)b * conv_dim + ch;
+            }
+            cp_async16(smem_u32(in + rr * nch + c4), src);
+        }
+        float* zs = in + KC * nch;
+        for (int p = tid; p < dv >> 2; p += nt) cp_async16(smem_u32(zs + 4 * p), z + (size_t)b * nv * dv + (size_t)n * dv + 4 * p);
+        if (tid < 4) {
+            const float* src = tid == 0 ? braw + (size_t)b * nv + n : tid == 1 ? araw + (size_t)b * nv + n
+                             : tid == 2 ? dt_bias + n : neg_a + n;
+            cp_async4(smem_u32(zs + dv + tid), src);
+        }
+    };
+    // Items 0 .. STAGES - 2 of the block, one commit group each (empty past the last item, so the
+    // number of groups in flight stays what the wait below expects).
+    const int first = blockIdx.x, grid = gridDim.x;
+    for (int k = 0; k < GDN_PS_STAGES - 1; ++k)
+        if (first + k * grid < items) copy_state(k, first + k * grid);
+    pdl_wait_trigger();
+    for (int k = 0; k < GDN_PS_STAGES - 1; ++k) {
+        if (first + k * grid < items) copy_inputs(k, first + k * grid);
+        cp_commit();
+    }
+    for (int k = 0;; ++k) {
+        const int it = first + k * grid, ahead = it + (GDN_PS_STAGES - 1) * grid;
+        if (it >= items) break;
+        const int b = it / nv, n = it % nv, pos = spos[b], slot = pos % KC;
+        // This thread's conv channel's taps (static), before the wait.
+        float tp[8];
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) tp[jj] = jj < KC && tid < nch ? taps[(size_t)jj * conv_dim + chan(n, tid)] : 0.f;
+        // The stage of item k + STAGES - 1 held item k - 1, finished before the barrier at the
+        // end of its turn.
+        if (ahead < items) {
+            copy_state(k + GDN_PS_STAGES - 1, ahead);
+            copy_inputs(k + GDN_PS_STAGES - 1, ahead);
+        }
+        cp_commit();
+        cp_wait<GDN_PS_STAGES - 1>();
+        __syncthreads();
+        const float* Ssm = stage_of(k);
+        const float* in = Ssm + dk * dv;
+        const float* cur = in + (KC - 1) * nch;
+        const float* zs = in + KC * nch;
+        // The conv + SiLU of the head's channels: gdn_step_impl's sum, in the same order.
+        for (int c = tid; c < nch; c += nt) {
+            float acc = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                if (jj >= KC) break;
+                const int ps = pos - (KC - 1) + jj;
+                const float x = jj == KC - 1 ? cur[c] : (ps < 0 ? 0.f : in[jj * nch + c]);
+                const float t = c == tid ? tp[jj] : taps[(size_t)jj * conv_dim + chan(n, c)];
+                acc += t * x;
+            }
+            scratch[c] = silu_f(acc);
+            if (c >= 2 * dk || n % group == 0) sring[b][(size_t)slot * conv_dim + chan(n, c)] = cur[c];
+        }
+        __syncthreads();
+        float unused[1];
+        gdn_step_tail<true>(Ssm, unused, scratch, sstate[b] + (size_t)n * dk * dv, zs[dv], zs[dv + 1], zs[tid % dv],
+                            zs[dv + 2], zs[dv + 3], nwj, y + (size_t)b * nv * dv, n, nv, dk, dv, eps, frag, gsum, b);
+        __syncthreads();  // the stage and the scratch are free for the next items
+    }
+}
+
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).

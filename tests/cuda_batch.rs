@@ -263,3 +263,29 @@ fn cuda_token_masks_hold_their_rows_and_leave_the_others_alone() {
     let mut gpu = cuda(true);
     common::check_token_masks(&mut gpu, [3, 40, 65, 200], 512);
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_gdn_step_kernels_agree_bit_for_bit() {
+    // The batched GDN step with a block per (row, head) item, on persistent blocks of one item
+    // each (the default at this size) and on 5 persistent blocks (about 10 items each, so the
+    // shared-memory ring wraps); two steps, the second reading the states and conv rings the
+    // first wrote.
+    let lens = &LENS[..12];
+    let mut runs = Vec::new();
+    for blocks in [Some(0), None, Some(5)] {
+        let mut gpu = cuda(false);
+        testing::options_mut(&mut gpu).gdn_step_blocks = blocks;
+        let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
+        let tokens: Vec<u32> = seqs.iter().map(|s| s.1).collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().map(|s| &mut s.0).collect();
+        let first = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
+        let second = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
+        runs.push((blocks, first, second));
+    }
+    let (_, want1, want2) = &runs[0];
+    for (blocks, first, second) in &runs[1..] {
+        assert_eq!(max_abs_diff(first, want1), 0.0, "step 1, persistent blocks {blocks:?} vs a block per item");
+        assert_eq!(max_abs_diff(second, want2), 0.0, "step 2, persistent blocks {blocks:?} vs a block per item");
+    }
+}

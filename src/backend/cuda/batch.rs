@@ -161,6 +161,7 @@ pub struct StepKey {
     pub splits: usize,
     pub kv_bf16: bool,
     pub out: StepOut,
+    pub gdn: gdn::StepBatchKernel,
 }
 
 /// Split count of a batch step: enough for the longest row this call can reach, rounded up to a
@@ -189,6 +190,7 @@ struct BatchPass<'a> {
     b: &'a BatchBuffers,
     rows: usize,
     splits: usize,
+    gdn: gdn::StepBatchKernel,
     dims: LayerDims,
 }
 
@@ -239,7 +241,7 @@ impl Pass for BatchPass<'_> {
         // The step stages its outputs for the out-projection itself where each head's outputs are
         // whole staged groups: one launch less per layer.
         let fused = gdn::stages_output(&self.dims.gdn);
-        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n, fused.then_some(&self.b.staged))?;
+        gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n, fused.then_some(&self.b.staged), self.gdn)?;
         self.point(probe, Point::Phase("gdn.step"))?;
         if !fused {
             self.stage(p.y, g.out.cols, n, None, 0)?;
@@ -302,7 +304,7 @@ impl Pass for BatchPass<'_> {
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, dims: LayerDims::new(cfg, key.kv_bf16) };
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, dims: LayerDims::new(cfg, key.kv_bf16) };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
     let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));
@@ -359,6 +361,16 @@ impl CudaBackend {
             b.sample.load(gpu, snaps)?;
         }
         Ok(())
+    }
+
+    /// The batched GDN step's kernel for `rows` rows (or the test override's).
+    fn gdn_step_kernel(&self, rows: usize) -> gdn::StepBatchKernel {
+        let items = rows * self.cfg.linear_num_value_heads;
+        match self.opts.gdn_step_blocks {
+            Some(0) => gdn::StepBatchKernel::PerItem,
+            Some(blocks) => gdn::StepBatchKernel::Persist { blocks: blocks.min(items) },
+            None => gdn::select_step_batch(items, self.gpu.sms as usize),
+        }
     }
 
     /// Runs one batch step over the bound rows: through its graph (captured on first use), or
@@ -458,7 +470,7 @@ impl CudaBackend {
                 let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
                 self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
             }
-            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out })?;
+            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n) })?;
             let b = &self.batcher.as_ref().expect("fitted").bufs;
             self.gpu
                 .stream
@@ -506,7 +518,8 @@ impl CudaBackend {
         let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();
         let pos: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         self.bind_rows(&states, tokens, &pos, &[], StepOut::Logits)?;
-        self.run_batch_step(StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits })?;
+        let key = StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits, gdn: self.gdn_step_kernel(n) };
+        self.run_batch_step(key)?;
         let b = &self.batcher.as_ref().expect("fitted").bufs;
         let vocab = self.cfg.vocab_size;
         let out = self.gpu.stream.clone_dtoh(&b.act.logits.slice(0..n * vocab)).map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))?;

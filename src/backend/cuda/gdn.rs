@@ -11,6 +11,7 @@ use anyhow::{bail, Result};
 
 const GDN_STEP: Kernel = Kernel::dependent(&GDN, "gdn_step");
 const GDN_STEP_BATCH: Kernel = Kernel::dependent(&GDN, "gdn_step_batch");
+const GDN_STEP_PERSIST: Kernel = Kernel::dependent(&GDN, "gdn_step_persist");
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
@@ -53,7 +54,17 @@ impl GdnDims {
     fn step_batch_smem(&self) -> u32 {
         self.step_smem() + (self.dk * self.dv * 4) as u32
     }
+    /// `gdn_step_persist`: three stages of (state slice, the conv's history and inputs of the
+    /// head's channels, z, four scalars), the rows' two pointers, the step's scratch, then the
+    /// rows' positions.
+    fn step_persist_smem(&self, rows: usize) -> u32 {
+        let stage = self.dk * self.dv + self.kc * (2 * self.dk + self.dv) + self.dv + 4;
+        self.step_smem() + ((PERSIST_STAGES * stage + 5 * rows) * 4) as u32
+    }
 }
+
+/// `gdn_step_persist`'s stages (GDN_PS_STAGES in kernels/gdn.cu).
+const PERSIST_STAGES: usize = 3;
 
 /// Whether the decode step takes these head dims (key dims in 32-lane slices, one block of at most
 /// 1,024 threads per value head). The backend needs it.
@@ -89,11 +100,35 @@ pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
     gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
 }
 
+/// The batched step's kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepBatchKernel {
+    /// `gdn_step_batch`: a block per (row, head) item, three blocks per SM at the 35B's dims.
+    PerItem,
+    /// `gdn_step_persist` on `blocks` blocks, each taking every `blocks`-th item and copying
+    /// everything an item reads into shared memory two items ahead (one block per SM).
+    Persist { blocks: usize },
+}
+
+/// The batched step's kernel for `items` (row, head) items on `sms` multiprocessors: the
+/// persistent kernel while every item gets a block of its own (all of an item's loads in flight
+/// at once, none of them on its arithmetic's path: +3% aggregate decode at 1 and 4 rows of the
+/// 35B), `gdn_step_batch` beyond, where the persistent kernel's one block per SM computes its
+/// items too slowly (-4% at 16 and 64 rows; docs/cuda.md, "Batched decode").
+pub fn select_step_batch(items: usize, sms: usize) -> StepBatchKernel {
+    if items <= sms {
+        StepBatchKernel::Persist { blocks: items }
+    } else {
+        StepBatchKernel::PerItem
+    }
+}
+
 /// One token of each of `rows` sequences (batched decode): `p.ring` and `p.state` are device
 /// tables of the rows' ring and state pointers, `steps` their `[token, position]` pairs, the
 /// activations row-major over the rows. With `staged` the outputs are also staged there for the
 /// out-projection's batched GEMV, as `stage_tcb` without a gain would (see [`stages_output`]).
-pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>, kernel: StepBatchKernel) -> Result<()> {
     let mut args = step_args(d, p, steps);
     let s = &gpu.stream;
     match staged {
@@ -104,6 +139,13 @@ pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, 
             args.extend([Arg::P(ptr(&st.frag, s)), Arg::P(ptr(&st.gsum, s))]);
         }
         None => args.extend([Arg::P(0), Arg::P(0)]),
+    }
+    if let StepBatchKernel::Persist { blocks } = kernel {
+        let smem = d.step_persist_smem(rows);
+        if smem <= SMEM_OPTIN_LIMIT && d.step_threads() <= 512 {
+            args.push(Arg::I(rows as i32));
+            return gpu.launch(GDN_STEP_PERSIST, (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), smem, &args);
+        }
     }
     let smem = d.step_batch_smem();
     if smem > SMEM_OPTIN_LIMIT {
@@ -380,6 +422,18 @@ mod tests {
         // 228 KiB of shared memory per SM, 1 KiB of it reserved per block.
         assert!(3 * (d.step_batch_smem() + 1024) <= 228 * 1024, "{}", d.step_batch_smem());
         assert_eq!(d.step_threads(), 512);
+    }
+
+    #[test]
+    fn the_batched_step_is_persistent_while_every_item_has_a_block() {
+        assert_eq!(select_step_batch(32, 132), StepBatchKernel::Persist { blocks: 32 });
+        assert_eq!(select_step_batch(132, 132), StepBatchKernel::Persist { blocks: 132 });
+        assert_eq!(select_step_batch(133, 132), StepBatchKernel::PerItem);
+        assert_eq!(select_step_batch(64 * 32, 132), StepBatchKernel::PerItem);
+        // Three stages and the tables of the most rows a batch takes fit the opt-in limit.
+        let d = GdnDims::new(&crate::checkpoint::ModelConfig::qwen36_35b_a3b());
+        let most = d.step_persist_smem(super::super::batch::MAX_BATCH);
+        assert!(most <= SMEM_OPTIN_LIMIT, "{most}");
     }
 
     #[test]

@@ -69,6 +69,7 @@ pub const GDN: Module = Module {
     kernels: &[
         "gdn_step",
         "gdn_step_batch",
+        "gdn_step_persist",
         "pf_gdn_conv",
         "pf_gdn_ring",
         "pf_gdn_conv_qk",
