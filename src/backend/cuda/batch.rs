@@ -58,7 +58,7 @@ struct MoeBuffers {
     fill: CudaSlice<i32>,
     list: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
-    /// moe_route_batch's counters and count scratch (moe::ROUTE_DONE_LEN words, zero between launches).
+    /// moe_route_batch's count of finished blocks (zero between launches).
     done: CudaSlice<u32>,
     gate: CudaSlice<f32>,
     down: CudaSlice<f32>,
@@ -74,7 +74,7 @@ impl MoeBuffers {
             fill: gpu.zeros(d.e + 1)?,
             list: gpu.zeros(slots)?,
             tiles: gpu.zeros(1 + 2 * moe::batch_max_tiles(cap, &d))?,
-            done: gpu.zeros(moe::ROUTE_DONE_LEN)?,
+            done: gpu.zeros(1)?,
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
         })

@@ -291,7 +291,7 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
     let ud = gpu.upload(u)?;
     let (logits, sgl, top_w) = (gpu.zeros::<f32>(n * d.e)?, gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n * d.k)?);
     let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?);
-    let (list, tiles, done) = (gpu.zeros::<i32>(n * (d.k + 1))?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(moe::ROUTE_DONE_LEN)?);
+    let (list, tiles, done) = (gpu.zeros::<i32>(n * (d.k + 1))?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(1)?);
     let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
     let f = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let r = RouteLists { logits: f(&logits), top_ids: p(&top_ids), top_w: f(&top_w), counts: p(&counts), offsets: p(&offsets), fill: p(&fill), list: p(&list), tiles: p(&tiles) };
