@@ -65,6 +65,14 @@ impl GdnDims {
 
 /// `gdn_step_persist`'s stages (GDN_PS_STAGES in kernels/gdn.cu).
 const PERSIST_STAGES: usize = 3;
+/// The most conv taps `gdn_step_persist` holds (its `tp[8]` registers; the model has 4).
+const PERSIST_MAX_TAPS: usize = 8;
+
+/// Whether `gdn_step_persist` takes a step of `rows` rows at these dims: its stages fit the
+/// shared-memory opt-in, a block of at most 512 threads, the conv taps in its registers.
+fn persist_fits(d: &GdnDims, rows: usize) -> bool {
+    d.step_persist_smem(rows) <= SMEM_OPTIN_LIMIT && d.step_threads() <= 512 && d.kc <= PERSIST_MAX_TAPS
+}
 
 /// Whether the decode step takes these head dims (key dims in 32-lane slices, one block of at most
 /// 1,024 threads per value head). The backend needs it.
@@ -141,10 +149,9 @@ pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, 
         None => args.extend([Arg::P(0), Arg::P(0)]),
     }
     if let StepBatchKernel::Persist { blocks } = kernel {
-        let smem = d.step_persist_smem(rows);
-        if smem <= SMEM_OPTIN_LIMIT && d.step_threads() <= 512 {
+        if persist_fits(d, rows) {
             args.push(Arg::I(rows as i32));
-            return gpu.launch(GDN_STEP_PERSIST, (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), smem, &args);
+            return gpu.launch(GDN_STEP_PERSIST, (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
         }
     }
     let smem = d.step_batch_smem();
@@ -434,6 +441,9 @@ mod tests {
         let d = GdnDims::new(&crate::checkpoint::ModelConfig::qwen36_35b_a3b());
         let most = d.step_persist_smem(super::super::batch::MAX_BATCH);
         assert!(most <= SMEM_OPTIN_LIMIT, "{most}");
+        assert!(persist_fits(&d, super::super::batch::MAX_BATCH));
+        // A conv wider than the kernel's tap registers stays on gdn_step_batch.
+        assert!(!persist_fits(&GdnDims { kc: PERSIST_MAX_TAPS + 1, ..d }, 4));
     }
 
     #[test]
