@@ -9,6 +9,14 @@
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 // ================================ decode (T = 1) ================================
+// Channel c of value head n's conv inputs (its key head kh's q, then k, then its own v) as
+// an index into a conv row [q of every key head | k of every key head | v of every value head].
+__device__ __forceinline__ int gdn_head_channel(int kh, int n, int c, int dk, int dv, int key_dim) {
+    if (c < dk) return kh * dk + c;
+    if (c < 2 * dk) return key_dim + kh * dk + (c - dk);
+    return 2 * key_dim + n * dv + (c - 2 * dk);
+}
+
 // Gated DeltaNet decode step, one block per value head, everything fused:
 // causal conv1d step + SiLU on the head's q/k/v channels, L2 norm of q and k, the gates
 // (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)), the delta-rule update of the
@@ -73,11 +81,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     // taps is formed here, in the same order as the full sum below. The projections (qkv, z, b,
     // a) are read only after the wait.
     const int nch = 2 * dk + dv;
-    auto chan = [&](int idx) {
-        if (idx < dk) return kh * dk + idx;
-        if (idx < 2 * dk) return key_dim + kh * dk + (idx - dk);
-        return 2 * key_dim + n * dv + (idx - 2 * dk);
-    };
+    auto chan = [&](int idx) { return gdn_head_channel(kh, n, idx, dk, dv, key_dim); };
     float pre = 0.f, tap_last = 0.f;
     const int ch0 = tid < nch ? chan(tid) : 0;
     if (tid < nch) {
@@ -230,14 +234,14 @@ extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* 
 // The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
 // its projections at row b of the token-major activations, its conv ring and state from the
 // per-row pointer tables, its [token, position] at steps[2b]. Each row is exactly gdn_step.
-extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(const float* __restrict__ qkv, const float* __restrict__ z,
-                                          const float* __restrict__ braw, const float* __restrict__ araw,
-                                          float* const* __restrict__ rings, const float* __restrict__ taps,
-                                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                          const float* __restrict__ norm_w, float* const* __restrict__ states,
-                                          float* __restrict__ y, const int* __restrict__ steps, int nk, int nv,
-                                          int dk, int dv, int KC, float eps, u32* __restrict__ frag,
-                                          float* __restrict__ gsum) {
+// The parameters both batched steps take (gdn_step_persist adds the row count).
+#define GDN_STEP_BATCH_ARGS                                                                                    \
+    const float *__restrict__ qkv, const float *__restrict__ z, const float *__restrict__ braw,                 \
+        const float *__restrict__ araw, float *const *__restrict__ rings, const float *__restrict__ taps,        \
+        const float *__restrict__ dt_bias, const float *__restrict__ neg_a, const float *__restrict__ norm_w,   \
+        float *const *__restrict__ states, float *__restrict__ y, const int *__restrict__ steps, int nk, int nv, \
+        int dk, int dv, int KC, float eps, u32 *__restrict__ frag, float *__restrict__ gsum
+extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BATCH_ARGS) {
     const int b = blockIdx.y;
     const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
     gdn_step_impl<true>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
@@ -262,14 +266,7 @@ __device__ __forceinline__ int gdn_ps_stage(int dk, int dv, int KC) { return dk 
 __device__ __forceinline__ void cp_async4(unsigned s, const void* g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(g) : "memory");
 }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(const float* __restrict__ qkv, const float* __restrict__ z,
-                                          const float* __restrict__ braw, const float* __restrict__ araw,
-                                          float* const* __restrict__ rings, const float* __restrict__ taps,
-                                          const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                          const float* __restrict__ norm_w, float* const* __restrict__ states,
-                                          float* __restrict__ y, const int* __restrict__ steps, int nk, int nv,
-                                          int dk, int dv, int KC, float eps, u32* __restrict__ frag,
-                                          float* __restrict__ gsum, int rows) {
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_BATCH_ARGS, int rows) {
     extern __shared__ __align__(16) float gps_sm[];
     const int tid = threadIdx.x, nt = blockDim.x, items = rows * nv;
     const int nch = 2 * dk + dv, key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv, group = nv / nk;
@@ -288,12 +285,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(const floa
     const float nwj = norm_w[tid % dv];
     __syncthreads();
     // Channel c (0..nch) of head n: its index in a conv row.
-    auto chan = [&](int n, int c) {
-        const int kh = n / group;
-        if (c < dk) return kh * dk + c;
-        if (c < 2 * dk) return key_dim + kh * dk + (c - dk);
-        return 2 * key_dim + n * dv + (c - 2 * dk);
-    };
+    auto chan = [&](int n, int c) { return gdn_head_channel(n / group, n, c, dk, dv, key_dim); };
     auto stage_of = [&](int k) { return gps_sm + (k % GDN_PS_STAGES) * stage; };
     auto copy_state = [&](int k, int it) {
         const float* S = sstate[it / nv] + (size_t)(it % nv) * dk * dv;
@@ -377,7 +369,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(const floa
         __syncthreads();  // the stage and the scratch are free for the next items
     }
 }
-
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
