@@ -345,6 +345,174 @@ FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_ENTRY)
     }
 FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_BATCH_ENTRY)
 
+// Batched decode on the tensor cores (bf16 KV cache): the q heads of a KV head (group <= 8) are
+// the rows of one m16 tile (rows past the group zero), the split's keys stream through ATTN_TC_NS
+// stages of ATTN_TC_TK keys (K and V, rows padded to PFA_LD, rows past the split's last key
+// zero-filled: 0 * a stale NaN would poison P V; rows padded by 8 elements, as PFA_LD pads the
+// prefill's tiles, so ldmatrix reads are conflict-free). Four warps: warp w takes the 16 keys
+// 16 (w & 1) .. of each tile (S = Q K^T over the whole head, 32 mma) and the dims (w >> 1) * HD/2
+// .. of the output (P V, HD/16 mma), each key half keeping its own online softmax (the two dim
+// halves of a key half compute the same S, so the same m and l); the halves merge at the end.
+// Q is scaled by scale * log2(e) and rounded to bf16 as the prefill's tensor-core kernel does;
+// P is bf16. The current position (written by attn_prep_batch just before) is in the last tile of
+// the last split, loaded after the PDL wait; the earlier tiles load before it.
+#define ATTN_TC_TK 32
+#define ATTN_TC_NS 3
+template <int HD>
+__device__ void attn_split_tc(const float* __restrict__ q, const u16* __restrict__ kcache,
+                              const u16* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
+                              int splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
+    constexpr int LD = HD + 8, TK = ATTN_TC_TK, NS = ATTN_TC_NS, C8 = HD / 8, HALF = HD / 2;
+    constexpr int NTH = HALF / 8;  // n8 tiles of a dim half
+    extern __shared__ __align__(16) u16 atc_sm[];
+    u16* Qs = atc_sm;            // 16 x LD
+    u16* KV0 = Qs + 16 * LD;     // NS x [K: TK x LD | V: TK x LD]
+    const int kvh = blockIdx.x, sp = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kh = warp & 1, dh = warp >> 1, g = lane >> 2, t4 = lane & 3;
+    const int group = nh / nkv;
+    const int pos = step[1], len = pos + 1;
+    const int chunk = (len + splits - 1) / splits;
+    const int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    const int ntiles = p1 > p0 ? (p1 - p0 + TK - 1) / TK : 0;
+    const size_t kv_dim = (size_t)nkv * HD;
+    // The tile holding the current position (the split's last one), or -1.
+    const int pos_tile = pos >= p0 && pos < p1 ? ntiles - 1 : -1;
+    auto copy_tile = [&](int t) {
+        const int tp0 = p0 + t * TK, nr = min(TK, p1 - tp0);
+        u16* st = KV0 + (t % NS) * 2 * TK * LD;
+        for (int i = tid; i < 2 * TK * C8; i += blockDim.x) {
+            const int isv = i / (TK * C8), rem = i % (TK * C8), r = rem / C8, c = rem % C8;
+            const u16* src = (isv ? vcache : kcache) + (size_t)(tp0 + min(r, nr - 1)) * kv_dim + kvh * HD + c * 8;
+            cp_async16z(smem_u32(st + isv * TK * LD + r * LD + c * 8), src, r < nr);
+        }
+    };
+    // One commit group per tile (empty past the last, or for the current position's tile before
+    // the wait), so the waits below count tiles.
+#pragma unroll
+    for (int t = 0; t < NS - 1; ++t) {
+        if (t < ntiles && t != pos_tile) copy_tile(t);
+        cp_commit();
+    }
+    pdl_wait_trigger();
+    if (pos_tile >= 0 && pos_tile < NS - 1) {
+        copy_tile(pos_tile);
+        cp_commit();
+    }
+    const float qscale = scale * 1.4426950408889634f;
+    for (int i = tid; i < 16 * (HD / 4); i += blockDim.x) {
+        const int r = i / (HD / 4), f = i % (HD / 4);
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < group) v = reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD)[f];
+        *reinterpret_cast<uint2*>(Qs + r * LD + f * 4) =
+            make_uint2(pack_bf16(v.x * qscale, v.y * qscale), pack_bf16(v.z * qscale, v.w * qscale));
+    }
+    const u32 q_addr = smem_u32(Qs) + ((lane & 15) * LD + ((lane >> 4) << 3)) * 2;
+    const u32 k_off = (((lane & 7) + ((lane >> 4) << 3)) * LD + (((lane >> 3) & 1) << 3)) * 2;
+    const u32 v_off = (((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + ((lane >> 4) << 3)) * 2;
+    float o[NTH][4];
+#pragma unroll
+    for (int i = 0; i < NTH; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m = NEG_INF, l = 0.f;  // row g (rows g + 8 are padding)
+    for (int t = 0; t < ntiles; ++t) {
+        if (t + NS - 1 < ntiles) copy_tile(t + NS - 1);  // after the wait: the current position too
+        cp_commit();
+        if (t == ntiles - 1) cp_wait<0>();
+        else cp_wait<NS - 1>();
+        __syncthreads();
+        const u32 ks = smem_u32(KV0 + (t % NS) * 2 * TK * LD), vs = ks + TK * LD * 2;
+        const int nr = min(TK, p1 - (p0 + t * TK));
+        float s[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 a[4], b0, b1, b2, b3;
+            ldsm_x4(q_addr + kk * 32, a[0], a[1], a[2], a[3]);
+            ldsm_x4(ks + k_off + (kh * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
+            mma_bf16(s[0], a, b0, b1);
+            mma_bf16(s[1], a, b2, b3);
+        }
+        // Row g's online softmax over this warp's 16 keys (keys past nr masked).
+        float mt = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (kh * 16 + nt * 8 + 2 * t4 + e >= nr) s[nt][e] = NEG_INF;
+                mt = fmaxf(mt, s[nt][e]);
+            }
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+        const float mn = fmaxf(m, mt), base = mn == NEG_INF ? 0.f : mn, corr = exp2f(m - base);
+        m = mn;
+        l *= corr;
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt) {
+            o[nt][0] *= corr;
+            o[nt][1] *= corr;
+        }
+        u32 pa[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float p0v = exp2f(s[nt][0] - base), p1v = exp2f(s[nt][1] - base);
+            l += p0v + p1v;
+            pa[2 * nt] = pack_bf16(p0v, p1v);
+            pa[2 * nt + 1] = 0u;  // rows g + 8: padding
+        }
+#pragma unroll
+        for (int dp = 0; dp < NTH / 2; ++dp) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(vs + v_off + (kh * 16 * LD + dh * HALF + dp * 16) * 2, b0, b1, b2, b3);
+            mma_bf16(o[2 * dp], pa, b0, b1);
+            mma_bf16(o[2 * dp + 1], pa, b2, b3);
+        }
+        __syncthreads();  // the stage is refilled by a later iteration's copy
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    // Merge the key halves: warps of key half 1 leave (m, l, o rows g) in shared memory (the
+    // first stage, free now), warps of key half 0 merge and store the split's partials.
+    float* mo = reinterpret_cast<float*>(KV0);  // [2 dim halves][8 rows][HALF] then [8][2] (m, l)
+    float* mml = mo + 2 * 8 * HALF;
+    if (kh == 1 && g < group) {
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) mo[(dh * 8 + g) * HALF + nt * 8 + 2 * t4 + e] = o[nt][e];
+        if (dh == 0 && t4 == 0) { mml[2 * g] = m; mml[2 * g + 1] = l; }
+    }
+    __syncthreads();
+    if (kh == 1 || g >= group) return;
+    const float m1 = mml[2 * g], l1 = mml[2 * g + 1];
+    const float M = fmaxf(m, m1), bM = M == NEG_INF ? 0.f : M;
+    const float w0 = exp2f(m - bM), w1 = exp2f(m1 - bM);
+    const int h = kvh * group + g;
+    const size_t row = (size_t)h * splits + sp;
+#pragma unroll
+    for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int d = nt * 8 + 2 * t4 + e;
+            part_o[row * HD + dh * HALF + d] = o[nt][e] * w0 + mo[(dh * 8 + g) * HALF + d] * w1;
+        }
+    if (dh == 0 && t4 == 0) {
+        // exp2 units to natural ones: the combine weighs the splits by exp(m - M).
+        part_ml[2 * row] = M == NEG_INF ? NEG_INF : M * 0.6931471805599453f;
+        part_ml[2 * row + 1] = l * w0 + l1 * w1;
+    }
+}
+#define ATTN_SPLIT_TC_BATCH(HD)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) attn_split_tc_batch_##HD(                                  \
+        const float* q, u16* const* ktab, u16* const* vtab, const int* steps, int nh, int nkv, int splits,       \
+        float scale, float* po, float* pml) {                                                                      \
+        const size_t b = blockIdx.z, rows = (size_t)nh * splits;                                                   \
+        attn_split_tc<HD>(q + b * nh * HD, ktab[b], vtab[b], steps + 2 * b, nh, nkv, splits, scale,               \
+                          po + b * rows * HD, pml + b * rows * 2);                                                 \
+    }
+ATTN_SPLIT_TC_BATCH(64)
+ATTN_SPLIT_TC_BATCH(128)
+ATTN_SPLIT_TC_BATCH(256)
+
 // Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
 // 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
 // all splits are in flight together instead of one dependent load per split); the 8 warp sums are

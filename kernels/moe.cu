@@ -826,7 +826,8 @@ __device__ __forceinline__ void block_excl_scan2(int a, int b, int* wa, int* wb,
 
 // The routing of a batched decode step in one launch: the f32 router logits (rows 0..E-1) and
 // the shared-expert gate logit (row E) of the n staged-normalised tokens u, then, in the last
-// block to finish, what pf_route + pf_scan + pf_scatter produce: top-k ids and weights per token
+// block to finish of each RB_TOK-token group (the top-k of its tokens) and the last of those
+// (the rest), what pf_route + pf_scan + pf_scatter produce: top-k ids and weights per token
 // (warp_route_topk, so the same picks as every other path), per-expert counts, offsets, fill
 // cursors, tensor-core tiles and slot lists, with the shared expert as one more expert if asked
 // (so moe_tcb runs it beside the routed ones). Codes are dequantised (s * q + b, 4- or 8-bit,
@@ -834,12 +835,14 @@ __device__ __forceinline__ void block_excl_scan2(int a, int b, int* wa, int* wb,
 // another order. grid (ceil((E + 1) / RB_ROWS), ceil(n / RB_TOK)), block RB_THREADS; each thread
 // owns 8-column chunks of H for the block's RB_ROWS rows and RB_TOK tokens, read straight from
 // global memory (every block reads all of u; it is L2-resident). Tiles are TCB_TOK slots (one
-// moe_tcb pass each). `done` counts finished blocks; the last one resets it, so the kernel
-// replays in a graph. Dynamic shared memory: route_batch_smem (moe.rs). Instances of 1 and 4
+// moe_tcb pass each). `done` counts finished blocks and groups, then holds the groups' summed
+// counts (RB_DONE words, then E); the blocks that use them reset them, so the kernel replays in
+// a graph. Dynamic shared memory: route_batch_smem (moe.rs). Instances of 1 and 4
 // router rows per block (moe_route_batch_1 / _4): few tokens spread the router over more blocks
 // (moe.rs route_rows_per_block).
 #define RB_TOK 16
 #define RB_THREADS 256
+#define RB_DONE 16  // counters of `done` before its count scratch (moe.rs ROUTE_DONE_WORDS)
 
 __device__ __forceinline__ void rb_dequant8(const u32* __restrict__ w, const u16* __restrict__ s,
                                             const u16* __restrict__ b, int bits, int H, int group, int row,
@@ -921,36 +924,64 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
             else sgl[c0 + j] = v;
         }
     }
-    // The last block to finish routes every token.
+    // The last block of each token group routes the group's tokens (top-k, counts); with several
+    // groups their counts meet in `gcounts` and the last group's block finishes the lists, so the
+    // top-k of a big batch runs in one block per 16 tokens, not in one block for all of them.
+    // done[0]: groups finished; done[1 + y]: blocks of group y finished; both left at zero, as
+    // is gcounts.
+    unsigned* gdone = done;
+    int* gcounts = reinterpret_cast<int*>(done + RB_DONE);
     __threadfence();
     __syncthreads();
     __shared__ int last;
-    if (tid == 0) last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+    if (tid == 0) {
+        last = atomicAdd(&gdone[1 + blockIdx.y], 1u) == gridDim.x - 1;
+        if (last) gdone[1 + blockIdx.y] = 0u;
+    }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    float* lg = rb_sm;                                         // [n][E] every token's logits
+    float* lg = rb_sm;                                         // [nt][E] the group's logits
     int* cnt = reinterpret_cast<int*>(rb_sm + n * E);          // [E] counts, then fill cursors
     int* off = cnt + E;                                        // [E]
-    int* ids = off + E;                                        // [n * K]
+    int* ids = off + E;                                        // [n * K] every slot's expert
     float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][K] one token's weights per warp
     int* wid = reinterpret_cast<int*>(wts + nwarps * K);       // [nwarps][K]
     for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
     // All loads in flight at once (L2, written by the other blocks), not one token's per warp.
-    for (int i = tid; i < n * E; i += RB_THREADS) lg[i] = __ldcg(logits + i);
+    for (int i = tid; i < nt * E; i += RB_THREADS) lg[i] = __ldcg(logits + (size_t)c0 * E + i);
     __syncthreads();
-    for (int t = warp; t < n; t += nwarps) {
+    for (int t = warp; t < nt; t += nwarps) {
         warp_route_topk(lg + (size_t)t * E, E, K, wid + warp * K, wts + warp * K);
         if (lane < K) {
-            const int id = wid[warp * K + lane];
-            top_ids[(size_t)t * K + lane] = id;
-            top_w[(size_t)t * K + lane] = wts[warp * K + lane];
-            ids[t * K + lane] = id;
+            const int id = wid[warp * K + lane], sl = (c0 + t) * K + lane;
+            top_ids[sl] = id;
+            top_w[sl] = wts[warp * K + lane];
+            ids[sl] = id;
             atomicAdd(&cnt[id], 1);
         }
         __syncwarp();
     }
     __syncthreads();
+    if (gridDim.y > 1) {
+        for (int e = tid; e < E; e += RB_THREADS)
+            if (cnt[e]) atomicAdd(&gcounts[e], cnt[e]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            last = atomicAdd(&gdone[0], 1u) == gridDim.y - 1;
+            if (last) gdone[0] = 0u;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        for (int e = tid; e < E; e += RB_THREADS) {
+            cnt[e] = __ldcg(gcounts + e);
+            gcounts[e] = 0;
+        }
+        for (int sl = tid; sl < n * K; sl += RB_THREADS) ids[sl] = __ldcg(top_ids + sl);
+        __syncthreads();
+    }
     // Exclusive scans of the counts and of the tiles (TCB_TOK slots each: a tile is one pass of
     // moe_tcb, so an expert with many slots is spread over blocks instead of looping in one) in
     // expert order: thread i takes experts 2i and 2i + 1 (E + with_shared <= 2 * RB_THREADS).
@@ -982,10 +1013,7 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
                 oc += c[q];
             }
         }
-        if (tid == RB_THREADS - 1) {
-            tiles[0] = ot;
-            *done = 0u;
-        }
+        if (tid == RB_THREADS - 1) tiles[0] = ot;
         __syncthreads();
         for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
         __syncthreads();

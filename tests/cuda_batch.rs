@@ -13,7 +13,7 @@ mod common;
 
 use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
-use lily::backend::cuda::{testing, CudaBackend};
+use lily::backend::cuda::{attention, testing, CudaBackend};
 use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::batch_prompt;
@@ -287,5 +287,91 @@ fn cuda_batch_gdn_step_kernels_agree_bit_for_bit() {
     for (blocks, first, second) in &runs[1..] {
         assert_eq!(max_abs_diff(first, want1), 0.0, "step 1, persistent blocks {blocks:?} vs a block per item");
         assert_eq!(max_abs_diff(second, want2), 0.0, "step 2, persistent blocks {blocks:?} vs a block per item");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_tensor_core_attention_matches_the_cpu_and_the_cuda_core_kernel() {
+    // bf16 KV cache: the batched decode's attention splits on the tensor cores (the default) against
+    // the CPU reference (the bounds of the test above) and against the CUDA-core split kernel
+    // (bf16 q and probabilities against f32: a few 1e-3 relative), 12 rows of 1 to 200 prompt
+    // tokens, two steps.
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    cpu.set_kv_bf16(true);
+    let vocab = cpu.config().vocab_size;
+    let lens = &LENS[..12];
+    let mut want = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let p = batch_prompt(i, len, vocab);
+        let mut s = cpu.new_sequence(512).unwrap();
+        want.extend(cpu.forward(&mut s, &p, LogitsWanted::Last).unwrap());
+    }
+    let mut runs = Vec::new();
+    for cuda_core in [false, true] {
+        let mut gpu = cuda(true);
+        testing::options_mut(&mut gpu).attn_split_cuda_core = cuda_core;
+        let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
+        let tokens: Vec<u32> = seqs.iter().map(|s| s.1).collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().map(|s| &mut s.0).collect();
+        let first = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
+        let second = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
+        runs.push((first, second));
+    }
+    let n = lens.len();
+    let row = |v: &[f32], i: usize| v[i * vocab..(i + 1) * vocab].to_vec();
+    let (tc, cc) = (&runs[0], &runs[1]);
+    let r = rel_rms(&tc.0, &want);
+    let top1 = (0..n).filter(|&i| argmax(&row(&tc.0, i)) == argmax(&row(&want, i))).count();
+    let (d1, d2) = (rel_rms(&tc.0, &cc.0), rel_rms(&tc.1, &cc.1));
+    eprintln!("tensor-core attention: vs CPU rel RMS {r:.3e}, top-1 {top1}/{n}; vs the CUDA-core kernel {d1:.3e} / {d2:.3e}");
+    assert!(r < 0.1 && top1 >= 10, "against the CPU: {r}, top-1 {top1}/{n}");
+    assert!(d1 < 0.05 && d2 < 0.05, "against the CUDA-core kernel: {d1} / {d2}");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_attention_kernels_match_an_exact_reference() {
+    // The batched decode's split + combine alone at the 35B's attention shape (16 q heads, 2 KV
+    // heads, head dim 256), bf16 caches of 1 to 257 positions (tile and split edges), 1 and 4
+    // splits, against softmax attention in f64 over the same bf16 values: the CUDA-core kernel to
+    // f32 rounding, the tensor-core kernel (bf16 q and probabilities) within 1e-2 of the largest
+    // output.
+    let b = cuda(true);
+    let (nh, nkv, hd) = (16usize, 2usize, 256usize);
+    let lens = [1usize, 5, 31, 32, 33, 64, 100, 257];
+    let rows = lens.len();
+    let bf = |x: f32| half::bf16::from_f32(x).to_f32();
+    let q = rnd(11, rows * nh * hd);
+    let gate = rnd(12, rows * nh * hd);
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = lens.iter().enumerate().map(|(i, &len)| (rnd(100 + i as u64, len * nkv * hd), rnd(200 + i as u64, len * nkv * hd))).collect();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut want = vec![0f32; rows * nh * hd];
+    for (r, (k, v)) in caches.iter().enumerate() {
+        let len = lens[r];
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let qh = &q[(r * nh + h) * hd..][..hd];
+            let s: Vec<f64> = (0..len).map(|j| (0..hd).map(|d| qh[d] as f64 * bf(k[(j * nkv + kvh) * hd + d]) as f64).sum::<f64>() * scale).collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let l: f64 = e.iter().sum();
+            for d in 0..hd {
+                let o: f64 = (0..len).map(|j| e[j] * bf(v[(j * nkv + kvh) * hd + d]) as f64).sum::<f64>() / l;
+                let g = gate[(r * nh + h) * hd + d] as f64;
+                want[(r * nh + h) * hd + d] = (o / (1.0 + (-g).exp())) as f32;
+            }
+        }
+    }
+    let peak = want.iter().fold(0f32, |a, &x| a.max(x.abs()));
+    for splits in [1usize, 4] {
+        for kernel in [attention::SplitBatch::CudaCore, attention::SplitBatch::TensorCore] {
+            let got = testing::batch_attention(&b, &q, &gate, &caches, nh, nkv, hd, splits, kernel).unwrap();
+            let err = max_abs_diff(&got, &want);
+            eprintln!("batched attention {kernel:?}, {splits} splits: max |err| {err:.3e} of max |out| {peak:.3}");
+            let bound = if kernel == attention::SplitBatch::CudaCore { 1e-5 } else { 1e-2 } * peak;
+            assert!(err < bound, "{kernel:?}, {splits} splits: {err} (bound {bound})");
+        }
     }
 }

@@ -93,6 +93,12 @@ const SPLIT_BATCH: Instances = [
     ["attn_split_batch_128", "attn_split_batch_128_bf16"],
     ["attn_split_batch_256", "attn_split_batch_256_bf16"],
 ];
+/// bf16 cache only (the f32 column is never selected).
+const SPLIT_TC_BATCH: Instances = [
+    ["attn_split_tc_batch_64", "attn_split_tc_batch_64"],
+    ["attn_split_tc_batch_128", "attn_split_tc_batch_128"],
+    ["attn_split_tc_batch_256", "attn_split_tc_batch_256"],
+];
 const CHUNK_F32: Instances = [
     ["pf_attn_64", "pf_attn_64_bf16"],
     ["pf_attn_128", "pf_attn_128_bf16"],
@@ -190,12 +196,41 @@ pub fn prep_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, steps: u64, rows: usize
     gpu.launch(ATTN_PREP_BATCH[kv_index(d.kv_bf16)], ((d.nh + d.nkv) as u32, rows as u32, 1), d.hd as u32, d.prep_smem(), &args)
 }
 
+/// The batched decode's split kernel: `attn_split_tc_batch_{hd}` (the q heads of a KV head as the
+/// rows of one tensor-core tile) for a bf16 cache and at most 8 q heads per KV head, else
+/// `attn_split_batch_{hd}[_bf16]` (a warp per q head on the CUDA cores).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitBatch {
+    TensorCore,
+    CudaCore,
+}
+
+pub fn select_split_batch(d: &AttnDims) -> SplitBatch {
+    if d.kv_bf16 && d.nh / d.nkv <= 8 && [64, 128, 256].contains(&d.hd) {
+        SplitBatch::TensorCore
+    } else {
+        SplitBatch::CudaCore
+    }
+}
+
+/// `attn_split_tc_batch`'s dynamic shared memory: the q tile (16 rows) and 3 stages of 32 K and
+/// 32 V rows, bf16, rows padded by 8 elements (ATTN_TC_* in kernels/attention.cu).
+fn split_tc_smem(hd: usize) -> u32 {
+    ((16 + 3 * 2 * 32) * (hd + 8) * 2) as u32
+}
+
 /// Batched decode: [`split`] per row over its own cache and length; partials `[rows][nh][splits]`.
-pub fn split_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, steps: u64, splits: usize, rows: usize) -> Result<()> {
-    let name = instance(&SPLIT_BATCH, d.hd, d.kv_bf16).ok_or_else(|| anyhow!("attention head_dim {} has no decode kernel", d.hd))?;
+#[allow(clippy::too_many_arguments)]
+pub fn split_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, steps: u64, splits: usize, rows: usize, kernel: SplitBatch) -> Result<()> {
     let args = split_args(d, p, part, steps, splits);
+    let grid = (d.nkv as u32, splits as u32, rows as u32);
+    if kernel == SplitBatch::TensorCore {
+        let name = instance(&SPLIT_TC_BATCH, d.hd, true).ok_or_else(|| anyhow!("attention head_dim {} has no tensor-core decode kernel", d.hd))?;
+        return gpu.launch(Kernel::dependent(&ATTENTION, name), grid, 128, split_tc_smem(d.hd), &args);
+    }
+    let name = instance(&SPLIT_BATCH, d.hd, d.kv_bf16).ok_or_else(|| anyhow!("attention head_dim {} has no decode kernel", d.hd))?;
     let group = d.nh / d.nkv;
-    gpu.launch(Kernel::dependent(&ATTENTION, name), (d.nkv as u32, splits as u32, rows as u32), (group * 32) as u32, split_smem(d.hd), &args)
+    gpu.launch(Kernel::dependent(&ATTENTION, name), grid, (group * 32) as u32, split_smem(d.hd), &args)
 }
 
 /// Batched decode: [`combine`] per row.
@@ -337,6 +372,16 @@ mod tests {
             let splits = chunk_splits(n, nh, nkv, 262_144, sms);
             assert!(splits == 1 || n * splits <= rows, "n = {n}");
         }
+    }
+
+    #[test]
+    fn the_batched_split_is_on_the_tensor_cores_for_a_bf16_cache_of_up_to_8_heads_per_kv_head() {
+        let d = |nh, nkv, hd, kv_bf16| AttnDims { nh, nkv, hd, kv_bf16, ..AttnDims::new(&crate::checkpoint::ModelConfig::qwen36_35b_a3b(), kv_bf16) };
+        assert_eq!(select_split_batch(&d(16, 2, 256, true)), SplitBatch::TensorCore);
+        assert_eq!(select_split_batch(&d(16, 2, 256, false)), SplitBatch::CudaCore);
+        assert_eq!(select_split_batch(&d(32, 2, 128, true)), SplitBatch::CudaCore);
+        assert_eq!(select_split_batch(&d(4, 2, 64, true)), SplitBatch::TensorCore);
+        assert_eq!(select_split_batch(&d(8, 1, 96, true)), SplitBatch::CudaCore);
     }
 
     #[test]

@@ -58,7 +58,7 @@ struct MoeBuffers {
     fill: CudaSlice<i32>,
     list: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
-    /// moe_route_batch's count of finished blocks (zero between launches).
+    /// moe_route_batch's counters and count scratch (moe::ROUTE_DONE_LEN words, zero between launches).
     done: CudaSlice<u32>,
     gate: CudaSlice<f32>,
     down: CudaSlice<f32>,
@@ -74,7 +74,7 @@ impl MoeBuffers {
             fill: gpu.zeros(d.e + 1)?,
             list: gpu.zeros(slots)?,
             tiles: gpu.zeros(1 + 2 * moe::batch_max_tiles(cap, &d))?,
-            done: gpu.zeros(1)?,
+            done: gpu.zeros(moe::ROUTE_DONE_LEN)?,
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
         })
@@ -162,6 +162,7 @@ pub struct StepKey {
     pub kv_bf16: bool,
     pub out: StepOut,
     pub gdn: gdn::StepBatchKernel,
+    pub attn: attention::SplitBatch,
 }
 
 /// Split count of a batch step: enough for the longest row this call can reach, rounded up to a
@@ -191,6 +192,7 @@ struct BatchPass<'a> {
     rows: usize,
     splits: usize,
     gdn: gdn::StepBatchKernel,
+    attn: attention::SplitBatch,
     dims: LayerDims,
 }
 
@@ -259,7 +261,7 @@ impl Pass for BatchPass<'_> {
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
         let part = SplitPartials { o: self.p(&self.b.part_o), ml: self.p(&self.b.part_ml) };
         attention::prep_batch(self.gpu, d, &p, self.steps(), self.rows)?;
-        attention::split_batch(self.gpu, d, &p, &part, self.steps(), self.splits, self.rows)?;
+        attention::split_batch(self.gpu, d, &p, &part, self.steps(), self.splits, self.rows, self.attn)?;
         attention::combine_batch(self.gpu, d, &p, &part, self.splits, self.rows)?;
         self.point(probe, Point::Phase("attn.core"))?;
         self.stage(p.out, at.o.cols, n, None, 0)?;
@@ -304,7 +306,7 @@ impl Pass for BatchPass<'_> {
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, dims: LayerDims::new(cfg, key.kv_bf16) };
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, attn: key.attn, dims: LayerDims::new(cfg, key.kv_bf16) };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
     let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));
@@ -371,6 +373,15 @@ impl CudaBackend {
             Some(blocks) => gdn::StepBatchKernel::Persist { blocks: blocks.min(items) },
             None => gdn::select_step_batch(items, self.gpu.sms as usize),
         }
+    }
+
+    /// The batched attention's split kernel (or the CUDA-core one where the test option asks).
+    fn attn_split_kernel(&self, kv_bf16: bool) -> attention::SplitBatch {
+        let d = LayerDims::new(&self.cfg, kv_bf16).attn;
+        if self.opts.attn_split_cuda_core || std::env::var("LILY_ATTN_TC").is_ok_and(|v| v == "0") {
+            return attention::SplitBatch::CudaCore;
+        }
+        attention::select_split_batch(&d)
     }
 
     /// Runs one batch step over the bound rows: through its graph (captured on first use), or
@@ -470,7 +481,7 @@ impl CudaBackend {
                 let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
                 self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
             }
-            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n) })?;
+            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn: self.attn_split_kernel(kv_bf16) })?;
             let b = &self.batcher.as_ref().expect("fitted").bufs;
             self.gpu
                 .stream
@@ -518,7 +529,8 @@ impl CudaBackend {
         let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();
         let pos: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         self.bind_rows(&states, tokens, &pos, &[], StepOut::Logits)?;
-        let key = StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits, gdn: self.gdn_step_kernel(n) };
+        let attn = self.attn_split_kernel(kv_bf16);
+        let key = StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits, gdn: self.gdn_step_kernel(n), attn };
         self.run_batch_step(key)?;
         let b = &self.batcher.as_ref().expect("fitted").bufs;
         let vocab = self.cfg.vocab_size;

@@ -318,6 +318,13 @@ pub fn combine(gpu: &Gpu, d: &MoeDims, down: u64, top_w: u64, shared: u64, sgl: 
 const RB_TOK: usize = 16;
 const RB_THREADS: usize = 256;
 
+/// `moe_route_batch`'s `done` words: RB_DONE counters (finished groups, then finished blocks per
+/// 16-token group: 1 + MAX_BATCH / RB_TOK of them), then the groups' summed counts (E < 2 *
+/// RB_THREADS experts). Zeroed when allocated; the kernel leaves them zeroed.
+const ROUTE_DONE_WORDS: usize = 16;
+pub const ROUTE_DONE_LEN: usize = ROUTE_DONE_WORDS + 2 * RB_THREADS;
+const _: () = assert!(1 + super::batch::MAX_BATCH.div_ceil(RB_TOK) <= ROUTE_DONE_WORDS);
+
 /// Whether the batched decode's MoE kernels take this model: 4- or 8-bit router and gate rows in
 /// groups of a multiple of 8 columns, E + 1 <= 2 * RB_THREADS experts (the shared one counts),
 /// k <= 16, and a 4-bit shared expert of the routed experts' width (it runs as one more expert).
@@ -340,7 +347,7 @@ pub fn batch_max_tiles(n: usize, d: &MoeDims) -> usize {
 /// The routing of a batched decode step over `n` normalised rows `u` in one launch: router and
 /// shared-expert gate logits (f32) into `logits` / `sgl`, top-k into `r`'s ids and weights, and
 /// its per-expert counts, offsets, slot lists and tiles, the shared expert as expert E over slots
-/// n * k + t (`done`: a zeroed counter the kernel leaves zeroed).
+/// n * k + t (`done`: [`ROUTE_DONE_LEN`] zeroed words the kernel leaves zeroed).
 #[allow(clippy::too_many_arguments)]
 pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64) -> Result<()> {
     let ((rw, rs, rb), (gw, gs, gb)) = (m.router.ptrs(gpu), m.shared_expert_gate.ptrs(gpu));

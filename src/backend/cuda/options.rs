@@ -69,6 +69,9 @@ pub struct CudaOptions {
     /// Test-only: the batched GDN step on this many persistent blocks whatever the batch (0:
     /// `gdn_step_batch`, a block per item), instead of [`super::gdn::select_step_batch`]'s choice.
     pub gdn_step_blocks: Option<usize>,
+    /// Test-only: the batched decode's attention splits on the CUDA cores even where the
+    /// tensor-core kernel applies.
+    pub attn_split_cuda_core: bool,
 }
 
 impl Default for CudaOptions {
@@ -90,6 +93,7 @@ impl Default for CudaOptions {
             force_cuda_core_moe: false,
             tcb_prefill_tokens: super::moe::TCB_PREFILL_TOKENS,
             gdn_step_blocks: None,
+            attn_split_cuda_core: false,
         }
     }
 }

@@ -291,7 +291,7 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
     let ud = gpu.upload(u)?;
     let (logits, sgl, top_w) = (gpu.zeros::<f32>(n * d.e)?, gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n * d.k)?);
     let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?);
-    let (list, tiles, done) = (gpu.zeros::<i32>(n * (d.k + 1))?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(1)?);
+    let (list, tiles, done) = (gpu.zeros::<i32>(n * (d.k + 1))?, gpu.zeros::<i32>(1 + 2 * mt)?, gpu.zeros::<u32>(moe::ROUTE_DONE_LEN)?);
     let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
     let f = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let r = RouteLists { logits: f(&logits), top_ids: p(&top_ids), top_w: f(&top_w), counts: p(&counts), offsets: p(&offsets), fill: p(&fill), list: p(&list), tiles: p(&tiles) };
@@ -343,6 +343,45 @@ pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc:
     let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache, vcache, out: p(&od) };
     attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, t, pos0, exact)?;
     read(gpu, &od)
+}
+
+/// The batched decode's attention alone (`split_batch` on `kernel`, then `combine_batch`) over
+/// `caches.len()` rows: q and gate `[rows][nh][hd]`, row r's cache `(k, v)` `[len_r][nkv][hd]` given
+/// in f32 and kept in bf16, each row at position len_r - 1 (attending to all of its cache), `splits`
+/// splits per row. Returns the gated outputs `[rows][nh][hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_attention(b: &CudaBackend, q: &[f32], gate: &[f32], caches: &[(Vec<f32>, Vec<f32>)], nh: usize, nkv: usize, hd: usize, splits: usize, kernel: attention::SplitBatch) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    let rows = caches.len();
+    if q.len() != rows * nh * hd || gate.len() != q.len() || splits == 0 || splits > attention::MAX_SPLITS {
+        bail!("batch_attention: bad shapes");
+    }
+    let bf16_bits = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+    let mut held = Vec::new();
+    let (mut kt, mut vt, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+    for (k, v) in caches {
+        let len = k.len() / (nkv * hd);
+        if len == 0 || k.len() != len * nkv * hd || v.len() != k.len() {
+            bail!("batch_attention: a cache of {} / {} values", k.len(), v.len());
+        }
+        let (kd, vd) = (gpu.upload(&bf16_bits(k))?, gpu.upload(&bf16_bits(v))?);
+        kt.push(ptr(&kd, &gpu.stream));
+        vt.push(ptr(&vd, &gpu.stream));
+        held.push((kd, vd));
+        steps.extend([0i32, (len - 1) as i32]);
+    }
+    let (ktab, vtab, sd) = (gpu.upload(&kt)?, gpu.upload(&vt)?, gpu.upload(&steps)?);
+    let (qd, gd, od) = (gpu.upload(q)?, gpu.upload(gate)?, gpu.zeros::<f32>(q.len())?);
+    let (po, pml) = (gpu.zeros::<f32>(rows * nh * splits * hd)?, gpu.zeros::<f32>(rows * nh * splits * 2)?);
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16: true };
+    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: ptr(&ktab, &gpu.stream), vcache: ptr(&vtab, &gpu.stream), out: p(&od) };
+    let part = attention::SplitPartials { o: p(&po), ml: p(&pml) };
+    attention::split_batch(gpu, &d, &ptrs, &part, ptr(&sd, &gpu.stream), splits, rows, kernel)?;
+    attention::combine_batch(gpu, &d, &ptrs, &part, splits, rows)?;
+    let out = read(gpu, &od)?;
+    drop(held);
+    Ok(out)
 }
 
 /// The prefill GDN scan for one value head over T tokens on `path`: q, k `[T][dk]` (normalised, q
