@@ -378,7 +378,7 @@ impl CudaBackend {
     /// The batched attention's split kernel (or the CUDA-core one where the test option asks).
     fn attn_split_kernel(&self, kv_bf16: bool) -> attention::SplitBatch {
         let d = LayerDims::new(&self.cfg, kv_bf16).attn;
-        if self.opts.attn_split_cuda_core || std::env::var("LILY_ATTN_TC").is_ok_and(|v| v == "0") {
+        if self.opts.attn_split_cuda_core {
             return attention::SplitBatch::CudaCore;
         }
         attention::select_split_batch(&d)
