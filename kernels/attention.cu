@@ -518,15 +518,10 @@ ATTN_SPLIT_TC_BATCH(256)
 // all splits are in flight together instead of one dependent load per split); the 8 warp sums are
 // added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
 #define ATTN_MAX_SPLITS 256
-__device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                  const float* __restrict__ gate, int splits, int hd,
-                                                  float* __restrict__ out) {
-    __shared__ float wsh[ATTN_MAX_SPLITS];
-    __shared__ float red[33];
-    __shared__ float accs[8][32];
-    pdl_wait_trigger();
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
-    const float* ml = part_ml + 2 * (size_t)h * splits;
+// The merge weights of q head h's splits, exp(m_s - M) into wsh, and their sum L (returned),
+// computed by the whole block; its last barrier publishes wsh.
+__device__ __forceinline__ float attn_combine_weights(const float* __restrict__ ml, int splits, float* wsh, float* red) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
     float mx = NEG_INF;
     for (int s = tid; s < splits; s += nt) mx = fmaxf(mx, ml[2 * s]);
     mx = warp_max(mx);
@@ -541,7 +536,17 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
         wsh[s] = w;
         lsum += w * ml[2 * s + 1];
     }
-    const float L = block_sum(lsum, red);  // its barriers also publish wsh
+    return block_sum(lsum, red);
+}
+__device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                  const float* __restrict__ gate, int splits, int hd,
+                                                  float* __restrict__ out) {
+    __shared__ float wsh[ATTN_MAX_SPLITS];
+    __shared__ float red[33];
+    __shared__ float accs[8][32];
+    pdl_wait_trigger();
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float L = attn_combine_weights(part_ml + 2 * (size_t)h * splits, splits, wsh, red);
     const int j = blockIdx.y * 32 + lane;
     const float* po = part_o + (size_t)h * splits * hd + j;
     float acc = 0.f;
@@ -562,12 +567,32 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     attn_combine_impl(part_o, part_ml, gate, splits, hd, out);
 }
 
-// Batched decode: blockIdx.z = row b (partials, gate and output at row b).
-extern "C" __global__ void attn_combine_batch(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+// Batched decode: grid (nh, rows), 256 threads, one block per (q head, row) for all hd columns
+// (attn_combine's shape, a block per 32 columns, made 8 x nh x rows small blocks, each paying
+// the weights' two barriers). Thread j takes columns j, j + 256, ... and sums each of them
+// exactly as attn_combine does (splits w, w + 8, ... per w, then w = 0..7 in order), so the
+// output is bit-identical to it.
+extern "C" __global__ void __launch_bounds__(256) attn_combine_batch(const float* __restrict__ part_o,
+                                              const float* __restrict__ part_ml,
                                               const float* __restrict__ gate, int splits, int hd,
                                               float* __restrict__ out) {
-    const size_t b = blockIdx.z, rows = (size_t)gridDim.x * splits, q = (size_t)gridDim.x * hd;
-    attn_combine_impl(part_o + b * rows * hd, part_ml + b * rows * 2, gate + b * q, splits, hd, out + b * q);
+    __shared__ float wsh[ATTN_MAX_SPLITS];
+    __shared__ float red[33];
+    pdl_wait_trigger();
+    const size_t b = blockIdx.y, nh = gridDim.x, h = blockIdx.x;
+    const size_t rows = nh * splits, head = (b * nh + h) * hd;
+    const float L = attn_combine_weights(part_ml + (b * rows + h * splits) * 2, splits, wsh, red);
+    const float* po = part_o + (b * rows + h * splits) * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float a = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            float acc = 0.f;
+            for (int s = w; s < splits; s += 8) acc += wsh[s] * po[(size_t)s * hd + j];
+            a += acc;
+        }
+        out[head + j] = (a / L) * sigmoid_f(gate[head + j]);
+    }
 }
 
 // ============================== prefill (T tokens) ==============================

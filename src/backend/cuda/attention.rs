@@ -236,7 +236,7 @@ pub fn split_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, 
 /// Batched decode: [`combine`] per row.
 pub fn combine_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, splits: usize, rows: usize) -> Result<()> {
     let args = [Arg::P(part.o), Arg::P(part.ml), Arg::P(p.gate), Arg::I(splits as i32), Arg::I(d.hd as i32), Arg::P(p.out)];
-    gpu.launch(ATTN_COMBINE_BATCH, (d.nh as u32, (d.hd / 32) as u32, rows as u32), 256, 0, &args)
+    gpu.launch(ATTN_COMBINE_BATCH, (d.nh as u32, rows as u32, 1), 256, 0, &args)
 }
 
 /// Prefill: norms + RoPE for `n` tokens at `pos0..`, K and V appended to the cache.
