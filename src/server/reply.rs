@@ -140,6 +140,9 @@ impl Reply {
         }
         if stop_ids.contains(&tok) && !self.job.req.ignore_eos {
             self.end = Some(End::StopToken);
+            // Not the request's output, but a pipelined decode may have fed it already, so it
+            // may be part of the sequence the prefix cache keeps (`stop_token`).
+            self.next = tok;
             return false;
         }
         let now = Instant::now();
@@ -191,6 +194,11 @@ impl Reply {
         }
         self.next = tok;
         true
+    }
+
+    /// The stop token that ended the reply, if one did.
+    pub fn stop_token(&self) -> Option<u32> {
+        (self.end == Some(End::StopToken)).then_some(self.next)
     }
 
     /// Sends the rest of the text and the final event; returns the finish reason, or `None`

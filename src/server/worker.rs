@@ -493,17 +493,9 @@ impl Worker {
 
     /// Keeps a finished sequence in the prefix cache under exactly the tokens it consumed.
     fn cache_sequence(&mut self, seq: Sequence, reply: &Reply) {
-        let (prompt, fed) = (&reply.job.prompt, seq.len());
-        let tokens = if fed <= prompt.len() {
-            prompt[..fed].to_vec()
-        } else if fed - prompt.len() <= reply.generated.len() {
-            let mut t = prompt.clone();
-            t.extend_from_slice(&reply.generated[..fed - prompt.len()]);
-            t
-        } else {
-            return;
-        };
-        self.cache.insert(tokens, seq, reply.job.req.prompt_cache_key.clone());
+        if let Some(tokens) = consumed_tokens(&reply.job.prompt, &reply.generated, reply.stop_token(), seq.len()) {
+            self.cache.insert(tokens, seq, reply.job.req.prompt_cache_key.clone());
+        }
     }
 
     /// Answers a request that failed: 503 with the reason when sequence memory ran out, 500
@@ -742,6 +734,18 @@ fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
     }
 }
 
+/// The tokens a sequence that consumed `fed` of them holds: its prompt's first ones, or the
+/// prompt and the generated tokens, then the stop token that ended the reply where a pipelined
+/// decode fed it (the single-sequence loop queues the next step before it reads a token). None
+/// if `fed` is more than those.
+fn consumed_tokens(prompt: &[u32], generated: &[u32], stop: Option<u32>, fed: usize) -> Option<Vec<u32>> {
+    let mut t: Vec<u32> = prompt.iter().chain(generated).chain(stop.as_ref()).copied().collect();
+    (fed <= t.len()).then(|| {
+        t.truncate(fed);
+        t
+    })
+}
+
 /// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
 /// resumes next turn) once `newcomer` says a request waits to join.
 fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool) {
@@ -801,6 +805,19 @@ fn host_step(ctx: &mut Ctx, a: &mut Active) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cached_sequence_is_keyed_by_the_tokens_it_consumed() {
+        let (p, g) = ([1, 2, 3], [7, 8]);
+        assert_eq!(consumed_tokens(&p, &g, None, 2), Some(vec![1, 2]));
+        assert_eq!(consumed_tokens(&p, &g, None, 4), Some(vec![1, 2, 3, 7]));
+        assert_eq!(consumed_tokens(&p, &g, None, 5), Some(vec![1, 2, 3, 7, 8]));
+        assert_eq!(consumed_tokens(&p, &g, None, 6), None);
+        // A pipelined decode fed the stop token after the last generated one.
+        assert_eq!(consumed_tokens(&p, &g, Some(9), 6), Some(vec![1, 2, 3, 7, 8, 9]));
+        assert_eq!(consumed_tokens(&p, &g, Some(9), 5), Some(vec![1, 2, 3, 7, 8]));
+        assert_eq!(consumed_tokens(&p, &g, Some(9), 7), None);
+    }
 
     #[test]
     fn a_turn_takes_a_chunk_unless_more_prompts_wait_than_rows_decode() {

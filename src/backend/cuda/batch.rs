@@ -167,8 +167,9 @@ pub struct StepKey {
 
 /// Split count of a batch step: enough for the longest row this call can reach, rounded up to a
 /// power of two so few graphs cover every length, and no more than [`SPLIT_ROWS`] (row, split)
-/// pairs need: past about two waves of blocks, more splits only shorten each block's stream of
-/// K/V tiles, so its cp.async ring never fills (docs/cuda.md, "Batched decode").
+/// pairs need: past about a wave of blocks, more splits only shorten each block's stream of K/V
+/// tiles (its cp.async ring never fills) and add partials to merge (docs/cuda.md, "Batched
+/// decode").
 pub fn batch_splits(max_len: usize, rows: usize) -> usize {
     let by_len = attention::splits_for(max_len).next_power_of_two().min(MAX_SPLITS);
     let cap = std::env::var("LILY_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(SPLIT_ROWS);
@@ -176,8 +177,9 @@ pub fn batch_splits(max_len: usize, rows: usize) -> usize {
     by_len.min(1 << by_rows.ilog2())
 }
 
-/// (row, split) pairs a batch step's attention aims for (with two KV heads, 512 blocks).
-const SPLIT_ROWS: usize = 256;
+/// (row, split) pairs a batch step's attention aims for (with two KV heads, 256 blocks: about a
+/// wave of the tensor-core split kernel at two blocks per SM).
+const SPLIT_ROWS: usize = 128;
 
 /// Buffer capacity for `rows` rows: a power of two of at least 8 (fewer reallocations, which
 /// drop the captured graphs).
@@ -556,10 +558,10 @@ mod tests {
         assert_eq!(batch_splits(262_144, 1), MAX_SPLITS);
         // Many rows: fewer, longer splits (700-token prompts + 128 steps reach 828).
         assert_eq!(batch_splits(829, 4), 32);
-        assert_eq!(batch_splits(829, 16), 16);
-        assert_eq!(batch_splits(829, 64), 4);
-        assert_eq!(batch_splits(829, 128), 2);
-        assert_eq!(batch_splits(262_144, 64), 4);
+        assert_eq!(batch_splits(829, 16), 8);
+        assert_eq!(batch_splits(829, 64), 2);
+        assert_eq!(batch_splits(829, 128), 1);
+        assert_eq!(batch_splits(262_144, 64), 2);
         assert_eq!(batch_splits(829, 300), 1);
         assert_eq!(capacity_for(1), 8);
         assert_eq!(capacity_for(16), 16);
