@@ -605,6 +605,7 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     }
     let smem = gemv_tcb_smem(cols);
     let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
+    let per_sm = std::env::var("LILY_TCB_BPS").ok().and_then(|v| v.parse().ok()).map_or(per_sm, |c: usize| per_sm.min(c.max(1)));
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let s = &gpu.stream;
     let tok = tcb_tokens(cols);
