@@ -609,6 +609,8 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let s = &gpu.stream;
     let tok = tcb_tokens(cols);
+    let cap = std::env::var("LILY_TCB_CAP").map_or(true, |v| v != "0");
+    let blocks = if cap && ntok > tok { blocks.min(gpu.sms as usize) } else { blocks };
     let args = [
         Arg::P(set.descs),
         Arg::I(set.count as i32),
