@@ -172,8 +172,7 @@ pub struct StepKey {
 /// decode").
 pub fn batch_splits(max_len: usize, rows: usize) -> usize {
     let by_len = attention::splits_for(max_len).next_power_of_two().min(MAX_SPLITS);
-    let cap = std::env::var("LILY_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(SPLIT_ROWS);
-    let by_rows = (cap / rows.max(1)).max(1);
+    let by_rows = (SPLIT_ROWS / rows.max(1)).max(1);
     by_len.min(1 << by_rows.ilog2())
 }
 

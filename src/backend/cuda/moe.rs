@@ -323,7 +323,7 @@ const RB_THREADS: usize = 256;
 /// RB_THREADS experts). Zeroed when allocated; the kernel leaves them zeroed.
 const ROUTE_DONE_WORDS: usize = 16;
 pub const ROUTE_DONE_LEN: usize = ROUTE_DONE_WORDS + 2 * RB_THREADS;
-const _: () = assert!(1 + super::batch::MAX_BATCH.div_ceil(RB_TOK) <= ROUTE_DONE_WORDS);
+const _: () = assert!(super::batch::MAX_BATCH.div_ceil(RB_TOK) < ROUTE_DONE_WORDS);
 
 /// Whether the batched decode's MoE kernels take this model: 4- or 8-bit router and gate rows in
 /// groups of a multiple of 8 columns, E + 1 <= 2 * RB_THREADS experts (the shared one counts),

@@ -587,6 +587,20 @@ fn tcb_tokens(cols: usize) -> usize {
     }
 }
 
+/// `gemv_tcb`'s blocks per token block (grid.y): `tc_geometry`'s, but at most one per SM when the
+/// step has several token blocks. Each block copies its tokens' fragments for the whole K, so
+/// with several token blocks a wave of two per SM moves more bytes of fragments than of weights;
+/// half the blocks, each walking twice the tiles, gained 2.6% at B = 64 and 1.8% at 32 (even at
+/// 16, where the 2048-column sets have one token block). The K slicing (`slices`) is unchanged,
+/// so every row's sums, and the logits, are bit-identical whatever the batch.
+fn tcb_row_blocks(blocks: usize, sms: usize, ntok: usize, tok: usize) -> usize {
+    if ntok > tok {
+        blocks.min(sms)
+    } else {
+        blocks
+    }
+}
+
 /// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
 pub const TCB_WORDS: usize = 256;
 
@@ -605,12 +619,10 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     }
     let smem = gemv_tcb_smem(cols);
     let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
-    let per_sm = std::env::var("LILY_TCB_BPS").ok().and_then(|v| v.parse().ok()).map_or(per_sm, |c: usize| per_sm.min(c.max(1)));
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let s = &gpu.stream;
     let tok = tcb_tokens(cols);
-    let cap = std::env::var("LILY_TCB_CAP").map_or(true, |v| v != "0");
-    let blocks = if cap && ntok > tok { blocks.min(gpu.sms as usize) } else { blocks };
+    let blocks = tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok);
     let args = [
         Arg::P(set.descs),
         Arg::I(set.count as i32),
@@ -635,6 +647,14 @@ fn to_bf16(gpu: &Gpu, x: u64, y: u64, len: usize) -> Result<()> {
 mod tests {
     use super::*;
     use crate::checkpoint::ModelConfig;
+
+    #[test]
+    fn batched_gemv_blocks_drop_to_one_per_sm_only_with_several_token_blocks() {
+        assert_eq!(tcb_row_blocks(264, 132, 16, 16), 264);
+        assert_eq!(tcb_row_blocks(264, 132, 17, 16), 132);
+        assert_eq!(tcb_row_blocks(264, 132, 16, 8), 132);
+        assert_eq!(tcb_row_blocks(96, 132, 64, 16), 96);
+    }
 
     fn set(rows: &[usize], all4: bool) -> GemvSet {
         GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4 }
