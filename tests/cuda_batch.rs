@@ -73,6 +73,18 @@ fn decode_together(b: &mut CudaBackend, seqs: &mut [(Sequence, u32)], max: &[usi
     out
 }
 
+/// The CPU reference's last-position logits of each `batch_prompt` of `lens`, one row after another.
+fn cpu_last_logits(cpu: &mut CpuBackend, lens: &[usize]) -> Vec<f32> {
+    let vocab = cpu.config().vocab_size;
+    let mut want = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let p = batch_prompt(i, len, vocab);
+        let mut s = cpu.new_sequence(512).unwrap();
+        want.extend(cpu.forward(&mut s, &p, LogitsWanted::Last).unwrap());
+    }
+    want
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_logits_match_cpu_and_do_not_depend_on_the_batch() {
@@ -81,12 +93,7 @@ fn cuda_batch_logits_match_cpu_and_do_not_depend_on_the_batch() {
     let mut gpu = cuda(false);
     let vocab = cpu.config().vocab_size;
     let lens = &LENS[..12];
-    let mut want = Vec::new();
-    for (i, &len) in lens.iter().enumerate() {
-        let p = batch_prompt(i, len, vocab);
-        let mut s = cpu.new_sequence(512).unwrap();
-        want.extend(cpu.forward(&mut s, &p, LogitsWanted::Last).unwrap());
-    }
+    let want = cpu_last_logits(&mut cpu, lens);
     let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
     let mut alone = Vec::new();
     for (s, t) in seqs.iter() {
@@ -311,12 +318,7 @@ fn cuda_batch_tensor_core_attention_matches_the_cpu_and_the_cuda_core_kernel() {
     cpu.set_kv_bf16(true);
     let vocab = cpu.config().vocab_size;
     let lens = &LENS[..12];
-    let mut want = Vec::new();
-    for (i, &len) in lens.iter().enumerate() {
-        let p = batch_prompt(i, len, vocab);
-        let mut s = cpu.new_sequence(512).unwrap();
-        want.extend(cpu.forward(&mut s, &p, LogitsWanted::Last).unwrap());
-    }
+    let want = cpu_last_logits(&mut cpu, lens);
     let mut runs = Vec::new();
     for cuda_core in [false, true] {
         let mut gpu = cuda(true);
