@@ -513,10 +513,6 @@ ATTN_SPLIT_TC_BATCH(64)
 ATTN_SPLIT_TC_BATCH(128)
 ATTN_SPLIT_TC_BATCH(256)
 
-// Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
-// 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
-// all splits are in flight together instead of one dependent load per split); the 8 warp sums are
-// added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
 #define ATTN_MAX_SPLITS 256
 // The merge weights of q head h's splits, exp(m_s - M) into wsh, and their sum L (returned),
 // computed by the whole block; its last barrier publishes wsh.
@@ -538,6 +534,11 @@ __device__ __forceinline__ float attn_combine_weights(const float* __restrict__ 
     }
     return block_sum(lsum, red);
 }
+
+// Merges the splits of each q head and applies the sigmoid output gate. Grid (nh, hd / 32),
+// 256 threads: lane = one of the block's 32 dims, warp w sums splits w, w + 8, ... (the loads of
+// all splits are in flight together instead of one dependent load per split); the 8 warp sums are
+// added in a fixed order. Weights exp(m_s - M) and L are computed by the whole block first.
 __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                   const float* __restrict__ gate, int splits, int hd,
                                                   float* __restrict__ out) {
