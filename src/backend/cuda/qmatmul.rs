@@ -589,10 +589,10 @@ fn tcb_tokens(cols: usize) -> usize {
 
 /// `gemv_tcb`'s blocks per token block (grid.y): `tc_geometry`'s, but at most one per SM when the
 /// step has several token blocks. Each block copies its tokens' fragments for the whole K, so
-/// with several token blocks a wave of two per SM moves more bytes of fragments than of weights;
-/// half the blocks, each walking twice the tiles, gained 2.6% at B = 64 and 1.8% at 32 (even at
-/// 16, where the 2048-column sets have one token block). The K slicing (`slices`) is unchanged,
-/// so every row's sums, and the logits, are bit-identical whatever the batch.
+/// with several token blocks a wave of two per SM moves more bytes of fragments than of weights,
+/// and half the blocks, each walking twice the tiles, are faster; with one token block the
+/// second block per SM pays (docs/cuda.md, "Batched decode"). The K slicing (`slices`) is
+/// unchanged, so every row's sums, and the logits, are bit-identical whatever the batch.
 fn tcb_row_blocks(blocks: usize, sms: usize, ntok: usize, tok: usize) -> usize {
     if ntok > tok {
         blocks.min(sms)
