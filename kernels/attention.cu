@@ -347,9 +347,9 @@ FOR_EACH_ATTN_INSTANCE(ATTN_SPLIT_BATCH_ENTRY)
 
 // Batched decode on the tensor cores (bf16 KV cache): the q heads of a KV head (group <= 8) are
 // the rows of one m16 tile (rows past the group zero), the split's keys stream through ATTN_TC_NS
-// stages of ATTN_TC_TK keys (K and V, rows padded to PFA_LD, rows past the split's last key
-// zero-filled: 0 * a stale NaN would poison P V; rows padded by 8 elements, as PFA_LD pads the
-// prefill's tiles, so ldmatrix reads are conflict-free). Four warps: warp w takes the 16 keys
+// stages of ATTN_TC_TK keys (K and V; rows padded by 8 elements, as PFA_LD pads the prefill's
+// tiles, so ldmatrix reads are conflict-free; rows past the split's last key zero-filled: 0 * a
+// stale NaN would poison P V). Four warps: warp w takes the 16 keys
 // 16 (w & 1) .. of each tile (S = Q K^T over the whole head, 32 mma) and the dims (w >> 1) * HD/2
 // .. of the output (P V, HD/16 mma), each key half keeping its own online softmax (the two dim
 // halves of a key half compute the same S, so the same m and l); the halves merge at the end.

@@ -85,6 +85,17 @@ fn cpu_last_logits(cpu: &mut CpuBackend, lens: &[usize]) -> Vec<f32> {
     want
 }
 
+/// The logits of two batch steps of the prefilled `batch_prompt`s of `lens` together, both
+/// steps feeding each row the token its prefill chose.
+fn two_steps_together(gpu: &mut CudaBackend, lens: &[usize]) -> (Vec<f32>, Vec<f32>) {
+    let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(gpu, i, len)).collect();
+    let tokens: Vec<u32> = seqs.iter().map(|s| s.1).collect();
+    let mut refs: Vec<&mut Sequence> = seqs.iter_mut().map(|s| &mut s.0).collect();
+    let first = testing::batch_logits(gpu, &mut refs, &tokens).unwrap();
+    let second = testing::batch_logits(gpu, &mut refs, &tokens).unwrap();
+    (first, second)
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_logits_match_cpu_and_do_not_depend_on_the_batch() {
@@ -292,11 +303,7 @@ fn cuda_batch_gdn_step_kernels_agree_bit_for_bit() {
     for blocks in [Some(0), None, Some(5)] {
         let mut gpu = cuda(false);
         testing::options_mut(&mut gpu).gdn_step_blocks = blocks;
-        let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
-        let tokens: Vec<u32> = seqs.iter().map(|s| s.1).collect();
-        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().map(|s| &mut s.0).collect();
-        let first = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
-        let second = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
+        let (first, second) = two_steps_together(&mut gpu, lens);
         runs.push((blocks, first, second));
     }
     let (_, want1, want2) = &runs[0];
@@ -323,12 +330,7 @@ fn cuda_batch_tensor_core_attention_matches_the_cpu_and_the_cuda_core_kernel() {
     for cuda_core in [false, true] {
         let mut gpu = cuda(true);
         testing::options_mut(&mut gpu).attn_split_cuda_core = cuda_core;
-        let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
-        let tokens: Vec<u32> = seqs.iter().map(|s| s.1).collect();
-        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().map(|s| &mut s.0).collect();
-        let first = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
-        let second = testing::batch_logits(&mut gpu, &mut refs, &tokens).unwrap();
-        runs.push((first, second));
+        runs.push(two_steps_together(&mut gpu, lens));
     }
     let n = lens.len();
     let row = |v: &[f32], i: usize| v[i * vocab..(i + 1) * vocab].to_vec();

@@ -206,17 +206,22 @@ pub enum SplitBatch {
 }
 
 pub fn select_split_batch(d: &AttnDims) -> SplitBatch {
-    if d.kv_bf16 && d.nh / d.nkv <= 8 && [64, 128, 256].contains(&d.hd) {
+    if d.kv_bf16 && d.nh / d.nkv <= 8 && instance(&SPLIT_TC_BATCH, d.hd, true).is_some() {
         SplitBatch::TensorCore
     } else {
         SplitBatch::CudaCore
     }
 }
 
-/// `attn_split_tc_batch`'s dynamic shared memory: the q tile (16 rows) and 3 stages of 32 K and
-/// 32 V rows, bf16, rows padded by 8 elements (ATTN_TC_* in kernels/attention.cu).
+/// `attn_split_tc_batch`'s K/V stages and keys per stage (ATTN_TC_NS, ATTN_TC_TK in
+/// kernels/attention.cu).
+const SPLIT_TC_STAGES: usize = 3;
+const SPLIT_TC_KEYS: usize = 32;
+
+/// `attn_split_tc_batch`'s dynamic shared memory: the q tile (16 rows) and the stages of K and V
+/// rows, bf16, rows padded by 8 elements.
 fn split_tc_smem(hd: usize) -> u32 {
-    ((16 + 3 * 2 * 32) * (hd + 8) * 2) as u32
+    ((16 + SPLIT_TC_STAGES * 2 * SPLIT_TC_KEYS) * (hd + 8) * 2) as u32
 }
 
 /// Batched decode: [`split`] per row over its own cache and length; partials `[rows][nh][splits]`.

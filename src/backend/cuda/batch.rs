@@ -379,11 +379,10 @@ impl CudaBackend {
 
     /// The batched attention's split kernel (or the CUDA-core one where the test option asks).
     fn attn_split_kernel(&self, kv_bf16: bool) -> attention::SplitBatch {
-        let d = LayerDims::new(&self.cfg, kv_bf16).attn;
         if self.opts.attn_split_cuda_core {
             return attention::SplitBatch::CudaCore;
         }
-        attention::select_split_batch(&d)
+        attention::select_split_batch(&LayerDims::new(&self.cfg, kv_bf16).attn)
     }
 
     /// Runs one batch step over the bound rows: through its graph (captured on first use), or
@@ -442,6 +441,7 @@ impl CudaBackend {
         }
         let reach = rows.iter().map(|r| r.seq.len() + r.max_tokens).max().unwrap_or(1);
         let splits = batch_splits(reach, rows.len());
+        let attn = self.attn_split_kernel(kv_bf16);
         self.fit_batch(live.len())?;
         let mut bound = false;
         let mut host = vec![0i32; 2 * live.len()];
@@ -483,7 +483,7 @@ impl CudaBackend {
                 let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
                 self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
             }
-            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn: self.attn_split_kernel(kv_bf16) })?;
+            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn })?;
             let b = &self.batcher.as_ref().expect("fitted").bufs;
             self.gpu
                 .stream
