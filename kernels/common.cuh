@@ -507,8 +507,8 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
 
 // The A fragment (rows g, g + 8; the k slots of step i) of group j of the item: the bf16 pairs
 // (1 + q/16) of the nibbles that step i's B holds x of.
-__device__ __forceinline__ void tc_a_frag(const TcItem& it, int j, int i, u32 (&a)[4]) {
-    const u32 wa = i < 2 ? it.qa[j].x : it.qa[j].y, wb = i < 2 ? it.qb[j].x : it.qb[j].y;
+__device__ __forceinline__ void tc_a_frag(uint2 qa, uint2 qb, int i, u32 (&a)[4]) {
+    const u32 wa = i < 2 ? qa.x : qa.y, wb = i < 2 ? qb.x : qb.y;
     if (i & 1) {
         a[0] = nib_pair_bf16<2>(wa); a[1] = nib_pair_bf16<2>(wb);
         a[2] = nib_pair_bf16<3>(wa); a[3] = nib_pair_bf16<3>(wb);
@@ -517,6 +517,7 @@ __device__ __forceinline__ void tc_a_frag(const TcItem& it, int j, int i, u32 (&
         a[2] = nib_pair_bf16<1>(wa); a[3] = nib_pair_bf16<1>(wb);
     }
 }
+__device__ __forceinline__ void tc_a_frag(const TcItem& it, int j, int i, u32 (&a)[4]) { tc_a_frag(it.qa[j], it.qb[j], i, a); }
 
 // tc_mma's groups j < n (N: the unroll; with CHECK, j >= n is skipped, warp-uniform). xg0 and
 // gs0 point at the item's first group. The bias term goes to lane t = 0 only, through the group
@@ -617,6 +618,12 @@ __device__ __forceinline__ void cp_async16z(unsigned s, const void* g, bool on) 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(on ? 16 : 0) : "memory");
 }
 
+// 4 bytes global -> shared through L1 (the 16-byte .cg form has no smaller size), zeros where `on`
+// is false.
+__device__ __forceinline__ void cp_async4z(unsigned s, const void* g, bool on) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(g), "r"(on ? 4 : 0) : "memory");
+}
+
 __device__ __forceinline__ void tcb_cp_wait_all() {
     cp_commit();
     cp_wait<0>();
@@ -644,41 +651,98 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
     __syncthreads();
 }
 
-// The item (rows r0 + g and r0 + g + 8 over the groups [G0, G1)) against NTG staged token groups:
-// adds lane (g, t)'s outputs (row g, row g + 8) x (token 2t, 2t + 1) of token group tg into
-// acc[tg][0..3] = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+// Group G of rows g and g + 8 (codes qa / qb: lane t's 16 columns; the bf16 scales and biases
+// in half `hi` of the words sa / sb and ba / bb) against NTG staged token groups: adds lane
+// (g, t)'s outputs (row g, row g + 8) x (token 2t, 2t + 1) of token group tg into acc[tg][0..3] =
+// (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+template <int NTG>
+__device__ __forceinline__ void tcb_group(uint2 qa, uint2 qb, u32 sa, u32 sb, u32 ba, u32 bb, bool hi, int G,
+                                          const u32* xf, const float* gsum, int gpr, float (&acc)[NTG][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float c[NTG][4];
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) c[tg][0] = c[tg][1] = c[tg][2] = c[tg][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 a[4];
+        tc_a_frag(qa, qb, i, a);
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) {
+            const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);
+            mma_bf16(c[tg], a, bx.x, bx.y);
+        }
+    }
+    auto bf = [hi](u32 w) { return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16)); };
+    const float s0 = 16.f * bf(sa), s1 = 16.f * bf(sb);
+    const float b0 = bf(ba) - s0, b1 = bf(bb) - s1;
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) {
+        const float2 gs = *reinterpret_cast<const float2*>(gsum + G * (8 * NTG) + tg * 8 + 2 * t);
+        const float gs0 = gs.x, gs1 = gs.y;
+        acc[tg][0] += fmaf(s0, c[tg][0], b0 * gs0);
+        acc[tg][1] += fmaf(s0, c[tg][1], b0 * gs1);
+        acc[tg][2] += fmaf(s1, c[tg][2], b1 * gs0);
+        acc[tg][3] += fmaf(s1, c[tg][3], b1 * gs1);
+    }
+}
+
+// The item (rows r0 + g and r0 + g + 8 over the groups [G0, G1)) against NTG staged token groups
+// (tcb_group per group).
 template <int NTG>
 __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const float* gsum, int gpr, int G0, int G1,
                                         float (&acc)[NTG][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < TC_NG; ++j) {
         const int G = G0 + j;
         if (G >= G1) break;  // warp-uniform
-        float c[NTG][4];
+        auto word = [j](const uint4& v) { return j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w; };
+        tcb_group<NTG>(it.qa[j], it.qb[j], word(it.sa), word(it.sb), word(it.ba), word(it.bb), j & 1, G, xf, gsum, gpr, acc);
+    }
+}
+
+// ---- weight rings (moe_tcr, gemv_tcr): each warp streams its rows' codes, scales and biases
+// through TCR_DEPTH stages of TCR_GROUPS 64-column groups in shared memory (cp.async), so
+// TCR_DEPTH - 1 stages stay in flight while it multiplies the current one (tcb_group per group,
+// in group order: the products of tcb_tile, bit for bit).
+#define TCR_GROUPS 2
+#define TCR_DEPTH 4
+// A stage row's codes, padded by 16 bytes so the 8 rows of a warp's uint2 reads fall on distinct
+// banks (2 wavefronts per read); then per row the stage's scales and biases (TCR_GROUPS bf16 each).
+#define TCR_ROW_BYTES (TCR_GROUPS * 32 + 16)
+#define TCR_STAGE_BYTES (16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4)
+
+// Issues the copies of groups [G, G + TCR_GROUPS) of rows r0..r0 + 15 (zeros from r_end on) into
+// the stage at shared address `dst`, and commits them as one group.
+__device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ w, const u16* __restrict__ s,
+                                          const u16* __restrict__ b, int r0, int r_end, int cols, int G) {
+    const int lane = threadIdx.x & 31, gpr = cols >> 6, parts = TCR_GROUPS * 2;
+    const size_t wpr = (size_t)cols >> 3;
 #pragma unroll
-        for (int tg = 0; tg < NTG; ++tg) c[tg][0] = c[tg][1] = c[tg][2] = c[tg][3] = 0.f;
+    for (int u = lane; u < 16 * parts; u += 32) {
+        const int row = u / parts, part = u % parts;
+        const bool on = r0 + row < r_end;
+        cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, w + (size_t)(on ? r0 + row : 0) * wpr + 8 * G + 4 * part, on);
+    }
+    // Lanes 0-15 the scales of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
+    const int row = lane & 15;
+    const bool on = r0 + row < r_end;
+    const u16* src = (lane < 16 ? s : b) + (size_t)(on ? r0 + row : 0) * gpr + G;
+    cp_async4z(dst + 16 * TCR_ROW_BYTES + row * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src, on);
+    cp_commit();
+}
+
+// The stage at `st` (groups G0..) into acc, in group order.
+template <int NTG>
+__device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const u32* xf, const float* gsum, int gpr,
+                                          float (&acc)[NTG][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint2 ra = *reinterpret_cast<const uint2*>(st + 16 * TCR_ROW_BYTES + g * (TCR_GROUPS * 4));
+    const uint2 rb = *reinterpret_cast<const uint2*>(st + 16 * TCR_ROW_BYTES + (g + 8) * (TCR_GROUPS * 4));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 a[4];
-            tc_a_frag(it, j, i, a);
-#pragma unroll
-            for (int tg = 0; tg < NTG; ++tg) {
-                const uint2 bx = *reinterpret_cast<const uint2*>(xf + ((tg * gpr + G) * 4 + i) * 64 + g * 8 + 2 * t);
-                mma_bf16(c[tg], a, bx.x, bx.y);
-            }
-        }
-        const float s0 = 16.f * bf16_of(it.sa, j), s1 = 16.f * bf16_of(it.sb, j);
-        const float b0 = bf16_of(it.ba, j) - s0, b1 = bf16_of(it.bb, j) - s1;
-#pragma unroll
-        for (int tg = 0; tg < NTG; ++tg) {
-            const float2 gs = *reinterpret_cast<const float2*>(gsum + G * (8 * NTG) + tg * 8 + 2 * t);
-            const float gs0 = gs.x, gs1 = gs.y;
-            acc[tg][0] += fmaf(s0, c[tg][0], b0 * gs0);
-            acc[tg][1] += fmaf(s0, c[tg][1], b0 * gs1);
-            acc[tg][2] += fmaf(s1, c[tg][2], b1 * gs0);
-            acc[tg][3] += fmaf(s1, c[tg][3], b1 * gs1);
-        }
+    for (int j = 0; j < TCR_GROUPS; ++j) {
+        const uint2 qa = *reinterpret_cast<const uint2*>(st + g * TCR_ROW_BYTES + j * 32 + t * 8);
+        const uint2 qb = *reinterpret_cast<const uint2*>(st + (g + 8) * TCR_ROW_BYTES + j * 32 + t * 8);
+        tcb_group<NTG>(qa, qb, ra.x, rb.x, ra.y, rb.y, j & 1, G0 + j, xf, gsum, gpr, acc);
     }
 }
 

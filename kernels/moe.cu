@@ -536,6 +536,102 @@ moe_tcp(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
 }
 
+// moe_tcr: moe_tcb's products with each warp's weights streamed through a ring in shared memory
+// (common.cuh). Why: a moe_tcb warp loads a 512-column item of its 16 rows into registers and
+// then multiplies it, so its loads are in flight only between items and it stalls on them at
+// every item (long scoreboard, the most of its stalls at 16 rows); the item's 48 registers leave
+// no room for a second. The ring keeps TCR_DEPTH - 1 stages in flight while the warp multiplies,
+// and the first ones load while the block stages its tokens. No block barrier after the tokens:
+// each warp waits on its own copies. The same products in the same order per group (tcb_group):
+// bit-identical to moe_tcb. grid (ceil(rows / 128), tiles), block 256 (8 warps, one 16-row tile
+// each). Dynamic shared memory: moe_tcb's + 8 * TCR_DEPTH * TCR_STAGE_BYTES (moe::tcr_smem).
+// cols: a multiple of 64 * TCR_GROUPS.
+
+// A warp's 16-row tile through its ring: the first matrix's stages (and the second's, GLU), the
+// first TCR_DEPTH - 1 already issued; then SwiGLU and the store as moe_tcb's.
+template <int NTG>
+__device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restrict__ w, const u16* __restrict__ s,
+                                         const u16* __restrict__ b, const u32* __restrict__ w2, const u16* __restrict__ s2,
+                                         const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int r0,
+                                         int r_end, const int* slots, int nt, const u32* xf, const float* gsum) {
+    const int gpr = cols >> 6, half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
+    float acc[NTG][4], up[NTG][4];
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = up[tg][0] = up[tg][1] = up[tg][2] = up[tg][3] = 0.f;
+    for (int k = 0; k < nst; ++k) {
+        __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
+        const int n = k + TCR_DEPTH - 1;
+        if (n < nst) {
+            const bool second = n >= half;
+            tcr_issue(smem_u32(ring + (n % TCR_DEPTH) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
+                      r0, r_end, cols, TCR_GROUPS * (n % half));
+        } else {
+            cp_commit();  // an empty group keeps the count the wait below relies on
+        }
+        cp_wait<TCR_DEPTH - 1>();
+        __syncwarp();  // stage k's copies, made by every lane, are visible to all
+        const unsigned char* cur = ring + (k % TCR_DEPTH) * TCR_STAGE_BYTES;
+        if (k < half) tcr_stage<NTG>(cur, TCR_GROUPS * k, xf, gsum, gpr, acc);
+        else tcr_stage<NTG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
+    }
+    if (w2) tcb_swiglu<NTG>(acc, up);
+    tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+moe_tcr(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
+        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
+        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
+        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
+        float* __restrict__ y, int rows, int cols, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+        int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list,
+        const int* __restrict__ tiles) {
+    extern __shared__ float smem[];
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int gpr = cols >> 6, warp = threadIdx.x >> 5;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TCB_TOK * gpr) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
+    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
+    if (e == shared_e) {
+        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2;
+    } else {
+        w += erows * wpr;
+        s += erows * gpr;
+        b += erows * gpr;
+        if (w2) {
+            w2 += erows * wpr;
+            s2 += erows * gpr;
+            b2 += erows * gpr;
+        }
+    }
+    const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
+    const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
+    // The ring's first stages load while the block stages its tokens.
+    if (r0 < r_end)
+        for (int n = 0; n < TCR_DEPTH - 1 && n < nst; ++n) {
+            const bool second = n >= half;
+            tcr_issue(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0, r_end,
+                      cols, TCR_GROUPS * (n % half));
+        }
+    for (int n = nst; n < TCR_DEPTH - 1; ++n) cp_commit();
+    const int nt = min(TCB_TOK, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
+    if ((int)threadIdx.x < nt) {
+        const int sl = lst[threadIdx.x];
+        slot[threadIdx.x] = sl;
+        // Shared-expert slots shared_base + t read token t's row.
+        xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
+    }
+    __syncthreads();
+    load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+    if (r0 >= r_end) return;
+    if (nt > 8) tcr_tile<2>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+    else tcr_tile<1>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+}
+
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
 // forward), and mma.sync made every warp load its B fragments from shared memory and build its A

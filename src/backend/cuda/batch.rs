@@ -62,6 +62,8 @@ struct MoeBuffers {
     done: CudaSlice<u32>,
     gate: CudaSlice<f32>,
     down: CudaSlice<f32>,
+    /// gate|up on `moe_tcr` (weights through per-warp rings), else `moe_tcb` (moe::tcr_fits).
+    gate_up_ring: bool,
 }
 
 impl MoeBuffers {
@@ -77,6 +79,7 @@ impl MoeBuffers {
             done: gpu.zeros(moe::ROUTE_DONE_LEN)?,
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
+            gate_up_ring: moe::tcr_fits(gpu, d.hidden)?,
         })
     }
 }
@@ -292,7 +295,8 @@ impl Pass for BatchPass<'_> {
         let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
         let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);
         let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
-        moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
+        let gate_up = if mb.gate_up_ring { moe::moe_tcr } else { moe::moe_tcb };
+        gate_up(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
         self.point(probe, Point::Phase("moe.gate_up"))?;
         self.stage(gate, d.inter, n * (k + 1), None, 0)?;
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };

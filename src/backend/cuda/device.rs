@@ -91,9 +91,10 @@ impl Gpu {
         MODULES.iter().try_for_each(|m| self.kernels.load(m))
     }
 
-    /// The loaded function of `k` (occupancy queries).
-    pub fn function(&self, k: Kernel) -> Result<CudaFunction> {
-        self.kernels.function(k, 0)
+    /// The loaded function of `k`, opted in to `smem` bytes of dynamic shared memory as its
+    /// launches will be (occupancy queries).
+    pub fn function(&self, k: Kernel, smem: u32) -> Result<CudaFunction> {
+        self.kernels.function(k, smem)
     }
 
     /// Launches `k` on the stream (1-D blocks), as a programmatic dependent when PDL is on and the

@@ -24,6 +24,7 @@ const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
 const MOE_TCP: Kernel = Kernel::ordered(&MOE, "moe_tcp");
+const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -446,6 +447,36 @@ pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     let per_sm = super::qmatmul::blocks_per_sm(gpu, MOE_TCP, smem, 2)?;
     let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
     gpu.launch(MOE_TCP, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
+}
+
+/// `moe_tcr`'s ring: stages of `TCR_GROUPS` 64-column groups, `TCR_DEPTH` per warp, each 16 rows
+/// of codes padded to `TCR_ROW_BYTES` plus their scales and biases (kernels/moe.cu).
+const TCR_GROUPS: usize = 2;
+const TCR_DEPTH: usize = 4;
+const TCR_ROW_BYTES: usize = TCR_GROUPS * 32 + 16;
+const TCR_STAGE_BYTES: usize = 16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4;
+
+/// Whether `moe_tcr` takes matrices of `cols` columns (whole stages) and two of its blocks fit an
+/// SM beside their staged tokens (what its speed relies on).
+pub fn tcr_fits(gpu: &Gpu, cols: usize) -> Result<bool> {
+    if !cols.is_multiple_of(64 * TCR_GROUPS) {
+        return Ok(false);
+    }
+    Ok(super::qmatmul::blocks_per_sm(gpu, MOE_TCR, tcr_smem(cols), 1)? >= 2)
+}
+
+fn tcr_smem(cols: usize) -> u32 {
+    let gpr = cols / 64;
+    ((2 * gpr * TCB_WORDS + 16 * gpr) * 4 + (GEMV_THREADS as usize / 32) * TCR_DEPTH * TCR_STAGE_BYTES) as u32
+}
+
+/// `moe_tcr`: the products of [`moe_tcb`] with each warp's weights streamed through a ring of
+/// stages in shared memory (bit-identical results): its loads stay in flight while it multiplies,
+/// where a `moe_tcb` warp waits on every 512-column item. The caller checks [`tcr_fits`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    let (args, _) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    gpu.launch(MOE_TCR, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the

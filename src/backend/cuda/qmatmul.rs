@@ -158,7 +158,7 @@ pub fn tc_geometry(tiles: usize, cols: usize, sms: usize, blocks_per_sm: usize) 
 /// driver does not say).
 pub(super) fn blocks_per_sm(gpu: &Gpu, k: Kernel, smem: u32, fallback: u32) -> Result<usize> {
     Ok(gpu
-        .function(k)?
+        .function(k, smem)?
         .occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem as usize, None)
         .unwrap_or(fallback)
         .clamp(1, 8) as usize)

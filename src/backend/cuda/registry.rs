@@ -138,6 +138,7 @@ pub const MOE: Module = Module {
         "moe_down_tc",
         "moe_tcb",
         "moe_tcp",
+        "moe_tcr",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_down",

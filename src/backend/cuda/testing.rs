@@ -195,6 +195,9 @@ pub enum GroupedRoute {
     /// `stage_tcb` + `moe_tcp` (their down kernel: persistent blocks over the same tiles;
     /// bit-identical to `Tcb`).
     Tcp,
+    /// `stage_tcb` + `moe_tcr` (`moe_tcb` with each warp's weights streamed through a ring in
+    /// shared memory; bit-identical to `Tcb`).
+    Tcr,
 }
 
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
@@ -218,7 +221,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
-        GroupedRoute::Tcb | GroupedRoute::Tcp => moe::PrefillExperts::Tcb,
+        GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
     }
     .tile();
@@ -245,12 +248,17 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
-    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp) {
+    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr) {
         let st = TcbStaging::new(gpu, tokens, q.cols)?;
         qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 1e-6, 0, &st)?;
         // No shared expert: expert number `experts` is in none of the lists.
         let shared = moe::SharedExpert { q: &dq, up: du.as_ref(), expert: experts, base: None };
-        let experts_kernel = if route == GroupedRoute::Tcb { moe::moe_tcb } else { moe::moe_tcp };
+        let experts_kernel = match route {
+            GroupedRoute::Tcb => moe::moe_tcb,
+            GroupedRoute::Tcp => moe::moe_tcp,
+            _ if !moe::tcr_fits(gpu, q.cols)? => bail!("moe_tcr does not take {} columns", q.cols),
+            _ => moe::moe_tcr,
+        };
         experts_kernel(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
         return read(gpu, &y);
     }
