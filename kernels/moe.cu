@@ -439,6 +439,25 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
     }
 }
 
+// In moe_tcb's and moe_tcr's blocks: expert e's matrices in place of the stacks w.. / w2.. (no
+// second matrix without w2), or the shared expert's own (sw.., the same shape as one routed
+// expert's) when e is shared_e. A macro over the kernels' parameters (gpr in scope) rather than a
+// function: the kernels keep their exact instruction schedule.
+#define EXPERT_MATS                                                          \
+    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;         \
+    if (e == shared_e) {                                                     \
+        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2; \
+    } else {                                                                 \
+        w += erows * wpr;                                                    \
+        s += erows * gpr;                                                    \
+        b += erows * gpr;                                                    \
+        if (w2) {                                                            \
+            w2 += erows * wpr;                                               \
+            s2 += erows * gpr;                                               \
+            b2 += erows * gpr;                                               \
+        }                                                                    \
+    }
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
         const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
@@ -455,20 +474,7 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
-    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-    if (e == shared_e) {
-        // The shared expert: its own matrices, the same shape as one routed expert's.
-        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2;
-    } else {
-        w += erows * wpr;
-        s += erows * gpr;
-        b += erows * gpr;
-        if (w2) {
-            w2 += erows * wpr;
-            s2 += erows * gpr;
-            b2 += erows * gpr;
-        }
-    }
+    EXPERT_MATS;
     // Rows r_begin..r_end of the expert; the tile helpers see the expert's rows as [0, r_end).
     const int r_begin = blockIdx.x * rpb, r_end = min(rows, r_begin + rpb);
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
@@ -593,19 +599,7 @@ moe_tcr(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
     unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TCB_TOK * gpr) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
-    const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-    if (e == shared_e) {
-        w = sw, s = ss, b = sb, w2 = w2 ? sw2 : nullptr, s2 = ss2, b2 = sb2;
-    } else {
-        w += erows * wpr;
-        s += erows * gpr;
-        b += erows * gpr;
-        if (w2) {
-            w2 += erows * wpr;
-            s2 += erows * gpr;
-            b2 += erows * gpr;
-        }
-    }
+    EXPERT_MATS;
     const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
     const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
     // The ring's first stages load while the block stages its tokens.
