@@ -439,6 +439,16 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
     }
 }
 
+// A tile's slots (threads 0..nt - 1 of the block, one each) into slot[] and the staged row each
+// reads into xrow[]: slot / xdiv, or token t's for the shared expert's slots shared_base + t
+// (moe_tcp, moe_tcr; a macro so the kernels keep their exact instruction schedule).
+#define TILE_SLOTS                                                                \
+    if ((int)threadIdx.x < nt) {                                                  \
+        const int sl = lst[threadIdx.x];                                          \
+        slot[threadIdx.x] = sl;                                                   \
+        xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;     \
+    }
+
 // In moe_tcb's and moe_tcr's blocks: expert e's matrices in place of the stacks w.. / w2.. (no
 // second matrix without w2), or the shared expert's own (sw.., the same shape as one routed
 // expert's) when e is shared_e. A macro over the kernels' parameters (gpr in scope) rather than a
@@ -494,19 +504,23 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     }
 }
 
+// The parameters of moe_tcp and moe_tcr (moe_tcb's, less its rows per block; moe::tcb_args).
+#define MOE_TILE_ARGS                                                                                                \
+    const u32 *__restrict__ w, const u16 *__restrict__ s, const u16 *__restrict__ b, const u32 *__restrict__ w2,     \
+        const u16 *__restrict__ s2, const u16 *__restrict__ b2, const u32 *__restrict__ sw,                          \
+        const u16 *__restrict__ ss, const u16 *__restrict__ sb, const u32 *__restrict__ sw2,                         \
+        const u16 *__restrict__ ss2, const u16 *__restrict__ sb2, int shared_e, int shared_base,                    \
+        float *__restrict__ y, int rows, int cols, const u32 *__restrict__ frag, const float *__restrict__ gs_in,   \
+        int xdiv, const int *__restrict__ counts, const int *__restrict__ offsets, const int *__restrict__ list,     \
+        const int *__restrict__ tiles
+
 // moe_tcp: moe_tcb's blocks made persistent. One wave of blocks, each taking a contiguous run of
 // the (tile, 16-row) items: a block stages the tokens of each tile its run meets once (one or two
 // tiles in a batched decode step) and its warps then walk several items apiece (moe_tcb_rows),
 // where a moe_tcb block stages its tile for 128 rows, one item per warp. The same products in the
 // same order: bit-identical. grid: one wave (any count), block 256; moe_tcb's shared memory.
 extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcp(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
-        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
-        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
-        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
-        float* __restrict__ y, int rows, int cols, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-        int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list,
-        const int* __restrict__ tiles) {
+moe_tcp(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
     const long long total = (long long)tiles[0] * rtiles;
@@ -527,12 +541,7 @@ moe_tcp(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
         const u32* w2e = w2 ? (sh ? sw2 : w2) + erows * wpr : nullptr;
         const u16 *s2e = w2 ? (sh ? ss2 : s2) + erows * gpr : nullptr, *b2e = w2 ? (sh ? sb2 : b2) + erows * gpr : nullptr;
         __syncthreads();  // the previous tile's fragments and slots are no longer read
-        if ((int)threadIdx.x < nt) {
-            const int sl = lst[threadIdx.x];
-            slot[threadIdx.x] = sl;
-            // Shared-expert slots shared_base + t read token t's row.
-            xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
-        }
+        TILE_SLOTS
         __syncthreads();
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
@@ -585,13 +594,7 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcr(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
-        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
-        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
-        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
-        float* __restrict__ y, int rows, int cols, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-        int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list,
-        const int* __restrict__ tiles) {
+moe_tcr(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -613,12 +616,7 @@ moe_tcr(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
     const int nt = min(TCB_TOK, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
-    if ((int)threadIdx.x < nt) {
-        const int sl = lst[threadIdx.x];
-        slot[threadIdx.x] = sl;
-        // Shared-expert slots shared_base + t read token t's row.
-        xrow[threadIdx.x] = sl >= shared_base ? sl - shared_base : sl / xdiv;
-    }
+    TILE_SLOTS
     __syncthreads();
     load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
     if (r0 >= r_end) return;
