@@ -386,14 +386,16 @@ __device__ float stage_x_tc(const float* __restrict__ x, int n, const float* __r
 }
 
 // Group j's bf16 of a row's scales/biases loaded 8 at a time (uint4).
+// The word of v holding group j's bf16 (half j & 1 of it).
+__device__ __forceinline__ u32 group_word(const uint4& v, int j) { return j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w; }
 __device__ __forceinline__ float bf16_of(const uint4& v, int j) {
-    const u32 w = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+    const u32 w = group_word(v, j);
     return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
 // The bf16 pair (v_j, v_j) of group j's scale or bias (v: 8 bf16, one per group of an item).
 __device__ __forceinline__ u32 bf16x2_of(const uint4& v, int j) {
-    const u32 w = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+    const u32 w = group_word(v, j);
     return 0x10001u * ((j & 1) ? (w >> 16) : (w & 0xffffu));
 }
 
@@ -695,12 +697,12 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
     for (int j = 0; j < TC_NG; ++j) {
         const int G = G0 + j;
         if (G >= G1) break;  // warp-uniform
-        auto word = [j](const uint4& v) { return j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w; };
-        tcb_group<NTG>(it.qa[j], it.qb[j], word(it.sa), word(it.sb), word(it.ba), word(it.bb), j & 1, G, xf, gsum, gpr, acc);
+        tcb_group<NTG>(it.qa[j], it.qb[j], group_word(it.sa, j), group_word(it.sb, j), group_word(it.ba, j),
+                       group_word(it.bb, j), j & 1, G, xf, gsum, gpr, acc);
     }
 }
 
-// ---- weight rings (moe_tcr, gemv_tcr): each warp streams its rows' codes, scales and biases
+// ---- weight rings (moe_tcr): each warp streams its rows' codes, scales and biases
 // through TCR_DEPTH stages of TCR_GROUPS 64-column groups in shared memory (cp.async), so
 // TCR_DEPTH - 1 stages stay in flight while it multiplies the current one (tcb_group per group,
 // in group order: the products of tcb_tile, bit for bit).
@@ -710,6 +712,7 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
 // banks (2 wavefronts per read); then per row the stage's scales and biases (TCR_GROUPS bf16 each).
 #define TCR_ROW_BYTES (TCR_GROUPS * 32 + 16)
 #define TCR_STAGE_BYTES (16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4)
+static_assert(TCR_GROUPS == 2, "tcr_issue copies a row's stage scales (and biases) as one 4-byte piece");
 
 // Issues the copies of groups [G, G + TCR_GROUPS) of rows r0..r0 + 15 (zeros from r_end on) into
 // the stage at shared address `dst`, and commits them as one group.

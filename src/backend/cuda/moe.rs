@@ -465,9 +465,16 @@ pub fn tcr_fits(gpu: &Gpu, cols: usize) -> Result<bool> {
     Ok(super::qmatmul::blocks_per_sm(gpu, MOE_TCR, tcr_smem(cols), 1)? >= 2)
 }
 
+/// `moe_tcr`'s dynamic shared memory: `moe_tcb`'s and every warp's ring.
 fn tcr_smem(cols: usize) -> u32 {
+    tcb_smem(cols) + ((GEMV_THREADS as usize / 32) * TCR_DEPTH * TCR_STAGE_BYTES) as u32
+}
+
+/// The staged expert kernels' dynamic shared memory: 16 tokens' fragments and group sums over
+/// `cols` columns.
+fn tcb_smem(cols: usize) -> u32 {
     let gpr = cols / 64;
-    ((2 * gpr * TCB_WORDS + 16 * gpr) * 4 + (GEMV_THREADS as usize / 32) * TCR_DEPTH * TCR_STAGE_BYTES) as u32
+    ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32
 }
 
 /// `moe_tcr`: the products of [`moe_tcb`] with each warp's weights streamed through a ring of
@@ -494,8 +501,7 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
     }
-    let gpr = q.cols / 64;
-    let smem = ((2 * gpr * TCB_WORDS + 16 * gpr) * 4) as u32;
+    let smem = tcb_smem(q.cols);
     let base = shared.base.map_or(i32::MAX, |b| b.min(i32::MAX as usize) as i32);
     let stream = &gpu.stream;
     let mut args = matrix_pair_args(gpu, q, up).to_vec();
