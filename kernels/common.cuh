@@ -442,6 +442,16 @@ struct TcItem {
     uint4 sa, sb, ba, bb;        // bf16 scales / biases of the item's groups (one per 16 bits)
 };
 
+// Fragment order (FRAG): 4-bit codes (group 64) permuted within each 16-row tile so that group G
+// of a tile is 512 contiguous bytes, lane l = 4g + t's 16 of them its (qa, qb) of that group: one
+// coalesced 16-byte load per lane and group instead of two 8-byte loads that touch 16 rows. The
+// tiles stay where their rows were (a tile's 16 rows are one contiguous run either way), the last
+// one padded to 16 rows. frag_word: where word wi (codes 8wi..8wi + 7) of row `row` lives.
+__device__ __forceinline__ size_t frag_word(size_t row, int wi, int cols) {
+    const size_t gpr = (size_t)cols >> 6;
+    return ((((row >> 4) * gpr + (wi >> 3)) * 32 + 4 * (row & 7) + ((wi & 7) >> 1)) << 2) + ((row >> 2) & 2) + (wi & 1);
+}
+template <bool FRAG = false>
 __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, const u16* __restrict__ sc,
                                         const u16* __restrict__ bi, int rows, int r0, int cols, int G0, int G1) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -449,13 +459,23 @@ __device__ __forceinline__ void tc_load(TcItem& it, const u32* __restrict__ w, c
     const int ra = r0 + g, rb = ra + 8;
     const bool va = ra < rows, vb = rb < rows;
     const size_t wpr = (size_t)cols >> 3;
-    const uint2* pa = reinterpret_cast<const uint2*>(w + (size_t)ra * wpr + 8 * G0) + t;
-    const uint2* pb = reinterpret_cast<const uint2*>(w + (size_t)rb * wpr + 8 * G0) + t;
+    if constexpr (FRAG) {
+        const uint4* p = reinterpret_cast<const uint4*>(w + (size_t)r0 * wpr) + (size_t)G0 * 32 + lane;
 #pragma unroll
-    for (int j = 0; j < TC_NG; ++j) {
-        const bool in = G0 + j < G1;
-        it.qa[j] = (va && in) ? __ldg(pa + 4 * j) : make_uint2(0u, 0u);
-        it.qb[j] = (vb && in) ? __ldg(pb + 4 * j) : make_uint2(0u, 0u);
+        for (int j = 0; j < TC_NG; ++j) {
+            const uint4 v = (va && G0 + j < G1) ? __ldg(p + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
+            it.qa[j] = make_uint2(v.x, v.y);
+            it.qb[j] = make_uint2(v.z, v.w);
+        }
+    } else {
+        const uint2* pa = reinterpret_cast<const uint2*>(w + (size_t)ra * wpr + 8 * G0) + t;
+        const uint2* pb = reinterpret_cast<const uint2*>(w + (size_t)rb * wpr + 8 * G0) + t;
+#pragma unroll
+        for (int j = 0; j < TC_NG; ++j) {
+            const bool in = G0 + j < G1;
+            it.qa[j] = (va && in) ? __ldg(pa + 4 * j) : make_uint2(0u, 0u);
+            it.qb[j] = (vb && in) ? __ldg(pb + 4 * j) : make_uint2(0u, 0u);
+        }
     }
     // One uint4 per row when the item is 8 whole, 16-byte aligned groups (every 35B matrix),
     // one uint2 for 4 aligned groups (the 35B's down rows split over two warps), else one bf16
@@ -716,15 +736,25 @@ static_assert(TCR_GROUPS == 2, "tcr_issue copies a row's stage scales (and biase
 
 // Issues the copies of groups [G, G + TCR_GROUPS) of rows r0..r0 + 15 (zeros from r_end on) into
 // the stage at shared address `dst`, and commits them as one group.
+// FRAG: the codes of a tile in fragment order (tc_load), whole tiles: the stage's groups are
+// TCR_GROUPS * 512 contiguous bytes, copied as they lie.
+template <bool FRAG = false>
 __device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ w, const u16* __restrict__ s,
                                           const u16* __restrict__ b, int r0, int r_end, int cols, int G) {
     const int lane = threadIdx.x & 31, gpr = cols >> 6, parts = TCR_GROUPS * 2;
     const size_t wpr = (size_t)cols >> 3;
+    if constexpr (FRAG) {
+        const bool on = r0 < r_end;
+        const char* src = reinterpret_cast<const char*>(w + (size_t)(on ? r0 : 0) * wpr) + (size_t)G * 512;
 #pragma unroll
-    for (int u = lane; u < 16 * parts; u += 32) {
-        const int row = u / parts, part = u % parts;
-        const bool on = r0 + row < r_end;
-        cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, w + (size_t)(on ? r0 + row : 0) * wpr + 8 * G + 4 * part, on);
+        for (int u = lane; u < TCR_GROUPS * 32; u += 32) cp_async16z(dst + u * 16, src + u * 16, on);
+    } else {
+#pragma unroll
+        for (int u = lane; u < 16 * parts; u += 32) {
+            const int row = u / parts, part = u % parts;
+            const bool on = r0 + row < r_end;
+            cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, w + (size_t)(on ? r0 + row : 0) * wpr + 8 * G + 4 * part, on);
+        }
     }
     // Lanes 0-15 the scales of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
     const int row = lane & 15;
@@ -735,7 +765,7 @@ __device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ 
 }
 
 // The stage at `st` (groups G0..) into acc, in group order.
-template <int NTG>
+template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const u32* xf, const float* gsum, int gpr,
                                           float (&acc)[NTG][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -743,22 +773,36 @@ __device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const
     const uint2 rb = *reinterpret_cast<const uint2*>(st + 16 * TCR_ROW_BYTES + (g + 8) * (TCR_GROUPS * 4));
 #pragma unroll
     for (int j = 0; j < TCR_GROUPS; ++j) {
-        const uint2 qa = *reinterpret_cast<const uint2*>(st + g * TCR_ROW_BYTES + j * 32 + t * 8);
-        const uint2 qb = *reinterpret_cast<const uint2*>(st + (g + 8) * TCR_ROW_BYTES + j * 32 + t * 8);
+        uint2 qa, qb;
+        if constexpr (FRAG) {
+            const uint4 v = *reinterpret_cast<const uint4*>(st + j * 512 + lane * 16);
+            qa = make_uint2(v.x, v.y);
+            qb = make_uint2(v.z, v.w);
+        } else {
+            qa = *reinterpret_cast<const uint2*>(st + g * TCR_ROW_BYTES + j * 32 + t * 8);
+            qb = *reinterpret_cast<const uint2*>(st + (g + 8) * TCR_ROW_BYTES + j * 32 + t * 8);
+        }
         tcb_group<NTG>(qa, qb, ra.x, rb.x, ra.y, rb.y, j & 1, G0 + j, xf, gsum, gpr, acc);
     }
 }
+static_assert(TCR_GROUPS * 512 <= 16 * TCR_ROW_BYTES, "a fragment-order stage's codes fit the row layout's");
 
 // The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
 // tokens.
-template <int NTG>
+template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
                                          const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
     const int gpr = cols >> 6, lane = threadIdx.x & 31;
 #pragma unroll
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
-    if (kc > 1 && lane < 16 && r0 + lane < rows) {
+    if constexpr (FRAG) {
+        // The tile's later chunks are contiguous: 128-byte lines spread over the lanes.
+        if (kc > 1 && r0 < rows) {
+            const char* p = reinterpret_cast<const char*>(w + (size_t)r0 * (cols >> 3)) + (size_t)(G0 + TC_NG) * 512;
+            for (int off = lane * 128; off < (kc - 1) * TC_NG * 512; off += 32 * 128) prefetch_l2(p + off);
+        }
+    } else if (kc > 1 && lane < 16 && r0 + lane < rows) {
         // The later chunks of the tile's 16 rows into L2 while the first is loaded and computed.
         const char* p = reinterpret_cast<const char*>(w + (size_t)(r0 + lane) * (cols >> 3)) + (size_t)(G0 + TC_NG) * 32;
         for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
@@ -766,7 +810,7 @@ __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* _
     TcItem it;
     for (int k = 0; k < kc; ++k) {
         const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);
-        tc_load(it, w, s, b, rows, r0, cols, g0, g1);
+        tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
         tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
     }
 }

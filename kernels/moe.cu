@@ -249,15 +249,17 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
 // MOE_TC_MINB: resident blocks per SM moe_gate_up_tc's registers must allow (3: 80 registers,
 // one wave of the 35B's 288 blocks).
 #define MOE_TC_MINB 3
-extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(const float* __restrict__ logits, int E, int K,
-                                          const u32* gw, const u16* gs, const u16* gb,
-                                          const u32* uw, const u16* us, const u16* ub, int inter,
-                                          const u32* sgw, const u16* sgs, const u16* sgb,
-                                          const u32* suw, const u16* sus, const u16* sub, int sinter,
-                                          const float* __restrict__ x, int cols, int slices, int kc,
-                                          float* __restrict__ act, int* __restrict__ top_ids, float* __restrict__ top_w,
-                                          const u32* dw, const u16* ds, const u16* db, const u32* sdw, const u16* sds,
-                                          const u16* sdb, int hidden) {
+#define MOE_GATE_UP_TC_ARGS                                                                                  \
+    const float *__restrict__ logits, int E, int K, const u32 *gw, const u16 *gs, const u16 *gb, const u32 *uw,   \
+        const u16 *us, const u16 *ub, int inter, const u32 *sgw, const u16 *sgs, const u16 *sgb, const u32 *suw,  \
+        const u16 *sus, const u16 *sub, int sinter, const float *__restrict__ x, int cols, int slices, int kc,    \
+        float *__restrict__ act, int *__restrict__ top_ids, float *__restrict__ top_w, const u32 *dw,            \
+        const u16 *ds, const u16 *db, const u32 *sdw, const u16 *sds, const u16 *sdb, int hidden
+#define MOE_GATE_UP_TC_NAMES                                                                                   \
+    logits, E, K, gw, gs, gb, uw, us, ub, inter, sgw, sgs, sgb, suw, sus, sub, sinter, x, cols, slices, kc, act, \
+        top_ids, top_w, dw, ds, db, sdw, sds, sdb, hidden
+template <bool FRAG>
+__device__ __forceinline__ void moe_gate_up_tc_body(MOE_GATE_UP_TC_ARGS) {
     extern __shared__ float smem[];
     __shared__ int ids[MOE_MAXK];
     __shared__ float wts[MOE_MAXK];
@@ -308,11 +310,11 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
     float acc0 = 0.f, acc1 = 0.f;
     TcItem it;
     int G0 = my_slice * kc * TC_NG;
-    tc_load(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+    tc_load<FRAG>(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
     tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
     for (int k = 1; k < kc; ++k) {  // hidden sizes past 512 * slices (not the 35B's)
         G0 += TC_NG;
-        tc_load(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+        tc_load<FRAG>(it, W, S, B, rows, r0, cols, G0, min(gpr, G0 + TC_NG));
         tc_mma(it, xf, gsum, G0, min(gpr, G0 + TC_NG), 1.f, acc0, acc1);
     }
     tc_reduce(acc0, acc1);
@@ -330,6 +332,13 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
         act[(size_t)slot * inter + r0 + threadIdx.x] = silu_f(gv) * uv;
     }
 }
+extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(MOE_GATE_UP_TC_ARGS) {
+    moe_gate_up_tc_body<false>(MOE_GATE_UP_TC_NAMES);
+}
+// moe_gate_up_tc over experts in fragment order (tc_load).
+extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc_f(MOE_GATE_UP_TC_ARGS) {
+    moe_gate_up_tc_body<true>(MOE_GATE_UP_TC_NAMES);
+}
 
 // moe_down_tc: grid ceil(hidden / 16), (K + 1) * split warps: warp w takes slot w / split (K
 // routed experts in ascending id, then the shared expert) and the (w % split)-th share of its
@@ -338,12 +347,13 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc(co
 // summed through shared memory into the residual stream. act = [K * inter + sinter] with
 // inter == sinter (the host checks). Every warp's loads are issued before act is staged.
 // Dynamic shared memory: n_act/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int* __restrict__ top_ids,
-                                       const float* __restrict__ top_w, int K, int inter, int split,
-                                       const u32* dw, const u16* ds, const u16* db,
-                                       const u32* sdw, const u16* sds, const u16* sdb,
-                                       const float* __restrict__ shared_gate_logit, int hidden,
-                                       float* __restrict__ x) {
+#define MOE_DOWN_TC_ARGS                                                                                   \
+    const float *__restrict__ act, const int *__restrict__ top_ids, const float *__restrict__ top_w, int K,      \
+        int inter, int split, const u32 *dw, const u16 *ds, const u16 *db, const u32 *sdw, const u16 *sds,      \
+        const u16 *sdb, const float *__restrict__ shared_gate_logit, int hidden, float *__restrict__ x
+#define MOE_DOWN_TC_NAMES act, top_ids, top_w, K, inter, split, dw, ds, db, sdw, sds, sdb, shared_gate_logit, hidden, x
+template <bool FRAG>
+__device__ __forceinline__ void moe_down_tc_body(MOE_DOWN_TC_ARGS) {
     extern __shared__ float smem[];
     const int n_act = (K + 1) * inter, gpe = inter >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -356,12 +366,12 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
     const int G0 = share * per, G1 = min(gpe, G0 + per);
     const int r0 = blockIdx.x * 16;
     TcItem it;
-    if (slot == K) tc_load(it, sdw, sds, sdb, hidden, r0, inter, G0, G1);
+    if (slot == K) tc_load<FRAG>(it, sdw, sds, sdb, hidden, r0, inter, G0, G1);
     pdl_wait_trigger();
     float wscale;
     if (slot < K) {
         const size_t e = (size_t)top_ids[slot] * hidden;
-        tc_load(it, dw + e * (inter / 8), ds + e * gpe, db + e * gpe, hidden, r0, inter, G0, G1);
+        tc_load<FRAG>(it, dw + e * (inter / 8), ds + e * gpe, db + e * gpe, hidden, r0, inter, G0, G1);
         wscale = top_w[slot];
     } else {
         wscale = sigmoid_f(shared_gate_logit[0]);
@@ -382,6 +392,9 @@ extern "C" __global__ void moe_down_tc(const float* __restrict__ act, const int*
         x[r0 + threadIdx.x] += v;
     }
 }
+extern "C" __global__ void moe_down_tc(MOE_DOWN_TC_ARGS) { moe_down_tc_body<false>(MOE_DOWN_TC_NAMES); }
+// moe_down_tc over experts in fragment order (tc_load).
+extern "C" __global__ void moe_down_tc_f(MOE_DOWN_TC_ARGS) { moe_down_tc_body<true>(MOE_DOWN_TC_NAMES); }
 
 // ============================ batched decode (B tokens) ============================
 // acc = silu(acc) * up (the GLU of a 16-row item's gate and up accumulators).
@@ -419,7 +432,7 @@ __device__ __forceinline__ void tcb_store(const float (&acc)[NTG][4], float* __r
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
 // rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
 // Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
-template <int NTG>
+template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, const u32* __restrict__ w2,
                                              const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -429,10 +442,10 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
     for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
-        tcb_tile<NTG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
+        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
         if (w2) {
             float up[NTG][4];
-            tcb_tile<NTG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
+            tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
             tcb_swiglu<NTG>(acc, up);
         }
         tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
@@ -468,14 +481,18 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
         }                                                                    \
     }
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, const u32* __restrict__ w2,
-        const u16* __restrict__ s2, const u16* __restrict__ b2, const u32* __restrict__ sw,
-        const u16* __restrict__ ss, const u16* __restrict__ sb, const u32* __restrict__ sw2,
-        const u16* __restrict__ ss2, const u16* __restrict__ sb2, int shared_e, int shared_base,
-        float* __restrict__ y, int rows, int cols, int rpb, const u32* __restrict__ frag,
-        const float* __restrict__ gs_in, int xdiv, const int* __restrict__ counts, const int* __restrict__ offsets,
-        const int* __restrict__ list, const int* __restrict__ tiles) {
+#define MOE_TCB_ARGS                                                                                              \
+    const u32 *__restrict__ w, const u16 *__restrict__ s, const u16 *__restrict__ b, const u32 *__restrict__ w2,   \
+        const u16 *__restrict__ s2, const u16 *__restrict__ b2, const u32 *__restrict__ sw,                        \
+        const u16 *__restrict__ ss, const u16 *__restrict__ sb, const u32 *__restrict__ sw2,                       \
+        const u16 *__restrict__ ss2, const u16 *__restrict__ sb2, int shared_e, int shared_base,                  \
+        float *__restrict__ y, int rows, int cols, int rpb, const u32 *__restrict__ frag,                          \
+        const float *__restrict__ gs_in, int xdiv, const int *__restrict__ counts, const int *__restrict__ offsets, \
+        const int *__restrict__ list, const int *__restrict__ tiles
+#define MOE_TCB_NAMES \
+    w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, rows, cols, rpb, frag, gs_in, xdiv, counts, offsets, list, tiles
+template <bool FRAG>
+__device__ __forceinline__ void moe_tcb_body(MOE_TCB_ARGS) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -499,10 +516,13 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
         }
         __syncthreads();
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
-        if (nt > 8) moe_tcb_rows<2>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
-        else moe_tcb_rows<1>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        if (nt > 8) moe_tcb_rows<2, FRAG>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1, FRAG>(w, s, b, w2, s2, b2, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
     }
 }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb(MOE_TCB_ARGS) { moe_tcb_body<false>(MOE_TCB_NAMES); }
+// moe_tcb over codes in fragment order (tc_load).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb_f(MOE_TCB_ARGS) { moe_tcb_body<true>(MOE_TCB_NAMES); }
 
 // The parameters of moe_tcp and moe_tcr (moe_tcb's, less its rows per block; moe::tcb_args).
 #define MOE_TILE_ARGS                                                                                                \
@@ -519,8 +539,10 @@ moe_tcb(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
 // tiles in a batched decode step) and its warps then walk several items apiece (moe_tcb_rows),
 // where a moe_tcb block stages its tile for 128 rows, one item per warp. The same products in the
 // same order: bit-identical. grid: one wave (any count), block 256; moe_tcb's shared memory.
-extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcp(MOE_TILE_ARGS) {
+#define MOE_TILE_NAMES \
+    w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, rows, cols, frag, gs_in, xdiv, counts, offsets, list, tiles
+template <bool FRAG>
+__device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
     const long long total = (long long)tiles[0] * rtiles;
@@ -545,11 +567,13 @@ moe_tcp(MOE_TILE_ARGS) {
         __syncthreads();
         load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
-        if (nt > 8) moe_tcb_rows<2>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
-        else moe_tcb_rows<1>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        if (nt > 8) moe_tcb_rows<2, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         lo = hi;
     }
 }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp(MOE_TILE_ARGS) { moe_tcp_body<false>(MOE_TILE_NAMES); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS) { moe_tcp_body<true>(MOE_TILE_NAMES); }
 
 // moe_tcr: moe_tcb's products with each warp's weights streamed through a ring in shared memory
 // (common.cuh). Why: a moe_tcb warp loads a 512-column item of its 16 rows into registers and
@@ -564,7 +588,7 @@ moe_tcp(MOE_TILE_ARGS) {
 
 // A warp's 16-row tile through its ring: the first matrix's stages (and the second's, GLU), the
 // first TCR_DEPTH - 1 already issued; then SwiGLU and the store as moe_tcb's.
-template <int NTG>
+template <int NTG, bool FRAG>
 __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, const u32* __restrict__ w2, const u16* __restrict__ s2,
                                          const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int r0,
@@ -578,7 +602,7 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
         const int n = k + TCR_DEPTH - 1;
         if (n < nst) {
             const bool second = n >= half;
-            tcr_issue(smem_u32(ring + (n % TCR_DEPTH) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
+            tcr_issue<FRAG>(smem_u32(ring + (n % TCR_DEPTH) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
                       r0, r_end, cols, TCR_GROUPS * (n % half));
         } else {
             cp_commit();  // an empty group keeps the count the wait below relies on
@@ -586,15 +610,15 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
         cp_wait<TCR_DEPTH - 1>();
         __syncwarp();  // stage k's copies, made by every lane, are visible to all
         const unsigned char* cur = ring + (k % TCR_DEPTH) * TCR_STAGE_BYTES;
-        if (k < half) tcr_stage<NTG>(cur, TCR_GROUPS * k, xf, gsum, gpr, acc);
-        else tcr_stage<NTG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
+        if (k < half) tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * k, xf, gsum, gpr, acc);
+        else tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
     }
     if (w2) tcb_swiglu<NTG>(acc, up);
     tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-moe_tcr(MOE_TILE_ARGS) {
+template <bool FRAG>
+__device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -609,7 +633,7 @@ moe_tcr(MOE_TILE_ARGS) {
     if (r0 < r_end)
         for (int n = 0; n < TCR_DEPTH - 1 && n < nst; ++n) {
             const bool second = n >= half;
-            tcr_issue(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0, r_end,
+            tcr_issue<FRAG>(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0, r_end,
                       cols, TCR_GROUPS * (n % half));
         }
     for (int n = nst; n < TCR_DEPTH - 1; ++n) cp_commit();
@@ -620,8 +644,20 @@ moe_tcr(MOE_TILE_ARGS) {
     __syncthreads();
     load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
     if (r0 >= r_end) return;
-    if (nt > 8) tcr_tile<2>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
-    else tcr_tile<1>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+    if (nt > 8) tcr_tile<2, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+    else tcr_tile<1, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TILE_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TILE_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES); }
+
+// The codes of a 4-bit matrix ([rows][cols / 8] words, cols a multiple of 64) in fragment order
+// (frag_word in common.cuh) at `out` (whole 16-row tiles; padding rows stay as they are). One
+// thread per word.
+extern "C" __global__ void frag_codes(const u32* __restrict__ w, size_t words, int cols, u32* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= words) return;
+    const size_t wpr = (size_t)cols >> 3;
+    out[frag_word(i / wpr, (int)(i % wpr), cols)] = w[i];
 }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
@@ -687,7 +723,7 @@ struct WgGroup {
     u32 sa, ba, sb, bb;
 };
 
-template <bool GLU>
+template <bool GLU, bool FRAG>
 __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                const u16* __restrict__ b, const u32* __restrict__ w2,
                                                const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -732,10 +768,23 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     const u32 coff = (u32)cr * (u32)(cols >> 1) + chalf * 16, soff = (u32)cr * (u32)gpr;
     const u32 sm0 = smem_u32(wg_sm);
     const u32 cdst = sm0 + N * 128 + crow * 32 + chalf * 16;  // + SCALES - N * 128: the scales' place
+    // Fragment order (FRAG): thread tid copies lane tid & 31's 16 bytes of one 16-row tile's group
+    // instead, to byte 16 tid of the same 8 KB: GLU gate tiles 0..7 of the block's rows (tid < 256),
+    // then the up tiles; down tiles 0..15. A tile past `rows` copies the expert's first (zero
+    // scales, as above).
+    const int ftile = GLU ? (tid >> 5) & 7 : tid >> 5;
+    const bool fup = GLU && tid >= 256;
+    const int fr = (GLU ? blockIdx.x * WG_GLU_ROWS : blockIdx.x * WG_DOWN_ROWS) + 16 * ftile;
+    const u32 fcoff = (u32)(e * rows + (fr < rows ? fr : 0)) * (u32)(cols >> 1) + lane * 16;
     auto copy_codes = [&](int G) {
         if (G < gpr) {
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(cup ? w2 : w);
-            cp_async16(cdst + (G % WG_STAGES) * STAGE, src + coff + G * 32);
+            if constexpr (FRAG) {
+                const unsigned char* src = reinterpret_cast<const unsigned char*>(fup ? w2 : w);
+                cp_async16(sm0 + (G % WG_STAGES) * STAGE + N * 128 + tid * 16, src + fcoff + G * 512);
+            } else {
+                const unsigned char* src = reinterpret_cast<const unsigned char*>(cup ? w2 : w);
+                cp_async16(cdst + (G % WG_STAGES) * STAGE, src + coff + G * 32);
+            }
         }
     };
     // Groups 8k .. 8k + 7 into buffer k % 2: 16 bytes when they are whole and aligned (gpr a
@@ -763,8 +812,23 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     auto read = [&](int G, WgGroup& c) {
         const u32 cs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + 8 * t, ss = sm0 + SCALES + ((G >> 3) & 1) * WG_SCALES + 2 * (G & 7);
         u32 sa, ba, sb, bb;
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs + ka * 32));
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + kb * 32));
+        if constexpr (FRAG) {
+            // GLU: gate rows of tile warp / 2, half warp & 1, and the same up rows 4 KB on; down:
+            // tile `warp`, both halves.
+            const u32 fs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + lane * 16;
+            if (GLU) {
+                const u32 fa = fs + (warp >> 1) * 512 + (warp & 1) * 8;
+                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
+                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
+            } else {
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(c.qa.x), "=r"(c.qa.y), "=r"(c.qb.x), "=r"(c.qb.y)
+                             : "r"(fs + warp * 512));
+            }
+        } else {
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs + ka * 32));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + kb * 32));
+        }
         asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
         asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
         asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sb) : "r"(ss + kb * 32));
@@ -888,10 +952,17 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
 // dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<true>(PF_MOE_WG_PASS);
+    pf_moe_wg_body<true, false>(PF_MOE_WG_PASS);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<false>(PF_MOE_WG_PASS);
+    pf_moe_wg_body<false, false>(PF_MOE_WG_PASS);
+}
+// The same over experts in fragment order (tc_load).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<true, true>(PF_MOE_WG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_f(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<false, true>(PF_MOE_WG_PASS);
 }
 
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan

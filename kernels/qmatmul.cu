@@ -490,7 +490,8 @@ __device__ __forceinline__ void tile_row(int tid, int t0, int n, const int* lst,
 extern "C" __global__ void __launch_bounds__(256)
 pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b, int bits, int rows, int cols,
         int group, const float* __restrict__ x, int ntok, float* __restrict__ y, int ldy, int accumulate,
-        const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list, int xdiv) {
+        const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ list, int xdiv,
+        int frag) {
     __shared__ __align__(16) float Ws[PF_BK][PF_BM + 4];
     __shared__ __align__(16) float Xs[PF_BK][PF_BN + 4];
     __shared__ int xrow[PF_BN], yrow[PF_BN];
@@ -535,7 +536,9 @@ pf_gemm(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restr
             }
             const int c0 = lhalf * 16;
             if (bits == 4) {
-                uint2 q = rvalid ? __ldg(reinterpret_cast<const uint2*>(wrow + (k0 >> 3)) + lhalf) : make_uint2(0, 0);
+                // Codes in fragment order (frag_word) keep each even-odd word pair together.
+                const u32* wq = frag ? w + frag_word(rbase + (rvalid ? gr : 0), (k0 >> 3) + 2 * lhalf, cols) : wrow + (k0 >> 3) + 2 * lhalf;
+                uint2 q = rvalid ? __ldg(reinterpret_cast<const uint2*>(wq)) : make_uint2(0, 0);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     Ws[c0 + j][lrow] = rvalid ? fmaf(sc, code_f((q.x >> (4 * j)) & 15u), bi) : 0.f;

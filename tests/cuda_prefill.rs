@@ -144,7 +144,19 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     let b = cuda();
     let moe = &mw.layers[0].moe;
     let (ne, k) = (cfg.num_experts, cfg.num_experts_per_tok);
-    let routes = [GroupedRoute::F32, GroupedRoute::TensorCore, GroupedRoute::Wgmma, GroupedRoute::Tcb, GroupedRoute::Tcp, GroupedRoute::Tcr];
+    let routes = [
+        GroupedRoute::F32,
+        GroupedRoute::TensorCore,
+        GroupedRoute::Wgmma,
+        GroupedRoute::Tcb,
+        GroupedRoute::Tcp,
+        GroupedRoute::Tcr,
+        GroupedRoute::F32Frag,
+        GroupedRoute::WgmmaFrag,
+        GroupedRoute::TcbFrag,
+        GroupedRoute::TcpFrag,
+        GroupedRoute::TcrFrag,
+    ];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
         // k distinct experts per token, pseudo-random.
@@ -172,14 +184,24 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     let (ne, k, t) = (8usize, 8usize, 300usize);
     let ids: Vec<u32> = (0..t).flat_map(|i| (0..k).map(move |j| ((i + j) % ne) as u32)).collect();
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
-    let routes = [GroupedRoute::Wgmma, GroupedRoute::Tcb, GroupedRoute::Tcp, GroupedRoute::Tcr];
+    let routes = [
+        GroupedRoute::Wgmma,
+        GroupedRoute::Tcb,
+        GroupedRoute::Tcp,
+        GroupedRoute::Tcr,
+        GroupedRoute::WgmmaFrag,
+        GroupedRoute::TcbFrag,
+        GroupedRoute::TcpFrag,
+        GroupedRoute::TcrFrag,
+    ];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
 }
 
 /// One grouped product (`up`: the fused SwiGLU pair) of `t` random tokens routed by `ids` through
 /// each route, against the CPU: the f32 route to rounding, the bf16 ones within the tensor-core
-/// tolerance.
+/// tolerance; `moe_tcp` and `moe_tcr` exactly as `moe_tcb`, every route over fragment-order codes
+/// exactly as its row-order counterpart (listed before it).
 #[allow(clippy::too_many_arguments)]
 fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantTensor>, ne: usize, k: usize, t: usize, ids: &[u32], routes: &[GroupedRoute]) {
     let rows = q.rows / ne;
@@ -200,21 +222,24 @@ fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantT
         want[s * rows..(s + 1) * rows].copy_from_slice(&g);
     }
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let mut tcb = None;
+    let mut seen: Vec<(GroupedRoute, Vec<f32>)> = Vec::new();
     for &route in routes {
-        if route == GroupedRoute::Tcr && !q.cols.is_multiple_of(128) {
+        if route.row_order() == GroupedRoute::Tcr && !q.cols.is_multiple_of(128) {
             continue; // moe_tcr streams whole 128-column stages (the tiny model's down rows are 64)
         }
         let got = testing::grouped_gemm(b, q, up, ne, &x, t, ids, k, route).unwrap();
+        let earlier = |r: GroupedRoute| seen.iter().find(|(s, _)| *s == r).map(|(_, y)| y);
         // moe_tcp and moe_tcr do moe_tcb's arithmetic in the same order.
-        match route {
-            GroupedRoute::Tcb => tcb = Some(got.clone()),
-            GroupedRoute::Tcp | GroupedRoute::Tcr => assert!(tcb.as_ref().is_some_and(|w| *w == got), "{name} T={t}: {route:?} differs from moe_tcb"),
-            _ => {}
+        if matches!(route, GroupedRoute::Tcp | GroupedRoute::Tcr) {
+            assert!(earlier(GroupedRoute::Tcb).is_some_and(|w| *w == got), "{name} T={t}: {route:?} differs from moe_tcb");
         }
+        if route.row_order() != route {
+            assert!(earlier(route.row_order()).is_some_and(|w| *w == got), "{name} T={t}: {route:?} differs from {:?}", route.row_order());
+        }
+        seen.push((route, got.clone()));
         let (e, r) = (max_abs_diff(&got, &want), rel_rms(&got, &want));
         eprintln!("grouped {name} {route:?} T={t}: rel RMS err {r:.2e}, max abs err {e:.3e} (max |y| {scale:.3})");
-        if route == GroupedRoute::F32 {
+        if route.row_order() == GroupedRoute::F32 {
             assert!(e <= 1e-4 * scale.max(1.0), "{name} T={t}: error {e}");
         } else {
             assert!(r < 1e-2 && e <= 3e-2 * scale, "{name} {route:?} T={t}: rel {r} max {e}");

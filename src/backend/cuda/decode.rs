@@ -14,7 +14,7 @@ use super::options::CudaOptions;
 use super::qmatmul::{self, GemvInput, GemvSet, QMatDesc};
 use super::sampling;
 use super::state::CudaSequence;
-use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevWeights};
+use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevQ, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::CudaSlice;
@@ -148,20 +148,24 @@ impl Pass for DecodePass<'_> {
         // input for the expert GEMVs.
         self.gemv(sets.router, self.p(&a.x), h, self.p(&lw.post_norm), self.p(&a.u))?;
         self.point(probe, Point::Phase("moe router"))?;
+        // Fragment-order routed experts come with fragment-order copies of the shared expert.
+        let frag = m.gate_exps.frag;
+        let codes = |q: &DevQ| if frag { q.frag_ptrs(self.gpu).ok_or_else(|| anyhow!("no fragment-order copy of a shared expert matrix")) } else { Ok(q.ptrs(self.gpu)) };
         let p = MoePtrs {
             logits: self.p(&a.router),
-            gate: m.gate_exps.ptrs(self.gpu),
-            up: m.up_exps.ptrs(self.gpu),
-            down: m.down_exps.ptrs(self.gpu),
-            sgate: m.shared_gate.ptrs(self.gpu),
-            sup: m.shared_up.ptrs(self.gpu),
-            sdown: m.shared_down.ptrs(self.gpu),
+            gate: codes(&m.gate_exps)?,
+            up: codes(&m.up_exps)?,
+            down: codes(&m.down_exps)?,
+            sgate: codes(&m.shared_gate)?,
+            sup: codes(&m.shared_up)?,
+            sdown: codes(&m.shared_down)?,
             shared_gate_logit: self.p(&a.sgl),
             u: self.p(&a.u),
             act: self.p(&s.act),
             top_ids: self.p(&a.top_ids),
             top_w: self.p(&a.top_w),
             x: self.p(&a.x),
+            frag,
         };
         moe::experts(self.gpu, &self.dims.moe, &p, self.moe_kernels)?;
         self.point(probe, Point::Phase("moe experts"))

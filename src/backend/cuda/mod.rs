@@ -198,7 +198,8 @@ impl CudaBackend {
             bail!(why);
         }
         gpu.load_all()?;
-        let w = DevWeights::upload(&gpu, &mw, ck.total_bytes())?;
+        let frag_experts = moe::fragment_order_experts(&moe::MoeDims::new(&cfg), opts.force_cuda_core_moe);
+        let w = DevWeights::upload(&gpu, &mw, ck.total_bytes(), frag_experts)?;
         let decoder = Decoder::new(&gpu, &cfg, &w)?;
         let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
         let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;

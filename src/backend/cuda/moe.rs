@@ -18,6 +18,8 @@ const MOE_GATE_UP: Kernel = Kernel::dependent(&MOE, "moe_gate_up");
 const MOE_DOWN: Kernel = Kernel::dependent(&MOE, "moe_down");
 const MOE_GATE_UP_TC: Kernel = Kernel::dependent(&MOE, "moe_gate_up_tc");
 const MOE_DOWN_TC: Kernel = Kernel::dependent(&MOE, "moe_down_tc");
+const MOE_GATE_UP_TC_F: Kernel = Kernel::dependent(&MOE, "moe_gate_up_tc_f");
+const MOE_DOWN_TC_F: Kernel = Kernel::dependent(&MOE, "moe_down_tc_f");
 const PF_ROUTE: Kernel = Kernel::ordered(&MOE, "pf_route");
 const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
@@ -25,9 +27,15 @@ const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
 const MOE_TCP: Kernel = Kernel::ordered(&MOE, "moe_tcp");
 const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
+const MOE_TCB_F: Kernel = Kernel::ordered(&MOE, "moe_tcb_f");
+const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
+const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
+const FRAG_CODES: Kernel = Kernel::ordered(&MOE, "frag_codes");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
+const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
+const PF_MOE_WG_DOWN_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_f");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::ordered(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::ordered(&MOE, "moe_route_batch_4");
 
@@ -83,6 +91,17 @@ pub fn select(d: &MoeDims, force_cuda_core: bool) -> MoeKernels {
     }
 }
 
+/// Whether the routed experts' codes go in fragment order (kernels/common.cuh `frag_word`; one
+/// coalesced 16-byte load per lane and 64-column group where row order takes two 8-byte loads
+/// over 16 rows): when the decode runs the tensor-core expert kernels, every kernel that reads
+/// the experts has a fragment-order instance (`*_f`: the decode, batched-decode and staged or
+/// wgmma prefill products) or takes either order (`pf_gemm`, the exact mode's). The CUDA-core
+/// decode kernels read row order. The shared expert then gets a fragment-order copy for the
+/// kernels that run it beside the routed ones; the prefill's dense products read its row order.
+pub fn fragment_order_experts(d: &MoeDims, force_cuda_core: bool) -> bool {
+    select(d, force_cuda_core) == MoeKernels::TensorCore
+}
+
 /// A 4-bit matrix: codes, scales, biases.
 pub type QPtrs = (u64, u64, u64);
 
@@ -105,6 +124,8 @@ pub struct MoePtrs {
     pub top_w: u64,
     /// The residual stream the combine adds into.
     pub x: u64,
+    /// Every expert matrix's codes above are in fragment order (`*_f` kernels).
+    pub frag: bool,
 }
 
 fn q(p: QPtrs) -> [Arg; 3] {
@@ -148,6 +169,10 @@ const CUDA_CORE_WARPS: usize = 8;
 
 /// Routed + shared experts of one token, added into the residual.
 pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Result<()> {
+    if p.frag && kernels != MoeKernels::TensorCore {
+        bail!("the CUDA-core expert kernels read row-order codes, the experts are in fragment order");
+    }
+    let (gate_up, down) = if p.frag { (MOE_GATE_UP_TC_F, MOE_DOWN_TC_F) } else { (MOE_GATE_UP_TC, MOE_DOWN_TC) };
     match kernels {
         MoeKernels::TensorCore => {
             let chunks = (d.hidden / 64).div_ceil(TC_NG);
@@ -155,10 +180,10 @@ pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Resu
             let warps = 2 * slices;
             let grid = (d.inter.max(d.sinter).div_ceil(16) as u32, (d.k + 1) as u32, 1);
             let tuning = [Arg::I(slices as i32), Arg::I((chunks / slices) as i32)];
-            gpu.launch(MOE_GATE_UP_TC, grid, (warps * 32) as u32, tc_smem(d.hidden, warps), &gate_up_args(d, p, &tuning))?;
+            gpu.launch(gate_up, grid, (warps * 32) as u32, tc_smem(d.hidden, warps), &gate_up_args(d, p, &tuning))?;
             let warps = (d.k + 1) * DOWN_TC_SPLIT;
             let args = down_args(d, p, Arg::I(DOWN_TC_SPLIT as i32), &[]);
-            gpu.launch(MOE_DOWN_TC, (d.hidden.div_ceil(16) as u32, 1, 1), (warps * 32) as u32, tc_smem((d.k + 1) * d.inter, warps), &args)
+            gpu.launch(down, (d.hidden.div_ceil(16) as u32, 1, 1), (warps * 32) as u32, tc_smem((d.k + 1) * d.inter, warps), &args)
         }
         MoeKernels::CudaCore => {
             let warps = CUDA_CORE_WARPS;
@@ -409,9 +434,12 @@ fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
 
 /// Codes, scales and biases of `q`, then of `up` (zeros without it): the leading arguments of the
 /// staged expert kernels.
-fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>) -> [Arg; 6] {
-    let (w, s, b) = q.ptrs(gpu);
-    let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
+/// `q`'s and `up`'s codes, scales and biases, the codes in fragment order (`frag`: the caller
+/// checked that they have it) or row order.
+fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, frag: bool) -> [Arg; 6] {
+    let ptrs = |m: &DevQ| if frag { m.frag_ptrs(gpu).expect("checked by the caller") } else { m.ptrs(gpu) };
+    let (w, s, b) = ptrs(q);
+    let (w2, s2, b2) = up.map(ptrs).unwrap_or((0, 0, 0));
     [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(w2), Arg::P(s2), Arg::P(b2)]
 }
 
@@ -432,8 +460,8 @@ pub struct SharedExpert<'a> {
 /// its own matrices (4-bit, group 64).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS))?;
-    gpu.launch(MOE_TCB, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS))?;
+    gpu.launch(if frag { MOE_TCB_F } else { MOE_TCB }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `moe_tcp`: the products of [`moe_tcb`] on one wave of persistent blocks, each taking a
@@ -443,10 +471,11 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 /// block's staging was most of its time.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, smem) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
-    let per_sm = super::qmatmul::blocks_per_sm(gpu, MOE_TCP, smem, 2)?;
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    let k = if frag { MOE_TCP_F } else { MOE_TCP };
+    let per_sm = super::qmatmul::blocks_per_sm(gpu, k, smem, 2)?;
     let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
-    gpu.launch(MOE_TCP, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
+    gpu.launch(k, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `moe_tcr`'s ring: stages of `TCR_GROUPS` 64-column groups, `TCR_DEPTH` per warp, each 16 rows
@@ -482,8 +511,8 @@ fn tcb_smem(cols: usize) -> u32 {
 /// where a `moe_tcb` warp waits on every 512-column item. The caller checks [`tcr_fits`].
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, _) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
-    gpu.launch(MOE_TCR, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
+    let (args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the
@@ -496,7 +525,7 @@ fn tcp_blocks(max_items: usize, wave: usize) -> usize {
 /// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp) and dynamic shared memory of
 /// the staged expert kernels, after checking the matrices.
 #[allow(clippy::too_many_arguments)]
-fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>) -> Result<(Vec<Arg>, u32)> {
+fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>) -> Result<(Vec<Arg>, u32, bool)> {
     let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
@@ -504,8 +533,15 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     let smem = tcb_smem(q.cols);
     let base = shared.base.map_or(i32::MAX, |b| b.min(i32::MAX as usize) as i32);
     let stream = &gpu.stream;
-    let mut args = matrix_pair_args(gpu, q, up).to_vec();
-    args.extend(matrix_pair_args(gpu, shared.q, shared.up));
+    // Fragment order (the `*_f` instances) when the routed experts are in it; the shared expert's
+    // matrices then come as their fragment-order copy.
+    let frag = q.frag;
+    let mats = [Some(q), up, Some(shared.q), shared.up];
+    if mats.iter().flatten().any(|m| m.frag != frag && !(frag && m.frag_copy.is_some())) {
+        bail!("the batched expert kernel takes the routed and shared experts' codes in one order");
+    }
+    let mut args = matrix_pair_args(gpu, q, up, frag).to_vec();
+    args.extend(matrix_pair_args(gpu, shared.q, shared.up, frag));
     args.extend([Arg::I(shared.expert as i32), Arg::I(base), Arg::P(y), Arg::I(rows as i32), Arg::I(q.cols as i32)]);
     args.extend(rows_per_block.map(|r| Arg::I(r as i32)));
     args.extend([
@@ -517,7 +553,13 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
         Arg::P(g.list),
         Arg::P(g.tiles),
     ]);
-    Ok((args, smem))
+    Ok((args, smem, frag))
+}
+
+/// The row-order codes at `w` (`words` u32, rows of `cols` columns) in fragment order at `out`
+/// (room for whole 16-row tiles).
+pub fn frag_codes(gpu: &Gpu, w: u64, words: usize, cols: usize, out: u64) -> Result<()> {
+    gpu.launch(FRAG_CODES, (words.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(w), Arg::P(words as u64), Arg::I(cols as i32), Arg::P(out)])
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of
@@ -567,7 +609,11 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
     if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
         bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups and outputs of whole groups");
     }
-    wg_launch(gpu, PF_MOE_WG_GLU, matrix_pair_args(gpu, gate, Some(up)), rows, gate.cols, x, h, g, WG_GLU_ROWS)
+    if gate.frag != up.frag {
+        bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
+    }
+    let k = if gate.frag { PF_MOE_WG_GLU_F } else { PF_MOE_WG_GLU };
+    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), gate.frag), rows, gate.cols, x, h, g, WG_GLU_ROWS)
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (f32 out,
@@ -576,7 +622,8 @@ pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Group
     if !wg_takes(&[down]) {
         bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");
     }
-    wg_launch(gpu, PF_MOE_WG_DOWN, matrix_pair_args(gpu, down, None), rows, down.cols, h, y, g, WG_DOWN_ROWS)
+    let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
+    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, down.frag), rows, down.cols, h, y, g, WG_DOWN_ROWS)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -83,6 +83,7 @@ impl GemvSets {
         let first = self.descs.len();
         let (mut rows, mut tiles, mut all4) = (0, 0, true);
         for (q, y, acc) in list {
+            debug_assert!(!q.frag, "the GEMV kernels read row-order codes");
             self.descs.push(QMatDesc::new(gpu, q, *y, *acc));
             rows += q.rows;
             tiles += q.rows.div_ceil(16);
@@ -450,6 +451,7 @@ impl<'a> Gemm<'a> {
 
     /// `q` (first `rows` rows) dequantised into a cuBLAS scratch.
     fn dequant(&self, q: &DevQ, rows: usize, k: Kernel, out: u64) -> Result<()> {
+        row_order(q)?;
         let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(out)]].concat();
         self.gpu.launch(k, ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1), 256, 0, &args)
     }
@@ -480,6 +482,7 @@ impl<'a> Gemm<'a> {
                 r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false)
             }
             FewRowRoute::Skinny => {
+                row_order(q)?;
                 let rpb = skinny_rows_per_block(rows, ntok.div_ceil(SKINNY_T), self.gpu.sms as usize);
                 let io = [Arg::P(x), Arg::I(ntok as i32), Arg::P(y), Arg::I(ldy as i32), Arg::I(rpb as i32)];
                 let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &io].concat();
@@ -509,9 +512,20 @@ impl<'a> Gemm<'a> {
 
 /// The leading arguments of every quantised-matrix prefill kernel (pf_gemm, pf_gemm_skinny,
 /// pf_dequant_*): codes, scales, biases, bits, the first `rows` rows, columns, group size.
+/// Only `pf_gemm` of them reads codes in fragment order (it takes a flag); the caller of the others
+/// checks [`row_order`].
 fn qmat_args(q: &DevQ, gpu: &Gpu, rows: usize, group: usize) -> [Arg; 7] {
     let (w, s, b) = q.ptrs(gpu);
     [Arg::P(w), Arg::P(s), Arg::P(b), Arg::I(q.bits as i32), Arg::I(rows as i32), Arg::I(q.cols as i32), Arg::I(group as i32)]
+}
+
+/// An error unless `q`'s codes are in row order (what every prefill product but `pf_gemm` and the
+/// expert kernels reads; the loader puts only experts in fragment order, see moe.rs).
+fn row_order(q: &DevQ) -> Result<()> {
+    if q.frag {
+        bail!("{} x {} codes in fragment order reached a kernel that reads row order", q.rows, q.cols);
+    }
+    Ok(())
 }
 
 /// The input, output and per-expert list arguments both GEMM kernels take in this order.
@@ -527,7 +541,7 @@ fn gemm_f32(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, x: u64, ntok: usize,
         Some(g) => (g.experts, g.counts, g.offsets, g.list, g.xdiv),
         None => (1, 0, 0, 0, 1),
     };
-    let tail = [&io_args(x, ntok, y, ldy, accumulate, counts, offsets, list)[..], &[Arg::I(xdiv as i32)]].concat();
+    let tail = [&io_args(x, ntok, y, ldy, accumulate, counts, offsets, list)[..], &[Arg::I(xdiv as i32), Arg::I(q.frag as i32)]].concat();
     let grid = (rows.div_ceil(128) as u32, ntok.div_ceil(64) as u32, gz as u32);
     gpu.launch(PF_GEMM, grid, 256, 0, &[&qmat_args(q, gpu, rows, group)[..], &tail[..]].concat())
 }
@@ -536,6 +550,8 @@ fn gemm_f32(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, x: u64, ntok: usize,
 /// pf_scan. The two matrices' pointers interleave (w, s, b, w2, s2, b2), as the kernel takes them.
 #[allow(clippy::too_many_arguments)]
 fn gemm_tc(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, rows: usize, group: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
+    row_order(q)?;
+    up.map(row_order).transpose()?;
     let (w, s, b) = q.ptrs(gpu);
     let (w2, s2, b2) = up.map(|u| u.ptrs(gpu)).unwrap_or((0, 0, 0));
     let (gy, counts, offsets, list, tiles, xdiv) = match grouped {

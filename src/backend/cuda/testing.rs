@@ -198,6 +198,27 @@ pub enum GroupedRoute {
     /// `stage_tcb` + `moe_tcr` (`moe_tcb` with each warp's weights streamed through a ring in
     /// shared memory; bit-identical to `Tcb`).
     Tcr,
+    /// `Tcb`, `Tcp`, `Tcr`, `Wgmma` and `F32` over codes in fragment order (the `*_f` kernel
+    /// instances; `pf_gemm`'s other loads): the same products as in row order.
+    TcbFrag,
+    TcpFrag,
+    TcrFrag,
+    WgmmaFrag,
+    F32Frag,
+}
+
+impl GroupedRoute {
+    /// The route over row-order codes that this one must match exactly.
+    pub fn row_order(self) -> GroupedRoute {
+        match self {
+            GroupedRoute::TcbFrag => GroupedRoute::Tcb,
+            GroupedRoute::TcpFrag => GroupedRoute::Tcp,
+            GroupedRoute::TcrFrag => GroupedRoute::Tcr,
+            GroupedRoute::WgmmaFrag => GroupedRoute::Wgmma,
+            GroupedRoute::F32Frag => GroupedRoute::F32,
+            r => r,
+        }
+    }
 }
 
 /// The grouped (MoE) product as the prefill runs it: `q` stacks `experts` matrices of
@@ -211,8 +232,11 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         bail!("grouped_gemm: bad shapes");
     }
     let rows = q.rows / experts;
-    let dq = DevQ::upload(gpu, q)?;
-    let du = up.map(|u| DevQ::upload(gpu, u)).transpose()?;
+    let frag = route.row_order() != route;
+    let upload = |m: &QuantTensor| if frag { DevQ::upload_frag(gpu, m) } else { DevQ::upload(gpu, m) };
+    let dq = upload(q)?;
+    let du = up.map(upload).transpose()?;
+    let route = route.row_order();
     let mut counts = vec![0i32; experts];
     for &e in ids {
         counts[e as usize] += 1;
@@ -223,6 +247,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
         GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
+        _ => unreachable!("row_order above"),
     }
     .tile();
     let mt = moe::tiles_of(tokens, &d, tile);

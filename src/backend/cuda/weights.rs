@@ -1,6 +1,8 @@
 //! Weight upload: the MLX layout as stored (u32 code words, bf16 scales and biases), one device
-//! allocation per tensor, plus the small f32 vectors. No repacking yet: the GEMV kernels read the
-//! MLX layout directly (kernels/common.cuh `qrow_dot`).
+//! allocation per tensor, plus the small f32 vectors. The routed experts' codes go in fragment
+//! order where every kernel that reads them takes it (kernels/common.cuh `frag_word`: each 16-row
+//! tile's codes permuted so that a warp loads a 64-column group as one coalesced 512-byte piece);
+//! everything else keeps the stored row order.
 
 use super::device::{ptr, Gpu};
 use crate::checkpoint::store::QuantTensor;
@@ -17,9 +19,58 @@ pub struct DevQ {
     pub rows: usize,
     pub cols: usize,
     pub bits: usize,
+    /// `w` holds the codes in fragment order (kernels/common.cuh `frag_word`), not row order.
+    pub frag: bool,
+    /// A fragment-order copy beside row-order `w`: the shared expert's, which the expert kernels
+    /// read with the routed experts while the prefill runs it as a dense product (row order).
+    pub frag_copy: Option<CudaSlice<u32>>,
+}
+
+/// Whether codes of this shape can go in fragment order: 4-bit, group 64, whole 64-column groups.
+pub fn frag_shape(bits: usize, group: usize, cols: usize) -> bool {
+    bits == 4 && group == 64 && cols.is_multiple_of(64)
 }
 
 impl DevQ {
+    /// `upload` with the codes in fragment order (rows padded to whole 16-row tiles); a shape
+    /// that cannot ([`frag_shape`]) is an error.
+    pub fn upload_frag(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+        if !frag_shape(q.bits, q.group, q.cols) {
+            bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
+        }
+        let mut d = Self::upload(gpu, q)?;
+        d.w = Self::frag_codes(gpu, &d.w, q.rows, q.cols)?;
+        d.frag = true;
+        Ok(d)
+    }
+
+    /// Adds a fragment-order copy of row-order codes ([`DevQ::frag_copy`]).
+    pub fn add_frag_copy(&mut self, gpu: &Gpu, group: usize) -> Result<()> {
+        if self.frag || !frag_shape(self.bits, group, self.cols) {
+            bail!("{} x {} codes: no fragment-order copy", self.rows, self.cols);
+        }
+        self.frag_copy = Some(Self::frag_codes(gpu, &self.w, self.rows, self.cols)?);
+        Ok(())
+    }
+
+    /// Row-order codes `w` ([rows][cols / 8] words) in fragment order, in a new allocation of
+    /// whole 16-row tiles.
+    fn frag_codes(gpu: &Gpu, w: &CudaSlice<u32>, rows: usize, cols: usize) -> Result<CudaSlice<u32>> {
+        let out = gpu.zeros::<u32>(rows.next_multiple_of(16) * cols / 8)?;
+        super::moe::frag_codes(gpu, ptr(w, &gpu.stream), w.len(), cols, ptr(&out, &gpu.stream))?;
+        Ok(out)
+    }
+
+    /// The codes in fragment order with the scales and biases, where there are (`w` or the copy).
+    pub fn frag_ptrs(&self, gpu: &Gpu) -> Option<(u64, u64, u64)> {
+        let (w, s, b) = self.ptrs(gpu);
+        match (&self.frag_copy, self.frag) {
+            (_, true) => Some((w, s, b)),
+            (Some(c), false) => Some((ptr(c, &gpu.stream), s, b)),
+            (None, false) => None,
+        }
+    }
+
     pub fn upload(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
         if q.bits != 4 && q.bits != 8 {
             bail!(
@@ -62,6 +113,8 @@ impl DevQ {
             rows: q.rows,
             cols: q.cols,
             bits: q.bits,
+            frag: false,
+            frag_copy: None,
         })
     }
     pub fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
@@ -72,7 +125,7 @@ impl DevQ {
         )
     }
     pub fn bytes(&self) -> usize {
-        self.w.len() * 4 + (self.s.len() + self.b.len()) * 2
+        (self.w.len() + self.frag_copy.as_ref().map_or(0, |c| c.len())) * 4 + (self.s.len() + self.b.len()) * 2
     }
 }
 
@@ -131,7 +184,9 @@ pub struct DevWeights {
 
 impl DevWeights {
     /// Uploads everything; checks free memory first so a too-large model fails with one line.
-    pub fn upload(gpu: &Gpu, mw: &ModelWeights, host_bytes: usize) -> Result<Self> {
+    /// `frag_experts`: the routed experts' codes in fragment order and a fragment-order copy of
+    /// the shared expert's (what the tensor-core expert kernels read; moe::fragment_order_experts).
+    pub fn upload(gpu: &Gpu, mw: &ModelWeights, host_bytes: usize, frag_experts: bool) -> Result<Self> {
         let (free, total) = gpu.mem_info()?;
         // Weights + ~1 GiB for activations, kernels and the context.
         if host_bytes + (1 << 30) > free {
@@ -143,6 +198,14 @@ impl DevWeights {
             );
         }
         let q = |t: &QuantTensor| DevQ::upload(gpu, t);
+        let experts = |t: &QuantTensor| if frag_experts { DevQ::upload_frag(gpu, t) } else { DevQ::upload(gpu, t) };
+        let shared = |t: &QuantTensor| {
+            let mut d = DevQ::upload(gpu, t)?;
+            if frag_experts {
+                d.add_frag_copy(gpu, t.group)?;
+            }
+            Ok::<_, anyhow::Error>(d)
+        };
         let f = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(mw.layers.len());
         for l in &mw.layers {
@@ -190,12 +253,12 @@ impl DevWeights {
                 mixer,
                 moe: DevMoe {
                     router: q(&m.router)?,
-                    gate_exps: q(&m.gate_exps)?,
-                    up_exps: q(&m.up_exps)?,
-                    down_exps: q(&m.down_exps)?,
-                    shared_gate: q(&m.shared_gate)?,
-                    shared_up: q(&m.shared_up)?,
-                    shared_down: q(&m.shared_down)?,
+                    gate_exps: experts(&m.gate_exps)?,
+                    up_exps: experts(&m.up_exps)?,
+                    down_exps: experts(&m.down_exps)?,
+                    shared_gate: shared(&m.shared_gate)?,
+                    shared_up: shared(&m.shared_up)?,
+                    shared_down: shared(&m.shared_down)?,
                     shared_expert_gate: q(&m.shared_expert_gate)?,
                 },
             });
