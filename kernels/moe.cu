@@ -650,16 +650,6 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS) {
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TILE_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TILE_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES); }
 
-// The codes of a 4-bit matrix ([rows][cols / 8] words, cols a multiple of 64) in fragment order
-// (frag_word in common.cuh) at `out` (whole 16-row tiles; padding rows stay as they are). One
-// thread per word.
-extern "C" __global__ void frag_codes(const u32* __restrict__ w, size_t words, int cols, u32* __restrict__ out) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= words) return;
-    const size_t wpr = (size_t)cols >> 3;
-    out[frag_word(i / wpr, (int)(i % wpr), cols)] = w[i];
-}
-
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
 // forward), and mma.sync made every warp load its B fragments from shared memory and build its A

@@ -30,7 +30,6 @@ const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
 const MOE_TCB_F: Kernel = Kernel::ordered(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
-const FRAG_CODES: Kernel = Kernel::ordered(&MOE, "frag_codes");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -554,12 +553,6 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
         Arg::P(g.tiles),
     ]);
     Ok((args, smem, frag))
-}
-
-/// The row-order codes at `w` (`words` u32, rows of `cols` columns) in fragment order at `out`
-/// (room for whole 16-row tiles).
-pub fn frag_codes(gpu: &Gpu, w: u64, words: usize, cols: usize, out: u64) -> Result<()> {
-    gpu.launch(FRAG_CODES, (words.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(w), Arg::P(words as u64), Arg::I(cols as i32), Arg::P(out)])
 }
 
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of

@@ -145,7 +145,6 @@ pub const MOE: Module = Module {
         "moe_tcb_f",
         "moe_tcp_f",
         "moe_tcr_f",
-        "frag_codes",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_down",

@@ -10,6 +10,7 @@ use crate::checkpoint::DType;
 use crate::model::{MixerWeights, ModelWeights};
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
+use rayon::prelude::*;
 
 /// One quantized matrix on the device.
 pub struct DevQ {
@@ -31,34 +32,49 @@ pub fn frag_shape(bits: usize, group: usize, cols: usize) -> bool {
     bits == 4 && group == 64 && cols.is_multiple_of(64)
 }
 
+/// Row-order 4-bit codes (`[rows][cols / 8]` words, `cols` a multiple of 64) in fragment order,
+/// the rows padded with zeros to whole 16-row tiles: per tile and 64-column group G one block of
+/// 128 words, lane l = 4g + t's four at 4l: words 8G + 2t and 8G + 2t + 1 of tile rows g and
+/// g + 8 (kernels/common.cuh `frag_word` is the same map as an index formula).
+pub fn fragment_order(words: &[u32], rows: usize, cols: usize) -> Vec<u32> {
+    let (wpr, gpr) = (cols / 8, cols / 64);
+    let mut out = vec![0u32; rows.div_ceil(16) * 16 * wpr];
+    out.par_chunks_mut(128).enumerate().for_each(|(blk, o)| {
+        let (tile, grp) = (blk / gpr, blk % gpr);
+        for (i, v) in o.iter_mut().enumerate() {
+            let (lane, k) = (i / 4, i % 4);
+            let row = tile * 16 + lane / 4 + 8 * (k / 2);
+            if row < rows {
+                *v = words[row * wpr + 8 * grp + 2 * (lane % 4) + k % 2];
+            }
+        }
+    });
+    out
+}
+
 impl DevQ {
-    /// `upload` with the codes in fragment order (rows padded to whole 16-row tiles); a shape
-    /// that cannot ([`frag_shape`]) is an error.
+    /// `upload` with the codes in fragment order (rows padded to whole 16-row tiles; permuted
+    /// on the host, so the device holds no second copy at any time); a shape that cannot
+    /// ([`frag_shape`]) is an error.
     pub fn upload_frag(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
         if !frag_shape(q.bits, q.group, q.cols) {
             bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
         }
         let mut d = Self::upload(gpu, q)?;
-        d.w = Self::frag_codes(gpu, &d.w, q.rows, q.cols)?;
+        d.w = gpu.upload(&fragment_order(q.words(), q.rows, q.cols))?;
         d.frag = true;
         Ok(d)
     }
 
-    /// Adds a fragment-order copy of row-order codes ([`DevQ::frag_copy`]).
-    pub fn add_frag_copy(&mut self, gpu: &Gpu, group: usize) -> Result<()> {
-        if self.frag || !frag_shape(self.bits, group, self.cols) {
-            bail!("{} x {} codes: no fragment-order copy", self.rows, self.cols);
+    /// `upload` with a fragment-order copy of the codes beside the row-order ones
+    /// ([`DevQ::frag_copy`]).
+    pub fn upload_with_frag_copy(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+        if !frag_shape(q.bits, q.group, q.cols) {
+            bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
         }
-        self.frag_copy = Some(Self::frag_codes(gpu, &self.w, self.rows, self.cols)?);
-        Ok(())
-    }
-
-    /// Row-order codes `w` ([rows][cols / 8] words) in fragment order, in a new allocation of
-    /// whole 16-row tiles.
-    fn frag_codes(gpu: &Gpu, w: &CudaSlice<u32>, rows: usize, cols: usize) -> Result<CudaSlice<u32>> {
-        let out = gpu.zeros::<u32>(rows.next_multiple_of(16) * cols / 8)?;
-        super::moe::frag_codes(gpu, ptr(w, &gpu.stream), w.len(), cols, ptr(&out, &gpu.stream))?;
-        Ok(out)
+        let mut d = Self::upload(gpu, q)?;
+        d.frag_copy = Some(gpu.upload(&fragment_order(q.words(), q.rows, q.cols))?);
+        Ok(d)
     }
 
     /// The codes in fragment order with the scales and biases, where there are (`w` or the copy).
@@ -199,13 +215,7 @@ impl DevWeights {
         }
         let q = |t: &QuantTensor| DevQ::upload(gpu, t);
         let experts = |t: &QuantTensor| if frag_experts { DevQ::upload_frag(gpu, t) } else { DevQ::upload(gpu, t) };
-        let shared = |t: &QuantTensor| {
-            let mut d = DevQ::upload(gpu, t)?;
-            if frag_experts {
-                d.add_frag_copy(gpu, t.group)?;
-            }
-            Ok::<_, anyhow::Error>(d)
-        };
+        let shared = |t: &QuantTensor| if frag_experts { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
         let f = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(mw.layers.len());
         for l in &mw.layers {
@@ -273,5 +283,39 @@ impl DevWeights {
                 mw.config.rope_theta,
             ))?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fragment_order;
+
+    /// kernels/common.cuh `frag_word`, the device's index formula for the same order.
+    fn frag_word(row: usize, wi: usize, cols: usize) -> usize {
+        let gpr = cols >> 6;
+        ((((row >> 4) * gpr + (wi >> 3)) * 32 + 4 * (row & 7) + ((wi & 7) >> 1)) << 2) + ((row >> 2) & 2) + (wi & 1)
+    }
+
+    #[test]
+    fn fragment_order_is_the_kernels_index_map_padded_to_whole_tiles() {
+        for (rows, cols) in [(32usize, 128usize), (4, 64), (40, 192)] {
+            let wpr = cols / 8;
+            let words: Vec<u32> = (0..rows * wpr).map(|i| i as u32 + 1).collect();
+            let out = fragment_order(&words, rows, cols);
+            assert_eq!(out.len(), rows.div_ceil(16) * 16 * wpr);
+            let mut hit = vec![false; out.len()];
+            for row in 0..rows {
+                for wi in 0..wpr {
+                    let at = frag_word(row, wi, cols);
+                    assert_eq!(out[at], words[row * wpr + wi], "{rows} x {cols}: row {row} word {wi}");
+                    hit[at] = true;
+                }
+            }
+            // Everything else is the padding rows' zeros.
+            assert!(out.iter().zip(&hit).all(|(v, h)| *h || *v == 0));
+            // Lane 1 (g = 0, t = 1) of the first block: words 2 and 3 of rows 0 and 8.
+            let row8 = |w: usize| if rows > 8 { words[8 * wpr + w] } else { 0 };
+            assert_eq!(out[4..8], [words[2], words[3], row8(2), row8(3)]);
+        }
     }
 }
