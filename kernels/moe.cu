@@ -6,6 +6,9 @@
 //                       moe_tcb for short ones, pf_gemm / pf_gemm_tc in grouped mode (qmatmul.cu)
 //                       in the f32 mode
 //   batched decode:     moe_route_batch, moe_tcb, pf_moe_combine
+// The tensor-core expert kernels come in two instances: over row-order codes and, named *_f,
+// over codes in fragment order (common.cuh tc_load), the routed experts' order when the decode
+// runs these kernels (moe.rs fragment_order_experts).
 
 // ================================ decode (T = 1) ================================
 // Two launches after the router GEMV (gemv_q, qmatmul.cu):
