@@ -380,7 +380,7 @@ stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restr
 // blocks of the same rows (consecutive blockIdx.x) run together, so larger batches read the
 // weights from L2.
 // Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
-template <int NTG>
+template <int NTG, bool FRAG>
 __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
                                                int slices, int kc, const u32* xf, const float* gsum,
                                                float* part) {
@@ -403,7 +403,7 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
         float acc[NTG][4];
         if (m >= 0) {
             const QMat& M = mats[m];
-            tcb_tile<NTG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
+            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
         } else {
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -442,9 +442,10 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-         int cols, int ntok, int tok_blk, int slices, int kc) {
+template <bool FRAG>
+__device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,
+                                              const float* __restrict__ gs_in, int cols, int ntok, int tok_blk,
+                                              int slices, int kc) {
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -454,9 +455,21 @@ gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,
     pdl_wait_trigger();
     load_tokens_tc(frag, gs_in, cols, t0, nt, nullptr, xf, gsum);
     if (nt > 8)
-        gemv_tcb_tiles<2>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
-        gemv_tcb_tiles<1>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+         int cols, int ntok, int tok_blk, int slices, int kc) {
+    gemv_tcb_body<false>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
+}
+// gemv_tcb over codes in fragment order (common.cuh tc_load; the descriptors point at the
+// matrices' fragment-order copies).
+extern "C" __global__ void __launch_bounds__(256, 2)
+gemv_tcb_f(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+           int cols, int ntok, int tok_blk, int slices, int kc) {
+    gemv_tcb_body<true>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
 }
 
 // ============================== prefill (T tokens) ==============================

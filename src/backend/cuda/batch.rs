@@ -109,7 +109,7 @@ impl BatchBuffers {
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, cap: usize) -> Result<Self> {
         let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
         let act = Activations::new(gpu, cfg, cap, cap)?;
-        let sets = forward::model_sets(gpu, w, &act, |_, _| vec![])?;
+        let sets = forward::model_sets(gpu, w, &act, true, |_, _| vec![])?;
         let layers: Vec<LayerSets> = sets.layers.iter().map(|(i, o, _)| LayerSets { mixer_in: *i, mixer_out: *o }).collect();
         let head = sets.head;
         let experts4 = w.layers.iter().all(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.down_exps].iter().all(|q| q.bits == 4));

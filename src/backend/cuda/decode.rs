@@ -53,7 +53,7 @@ impl Decoder {
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights) -> Result<Self> {
         let act = Activations::new(gpu, cfg, 1, 1)?;
         let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-        let sets = forward::model_sets(gpu, w, &act, |sets, l| {
+        let sets = forward::model_sets(gpu, w, &act, false, |sets, l| {
             vec![sets.add(gpu, &[(&l.moe.router, p(&act.router), false), (&l.moe.shared_expert_gate, p(&act.sgl), false)])]
         })?;
         let layers = sets.layers.iter().map(|(i, o, more)| LayerSets { mixer_in: *i, mixer_out: *o, router: more[0] }).collect();

@@ -190,8 +190,11 @@ pub struct ModelSets {
 }
 
 /// [`ModelSets`] over `act`; `extra` adds a layer's further sets and returns their indices.
-pub fn model_sets(gpu: &Gpu, w: &DevWeights, act: &Activations, mut extra: impl FnMut(&mut GemvSets, &DevLayer) -> Vec<usize>) -> Result<ModelSets> {
+/// `frag`: the sets point at the matrices' fragment-order copies where all have them (the
+/// batched decode's `gemv_tcb_f`).
+pub fn model_sets(gpu: &Gpu, w: &DevWeights, act: &Activations, frag: bool, mut extra: impl FnMut(&mut GemvSets, &DevLayer) -> Vec<usize>) -> Result<ModelSets> {
     let mut sets = GemvSets::default();
+    sets.frag = frag;
     let ids: Vec<_> = w.layers.iter().map(|l| (mixer_sets(gpu, &mut sets, &l.mixer, act), extra(&mut sets, l))).collect();
     let head = sets.add(gpu, &[(&w.lm_head, ptr(&act.logits, &gpu.stream), false)]);
     let descs = gpu.upload(&sets.descs)?;

@@ -15,6 +15,7 @@ use std::cell::Cell;
 const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
 const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
+const GEMV_TCB_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_f");
 const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
 const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
@@ -59,6 +60,8 @@ pub struct GemvSet {
     pub tiles: usize,
     /// Every matrix is 4-bit (the tensor-core GEMV applies; the 8-bit router does not).
     pub all4: bool,
+    /// The descriptors point at the matrices' fragment-order copies (`gemv_tcb_f`).
+    pub frag: bool,
 }
 
 impl QMatDesc {
@@ -73,8 +76,11 @@ impl QMatDesc {
 #[derive(Default)]
 pub struct GemvSets {
     pub descs: Vec<QMatDesc>,
-    /// (first descriptor, count, rows, tiles, all 4-bit) per set.
-    sets: Vec<(usize, usize, usize, usize, bool)>,
+    /// (first descriptor, count, rows, tiles, all 4-bit, fragment order) per set.
+    sets: Vec<(usize, usize, usize, usize, bool, bool)>,
+    /// Sets whose matrices all have fragment-order copies point at them (the batched decode's:
+    /// `gemv_tcb_f`; the other GEMVs read row order).
+    pub frag: bool,
 }
 
 impl GemvSets {
@@ -82,21 +88,26 @@ impl GemvSets {
     pub fn add(&mut self, gpu: &Gpu, list: &[(&DevQ, u64, bool)]) -> usize {
         let first = self.descs.len();
         let (mut rows, mut tiles, mut all4) = (0, 0, true);
+        let frag = self.frag && list.iter().all(|(q, _, _)| q.frag_copy.is_some());
         for (q, y, acc) in list {
-            debug_assert!(!q.frag, "the GEMV kernels read row-order codes");
-            self.descs.push(QMatDesc::new(gpu, q, *y, *acc));
+            debug_assert!(!q.frag, "the GEMVs take dense matrices, whose codes are in row order");
+            let mut d = QMatDesc::new(gpu, q, *y, *acc);
+            if let (true, Some((w, _, _))) = (frag, q.frag_ptrs(gpu)) {
+                d.w = w;
+            }
+            self.descs.push(d);
             rows += q.rows;
             tiles += q.rows.div_ceil(16);
             all4 &= q.bits == 4;
         }
-        self.sets.push((first, list.len(), rows, tiles, all4));
+        self.sets.push((first, list.len(), rows, tiles, all4, frag));
         self.sets.len() - 1
     }
 
     /// Set `i` with its descriptors at `base` (the device copy of `descs`).
     pub fn set(&self, i: usize, base: u64) -> GemvSet {
-        let (first, count, rows, tiles, all4) = self.sets[i];
-        GemvSet { descs: base + (first * std::mem::size_of::<QMatDesc>()) as u64, count, rows, tiles, all4 }
+        let (first, count, rows, tiles, all4, frag) = self.sets[i];
+        GemvSet { descs: base + (first * std::mem::size_of::<QMatDesc>()) as u64, count, rows, tiles, all4, frag }
     }
 }
 
@@ -634,7 +645,8 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
         bail!("the batched GEMV takes 4-bit matrices of whole 64-column groups");
     }
     let smem = gemv_tcb_smem(cols);
-    let per_sm = blocks_per_sm(gpu, GEMV_TCB, smem, 1)?;
+    let k = if set.frag { GEMV_TCB_F } else { GEMV_TCB };
+    let per_sm = blocks_per_sm(gpu, k, smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let s = &gpu.stream;
     let tok = tcb_tokens(cols);
@@ -650,7 +662,7 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
         Arg::I(slices as i32),
         Arg::I(kc as i32),
     ];
-    gpu.launch(GEMV_TCB, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
+    gpu.launch(k, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
@@ -673,7 +685,7 @@ mod tests {
     }
 
     fn set(rows: &[usize], all4: bool) -> GemvSet {
-        GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4 }
+        GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4, frag: false }
     }
 
     #[test]

@@ -50,6 +50,7 @@ pub const QMATMUL: Module = Module {
         "gemv_q",
         "gemv_tc",
         "gemv_tcb",
+        "gemv_tcb_f",
         "stage_tcb",
         "embed_q",
         "pf_gemm",

@@ -2,7 +2,9 @@
 //! allocation per tensor, plus the small f32 vectors. The routed experts' codes go in fragment
 //! order where every kernel that reads them takes it (kernels/common.cuh `frag_word`: each 16-row
 //! tile's codes permuted so that a warp loads a 64-column group as one coalesced 512-byte piece);
-//! everything else keeps the stored row order.
+//! everything else keeps the stored row order, and the 4-bit projections, the lm_head and (with
+//! fragment-order experts) the shared expert get a fragment-order copy beside it for the batched
+//! decode's kernels (~0.9 GB on the 35B), until their other readers take fragment order too.
 
 use super::device::{ptr, Gpu};
 use crate::checkpoint::store::QuantTensor;
@@ -22,8 +24,10 @@ pub struct DevQ {
     pub bits: usize,
     /// `w` holds the codes in fragment order (kernels/common.cuh `frag_word`), not row order.
     pub frag: bool,
-    /// A fragment-order copy beside row-order `w`: the shared expert's, which the expert kernels
-    /// read with the routed experts while the prefill runs it as a dense product (row order).
+    /// A fragment-order copy beside row-order `w`, for the kernels that read fragment order where
+    /// others read this matrix in row order: the shared expert's (the expert kernels run it with
+    /// the routed experts, the prefill as a dense product), the projections' and lm_head's (the
+    /// batched decode's `gemv_tcb_f`; the one-sequence GEMVs and the prefill read row order).
     pub frag_copy: Option<CudaSlice<u32>>,
 }
 
@@ -204,11 +208,28 @@ impl DevWeights {
     /// the shared expert's (what the tensor-core expert kernels read; moe::fragment_order_experts).
     pub fn upload(gpu: &Gpu, mw: &ModelWeights, host_bytes: usize, frag_experts: bool) -> Result<Self> {
         let (free, total) = gpu.mem_info()?;
-        // Weights + ~1 GiB for activations, kernels and the context.
-        if host_bytes + (1 << 30) > free {
+        // Weights, their fragment-order copies (below) and ~1 GiB for activations, kernels and
+        // the context.
+        let copies: usize = mw
+            .layers
+            .iter()
+            .flat_map(|l| {
+                let mixer: Vec<&QuantTensor> = match &l.mixer {
+                    MixerWeights::Gdn(g) => vec![&g.in_qkv, &g.in_z, &g.in_b, &g.in_a, &g.out],
+                    MixerWeights::Attention(a) => vec![&a.q, &a.k, &a.v, &a.o],
+                };
+                let shared = [&l.moe.shared_gate, &l.moe.shared_up, &l.moe.shared_down].into_iter().filter(move |_| frag_experts);
+                mixer.into_iter().chain(shared)
+            })
+            .chain([&mw.lm_head])
+            .filter(|t| frag_shape(t.bits, t.group, t.cols))
+            .map(|t| t.rows.next_multiple_of(16) * t.cols / 2)
+            .sum();
+        let needed = host_bytes + copies;
+        if needed + (1 << 30) > free {
             bail!(
                 "not enough GPU memory for the weights: {:.1} GiB needed, {:.1} GiB free of {:.1} GiB",
-                host_bytes as f64 / (1u64 << 30) as f64,
+                needed as f64 / (1u64 << 30) as f64,
                 free as f64 / (1u64 << 30) as f64,
                 total as f64 / (1u64 << 30) as f64
             );
@@ -216,26 +237,29 @@ impl DevWeights {
         let q = |t: &QuantTensor| DevQ::upload(gpu, t);
         let experts = |t: &QuantTensor| if frag_experts { DevQ::upload_frag(gpu, t) } else { DevQ::upload(gpu, t) };
         let shared = |t: &QuantTensor| if frag_experts { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
+        // The projections and the lm_head: row order for the one-sequence GEMVs and the prefill,
+        // and a fragment-order copy for the batched decode's GEMV sets (`gemv_tcb_f`).
+        let dense = |t: &QuantTensor| if frag_shape(t.bits, t.group, t.cols) { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
         let f = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(mw.layers.len());
         for l in &mw.layers {
             let mixer = match &l.mixer {
                 MixerWeights::Gdn(g) => DevMixer::Gdn(DevGdn {
-                    in_qkv: q(&g.in_qkv)?,
-                    in_z: q(&g.in_z)?,
-                    in_b: q(&g.in_b)?,
-                    in_a: q(&g.in_a)?,
+                    in_qkv: dense(&g.in_qkv)?,
+                    in_z: dense(&g.in_z)?,
+                    in_b: dense(&g.in_b)?,
+                    in_a: dense(&g.in_a)?,
                     conv_taps: f(&g.conv_taps)?,
                     dt_bias: f(&g.dt_bias)?,
                     neg_a: f(&g.neg_a)?,
                     norm: f(&g.norm)?,
-                    out: q(&g.out)?,
+                    out: dense(&g.out)?,
                 }),
                 MixerWeights::Attention(a) => DevMixer::Attn(DevAttn {
-                    q: q(&a.q)?,
-                    k: q(&a.k)?,
-                    v: q(&a.v)?,
-                    o: q(&a.o)?,
+                    q: dense(&a.q)?,
+                    k: dense(&a.k)?,
+                    v: dense(&a.v)?,
+                    o: dense(&a.o)?,
                     q_norm: f(&a.q_norm)?,
                     k_norm: f(&a.k_norm)?,
                 }),
@@ -277,7 +301,7 @@ impl DevWeights {
             embed: q(&mw.embed)?,
             layers,
             final_norm: f(&mw.final_norm)?,
-            lm_head: q(&mw.lm_head)?,
+            lm_head: dense(&mw.lm_head)?,
             inv_freq: gpu.upload(&crate::backend::cpu::ops::rope_inv_freq(
                 mw.config.rotary_dim(),
                 mw.config.rope_theta,
