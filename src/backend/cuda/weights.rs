@@ -64,10 +64,7 @@ impl DevQ {
         if !frag_shape(q.bits, q.group, q.cols) {
             bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
         }
-        let mut d = Self::upload(gpu, q)?;
-        d.w = gpu.upload(&fragment_order(q.words(), q.rows, q.cols))?;
-        d.frag = true;
-        Ok(d)
+        Self::upload_codes(gpu, q, &fragment_order(q.words(), q.rows, q.cols), true)
     }
 
     /// `upload` with a fragment-order copy of the codes beside the row-order ones
@@ -92,6 +89,11 @@ impl DevQ {
     }
 
     pub fn upload(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+        Self::upload_codes(gpu, q, q.words(), false)
+    }
+
+    /// `q` with `words` as its codes (`frag`: in fragment order, else `q`'s own row order).
+    fn upload_codes(gpu: &Gpu, q: &QuantTensor, words: &[u32], frag: bool) -> Result<Self> {
         if q.bits != 4 && q.bits != 8 {
             bail!(
                 "{}: {}-bit weights are not supported by the CUDA backend (4 or 8)",
@@ -109,7 +111,7 @@ impl DevQ {
                 q.group
             );
         }
-        let w = gpu.upload(q.words())?;
+        let w = gpu.upload(words)?;
         // Scales and biases stay bf16 on the device (exact: MLX stores bf16). Other float dtypes
         // are rounded to bf16 once here.
         let to_bf16 = |bytes: &[u8]| -> Vec<u16> {
@@ -133,7 +135,7 @@ impl DevQ {
             rows: q.rows,
             cols: q.cols,
             bits: q.bits,
-            frag: false,
+            frag,
             frag_copy: None,
         })
     }
