@@ -19,6 +19,7 @@ WHAT=${1:-all}
 mkdir -p "$OUT"
 log() { echo "[$(date +%T)] $*"; }
 
+bash scripts/device_unpack.sh  # binaries packed by scripts/device_pack.sh
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/openai openai || exit 1
 if [ ! -f "$CK/config.json" ]; then
   log "synthesizing the 35b-a3b checkpoint into $CK"

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
-#   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-#     ../shared/tools/device-pack --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory
-#   gzip .device/cargo-nextest .device/bin/lily     # ~40 MiB, carry [".device"]; gunzip them first there
+#   scripts/device_pack.sh --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory --test cuda_fixture
+#   (~27 MB; carry [".device"]; the xz-compressed binaries are decompressed below)
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
 # 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch + cuda_memory);
@@ -20,6 +19,7 @@ out=${OUT:-/tmp/device_check}
 arms=${1:-scripts/device_arms.txt}
 mkdir -p "$out"
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+bash scripts/device_unpack.sh
 ck=${LILY_CK:-/root/ck}
 [ -f "$ck/config.json" ] || ( ./.device/bin/lily synth --preset 35b-a3b --out "$ck" > /tmp/synth.log 2>&1 ) &
 synth=$!
