@@ -536,7 +536,7 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     // matrices then come as their fragment-order copy.
     let frag = q.frag;
     let mats = [Some(q), up, Some(shared.q), shared.up];
-    if mats.iter().flatten().any(|m| m.frag != frag && !(frag && m.frag_copy.is_some())) {
+    if mats.iter().flatten().any(|m| if frag { m.frag_ptrs(gpu).is_none() } else { m.frag }) {
         bail!("the batched expert kernel takes the routed and shared experts' codes in one order");
     }
     let mut args = matrix_pair_args(gpu, q, up, frag).to_vec();

@@ -56,25 +56,28 @@ pub fn fragment_order(words: &[u32], rows: usize, cols: usize) -> Vec<u32> {
     out
 }
 
+/// `q`'s codes in fragment order; a shape that cannot go in it ([`frag_shape`]) is an error.
+fn frag_codes(q: &QuantTensor) -> Result<Vec<u32>> {
+    if !frag_shape(q.bits, q.group, q.cols) {
+        bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
+    }
+    Ok(fragment_order(q.words(), q.rows, q.cols))
+}
+
 impl DevQ {
     /// `upload` with the codes in fragment order (rows padded to whole 16-row tiles; permuted
     /// on the host, so the device holds no second copy at any time); a shape that cannot
     /// ([`frag_shape`]) is an error.
     pub fn upload_frag(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
-        if !frag_shape(q.bits, q.group, q.cols) {
-            bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
-        }
-        Self::upload_codes(gpu, q, &fragment_order(q.words(), q.rows, q.cols), true)
+        Self::upload_codes(gpu, q, &frag_codes(q)?, true)
     }
 
     /// `upload` with a fragment-order copy of the codes beside the row-order ones
     /// ([`DevQ::frag_copy`]).
     pub fn upload_with_frag_copy(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
-        if !frag_shape(q.bits, q.group, q.cols) {
-            bail!("{}: {}-bit, group {}, {} columns cannot go in fragment order", q.name, q.bits, q.group, q.cols);
-        }
+        let codes = frag_codes(q)?;
         let mut d = Self::upload(gpu, q)?;
-        d.frag_copy = Some(gpu.upload(&fragment_order(q.words(), q.rows, q.cols))?);
+        d.frag_copy = Some(gpu.upload(&codes)?);
         Ok(d)
     }
 
