@@ -36,6 +36,16 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
     assert hits() == before
 
 
+def test_clients_spread_over_processes(tiny, model_dir):
+    # Three clients in two processes: every request of both comes back, timed on one clock.
+    vocab = json.loads((model_dir / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    lines = serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "3", "--rounds", "2", "--modes", "greedy", "--procs", "2", "--prompt-len", "24", "--max-tokens", "6", "--vocab", str(vocab)])
+    [r] = lines
+    assert r["client_procs"] == 2 and r["requests"] == 6 and r["completion_tokens"] == 36, r
+    assert 0 < r["ttft_secs"]["p50"] <= r["ttft_secs"]["p95"] < r["wall_secs"], r
+
+
 def test_scenarios_report_cache_hits_and_interleaving(tiny, model_dir):
     import serve_scenarios
 
