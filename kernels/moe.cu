@@ -716,7 +716,7 @@ struct WgGroup {
     u32 sa, ba, sb, bb;
 };
 
-template <bool GLU, bool FRAG>
+template <bool GLU, bool FRAG, int NW>
 __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                const u16* __restrict__ b, const u32* __restrict__ w2,
                                                const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -846,9 +846,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             for (int k = 0; k < WG_CP; ++k) cp_async16(xdst + st + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
         }
     };
-    float acc[N / 2];
+    float acc[NW / 2];
 #pragma unroll
-    for (int q = 0; q < N / 2; ++q) acc[q] = 0.f;
+    for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
     // Commits (one per step, some empty, so the count is uniform): P0 = inputs(0), codes(0),
     // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step G: inputs(G + 3),
     // codes(G + 4) and, when G % 8 == 0, scales(G / 8 + 1). Step G waits for all but the two latest
@@ -892,7 +892,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         const u32 st = sm0 + (G % WG_STAGES) * STAGE;
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_m64n128k16(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
+        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
         wgmma_commit();
         if (more) {
             WgGroup c;
@@ -906,7 +906,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         if (G + 1 < gpr) step(G + 1, a1, a0);
     }
 #pragma unroll
-    for (int q = 0; q < N / 2; ++q) wgmma_keep(acc[q]);
+    for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
     const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
     const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
     if (GLU) {
@@ -914,7 +914,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         u16* h = reinterpret_cast<u16*>(out);
         const int pos = wg_pos(R);
 #pragma unroll
-        for (int j = 0; j < NG; ++j)
+        for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int n = 8 * j + 2 * t + q;
@@ -923,7 +923,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     } else {
         float* y = reinterpret_cast<float*>(out);
 #pragma unroll
-        for (int j = 0; j < NG; ++j)
+        for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int n = 8 * j + 2 * t + q;
@@ -941,21 +941,35 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         const u32 *__restrict__ x, int xdiv, const int *__restrict__ counts, const int *__restrict__ offsets,    \
         const int *__restrict__ list, const int *__restrict__ tiles
 #define PF_MOE_WG_PASS w, s, b, w2, s2, b2, out, rows, cols, x, xdiv, counts, offsets, list, tiles
+// A tile's products at the narrowest wgmma width NW that covers its slots: an expert's last tile
+// usually holds a remainder of its slots (at 4K tokens ~128 per expert, so about every other
+// expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
+// work for them. The staging layout stays that of WG_N slots; columns past the tile's slots
+// multiply whatever the stage holds and are never stored.
+template <bool GLU, bool FRAG>
+__device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
+    if (cnt <= 32) pf_moe_wg_body<GLU, FRAG, 32>(PF_MOE_WG_PASS);
+    else if (cnt <= 64) pf_moe_wg_body<GLU, FRAG, 64>(PF_MOE_WG_PASS);
+    else if (cnt <= 96) pf_moe_wg_body<GLU, FRAG, 96>(PF_MOE_WG_PASS);
+    else pf_moe_wg_body<GLU, FRAG, WG_N>(PF_MOE_WG_PASS);
+}
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
 // tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
 // dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<true, false>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<true, false>(PF_MOE_WG_PASS);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<false, false>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<false, false>(PF_MOE_WG_PASS);
 }
 // The same over experts in fragment order (tc_load).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<true, true>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<true, true>(PF_MOE_WG_PASS);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_f(PF_MOE_WG_ARGS) {
-    pf_moe_wg_body<false, true>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<false, true>(PF_MOE_WG_PASS);
 }
 
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan

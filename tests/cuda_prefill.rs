@@ -174,15 +174,29 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
 }
 
 /// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
-/// 512): 300 tokens on 8 of 8 experts put 300 slots on each (five 64-slot tiles, the last one part
-/// full), and the 32 groups of a 2,048-column row stream through the wgmma kernel's stages and
-/// through `moe_tcb`'s four 512-column items per row.
+/// 512): 300 tokens, 4 of 8 experts each, with uneven counts per expert (300, 220, 150, 60, 100,
+/// 10, 128, 232 slots), so the wgmma kernels' 128-slot tiles include full ones and remainders for
+/// each of their widths (32, 64, 96, 128 slots) and `moe_tcb`'s 16-slot tiles part-full ones; the
+/// 32 groups of a 2,048-column row stream through the wgmma kernel's stages and through
+/// `moe_tcb`'s four 512-column items per row.
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_prefill_expert_kernels_at_35b_widths() {
     let b = cuda();
-    let (ne, k, t) = (8usize, 8usize, 300usize);
-    let ids: Vec<u32> = (0..t).flat_map(|i| (0..k).map(move |j| ((i + j) % ne) as u32)).collect();
+    let (ne, k, t) = (8usize, 4usize, 300usize);
+    // Expert e takes the next counts[e] tokens, wrapping: every token gets k distinct experts.
+    let counts = [300usize, 220, 150, 60, 100, 10, 128, 232];
+    assert_eq!(counts.iter().sum::<usize>(), t * k);
+    let mut per_token: Vec<Vec<u32>> = vec![Vec::with_capacity(k); t];
+    let mut cursor = 0;
+    for (e, &c) in counts.iter().enumerate() {
+        for i in 0..c {
+            per_token[(cursor + i) % t].push(e as u32);
+        }
+        cursor += c;
+    }
+    let ids: Vec<u32> = per_token.concat();
+    assert!(per_token.iter().all(|p| p.len() == k));
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
     let routes = [
         GroupedRoute::Wgmma,
