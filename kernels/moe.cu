@@ -426,6 +426,40 @@ __device__ __forceinline__ void tcb_store(const float (&acc)[NTG][4], float* __r
     }
 }
 
+// A 16-row item's outputs (tcb_store's layout, rows r0 .. r0 + 15 of a 64-column-aligned block)
+// staged as the next product's input instead of stored: the bf16 fragment words of the slots'
+// rows (stage_tcb's layout, common.cuh tcb_word; the item's rows are the staged row's columns
+// 16tq .. 16tq + 15 of group G) and, in `red`, the warp's part of each slot's group sum. Word
+// (h, s) pairs columns 8h + s and 8h + s + 4, i.e. rows g and g + 4 (h = 0) or g + 8 and g + 12
+// (h = 1) of lanes g = s and g + 4, so lanes g < 4 take their partner's rows from lane + 16. The
+// sums follow stage_tcb's (stage_piece) butterfly over the word index q = 8i + 2t + reg: here
+// the h and s / 2 levels; tcr_stage_sums adds the quarters tq and the reg halves. red: per warp
+// and token, the (reg 0, reg 1) partial sums.
+template <int NTG>
+__device__ __forceinline__ void tcb_stage_words(const float (&acc)[NTG][4], u32* __restrict__ sfrag, float* red, int r0,
+                                                int gpr, const int* slots, int nt) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    const int G = r0 >> 6, tq = (r0 >> 4) & 3;
+    auto half = [](u32 w) { return __uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u); };
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const float p0 = __shfl_down_sync(0xffffffffu, acc[tg][q], 16);
+            const float p1 = __shfl_down_sync(0xffffffffu, acc[tg][2 + q], 16);
+            const u32 w0 = pack_bf16(acc[tg][q], p0), w1 = pack_bf16(acc[tg][2 + q], p1);
+            float c = half(w0) + half(w1);             // q bit 4 (h)
+            c += __shfl_xor_sync(0xffffffffu, c, 8);   // q bit 3 (s / 2): lanes g and g ^ 2
+            const int tok = tg * 8 + 2 * t + q;
+            if (g < 4 && tok < nt) {
+                const int sl = slots[tok];
+                sfrag[tcb_word(sl, gpr, G, g >> 1, tq, g & 1)] = w0;
+                sfrag[tcb_word(sl, gpr, G, 2 + (g >> 1), tq, g & 1)] = w1;
+                if (g < 2) red[(warp * TCB_TOK + tok) * 2 + g] = c;
+            }
+        }
+}
+
 // The expert products of a batched decode step: for every (expert, 64-slot tile) of the routing
 // lists (moe_route_batch) and every slot of it, y[slot][r] = W_e[r] . x[slot / xdiv] (x staged by
 // stage_tcb: fragments and group sums, gathered per slot), or with a second matrix (GLU: gate W
@@ -595,7 +629,8 @@ template <int NTG, bool FRAG>
 __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, const u32* __restrict__ w2, const u16* __restrict__ s2,
                                          const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int r0,
-                                         int r_end, const int* slots, int nt, const u32* xf, const float* gsum) {
+                                         int r_end, const int* slots, int nt, const u32* xf, const float* gsum,
+                                         u32* __restrict__ sfrag, float* red) {
     const int gpr = cols >> 6, half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
     float acc[NTG][4], up[NTG][4];
 #pragma unroll
@@ -617,11 +652,23 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
         else tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
     }
     if (w2) tcb_swiglu<NTG>(acc, up);
-    tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
+    if (sfrag) tcb_stage_words<NTG>(acc, sfrag, red, r0, rows >> 6, slots, nt);
+    else tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
+}
+
+// The group sums of a moe_tcr block's staged outputs (tcb_stage_words): per token and 64-column
+// group of the block's rows, the four quarters' partial sums in stage_tcb's butterfly order.
+__device__ __forceinline__ void tcr_stage_sums(const float* red, float* __restrict__ sgsum, int r_begin, int r_end, int gpr,
+                                               const int* slots, int nt) {
+    const int tid = threadIdx.x, gh = tid >> 4, tok = tid & (TCB_TOK - 1);
+    if (tid >= 2 * TCB_TOK || tok >= nt || r_begin + 64 * gh >= r_end) return;
+    auto d = [&](int tq, int r) { return red[((4 * gh + tq) * TCB_TOK + tok) * 2 + r]; };
+    const float e0 = (d(0, 0) + d(2, 0)) + (d(1, 0) + d(3, 0)), e1 = (d(0, 1) + d(2, 1)) + (d(1, 1) + d(3, 1));
+    sgsum[(size_t)slots[tok] * gpr + (r_begin >> 6) + gh] = e0 + e1;
 }
 
 template <bool FRAG>
-__device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS) {
+__device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
@@ -646,12 +693,21 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS) {
     TILE_SLOTS
     __syncthreads();
     load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
-    if (r0 >= r_end) return;
-    if (nt > 8) tcr_tile<2, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
-    else tcr_tile<1, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum);
+    __shared__ float red[8 * TCB_TOK * 2];
+    if (r0 < r_end) {
+        if (nt > 8) tcr_tile<2, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+        else tcr_tile<1, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+    }
+    if (sfrag) {
+        __syncthreads();
+        tcr_stage_sums(red, sgsum, blockIdx.x * 128, r_end, rows >> 6, slot, nt);
+    }
 }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TILE_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TILE_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES); }
+// sfrag / sgsum: null to store y; else (rows a multiple of 64) the outputs staged there as
+// stage_tcb would stage them from y (the next product's input, bit for bit), and y is not written.
+#define MOE_TCR_ARGS MOE_TILE_ARGS, u32 *__restrict__ sfrag, float *__restrict__ sgsum
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES, sfrag, sgsum); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per

@@ -183,20 +183,7 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
 #[ignore = "needs a GPU"]
 fn cuda_prefill_expert_kernels_at_35b_widths() {
     let b = cuda();
-    let (ne, k, t) = (8usize, 4usize, 300usize);
-    // Expert e takes the next counts[e] tokens, wrapping: every token gets k distinct experts.
-    let counts = [300usize, 220, 150, 60, 100, 10, 128, 232];
-    assert_eq!(counts.iter().sum::<usize>(), t * k);
-    let mut per_token: Vec<Vec<u32>> = vec![Vec::with_capacity(k); t];
-    let mut cursor = 0;
-    for (e, &c) in counts.iter().enumerate() {
-        for i in 0..c {
-            per_token[(cursor + i) % t].push(e as u32);
-        }
-        cursor += c;
-    }
-    let ids: Vec<u32> = per_token.concat();
-    assert!(per_token.iter().all(|p| p.len() == k));
+    let (ne, k, t, ids) = uneven_routes();
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
     let routes = [
         GroupedRoute::Wgmma,
@@ -210,6 +197,51 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     ];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
+}
+
+/// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (300, 220, 150, 60, 100,
+/// 10, 128, 232 slots): (experts, k, tokens, ids). Expert e takes the next counts[e] tokens,
+/// wrapping, so every token gets k distinct experts, in ascending order.
+fn uneven_routes() -> (usize, usize, usize, Vec<u32>) {
+    let (ne, k, t) = (8usize, 4usize, 300usize);
+    let counts = [300usize, 220, 150, 60, 100, 10, 128, 232];
+    assert_eq!(counts.iter().sum::<usize>(), t * k);
+    let mut per_token: Vec<Vec<u32>> = vec![Vec::with_capacity(k); t];
+    let mut cursor = 0;
+    for (e, &c) in counts.iter().enumerate() {
+        for i in 0..c {
+            per_token[(cursor + i) % t].push(e as u32);
+        }
+        cursor += c;
+    }
+    assert!(per_token.iter().all(|p| p.len() == k));
+    (ne, k, t, per_token.concat())
+}
+
+/// The batched decode's gate|up ring kernel staging its outputs for the down products itself:
+/// the same fragment words and group sums, bit for bit, as storing them and staging them with
+/// `stage_tcb`, over row- and fragment-order codes, at the 35B's widths (four 128-row blocks per
+/// tile) and on the tiny model (64 rows: half of a block's warps have no rows).
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_gate_up_ring_stages_the_down_input_as_stage_tcb() {
+    let b = cuda();
+    let (ne, k, t, ids) = uneven_routes();
+    let (gate, up) = (random_quant(ne * 512, 2048, 4, 31), random_quant(ne * 512, 2048, 4, 32));
+    let mw = ModelWeights::from_checkpoint(&ck()).unwrap();
+    let moe = &mw.layers[0].moe;
+    let tiny_ne = ck().config.num_experts;
+    let tiny_ids: Vec<u32> = (0..40u32).flat_map(|i| [i % tiny_ne as u32, (i + 3) % tiny_ne as u32]).collect();
+    let cases = [(&gate, &up, ne, k, t, &ids), (&moe.gate_exps, &moe.up_exps, tiny_ne, 2, 40, &tiny_ids)];
+    for (g, u, ne, k, t, ids) in cases {
+        let x = rnd(41 + t as u64, t * g.cols);
+        for frag in [false, true] {
+            let [(fw, fs), (tw, ts)] = testing::tcr_staged_outputs(&b, g, u, ne, &x, t, ids, k, frag).unwrap();
+            assert!(fs.iter().any(|&v| v != 0.0), "the fused kernel staged nothing");
+            assert_eq!(fw, tw, "fragment words ({} rows, frag {frag})", g.rows / ne);
+            assert_eq!(fs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ts.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "group sums ({} rows, frag {frag})", g.rows / ne);
+        }
+    }
 }
 
 /// One grouped product (`up`: the fused SwiGLU pair) of `t` random tokens routed by `ids` through

@@ -94,6 +94,9 @@ pub struct BatchBuffers {
     head: GemvSet,
     /// The input of the GEMVs and expert products being run, staged once for all their blocks.
     staged: TcbStaging,
+    /// The down products' input, every slot's SwiGLU outputs (the gate|up kernel stages them
+    /// while its blocks still read `staged`).
+    staged_slots: TcbStaging,
     /// `[token, position]` per row (i32).
     steps: CudaSlice<i32>,
     /// Per layer two tables of `cap` row pointers: (ring, state) or (K, V).
@@ -125,6 +128,7 @@ impl BatchBuffers {
         let k = cfg.num_experts_per_tok;
         let wide = [cfg.hidden_size, cfg.gdn_value_dim(), cfg.attn_inner(), cfg.moe_intermediate_size].into_iter().max().unwrap_or(0);
         let staged = TcbStaging::new(gpu, cap * (k + 1), wide)?;
+        let staged_slots = TcbStaging::new(gpu, cap * (k + 1), cfg.moe_intermediate_size)?;
         Ok(BatchBuffers {
             cap,
             act,
@@ -133,6 +137,7 @@ impl BatchBuffers {
             layers,
             head,
             staged,
+            staged_slots,
             steps: gpu.zeros(2 * cap)?,
             tables: gpu.zeros(2 * cfg.layer_types.len() * cap)?,
             part_o: gpu.zeros(heads * cfg.head_dim)?,
@@ -295,13 +300,19 @@ impl Pass for BatchPass<'_> {
         let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
         let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);
         let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
-        let gate_up = if mb.gate_up_ring { moe::moe_tcr } else { moe::moe_tcb };
-        gate_up(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
-        self.point(probe, Point::Phase("moe.gate_up"))?;
-        self.stage(gate, d.inter, n * (k + 1), None, 0)?;
+        // The ring kernel stages its outputs for the down products itself (one launch less).
+        let slots = &self.b.staged_slots;
+        if mb.gate_up_ring && d.inter.is_multiple_of(64) {
+            moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
+        } else {
+            moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
+            qmatmul::stage_tcb(self.gpu, gate, d.inter, n * (k + 1), 0, self.dims.eps, 0, slots)?;
+        }
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
         // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
-        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, st, down, grouped(1))?;
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;

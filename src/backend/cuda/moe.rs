@@ -507,10 +507,19 @@ fn tcb_smem(cols: usize) -> u32 {
 
 /// `moe_tcr`: the products of [`moe_tcb`] with each warp's weights streamed through a ring of
 /// stages in shared memory (bit-identical results): its loads stay in flight while it multiplies,
-/// where a `moe_tcb` warp waits on every 512-column item. The caller checks [`tcr_fits`].
+/// where a `moe_tcb` warp waits on every 512-column item. The caller checks [`tcr_fits`]. With
+/// `staged_out` the outputs are not stored in `y` but staged there as [`super::qmatmul::stage_tcb`]
+/// would stage `y`'s rows (the same words and group sums): the down products' input without a
+/// staging launch (`rows` a multiple of 64; `staged_out` holds a row for every slot of the lists).
 #[allow(clippy::too_many_arguments)]
-pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
+    let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    let (sfrag, sgsum) = match staged_out {
+        None => (0, 0),
+        Some(o) if rows.is_multiple_of(64) && o.cols >= rows => (ptr(&o.frag, &gpu.stream), ptr(&o.gsum, &gpu.stream)),
+        Some(o) => bail!("moe_tcr cannot stage {rows}-column outputs into {}-column rows", o.cols),
+    };
+    args.extend([Arg::P(sfrag), Arg::P(sgsum)]);
     gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
 }
 

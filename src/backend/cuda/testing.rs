@@ -237,12 +237,6 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let dq = upload(q)?;
     let du = up.map(upload).transpose()?;
     let route = route.row_order();
-    let mut counts = vec![0i32; experts];
-    for &e in ids {
-        counts[e as usize] += 1;
-    }
-    let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
-    let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
         GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
@@ -250,15 +244,11 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         _ => unreachable!("row_order above"),
     }
     .tile();
-    let mt = moe::tiles_of(tokens, &d, tile);
-    let (xd, cd, idd) = (gpu.upload(x)?, gpu.upload(&counts)?, gpu.upload(&idv)?);
-    let (od, fd, ld, td) = (gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * mt)?);
-    let p = |s: &CudaSlice<i32>| ptr(s, &gpu.stream);
-    let r = RouteLists { logits: 0, top_ids: p(&idd), top_w: 0, counts: p(&cd), offsets: p(&od), fill: p(&fd), list: p(&ld), tiles: p(&td) };
-    moe::slot_lists(gpu, experts, &r, tokens * k, tile)?;
+    let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, tile)?;
+    let xd = gpu.upload(x)?;
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
-    let g = |xdiv| Grouped { experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: mt };
+    let g = |xdiv| lists.grouped(xdiv);
     if route == GroupedRoute::Wgmma {
         let xs = gpu.zeros::<u32>(tokens * q.cols / 2)?;
         let xsp = ptr(&xs, &gpu.stream);
@@ -282,7 +272,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
             GroupedRoute::Tcb => moe::moe_tcb,
             GroupedRoute::Tcp => moe::moe_tcp,
             _ if !moe::tcr_fits(gpu, q.cols)? => bail!("moe_tcr does not take {} columns", q.cols),
-            _ => moe::moe_tcr,
+            _ => tcr_rows,
         };
         experts_kernel(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
         return read(gpu, &y);
@@ -293,6 +283,72 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         None => mm.run(&dq, rows, xp, tokens, yp, rows, false, Some(g(k)))?,
     }
     read(gpu, &y)
+}
+
+/// The routing lists of `tokens` tokens' `k` slots each (`ids[t*k + j]`) over `experts` experts
+/// of `q`'s shape, in tiles of `tile` slots, built by the MoE kernels.
+struct SlotLists {
+    _bufs: [CudaSlice<i32>; 6],
+    r: RouteLists,
+    experts: usize,
+    max_tiles: usize,
+}
+
+impl SlotLists {
+    fn new(gpu: &Gpu, q: &QuantTensor, experts: usize, tokens: usize, ids: &[u32], k: usize, tile: usize) -> Result<Self> {
+        let rows = q.rows / experts;
+        let mut counts = vec![0i32; experts];
+        for &e in ids {
+            counts[e as usize] += 1;
+        }
+        let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
+        let max_tiles = moe::tiles_of(tokens, &d, tile);
+        let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
+        let bufs = [gpu.upload(&counts)?, gpu.upload(&idv)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * max_tiles)?];
+        let p = |i: usize| ptr(&bufs[i], &gpu.stream);
+        let r = RouteLists { logits: 0, top_ids: p(1), top_w: 0, counts: p(0), offsets: p(2), fill: p(3), list: p(4), tiles: p(5) };
+        moe::slot_lists(gpu, experts, &r, tokens * k, tile)?;
+        Ok(SlotLists { _bufs: bufs, r, experts, max_tiles })
+    }
+
+    fn grouped(&self, xdiv: usize) -> Grouped {
+        let r = &self.r;
+        Grouped { experts: self.experts, counts: r.counts, offsets: r.offsets, list: r.list, xdiv, tiles: r.tiles, max_tiles: self.max_tiles }
+    }
+}
+
+/// `moe_tcr` storing its outputs in `y` (the other expert kernels' signature).
+#[allow(clippy::too_many_arguments)]
+fn tcr_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
+    moe::moe_tcr(gpu, q, up, shared, rows, st, y, g, None)
+}
+
+/// The staged input of the down products that `moe_tcr` writes itself (its `staged_out`), and
+/// what `stage_tcb` stages from its stored outputs instead: ((fragment words, group sums) of
+/// the fused kernel, the same of the two launches), over `tokens * k` slot rows of `q.rows /
+/// experts` columns. Same routing as [`grouped_gemm`]; `q` and `up` in fragment order with `frag`.
+#[allow(clippy::too_many_arguments)]
+pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, frag: bool) -> Result<[(Vec<u32>, Vec<f32>); 2]> {
+    let gpu = &b.gpu;
+    let rows = q.rows / experts;
+    if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) || !moe::tcr_fits(gpu, q.cols)? {
+        bail!("tcr_staged_outputs: bad shapes");
+    }
+    let upload = |m: &QuantTensor| if frag { DevQ::upload_frag(gpu, m) } else { DevQ::upload(gpu, m) };
+    let (dq, du) = (upload(q)?, upload(up)?);
+    let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
+    let g = lists.grouped(k);
+    let xd = gpu.upload(x)?;
+    let st = TcbStaging::new(gpu, tokens, q.cols)?;
+    qmatmul::stage_tcb(gpu, ptr(&xd, &gpu.stream), q.cols, tokens, 0, 1e-6, 0, &st)?;
+    let shared = moe::SharedExpert { q: &dq, up: Some(&du), expert: experts, base: None };
+    let y = gpu.zeros::<f32>(tokens * k * rows)?;
+    let yp = ptr(&y, &gpu.stream);
+    let (fused, two) = (TcbStaging::new(gpu, tokens * k, rows)?, TcbStaging::new(gpu, tokens * k, rows)?);
+    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, Some(&fused))?;
+    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, None)?;
+    qmatmul::stage_tcb(gpu, yp, rows, tokens * k, 0, 1e-6, 0, &two)?;
+    Ok([(read(gpu, &fused.frag)?, read(gpu, &fused.gsum)?), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
 
 /// What `moe_route_batch` wrote for `n` tokens: router logits `[n][E]`, shared-expert gate
