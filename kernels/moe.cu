@@ -729,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { m
 // lane g), so the thread holding a slot's gate accumulator holds its up one too; the result
 // h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input. Down: each
 // warp 16 rows, f32 out [slot][row].
-#define WG_N 128         // slots per tile: the token columns of each wgmma
+#define WG_N 128         // slots per tile, as staged (pf_moe_wg_tile narrows each tile's wgmmas)
 #define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
 #define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
