@@ -432,9 +432,8 @@ fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
 }
 
 /// Codes, scales and biases of `q`, then of `up` (zeros without it): the leading arguments of the
-/// staged expert kernels.
-/// `q`'s and `up`'s codes, scales and biases, the codes in fragment order (`frag`: the caller
-/// checked that they have it) or row order.
+/// staged expert kernels; the codes in fragment order (`frag`: the caller checked that they have
+/// it) or row order.
 fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, frag: bool) -> [Arg; 6] {
     let ptrs = |m: &DevQ| if frag { m.frag_ptrs(gpu).expect("checked by the caller") } else { m.ptrs(gpu) };
     let (w, s, b) = ptrs(q);
