@@ -36,6 +36,39 @@ __device__ float block_sum(float v, float* red) {
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
 
+// The MoE output of token t at column c: sum_k w[t,k] * D[t*K + k][c] + sigmoid(sgl[t]) * SH[t][c]
+// (h columns per row), in this order wherever it is added to the residual (pf_moe_combine, and
+// stage_tcb folding it into the next layer's staging), so both give the same bits.
+__device__ __forceinline__ float moe_combined(const float* __restrict__ D, const float* __restrict__ top_w, int K,
+                                              const float* __restrict__ SH, const float* __restrict__ sgl, int h,
+                                              int t, int c) {
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) acc += top_w[(size_t)t * K + k] * D[((size_t)t * K + k) * h + c];
+    acc += sigmoid_f(sgl[t]) * SH[(size_t)t * h + c];
+    return acc;
+}
+// moe_combined of the 8 columns c0..c0 + 7 (c0 a multiple of 4), each summed in the same order,
+// with the rows' loads issued together.
+__device__ __forceinline__ void moe_combined8(const float* __restrict__ D, const float* __restrict__ top_w, int K,
+                                              const float* __restrict__ SH, const float* __restrict__ sgl, int h,
+                                              int t, int c0, float (&acc)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < K; ++k) {
+        const float w = top_w[(size_t)t * K + k];
+        const float4* d = reinterpret_cast<const float4*>(D + ((size_t)t * K + k) * h + c0);
+        const float4 p = d[0], q = d[1];
+        acc[0] += w * p.x, acc[1] += w * p.y, acc[2] += w * p.z, acc[3] += w * p.w;
+        acc[4] += w * q.x, acc[5] += w * q.y, acc[6] += w * q.z, acc[7] += w * q.w;
+    }
+    const float g = sigmoid_f(sgl[t]);
+    const float4* sh = reinterpret_cast<const float4*>(SH + (size_t)t * h + c0);
+    const float4 p = sh[0], q = sh[1];
+    acc[0] += g * p.x, acc[1] += g * p.y, acc[2] += g * p.z, acc[3] += g * p.w;
+    acc[4] += g * q.x, acc[5] += g * q.y, acc[6] += g * q.z, acc[7] += g * q.w;
+}
+
 // 1/sqrt(mean + eps) from a sum of squares; the CPU does this step in f64.
 __device__ __forceinline__ float inv_rms_from(float ss, int n, float eps) {
     return (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
@@ -813,11 +846,13 @@ __device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const
 static_assert(TCR_GROUPS * 512 <= 16 * TCR_ROW_BYTES, "a fragment-order stage's codes fit the row layout's");
 
 // The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
-// tokens.
+// tokens. With `first_loaded` the caller has already issued the first chunk's loads into `it`
+// (tc_load, before its prologue).
 template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
-                                         const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
+                                         const u32* xf, const float* gsum, TcItem& it, bool first_loaded,
+                                         float (&acc)[NTG][4]) {
     const int gpr = cols >> 6, lane = threadIdx.x & 31;
 #pragma unroll
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -832,10 +867,9 @@ __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* _
         const char* p = reinterpret_cast<const char*>(w + (size_t)(r0 + lane) * (cols >> 3)) + (size_t)(G0 + TC_NG) * 32;
         for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
     }
-    TcItem it;
     for (int k = 0; k < kc; ++k) {
         const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);
-        tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
+        if (k > 0 || !first_loaded) tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
         tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
     }
 }

@@ -31,45 +31,64 @@
 // valid for every lane of the warp on return. E <= 512, K <= 16. Used by decode (route_topk) and
 // prefill (pf_route), so both pick the same experts with the same weights.
 #define ROUTE_MAXE_PER_LANE 16
-__device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
+// NT tokens at once (token u's logits at logits + u * stride, its picks at ids / wts + u * K; only
+// the first nt are read and written): the same operations per token as one at a time, with the
+// tokens' dependent reductions interleaved.
+template <int NT>
+__device__ void warp_route_topk_n(const float* __restrict__ logits, int stride, int nt, int E, int K, int* ids,
+                                  float* wts) {
     const int lane = threadIdx.x & 31;
     // Each logit as an unsigned key in the same order (-0 made +0 first, so the two tie as
     // floats do), taken candidates set to 0: a round of the top-k is then two warp reductions
     // (the largest key, then the lowest id holding it: ties -> lower id) instead of a butterfly
     // of ten dependent shuffles.
-    u32 v[ROUTE_MAXE_PER_LANE];
+    u32 v[NT][ROUTE_MAXE_PER_LANE];
 #pragma unroll
-    for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) {
-        const u32 b = __float_as_uint((lane + 32 * t < E) ? logits[lane + 32 * t] + 0.f : NEG_INF);
-        v[t] = (b & 0x80000000u) ? ~b : b | 0x80000000u;
-    }
-    float top = 0.f, my_e = 0.f;
-    int my_id = 0x7fffffff;
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) {
+            const bool in = u < nt && lane + 32 * t < E;
+            const u32 b = __float_as_uint(in ? logits[(size_t)u * stride + lane + 32 * t] + 0.f : NEG_INF);
+            v[u][t] = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+        }
+    float top[NT], my_e[NT];
+    int my_id[NT];
+#pragma unroll
+    for (int u = 0; u < NT; ++u) top[u] = 0.f, my_e[u] = 0.f, my_id[u] = 0x7fffffff;
     for (int k = 0; k < K; ++k) {
-        u32 best = 0u, bi = 0xffffffffu;
 #pragma unroll
-        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-            if (v[t] > best) { best = v[t]; bi = lane + 32 * t; }
-        const u32 m = __reduce_max_sync(0xffffffffu, best);
-        bi = __reduce_min_sync(0xffffffffu, best == m ? bi : 0xffffffffu);
-        const float bestf = __uint_as_float((m & 0x80000000u) ? m & 0x7fffffffu : ~m);
-        if (k == 0) top = bestf;
+        for (int u = 0; u < NT; ++u) {
+            u32 best = 0u, bi = 0xffffffffu;
 #pragma unroll
-        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-            if (lane + 32 * t == (int)bi) v[t] = 0u;
-        if (lane == k) { my_id = (int)bi; my_e = expf(bestf - top); }
+            for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+                if (v[u][t] > best) { best = v[u][t]; bi = lane + 32 * t; }
+            const u32 m = __reduce_max_sync(0xffffffffu, best);
+            bi = __reduce_min_sync(0xffffffffu, best == m ? bi : 0xffffffffu);
+            const float bestf = __uint_as_float((m & 0x80000000u) ? m & 0x7fffffffu : ~m);
+            if (k == 0) top[u] = bestf;
+#pragma unroll
+            for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+                if (lane + 32 * t == (int)bi) v[u][t] = 0u;
+            if (lane == k) { my_id[u] = (int)bi; my_e[u] = expf(bestf - top[u]); }
+        }
     }
     // Lane k < K holds the k-th pick. The normaliser is summed in pick order (as the CPU does),
     // and each pick's place in id order is its rank among the picks (ids are distinct): a few
     // shuffles instead of lane 0's serial sum and insertion sort through shared memory.
-    float sum = 0.f;
-    int rank = 0;
-    for (int k = 0; k < K; ++k) {
-        sum += __shfl_sync(0xffffffffu, my_e, k);
-        rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+        float sum = 0.f;
+        int rank = 0;
+        for (int k = 0; k < K; ++k) {
+            sum += __shfl_sync(0xffffffffu, my_e[u], k);
+            rank += __shfl_sync(0xffffffffu, my_id[u], k) < my_id[u];
+        }
+        if (u < nt && lane < K) { ids[u * K + rank] = my_id[u]; wts[u * K + rank] = my_e[u] / sum; }
     }
-    if (lane < K) { ids[rank] = my_id; wts[rank] = my_e / sum; }
     __syncwarp();
+}
+__device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
+    warp_route_topk_n<1>(logits, 0, 1, E, K, ids, wts);
 }
 
 // Warp 0 computes the routing of the block (warp_route_topk) into shared ids/wts.
@@ -479,10 +498,11 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
     for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
-        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
+        TcItem it;
+        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, it, false, acc);
         if (w2) {
             float up[NTG][4];
-            tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
+            tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, it, false, up);
             tcb_swiglu<NTG>(acc, up);
         }
         tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
@@ -1100,8 +1120,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     for (int i = 0; i < RB_ROWS; ++i)
 #pragma unroll
         for (int j = 0; j < RB_TOK; ++j) acc[i][j] = 0.f;
-    for (int ch = tid; ch < H / 8; ch += RB_THREADS) {
-        float wv[RB_ROWS][8];
+    float wv[RB_ROWS][8];
+    auto dequant = [&](int ch) {
 #pragma unroll
         for (int i = 0; i < RB_ROWS; ++i) {
             const int r = r0 + i;
@@ -1113,6 +1133,12 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
                 for (int k = 0; k < 8; ++k) wv[i][k] = 0.f;
             }
         }
+    };
+    // The block's first router columns before the PDL wait: they do not depend on the step.
+    if (tid < H / 8) dequant(tid);
+    pdl_wait_trigger();
+    for (int ch = tid; ch < H / 8; ch += RB_THREADS) {
+        if (ch != tid) dequant(ch);
 #pragma unroll
         for (int j = 0; j < RB_TOK; ++j) {
             if (j < nt) {
@@ -1167,21 +1193,27 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     int* cnt = reinterpret_cast<int*>(rb_sm + n * E);          // [E] counts, then fill cursors
     int* off = cnt + E;                                        // [E]
     int* ids = off + E;                                        // [n * K] every slot's expert
-    float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][K] one token's weights per warp
-    int* wid = reinterpret_cast<int*>(wts + nwarps * K);       // [nwarps][K]
+    float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][2][K] two tokens' weights per warp
+    int* wid = reinterpret_cast<int*>(wts + 2 * nwarps * K);   // [nwarps][2][K]
     for (int e = tid; e < E; e += RB_THREADS) cnt[e] = 0;
     // All loads in flight at once (L2, written by the other blocks), not one token's per warp.
     for (int i = tid; i < nt * E; i += RB_THREADS) lg[i] = __ldcg(logits + (size_t)c0 * E + i);
     __syncthreads();
-    for (int t = warp; t < nt; t += nwarps) {
-        warp_route_topk(lg + (size_t)t * E, E, K, wid + warp * K, wts + warp * K);
-        if (lane < K) {
-            const int id = wid[warp * K + lane], sl = (c0 + t) * K + lane;
-            top_ids[sl] = id;
-            top_w[sl] = wts[warp * K + lane];
-            ids[sl] = id;
-            atomicAdd(&cnt[id], 1);
-        }
+    // Tokens t and t + nwarps on warp t (RB_TOK = 2 * nwarps): their top-k's dependent
+    // reductions interleave.
+    for (int t = warp; t < nt; t += 2 * nwarps) {
+        const int two = t + nwarps < nt ? 2 : 1;
+        int* wi = wid + warp * 2 * K;
+        float* ww = wts + warp * 2 * K;
+        warp_route_topk_n<2>(lg + (size_t)t * E, nwarps * E, two, E, K, wi, ww);
+        for (int u = 0; u < two; ++u)
+            if (lane < K) {
+                const int id = wi[u * K + lane], sl = (c0 + t + u * nwarps) * K + lane;
+                top_ids[sl] = id;
+                top_w[sl] = ww[u * K + lane];
+                ids[sl] = id;
+                atomicAdd(&cnt[id], 1);
+            }
         __syncwarp();
     }
     __syncthreads();
@@ -1323,8 +1355,5 @@ extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const flo
                                           float* __restrict__ x, int h) {
     const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= h) return;
-    float acc = 0.f;
-    for (int k = 0; k < K; ++k) acc += top_w[(size_t)t * K + k] * D[((size_t)t * K + k) * h + c];
-    acc += sigmoid_f(sgl[t]) * SH[(size_t)t * h + c];
-    x[(size_t)t * h + c] += acc;
+    x[(size_t)t * h + c] += moe_combined(D, top_w, K, SH, sgl, h, t, c);
 }

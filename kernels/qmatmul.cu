@@ -321,14 +321,31 @@ __device__ __forceinline__ void stage_piece(float (&v)[8], int m, bool on, int r
     }
 }
 
+//
+// With `D` (the batched decode's first staging of a layer), the previous layer's MoE output is
+// added to the residual x first (moe_combined, as pf_moe_combine adds it; x written back), one
+// launch instead of two.
 extern "C" __global__ void __launch_bounds__(256)
-stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restrict__ gain, float eps,
-          float* __restrict__ u_out, u32* __restrict__ frag, float* __restrict__ gsum) {
+stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float eps, float* __restrict__ u_out,
+          u32* __restrict__ frag, float* __restrict__ gsum, const float* __restrict__ D,
+          const float* __restrict__ top_w, int K, const float* __restrict__ SH, const float* __restrict__ sgl) {
     __shared__ float red[33];
     pdl_wait_trigger();
     const int r = blockIdx.x, gpr = cols >> 6, nm = cols >> 3, tid = threadIdx.x;
     const bool live = r < nrows;
     const float* xr = x + (size_t)r * cols;
+    if (D) {
+        if (live)
+            for (int m = tid; m < nm; m += blockDim.x) {
+                float acc[8];
+                moe_combined8(D, top_w, K, SH, sgl, cols, r, 8 * m, acc);
+                float4* xo = reinterpret_cast<float4*>(x + (size_t)r * cols + 8 * m);
+                const float4 p = xo[0], q = xo[1];
+                xo[0] = make_float4(p.x + acc[0], p.y + acc[1], p.z + acc[2], p.w + acc[3]);
+                xo[1] = make_float4(q.x + acc[4], q.y + acc[5], q.z + acc[6], q.w + acc[7]);
+            }
+        __syncthreads();
+    }
     // The first piece's operands before the reduction (whole warps run the pieces: the group
     // sums shuffle across lanes).
     const int m0 = tid;
@@ -380,10 +397,12 @@ stage_tcb(const float* __restrict__ x, int cols, int nrows, const float* __restr
 // blocks of the same rows (consecutive blockIdx.x) run together, so larger batches read the
 // weights from L2.
 // Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
+// `it`: the block's first item (its first tile's first chunk), loaded by the caller before the
+// PDL wait and the token copy: weights never depend on the previous kernel.
 template <int NTG, bool FRAG>
 __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
                                                int slices, int kc, const u32* xf, const float* gsum,
-                                               float* part) {
+                                               float* part, TcItem& it) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
@@ -397,13 +416,15 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
             *o = M.accumulate ? *o + v : v;
         }
     };
-    for (int bt = blockIdx.y * tpb; bt < tiles; bt += gridDim.y * tpb) {
+    const int bt0 = blockIdx.y * tpb;
+    for (int bt = bt0; bt < tiles; bt += gridDim.y * tpb) {
         int m, r0;
         locate(bt + my_tile, m, r0);
         float acc[NTG][4];
         if (m >= 0) {
             const QMat& M = mats[m];
-            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
+            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, it, bt == bt0,
+                                acc);
         } else {
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -452,12 +473,25 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
+    // The first item's weights are in flight while the previous kernel finishes and the tokens
+    // are copied (as gemv_tc does).
+    TcItem it;
+    {
+        const int warp = threadIdx.x >> 5, tpb = (blockDim.x >> 5) / slices;
+        int m, r0;
+        set_locate(mats, set_tiles(mats, nmats), blockIdx.y * tpb + warp / slices, m, r0);
+        if (m >= 0) {
+            const QMat& M = mats[m];
+            const int G0 = (warp % slices) * kc * TC_NG;
+            tc_load<FRAG>(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+        }
+    }
     pdl_wait_trigger();
     load_tokens_tc(frag, gs_in, cols, t0, nt, nullptr, xf, gsum);
     if (nt > 8)
-        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part, it);
     else
-        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part, it);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
 gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,

@@ -216,6 +216,41 @@ fn cuda_batch_rejects_bad_rows_before_any_step() {
     assert_eq!(s2.len(), len, "nothing ran");
 }
 
+/// The MoE output added into the residual by the next layer's first staging (`stage_tcb_after`,
+/// one launch) against `moe::combine` then `stage_tcb`: the same residual, fragment words and
+/// group sums, bit for bit, and the residual as the host computes it; 5 rows (a partial block of
+/// 16) and 16, the 35B's width and k.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_combine_folded_into_the_next_staging_is_bit_identical() {
+    let b = cuda(true);
+    let (h, k) = (2048usize, 8usize);
+    for n in [5usize, 16] {
+        let x = rnd(3 + n as u64, n * h);
+        let down = rnd(5 + n as u64, n * k * h);
+        let top_w: Vec<f32> = rnd(7 + n as u64, n * k).iter().map(|v| v.abs()).collect();
+        let shared = rnd(9 + n as u64, n * h);
+        let sgl = rnd(11 + n as u64, n);
+        let gain: Vec<f32> = rnd(13, h).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let [fused, two] = testing::staged_after_combine(&b, &x, &down, &top_w, k, &shared, &sgl, &gain, n).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused.0), bits(&two.0), "residual, {n} rows");
+        assert_eq!(fused.1, two.1, "fragment words, {n} rows");
+        assert_eq!(bits(&fused.2), bits(&two.2), "group sums, {n} rows");
+        let mut want = x.clone();
+        for t in 0..n {
+            let g = 1.0 / (1.0 + (-sgl[t]).exp());
+            for c in 0..h {
+                let routed: f32 = (0..k).map(|j| top_w[t * k + j] * down[(t * k + j) * h + c]).sum();
+                want[t * h + c] += routed + g * shared[t * h + c];
+            }
+        }
+        let err = max_abs_diff(&fused.0, &want);
+        eprintln!("combine folded into the staging, {n} rows: max |err| {err:.2e} against the host");
+        assert!(err < 1e-4, "{n} rows: {err}");
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_routing_kernel_matches_the_cpu_router_and_lists() {

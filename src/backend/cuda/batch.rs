@@ -27,7 +27,7 @@ use super::device::{ptr, Gpu};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn;
 use super::moe::{self, MoeDims, RouteLists, SharedExpert};
-use super::qmatmul::{self, GemvSet, Grouped, QMatDesc, TcbStaging};
+use super::qmatmul::{self, GemvSet, Grouped, PendingCombine, QMatDesc, TcbStaging};
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
@@ -204,6 +204,8 @@ struct BatchPass<'a> {
     gdn: gdn::StepBatchKernel,
     attn: attention::SplitBatch,
     dims: LayerDims,
+    /// The last MoE layer's output, added into the residual by the next staging of it.
+    combine: Option<PendingCombine>,
 }
 
 impl BatchPass<'_> {
@@ -215,11 +217,17 @@ impl BatchPass<'_> {
         self.p(&self.b.steps)
     }
 
-    /// Stages `nrows` rows of `x` (`cols` values) for the products that follow, RMSNorm'd with
-    /// `gain` first (the f32 result also into `u_out`).
-    fn stage(&self, x: u64, cols: usize, nrows: usize, gain: Option<&CudaSlice<f32>>, u_out: u64) -> Result<()> {
-        let gain = gain.map(|g| self.p(g)).unwrap_or(0);
-        qmatmul::stage_tcb(self.gpu, x, cols, nrows, gain, self.dims.eps, u_out, &self.b.staged)
+    /// Stages `nrows` rows of `x` (`cols` values, a mixer's outputs) for the products that follow.
+    fn stage(&self, x: u64, cols: usize, nrows: usize) -> Result<()> {
+        qmatmul::stage_tcb(self.gpu, x, cols, nrows, 0, self.dims.eps, 0, &self.b.staged)
+    }
+
+    /// Stages the residual stream RMSNorm'd with `gain` (the f32 result also into `u_out`),
+    /// adding the last MoE layer's output into it first while that is pending: one launch for
+    /// the combine and the next layer's first staging.
+    fn stage_residual(&mut self, gain: &CudaSlice<f32>, u_out: u64) -> Result<()> {
+        let (x, h, gain, combine) = (self.p(&self.b.act.x), self.w.embed.cols, self.p(gain), self.combine.take());
+        qmatmul::stage_tcb_after(self.gpu, x, h, self.rows, gain, self.dims.eps, u_out, &self.b.staged, combine.as_ref())
     }
 
     /// Every matrix of `set` times the staged rows (`cols` values each).
@@ -245,8 +253,8 @@ impl Pass for BatchPass<'_> {
 
     /// `ring` / `state` are the rows' pointer tables.
     fn gdn(&mut self, li: usize, lw: &DevLayer, g: &DevGdn, ring: u64, state: u64, probe: &mut Probe) -> Result<()> {
+        self.stage_residual(&lw.input_norm, 0)?;
         let (a, sets, h, n) = (&self.b.act, &self.b.layers[li], self.w.embed.cols, self.rows);
-        self.stage(self.p(&a.x), h, n, Some(&lw.input_norm), 0)?;
         self.gemv(sets.mixer_in, h)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
         let p = forward::gdn_ptrs(self.gpu, a, g, ring, state);
@@ -256,7 +264,7 @@ impl Pass for BatchPass<'_> {
         gdn::step_batch(self.gpu, &self.dims.gdn, &p, self.steps(), n, fused.then_some(&self.b.staged), self.gdn)?;
         self.point(probe, Point::Phase("gdn.step"))?;
         if !fused {
-            self.stage(p.y, g.out.cols, n, None, 0)?;
+            self.stage(p.y, g.out.cols, n)?;
         }
         self.gemv(sets.mixer_out, g.out.cols)?;
         self.point(probe, Point::Phase("gdn.out"))
@@ -264,8 +272,8 @@ impl Pass for BatchPass<'_> {
 
     /// `kcache` / `vcache` are the rows' pointer tables.
     fn attention(&mut self, li: usize, lw: &DevLayer, at: &DevAttn, kcache: u64, vcache: u64, probe: &mut Probe) -> Result<()> {
+        self.stage_residual(&lw.input_norm, 0)?;
         let (a, sets, d, h, n) = (&self.b.act, &self.b.layers[li], &self.dims.attn, self.w.embed.cols, self.rows);
-        self.stage(self.p(&a.x), h, n, Some(&lw.input_norm), 0)?;
         self.gemv(sets.mixer_in, h)?;
         self.point(probe, Point::Phase("attn.proj"))?;
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
@@ -274,17 +282,17 @@ impl Pass for BatchPass<'_> {
         attention::split_batch(self.gpu, d, &p, &part, self.steps(), self.splits, self.rows, self.attn)?;
         attention::combine_batch(self.gpu, d, &p, &part, self.splits, self.rows)?;
         self.point(probe, Point::Phase("attn.core"))?;
-        self.stage(p.out, at.o.cols, n, None, 0)?;
+        self.stage(p.out, at.o.cols, n)?;
         self.gemv(sets.mixer_out, at.o.cols)?;
         self.point(probe, Point::Phase("attn.out"))
     }
 
     fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
-        let (a, mb, n, d) = (&self.b.act, &self.b.moe, self.rows, self.dims.moe);
-        let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         // The router and gate pick experts in f32 from the normalised input `u`; its staged bf16
         // copy feeds the experts, the shared one included (expert E, slots n * k + t).
-        self.stage(self.p(&a.x), h, n, Some(&lw.post_norm), u)?;
+        self.stage_residual(&lw.post_norm, self.p(&self.b.act.u))?;
+        let (a, mb, n, d) = (&self.b.act, &self.b.moe, self.rows, self.dims.moe);
+        let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         let r = RouteLists {
             logits: self.p(&a.router),
             top_ids: self.p(&a.top_ids),
@@ -315,19 +323,27 @@ impl Pass for BatchPass<'_> {
         moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
-        moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;
-        self.point(probe, Point::Phase("combine"))
+        let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };
+        if probe.trace.is_some() {
+            // The trace copies the residual after each layer: it must hold the layer's output.
+            moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;
+            self.point(probe, Point::Phase("combine"))
+        } else {
+            self.combine = Some(combine);
+            Ok(())
+        }
     }
 }
 
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, attn: key.attn, dims: LayerDims::new(cfg, key.kv_bf16) };
+    let dims = LayerDims::new(cfg, key.kv_bf16);
+    let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, attn: key.attn, dims, combine: None };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
     let (steps, logits) = (pass.steps(), pass.p(&b.act.logits));
-    pass.stage(pass.p(&b.act.x), cfg.hidden_size, n, Some(&w.final_norm), 0)?;
+    pass.stage_residual(&w.final_norm, 0)?;
     pass.gemv(b.head, cfg.hidden_size)?;
     pass.point(probe, Point::Phase("lm_head"))?;
     match key.out {

@@ -35,8 +35,8 @@ const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
 const PF_MOE_WG_DOWN_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_f");
-const MOE_ROUTE_BATCH_1: Kernel = Kernel::ordered(&MOE, "moe_route_batch_1");
-const MOE_ROUTE_BATCH_4: Kernel = Kernel::ordered(&MOE, "moe_route_batch_4");
+const MOE_ROUTE_BATCH_1: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1");
+const MOE_ROUTE_BATCH_4: Kernel = Kernel::dependent(&MOE, "moe_route_batch_4");
 
 #[derive(Clone, Copy, Debug)]
 pub struct MoeDims {
@@ -427,7 +427,7 @@ fn route_rows_per_block(n: usize) -> usize {
 fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
     let warps = RB_THREADS / 32;
     let sums = warps * rows * RB_TOK;
-    let routing = n * d.e + 2 * d.e + n * d.k + 2 * warps * d.k;
+    let routing = n * d.e + 2 * d.e + n * d.k + 4 * warps * d.k;
     4 * sums.max(routing)
 }
 
@@ -655,9 +655,9 @@ mod tests {
         assert_eq!(route_rows_per_block(RB_TOK + 1), 4);
         assert_eq!(route_rows_per_block(64), 4);
         // At the 35B shape the last block's routing scratch (16 tokens' 256 logits, counts and
-        // offsets, 16 x 8 ids, per warp 8 ids and weights) outweighs the blocks' sums.
+        // offsets, 16 x 8 ids, per warp two tokens' 8 ids and weights) outweighs the blocks' sums.
         let d = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
-        assert_eq!(route_batch_smem(&d, 16, 1), 4 * (16 * 256 + 2 * 256 + 16 * 8 + 2 * 8 * 8));
+        assert_eq!(route_batch_smem(&d, 16, 1), 4 * (16 * 256 + 2 * 256 + 16 * 8 + 4 * 8 * 8));
         assert_eq!(route_batch_smem(&d, 16, 4), route_batch_smem(&d, 16, 1));
     }
 

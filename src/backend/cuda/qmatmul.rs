@@ -596,11 +596,44 @@ impl TcbStaging {
 /// non-zero, the f32 result also written to `u_out` when non-zero.
 #[allow(clippy::too_many_arguments)]
 pub fn stage_tcb(gpu: &Gpu, x: u64, cols: usize, nrows: usize, gain: u64, eps: f32, u_out: u64, st: &TcbStaging) -> Result<()> {
+    stage_tcb_after(gpu, x, cols, nrows, gain, eps, u_out, st, None)
+}
+
+/// A MoE layer's output not yet added to the residual: `moe::combine`'s inputs (the routed
+/// experts' down rows, the routing weights, k, the shared expert's rows and gate logits).
+#[derive(Clone, Copy, Debug)]
+pub struct PendingCombine {
+    pub down: u64,
+    pub top_w: u64,
+    pub k: usize,
+    pub shared: u64,
+    pub sgl: u64,
+}
+
+/// [`stage_tcb`] of the residual `x`, adding `combine` into it first (written back, the same bits
+/// as `moe::combine`): one launch for the two.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tcb_after(gpu: &Gpu, x: u64, cols: usize, nrows: usize, gain: u64, eps: f32, u_out: u64, st: &TcbStaging, combine: Option<&PendingCombine>) -> Result<()> {
     if nrows > st.rows || cols > st.cols || !cols.is_multiple_of(64) {
         bail!("staging of {nrows} x {cols} values does not fit {} x {} (or is not whole 64-column groups)", st.rows, st.cols);
     }
     let s = &gpu.stream;
-    let args = [Arg::P(x), Arg::I(cols as i32), Arg::I(nrows as i32), Arg::P(gain), Arg::F(eps), Arg::P(u_out), Arg::P(ptr(&st.frag, s)), Arg::P(ptr(&st.gsum, s))];
+    let c = combine.copied().unwrap_or(PendingCombine { down: 0, top_w: 0, k: 0, shared: 0, sgl: 0 });
+    let args = [
+        Arg::P(x),
+        Arg::I(cols as i32),
+        Arg::I(nrows as i32),
+        Arg::P(gain),
+        Arg::F(eps),
+        Arg::P(u_out),
+        Arg::P(ptr(&st.frag, s)),
+        Arg::P(ptr(&st.gsum, s)),
+        Arg::P(c.down),
+        Arg::P(c.top_w),
+        Arg::I(c.k as i32),
+        Arg::P(c.shared),
+        Arg::P(c.sgl),
+    ];
     gpu.launch(STAGE_TCB, ((nrows.div_ceil(16) * 16) as u32, 1, 1), 256, 0, &args)
 }
 

@@ -351,6 +351,36 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     Ok([(read(gpu, &fused.frag)?, read(gpu, &fused.gsum)?), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
 
+/// The batched decode's first staging of a layer with the last MoE layer's output still to add
+/// (`stage_tcb_after`), and `moe::combine` then `stage_tcb` as two launches: (residual, fragment
+/// words, group sums) of each, over `n` rows of `gain.len()` values. `down`: the rows' k routed
+/// outputs `[n * k][h]`, `shared`: the shared expert's `[n][h]`, `sgl`: its gate logits.
+#[allow(clippy::too_many_arguments)]
+pub fn staged_after_combine(b: &CudaBackend, x: &[f32], down: &[f32], top_w: &[f32], k: usize, shared: &[f32], sgl: &[f32], gain: &[f32], n: usize) -> Result<[(Vec<f32>, Vec<u32>, Vec<f32>); 2]> {
+    let (gpu, h) = (&b.gpu, gain.len());
+    if x.len() != n * h || down.len() != n * k * h || top_w.len() != n * k || shared.len() != n * h || sgl.len() != n {
+        bail!("staged_after_combine: bad shapes");
+    }
+    let (dd, dw, ds, dg, dgain) = (gpu.upload(down)?, gpu.upload(top_w)?, gpu.upload(shared)?, gpu.upload(sgl)?, gpu.upload(gain)?);
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let combine = qmatmul::PendingCombine { down: p(&dd), top_w: p(&dw), k, shared: p(&ds), sgl: p(&dg) };
+    let dims = MoeDims { e: 0, k, inter: 0, sinter: 0, hidden: h, group: 64 };
+    let mut out = Vec::new();
+    for fused in [true, false] {
+        let xd = gpu.upload(x)?;
+        let st = TcbStaging::new(gpu, n, h)?;
+        if fused {
+            qmatmul::stage_tcb_after(gpu, p(&xd), h, n, p(&dgain), 1e-6, 0, &st, Some(&combine))?;
+        } else {
+            moe::combine(gpu, &dims, p(&dd), p(&dw), p(&ds), p(&dg), p(&xd), n)?;
+            qmatmul::stage_tcb(gpu, p(&xd), h, n, p(&dgain), 1e-6, 0, &st)?;
+        }
+        out.push((read(gpu, &xd)?, read(gpu, &st.frag)?, read(gpu, &st.gsum)?));
+    }
+    let two = out.pop().expect("two runs");
+    Ok([out.pop().expect("two runs"), two])
+}
+
 /// What `moe_route_batch` wrote for `n` tokens: router logits `[n][E]`, shared-expert gate
 /// logits, top-k ids and weights `[n][k]`, counts and offsets of the E routed experts and the
 /// shared one (expert E), the slot list and the tiles `[count, (expert, first slot)...]`.
