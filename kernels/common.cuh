@@ -846,13 +846,11 @@ __device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const
 static_assert(TCR_GROUPS * 512 <= 16 * TCR_ROW_BYTES, "a fragment-order stage's codes fit the row layout's");
 
 // The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
-// tokens. With `first_loaded` the caller has already issued the first chunk's loads into `it`
-// (tc_load, before its prologue).
+// tokens.
 template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
-                                         const u32* xf, const float* gsum, TcItem& it, bool first_loaded,
-                                         float (&acc)[NTG][4]) {
+                                         const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
     const int gpr = cols >> 6, lane = threadIdx.x & 31;
 #pragma unroll
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -867,9 +865,10 @@ __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* _
         const char* p = reinterpret_cast<const char*>(w + (size_t)(r0 + lane) * (cols >> 3)) + (size_t)(G0 + TC_NG) * 32;
         for (int off = 0; off < (kc - 1) * TC_NG * 32; off += 128) prefetch_l2(p + off);
     }
+    TcItem it;
     for (int k = 0; k < kc; ++k) {
         const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);
-        if (k > 0 || !first_loaded) tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
+        tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
         tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
     }
 }

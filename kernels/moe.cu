@@ -498,11 +498,10 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
     for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
-        TcItem it;
-        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, it, false, acc);
+        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
         if (w2) {
             float up[NTG][4];
-            tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, it, false, up);
+            tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
             tcb_swiglu<NTG>(acc, up);
         }
         tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);

@@ -397,12 +397,10 @@ stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float e
 // blocks of the same rows (consecutive blockIdx.x) run together, so larger batches read the
 // weights from L2.
 // Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
-// `it`: the block's first item (its first tile's first chunk), loaded by the caller before the
-// PDL wait and the token copy: weights never depend on the previous kernel.
 template <int NTG, bool FRAG>
 __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
                                                int slices, int kc, const u32* xf, const float* gsum,
-                                               float* part, TcItem& it) {
+                                               float* part) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
@@ -416,15 +414,13 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
             *o = M.accumulate ? *o + v : v;
         }
     };
-    const int bt0 = blockIdx.y * tpb;
-    for (int bt = bt0; bt < tiles; bt += gridDim.y * tpb) {
+    for (int bt = blockIdx.y * tpb; bt < tiles; bt += gridDim.y * tpb) {
         int m, r0;
         locate(bt + my_tile, m, r0);
         float acc[NTG][4];
         if (m >= 0) {
             const QMat& M = mats[m];
-            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, it, bt == bt0,
-                                acc);
+            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
         } else {
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -473,25 +469,12 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
-    // The first item's weights are in flight while the previous kernel finishes and the tokens
-    // are copied (as gemv_tc does).
-    TcItem it;
-    {
-        const int warp = threadIdx.x >> 5, tpb = (blockDim.x >> 5) / slices;
-        int m, r0;
-        set_locate(mats, set_tiles(mats, nmats), blockIdx.y * tpb + warp / slices, m, r0);
-        if (m >= 0) {
-            const QMat& M = mats[m];
-            const int G0 = (warp % slices) * kc * TC_NG;
-            tc_load<FRAG>(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
-        }
-    }
     pdl_wait_trigger();
     load_tokens_tc(frag, gs_in, cols, t0, nt, nullptr, xf, gsum);
     if (nt > 8)
-        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part, it);
+        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
-        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part, it);
+        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
 gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
