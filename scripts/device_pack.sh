@@ -14,7 +14,7 @@ trap 'rm -rf "$tmp"' EXIT
 (
   cd "$tmp"
   zstd -dc "$root/.device/tests.tar.zst" | tar x
-  find . \( -name '*.a' -o -name '*.rlib' \) -delete
+  find . \( -name '*.a' -o -name '*.rlib' -o -name '*.o' -o -name '*.so' \) -delete  # the tests link std and every crate statically
   rm -f target/release/lily target/release/lily-bench
   # shellcheck disable=SC2046
   tar cf - $(ls -A) | zstd -19 -T0 -q -f -o "$root/.device/tests.tar.zst"
