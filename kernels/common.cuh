@@ -731,6 +731,24 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
     __syncthreads();
 }
 
+// load_tokens_tc of the consecutive staged rows j0.. (j0 a multiple of 8): their 8-token groups
+// lie in the staging as in the block's fragments, so the copy is one contiguous run of whole
+// groups (rows nt..ceil8(nt) - 1 come along: the staging has them, and their columns' outputs are
+// never stored).
+__device__ void load_token_block_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
+                                    int nt, u32* xf, float* gsum) {
+    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
+    const int pieces = ((nt + 7) >> 3) * gpr * (TCB_WORDS / 4);
+    const u32* src = frag + (size_t)(j0 >> 3) * gpr * TCB_WORDS;
+    for (int p = threadIdx.x; p < pieces; p += blockDim.x) cp_async16(xf + 4 * p, src + 4 * p);
+    for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
+        const int j = p % nt, G = p / nt;
+        gsum[G * ntok + j] = gs_in[(size_t)(j0 + j) * gpr + G];
+    }
+    tcb_cp_wait_all();
+    __syncthreads();
+}
+
 // Group G of rows g and g + 8 (codes qa / qb: lane t's 16 columns; the bf16 scales and biases
 // in half `hi` of the words sa / sb and ba / bb) against NTG staged token groups: adds lane
 // (g, t)'s outputs (row g, row g + 8) x (token 2t, 2t + 1) of token group tg into acc[tg][0..3] =

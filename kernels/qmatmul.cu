@@ -470,7 +470,7 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    load_tokens_tc(frag, gs_in, cols, t0, nt, nullptr, xf, gsum);
+    load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
     if (nt > 8)
         gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
