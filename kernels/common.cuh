@@ -717,11 +717,19 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
                                int nt, const int* rows, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     // 16-byte pieces: (token, group, step i, half) -> 4 words of the token's 8 in that record.
-    for (int p = threadIdx.x; p < nt * gpr * 8; p += blockDim.x) {
-        const int j = p / (gpr * 8), rem = p % (gpr * 8), G = rem >> 3, i = (rem >> 1) & 3, h = rem & 1;
-        u32* dst = xf + (((j >> 3) * gpr + G) * 4 + i) * 64 + (j & 7) * 8 + h * 4;
+    // A token's pieces are gpr * 8 (a power of two at the model's widths: shifts, not divisions,
+    // on the copy's issue path); piece q lies at the same offset (G, i, half) in the source's and
+    // the destination's 8-token records.
+    const int per_tok = gpr * 8;
+    const bool pow2 = (per_tok & (per_tok - 1)) == 0;
+    const int shift = __ffs(per_tok) - 1;
+    for (int p = threadIdx.x; p < nt * per_tok; p += blockDim.x) {
+        const int j = pow2 ? p >> shift : p / per_tok, q = pow2 ? p & (per_tok - 1) : p % per_tok;
+        const int G = q >> 3, i = (q >> 1) & 3, h = q & 1;
+        const int in_rec = (G * 4 + i) * 64 + h * 4;
         const int r = rows ? rows[j] : j0 + j;
-        cp_async16(dst, frag + (((size_t)(r >> 3) * gpr + G) * 4 + i) * 64 + (r & 7) * 8 + h * 4);
+        cp_async16(xf + (size_t)(j >> 3) * gpr * TCB_WORDS + in_rec + (j & 7) * 8,
+                   frag + (size_t)(r >> 3) * gpr * TCB_WORDS + in_rec + (r & 7) * 8);
     }
     for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
         const int j = p % nt, G = p / nt;
