@@ -323,7 +323,7 @@ __device__ __forceinline__ void stage_piece(float (&v)[8], int m, bool on, int r
 
 //
 // With `D` (the batched decode's first staging of a layer), the previous layer's MoE output is
-// added to the residual x first (moe_combined, as pf_moe_combine adds it; x written back), one
+// added to the residual x first (moe_combined8: the sums of pf_moe_combine; x written back), one
 // launch instead of two.
 extern "C" __global__ void __launch_bounds__(256)
 stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float eps, float* __restrict__ u_out,
