@@ -326,7 +326,7 @@ impl Pass for BatchPass<'_> {
         let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };
         if probe.trace.is_some() {
             // The trace copies the residual after each layer: it must hold the layer's output.
-            moe::combine(self.gpu, &d, down, r.top_w, shared_out, self.p(&a.sgl), self.p(&a.x), n)?;
+            moe::combine(self.gpu, &d, &combine, self.p(&a.x), n)?;
             self.point(probe, Point::Phase("combine"))
         } else {
             self.combine = Some(combine);

@@ -7,7 +7,7 @@
 
 use super::activations::{Activations, ChunkScratch};
 use super::device::{ptr, Arg, Gpu};
-use super::qmatmul::{tc_smem, Gemm, Grouped, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
+use super::qmatmul::{tc_smem, Gemm, Grouped, PendingCombine, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
 use super::weights::{DevMoe, DevQ};
 use super::registry::{Kernel, MOE};
 use crate::checkpoint::ModelConfig;
@@ -331,10 +331,9 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile:
     gpu.launch(PF_SCATTER, (slots.div_ceil(256) as u32, 1, 1), 256, 0, &args)
 }
 
-/// `x[t] += sum_k w[t,k] * down[t*k + j] + sigmoid(sgl[t]) * shared[t]`.
-#[allow(clippy::too_many_arguments)]
-pub fn combine(gpu: &Gpu, d: &MoeDims, down: u64, top_w: u64, shared: u64, sgl: u64, x: u64, n: usize) -> Result<()> {
-    let args = [Arg::P(down), Arg::P(top_w), Arg::I(d.k as i32), Arg::P(shared), Arg::P(sgl), Arg::P(x), Arg::I(d.hidden as i32)];
+/// `x[t] += sum_k w[t,k] * down[t*k + j] + sigmoid(sgl[t]) * shared[t]` over `n` rows.
+pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -> Result<()> {
+    let args = [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)];
     gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
 }
 

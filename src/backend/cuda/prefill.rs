@@ -18,7 +18,7 @@ use super::gdn::{self, ConvSegment, GdnChunkScratch, GdnDims, ScanSegment};
 use super::moe::PrefillExperts;
 use super::moe;
 use super::ops;
-use super::qmatmul::{self, Gemm, Grouped};
+use super::qmatmul::{self, Gemm, Grouped, PendingCombine};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
@@ -238,7 +238,8 @@ impl Pass for ChunkPass<'_> {
         self.gemm.glu(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None)?;
         self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
         self.point(probe, Point::Phase("shared"))?;
-        moe::combine(self.gpu, &d, ed, r.top_w, sd, self.p(&a.sgl), self.p(&a.x), n)?;
+        let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, sgl: self.p(&a.sgl) };
+        moe::combine(self.gpu, &d, &out, self.p(&a.x), n)?;
         self.point(probe, Point::Phase("combine"))
     }
 }

@@ -351,12 +351,15 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     Ok([(read(gpu, &fused.frag)?, read(gpu, &fused.gsum)?), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
 
+/// A staging's residual rows, fragment words and group sums ([`staged_after_combine`]).
+pub type StagedRows = (Vec<f32>, Vec<u32>, Vec<f32>);
+
 /// The batched decode's first staging of a layer with the last MoE layer's output still to add
 /// (`stage_tcb_after`), and `moe::combine` then `stage_tcb` as two launches: (residual, fragment
 /// words, group sums) of each, over `n` rows of `gain.len()` values. `down`: the rows' k routed
 /// outputs `[n * k][h]`, `shared`: the shared expert's `[n][h]`, `sgl`: its gate logits.
 #[allow(clippy::too_many_arguments)]
-pub fn staged_after_combine(b: &CudaBackend, x: &[f32], down: &[f32], top_w: &[f32], k: usize, shared: &[f32], sgl: &[f32], gain: &[f32], n: usize) -> Result<[(Vec<f32>, Vec<u32>, Vec<f32>); 2]> {
+pub fn staged_after_combine(b: &CudaBackend, x: &[f32], down: &[f32], top_w: &[f32], k: usize, shared: &[f32], sgl: &[f32], gain: &[f32], n: usize) -> Result<[StagedRows; 2]> {
     let (gpu, h) = (&b.gpu, gain.len());
     if x.len() != n * h || down.len() != n * k * h || top_w.len() != n * k || shared.len() != n * h || sgl.len() != n {
         bail!("staged_after_combine: bad shapes");
@@ -372,7 +375,7 @@ pub fn staged_after_combine(b: &CudaBackend, x: &[f32], down: &[f32], top_w: &[f
         if fused {
             qmatmul::stage_tcb_after(gpu, p(&xd), h, n, p(&dgain), 1e-6, 0, &st, Some(&combine))?;
         } else {
-            moe::combine(gpu, &dims, p(&dd), p(&dw), p(&ds), p(&dg), p(&xd), n)?;
+            moe::combine(gpu, &dims, &combine, p(&xd), n)?;
             qmatmul::stage_tcb(gpu, p(&xd), h, n, p(&dgain), 1e-6, 0, &st)?;
         }
         out.push((read(gpu, &xd)?, read(gpu, &st.frag)?, read(gpu, &st.gsum)?));
