@@ -599,19 +599,49 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_batch(const float
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
 
-// q/k RMSNorm + partial NeoX RoPE + KV append for T tokens: grid (T, nh + nkv), block hd.
+// The sequences of a prefill chunk as its attention launches see them, passed by value
+// (attention.rs `segs_arg`): segment z's KV caches of the layer, its first row of the chunk, its
+// rows and the position of its first row. One launch takes up to PF_ATTN_SEGS segments, so the
+// short prompts of a burst fill the GPU together instead of one small grid each.
+#define PF_ATTN_SEGS 16
+struct AttnSegs {
+    void* kc[PF_ATTN_SEGS];
+    void* vc[PF_ATTN_SEGS];
+    int r0[PF_ATTN_SEGS];
+    int n[PF_ATTN_SEGS];
+    int pos0[PF_ATTN_SEGS];
+};
+// The segment holding chunk row r (the launch's segments are back to back in row order).
+__device__ __forceinline__ int attn_seg_of_row(const AttnSegs& s, int nseg, int r) {
+    int z = 0;
+    while (z + 1 < nseg && r >= s.r0[z + 1]) ++z;
+    return z;
+}
+// The segment of query block x when each segment z takes ceil(n[z] / qt) consecutive blocks;
+// x becomes the block's index within its segment.
+__device__ __forceinline__ int attn_seg_of_block(const AttnSegs& s, int nseg, int qt, int& x) {
+    int z = 0;
+    for (; z + 1 < nseg; ++z) {
+        const int tiles = (s.n[z] + qt - 1) / qt;
+        if (x < tiles) break;
+        x -= tiles;
+    }
+    return z;
+}
+
+// q/k RMSNorm + partial NeoX RoPE + KV append of chunk row t at position pos: block hd threads.
 // KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; kv_st above).
 template <typename KV>
 __device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
                                   const float* __restrict__ vraw, const float* __restrict__ q_norm,
                                   const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
                                   float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
-                                  KV* __restrict__ vcache, int pos0, int nh, int nkv, int hd, int half_rot,
+                                  KV* __restrict__ vcache, int t, int pos, int nh, int nkv, int hd, int half_rot,
                                   float eps) {
     extern __shared__ float sm[];
     float* xs = sm;
     float* red = sm + hd;
-    const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x, pos = pos0 + t;
+    const int h = blockIdx.y, j = threadIdx.x;
     const bool is_q = h < nh;
     const int kvh = h - nh;
     const size_t kv_dim = (size_t)nkv * hd;
@@ -628,13 +658,17 @@ __device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __r
         kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)t * kv_dim + kvh * hd + j]);
     }
 }
+// The rows of nseg segments (from segs.r0[0]; the pointers are the chunk's first rows): grid
+// (their rows, nh + nkv), block hd.
 #define PF_ATTN_PREP(NAME, KV)                                                                                   \
-    extern "C" __global__ void NAME(const float* qg, const float* kraw, const float* vraw, const float* q_norm,  \
-                                    const float* k_norm, const double* inv_freq, float* qout, float* gate,       \
-                                    KV* kcache, KV* vcache, int pos0, int nh, int nkv, int hd, int half_rot,     \
-                                    float eps) {                                                                 \
-        pf_attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate, kcache, vcache, pos0, nh,   \
-                              nkv, hd, half_rot, eps);                                                           \
+    extern "C" __global__ void NAME(const AttnSegs segs, int nseg, const float* qg, const float* kraw,          \
+                                    const float* vraw, const float* q_norm, const float* k_norm,                 \
+                                    const double* inv_freq, float* qout, float* gate, int nh, int nkv, int hd,   \
+                                    int half_rot, float eps) {                                                   \
+        const int r = segs.r0[0] + blockIdx.x, z = attn_seg_of_row(segs, nseg, r);                               \
+        pf_attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate,                              \
+                              static_cast<KV*>(segs.kc[z]), static_cast<KV*>(segs.vc[z]), r,                     \
+                              segs.pos0[z] + r - segs.r0[z], nh, nkv, hd, half_rot, eps);                        \
     }
 PF_ATTN_PREP(pf_attn_prep, float)
 PF_ATTN_PREP(pf_attn_prep_bf16, u16)
@@ -648,14 +682,14 @@ PF_ATTN_PREP(pf_attn_prep_bf16, u16)
 template <int HD, typename KV>
 __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
                         const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
-                        float* __restrict__ out) {
+                        float* __restrict__ out, int tile) {
     constexpr int P = HD / 32, KS = HD + 4;
     extern __shared__ __align__(16) float pfa_sm[];
     float* Qs = pfa_sm;               // [64][HD]
     float* Ks = Qs + 64 * HD;     // [32][HD+4]
     float* Vs = Ks + 32 * KS;     // [32][HD]
     const int group = nh / nkv, qt = 64 / group;
-    const int kvh = blockIdx.y, tok0 = blockIdx.x * qt;
+    const int kvh = blockIdx.y, tok0 = tile * qt;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t kv_dim = (size_t)nkv * HD;
     for (int idx = threadIdx.x; idx < 64 * (HD / 4); idx += blockDim.x) {
@@ -739,12 +773,17 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
     }
 }
 
+// nseg segments' query blocks (each segment's in order): grid (their blocks, nkv), block 256.
 #define PF_ATTN(HD, KV, SUFFIX)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD##SUFFIX(const float* q, const float* gate,     \
-                                                                           const KV* kc, const KV* vc, int T,     \
-                                                                           int pos0, int nh, int nkv,             \
-                                                                           float scale, float* out) {             \
-        pf_attn<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out);                                            \
+    extern "C" __global__ void __launch_bounds__(256) pf_attn_##HD##SUFFIX(const AttnSegs segs, int nseg,         \
+                                                                           const float* q, const float* gate,     \
+                                                                           int nh, int nkv, float scale,          \
+                                                                           float* out) {                          \
+        int x = blockIdx.x;                                                                                        \
+        const int z = attn_seg_of_block(segs, nseg, 64 / (nh / nkv), x);                                          \
+        const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
+        pf_attn<HD, KV>(q + off, gate + off, static_cast<const KV*>(segs.kc[z]), static_cast<const KV*>(segs.vc[z]), \
+                        segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, x);                                    \
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 
@@ -753,13 +792,13 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
 // 64 keys, K and V go to shared memory in bf16 (copied or rounded, below); S = Q K^T
 // and O += P V run on mma (P re-used from the S accumulators as bf16 A fragments), online
-// softmax in exp2. grid (ceil(T / (64/group)), nkv, splits), block 128, dynamic smem
-// 3*64*(HD+8) bf16. With splits > 1 (a few tokens over a long cache, where T/(64/group) x nkv blocks
-// would leave most SMs idle), block z takes the z-th run of `kchunk` keys (a multiple of 64) and
-// writes unnormalised partials (o, and m in natural-log units with l) as attn_combine_batch reads
-// them: rows [T][nh][splits]. Blocks run the longest query rows first (block x takes the
-// (gridDim.x - 1 - x)-th run of tokens): the causal blocks' work grows with their tokens, and the
-// last wave of a grid in launch order would otherwise hold only the longest ones.
+// softmax in exp2. Block `tile` takes tokens from tile * (64/group); grid y = nkv, z = splits,
+// block 128, dynamic smem 3*64*(HD+8) bf16. With splits > 1 (a few tokens over a long cache, where
+// T/(64/group) x nkv blocks would leave most SMs idle), block z takes the z-th run of `kchunk` keys
+// (a multiple of 64) and writes unnormalised partials (o, and m in natural-log units with l) as
+// attn_combine_batch reads them: rows [T][nh][splits]. The entry point runs the longest query rows
+// first (the last tile first): the causal blocks' work grows with their tokens, and the last wave
+// of a grid in launch order would otherwise hold only the longest ones.
 //
 // The bf16 cache's tiles need no rounding, so they are copied straight into shared memory with
 // 16-byte cp.async (rows past the last key zero-filled): the next tile's K is in flight while this
@@ -793,14 +832,14 @@ template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
                            const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                            float* __restrict__ out, int kchunk, float* __restrict__ part_o,
-                           float* __restrict__ part_ml) {
+                           float* __restrict__ part_ml, int tile) {
     constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
     extern __shared__ __align__(16) u16 pfa_tc_sm[];
     u16* Qs = pfa_tc_sm;
     u16* Ks = Qs + 64 * LD;
     u16* Vs = Ks + 64 * LD;
     const int group = nh / nkv, qt = 64 / group;
-    const int kvh = blockIdx.y, tok0 = (gridDim.x - 1 - blockIdx.x) * qt;
+    const int kvh = blockIdx.y, tok0 = tile * qt;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t kv_dim = (size_t)nkv * HD;
     const float qscale = scale * 1.4426950408889634f;
@@ -1007,13 +1046,18 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
     }
 }
 
+// nseg segments' query blocks, each segment's longest rows first: grid (their blocks, nkv,
+// splits), block 128. With splits > 1 the launch holds one segment (the partials' rows are its).
 #define PF_ATTN_TC(HD, KV, SUFFIX)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(const float* q, const float* gate,  \
-                                                                              const KV* kc, const KV* vc, int T,  \
-                                                                              int pos0, int nh, int nkv,          \
-                                                                              float scale, float* out,            \
-                                                                              int kchunk, float* part_o,          \
-                                                                              float* part_ml) {                   \
-        pf_attn_tc<HD, KV>(q, gate, kc, vc, T, pos0, nh, nkv, scale, out, kchunk, part_o, part_ml);                \
+    extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(                                    \
+        const AttnSegs segs, int nseg, const float* q, const float* gate, int nh, int nkv, float scale, float* out, \
+        int kchunk, float* part_o, float* part_ml) {                                                               \
+        const int qt = 64 / (nh / nkv);                                                                            \
+        int x = blockIdx.x;                                                                                        \
+        const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
+        const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
+        pf_attn_tc<HD, KV>(q + off, gate + off, static_cast<const KV*>(segs.kc[z]),                                \
+                           static_cast<const KV*>(segs.vc[z]), segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, \
+                           kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x);                            \
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)

@@ -341,6 +341,50 @@ fn cuda_prefill_gdn_scan_segments_equal_each_alone() {
     }
 }
 
+/// Several sequences' attention in one call (a chunk of several prompts: up to 16 segments per
+/// launch, a segment over a long cache alone with its keys split) gives each sequence exactly its
+/// outputs alone, on both kernels and both cache types: 19 segments, so two launches, one split.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_attention_segments_equal_each_alone() {
+    let b = cuda();
+    let mut shapes: Vec<(usize, usize)> = vec![(37, 0), (200, 0), (70, 150), (5, 3000), (1, 0), (130, 20)];
+    shapes.extend((0..13).map(|i| (1 + (i * 37) % 90, (i * 53) % 120)));
+    for &(nh, nkv, hd) in &[(16usize, 2usize, 256usize), (4, 2, 64)] {
+        let segs: Vec<testing::AttnSegmentInput> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(t, pos0))| {
+                let n = pos0 + t;
+                let s = 100 * i as u64;
+                testing::AttnSegmentInput {
+                    q: rnd(s + 1, t * nh * hd),
+                    gate: rnd(s + 2, t * nh * hd),
+                    kc: rnd(s + 3, n * nkv * hd).iter().map(|v| 2.0 * v).collect(),
+                    vc: rnd(s + 4, n * nkv * hd),
+                    t,
+                    pos0,
+                }
+            })
+            .collect();
+        for exact in [true, false] {
+            for kv_bf16 in [false, true] {
+                let together = testing::chunk_attention_segments(&b, &segs, nh, nkv, hd, kv_bf16, exact).unwrap();
+                for (i, s) in segs.iter().enumerate() {
+                    let alone = testing::chunk_attention(&b, &s.q, &s.gate, &s.kc, &s.vc, s.t, s.pos0, nh, nkv, hd, kv_bf16, exact).unwrap();
+                    assert!(
+                        together[i].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "segment {i} (T={} pos0={}) differs from alone: nh={nh} hd={hd} exact={exact} bf16={kv_bf16}",
+                        s.t,
+                        s.pos0
+                    );
+                }
+            }
+        }
+        eprintln!("attention segments nh={nh} nkv={nkv} hd={hd}: {} segments each equal alone", segs.len());
+    }
+}
+
 /// The tensor-core attention against the f32 SIMT kernel (itself checked through the strict
 /// logits tests) and a direct CPU evaluation, with keys already in the cache (pos0 > 0).
 #[test]

@@ -4,10 +4,10 @@
 //! tokens (bf16 tensor cores, or f32 in the exact mode). The KV cache holds f32 or bf16; every
 //! kernel has an instance per element type (`_bf16`).
 
-use super::device::{Arg, Gpu};
+use super::device::{segment_table, Arg, Gpu, TABLE_SEGS};
 use super::registry::{Kernel, ATTENTION};
 use crate::checkpoint::ModelConfig;
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 
 const ATTN_PREP: [Kernel; 2] = [Kernel::dependent(&ATTENTION, "attn_prep"), Kernel::dependent(&ATTENTION, "attn_prep_bf16")];
 const ATTN_COMBINE: Kernel = Kernel::dependent(&ATTENTION, "attn_combine");
@@ -60,6 +60,7 @@ impl AttnDims {
 }
 
 /// The layer's weights and cache, and the activations it reads and writes.
+#[derive(Clone, Copy, Debug)]
 pub struct AttnPtrs {
     /// q|gate projection `[T][nh][2 * hd]`, raw k and v `[T][nkv * hd]`.
     pub qg: u64,
@@ -244,10 +245,54 @@ pub fn combine_batch(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials
     gpu.launch(ATTN_COMBINE_BATCH, (d.nh as u32, rows as u32, 1), 256, 0, &args)
 }
 
-/// Prefill: norms + RoPE for `n` tokens at `pos0..`, K and V appended to the cache.
-pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, n: usize, pos0: usize) -> Result<()> {
-    let args = prep_args(d, p, Arg::I(pos0 as i32));
-    gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (n as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)
+/// One sequence's rows of a prefill chunk as its attention sees them: the layer's KV caches, the
+/// first row `r0` of its `n` rows in the chunk, and the position `pos0` of that row.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSegment {
+    pub kcache: u64,
+    pub vcache: u64,
+    pub r0: usize,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// Segments per prefill attention launch (PF_ATTN_SEGS in kernels/attention.cu).
+pub const PF_ATTN_SEGS: usize = TABLE_SEGS;
+
+/// `struct AttnSegs`: the K caches, the V caches, the first rows, the row counts, the positions.
+fn segs_arg(segs: &[AttnSegment]) -> Arg {
+    segment_table(segs.iter().map(|s| ([s.kcache, s.vcache], [s.r0 as i32, s.n as i32, s.pos0 as i32])))
+}
+
+/// Prefill: norms + RoPE of the segments' tokens, K and V appended to each segment's cache. The
+/// segments lie back to back in row order and share the KV element type `d.kv_bf16`; `p`'s
+/// activations start at the chunk's first row (its caches are the segments').
+pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment]) -> Result<()> {
+    if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
+        bail!("the prefill attention takes non-empty segments back to back");
+    }
+    for group in segs.chunks(PF_ATTN_SEGS) {
+        let rows = group.iter().map(|g| g.n).sum::<usize>();
+        let args = [
+            segs_arg(group),
+            Arg::I(group.len() as i32),
+            Arg::P(p.qg),
+            Arg::P(p.kraw),
+            Arg::P(p.vraw),
+            Arg::P(p.q_norm),
+            Arg::P(p.k_norm),
+            Arg::P(p.inv_freq),
+            Arg::P(p.q),
+            Arg::P(p.gate),
+            Arg::I(d.nh as i32),
+            Arg::I(d.nkv as i32),
+            Arg::I(d.hd as i32),
+            Arg::I(d.half_rot as i32),
+            Arg::F(d.eps),
+        ];
+        gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (rows as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)?;
+    }
+    Ok(())
 }
 
 /// Prefill attention kernels.
@@ -304,33 +349,44 @@ pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
     (1..=sms.div_ceil(nkv) * qt).map(|n| (n, chunk_splits(n, nh, nkv, usize::MAX, sms))).filter(|&(_, s)| s > 1).map(|(n, s)| n * s).max().unwrap_or(1)
 }
 
-/// Causal attention of `n` queries at `pos0..` over the cache (`pos0 + n` positions), gated. The
-/// tensor-core kernel splits the keys over blocks when [`chunk_splits`] says so, with partials in
-/// `part` (room for [`chunk_split_rows`] rows) merged by the decode's combine kernel.
-pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, n: usize, pos0: usize, exact: bool) -> Result<()> {
+/// Causal attention of each segment's queries over its cache (up to its last position), gated.
+/// The segments share the KV element type `d.kv_bf16`; `p`'s activations start at the chunk's
+/// first row. Up to [`PF_ATTN_SEGS`] segments go in one launch, so the short prompts of a burst
+/// fill the SMs together; a segment whose query blocks would leave most SMs idle over a long
+/// cache ([`chunk_splits`] > 1, tensor-core kernel) runs alone with its keys split over blocks,
+/// partials in `part` (room for [`chunk_split_rows`] rows) merged by the decode's combine kernel.
+pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool) -> Result<()> {
     let (k, threads, smem) =
         select_chunk(d.hd, d.kv_bf16, exact).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd))?;
     let qt = 64 / (d.nh / d.nkv);
-    let keys = pos0 + n;
-    let splits = if exact { 1 } else { chunk_splits(n, d.nh, d.nkv, keys, gpu.sms as usize) };
-    let mut args = vec![
-        Arg::P(p.q),
-        Arg::P(p.gate),
-        Arg::P(p.kcache),
-        Arg::P(p.vcache),
-        Arg::I(n as i32),
-        Arg::I(pos0 as i32),
-        Arg::I(d.nh as i32),
-        Arg::I(d.nkv as i32),
-        Arg::F(d.scale()),
-        Arg::P(p.out),
-    ];
-    if !exact {
-        args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml)]);
+    let splits_of = |s: &AttnSegment| if exact { 1 } else { chunk_splits(s.n, d.nh, d.nkv, s.pos0 + s.n, gpu.sms as usize) };
+    let launch = |group: &[AttnSegment], splits: usize| {
+        let blocks = group.iter().map(|g| g.n.div_ceil(qt)).sum::<usize>();
+        let mut args = vec![
+            segs_arg(group),
+            Arg::I(group.len() as i32),
+            Arg::P(p.q),
+            Arg::P(p.gate),
+            Arg::I(d.nh as i32),
+            Arg::I(d.nkv as i32),
+            Arg::F(d.scale()),
+            Arg::P(p.out),
+        ];
+        if !exact {
+            let keys = group[0].pos0 + group[0].n;
+            args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml)]);
+        }
+        gpu.launch(k, (blocks as u32, d.nkv as u32, splits as u32), threads, smem, &args)
+    };
+    let (alone, together): (Vec<AttnSegment>, Vec<AttnSegment>) = segs.iter().partition(|s| splits_of(s) > 1);
+    for group in together.chunks(PF_ATTN_SEGS) {
+        launch(group, 1)?;
     }
-    gpu.launch(k, (n.div_ceil(qt) as u32, d.nkv as u32, splits as u32), threads, smem, &args)?;
-    if splits > 1 {
-        combine_batch(gpu, d, p, part, splits, n)?;
+    for s in &alone {
+        let splits = splits_of(s);
+        launch(std::slice::from_ref(s), splits)?;
+        let rows = |base: u64| base + (s.r0 * d.nh * d.hd * 4) as u64;
+        combine_batch(gpu, d, &AttnPtrs { gate: rows(p.gate), out: rows(p.out), ..*p }, part, splits, s.n)?;
     }
     Ok(())
 }

@@ -21,7 +21,28 @@ pub enum Arg {
 }
 
 /// Most 8-byte words of a struct argument ([`Arg::S`]).
-pub const ARG_STRUCT_WORDS: usize = 32;
+pub const ARG_STRUCT_WORDS: usize = 64;
+
+/// Entries of a segment table ([`segment_table`]).
+pub const TABLE_SEGS: usize = 16;
+
+/// A segment table passed by value (the prefill's `ConvSegs`, `ScanSegs` and `AttnSegs`): `P`
+/// arrays of [`TABLE_SEGS`] pointers, then `I` arrays of as many i32 (two per word), segment i at
+/// index i of each; up to [`TABLE_SEGS`] segments, the rest ignored.
+pub fn segment_table<const P: usize, const I: usize>(segs: impl Iterator<Item = ([u64; P], [i32; I])>) -> Arg {
+    const { assert!(TABLE_SEGS * (8 * P + 4 * I) <= ARG_STRUCT_WORDS * 8) };
+    let mut w = [0u64; ARG_STRUCT_WORDS];
+    for (i, (ptrs, ints)) in segs.take(TABLE_SEGS).enumerate() {
+        for (a, p) in ptrs.into_iter().enumerate() {
+            w[a * TABLE_SEGS + i] = p;
+        }
+        let half = 32 * (i % 2);
+        for (a, v) in ints.into_iter().enumerate() {
+            w[P * TABLE_SEGS + a * TABLE_SEGS / 2 + i / 2] |= (v as u32 as u64) << half;
+        }
+    }
+    Arg::S(Box::new(w))
+}
 
 /// True when the CUDA driver library can be loaded.
 pub fn driver_available() -> bool {

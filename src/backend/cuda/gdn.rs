@@ -3,7 +3,7 @@
 //! tokens (causal conv with the ring's history, ring update, q/k L2 norms, the scan: the exact
 //! recurrence with the state in registers, or the chunked form on the tensor cores; gated norm).
 
-use super::device::{ptr, Arg, Gpu, ARG_STRUCT_WORDS};
+use super::device::{ptr, segment_table, Arg, Gpu, TABLE_SEGS};
 use super::qmatmul::TcbStaging;
 use super::registry::{Kernel, GDN, SMEM_OPTIN_LIMIT};
 use crate::checkpoint::ModelConfig;
@@ -220,7 +220,7 @@ impl ChunkedScratch {
 }
 
 /// Sequences per conv launch (GDN_CONV_SEGS in kernels/gdn.cu).
-pub const CONV_SEGS: usize = 16;
+pub const CONV_SEGS: usize = TABLE_SEGS;
 
 /// One sequence's rows `r0..r0 + n` of a prefill chunk, at positions `pos0..`, with its conv ring.
 #[derive(Clone, Copy, Debug)]
@@ -231,24 +231,9 @@ pub struct ConvSegment {
     pub pos0: usize,
 }
 
-/// A segment table passed by value (`ScanSegs` and `ConvSegs` in kernels/gdn.cu): a pointer per
-/// segment, then two i32 arrays (two values per word), for up to 16 segments.
-fn segment_table(segs: impl Iterator<Item = (u64, usize, usize)>) -> Arg {
-    const SEGS: usize = 16;
-    const _: () = assert!(SEGS == SCAN_SEGS && SEGS == CONV_SEGS && SEGS * (8 + 4 + 4) == ARG_STRUCT_WORDS * 8);
-    let mut w = [0u64; ARG_STRUCT_WORDS];
-    for (i, (p, a, b)) in segs.take(SEGS).enumerate() {
-        w[i] = p;
-        let half = 32 * (i % 2);
-        w[SEGS + i / 2] |= (a as u32 as u64) << half;
-        w[SEGS + SEGS / 2 + i / 2] |= (b as u32 as u64) << half;
-    }
-    Arg::S(Box::new(w))
-}
-
 /// `struct ConvSegs`: the rings, the first rows, the positions.
 fn conv_segs_arg(segs: &[ConvSegment]) -> Arg {
-    segment_table(segs.iter().map(|s| (s.ring, s.r0, s.pos0)))
+    segment_table(segs.iter().map(|s| ([s.ring], [s.r0 as i32, s.pos0 as i32])))
 }
 
 /// The prefill conv of every segment (rows back to back, in row order) of a chunk: the causal
@@ -294,7 +279,7 @@ fn scan_block_columns(dk: usize) -> usize {
 }
 
 /// Sequences per scan launch (GDN_SCAN_SEGS in kernels/gdn.cu).
-pub const SCAN_SEGS: usize = 16;
+pub const SCAN_SEGS: usize = TABLE_SEGS;
 
 /// One sequence's rows `r0..r0 + n` of a chunk, scanned with its layer state `state`.
 #[derive(Clone, Copy, Debug)]
@@ -306,7 +291,7 @@ pub struct ScanSegment {
 
 /// The kernel's `ScanSegs`: the states, the first rows, the row counts.
 fn scan_segs_arg(segs: &[ScanSegment]) -> Arg {
-    segment_table(segs.iter().map(|s| (s.state, s.r0, s.n)))
+    segment_table(segs.iter().map(|s| ([s.state], [s.r0 as i32, s.n as i32])))
 }
 
 /// How a segment's GDN recurrence runs.

@@ -12,7 +12,7 @@ use super::activations::{Activations, ChunkScratch};
 use super::attention;
 use super::blas::Blas;
 use super::device::{ptr, Gpu};
-use super::attention::{AttnDims, AttnPtrs};
+use super::attention::{AttnDims, AttnSegment};
 use super::forward::{self, LayerDims, LayerStates, Pass, Point, Probe};
 use super::gdn::{self, ConvSegment, GdnChunkScratch, GdnDims, ScanSegment};
 use super::moe::PrefillExperts;
@@ -62,13 +62,6 @@ pub struct Segment<'a> {
     pub r0: usize,
     pub n: usize,
     pub pos0: usize,
-}
-
-impl Segment<'_> {
-    /// `base` (row-major f32 rows of `width` values) at this segment's first row.
-    fn rows(&self, base: u64, width: usize) -> u64 {
-        base + (self.r0 * width * 4) as u64
-    }
 }
 
 /// The segments' layer states, for `forward::layers`: it checks every segment's sequence against
@@ -171,23 +164,21 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&at.v, kvd, u, n, self.p(&a.vraw), kvd, false, None)?;
         self.point(probe, Point::Phase("attn.proj"))?;
         let part = attention::SplitPartials { o: self.p(&self.s.attn_part_o), ml: self.p(&self.s.attn_part_ml) };
-        for seg in self.segments {
-            let (kcache, vcache) = seg.seq.layer_ptrs(li);
-            let d = AttnDims { kv_bf16: seg.seq.kv_bf16, ..self.dims.attn };
-            let inner = d.nh * d.hd;
-            let all = forward::attn_ptrs(self.gpu, a, at, self.w, kcache, vcache);
-            let p = AttnPtrs {
-                qg: seg.rows(all.qg, qrows),
-                kraw: seg.rows(all.kraw, kvd),
-                vraw: seg.rows(all.vraw, kvd),
-                q: seg.rows(all.q, inner),
-                gate: seg.rows(all.gate, inner),
-                out: seg.rows(all.out, inner),
-                ..all
-            };
-            attention::prep_chunk(self.gpu, &d, &p, seg.n, seg.pos0)?;
+        let p = forward::attn_ptrs(self.gpu, a, at, self.w, 0, 0);
+        // The segments in runs of one KV element type (a launch reads one), each run's prep and
+        // core over all its segments.
+        for run in self.segments.chunk_by(|x, y| x.seq.kv_bf16 == y.seq.kv_bf16) {
+            let d = AttnDims { kv_bf16: run[0].seq.kv_bf16, ..self.dims.attn };
+            let segs: Vec<AttnSegment> = run
+                .iter()
+                .map(|seg| {
+                    let (kcache, vcache) = seg.seq.layer_ptrs(li);
+                    AttnSegment { kcache, vcache, r0: seg.r0, n: seg.n, pos0: seg.pos0 }
+                })
+                .collect();
+            attention::prep_chunk(self.gpu, &d, &p, &segs)?;
             self.point(probe, Point::Phase("attn.prep"))?;
-            attention::chunk(self.gpu, &d, &p, &part, seg.n, seg.pos0, self.exact)?;
+            attention::chunk(self.gpu, &d, &p, &part, &segs, self.exact)?;
             self.point(probe, Point::Phase("attn.core"))?;
         }
         self.gemm.run(&at.o, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;

@@ -442,29 +442,62 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
 /// returns the gated outputs `[t][nh][hd]`. `exact`: the f32 kernel, else the tensor-core one.
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_attention(b: &CudaBackend, q: &[f32], gate: &[f32], kc: &[f32], vc: &[f32], t: usize, pos0: usize, nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<f32>> {
+    let seg = AttnSegmentInput { q: q.to_vec(), gate: gate.to_vec(), kc: kc.to_vec(), vc: vc.to_vec(), t, pos0 };
+    Ok(chunk_attention_segments(b, &[seg], nh, nkv, hd, kv_bf16, exact)?.remove(0))
+}
+
+/// One sequence's input to [`chunk_attention_segments`]: `t` queries at `pos0..` and its caches
+/// of `pos0 + t` positions, laid out as [`chunk_attention`] takes them.
+pub struct AttnSegmentInput {
+    pub q: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub kc: Vec<f32>,
+    pub vc: Vec<f32>,
+    pub t: usize,
+    pub pos0: usize,
+}
+
+/// The prefill attention over several sequences in one call (their rows back to back, each with
+/// its own caches), as a chunk of several prompts runs it; returns each sequence's outputs.
+pub fn chunk_attention_segments(b: &CudaBackend, segs: &[AttnSegmentInput], nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<Vec<f32>>> {
     let gpu = &b.gpu;
     if attention::select_chunk(hd, kv_bf16, exact).is_none() || !attention::chunk_supported(nh, nkv) {
         bail!("chunk_attention: unsupported shape");
     }
-    let (qd, gd) = (gpu.upload(q)?, gpu.upload(gate)?);
-    // The cache as the model keeps it: f32, or bf16 rounded to nearest even.
+    let width = nh * hd;
+    if segs.iter().any(|s| s.t == 0 || s.q.len() != s.t * width || s.gate.len() != s.q.len() || s.kc.len() != (s.pos0 + s.t) * nkv * hd || s.vc.len() != s.kc.len()) {
+        bail!("chunk_attention: bad shapes");
+    }
+    let q: Vec<f32> = segs.iter().flat_map(|s| s.q.iter().copied()).collect();
+    let gate: Vec<f32> = segs.iter().flat_map(|s| s.gate.iter().copied()).collect();
+    let (qd, gd) = (gpu.upload(&q)?, gpu.upload(&gate)?);
+    // Each cache as the model keeps it: f32, or bf16 rounded to nearest even.
     let bf16_bits = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect::<Vec<u16>>();
-    let (kf, vf, kh, vh);
-    let (kcache, vcache) = if kv_bf16 {
-        (kh, vh) = (gpu.upload(&bf16_bits(kc))?, gpu.upload(&bf16_bits(vc))?);
-        (ptr(&kh, &gpu.stream), ptr(&vh, &gpu.stream))
-    } else {
-        (kf, vf) = (gpu.upload(kc)?, gpu.upload(vc)?);
-        (ptr(&kf, &gpu.stream), ptr(&vf, &gpu.stream))
-    };
-    let od = gpu.zeros::<f32>(t * nh * hd)?;
+    let (mut halves, mut floats) = (Vec::new(), Vec::new());
+    let mut table = Vec::with_capacity(segs.len());
+    let mut r0 = 0;
+    for s in segs {
+        let (kcache, vcache) = if kv_bf16 {
+            halves.push((gpu.upload(&bf16_bits(&s.kc))?, gpu.upload(&bf16_bits(&s.vc))?));
+            let (k, v) = halves.last().expect("just pushed");
+            (ptr(k, &gpu.stream), ptr(v, &gpu.stream))
+        } else {
+            floats.push((gpu.upload(&s.kc)?, gpu.upload(&s.vc)?));
+            let (k, v) = floats.last().expect("just pushed");
+            (ptr(k, &gpu.stream), ptr(v, &gpu.stream))
+        };
+        table.push(attention::AttnSegment { kcache, vcache, r0, n: s.t, pos0: s.pos0 });
+        r0 += s.t;
+    }
+    let od = gpu.zeros::<f32>(r0 * width)?;
     let rows = attention::chunk_split_rows(nh, nkv, gpu.sms as usize);
     let (po, pml) = (gpu.zeros::<f32>(rows * nh * hd)?, gpu.zeros::<f32>(rows * nh * 2)?);
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16 };
-    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache, vcache, out: p(&od) };
-    attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, t, pos0, exact)?;
-    read(gpu, &od)
+    let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: 0, vcache: 0, out: p(&od) };
+    attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, &table, exact)?;
+    let out = read(gpu, &od)?;
+    Ok(table.iter().map(|s| out[s.r0 * width..(s.r0 + s.n) * width].to_vec()).collect())
 }
 
 /// The batched decode's attention alone (`split_batch` on `kernel`, then `combine_batch`) over
