@@ -52,8 +52,9 @@ fn snap(params: SamplingParams, seed: u64) -> SamplerSnapshot {
     SamplerSnapshot { params, seed, counts: vec![] }
 }
 
-/// Decodes the rows together; tokens per row.
-fn decode_together(b: &mut CudaBackend, seqs: &mut [(Sequence, u32)], max: &[usize], snaps: &[SamplerSnapshot], stop_row_at: Option<(usize, usize)>) -> Vec<Vec<u32>> {
+/// Decodes the rows together, row r hanging up at its n-th token for each (r, n) of `stops`;
+/// tokens per row.
+fn decode_together(b: &mut CudaBackend, seqs: &mut [(Sequence, u32)], max: &[usize], snaps: &[SamplerSnapshot], stops: &[(usize, usize)]) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); seqs.len()];
     let mut rows: Vec<BatchRow> = seqs
         .iter_mut()
@@ -64,7 +65,7 @@ fn decode_together(b: &mut CudaBackend, seqs: &mut [(Sequence, u32)], max: &[usi
     let produced = b
         .decode_batch(&mut rows, &mut |i: usize, t: u32| {
             out[i].push(t);
-            stop_row_at != Some((i, out[i].len()))
+            !stops.contains(&(i, out[i].len()))
         })
         .unwrap();
     for (i, p) in produced.iter().enumerate() {
@@ -146,15 +147,17 @@ fn cuda_batch_greedy_tokens_do_not_depend_on_the_batch() {
     let snaps = vec![greedy(); n];
     let mut seqs: Vec<(Sequence, u32)> = LENS.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
     let starts: Vec<usize> = seqs.iter().map(|s| s.0.len()).collect();
-    let together = decode_together(&mut gpu, &mut seqs, &max, &snaps, Some((3, 5)));
+    let together = decode_together(&mut gpu, &mut seqs, &max, &snaps, &[(3, 5)]);
     for i in 0..n {
         let want = if i == 3 { 5 } else { max[i] };
         assert_eq!(together[i].len(), want, "row {i}");
-        assert_eq!(seqs[i].0.len(), starts[i] + want, "row {i} holds its first token and all but the last");
+        // Row 3's next step was queued before its hang-up was read: it fed its last token too.
+        let fed = if i == 3 { want + 1 } else { want };
+        assert_eq!(seqs[i].0.len(), starts[i] + fed, "row {i} holds its first token and all but the last");
     }
     for (i, &len) in LENS.iter().enumerate() {
         let mut one = vec![prefilled(&mut gpu, i, len)];
-        let alone = decode_together(&mut gpu, &mut one, &[together[i].len()], &snaps[..1], None);
+        let alone = decode_together(&mut gpu, &mut one, &[together[i].len()], &snaps[..1], &[]);
         assert_eq!(alone[0], together[i], "row {i} (prompt {len}) alone vs in a batch of {n}");
     }
 }
@@ -178,17 +181,59 @@ fn cuda_batch_sampling_per_row() {
     let fresh = |gpu: &mut CudaBackend| -> Vec<(Sequence, u32)> { (0..n).map(|_| prefilled(gpu, 0, 40)).collect() };
     let max = vec![16; n];
     let mut a = fresh(&mut gpu);
-    let first = decode_together(&mut gpu, &mut a, &max, &settings, Some((2, 7)));
+    let first = decode_together(&mut gpu, &mut a, &max, &settings, &[(2, 7)]);
     let mut b = fresh(&mut gpu);
-    let again = decode_together(&mut gpu, &mut b, &max, &settings, Some((2, 7)));
+    let again = decode_together(&mut gpu, &mut b, &max, &settings, &[(2, 7)]);
     assert_eq!(first, again, "same seeds, same tokens");
     assert_eq!(first[0], first[4], "top-k 1 is greedy");
     assert_ne!(first[1], first[6], "different seeds draw differently");
     for (i, s) in settings.iter().enumerate() {
         let mut one = fresh(&mut gpu);
         one.truncate(1);
-        let alone = decode_together(&mut gpu, &mut one, &[first[i].len()], std::slice::from_ref(s), None);
+        let alone = decode_together(&mut gpu, &mut one, &[first[i].len()], std::slice::from_ref(s), &[]);
         assert_eq!(alone[0], first[i], "row {i} alone vs in the batch");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_steps_queued_ahead_leave_each_row_as_alone() {
+    // Two steps in flight wherever the rows allow it. Row 2 leaves at max_tokens 4 and row 4 at
+    // 10, row 0 runs to 12; row 3 (seeded sampling with a penalty: the batch samples until it
+    // leaves) hangs up at its 6th token, greedy row 1 at its 8th (by then the batch takes the
+    // argmax path).
+    let mut gpu = cuda(true);
+    let lens = &LENS[..5];
+    let max = [12, 12, 4, 12, 10];
+    let sampled = snap(SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, presence_penalty: 0.5, ..Default::default() }, 21);
+    let snaps = [greedy(), greedy(), greedy(), sampled, greedy()];
+    let mut seqs: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
+    let starts: Vec<usize> = seqs.iter().map(|s| s.0.len()).collect();
+    let together = decode_together(&mut gpu, &mut seqs, &max, &snaps, &[(3, 6), (1, 8)]);
+    let got: Vec<usize> = together.iter().map(Vec::len).collect();
+    assert_eq!(got, [12, 8, 4, 6, 10]);
+    // Step k + 1 is queued before step k's tokens are read except where a row takes its last
+    // token at step k (k = 3, 9, 11) or step k still runs a row that hung up at step k - 1 (k = 6,
+    // 8). So rows 3 and 1, hanging up at steps 5 and 7, also hold their last tokens; the others
+    // hold their first token and all but the last.
+    let fed = [12, 9, 4, 7, 10];
+    for i in 0..lens.len() {
+        assert_eq!(seqs[i].0.len(), starts[i] + fed[i], "row {i}");
+    }
+    for (i, &len) in lens.iter().enumerate() {
+        // Alone, two tokens further: the batch's tokens first.
+        let mut one = vec![prefilled(&mut gpu, i, len)];
+        let alone = decode_together(&mut gpu, &mut one, &[got[i] + 2], &snaps[i..i + 1], &[]).remove(0);
+        assert_eq!(alone[..got[i]], together[i][..], "row {i} alone vs in the batch");
+        // A step on the batch's sequence, fed the first output it has not taken, continues as
+        // alone: the sequence holds exactly the tokens it was fed.
+        let mut cont = snaps[i].clone();
+        for &t in &alone[..fed[i]] {
+            cont.observe(t);
+        }
+        seqs[i].1 = alone[fed[i] - 1];
+        let next = decode_together(&mut gpu, &mut seqs[i..i + 1], &[1], &[cont], &[]);
+        assert_eq!(next[0], [alone[fed[i]]], "row {i}: the step after the batch");
     }
 }
 

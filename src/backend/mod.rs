@@ -328,11 +328,13 @@ pub trait Backend: Send {
     /// produced per row.
     ///
     /// Each row's sequence then holds its `first_token` and every produced token except the
-    /// last (the rules of [`Backend::decode_sampled`] without pipelining). A row's tokens do not
-    /// depend on which other rows share its steps (batch invariance); a backend may compute
-    /// them differently from its single-sequence decode (CUDA: bf16 tensor-core GEMMs here,
-    /// f32-exact GEMVs there). Fails before any step when a row is invalid (room, token, or a
-    /// backend limit on rows).
+    /// last. A row that `token` stopped may also hold that last token, where the backend had
+    /// queued the next step before reading it (CUDA, only after [`StepHooks::queue_ahead`] said
+    /// yes for that step), as with a pipelined [`Backend::decode_sampled`]; `seq.len()` tells.
+    /// A row's tokens do not depend on which other rows share its steps (batch invariance); a
+    /// backend may compute them differently from its single-sequence decode (CUDA: bf16
+    /// tensor-core GEMMs here, f32-exact GEMVs there). Fails before any step when a row is
+    /// invalid (room, token, or a backend limit on rows).
     ///
     /// The default runs the rows one after the other through `forward` and the host sampler
     /// (the CPU reference).
@@ -380,11 +382,29 @@ pub trait StepHooks {
     fn mask(&mut self, _row: usize, _allowed: &mut [u32]) -> Result<bool> {
         Ok(false)
     }
+
+    /// Asked by a backend that can queue steps ahead, once per step after it is queued and
+    /// before its tokens go to `token`: whether it may queue the next step now, before those
+    /// tokens are read (two steps in flight; it queues ahead only right after a yes). Yes
+    /// promises that `mask` constrains no row at the next step (it is asked before this step's
+    /// tokens are handed over), and accepts that a row `token` stops at this step then holds
+    /// this step's token too (the queued step fed it; its output for the row is dropped). After
+    /// a no, or where it was not asked, a row `token` stops holds every token but its last. No
+    /// by default: hooks whose masks follow the tokens, or that may stop a row at this step to
+    /// resume it later, must say no.
+    fn queue_ahead(&mut self) -> bool {
+        false
+    }
 }
 
+/// Closures never constrain their rows: the backend may queue steps ahead.
 impl<F: FnMut(usize, u32) -> bool> StepHooks for F {
     fn token(&mut self, row: usize, token: u32) -> bool {
         self(row, token)
+    }
+
+    fn queue_ahead(&mut self) -> bool {
+        true
     }
 }
 

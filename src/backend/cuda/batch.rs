@@ -15,6 +15,8 @@
 //! pointers, and per row a `[token, position]` pair that the argmax / sampler advance. A step is
 //! a CUDA graph per (rows, splits, KV type, token choice), captured once; the tables are rewritten
 //! only when the batch's rows change, so one graph serves whichever sequences are in the batch.
+//! Where the next step needs none of a step's tokens on the host, it is queued before they are
+//! read back, so the host's work on them overlaps it.
 //!
 //! Every row's arithmetic is independent of the other rows (the GEMMs' routes do not depend on
 //! the token count, each output column is accumulated in the same order), so a sequence's tokens
@@ -31,7 +33,7 @@ use super::qmatmul::{self, GemvSet, Grouped, PendingCombine, QMatDesc, TcbStagin
 use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
-use super::{CudaBackend, StepGraph};
+use super::{CudaBackend, Readback, StepGraph};
 use crate::backend::{check_batch, mask_words, BatchRow, StepHooks};
 use crate::checkpoint::ModelConfig;
 use crate::engine::sampling::SamplerSnapshot;
@@ -354,6 +356,15 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, k
     pass.point(probe, Point::Phase("token"))
 }
 
+/// Asks the hooks for the next step's mask of each of the `live` rows (into `masks` and
+/// `masked`, row by row); whether any row has one.
+fn ask_masks(hooks: &mut dyn StepHooks, live: &[usize], words: usize, masks: &mut [u32], masked: &mut [i32]) -> Result<bool> {
+    for (r, &i) in live.iter().enumerate() {
+        masked[r] = hooks.mask(i, &mut masks[r * words..(r + 1) * words])? as i32;
+    }
+    Ok(masked[..live.len()].iter().any(|&m| m != 0))
+}
+
 /// The backend's batch buffers and the steps captured over them.
 pub struct Batcher {
     pub bufs: BatchBuffers,
@@ -454,6 +465,25 @@ impl CudaBackend {
 
     /// `Backend::decode_batch` on the device (see there for the contract).
     pub(super) fn batch_decode(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
+        if self.batch_readback.is_none() {
+            self.batch_readback = Some(Readback::pair(&self.gpu, 2 * MAX_BATCH)?);
+        }
+        let mut rb = self.batch_readback.take().expect("allocated above");
+        let r = self.batch_steps(rows, hooks, &mut rb);
+        self.batch_readback = Some(rb);
+        if r.is_err() {
+            // A step may still be in flight: it must be done before the caller frees what it reads.
+            let _ = self.gpu.sync();
+        }
+        r
+    }
+
+    /// The steps of [`Self::batch_decode`]. Where the hooks allow it ([`StepHooks::queue_ahead`])
+    /// and the next step needs nothing from this one's tokens on the host, it is queued before
+    /// they are read (the device step feeds each row its token from the step rows), so the GPU
+    /// runs while the host takes them: two steps in flight, read back through the pinned slots
+    /// `rb` in turn.
+    fn batch_steps(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks, rb: &mut [Readback; 2]) -> Result<Vec<usize>> {
         let vocab = self.cfg.vocab_size;
         check_batch(vocab, rows)?;
         if rows.len() > MAX_BATCH {
@@ -475,7 +505,6 @@ impl CudaBackend {
         let attn = self.attn_split_kernel(kv_bf16);
         self.fit_batch(live.len())?;
         let mut bound = false;
-        let mut host = vec![0i32; 2 * live.len()];
         // Token masks of the rows the hooks constrain, uploaded before each step that has one.
         let words = mask_words(vocab);
         let mut masks = vec![0u32; live.len() * words];
@@ -483,44 +512,70 @@ impl CudaBackend {
         // Whether the device's mask flags may be set (a previous call may have left them so).
         let mut flags_set = true;
         let mut last_out = None;
-        while !live.is_empty() {
+        // Rows that `token` stopped while the next step was queued: that step fed their last
+        // token, and its output for them is not theirs.
+        let mut gone = vec![false; rows.len()];
+        // A step of the `live` rows is queued (its key, whether it has a mask), read back
+        // through `rb[slot]`.
+        let mut queued: Option<(StepKey, bool)> = None;
+        let mut slot = 0;
+        loop {
             let n = live.len();
-            // Each row writes its KV at its length: map a page where one starts (all rows or none
-            // of this step's work: a row that cannot grow ends the call before the step).
-            for &i in &live {
-                let end = rows[i].seq.len() + 1;
-                rows[i].seq.state_mut::<CudaSequence>().grow(end)?;
+            let (key, step_masked) = match queued {
+                Some(q) => q,
+                None if n == 0 => break,
+                None => {
+                    // Each row writes its KV at its length: map a page where one starts (all rows
+                    // or none of this step's work: a row that cannot grow ends the call before
+                    // the step).
+                    for &i in &live {
+                        let end = rows[i].seq.len() + 1;
+                        rows[i].seq.state_mut::<CudaSequence>().grow(end)?;
+                    }
+                    let any_masked = ask_masks(hooks, &live, words, &mut masks, &mut masked)?;
+                    let plain = live.iter().all(|&i| snaps[i].params.is_plain_greedy());
+                    let out = if plain && !any_masked { StepOut::Greedy } else { StepOut::Sample };
+                    // The sampling state is loaded when rows are bound for sampling.
+                    if last_out != Some(out) {
+                        bound = false;
+                    }
+                    last_out = Some(out);
+                    if any_masked || flags_set {
+                        let b = &mut self.batcher.as_mut().expect("fitted").bufs;
+                        b.sample.load_masks(&self.gpu, &masked[..n], any_masked.then(|| &masks[..n * words]))?;
+                        flags_set = any_masked;
+                    }
+                    if !bound {
+                        let seqs: Vec<&CudaSequence> = live.iter().map(|&i| rows[i].seq.state::<CudaSequence>()).collect();
+                        let toks: Vec<u32> = live.iter().map(|&i| cur[i]).collect();
+                        let pos: Vec<usize> = live.iter().map(|&i| rows[i].seq.len()).collect();
+                        let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
+                        self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
+                    }
+                    let key = StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn };
+                    self.run_batch_step(key)?;
+                    rb[slot].enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * n))?;
+                    (key, any_masked)
+                }
+            };
+            // Queue the next step now if the hooks agree (asked every step: they may stop rows
+            // after a no) and it needs nothing from this one's tokens: the same rows and bindings
+            // (none reaches max_tokens here, none left at the previous step), no mask at either
+            // step (so the same token choice), and its KV pages. A row that cannot grow fails
+            // again before the next step, after these tokens are delivered.
+            let mut ahead = hooks.queue_ahead() && !step_masked && live.iter().all(|&i| !gone[i] && produced[i] + 1 < rows[i].max_tokens);
+            ahead = ahead
+                && live.iter().all(|&i| {
+                    let seq = &mut rows[i].seq;
+                    let end = seq.len() + 2;
+                    seq.state_mut::<CudaSequence>().grow(end).is_ok()
+                });
+            ahead = ahead && !ask_masks(hooks, &live, words, &mut masks, &mut masked)?;
+            if ahead {
+                self.run_batch_step(key)?;
+                rb[slot ^ 1].enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * n))?;
             }
-            for (r, &i) in live.iter().enumerate() {
-                masked[r] = hooks.mask(i, &mut masks[r * words..(r + 1) * words])? as i32;
-            }
-            let any_masked = masked[..n].iter().any(|&m| m != 0);
-            let plain = live.iter().all(|&i| snaps[i].params.is_plain_greedy());
-            let out = if plain && !any_masked { StepOut::Greedy } else { StepOut::Sample };
-            // The sampling state is loaded when rows are bound for sampling.
-            if last_out != Some(out) {
-                bound = false;
-            }
-            last_out = Some(out);
-            if any_masked || flags_set {
-                let b = &mut self.batcher.as_mut().expect("fitted").bufs;
-                b.sample.load_masks(&self.gpu, &masked[..n], any_masked.then(|| &masks[..n * words]))?;
-                flags_set = any_masked;
-            }
-            if !bound {
-                let seqs: Vec<&CudaSequence> = live.iter().map(|&i| rows[i].seq.state::<CudaSequence>()).collect();
-                let toks: Vec<u32> = live.iter().map(|&i| cur[i]).collect();
-                let pos: Vec<usize> = live.iter().map(|&i| rows[i].seq.len()).collect();
-                let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
-                self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
-            }
-            self.run_batch_step(StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn })?;
-            let b = &self.batcher.as_ref().expect("fitted").bufs;
-            self.gpu
-                .stream
-                .memcpy_dtoh(&b.steps.slice(0..2 * n), &mut host[..2 * n])
-                .map_err(|e| anyhow!("CUDA error during the forward pass: {e:?}"))?;
-            self.gpu.sync()?;
+            let host = rb[slot].wait(2 * n)?;
             let mut next = Vec::with_capacity(n);
             for (r, &i) in live.iter().enumerate() {
                 let (tok, pos) = (host[2 * r], host[2 * r + 1]);
@@ -529,6 +584,9 @@ impl CudaBackend {
                     bail!("device step rows out of sync (row {i}: token {tok}, position {pos})");
                 }
                 seq.advance(1);
+                if gone[i] {
+                    continue;
+                }
                 produced[i] += 1;
                 cur[i] = tok as u32;
                 if snaps[i].params.has_penalties() {
@@ -536,12 +594,21 @@ impl CudaBackend {
                 }
                 if hooks.token(i, tok as u32) && produced[i] < rows[i].max_tokens {
                     next.push(i);
+                } else if ahead {
+                    gone[i] = true;
                 }
             }
-            // A row left: the tables are rebuilt for the remaining rows (their device counts
-            // and positions are re-sent from the host's copies).
-            bound = next.len() == n;
-            live = next;
+            if ahead {
+                // The step queued ahead runs these rows; the next turn reads it.
+                queued = Some((key, false));
+                slot ^= 1;
+            } else {
+                // A row left: the tables are rebuilt for the remaining rows (their device counts
+                // and positions are re-sent from the host's copies).
+                bound = next.len() == n;
+                live = next;
+                queued = None;
+            }
         }
         Ok(produced)
     }

@@ -40,6 +40,7 @@ use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
 use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaStream, DevicePtr};
 use decode::{Decoder, StepOut};
 pub use device::Gpu;
 use forward::Probe;
@@ -68,6 +69,8 @@ pub struct CudaBackend {
     batcher: Option<batch::Batcher>,
     /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
     readback: Option<[Readback; 2]>,
+    /// The same for batched decode: `[token, position]` of up to `batch::MAX_BATCH` rows.
+    batch_readback: Option<[Readback; 2]>,
     /// False after a capture failed (then every step launches directly) or without graphs.
     use_graphs: bool,
     /// With `opts.profile`: per-phase decode GPU time, printed when the backend is dropped.
@@ -108,11 +111,40 @@ impl Drop for CudaBackend {
     }
 }
 
-/// One pinned host slot of the greedy loop and the event recorded after its copy (our own event:
-/// event tracking is off, so the slice's built-in event is never recorded).
+/// One pinned host slot of a pipelined decode loop and the event recorded after its copy (our
+/// own event: event tracking is off, so the slice's built-in event is never recorded).
 struct Readback {
     host: cudarc::driver::PinnedHostSlice<i32>,
     done: cudarc::driver::CudaEvent,
+}
+
+impl Readback {
+    /// The two slots of a loop with two steps in flight, `len` words each.
+    fn pair(gpu: &Gpu, len: usize) -> Result<[Readback; 2]> {
+        let alloc = || -> Result<Readback> {
+            // SAFETY: plain page-locked host memory; only read after its copy's event.
+            let host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(len, 0) }
+                .map_err(|e| anyhow!("pinned host allocation: {e:?}"))?;
+            let done = gpu.ctx.new_event(None).map_err(|e| anyhow!("{e:?}"))?;
+            Ok(Readback { host, done })
+        };
+        Ok([alloc()?, alloc()?])
+    }
+
+    /// Queues the copy of `src` into the slot's first words, then the slot's event.
+    fn enqueue<S: DevicePtr<i32>>(&mut self, st: &Arc<CudaStream>, src: &S) -> Result<()> {
+        // A plain slice of the pinned words: the copy is as long as `src`, not the slot.
+        let host = self.host.as_mut_slice().map_err(|e| anyhow!("token readback: {e:?}"))?;
+        st.memcpy_dtoh(src, &mut host[..src.len()]).map_err(|e| anyhow!("token readback: {e:?}"))?;
+        self.done.record(st).map_err(|e| anyhow!("token readback: {e:?}"))
+    }
+
+    /// The slot's first `len` words, once its copy is done.
+    fn wait(&self, len: usize) -> Result<&[i32]> {
+        let err = |e: cudarc::driver::DriverError| anyhow!("CUDA error during the forward pass: {e:?}");
+        self.done.synchronize().map_err(err)?;
+        Ok(&self.host.as_slice().map_err(err)?[..len])
+    }
 }
 
 /// A captured decode step. CUDA graphs may be launched from any thread as long as calls are not
@@ -218,6 +250,7 @@ impl CudaBackend {
             graphs: Vec::new(),
             batcher: None,
             readback: None,
+            batch_readback: None,
         })
     }
 
@@ -466,7 +499,8 @@ impl Backend for CudaBackend {
     }
 
     /// Batched decode through the batch GEMMs, per-row mixers and device token choice
-    /// (batch.rs), one CUDA graph per batch shape.
+    /// (batch.rs), one CUDA graph per batch shape; the next step is queued before a step's
+    /// tokens are read where the hooks allow it.
     fn decode_batch(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
         self.batch_decode(rows, hooks)
     }
@@ -487,18 +521,15 @@ impl CudaBackend {
         }
         seq.check_room(steps)?;
         if self.readback.is_none() {
-            let alloc = || -> Result<Readback> {
-                // SAFETY: plain page-locked host memory; only read after its copy's event.
-                let host = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<i32>(2, 0) }
-                    .map_err(|e| anyhow::anyhow!("pinned host allocation: {e:?}"))?;
-                let done = self.gpu.ctx.new_event(None).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-                Ok(Readback { host, done })
-            };
-            self.readback = Some([alloc()?, alloc()?]);
+            self.readback = Some(Readback::pair(&self.gpu, 2)?);
         }
         let mut rb = self.readback.take().expect("allocated above");
         let r = self.pipelined_steps(seq, first_token, steps, out, on_token, &mut rb);
         self.readback = Some(rb);
+        if r.is_err() {
+            // A step may still be in flight: it must be done before the caller frees what it reads.
+            let _ = self.gpu.sync();
+        }
         r
     }
 
@@ -518,13 +549,7 @@ impl CudaBackend {
          -> Result<()> {
             let st = seq.state_mut::<CudaSequence>();
             b.run_step(st, out)?;
-            b.gpu
-                .stream
-                .memcpy_dtoh(&st.step, &mut slot.host)
-                .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))?;
-            slot.done
-                .record(&b.gpu.stream)
-                .map_err(|e| anyhow::anyhow!("token readback: {e:?}"))
+            slot.enqueue(&b.gpu.stream, &st.step)
         };
         // Before a step is queued, the page its position writes is mapped (pages below the
         // sequence's length stay in place, so mapping never disturbs the steps in flight).
@@ -548,13 +573,7 @@ impl CudaBackend {
                 }
             }
             let slot = if i % 2 == 0 { &*s0 } else { &*s1 };
-            slot.done
-                .synchronize()
-                .map_err(|e| anyhow::anyhow!("CUDA error during the forward pass: {e:?}"))?;
-            let v = slot
-                .host
-                .as_slice()
-                .map_err(|e| anyhow::anyhow!("CUDA error during the forward pass: {e:?}"))?;
+            let v = slot.wait(2)?;
             let (tok, next_pos) = (v[0], v[1]);
             seq.advance(1);
             if next_pos as usize != pos0 + i + 1 || tok < 0 || tok as usize >= self.cfg.vocab_size
