@@ -749,7 +749,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { m
 // h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input. Down: each
 // warp 16 rows, f32 out [slot][row].
 #define WG_N 128         // slots per tile, as staged (pf_moe_wg_tile narrows each tile's wgmmas)
-#define WG_STAGES 5      // 64-column groups of the slots' inputs in shared memory
+#define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
 #define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
 #define WG_DOWN_ROWS 256 // 64 per warpgroup
@@ -928,13 +928,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step G: inputs(G + 3),
     // codes(G + 4) and, when G % 8 == 0, scales(G / 8 + 1). Step G waits for all but the two latest
     // commits (everything up to step G - 3's), then the barrier: group G's inputs and group
-    // G + 1's codes and scales are in for every thread. The wgmmas of a group stay in flight
-    // until the step after next (each step waits only for the group before its own), so a
-    // group's stage is free once every thread has passed that wait: at step G, group G - 2's
-    // stage takes inputs(G + 3) (five stages: G - 1 and G may still be read by the tensor cores,
-    // G + 1 and G + 2 are being filled) and group G - 1's codes region codes(G + 4) (the threads
-    // read codes(G - 1) during step G - 2).
-    static_assert(WG_STAGES == 5, "the commit accounting below");
+    // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
+    // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
+    static_assert(WG_STAGES == 4, "the commit accounting below");
     copy_inputs(0);
     copy_codes(0);
     copy_codes(1);
@@ -976,15 +972,14 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         if (more) {
             WgGroup c;
             read(G + 1, c);
-            wgmma_wait<1>();  // group G - 1's products are done with nxt; group G's keep running
             build(c, nxt);
         }
+        wgmma_wait<0>();
     };
     for (int G = 0; G < gpr; G += 2) {
         step(G, a0, a1);
         if (G + 1 < gpr) step(G + 1, a1, a0);
     }
-    wgmma_wait<0>();
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
     const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;

@@ -758,7 +758,7 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
         replies.push(reply);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let mut hooks = RowHooks { replies: &mut replies, token: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics) && !newcomer() };
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, ahead: false };
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut hooks));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
@@ -769,20 +769,32 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
     }
 }
 
-/// A batched decode's view of its rows' replies: each token goes to its reply, and a reply's
-/// structured-output constraint masks its row's draws.
+/// A batched decode's view of its rows' replies: each token goes to its reply (`accept`: false
+/// ends the row), a reply's structured-output constraint masks its row's draws, and every row
+/// stops (to resume next turn) once `newcomer` says a request waits to join.
 struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
     replies: &'a mut [&'r mut Reply],
-    token: &'a mut F,
+    accept: &'a mut F,
+    newcomer: &'a dyn Fn() -> bool,
+    /// The backend queued the next step before this step's tokens: each row has been fed its
+    /// token already, so none may pause at this step (it would be fed again on resuming).
+    ahead: bool,
 }
 
 impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
     fn token(&mut self, row: usize, token: u32) -> bool {
-        (self.token)(self.replies[row], token)
+        (self.accept)(self.replies[row], token) && (self.ahead || !(self.newcomer)())
     }
 
     fn mask(&mut self, row: usize, allowed: &mut [u32]) -> anyhow::Result<bool> {
         Ok(self.replies[row].allowed(allowed))
+    }
+
+    /// Ahead only while no request waits to join (the rows pause one step later than they
+    /// would otherwise) and no row is constrained (a grammar's mask follows the last token).
+    fn queue_ahead(&mut self) -> bool {
+        self.ahead = !(self.newcomer)() && self.replies.iter().all(|r| r.job.constraint.is_none());
+        self.ahead
     }
 }
 
