@@ -629,78 +629,46 @@ __device__ __forceinline__ int attn_seg_of_block(const AttnSegs& s, int nseg, in
     return z;
 }
 
-// q/k RMSNorm + partial NeoX RoPE + KV append of chunk row t at position pos: a warp per head
-// (the nh q heads, then the nkv k heads), lane l holding elements l, l + 32, ... of its head.
-// The sum of squares goes in block_sum's order over a block of hd threads (each 32 elements
-// by warp_sum, then their sums by warp_sum), so the results are those of a block per head; the
-// row's rotation angles are computed once for all heads (a block per (row, head) made 18
-// blocks of 256 threads per row and recomputed them in each). hd: a multiple of 32, at most
-// 256. Shared memory: 2 * half_rot + (nh + nkv) * hd floats.
+// q/k RMSNorm + partial NeoX RoPE + KV append of chunk row t at position pos: block hd threads.
 // KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; kv_st above).
 template <typename KV>
-__device__ void pf_attn_prep_row(const float* __restrict__ qg, const float* __restrict__ kraw,
-                                 const float* __restrict__ vraw, const float* __restrict__ q_norm,
-                                 const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
-                                 float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
-                                 KV* __restrict__ vcache, int t, int pos, int nh, int nkv, int hd, int half_rot,
-                                 float eps) {
+__device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
+                                  const float* __restrict__ vraw, const float* __restrict__ q_norm,
+                                  const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+                                  float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
+                                  KV* __restrict__ vcache, int t, int pos, int nh, int nkv, int hd, int half_rot,
+                                  float eps) {
     extern __shared__ float sm[];
-    float* cs = sm;
-    float* sn = sm + half_rot;
-    const int h = threadIdx.x >> 5, lane = threadIdx.x & 31, P = hd >> 5;
-    float* xs = sm + 2 * half_rot + h * hd;
-    for (int i = threadIdx.x; i < half_rot; i += blockDim.x) rope_cos_sin(pos, inv_freq, i, half_rot, cs[i], sn[i]);
-    __syncthreads();
+    float* xs = sm;
+    float* red = sm + hd;
+    const int h = blockIdx.y, j = threadIdx.x;
     const bool is_q = h < nh;
     const int kvh = h - nh;
     const size_t kv_dim = (size_t)nkv * hd;
     const float* qrow = qg + (size_t)t * 2 * nh * hd;
-    const float* src = is_q ? qrow + (size_t)h * 2 * hd : kraw + (size_t)t * kv_dim + kvh * hd;
-    const float* nw = is_q ? q_norm : k_norm;
-    float v[8], part = 0.f;
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-        if (m < P) {
-            v[m] = src[32 * m + lane];
-            const float s = warp_sum(v[m] * v[m]);
-            if (lane == m) part = s;
-        }
-    }
-    const float inv = inv_rms_from(warp_sum(part), hd, eps);
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-        if (m < P) xs[32 * m + lane] = v[m] * inv * nw[32 * m + lane];
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-        if (m >= P) break;
-        const int j = 32 * m + lane;
-        float out = xs[j];
-        if (j < 2 * half_rot) {
-            const int i = j < half_rot ? j : j - half_rot;
-            const float a = xs[i], b = xs[i + half_rot], c = cs[i], s = sn[i];
-            out = j < half_rot ? a * c - b * s : b * c + a * s;
-        }
-        if (is_q) {
-            qout[((size_t)t * nh + h) * hd + j] = out;
-            gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
-        } else {
-            kv_st(kcache + (size_t)pos * kv_dim + kvh * hd + j, out);
-            kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)t * kv_dim + kvh * hd + j]);
-        }
+    const float v = is_q ? qrow[(size_t)h * 2 * hd + j] : kraw[(size_t)t * kv_dim + kvh * hd + j];
+    float c, sn;
+    rope_cos_sin(pos, inv_freq, j, half_rot, c, sn);
+    const float out = head_norm_rope(v, is_q ? q_norm[j] : k_norm[j], c, sn, hd, half_rot, eps, xs, red);
+    if (is_q) {
+        qout[((size_t)t * nh + h) * hd + j] = out;
+        gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
+    } else {
+        kv_st(kcache + (size_t)pos * kv_dim + kvh * hd + j, out);
+        kv_st(vcache + (size_t)pos * kv_dim + kvh * hd + j, vraw[(size_t)t * kv_dim + kvh * hd + j]);
     }
 }
 // The rows of nseg segments (from segs.r0[0]; the pointers are the chunk's first rows): grid
-// (their rows), block (nh + nkv) * 32.
+// (their rows, nh + nkv), block hd.
 #define PF_ATTN_PREP(NAME, KV)                                                                                   \
     extern "C" __global__ void NAME(const AttnSegs segs, int nseg, const float* qg, const float* kraw,          \
                                     const float* vraw, const float* q_norm, const float* k_norm,                 \
                                     const double* inv_freq, float* qout, float* gate, int nh, int nkv, int hd,   \
                                     int half_rot, float eps) {                                                   \
         const int r = segs.r0[0] + blockIdx.x, z = attn_seg_of_row(segs, nseg, r);                               \
-        pf_attn_prep_row<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate,                               \
-                             static_cast<KV*>(segs.kc[z]), static_cast<KV*>(segs.vc[z]), r,                      \
-                             segs.pos0[z] + r - segs.r0[z], nh, nkv, hd, half_rot, eps);                         \
+        pf_attn_prep_impl<KV>(qg, kraw, vraw, q_norm, k_norm, inv_freq, qout, gate,                              \
+                              static_cast<KV*>(segs.kc[z]), static_cast<KV*>(segs.vc[z]), r,                     \
+                              segs.pos0[z] + r - segs.r0[z], nh, nkv, hd, half_rot, eps);                        \
     }
 PF_ATTN_PREP(pf_attn_prep, float)
 PF_ATTN_PREP(pf_attn_prep_bf16, u16)

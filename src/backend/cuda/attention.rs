@@ -271,12 +271,6 @@ pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment]) -
     if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
         bail!("the prefill attention takes non-empty segments back to back");
     }
-    let heads = d.nh + d.nkv;
-    if !d.hd.is_multiple_of(32) || d.hd > 256 || heads > 32 {
-        bail!("the prefill attention prep takes head dims in 32s up to 256 and at most 32 q and k heads");
-    }
-    // A warp per head, the row's rotation angles and each head's normed row in shared memory.
-    let (threads, smem) = (32 * heads as u32, ((2 * d.half_rot + heads * d.hd) * 4) as u32);
     for group in segs.chunks(PF_ATTN_SEGS) {
         let rows = group.iter().map(|g| g.n).sum::<usize>();
         let args = [
@@ -296,7 +290,7 @@ pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment]) -
             Arg::I(d.half_rot as i32),
             Arg::F(d.eps),
         ];
-        gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (rows as u32, 1, 1), threads, smem, &args)?;
+        gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (rows as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)?;
     }
     Ok(())
 }
