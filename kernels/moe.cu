@@ -798,7 +798,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                                                void* __restrict__ out, int rows, int cols,
                                                const u32* __restrict__ x, int xdiv, const int* __restrict__ counts,
                                                const int* __restrict__ offsets, const int* __restrict__ list,
-                                               const int* __restrict__ tiles, int rblocks) {
+                                               const int* __restrict__ tiles) {
     constexpr int N = WG_N;
     extern __shared__ uint4 wg_sm4[];  // 16-byte aligned: cp.async pieces, descriptor addresses
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
@@ -816,26 +816,24 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         slot[tid] = sl;
         xrow[tid] = sl >= 0 ? sl / xdiv : -1;
     }
-    // Down: the block takes `rblocks` consecutive blocks of WG_DOWN_ROWS rows of the tile, one
-    // after the other, as one run of steps (step v: row block v / gpr, group v % gpr), so the
-    // copies run ahead across row blocks instead of filling and draining every gpr steps. Row
-    // block rb's first output row:
-    const int nrb = GLU ? 1 : min(rblocks, (rows - (int)blockIdx.x * rblocks * WG_DOWN_ROWS + WG_DOWN_ROWS - 1) / WG_DOWN_ROWS);
-    const int steps = nrb * gpr;
-    auto row0 = [&](int rb) { return GLU ? (int)blockIdx.x * WG_GLU_ROWS : ((int)blockIdx.x * rblocks + rb) * WG_DOWN_ROWS; };
-    // A row k (0..255) of row block rb: warp k / 16, lane group k % 8, the thread's row a (k & 8
-    // == 0) or b. GLU: a = gate row R, b = up row R (one output row R); down: a = R, b = R + 8. A
-    // row past `rows` reads the expert's row 0 with zero scales and biases, i.e. zero weights.
-    auto a_row = [&](int k, int rb, bool& valid) {
+    // A row k (0..255) of the block: warp k / 16, lane group k % 8, the thread's row a (k & 8 == 0)
+    // or b. GLU: a = gate row R, b = up row R (one output row R); down: a = R, b = R + 8. A row
+    // past `rows` reads the expert's row 0 with zero scales and biases, i.e. zero weights.
+    auto a_row = [&](int k, bool& valid) {
         const int wk = k >> 4, bk = (k >> 3) & 1, gk = k & 7;
-        const int R = row0(rb) + (GLU ? wk * 8 + gk : wk * 16 + bk * 8 + gk);
+        const int R = GLU ? blockIdx.x * WG_GLU_ROWS + wk * 8 + gk : blockIdx.x * WG_DOWN_ROWS + wk * 16 + bk * 8 + gk;
         valid = R < rows;
         return e * rows + (valid ? R : 0);
     };
     // The block's copies: thread tid copies half tid & 1 of row tid >> 1's codes of each group
     // (32 bytes per row) and, every 8 groups, its scales (tid & 1 == 0) or biases (16 bytes).
     const int crow = tid >> 1, chalf = tid & 1;
+    bool cvalid;
+    const int cr = a_row(crow, cvalid);
     const bool cup = GLU && ((crow >> 3) & 1);
+    // Offsets rather than pointers, to spare registers: bytes into the codes, elements into the
+    // scales or biases of the copied row; the matrix is picked at each copy.
+    const u32 coff = (u32)cr * (u32)(cols >> 1) + chalf * 16, soff = (u32)cr * (u32)gpr;
     const u32 sm0 = smem_u32(wg_sm);
     const u32 cdst = sm0 + N * 128 + crow * 32 + chalf * 16;  // + SCALES - N * 128: the scales' place
     // Fragment order (FRAG): thread tid copies lane tid & 31's 16 bytes of one 16-row tile's group
@@ -844,41 +842,34 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // scales, as above).
     const int ftile = GLU ? (tid >> 5) & 7 : tid >> 5;
     const bool fup = GLU && tid >= 256;
-    // Step v's codes (row block v / gpr, group v % gpr) into stage v % WG_STAGES.
-    auto copy_codes = [&](int v) {
-        if (v < steps) {
-            const int rb = v / gpr, G = v - rb * gpr;
+    const int fr = (GLU ? blockIdx.x * WG_GLU_ROWS : blockIdx.x * WG_DOWN_ROWS) + 16 * ftile;
+    const u32 fcoff = (u32)(e * rows + (fr < rows ? fr : 0)) * (u32)(cols >> 1) + lane * 16;
+    auto copy_codes = [&](int G) {
+        if (G < gpr) {
             if constexpr (FRAG) {
-                const int fr = row0(rb) + 16 * ftile;
-                const u32 off = (u32)(e * rows + (fr < rows ? fr : 0)) * (u32)(cols >> 1) + lane * 16;
                 const unsigned char* src = reinterpret_cast<const unsigned char*>(fup ? w2 : w);
-                cp_async16(sm0 + (v % WG_STAGES) * STAGE + N * 128 + tid * 16, src + off + G * 512);
+                cp_async16(sm0 + (G % WG_STAGES) * STAGE + N * 128 + tid * 16, src + fcoff + G * 512);
             } else {
-                bool valid;
-                const u32 off = (u32)a_row(crow, rb, valid) * (u32)(cols >> 1) + chalf * 16;
                 const unsigned char* src = reinterpret_cast<const unsigned char*>(cup ? w2 : w);
-                cp_async16(cdst + (v % WG_STAGES) * STAGE, src + off + G * 32);
+                cp_async16(cdst + (G % WG_STAGES) * STAGE, src + coff + G * 32);
             }
         }
     };
-    // Steps 8k .. 8k + 7's scales and biases into buffer k % 2 (a row block's gpr groups are
-    // whole octets when rblocks > 1): 16 bytes when they are whole and aligned (gpr a multiple
-    // of 8), else element by element (small matrices), zeros past the row or for rows past `rows`.
+    // Groups 8k .. 8k + 7 into buffer k % 2: 16 bytes when they are whole and aligned (gpr a
+    // multiple of 8), else element by element (small matrices), zeros past the row or for rows
+    // past `rows`.
     auto copy_scales = [&](int k) {
-        if (8 * k >= steps) return;
-        const int rb = 8 * k / gpr, G0 = 8 * k - rb * gpr;
-        bool cvalid;
-        const u32 soff = (u32)a_row(crow, rb, cvalid) * (u32)gpr + G0;
+        if (8 * k >= gpr) return;
         const u16* src = (chalf ? (cup ? b2 : b) : (cup ? s2 : s)) + soff;
         const u32 dst = cdst + (SCALES - N * 128) + (k & 1) * WG_SCALES;
         if ((gpr & 7) == 0) {
-            cp_async16z(dst, src, cvalid);
+            cp_async16z(dst, src + 8 * k, cvalid);
         } else {
             u32 v[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int G = G0 + 2 * j;
-                const u32 lo = cvalid && G < gpr ? src[2 * j] : 0u, hi = cvalid && G + 1 < gpr ? src[2 * j + 1] : 0u;
+                const int G0 = 8 * k + 2 * j;
+                const u32 lo = cvalid && G0 < gpr ? src[G0] : 0u, hi = cvalid && G0 + 1 < gpr ? src[G0 + 1] : 0u;
                 v[j] = lo | (hi << 16);
             }
             asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
@@ -923,11 +914,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     const int n_in = (lane & 7) + 8 * ((tid >> 5) & (NG - 1)), p_in = lane >> 3;
     const int r_in = xrow[n_in];
     const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = sm0 + p_in * (N * 16) + n_in * 16;
-    // Step v's inputs (group v % gpr) into stage v % WG_STAGES.
-    auto copy_inputs = [&](int v) {
-        if (v < steps && r_in >= 0) {
-            const u32 st = (v % WG_STAGES) * STAGE;
-            const int G = v % gpr;
+    auto copy_inputs = [&](int G) {
+        if (G < gpr && r_in >= 0) {
+            const u32 st = (G % WG_STAGES) * STAGE;
 #pragma unroll
             for (int k = 0; k < WG_CP; ++k) cp_async16(xdst + st + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
         }
@@ -936,11 +925,11 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
     // Commits (one per step, some empty, so the count is uniform): P0 = inputs(0), codes(0),
-    // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step v: inputs(v + 3),
-    // codes(v + 4) and, when v % 8 == 0, scales(v / 8 + 1). Step v waits for all but the two latest
-    // commits (everything up to step v - 3's), then the barrier: step v's inputs and step v + 1's
-    // codes and scales are in for every thread, and every thread is done with step v - 1, whose
-    // stage takes inputs(v + 3) and codes(v + 4) (codes(v) were read during step v - 1).
+    // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step G: inputs(G + 3),
+    // codes(G + 4) and, when G % 8 == 0, scales(G / 8 + 1). Step G waits for all but the two latest
+    // commits (everything up to step G - 3's), then the barrier: group G's inputs and group
+    // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
+    // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
     static_assert(WG_STAGES == 4, "the commit accounting below");
     copy_inputs(0);
     copy_codes(0);
@@ -965,79 +954,68 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         read(0, c);
         build(c, a0);
     }
-    // Row block rb's outputs, from the accumulators.
-    auto store = [&](int rb) {
-#pragma unroll
-        for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
-        const int R = row0(rb) + (GLU ? warp * 8 + g : warp * 16 + g);
-        const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
-        if (GLU) {
-            if (!va) return;
-            u16* h = reinterpret_cast<u16*>(out);
-            const int pos = wg_pos(R);
-#pragma unroll
-            for (int j = 0; j < NW / 8; ++j)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int n = 8 * j + 2 * t + q;
-                    if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
-                }
-        } else {
-            float* y = reinterpret_cast<float*>(out);
-#pragma unroll
-            for (int j = 0; j < NW / 8; ++j)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int n = 8 * j + 2 * t + q;
-                    if (n >= cnt) continue;
-                    float* yr = y + (size_t)slot[n] * rows;
-                    if (va) yr[R] = acc[4 * j + q];
-                    if (vb) yr[R + 8] = acc[4 * j + 2 + q];
-                }
-        }
-    };
-    // Step v: the wgmmas of step v run while this thread builds step v + 1's A; the last step of
-    // a row block stores it and starts the next one's sums.
-    auto step = [&](int v, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+    // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
+    auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         cp_wait<2>();
         fence_proxy_async_smem();
         __syncthreads();
-        copy_inputs(v + 3);
-        copy_codes(v + 4);
-        if ((v & 7) == 0) copy_scales((v >> 3) + 1);
+        const bool more = G + 1 < gpr;
+        copy_inputs(G + 3);
+        copy_codes(G + 4);
+        if ((G & 7) == 0) copy_scales((G >> 3) + 1);
         cp_commit();
-        const u32 st = sm0 + (v % WG_STAGES) * STAGE;
+        const u32 st = sm0 + (G % WG_STAGES) * STAGE;
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
         wgmma_commit();
-        if (v + 1 < steps) {
+        if (more) {
             WgGroup c;
-            read(v + 1, c);
+            read(G + 1, c);
             build(c, nxt);
         }
         wgmma_wait<0>();
-        if constexpr (!GLU) {
-            if ((v + 1) % gpr == 0) {
-                store(v / gpr);
-#pragma unroll
-                for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
-            }
-        }
     };
-    for (int v = 0; v < steps; v += 2) {
-        step(v, a0, a1);
-        if (v + 1 < steps) step(v + 1, a1, a0);
+    for (int G = 0; G < gpr; G += 2) {
+        step(G, a0, a1);
+        if (G + 1 < gpr) step(G + 1, a1, a0);
     }
-    if constexpr (GLU) store(0);
+#pragma unroll
+    for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
+    const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
+    const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
+    if (GLU) {
+        if (!va) return;
+        u16* h = reinterpret_cast<u16*>(out);
+        const int pos = wg_pos(R);
+#pragma unroll
+        for (int j = 0; j < NW / 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int n = 8 * j + 2 * t + q;
+                if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
+            }
+    } else {
+        float* y = reinterpret_cast<float*>(out);
+#pragma unroll
+        for (int j = 0; j < NW / 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int n = 8 * j + 2 * t + q;
+                if (n >= cnt) continue;
+                float* yr = y + (size_t)slot[n] * rows;
+                if (va) yr[R] = acc[4 * j + q];
+                if (vb) yr[R + 8] = acc[4 * j + 2 + q];
+            }
+    }
 }
 
 #define PF_MOE_WG_ARGS                                                                                          \
     const u32 *__restrict__ w, const u16 *__restrict__ s, const u16 *__restrict__ b, const u32 *__restrict__ w2, \
         const u16 *__restrict__ s2, const u16 *__restrict__ b2, void *__restrict__ out, int rows, int cols,     \
         const u32 *__restrict__ x, int xdiv, const int *__restrict__ counts, const int *__restrict__ offsets,    \
-        const int *__restrict__ list, const int *__restrict__ tiles, int rblocks
-#define PF_MOE_WG_PASS w, s, b, w2, s2, b2, out, rows, cols, x, xdiv, counts, offsets, list, tiles, rblocks
+        const int *__restrict__ list, const int *__restrict__ tiles
+#define PF_MOE_WG_PASS w, s, b, w2, s2, b2, out, rows, cols, x, xdiv, counts, offsets, list, tiles
 // A tile's products at the narrowest wgmma width NW that covers its slots: an expert's last tile
 // usually holds a remainder of its slots (at 4K tokens ~128 per expert, so about every other
 // expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
@@ -1053,8 +1031,7 @@ __device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
     else pf_moe_wg_body<GLU, FRAG, WG_N>(PF_MOE_WG_PASS);
 }
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
-// tiles), rblocks 1. Down into y (f32 [slot][rows]): grid (ceil(rows / (rblocks * WG_DOWN_ROWS)),
-// tiles), rblocks row blocks per block (1 unless cols / 64 is a multiple of 8). Block WG_THREADS,
+// tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
 // dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
     pf_moe_wg_tile<true, false>(PF_MOE_WG_PASS);

@@ -613,41 +613,21 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
     }
     let k = if gate.frag { PF_MOE_WG_GLU_F } else { PF_MOE_WG_GLU };
-    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), gate.frag), rows, gate.cols, x, h, g, WG_GLU_ROWS, 1)
+    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), gate.frag), rows, gate.cols, x, h, g, WG_GLU_ROWS)
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (f32 out,
-/// `h` in the wgmma order), each block over `rblocks` row blocks ([`wg_down_row_blocks`]).
-#[allow(clippy::too_many_arguments)]
-pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped, rblocks: usize) -> Result<()> {
+/// `h` in the wgmma order).
+pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
     if !wg_takes(&[down]) {
         bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");
     }
-    if rblocks == 0 || (rblocks > 1 && !(down.cols / 64).is_multiple_of(8)) {
-        bail!("the wgmma down kernel takes several row blocks per block only over whole octets of groups");
-    }
     let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
-    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, down.frag), rows, down.cols, h, y, g, WG_DOWN_ROWS, rblocks)
-}
-
-/// Blocks per SM the down kernel keeps over the lists' tiles (at most): its tail's idle SMs.
-const WG_DOWN_MIN_WAVES: usize = 4;
-
-/// Row blocks of [`WG_DOWN_ROWS`] each down block takes in turn (`rblocks` of `pf_moe_wg_down`):
-/// one run of steps over several row blocks keeps its copies running ahead instead of filling
-/// and draining the pipeline every row block (a row block of 512 columns is only 8 steps). As
-/// many as leave at least [`WG_DOWN_MIN_WAVES`] blocks per SM over `max_tiles` tiles; 1 where a
-/// row block's 64-column groups are not whole octets (the kernel's scale buffers hold 8 steps).
-pub fn wg_down_row_blocks(rows: usize, cols: usize, max_tiles: usize, sms: usize) -> usize {
-    let per_tile = rows.div_ceil(WG_DOWN_ROWS);
-    if !(cols / 64).is_multiple_of(8) {
-        return 1;
-    }
-    [8, 4, 2].into_iter().find(|&rb| rb <= per_tile && max_tiles * per_tile.div_ceil(rb) >= WG_DOWN_MIN_WAVES * sms).unwrap_or(1)
+    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, down.frag), rows, down.cols, h, y, g, WG_DOWN_ROWS)
 }
 
 #[allow(clippy::too_many_arguments)]
-fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped, rows_per_block: usize, rblocks: usize) -> Result<()> {
+fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped, rows_per_block: usize) -> Result<()> {
     let mut args = mats.to_vec();
     args.extend([
         Arg::P(out),
@@ -659,9 +639,8 @@ fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: 
         Arg::P(g.offsets),
         Arg::P(g.list),
         Arg::P(g.tiles),
-        Arg::I(rblocks as i32),
     ]);
-    gpu.launch(k, (rows.div_ceil(rows_per_block * rblocks) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
+    gpu.launch(k, (rows.div_ceil(rows_per_block) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
 }
 
 #[cfg(test)]
@@ -699,20 +678,6 @@ mod tests {
                 assert_eq!((wg_column_pos(c), wg_column_pos(c + 4)), (2 * w, 2 * w + 1));
             }
         }
-    }
-
-    #[test]
-    fn down_blocks_take_several_row_blocks_while_the_tiles_fill_the_sms_four_times() {
-        let big = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
-        let rb = |n| wg_down_row_blocks(2048, 512, tiles_of(n, &big, WG_TILE), 132);
-        // 4K tokens: at most 512 tiles of 8 row blocks, 4 per block (1,024 blocks).
-        assert_eq!(rb(4096), 4);
-        // A burst of 16 x 700 tokens or an 8K chunk: a block per tile.
-        assert_eq!((rb(11_184), rb(8192)), (8, 8));
-        assert_eq!((rb(1024), rb(64)), (4, 2));
-        // Groups not in whole octets, or a matrix of one row block: one row block per block.
-        assert_eq!(wg_down_row_blocks(2048, 448, 10_000, 132), 1);
-        assert_eq!(wg_down_row_blocks(200, 512, 10_000, 132), 1);
     }
 
     #[test]

@@ -215,8 +215,7 @@ impl Pass for ChunkPass<'_> {
                 moe::stage_wg(self.gpu, u, h, n, xw)?;
                 moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k))?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
-                let rblocks = moe::wg_down_row_blocks(h, m.down_exps.cols, grouped(1).max_tiles, self.gpu.sms as usize);
-                moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1), rblocks)?;
+                moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1))?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Gemm => {
