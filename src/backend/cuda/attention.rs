@@ -140,25 +140,22 @@ pub fn prep(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, step: u64) -> Result<()> {
     gpu.launch(ATTN_PREP[kv_index(d.kv_bf16)], ((d.nh + d.nkv) as u32, 1, 1), d.hd as u32, d.prep_smem(), &args)
 }
 
-fn prep_args(d: &AttnDims, p: &AttnPtrs, at: Arg) -> [Arg; 16] {
-    [
-        Arg::P(p.qg),
-        Arg::P(p.kraw),
-        Arg::P(p.vraw),
-        Arg::P(p.q_norm),
-        Arg::P(p.k_norm),
-        Arg::P(p.inv_freq),
-        Arg::P(p.q),
-        Arg::P(p.gate),
-        Arg::P(p.kcache),
-        Arg::P(p.vcache),
-        at,
-        Arg::I(d.nh as i32),
-        Arg::I(d.nkv as i32),
-        Arg::I(d.hd as i32),
-        Arg::I(d.half_rot as i32),
-        Arg::F(d.eps),
-    ]
+fn prep_args(d: &AttnDims, p: &AttnPtrs, at: Arg) -> Vec<Arg> {
+    let mut args = prep_activations(p).to_vec();
+    args.extend([Arg::P(p.kcache), Arg::P(p.vcache), at]);
+    args.extend(prep_dims(d));
+    args
+}
+
+/// The prep kernels' activations: the projections in, the norms' gains and the angles, q and the
+/// gate out.
+fn prep_activations(p: &AttnPtrs) -> [Arg; 8] {
+    [Arg::P(p.qg), Arg::P(p.kraw), Arg::P(p.vraw), Arg::P(p.q_norm), Arg::P(p.k_norm), Arg::P(p.inv_freq), Arg::P(p.q), Arg::P(p.gate)]
+}
+
+/// The prep kernels' trailing shape arguments.
+fn prep_dims(d: &AttnDims) -> [Arg; 5] {
+    [Arg::I(d.nh as i32), Arg::I(d.nkv as i32), Arg::I(d.hd as i32), Arg::I(d.half_rot as i32), Arg::F(d.eps)]
 }
 
 /// Split-KV online-softmax partials (`splits` per KV head) over the positions up to the step's.
@@ -273,23 +270,9 @@ pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment]) -
     }
     for group in segs.chunks(PF_ATTN_SEGS) {
         let rows = group.iter().map(|g| g.n).sum::<usize>();
-        let args = [
-            segs_arg(group),
-            Arg::I(group.len() as i32),
-            Arg::P(p.qg),
-            Arg::P(p.kraw),
-            Arg::P(p.vraw),
-            Arg::P(p.q_norm),
-            Arg::P(p.k_norm),
-            Arg::P(p.inv_freq),
-            Arg::P(p.q),
-            Arg::P(p.gate),
-            Arg::I(d.nh as i32),
-            Arg::I(d.nkv as i32),
-            Arg::I(d.hd as i32),
-            Arg::I(d.half_rot as i32),
-            Arg::F(d.eps),
-        ];
+        let mut args = vec![segs_arg(group), Arg::I(group.len() as i32)];
+        args.extend(prep_activations(p));
+        args.extend(prep_dims(d));
         gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (rows as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)?;
     }
     Ok(())
