@@ -160,6 +160,38 @@ pub struct Metrics {
     pub draining: std::sync::atomic::AtomicBool,
     /// Tokens held by the running requests' sequences (the gateway's load figure).
     pub active_tokens: AtomicU64,
+    /// The model worker's time by what it was doing, in microseconds ([`WorkerPhase`]).
+    worker_us: [AtomicU64; WorkerPhase::ALL.len()],
+}
+
+/// What the model worker spends its time on, one turn of its loop after another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerPhase {
+    /// Waiting for a request with nothing to run.
+    Idle,
+    /// Starting queued requests: the prefix-cache lookup and copy, the memory reservation, and
+    /// the snapshots evicted or spilled to the host tier to make room.
+    Admit,
+    /// Prefill rounds and their checkpoints' snapshots.
+    Prefill,
+    /// Decode steps, with the host's work on their tokens.
+    Decode,
+    /// Ending finished requests: final events and keeping their sequences in the prefix cache.
+    Retire,
+}
+
+impl WorkerPhase {
+    pub const ALL: [WorkerPhase; 5] = [WorkerPhase::Idle, WorkerPhase::Admit, WorkerPhase::Prefill, WorkerPhase::Decode, WorkerPhase::Retire];
+
+    fn label(self) -> &'static str {
+        match self {
+            WorkerPhase::Idle => "idle",
+            WorkerPhase::Admit => "admit",
+            WorkerPhase::Prefill => "prefill",
+            WorkerPhase::Decode => "decode",
+            WorkerPhase::Retire => "retire",
+        }
+    }
 }
 
 pub const RECENT: usize = 50;
@@ -208,7 +240,15 @@ impl Metrics {
             log_lines: std::sync::atomic::AtomicBool::new(true),
             draining: std::sync::atomic::AtomicBool::new(false),
             active_tokens: AtomicU64::new(0),
+            worker_us: Default::default(),
         }
+    }
+
+    /// Adds the time since `since` to the worker's `phase`; returns now (the next phase's start).
+    pub fn worker_spent(&self, phase: WorkerPhase, since: Instant) -> Instant {
+        let now = Instant::now();
+        self.worker_us[phase as usize].fetch_add(now.duration_since(since).as_micros() as u64, Relaxed);
+        now
     }
 
     pub fn count_request(&self, endpoint: &'static str, status: u16) {
@@ -269,6 +309,7 @@ impl Metrics {
     pub fn render(&self, model: &str) -> String {
         use Item::*;
         let requests = self.requests_by_status().into_iter().map(|((ep, st), n)| (vec![("endpoint".to_string(), ep.to_string()), ("status".to_string(), st.to_string())], n)).collect();
+        let worker = WorkerPhase::ALL.iter().map(|&p| (vec![("phase".to_string(), p.label().to_string())], self.worker_us[p as usize].load(Relaxed))).collect();
         let items = vec![
             Info(vec![("model".into(), model.into()), ("version".into(), env!("CARGO_PKG_VERSION").into())]),
             Gauge("lily_uptime_seconds", "Seconds since start.", (self.started.elapsed().as_secs_f64() * 1e3).round() / 1e3),
@@ -299,6 +340,7 @@ impl Metrics {
             Gauge("lily_active_sequence_bytes", "KV + recurrent state memory of the running sequences.", self.active_seq_bytes.load(Relaxed) as f64),
             Gauge("lily_sequence_memory_budget_bytes", "Device memory sequences may hold (KV pages, state slots).", self.seq_memory_budget_bytes.load(Relaxed) as f64),
             Gauge("lily_sequence_memory_used_bytes", "Device memory held by sequences and cached snapshots.", self.seq_memory_used_bytes.load(Relaxed) as f64),
+            Counters("lily_worker_microseconds", "The model worker's time by phase (idle, admit, prefill, decode, retire).", worker),
         ];
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Scrape(items)));
@@ -328,6 +370,11 @@ mod tests {
         assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"));
         assert!(t.contains("lily_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"));
         assert!(t.contains("lily_prefix_cache_hit_ratio 0.5"));
+        let t = Instant::now() - std::time::Duration::from_millis(3);
+        m.worker_spent(WorkerPhase::Decode, t);
+        let decode_us = m.render("m").lines().find_map(|l| l.strip_prefix("lily_worker_microseconds_total{phase=\"decode\"} ")).and_then(|v| v.parse::<u64>().ok());
+        assert!(decode_us.is_some_and(|us| us >= 3000), "{decode_us:?}");
+        assert!(m.render("m").contains("lily_worker_microseconds_total{phase=\"idle\"} 0"));
         m.generated(30);
         m.generated(20);
         assert!(m.render("m").contains("lily_generation_tokens_per_second 50"), "within the first second the rate is per one second");

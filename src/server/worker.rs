@@ -31,7 +31,7 @@
 
 use super::constrain::Constraint;
 use super::error::ApiError;
-use super::metrics::{Metrics, RequestRecord};
+use super::metrics::{Metrics, RequestRecord, WorkerPhase};
 use super::output::Delta;
 use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
@@ -252,17 +252,24 @@ impl Worker {
 
     /// Serves jobs until the queue closes and the batch is empty.
     pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        let metrics = Arc::clone(&self.metrics);
+        let mut t = Instant::now();
         loop {
             if self.active.is_empty() && self.held.is_none() {
                 match rx.blocking_recv() {
                     Some(job) => self.held = Some(job),
                     None => break,
                 }
+                t = metrics.worker_spent(WorkerPhase::Idle, t);
             }
             self.admit(&mut rx);
+            t = metrics.worker_spent(WorkerPhase::Admit, t);
             self.prefill();
+            t = metrics.worker_spent(WorkerPhase::Prefill, t);
             self.decode(&rx);
+            t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
+            t = metrics.worker_spent(WorkerPhase::Retire, t);
         }
     }
 

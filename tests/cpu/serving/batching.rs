@@ -228,6 +228,10 @@ async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     assert!((1..=2).contains(&seen), "batch of {seen} with --max-batch 2");
     let metrics = client().get(format!("{}/metrics", s.url())).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lily_max_batch 2"), "{metrics}");
+    // The worker's time went to prefill and decode (and is counted per phase).
+    let worker_us = |phase: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("lily_worker_microseconds_total{{phase=\"{phase}\"}} "))).and_then(|v| v.parse::<u64>().ok());
+    assert!(worker_us("prefill").is_some_and(|us| us > 0) && worker_us("decode").is_some_and(|us| us > 0), "{metrics}");
+    assert!(["idle", "admit", "retire"].iter().all(|p| worker_us(p).is_some()), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
