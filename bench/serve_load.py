@@ -16,7 +16,9 @@ client. Every process starts its clients at the same instant.
 Per level it prints one JSON line: aggregate completion tok/s over the level's wall time (first
 request sent to last stream ended), time to first token p50 / p95 (request sent to first text
 chunk), inter-token latency p50 / p95 (gaps between consecutive text chunks of a stream; a
-chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character).
+chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character), and where
+a Lily server's model worker spent the level (`worker_secs`: idle, admit, prefill, decode, retire,
+from `lily_worker_microseconds_total` before and after it; absent for other servers).
 
     python3 bench/serve_load.py --lily target/release/lily --model DIR        # starts `lily serve`
     python3 bench/serve_load.py --url http://127.0.0.1:8000                   # a running server
@@ -136,6 +138,20 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
     }
 
 
+def worker_micros(url, api_key):
+    """The server's `lily_worker_microseconds_total` by phase, or None where it has none."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = dict(re.findall(r'^lily_worker_microseconds_total\{phase="(\w+)"\} (\d+)', text, re.M))
+    return {k: int(v) for k, v in found.items()} or None
+
+
 def start_server(lily, model, extra):
     proc = subprocess.Popen([lily, "serve", "--bind", "127.0.0.1:0", *(["--model", model] if model else []), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     found = {}
@@ -176,7 +192,11 @@ async def main_async(args, url):
                 await run_level(pool, url, args.api_key, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab, 1, procs(c))
             for i, c in enumerate(levels):
                 # Prompts differ across levels and modes: no request finds another's in the prefix cache.
+                before = worker_micros(url, args.api_key)
                 r = await run_level(pool, url, args.api_key, model, 100 * m + i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds, procs(c))
+                after = worker_micros(url, args.api_key)
+                if before and after:
+                    r["worker_secs"] = {k: round((after[k] - before.get(k, 0)) / 1e6, 3) for k in after}
                 rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
                 print(json.dumps(rec), flush=True)
                 lines.append(rec)
