@@ -478,6 +478,12 @@ impl CudaBackend {
         r
     }
 
+    /// Queues one batch step and the copy of its rows' `[token, position]` pairs into `slot`.
+    fn queue_batch_step(&mut self, key: StepKey, slot: &mut Readback) -> Result<()> {
+        self.run_batch_step(key)?;
+        slot.enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * key.rows))
+    }
+
     /// The steps of [`Self::batch_decode`]. Where the hooks allow it ([`StepHooks::queue_ahead`])
     /// and the next step needs nothing from this one's tokens on the host, it is queued before
     /// they are read (the device step feeds each row its token from the step rows), so the GPU
@@ -515,14 +521,14 @@ impl CudaBackend {
         // Rows that `token` stopped while the next step was queued: that step fed their last
         // token, and its output for them is not theirs.
         let mut gone = vec![false; rows.len()];
-        // A step of the `live` rows is queued (its key, whether it has a mask), read back
+        // A step of the `live` rows queued ahead (its key; it has no mask: see below), read back
         // through `rb[slot]`.
-        let mut queued: Option<(StepKey, bool)> = None;
+        let mut queued: Option<StepKey> = None;
         let mut slot = 0;
         loop {
             let n = live.len();
             let (key, step_masked) = match queued {
-                Some(q) => q,
+                Some(key) => (key, false),
                 None if n == 0 => break,
                 None => {
                     // Each row writes its KV at its length: map a page where one starts (all rows
@@ -553,8 +559,7 @@ impl CudaBackend {
                         self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
                     }
                     let key = StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn };
-                    self.run_batch_step(key)?;
-                    rb[slot].enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * n))?;
+                    self.queue_batch_step(key, &mut rb[slot])?;
                     (key, any_masked)
                 }
             };
@@ -572,8 +577,7 @@ impl CudaBackend {
                 });
             ahead = ahead && !ask_masks(hooks, &live, words, &mut masks, &mut masked)?;
             if ahead {
-                self.run_batch_step(key)?;
-                rb[slot ^ 1].enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * n))?;
+                self.queue_batch_step(key, &mut rb[slot ^ 1])?;
             }
             let host = rb[slot].wait(2 * n)?;
             let mut next = Vec::with_capacity(n);
@@ -600,7 +604,7 @@ impl CudaBackend {
             }
             if ahead {
                 // The step queued ahead runs these rows; the next turn reads it.
-                queued = Some((key, false));
+                queued = Some(key);
                 slot ^= 1;
             } else {
                 // A row left: the tables are rebuilt for the remaining rows (their device counts
