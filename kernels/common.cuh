@@ -709,19 +709,12 @@ __device__ __forceinline__ void tcb_cp_wait_all() {
     cp_wait<0>();
 }
 
-// The end of a block's token staging (load_tokens_tc_issue, load_token_block_tc_issue): its copies
-// are in and visible to every thread.
-__device__ __forceinline__ void tokens_ready() {
-    tcb_cp_wait_all();
-    __syncthreads();
-}
-
 // Copies the staged rows rows[j] (or row j0 + j without `rows`) for tokens j < nt into the block's
-// fragments xf and group sums gsum; the copies are in once tokens_ready() returns (load_tokens_tc
-// waits itself). Token columns nt..ntok - 1 keep whatever they held: an mma's output column depends
-// on its B column alone, and those outputs are never stored.
-__device__ void load_tokens_tc_issue(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
-                                     int nt, const int* rows, u32* xf, float* gsum) {
+// fragments xf and group sums gsum, then waits and syncs. Token columns nt..ntok - 1 keep whatever
+// they held: an mma's output column depends on its B column alone, and those outputs are never
+// stored.
+__device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
+                               int nt, const int* rows, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     // 16-byte pieces: (token, group, step i, half) -> 4 words of the token's 8 in that record.
     // A token's pieces are gpr * 8 (a power of two at the model's widths: shifts, not divisions,
@@ -742,19 +735,16 @@ __device__ void load_tokens_tc_issue(const u32* __restrict__ frag, const float* 
         const int j = p % nt, G = p / nt;
         gsum[G * ntok + j] = gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G];
     }
-}
-__device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
-                               int nt, const int* rows, u32* xf, float* gsum) {
-    load_tokens_tc_issue(frag, gs_in, cols, j0, nt, rows, xf, gsum);
-    tokens_ready();
+    tcb_cp_wait_all();
+    __syncthreads();
 }
 
 // load_tokens_tc of the consecutive staged rows j0.. (j0 a multiple of 8): their 8-token groups
 // lie in the staging as in the block's fragments, so the copy is one contiguous run of whole
 // groups (rows nt..ceil8(nt) - 1 come along: the staging has them, and their columns' outputs are
-// never stored). The copies are in once tokens_ready() returns.
-__device__ void load_token_block_tc_issue(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols,
-                                          int j0, int nt, u32* xf, float* gsum) {
+// never stored).
+__device__ void load_token_block_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
+                                    int nt, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     const int pieces = ((nt + 7) >> 3) * gpr * (TCB_WORDS / 4);
     const u32* src = frag + (size_t)(j0 >> 3) * gpr * TCB_WORDS;
@@ -763,6 +753,8 @@ __device__ void load_token_block_tc_issue(const u32* __restrict__ frag, const fl
         const int j = p % nt, G = p / nt;
         gsum[G * ntok + j] = gs_in[(size_t)(j0 + j) * gpr + G];
     }
+    tcb_cp_wait_all();
+    __syncthreads();
 }
 
 // Group G of rows g and g + 8 (codes qa / qb: lane t's 16 columns; the bf16 scales and biases
@@ -880,11 +872,8 @@ __device__ __forceinline__ void tcr_stage(const unsigned char* st, int G0, const
 static_assert(TCR_GROUPS * 512 <= 16 * TCR_ROW_BYTES, "a fragment-order stage's codes fit the row layout's");
 
 // The whole K of one 16-row tile (kc chunks of TC_NG groups from group G0) against the staged
-// tokens. WAIT: the block's token copies are still in flight; the tile's first chunk is loaded
-// before tokens_ready() (every thread of the block calls the tile once so; an empty tile, rows
-// <= r0, loads nothing and returns zeros after the wait), so the weights' latency overlaps the
-// tokens'.
-template <int NTG, bool FRAG = false, bool WAIT = false>
+// tokens.
+template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, int rows, int r0, int cols, int G0, int kc,
                                          const u32* xf, const float* gsum, float (&acc)[NTG][4]) {
@@ -906,10 +895,6 @@ __device__ __forceinline__ void tcb_tile(const u32* __restrict__ w, const u16* _
     for (int k = 0; k < kc; ++k) {
         const int g0 = G0 + k * TC_NG, g1 = min(gpr, g0 + TC_NG);
         tc_load<FRAG>(it, w, s, b, rows, r0, cols, g0, g1);
-        if (WAIT && k == 0) {
-            tokens_ready();
-            if (r0 >= rows) return;
-        }
         tcb_mma<NTG>(it, xf, gsum, gpr, g0, g1, acc);
     }
 }

@@ -488,9 +488,7 @@ __device__ __forceinline__ void tcb_stage_words(const float (&acc)[NTG][4], u32*
 // once per 16 of its slots, by the warps of the blocks that split its rows. grid (ceil(rows /
 // rpb), tiles), block 256 (8 warps, 16-row tiles round robin, whole rows per warp).
 // Dynamic shared memory: (2 * gpr * TCB_WORDS + TCB_TOK * gpr) words.
-// WAIT: the block's token copies are still in flight (load_tokens_tc_issue); each warp's first
-// tile (an empty one for a warp without rows) loads its weights before it waits for them.
-template <int NTG, bool FRAG = false, bool WAIT = false>
+template <int NTG, bool FRAG = false>
 __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u16* __restrict__ s,
                                              const u16* __restrict__ b, const u32* __restrict__ w2,
                                              const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -498,17 +496,9 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
                                              const int* slots, int nt, const u32* xf, const float* gsum) {
     const int warp = threadIdx.x >> 5;
     const int gpr = cols >> 6, kc = (gpr + TC_NG - 1) / TC_NG;
-    bool wait = WAIT;
-    for (int r0 = r_begin + warp * 16; r0 < r_end || wait; r0 += 16 * (blockDim.x >> 5)) {
+    for (int r0 = r_begin + warp * 16; r0 < r_end; r0 += 16 * (blockDim.x >> 5)) {
         float acc[NTG][4];
-        if (wait) {
-            wait = false;
-            const bool on = r0 < r_end;
-            tcb_tile<NTG, FRAG, true>(w, s, b, on ? r_end : 0, on ? r0 : 0, cols, 0, kc, xf, gsum, acc);
-            if (!on) break;
-        } else {
-            tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
-        }
+        tcb_tile<NTG, FRAG>(w, s, b, r_end, r0, cols, 0, kc, xf, gsum, acc);
         if (w2) {
             float up[NTG][4];
             tcb_tile<NTG, FRAG>(w2, s2, b2, r_end, r0, cols, 0, kc, xf, gsum, up);
@@ -631,10 +621,10 @@ __device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
         __syncthreads();  // the previous tile's fragments and slots are no longer read
         TILE_SLOTS
         __syncthreads();
-        load_tokens_tc_issue(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
-        if (nt > 8) moe_tcb_rows<2, FRAG, true>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
-        else moe_tcb_rows<1, FRAG, true>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        if (nt > 8) moe_tcb_rows<2, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
+        else moe_tcb_rows<1, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         lo = hi;
     }
 }
@@ -965,8 +955,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         build(c, a0);
     }
     // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
-    // The products go first, so the tensor cores start right after the barrier; the copies into
-    // the stage of group G - 1 (free once every thread passed the barrier) follow.
+    // The products go first, so the tensor cores start right after the barrier; then the copies
+    // into the stage of group G - 1 (free once every thread passed the barrier) and the codes'
+    // part of group G's stage (read into registers during step G - 1).
     auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         cp_wait<2>();
         fence_proxy_async_smem();

@@ -414,19 +414,11 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
             *o = M.accumulate ? *o + v : v;
         }
     };
-    // The block's tokens are still being copied (gemv_tcb_body): the first tile of every warp
-    // waits for them after issuing its weight loads (a warp past the set's tiles with an empty one).
-    bool first = true;
     for (int bt = blockIdx.y * tpb; bt < tiles; bt += gridDim.y * tpb) {
         int m, r0;
         locate(bt + my_tile, m, r0);
         float acc[NTG][4];
-        if (first) {
-            const QMat& M = mats[max(m, 0)];
-            tcb_tile<NTG, FRAG, true>(M.w, M.s, M.b, m >= 0 ? M.rows : 0, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum,
-                                      acc);
-            first = false;
-        } else if (m >= 0) {
+        if (m >= 0) {
             const QMat& M = mats[m];
             tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
         } else {
@@ -465,7 +457,6 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
         }
         __syncthreads();
     }
-    if (first) tcb_cp_wait_all();  // no tile: the copies end before the block does
 }
 
 template <bool FRAG>
@@ -479,7 +470,7 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    load_token_block_tc_issue(frag, gs_in, cols, t0, nt, xf, gsum);
+    load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
     if (nt > 8)
         gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
