@@ -30,23 +30,24 @@
 // (the CPU accumulates experts in ascending id order). ids/wts (K entries, shared memory) are
 // valid for every lane of the warp on return. E <= 512, K <= 16. Used by decode (route_topk) and
 // prefill (pf_route), so both pick the same experts with the same weights.
-#define ROUTE_MAXE_PER_LANE 16
 // NT tokens at once (token u's logits at logits + u * stride, its picks at ids / wts + u * K; only
 // the first nt are read and written): the same operations per token as one at a time, with the
-// tokens' dependent reductions interleaved.
-template <int NT>
-__device__ void warp_route_topk_n(const float* __restrict__ logits, int stride, int nt, int E, int K, int* ids,
-                                  float* wts) {
+// tokens' dependent reductions interleaved. PER: logits per lane (E <= 32 * PER); the slots past
+// E hold no candidate, so every PER >= E / 32 picks the same.
+template <int NT, int PER>
+__device__ void warp_route_topk_per(const float* __restrict__ logits, int stride, int nt, int E, int K, int* ids,
+                                    float* wts) {
+    static_assert(PER == 8 || PER == 16, "the scan's tree pairs slots in powers of two");
     const int lane = threadIdx.x & 31;
     // Each logit as an unsigned key in the same order (-0 made +0 first, so the two tie as
     // floats do), taken candidates set to 0: a round of the top-k is then two warp reductions
     // (the largest key, then the lowest id holding it: ties -> lower id) instead of a butterfly
     // of ten dependent shuffles.
-    u32 v[NT][ROUTE_MAXE_PER_LANE];
+    u32 v[NT][PER];
 #pragma unroll
     for (int u = 0; u < NT; ++u)
 #pragma unroll
-        for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t) {
+        for (int t = 0; t < PER; ++t) {
             const bool in = u < nt && lane + 32 * t < E;
             const u32 b = __float_as_uint(in ? logits[(size_t)u * stride + lane + 32 * t] + 0.f : NEG_INF);
             v[u][t] = (b & 0x80000000u) ? ~b : b | 0x80000000u;
@@ -58,16 +59,27 @@ __device__ void warp_route_topk_n(const float* __restrict__ logits, int stride, 
     for (int k = 0; k < K; ++k) {
 #pragma unroll
         for (int u = 0; u < NT; ++u) {
-            u32 best = 0u, bi = 0xffffffffu;
+            // The lane's largest key and its lowest slot: a tree over neighbouring runs of slots
+            // (the left run's on a tie, so the lowest slot among equal keys, as a scan in slot
+            // order finds it) in log2(PER) dependent steps instead of PER.
+            u32 bk[PER], bt[PER];
 #pragma unroll
-            for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
-                if (v[u][t] > best) { best = v[u][t]; bi = lane + 32 * t; }
+            for (int t = 0; t < PER; ++t) bk[t] = v[u][t], bt[t] = t;
+#pragma unroll
+            for (int w = 1; w < PER; w *= 2)
+#pragma unroll
+                for (int t = 0; t < PER; t += 2 * w) {
+                    const bool right = bk[t + w] > bk[t];
+                    bk[t] = right ? bk[t + w] : bk[t];
+                    bt[t] = right ? bt[t + w] : bt[t];
+                }
+            const u32 best = bk[0], bi0 = best ? lane + 32 * bt[0] : 0xffffffffu;
             const u32 m = __reduce_max_sync(0xffffffffu, best);
-            bi = __reduce_min_sync(0xffffffffu, best == m ? bi : 0xffffffffu);
+            const u32 bi = __reduce_min_sync(0xffffffffu, best == m ? bi0 : 0xffffffffu);
             const float bestf = __uint_as_float((m & 0x80000000u) ? m & 0x7fffffffu : ~m);
             if (k == 0) top[u] = bestf;
 #pragma unroll
-            for (int t = 0; t < ROUTE_MAXE_PER_LANE; ++t)
+            for (int t = 0; t < PER; ++t)
                 if (lane + 32 * t == (int)bi) v[u][t] = 0u;
             if (lane == k) { my_id[u] = (int)bi; my_e[u] = expf(bestf - top[u]); }
         }
@@ -86,6 +98,12 @@ __device__ void warp_route_topk_n(const float* __restrict__ logits, int stride, 
         if (u < nt && lane < K) { ids[u * K + rank] = my_id[u]; wts[u * K + rank] = my_e[u] / sum; }
     }
     __syncwarp();
+}
+template <int NT>
+__device__ void warp_route_topk_n(const float* __restrict__ logits, int stride, int nt, int E, int K, int* ids,
+                                  float* wts) {
+    if (E <= 256) warp_route_topk_per<NT, 8>(logits, stride, nt, E, K, ids, wts);
+    else warp_route_topk_per<NT, 16>(logits, stride, nt, E, K, ids, wts);
 }
 __device__ void warp_route_topk(const float* __restrict__ logits, int E, int K, int* ids, float* wts) {
     warp_route_topk_n<1>(logits, 0, 1, E, K, ids, wts);
