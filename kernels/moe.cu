@@ -1197,18 +1197,24 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     // top-k of a big batch runs in one block per 16 tokens, not in one block for all of them.
     // done[0]: groups finished; done[1 + y]: blocks of group y finished; both left at zero, as
     // is gcounts.
+    // The tickets: the barrier orders the block's writes before thread 0's fence, whose release
+    // (cumulative) puts them before the ticket; the last block's fence after its ticket acquires
+    // every other block's, and its barrier passes that on to the block's reads (as a grid sync
+    // does). One acq_rel fence in one thread, not a sequentially consistent one in every thread.
     unsigned* gdone = done;
     int* gcounts = reinterpret_cast<int*>(done + RB_DONE);
-    __threadfence();
     __syncthreads();
     __shared__ int last;
     if (tid == 0) {
+        fence_acq_rel_gpu();
         last = atomicAdd(&gdone[1 + blockIdx.y], 1u) == gridDim.x - 1;
-        if (last) gdone[1 + blockIdx.y] = 0u;
+        if (last) {
+            gdone[1 + blockIdx.y] = 0u;
+            fence_acq_rel_gpu();
+        }
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
     float* lg = rb_sm;                                         // [nt][E] the group's logits
     int* cnt = reinterpret_cast<int*>(rb_sm + n * E);          // [E] counts, then fill cursors
     int* off = cnt + E;                                        // [E]
@@ -1240,15 +1246,17 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     if (gridDim.y > 1) {
         for (int e = tid; e < E; e += RB_THREADS)
             if (cnt[e]) atomicAdd(&gcounts[e], cnt[e]);
-        __threadfence();
         __syncthreads();
         if (tid == 0) {
+            fence_acq_rel_gpu();
             last = atomicAdd(&gdone[0], 1u) == gridDim.y - 1;
-            if (last) gdone[0] = 0u;
+            if (last) {
+                gdone[0] = 0u;
+                fence_acq_rel_gpu();
+            }
         }
         __syncthreads();
         if (!last) return;
-        __threadfence();
         for (int e = tid; e < E; e += RB_THREADS) {
             cnt[e] = __ldcg(gcounts + e);
             gcounts[e] = 0;
