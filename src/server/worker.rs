@@ -33,10 +33,10 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord, WorkerPhase};
 use super::output::Delta;
-use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
+use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, StepHooks};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -58,6 +58,15 @@ const BURST_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
+
+/// Free sequence memory kept ahead of demand, as a share of the budget: while less is free, the
+/// prefix cache's least-recently-used entries move to its host tier during the turn's decode
+/// steps (their copies run beside the kernels), instead of when a request or a snapshot needs
+/// the memory (a copy the worker waits for, the GPU idle meanwhile).
+const MOVE_AHEAD_FREE: f64 = 1.0 / 16.0;
+
+/// Entries moved ahead per turn at most: their copies should end within a decode step.
+const MOVES_PER_TURN: usize = 4;
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -266,7 +275,9 @@ impl Worker {
             t = metrics.worker_spent(WorkerPhase::Admit, t);
             self.prefill();
             t = metrics.worker_spent(WorkerPhase::Prefill, t);
+            let moves = self.start_moves();
             self.decode(&rx);
+            self.settle_moves(moves);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
             t = metrics.worker_spent(WorkerPhase::Retire, t);
@@ -449,6 +460,39 @@ impl Worker {
         for a in host {
             host_step(&mut ctx, a);
         }
+    }
+
+    /// While rows decode and less sequence memory is free than [`MOVE_AHEAD_FREE`] of the budget,
+    /// takes up to [`MOVES_PER_TURN`] least-recently-used prefix-cache entries out to move them
+    /// to the host tier, their copies started (they run during the decode steps that follow).
+    fn start_moves(&mut self) -> Vec<(Leaving<Sequence>, anyhow::Result<HostSequenceCopy>)> {
+        // Only beside decode steps: without them the copies would be waited for at once.
+        if !self.active.iter().any(|a| a.stepping()) {
+            return Vec::new();
+        }
+        let Some(r) = self.backend.sequence_memory() else { return Vec::new() };
+        let want = (r.budget_bytes as f64 * MOVE_AHEAD_FREE) as u64;
+        let mut short = want.saturating_sub(r.budget_bytes.saturating_sub(r.in_use_bytes + r.reserved_bytes));
+        let mut moves = Vec::new();
+        while short > 0 && moves.len() < MOVES_PER_TURN {
+            let Some(leaving) = self.cache.take_lru_to_move() else { break };
+            short = short.saturating_sub(leaving.item.memory_bytes() as u64);
+            let copy = leaving.item.start_to_host();
+            moves.push((leaving, copy));
+        }
+        moves
+    }
+
+    /// Waits for the moves' copies (done by now unless the turn had no decode steps), puts them
+    /// in the host tier and frees the entries' device memory (the backend is idle here).
+    fn settle_moves(&mut self, moves: Vec<(Leaving<Sequence>, anyhow::Result<HostSequenceCopy>)>) {
+        if moves.is_empty() {
+            return;
+        }
+        for (leaving, copy) in moves {
+            drop(self.cache.settle_moved(leaving, || copy?.finish()));
+        }
+        self.publish();
     }
 
     /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.
