@@ -54,6 +54,10 @@ pub trait SequenceState: Any + Send + Sync {
 
 /// A host copy under way ([`SequenceState::start_to_host`]).
 pub trait PendingHostCopy: Send {
+    /// Whether the copy is done (finish would not wait).
+    fn is_done(&self) -> bool {
+        true
+    }
     /// Waits for the copy; then it is what [`SequenceState::to_host`] returns.
     fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>>;
 }
@@ -148,6 +152,10 @@ pub struct HostSequenceCopy {
 }
 
 impl HostSequenceCopy {
+    /// Whether the copy is done ([`HostSequenceCopy::finish`] would not wait).
+    pub fn is_done(&self) -> bool {
+        self.pending.is_done()
+    }
     /// Waits for the copy.
     pub fn finish(self) -> Result<HostSequence> {
         Ok(HostSequence { len: self.len, max_seq: self.max_seq, bytes: self.bytes, data: self.pending.finish()? })

@@ -60,13 +60,21 @@ const BURST_PREFILL_CHUNK: usize = 16384;
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
 
 /// Free sequence memory kept ahead of demand, as a share of the budget: while less is free, the
-/// prefix cache's least-recently-used entries move to its host tier during the turn's decode
-/// steps (their copies run beside the kernels), instead of when a request or a snapshot needs
-/// the memory (a copy the worker waits for, the GPU idle meanwhile).
+/// prefix cache's least-recently-used entries move to its host tier while rows decode (their
+/// copies run beside the kernels, and an entry's memory is freed at the first turn that finds
+/// its copy done), instead of when a request or a snapshot needs the memory (a copy the worker
+/// waits for, the GPU idle meanwhile).
 const MOVE_AHEAD_FREE: f64 = 1.0 / 16.0;
 
-/// Entries moved ahead per turn at most: their copies should end within a decode step.
-const MOVES_PER_TURN: usize = 4;
+/// Entries moving ahead at once at most.
+const MOVES_IN_FLIGHT: usize = 4;
+
+/// A prefix-cache entry on its way to the host tier. Field order matters: a move dropped
+/// unsettled (the worker ending) waits for its copy before the entry's device memory goes.
+struct Move {
+    copy: anyhow::Result<HostSequenceCopy>,
+    entry: Leaving<Sequence>,
+}
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -234,6 +242,8 @@ pub struct Worker {
     /// The queue's head, waiting for room in the batch or for sequence memory that running
     /// requests hold.
     held: Option<Job>,
+    /// Prefix-cache entries moving to the host tier ahead of need ([`MOVE_AHEAD_FREE`]).
+    moving: Vec<Move>,
 }
 
 impl Worker {
@@ -256,7 +266,7 @@ impl Worker {
         }
         .max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
-        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
+        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new() }
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -275,9 +285,8 @@ impl Worker {
             t = metrics.worker_spent(WorkerPhase::Admit, t);
             self.prefill();
             t = metrics.worker_spent(WorkerPhase::Prefill, t);
-            let moves = self.start_moves();
+            self.move_ahead();
             self.decode(&rx);
-            self.settle_moves(moves);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
             t = metrics.worker_spent(WorkerPhase::Retire, t);
@@ -383,12 +392,13 @@ impl Worker {
         Ok((seq, cached))
     }
 
-    /// Runs `f`, evicting cached snapshots (least recently used first) while it fails for want of
-    /// sequence memory; the error stays when nothing is left to evict.
+    /// Runs `f`, evicting cached snapshots (least recently used first, then the moves under way,
+    /// waited for) while it fails for want of sequence memory; the error stays when nothing is
+    /// left to evict.
     fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
         loop {
             match f(self) {
-                Err(e) if is_memory_full(&e) && self.cache.evict_lru().is_some() => {}
+                Err(e) if is_memory_full(&e) && (self.cache.evict_lru().is_some() || self.settle_moves(true)) => {}
                 r => return r,
             }
         }
@@ -462,37 +472,46 @@ impl Worker {
         }
     }
 
-    /// While rows decode and less sequence memory is free than [`MOVE_AHEAD_FREE`] of the budget,
-    /// takes up to [`MOVES_PER_TURN`] least-recently-used prefix-cache entries out to move them
-    /// to the host tier, their copies started (they run during the decode steps that follow).
-    fn start_moves(&mut self) -> Vec<(Leaving<Sequence>, anyhow::Result<HostSequenceCopy>)> {
-        // Only beside decode steps: without them the copies would be waited for at once.
-        if !self.active.iter().any(|a| a.stepping()) {
-            return Vec::new();
+    /// Settles the moves whose copies are done (into the host tier; their device memory freed:
+    /// the backend is idle between its calls), then, while rows decode and less sequence memory
+    /// is free than [`MOVE_AHEAD_FREE`] of the budget (counting what the moves under way will
+    /// free), starts moving least-recently-used prefix-cache entries, up to [`MOVES_IN_FLIGHT`]
+    /// at once.
+    fn move_ahead(&mut self) {
+        self.settle_moves(false);
+        // Only beside decode steps: without them nothing hides the copies.
+        if self.moving.len() >= MOVES_IN_FLIGHT || !self.active.iter().any(|a| a.stepping()) {
+            return;
         }
-        let Some(r) = self.backend.sequence_memory() else { return Vec::new() };
+        let Some(r) = self.backend.sequence_memory() else { return };
         let want = (r.budget_bytes as f64 * MOVE_AHEAD_FREE) as u64;
-        let mut short = want.saturating_sub(r.budget_bytes.saturating_sub(r.in_use_bytes + r.reserved_bytes));
-        let mut moves = Vec::new();
-        while short > 0 && moves.len() < MOVES_PER_TURN {
+        let on_the_way: u64 = self.moving.iter().map(|m| m.entry.item.memory_bytes() as u64).sum();
+        let mut short = want.saturating_sub(r.budget_bytes.saturating_sub(r.in_use_bytes + r.reserved_bytes) + on_the_way);
+        while short > 0 && self.moving.len() < MOVES_IN_FLIGHT {
             let Some(leaving) = self.cache.take_lru_to_move() else { break };
             short = short.saturating_sub(leaving.item.memory_bytes() as u64);
             let copy = leaving.item.start_to_host();
-            moves.push((leaving, copy));
+            self.moving.push(Move { copy, entry: leaving });
         }
-        moves
     }
 
-    /// Waits for the moves' copies (done by now unless the turn had no decode steps), puts them
-    /// in the host tier and frees the entries' device memory (the backend is idle here).
-    fn settle_moves(&mut self, moves: Vec<(Leaving<Sequence>, anyhow::Result<HostSequenceCopy>)>) {
-        if moves.is_empty() {
-            return;
+    /// Settles the moves whose copies are done, or all of them (`wait`); whether any settled.
+    fn settle_moves(&mut self, wait: bool) -> bool {
+        let mut i = 0;
+        let mut settled = false;
+        while i < self.moving.len() {
+            if !wait && self.moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
+                i += 1;
+                continue;
+            }
+            let Move { copy, entry } = self.moving.swap_remove(i);
+            drop(self.cache.settle_moved(entry, || copy?.finish()));
+            settled = true;
         }
-        for (leaving, copy) in moves {
-            drop(self.cache.settle_moved(leaving, || copy?.finish()));
+        if settled {
+            self.publish();
         }
-        self.publish();
+        settled
     }
 
     /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.

@@ -164,6 +164,9 @@ impl PendingCudaHost {
 }
 
 impl PendingHostCopy for PendingCudaHost {
+    fn is_done(&self) -> bool {
+        self.done.is_complete()
+    }
     fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>> {
         Ok(Box::new(self.wait()?))
     }
