@@ -135,6 +135,17 @@ struct SampleRow {
     unsigned long long finite;     // finite tokens
     u32 ticket;
     u32 active;      // bit 0: top-k search, bit 1: top-p search
+    u32 ncand;       // tokens the last top-k pass listed (SAMPLE_CAND per row at most kept)
+    u32 listed;      // the list holds every token at or above tau_k: later passes read it alone
+};
+
+// The last top-k pass lists every finite token at or above the lowest value of the threshold's
+// 24-bit bucket (a superset of the top-k set), so the top-p passes and the draw read those few
+// tokens instead of the whole row. A row with more than SAMPLE_CAND of them reads the row.
+#define SAMPLE_CAND 2048
+struct SampleCand {
+    int idx;
+    float v;
 };
 
 // Order-preserving map of a float onto u32 (larger float, larger key).
@@ -226,19 +237,23 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
     row->active = (sampled && p.top_k > 0 && (unsigned long long)p.top_k < finite ? 1u : 0u) |
                   (sampled && p.top_p < 1.f ? 2u : 0u);
     row->remaining = (row->active & 1u) ? (unsigned long long)p.top_k : 0ull;
+    row->ncand = 0;
+    row->listed = 0;
     row->ticket = 0;
 }
 
 // One radix-select pass over 8 bits of the z keys (pass 0-3: top-k, 4-7: top-p, most significant
 // byte first). hist: gridDim.x x 256 partials.
 extern "C" __global__ void sample_select(const float* __restrict__ z, int n, const SampleParams* __restrict__ prm,
-                                         SampleRow* __restrict__ row, unsigned long long* __restrict__ hist, int pass) {
+                                         SampleRow* __restrict__ row, unsigned long long* __restrict__ hist, int pass,
+                                         SampleCand* __restrict__ cand) {
     pdl_wait_trigger();
     const size_t r = blockIdx.y;
     z += r * n;
     prm += r;
     row += r;
     hist += r * gridDim.x * SAMPLE_BINS;
+    cand += r * SAMPLE_CAND;
     const int phase = pass >> 2, digit = 3 - (pass & 3), shift = 8 * digit;
     const u32 active = row->active;
     if (!(active & (1u << phase))) return;
@@ -257,6 +272,11 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
     if (phase == 0) {
         // Counts: most of a row's keys share their top bits, so the lanes of a warp that hit the
         // same bin add once together (one shared atomic per distinct bin instead of per lane).
+        // The last pass lists every finite token at or above its bucket's lowest value (prefix:
+        // the threshold's top 24 bits), compared as floats so that -0 goes with +0 as later
+        // passes compare.
+        const bool list = digit == 0;
+        const float list_lo = sample_key_float(prefix);
         for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             const float v = z[i];
             const u32 key = sample_key(v);
@@ -264,16 +284,24 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
             const u32 bin = take ? (key >> shift) & 255u : 0xffffffffu;
             const u32 peers = __match_any_sync(__activemask(), bin);
             if (take && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (unsigned long long)__popc(peers));
+            if (list && sample_finite(v) && v >= list_lo) {
+                const u32 c = atomicAdd(&row->ncand, 1u);
+                if (c < SAMPLE_CAND) cand[c] = SampleCand{i, v};
+            }
         }
     } else {
-        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float v = z[i];
-            if (!sample_finite(v)) continue;
+        auto add = [&](float v) {
+            if (!sample_finite(v) || v < tau_k) return;
             const u32 key = sample_key(v);
-            if (v < tau_k) continue;
             const unsigned long long w = sample_mass(v, zmax, p.temperature);
             if (pass == 4) tm += w;  // the top-k set's mass: top-p is relative to it
             if (v >= tau && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
+        };
+        if (row->listed) {
+            const int nc = (int)row->ncand;
+            for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nc; j += gridDim.x * blockDim.x) add(cand[j].v);
+        } else {
+            for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) add(z[i]);
         }
     }
     if (pass == 4) {
@@ -344,6 +372,7 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
                 row->tau_k = t;
                 row->prefix = 0;
                 row->remaining = 0;  // pass 4 adds the top-k set's mass into it
+                row->listed = __ldcg(&row->ncand) <= SAMPLE_CAND;
             } else {
                 row->tau = fmaxf(row->tau, t);
             }
@@ -365,10 +394,11 @@ __device__ __forceinline__ unsigned long long sample_mix(unsigned long long x) {
 // the token when penalties are on. part: 2 x gridDim.x words.
 extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const SampleParams* __restrict__ prm,
                                        SampleRow* __restrict__ row, int* __restrict__ counts, int* __restrict__ step,
-                                       float* __restrict__ part) {
+                                       float* __restrict__ part, const SampleCand* __restrict__ cand) {
     pdl_wait_trigger();
     const size_t r = blockIdx.y;
     z += r * n;
+    cand += r * SAMPLE_CAND;
     prm += r;
     row += r;
     counts += r * n;
@@ -383,15 +413,21 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
     sample_slice(n, lo, hi);
     float best = NEG_INF;
     int idx = 0x7fffffff;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const float v = z[i];
-        if (!sample_finite(v) || v < tau) continue;
+    // Candidates in any order: the larger score, the lower id on a tie (argmax_grid's order).
+    auto consider = [&](int i, float v) {
+        if (!sample_finite(v) || v < tau) return;
         float s = v;
         if (sampled) {
             const float u = ((float)(sample_mix(key + (unsigned long long)i) >> 40) + 0.5f) * (1.f / 16777216.f);
             s = v * inv_t - logf(-logf(u));
         }
-        if (s > best) { best = s; idx = i; }
+        if (s > best || (s == best && i < idx)) { best = s; idx = i; }
+    };
+    if (row->listed) {
+        const int nc = (int)row->ncand;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nc; j += gridDim.x * blockDim.x) consider(cand[j].idx, cand[j].v);
+    } else {
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) consider(i, z[i]);
     }
     if (!argmax_grid(best, idx, part, &row->ticket)) return;
     const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage

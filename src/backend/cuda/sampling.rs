@@ -104,7 +104,9 @@ const SAMPLE_BINS: usize = 256;
 /// Radix-select passes: 4 for top-k, 4 for top-p.
 const SELECT_PASSES: i32 = 8;
 /// u64 words of `struct SampleRow`.
-const ROW_WORDS: usize = 5;
+const ROW_WORDS: usize = 6;
+/// Candidates listed per row (SAMPLE_CAND), 8 bytes each (`struct SampleCand`).
+const SAMPLE_CAND: usize = 2048;
 
 /// Device state of sampling `rows` sequences (one for the single-sequence decode): per row its
 /// parameters, the counts of its generated tokens (penalties), its token mask and whether it
@@ -119,6 +121,7 @@ pub struct SampleScratch {
     hist: CudaSlice<u64>,
     row: CudaSlice<u64>,
     part: CudaSlice<f32>,
+    cand: CudaSlice<u64>,
 }
 
 impl SampleScratch {
@@ -133,6 +136,7 @@ impl SampleScratch {
             hist: gpu.zeros(rows * SAMPLE_BLOCKS as usize * SAMPLE_BINS)?,
             row: gpu.zeros(rows * ROW_WORDS)?,
             part: gpu.zeros(rows * 2 * SAMPLE_BLOCKS as usize)?,
+            cand: gpu.zeros(rows * SAMPLE_CAND)?,
         })
     }
 
@@ -185,15 +189,15 @@ impl SampleScratch {
 pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize) -> Result<()> {
     let st = &gpu.stream;
     let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
-    let (masked, mask) = (ptr(&s.masked, st), ptr(&s.mask, st));
+    let (masked, mask, cand) = (ptr(&s.masked, st), ptr(&s.mask, st), ptr(&s.cand, st));
     let grid = (blocks_per_row(rows).min(SAMPLE_BLOCKS), rows as u32, 1);
     let ni = Arg::I(n as i32);
     let prep = [Arg::P(logits), ni.clone(), Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row), Arg::P(part)];
     gpu.launch(SAMPLE_PREP, grid, 1024, 0, &prep)?;
     for pass in 0..SELECT_PASSES {
-        gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni.clone(), Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass)])?;
+        gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni.clone(), Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass), Arg::P(cand)])?;
     }
-    gpu.launch(SAMPLE_DRAW, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(counts), Arg::P(step), Arg::P(part)])
+    gpu.launch(SAMPLE_DRAW, grid, 1024, 0, &[Arg::P(z), ni, Arg::P(prm), Arg::P(row), Arg::P(counts), Arg::P(step), Arg::P(part), Arg::P(cand)])
 }
 
 #[cfg(test)]
