@@ -215,11 +215,11 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
 // buffer, state written at earlier steps) -- typically L2 prefetches of its weights; pdl_wait()
 // returns once the previous kernel has completed and its writes are visible. pdl_trigger() lets
 // the next kernel be scheduled. Both are no-ops when the kernel was launched normally.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // A release-and-acquire fence at GPU scope (lighter than __threadfence's sequentially consistent
 // one): for "the last block to take a ticket" patterns, in the thread that takes the ticket.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // A decode kernel lets the next one launch right after its own wait, so at most one kernel runs
 // ahead of the one that is computing.
