@@ -171,6 +171,21 @@ __device__ __forceinline__ void sample_slice(int n, int& lo, int& hi) {
     hi = min(n, lo + chunk);
 }
 
+// f(token, z) for this thread's share of the tokens a pass after the top-k search reads: the
+// row's listed candidates when the list holds them (spread over the row's blocks), else its
+// slice of the row. The order differs; what the passes compute from it does not.
+template <typename F>
+__device__ __forceinline__ void sample_each_kept(const SampleRow* row, const SampleCand* cand, const float* z, int n, F f) {
+    int lo, hi;
+    sample_slice(n, lo, hi);
+    if (row->listed) {
+        const int nc = (int)row->ncand;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nc; j += gridDim.x * blockDim.x) f(cand[j].idx, cand[j].v);
+    } else {
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) f(i, z[i]);
+    }
+}
+
 // z = logits with the tokens outside the row's mask at -inf (where masked[r]: mask row r, bit
 // t % 32 of word t / 32 allows token t, as the host's backend::apply_mask) and the repetition,
 // presence and frequency penalties of the counts applied (as Sampler::apply_penalties); zmax; the
@@ -290,19 +305,13 @@ extern "C" __global__ void sample_select(const float* __restrict__ z, int n, con
             }
         }
     } else {
-        auto add = [&](float v) {
+        sample_each_kept(row, cand, z, n, [&](int, float v) {
             if (!sample_finite(v) || v < tau_k) return;
             const u32 key = sample_key(v);
             const unsigned long long w = sample_mass(v, zmax, p.temperature);
             if (pass == 4) tm += w;  // the top-k set's mass: top-p is relative to it
             if (v >= tau && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
-        };
-        if (row->listed) {
-            const int nc = (int)row->ncand;
-            for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nc; j += gridDim.x * blockDim.x) add(cand[j].v);
-        } else {
-            for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) add(z[i]);
-        }
+        });
     }
     if (pass == 4) {
         for (int o = 16; o > 0; o >>= 1) tm += __shfl_xor_sync(0xffffffffu, tm, o);
@@ -409,12 +418,10 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
     const bool sampled = p.temperature > 0.f;
     const float inv_t = sampled ? 1.f / p.temperature : 0.f;
     const unsigned long long key = sample_mix(p.seed ^ sample_mix((unsigned long long)(unsigned)step[1]));
-    int lo, hi;
-    sample_slice(n, lo, hi);
     float best = NEG_INF;
     int idx = 0x7fffffff;
     // Candidates in any order: the larger score, the lower id on a tie (argmax_grid's order).
-    auto consider = [&](int i, float v) {
+    sample_each_kept(row, cand, z, n, [&](int i, float v) {
         if (!sample_finite(v) || v < tau) return;
         float s = v;
         if (sampled) {
@@ -422,13 +429,7 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
             s = v * inv_t - logf(-logf(u));
         }
         if (s > best || (s == best && i < idx)) { best = s; idx = i; }
-    };
-    if (row->listed) {
-        const int nc = (int)row->ncand;
-        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nc; j += gridDim.x * blockDim.x) consider(cand[j].idx, cand[j].v);
-    } else {
-        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) consider(i, z[i]);
-    }
+    });
     if (!argmax_grid(best, idx, part, &row->ticket)) return;
     const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
     step[0] = tok;
