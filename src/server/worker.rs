@@ -33,10 +33,10 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord, WorkerPhase};
 use super::output::Delta;
-use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
+use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, StepHooks};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -58,6 +58,23 @@ const BURST_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
+
+/// Free sequence memory kept ahead of demand, as a share of the budget: while less is free, the
+/// prefix cache's least-recently-used entries move to its host tier while rows decode (their
+/// copies run beside the kernels, and an entry's memory is freed at the first turn that finds
+/// its copy done), instead of when a request or a snapshot needs the memory (a copy the worker
+/// waits for, the GPU idle meanwhile).
+const MOVE_AHEAD_FREE: f64 = 1.0 / 16.0;
+
+/// Entries moving ahead at once at most.
+const MOVES_IN_FLIGHT: usize = 4;
+
+/// A prefix-cache entry on its way to the host tier. Field order matters: a move dropped
+/// unsettled (the worker ending) waits for its copy before the entry's device memory goes.
+struct Move {
+    copy: anyhow::Result<HostSequenceCopy>,
+    entry: Leaving<Sequence>,
+}
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -225,6 +242,8 @@ pub struct Worker {
     /// The queue's head, waiting for room in the batch or for sequence memory that running
     /// requests hold.
     held: Option<Job>,
+    /// Prefix-cache entries moving to the host tier ahead of need ([`MOVE_AHEAD_FREE`]).
+    moving: Vec<Move>,
 }
 
 impl Worker {
@@ -247,7 +266,7 @@ impl Worker {
         }
         .max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
-        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
+        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new() }
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -266,6 +285,7 @@ impl Worker {
             t = metrics.worker_spent(WorkerPhase::Admit, t);
             self.prefill();
             t = metrics.worker_spent(WorkerPhase::Prefill, t);
+            self.move_ahead();
             self.decode(&rx);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
@@ -372,12 +392,13 @@ impl Worker {
         Ok((seq, cached))
     }
 
-    /// Runs `f`, evicting cached snapshots (least recently used first) while it fails for want of
-    /// sequence memory; the error stays when nothing is left to evict.
+    /// Runs `f`, evicting cached snapshots (least recently used first, then the moves under way,
+    /// waited for) while it fails for want of sequence memory; the error stays when nothing is
+    /// left to evict.
     fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
         loop {
             match f(self) {
-                Err(e) if is_memory_full(&e) && self.cache.evict_lru().is_some() => {}
+                Err(e) if is_memory_full(&e) && (self.cache.evict_lru().is_some() || self.settle_moves(true)) => {}
                 r => return r,
             }
         }
@@ -449,6 +470,48 @@ impl Worker {
         for a in host {
             host_step(&mut ctx, a);
         }
+    }
+
+    /// Settles the moves whose copies are done (into the host tier; their device memory freed:
+    /// the backend is idle between its calls), then, while rows decode and less sequence memory
+    /// is free than [`MOVE_AHEAD_FREE`] of the budget (counting what the moves under way will
+    /// free), starts moving least-recently-used prefix-cache entries, up to [`MOVES_IN_FLIGHT`]
+    /// at once.
+    fn move_ahead(&mut self) {
+        self.settle_moves(false);
+        // Only beside decode steps: without them nothing hides the copies.
+        if self.moving.len() >= MOVES_IN_FLIGHT || !self.active.iter().any(|a| a.stepping()) {
+            return;
+        }
+        let Some(r) = self.backend.sequence_memory() else { return };
+        let want = (r.budget_bytes as f64 * MOVE_AHEAD_FREE) as u64;
+        let on_the_way: u64 = self.moving.iter().map(|m| m.entry.item.memory_bytes() as u64).sum();
+        let mut short = want.saturating_sub(r.budget_bytes.saturating_sub(r.in_use_bytes + r.reserved_bytes) + on_the_way);
+        while short > 0 && self.moving.len() < MOVES_IN_FLIGHT {
+            let Some(leaving) = self.cache.take_lru_to_move() else { break };
+            short = short.saturating_sub(leaving.item.memory_bytes() as u64);
+            let copy = leaving.item.start_to_host();
+            self.moving.push(Move { copy, entry: leaving });
+        }
+    }
+
+    /// Settles the moves whose copies are done, or all of them (`wait`); whether any settled.
+    fn settle_moves(&mut self, wait: bool) -> bool {
+        let mut i = 0;
+        let mut settled = false;
+        while i < self.moving.len() {
+            if !wait && self.moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
+                i += 1;
+                continue;
+            }
+            let Move { copy, entry } = self.moving.swap_remove(i);
+            drop(self.cache.settle_moved(entry, || copy?.finish()));
+            settled = true;
+        }
+        if settled {
+            self.publish();
+        }
+        settled
     }
 
     /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.
