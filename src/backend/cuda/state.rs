@@ -203,6 +203,10 @@ impl CudaSequence {
         let mem = self.slot.memory();
         let st = mem.copy_stream();
         let mut copy = HostCopy::with_capacity(mem.pinned(), slot_bytes + self.kv.regions() * region_bytes)?;
+        // After whatever the compute stream has queued so far (a snapshot's own copies among it),
+        // so the sequence's state is complete whichever work the caller left pending.
+        let queued_so_far = self.stream.record_event(None).map_err(|e| anyhow!("host copy event: {e:?}"))?;
+        st.wait(&queued_so_far).map_err(|e| anyhow!("host copy event: {e:?}"))?;
         let (queued, mapped) = self.kv.read_regions_beside(|at| {
             copy.append_from_device(ptr(self.slot.buf(), &self.stream), slot_bytes, st)?;
             for r in 0..self.kv.regions() {
