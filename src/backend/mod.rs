@@ -400,6 +400,7 @@ pub trait Backend: Send {
         let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
         let mut allowed = vec![0u32; mask_words(vocab)];
         while !live.is_empty() {
+            hooks.beside_steps();
             let mut next = Vec::with_capacity(live.len());
             for &i in &live {
                 let at = rows[i].seq.len();
@@ -448,6 +449,11 @@ pub trait StepHooks {
     fn queue_ahead(&mut self) -> bool {
         false
     }
+
+    /// Called once per step while the device has that step queued, before its tokens are read:
+    /// host work done here (the server's prefix-cache moves) runs while the device computes
+    /// instead of between calls. It must not touch the rows of the call. Nothing by default.
+    fn beside_steps(&mut self) {}
 }
 
 /// Closures never constrain their rows: the backend may queue steps ahead.

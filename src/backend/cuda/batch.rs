@@ -579,6 +579,7 @@ impl CudaBackend {
             if ahead {
                 self.queue_batch_step(key, &mut rb[slot ^ 1])?;
             }
+            hooks.beside_steps();
             let host = rb[slot].wait(2 * n)?;
             let mut next = Vec::with_capacity(n);
             for (r, &i) in live.iter().enumerate() {
