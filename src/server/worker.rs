@@ -62,15 +62,15 @@ pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
 /// Free sequence memory kept ahead of demand, as a share of the budget: while less is free, the
 /// prefix cache's least-recently-used entries move to its host tier while rows decode, instead of
 /// when a request or a snapshot needs the memory (a copy the worker waits for, the GPU idle
-/// meanwhile). A batched decode starts them between its steps, one per step, while the device has
-/// the step queued ([`StepHooks::beside_steps`]: the host's part of a move, mapping a snapshot's
-/// pages and queueing its copies, then costs the GPU nothing), their copies run on a stream of
-/// their own, and they settle at the next turn's start, the backend idle (settling unmaps the
-/// snapshot's pages, which would otherwise wait for the queued steps).
+/// meanwhile). A batched decode starts them and settles them between its steps, one of each per
+/// step, while the device has the step queued ([`StepHooks::beside_steps`]: the host's part of a
+/// move, mapping a snapshot's pages and queueing its copies, then costs the GPU nothing), and
+/// their copies run on a stream of their own; an entry's device memory is freed once the call
+/// returns.
 const MOVE_AHEAD_FREE: f64 = 1.0 / 16.0;
 
 /// Entries moving ahead at once at most.
-const MOVES_IN_FLIGHT: usize = 8;
+const MOVES_IN_FLIGHT: usize = 4;
 
 /// A prefix-cache entry on its way to the host tier. Field order matters: a move dropped
 /// unsettled (the worker ending) waits for its copy before the entry's device memory goes.
@@ -249,6 +249,9 @@ pub struct Worker {
     moving: Vec<Move>,
     /// Bytes of entries still to move this turn.
     to_move: u64,
+    /// Device memory of entries settled during a decode call, freed after it (freeing waits for
+    /// the stream).
+    moved_out: Vec<Sequence>,
 }
 
 impl Worker {
@@ -271,7 +274,7 @@ impl Worker {
         }
         .max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
-        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0 }
+        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0, moved_out: Vec::new() }
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -451,7 +454,7 @@ impl Worker {
         // A new request ends a decode call early only if it could be admitted now.
         let room = self.held.is_none() && self.active.len() < self.max_batch;
         let newcomer = || room && !rx.is_empty();
-        let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, .. } = self;
+        let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         // A row at max-seq cannot take another step.
         for a in active.iter_mut().filter(|a| a.stepping() && a.seq.len() >= a.seq.max_seq()) {
@@ -468,13 +471,13 @@ impl Worker {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
                 // The single-sequence loop takes no hooks: the turn's moves start before it.
-                while start_move(cache, moving, to_move) {}
+                while *to_move > 0 && moving.len() < MOVES_IN_FLIGHT && step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
                 solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }
             _ => {
                 let mut beside = || {
-                    start_move(cache, moving, to_move);
+                    step_moves(cache, moving, to_move, moved_out);
                 };
                 batch_steps(&mut ctx, device, horizon, &newcomer, &mut beside)
             }
@@ -482,12 +485,17 @@ impl Worker {
         for a in host {
             host_step(&mut ctx, a);
         }
+        // The backend is idle: what the moves settled during the call can go.
+        if !self.moved_out.is_empty() {
+            self.moved_out.clear();
+            self.publish();
+        }
     }
 
     /// Settles the moves whose copies are done (into the host tier; their device memory freed:
     /// the backend is idle between its calls), then, while rows decode, sets the turn's bytes to
     /// move: what less sequence memory is free than [`MOVE_AHEAD_FREE`] of the budget (counting
-    /// what the moves under way will free). The decode starts them ([`start_move`]).
+    /// what the moves under way will free). The decode starts them ([`step_moves`]).
     fn move_ahead(&mut self) {
         self.settle_moves(false);
         self.to_move = 0;
@@ -503,7 +511,17 @@ impl Worker {
 
     /// Settles the moves whose copies are done, or all of them (`wait`); whether any settled.
     fn settle_moves(&mut self, wait: bool) -> bool {
-        let settled = settle_moves(&mut self.cache, &mut self.moving, wait);
+        let mut i = 0;
+        let mut settled = false;
+        while i < self.moving.len() {
+            if !wait && self.moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
+                i += 1;
+                continue;
+            }
+            let Move { copy, entry } = self.moving.swap_remove(i);
+            drop(self.cache.settle_moved(entry, || copy?.finish()));
+            settled = true;
+        }
         if settled {
             self.publish();
         }
@@ -814,27 +832,15 @@ fn consumed_tokens(prompt: &[u32], generated: &[u32], stop: Option<u32>, fed: us
 
 /// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
 /// resumes next turn) once `newcomer` says a request waits to join.
-/// Settles the moves whose copies are done, or all of them (`wait`), freeing their device memory
-/// (the backend must be idle: freeing and unmapping wait for its stream); whether any settled.
-fn settle_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, wait: bool) -> bool {
-    let mut i = 0;
-    let mut settled = false;
-    while i < moving.len() {
-        if !wait && moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
-            i += 1;
-            continue;
-        }
+/// One round of the prefix cache's moves to its host tier (beside a decode step, or before the
+/// single-sequence loop): settles one move whose copy is done (its device memory kept in
+/// `moved_out` until the backend is idle) and starts one more while `to_move` bytes are wanted
+/// and fewer than [`MOVES_IN_FLIGHT`] are under way. Whether it started one.
+fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, to_move: &mut u64, moved_out: &mut Vec<Sequence>) -> bool {
+    if let Some(i) = moving.iter().position(|m| m.copy.as_ref().is_ok_and(|c| c.is_done())) {
         let Move { copy, entry } = moving.swap_remove(i);
-        drop(cache.settle_moved(entry, || copy?.finish()));
-        settled = true;
+        moved_out.push(cache.settle_moved(entry, || copy?.finish()));
     }
-    settled
-}
-
-/// Starts moving the prefix cache's least-recently-used device entry to its host tier (beside a
-/// decode step, or before the single-sequence loop) while `to_move` bytes are wanted and fewer
-/// than [`MOVES_IN_FLIGHT`] are under way. Whether it started one.
-fn start_move(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, to_move: &mut u64) -> bool {
     if *to_move == 0 || moving.len() >= MOVES_IN_FLIGHT {
         return false;
     }
@@ -945,28 +951,26 @@ mod tests {
     fn moves_beside_steps_take_the_least_recently_used_entries_to_the_host_tier() {
         let host = HostTier { budget: 1000, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
         let mut cache = PrefixCache::new(1000, Sequence::memory_bytes).with_host_tier(host);
-        for t in 0..12u32 {
+        for t in 0..6u32 {
             cache.insert(vec![t], Sequence::new(8, Box::new(Bytes(10))), None);
         }
-        // 35 bytes wanted: four entries of 10 start, one per call.
-        let (mut moving, mut to_move) = (Vec::new(), 35u64);
-        let mut started = 0;
-        while start_move(&mut cache, &mut moving, &mut to_move) {
-            started += 1;
+        let (mut moving, mut to_move, mut moved_out) = (Vec::new(), 35u64, Vec::new());
+        // One move starts per round; a copy done by the next round settles there.
+        assert!(step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out));
+        assert_eq!((moving.len(), to_move, moved_out.len()), (1, 25, 0));
+        let mut rounds = 1;
+        while step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out) {
+            rounds += 1;
         }
-        assert_eq!((started, to_move, moving.len()), (4, 0, 4));
-        // More wanted than may be under way: MOVES_IN_FLIGHT at most.
-        to_move = 1000;
-        while start_move(&mut cache, &mut moving, &mut to_move) {}
-        assert_eq!(moving.len(), MOVES_IN_FLIGHT);
-        assert_eq!((cache.len(), cache.host_len(), cache.memory_bytes()), (12 - MOVES_IN_FLIGHT, 0, 10 * (12 - MOVES_IN_FLIGHT)));
-        // Settled (the copies are done): the least recently used are host entries now.
-        assert!(settle_moves(&mut cache, &mut moving, false));
-        assert!(moving.is_empty());
-        assert_eq!((cache.len(), cache.host_len()), (12, MOVES_IN_FLIGHT));
-        for t in 0..12u32 {
+        // 35 bytes wanted: four entries of 10 start, then rounds only settle.
+        assert_eq!((rounds, to_move), (4, 0));
+        while !moving.is_empty() {
+            assert!(!step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out));
+        }
+        assert_eq!((moved_out.len(), cache.host_len(), cache.len(), cache.memory_bytes()), (4, 4, 6, 20));
+        for t in 0..6u32 {
             let hit = cache.lookup(&[t, 99], None).map(|(s, n)| (matches!(s, Stored::Host(_)), n));
-            assert_eq!(hit, Some(((t as usize) < MOVES_IN_FLIGHT, 1)), "entry {t}");
+            assert_eq!(hit, Some((t < 4, 1)), "entry {t}: the four least recently used moved");
         }
     }
 
