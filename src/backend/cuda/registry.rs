@@ -163,7 +163,7 @@ pub const MOE: Module = Module {
 pub const OPS: Module = Module {
     name: "ops",
     source: include_str!("../../../kernels/ops.cu"),
-    kernels: &["pf_rmsnorm", "pf_swiglu", "readback_words"],
+    kernels: &["pf_rmsnorm", "pf_swiglu"],
 };
 
 /// Token choice on the device.

@@ -28,23 +28,6 @@ pub struct SequenceMemory {
     ledger: Mutex<Ledger<PhysPage, CudaSlice<f32>>>,
     /// Pinned host chunks for copies of sequences moved out of the device.
     pinned: Arc<PinnedPool>,
-    /// The stream those copies run on, beside the compute stream's queued work.
-    copies: Arc<CudaStream>,
-}
-
-/// A held space's pages mapped for reads queued on another stream
-/// ([`KvSpace::read_regions_beside`]): unmapped when dropped, which must wait until those reads
-/// are done. The space keeps the pages themselves.
-pub struct MappedRegions {
-    range: AddressRange,
-    pieces: Vec<usize>,
-    page_bytes: usize,
-}
-
-impl Drop for MappedRegions {
-    fn drop(&mut self) {
-        self.pieces.iter().for_each(|&off| self.range.unmap(off, self.page_bytes));
-    }
 }
 
 impl SequenceMemory {
@@ -52,13 +35,7 @@ impl SequenceMemory {
         let page = granularity(&ctx)?;
         let ledger = Mutex::new(Ledger::new(page, slot_floats * 4));
         let pinned = PinnedPool::new(ctx.clone());
-        let copies = ctx.new_stream().map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
-        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger, pinned, copies }))
-    }
-
-    /// The stream of host copies (CudaSequence::start_copy_to_host).
-    pub fn copy_stream(&self) -> &Arc<CudaStream> {
-        &self.copies
+        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger, pinned }))
     }
 
     pub fn pinned(&self) -> &Arc<PinnedPool> {
@@ -328,24 +305,6 @@ impl KvSpace {
         let _ = self.mem.stream.synchronize();
         self.unmap_regions(&range, self.regions);
         out
-    }
-
-    /// [`KvSpace::read_regions`] for reads that `f` queues on another stream than the space's:
-    /// a held space's mapping comes back with the result, to be dropped (unmapping the pages)
-    /// only once those reads are done; on an error nothing stays mapped, so the caller first
-    /// waits for its stream.
-    pub fn read_regions_beside<R>(&self, f: impl FnOnce(&dyn Fn(usize) -> u64) -> Result<R>) -> (Result<R>, Option<MappedRegions>) {
-        if !self.is_held() {
-            return (f(&|r| self.region(r)), None);
-        }
-        let range = match self.map_all() {
-            Ok(Some(range)) => range,
-            Ok(None) => return (f(&|_| 0), None),
-            Err(e) => return (Err(e), None),
-        };
-        let out = f(&|r| range.base() + (r * self.region_bytes) as u64);
-        let pieces = (0..self.regions).flat_map(|r| (0..self.pages[r].len()).map(move |i| r * self.region_bytes + i * self.page_bytes)).collect();
-        (out, Some(MappedRegions { range, pieces, page_bytes: self.page_bytes }))
     }
 
     pub fn regions(&self) -> usize {
