@@ -1,5 +1,7 @@
 // Elementwise / per-row ops that belong to no other family.
 //   prefill (T tokens): pf_rmsnorm, pf_swiglu
+//   decode loops:       readback_words
+//   sequence memory:    copy_words16
 // (In decode every RMSNorm is fused into the kernel that consumes it: the GEMV prologues,
 // attn_prep, gdn_step.)
 
@@ -28,4 +30,22 @@ extern "C" __global__ void pf_rmsnorm(const float* __restrict__ x, const float* 
 extern "C" __global__ void pf_swiglu(float* __restrict__ g, const float* __restrict__ u, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) g[i] = silu_f(g[i]) * u[i];
+}
+
+// The tokens of a decode step into pinned host memory mapped into the device (the loops'
+// readback slots): written by the SMs over the bus, not by a copy engine, so they never queue
+// behind a long device-to-host copy on another stream (the prefix cache's moves to its host
+// tier). The fence makes the words visible to the host before the kernel completes, i.e. before
+// the event recorded after it. grid 1, block 256.
+extern "C" __global__ void readback_words(const int* __restrict__ src, int n, volatile int* __restrict__ host) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) host[i] = src[i];
+    __threadfence_system();
+}
+
+// dst = src over n 16-byte words (device to device): the sequence memory's snapshot copies on
+// the SMs, not on a copy engine, where they would queue behind the prefix cache's long copies to
+// host memory on another stream. grid-stride, block 256.
+extern "C" __global__ void copy_words16(const uint4* __restrict__ src, uint4* __restrict__ dst, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
 }

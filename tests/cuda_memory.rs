@@ -190,9 +190,10 @@ fn cuda_host_copies_restore_sequences_exactly() {
     // From a running sequence and from a held snapshot (mapped only for the copy).
     let a = fresh(&mut gpu);
     let snap = a.try_clone().unwrap();
-    let copies = [a.to_host().unwrap(), snap.to_host().unwrap()];
+    // The third copy started on the copy stream and waited for (the prefix cache's moves ahead).
+    let copies = [a.to_host().unwrap(), snap.to_host().unwrap(), snap.start_to_host().unwrap().finish().unwrap()];
     let want = PinnedPool::rounded(z.slot + 2 * n * cfg.kv_dim() * 4);
-    assert_eq!((copies[0].bytes(), copies[1].bytes(), a.host_bytes()), (want, want, want));
+    assert_eq!((copies[0].bytes(), copies[1].bytes(), copies[2].bytes(), a.host_bytes()), (want, want, want, want));
     drop((a, snap));
     assert_eq!(in_use(&gpu), 0, "host copies hold no device memory");
     for (k, h) in copies.iter().enumerate() {

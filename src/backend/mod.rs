@@ -35,6 +35,14 @@ pub trait SequenceState: Any + Send + Sync {
     fn to_host(&self, len: usize) -> Result<Box<dyn Any + Send + Sync>> {
         Ok(Box::new(self.try_clone_state(len)?))
     }
+    /// [`SequenceState::to_host`] started beside the backend's queued work: the copy runs while
+    /// the backend computes, and [`PendingHostCopy::finish`] waits for it. The state must have no
+    /// work of its own pending (a prefix-cache snapshot: every backend call that writes a sequence
+    /// has finished by the time it returns), and it must stay alive until the copy is finished.
+    /// Backends without queued work copy at once.
+    fn start_to_host(&self, len: usize) -> Result<Box<dyn PendingHostCopy>> {
+        Ok(Box::new(CopiedToHost(self.to_host(len)?)))
+    }
     /// Host bytes [`SequenceState::to_host`] takes for a sequence of `len` tokens: all of its
     /// state, shared or not.
     fn host_bytes(&self, _len: usize) -> usize {
@@ -42,6 +50,25 @@ pub trait SequenceState: Any + Send + Sync {
     }
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A host copy under way ([`SequenceState::start_to_host`]).
+pub trait PendingHostCopy: Send {
+    /// Whether the copy is done (finish would not wait).
+    fn is_done(&self) -> bool {
+        true
+    }
+    /// Waits for the copy; then it is what [`SequenceState::to_host`] returns.
+    fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>>;
+}
+
+/// A host copy made at once.
+struct CopiedToHost(Box<dyn Any + Send + Sync>);
+
+impl PendingHostCopy for CopiedToHost {
+    fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>> {
+        Ok(self.0)
+    }
 }
 
 /// One sequence: its length so far, its capacity, and the backend's caches for it.
@@ -103,9 +130,35 @@ impl Sequence {
         Ok(HostSequence { len: self.len, max_seq: self.max_seq, bytes: self.state.host_bytes(self.len), data: self.state.to_host(self.len)? })
     }
 
+    /// [`Sequence::to_host`] started beside the backend's queued work
+    /// ([`SequenceState::start_to_host`]: the sequence must have no work pending and must stay
+    /// alive until [`HostSequenceCopy::finish`]).
+    pub fn start_to_host(&self) -> Result<HostSequenceCopy> {
+        Ok(HostSequenceCopy { len: self.len, max_seq: self.max_seq, bytes: self.state.host_bytes(self.len), pending: self.state.start_to_host(self.len)? })
+    }
+
     /// Host bytes [`Sequence::to_host`] takes.
     pub fn host_bytes(&self) -> usize {
         self.state.host_bytes(self.len)
+    }
+}
+
+/// A [`HostSequence`] being copied ([`Sequence::start_to_host`]).
+pub struct HostSequenceCopy {
+    len: usize,
+    max_seq: usize,
+    bytes: usize,
+    pending: Box<dyn PendingHostCopy>,
+}
+
+impl HostSequenceCopy {
+    /// Whether the copy is done ([`HostSequenceCopy::finish`] would not wait).
+    pub fn is_done(&self) -> bool {
+        self.pending.is_done()
+    }
+    /// Waits for the copy.
+    pub fn finish(self) -> Result<HostSequence> {
+        Ok(HostSequence { len: self.len, max_seq: self.max_seq, bytes: self.bytes, data: self.pending.finish()? })
     }
 }
 
@@ -347,6 +400,7 @@ pub trait Backend: Send {
         let mut live: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].max_tokens > 0).collect();
         let mut allowed = vec![0u32; mask_words(vocab)];
         while !live.is_empty() {
+            hooks.beside_steps();
             let mut next = Vec::with_capacity(live.len());
             for &i in &live {
                 let at = rows[i].seq.len();
@@ -395,6 +449,11 @@ pub trait StepHooks {
     fn queue_ahead(&mut self) -> bool {
         false
     }
+
+    /// Called once per step while the device has that step queued, before its tokens are read:
+    /// host work done here (the server's prefix-cache moves) runs while the device computes
+    /// instead of between calls. It must not touch the rows of the call. Nothing by default.
+    fn beside_steps(&mut self) {}
 }
 
 /// Closures never constrain their rows: the backend may queue steps ahead.

@@ -58,14 +58,26 @@ pub struct PrefixCache<T, H = ()> {
     pub hits: u64,
     /// Hits served from the host tier.
     pub host_hits: u64,
-    /// Entries moved to the host tier, and the milliseconds their copies took.
+    /// Entries moved to the host tier, and the milliseconds their copies took (waited for).
     pub spills: u64,
     pub spill_ms: u64,
+    /// Host bytes promised to entries taken out to move (`take_lru_to_move`) until they settle.
+    moving_bytes: usize,
+}
+
+/// A device-tier entry taken out of the cache while its host copy is made beside the backend's
+/// work ([`PrefixCache::take_lru_to_move`], [`PrefixCache::settle_moved`]).
+pub struct Leaving<T> {
+    pub item: T,
+    tokens: Vec<u32>,
+    key: Option<String>,
+    last_used: u64,
+    host_bytes: usize,
 }
 
 impl<T, H> PrefixCache<T, H> {
     pub fn new(budget_bytes: usize, size: fn(&T) -> usize) -> Self {
-        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0, spill_ms: 0 }
+        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0, spill_ms: 0, moving_bytes: 0 }
     }
 
     /// Entries the device budget pushes out move to `tier` instead of being dropped.
@@ -203,19 +215,34 @@ impl<T, H> PrefixCache<T, H> {
     /// copy fails (it is logged; the entry is then recomputed if ever needed).
     fn spill(&mut self, item: &T, stamp: u64) -> Option<H> {
         let tier = self.host.as_ref()?;
-        let (need, budget, spill) = ((tier.spill_bytes)(item), tier.budget, tier.spill);
-        if need > budget {
+        let (need, spill) = ((tier.spill_bytes)(item), tier.spill);
+        if !self.host_room(need, stamp) {
             return None;
         }
-        while self.host_memory_bytes() + need > budget {
+        self.timed_copy(|| spill(item))
+    }
+
+    /// Makes room in the host tier for `need` bytes of an entry last used at `stamp` by dropping
+    /// older host entries (never newer ones); whether it fits.
+    fn host_room(&mut self, need: usize, stamp: u64) -> bool {
+        let Some(budget) = self.host.as_ref().map(|t| t.budget) else { return false };
+        if need > budget {
+            return false;
+        }
+        while self.host_memory_bytes() + self.moving_bytes + need > budget {
             let oldest = self.entries.iter().enumerate().filter(|(_, e)| matches!(e.item, Stored::Host(_))).min_by_key(|(_, e)| e.last_used).map(|(i, e)| (i, e.last_used));
             match oldest {
                 Some((i, used)) if used < stamp => drop(self.entries.swap_remove(i)),
-                _ => return None,
+                _ => return false,
             }
         }
+        true
+    }
+
+    /// Runs a host copy, counting the time it takes; a failed one is logged and dropped.
+    fn timed_copy(&mut self, copy: impl FnOnce() -> anyhow::Result<H>) -> Option<H> {
         let t0 = std::time::Instant::now();
-        let copy = spill(item);
+        let copy = copy();
         self.spill_ms += t0.elapsed().as_millis() as u64;
         match copy {
             Ok(h) => Some(h),
@@ -224,6 +251,43 @@ impl<T, H> PrefixCache<T, H> {
                 None
             }
         }
+    }
+
+    /// Takes the least-recently-used device-tier entry out of the cache to move it to the host
+    /// tier while the backend works (the caller starts the copy, then hands it to
+    /// [`PrefixCache::settle_moved`]); its room in the host tier is kept for it meanwhile. `None`
+    /// without a host tier, without device entries, or when the host tier cannot take the entry
+    /// (it then stays: eviction drops it when its memory is needed).
+    pub fn take_lru_to_move(&mut self) -> Option<Leaving<T>> {
+        let spill_bytes = self.host.as_ref()?.spill_bytes;
+        let (i, stamp) = self.entries.iter().enumerate().filter(|(_, e)| matches!(e.item, Stored::Device(_))).min_by_key(|(_, e)| e.last_used).map(|(i, e)| (i, e.last_used))?;
+        let Stored::Device(item) = &self.entries[i].item else { unreachable!("chosen among device entries") };
+        let need = spill_bytes(item);
+        if !self.host_room(need, stamp) {
+            return None;
+        }
+        // host_room may have dropped host entries: find the entry again by its stamp.
+        let i = self.entries.iter().position(|e| e.last_used == stamp && matches!(e.item, Stored::Device(_)))?;
+        let e = self.entries.swap_remove(i);
+        let Stored::Device(item) = e.item else { unreachable!("found among device entries") };
+        self.moving_bytes += need;
+        Some(Leaving { item, tokens: e.tokens, key: e.key, last_used: e.last_used, host_bytes: need })
+    }
+
+    /// Brings an entry taken by [`PrefixCache::take_lru_to_move`] back as a host-tier entry once
+    /// `copy` (waiting for its host copy) returns it; a failed copy drops the entry. Returns the
+    /// device item, for the caller to free when the backend is idle.
+    pub fn settle_moved(&mut self, leaving: Leaving<T>, copy: impl FnOnce() -> anyhow::Result<H>) -> T {
+        let Leaving { item, tokens, key, last_used, host_bytes } = leaving;
+        self.moving_bytes -= host_bytes;
+        if let Some(host) = self.timed_copy(copy) {
+            self.spills += 1;
+            // An entry inserted meanwhile with the same tokens is newer.
+            if !self.entries.iter().any(|e| e.tokens == tokens) {
+                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used });
+            }
+        }
+        item
     }
 
     pub fn clear(&mut self) {
@@ -431,6 +495,42 @@ mod tests {
         let r = c.copy_longest(&[6, 1], None, |item| { full -= 1; if full > 0 { anyhow::bail!("full") } Ok(name(item)) }, |e| e.to_string() == "full");
         assert_eq!(r.map(|r| r.unwrap()), Some(("e".to_string(), 1)));
         assert_eq!((find(&mut c, &[5, 1], None), c.len(), c.host_len()), (None, 3, 2));
+    }
+
+    #[test]
+    fn an_entry_moved_beside_the_work_lands_in_the_host_tier_and_keeps_its_room() {
+        // Device budget 30, host 25: a (10) and b (10) on the device, c (12) already on the host.
+        let mut c = tiered(30, 25);
+        c.insert(vec![3], ("c", 12), None);
+        c.evict_lru();
+        c.insert(vec![1], ("a", 10), None);
+        c.insert(vec![2], ("b", 10), None);
+        assert_eq!((c.memory_bytes(), c.host_memory_bytes()), (20, 12));
+        // The oldest device entry leaves; the host tier keeps 10 bytes for it, so a second
+        // move (b) needs c's room: c is older, so it goes.
+        let a = c.take_lru_to_move().expect("a host tier with room");
+        assert_eq!((a.item.0, c.memory_bytes(), c.len()), ("a", 10, 2));
+        let b = c.take_lru_to_move().expect("room after dropping the older host entry");
+        assert_eq!((b.item.0, c.host_memory_bytes(), c.len()), ("b", 0, 0));
+        assert!(c.take_lru_to_move().is_none(), "no device entry left");
+        let freed = c.settle_moved(a, || Ok(("a", 10)));
+        assert_eq!(freed.0, "a");
+        // A failed copy drops its entry.
+        c.settle_moved(b, || anyhow::bail!("copy failed"));
+        assert_eq!((c.len(), c.host_len(), c.host_memory_bytes(), c.spills), (1, 1, 10, 2));
+        assert_eq!(find(&mut c, &[1, 5], None), s("host:a", 1));
+        assert!(find(&mut c, &[2, 5], None).is_none());
+    }
+
+    #[test]
+    fn nothing_moves_without_a_host_tier_or_room_in_it() {
+        let mut c = cache(30);
+        c.insert(vec![1], ("a", 10), None);
+        assert!(c.take_lru_to_move().is_none());
+        let mut c = tiered(30, 5);
+        c.insert(vec![1], ("a", 10), None);
+        assert!(c.take_lru_to_move().is_none());
+        assert_eq!((c.len(), c.memory_bytes()), (1, 10), "the entry stays on the device");
     }
 
     #[test]

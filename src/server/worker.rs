@@ -33,10 +33,10 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord, WorkerPhase};
 use super::output::Delta;
-use super::prefix_cache::{next_checkpoint, HostTier, PrefixCache, Stored};
+use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, StepHooks};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -58,6 +58,26 @@ const BURST_PREFILL_CHUNK: usize = 16384;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
+
+/// Free sequence memory kept ahead of demand, as a share of the budget: while less is free, the
+/// prefix cache's least-recently-used entries move to its host tier while rows decode, instead of
+/// when a request or a snapshot needs the memory (a copy the worker waits for, the GPU idle
+/// meanwhile). A batched decode starts them and settles them between its steps, one of each per
+/// step, while the device has the step queued ([`StepHooks::beside_steps`]: the host's part of a
+/// move, mapping a snapshot's pages and queueing its copies, then costs the GPU nothing), and
+/// their copies run on a stream of their own; an entry's device memory is freed once the call
+/// returns.
+const MOVE_AHEAD_FREE: f64 = 1.0 / 16.0;
+
+/// Entries moving ahead at once at most.
+const MOVES_IN_FLIGHT: usize = 4;
+
+/// A prefix-cache entry on its way to the host tier. Field order matters: a move dropped
+/// unsettled (the worker ending) waits for its copy before the entry's device memory goes.
+struct Move {
+    copy: anyhow::Result<HostSequenceCopy>,
+    entry: Leaving<Sequence>,
+}
 
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
@@ -225,6 +245,13 @@ pub struct Worker {
     /// The queue's head, waiting for room in the batch or for sequence memory that running
     /// requests hold.
     held: Option<Job>,
+    /// Prefix-cache entries moving to the host tier ahead of need ([`MOVE_AHEAD_FREE`]).
+    moving: Vec<Move>,
+    /// Bytes of entries still to move this turn.
+    to_move: u64,
+    /// Device memory of entries settled during a decode call, freed after it (freeing waits for
+    /// the stream).
+    moved_out: Vec<Sequence>,
 }
 
 impl Worker {
@@ -247,7 +274,7 @@ impl Worker {
         }
         .max(1);
         metrics.max_batch.store(max_batch as u64, Relaxed);
-        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None }
+        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0, moved_out: Vec::new() }
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -266,6 +293,7 @@ impl Worker {
             t = metrics.worker_spent(WorkerPhase::Admit, t);
             self.prefill();
             t = metrics.worker_spent(WorkerPhase::Prefill, t);
+            self.move_ahead();
             self.decode(&rx);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
@@ -372,12 +400,13 @@ impl Worker {
         Ok((seq, cached))
     }
 
-    /// Runs `f`, evicting cached snapshots (least recently used first) while it fails for want of
-    /// sequence memory; the error stays when nothing is left to evict.
+    /// Runs `f`, evicting cached snapshots (least recently used first, then the moves under way,
+    /// waited for) while it fails for want of sequence memory; the error stays when nothing is
+    /// left to evict.
     fn with_memory<T>(&mut self, mut f: impl FnMut(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
         loop {
             match f(self) {
-                Err(e) if is_memory_full(&e) && self.cache.evict_lru().is_some() => {}
+                Err(e) if is_memory_full(&e) && (self.cache.evict_lru().is_some() || self.settle_moves(true)) => {}
                 r => return r,
             }
         }
@@ -425,7 +454,7 @@ impl Worker {
         // A new request ends a decode call early only if it could be admitted now.
         let room = self.held.is_none() && self.active.len() < self.max_batch;
         let newcomer = || room && !rx.is_empty();
-        let Worker { backend, tokenizer, metrics, cfg, active, .. } = self;
+        let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         // A row at max-seq cannot take another step.
         for a in active.iter_mut().filter(|a| a.stepping() && a.seq.len() >= a.seq.max_seq()) {
@@ -441,14 +470,62 @@ impl Worker {
         match device.len() {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
+                // The single-sequence loop takes no hooks: the turn's moves start before it.
+                while *to_move > 0 && moving.len() < MOVES_IN_FLIGHT && step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
                 solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }
-            _ => batch_steps(&mut ctx, device, horizon, &newcomer),
+            _ => {
+                let mut beside = || {
+                    step_moves(cache, moving, to_move, moved_out);
+                };
+                batch_steps(&mut ctx, device, horizon, &newcomer, &mut beside)
+            }
         }
         for a in host {
             host_step(&mut ctx, a);
         }
+        // The backend is idle: what the moves settled during the call can go.
+        if !self.moved_out.is_empty() {
+            self.moved_out.clear();
+            self.publish();
+        }
+    }
+
+    /// Settles the moves whose copies are done (into the host tier; their device memory freed:
+    /// the backend is idle between its calls), then, while rows decode, sets the turn's bytes to
+    /// move: what less sequence memory is free than [`MOVE_AHEAD_FREE`] of the budget (counting
+    /// what the moves under way will free). The decode starts them ([`step_moves`]).
+    fn move_ahead(&mut self) {
+        self.settle_moves(false);
+        self.to_move = 0;
+        // Only beside decode steps: without them nothing hides the copies.
+        if !self.active.iter().any(|a| a.stepping()) {
+            return;
+        }
+        let Some(r) = self.backend.sequence_memory() else { return };
+        let want = (r.budget_bytes as f64 * MOVE_AHEAD_FREE) as u64;
+        let on_the_way: u64 = self.moving.iter().map(|m| m.entry.item.memory_bytes() as u64).sum();
+        self.to_move = want.saturating_sub(r.budget_bytes.saturating_sub(r.in_use_bytes + r.reserved_bytes) + on_the_way);
+    }
+
+    /// Settles the moves whose copies are done, or all of them (`wait`); whether any settled.
+    fn settle_moves(&mut self, wait: bool) -> bool {
+        let mut i = 0;
+        let mut settled = false;
+        while i < self.moving.len() {
+            if !wait && self.moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
+                i += 1;
+                continue;
+            }
+            let Move { copy, entry } = self.moving.swap_remove(i);
+            drop(self.cache.settle_moved(entry, || copy?.finish()));
+            settled = true;
+        }
+        if settled {
+            self.publish();
+        }
+        settled
     }
 
     /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.
@@ -755,7 +832,29 @@ fn consumed_tokens(prompt: &[u32], generated: &[u32], stop: Option<u32>, fed: us
 
 /// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
 /// resumes next turn) once `newcomer` says a request waits to join.
-fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool) {
+/// One round of the prefix cache's moves to its host tier (beside a decode step, or before the
+/// single-sequence loop): settles one move whose copy is done (its device memory kept in
+/// `moved_out` until the backend is idle) and starts one more while `to_move` bytes are wanted
+/// and fewer than [`MOVES_IN_FLIGHT`] are under way. Whether it started one.
+fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, to_move: &mut u64, moved_out: &mut Vec<Sequence>) -> bool {
+    if let Some(i) = moving.iter().position(|m| m.copy.as_ref().is_ok_and(|c| c.is_done())) {
+        let Move { copy, entry } = moving.swap_remove(i);
+        moved_out.push(cache.settle_moved(entry, || copy?.finish()));
+    }
+    if *to_move == 0 || moving.len() >= MOVES_IN_FLIGHT {
+        return false;
+    }
+    let Some(leaving) = cache.take_lru_to_move() else {
+        *to_move = 0;
+        return false;
+    };
+    *to_move = to_move.saturating_sub(leaving.item.memory_bytes() as u64);
+    let copy = leaving.item.start_to_host();
+    moving.push(Move { copy, entry: leaving });
+    true
+}
+
+fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool, beside: &mut dyn FnMut()) {
     let mut batch = Vec::with_capacity(rows.len());
     let mut replies = Vec::with_capacity(rows.len());
     for a in rows {
@@ -765,7 +864,7 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
         replies.push(reply);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, ahead: false };
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, beside, ahead: false };
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut hooks));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
@@ -783,6 +882,8 @@ struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
     replies: &'a mut [&'r mut Reply],
     accept: &'a mut F,
     newcomer: &'a dyn Fn() -> bool,
+    /// Host work beside the queued steps (the prefix cache's moves).
+    beside: &'a mut dyn FnMut(),
     /// The backend queued the next step before this step's tokens: each row has been fed its
     /// token already, so none may pause at this step (it would be fed again on resuming).
     ahead: bool,
@@ -802,6 +903,10 @@ impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
     fn queue_ahead(&mut self) -> bool {
         self.ahead = !(self.newcomer)() && self.replies.iter().all(|r| r.job.constraint.is_none());
         self.ahead
+    }
+
+    fn beside_steps(&mut self) {
+        (self.beside)()
     }
 }
 
@@ -824,6 +929,50 @@ fn host_step(ctx: &mut Ctx, a: &mut Active) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sequence state of `.0` bytes whose host copies are made at once.
+    struct Bytes(usize);
+    impl crate::backend::SequenceState for Bytes {
+        fn try_clone_state(&self, _len: usize) -> anyhow::Result<Box<dyn crate::backend::SequenceState>> {
+            Ok(Box::new(Bytes(self.0)))
+        }
+        fn memory_bytes(&self) -> usize {
+            self.0
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn moves_beside_steps_take_the_least_recently_used_entries_to_the_host_tier() {
+        let host = HostTier { budget: 1000, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
+        let mut cache = PrefixCache::new(1000, Sequence::memory_bytes).with_host_tier(host);
+        for t in 0..6u32 {
+            cache.insert(vec![t], Sequence::new(8, Box::new(Bytes(10))), None);
+        }
+        let (mut moving, mut to_move, mut moved_out) = (Vec::new(), 35u64, Vec::new());
+        // One move starts per round; a copy done by the next round settles there.
+        assert!(step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out));
+        assert_eq!((moving.len(), to_move, moved_out.len()), (1, 25, 0));
+        let mut rounds = 1;
+        while step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out) {
+            rounds += 1;
+        }
+        // 35 bytes wanted: four entries of 10 start, then rounds only settle.
+        assert_eq!((rounds, to_move), (4, 0));
+        while !moving.is_empty() {
+            assert!(!step_moves(&mut cache, &mut moving, &mut to_move, &mut moved_out));
+        }
+        assert_eq!((moved_out.len(), cache.host_len(), cache.len(), cache.memory_bytes()), (4, 4, 6, 20));
+        for t in 0..6u32 {
+            let hit = cache.lookup(&[t, 99], None).map(|(s, n)| (matches!(s, Stored::Host(_)), n));
+            assert_eq!(hit, Some((t < 4, 1)), "entry {t}: the four least recently used moved");
+        }
+    }
 
     #[test]
     fn a_cached_sequence_is_keyed_by_the_tokens_it_consumed() {

@@ -481,7 +481,7 @@ impl CudaBackend {
     /// Queues one batch step and the copy of its rows' `[token, position]` pairs into `slot`.
     fn queue_batch_step(&mut self, key: StepKey, slot: &mut Readback) -> Result<()> {
         self.run_batch_step(key)?;
-        slot.enqueue(&self.gpu.stream, &self.batcher.as_ref().expect("fitted").bufs.steps.slice(0..2 * key.rows))
+        slot.enqueue(&self.gpu, &self.batcher.as_ref().expect("fitted").bufs.steps, 2 * key.rows)
     }
 
     /// The steps of [`Self::batch_decode`]. Where the hooks allow it ([`StepHooks::queue_ahead`])
@@ -579,6 +579,7 @@ impl CudaBackend {
             if ahead {
                 self.queue_batch_step(key, &mut rb[slot ^ 1])?;
             }
+            hooks.beside_steps();
             let host = rb[slot].wait(2 * n)?;
             let mut next = Vec::with_capacity(n);
             for (r, &i) in live.iter().enumerate() {

@@ -125,6 +125,11 @@ impl Gpu {
         launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits)
     }
 
+    /// Device-to-device copies on this stream by the SMs ([`DeviceCopy`]).
+    pub fn device_copy(&self) -> Result<DeviceCopy> {
+        Ok(DeviceCopy { f: self.kernels.function(COPY_WORDS16, 0)?, stream: self.stream.clone(), sms: self.sms })
+    }
+
     /// An event recorded on the stream now (timing marks of the decode and prefill profiles).
     pub fn record_event(&self) -> Result<cudarc::driver::CudaEvent> {
         let ev = self
@@ -249,6 +254,36 @@ fn launch_ex(
     .result()
     .map_err(|e| anyhow!("launching {name}: {e:?}"))?;
     Ok(())
+}
+
+/// Device-to-device copies on the SMs (`copy_words16`) in a stream's order: the sequence
+/// memory's snapshot copies, which on a copy engine would queue behind the long device-to-host
+/// copies of the prefix cache's host tier on another stream.
+pub struct DeviceCopy {
+    f: CudaFunction,
+    stream: Arc<CudaStream>,
+    sms: u32,
+}
+
+const COPY_WORDS16: Kernel = Kernel::ordered(&super::registry::OPS, "copy_words16");
+
+impl DeviceCopy {
+    /// Queues `dst[..bytes] = src[..bytes]` on the stream: by the kernel where both addresses
+    /// and the length are whole 16-byte words, else by the driver's copy.
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if (dst | src | bytes as u64) % 16 != 0 {
+            // SAFETY: the caller passes live device ranges of `bytes` bytes.
+            return unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(|e| anyhow!("device copy failed: {e:?}"));
+        }
+        let words = bytes / 16;
+        let blocks = words.div_ceil(256).min(self.sms as usize * 8) as u32;
+        // The count is an 8-byte parameter, passed as P passes addresses.
+        let args = [Arg::P(src), Arg::P(dst), Arg::P(words as u64)];
+        launch_ex(&self.stream, &self.f, COPY_WORDS16.name, (blocks, 1, 1), 256, 0, &args, false)
+    }
 }
 
 /// Raw device address of a slice (event tracking is off, so nothing is recorded).

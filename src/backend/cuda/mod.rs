@@ -40,7 +40,7 @@ use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaStream, DevicePtr};
+use cudarc::driver::CudaSlice;
 use decode::{Decoder, StepOut};
 pub use device::Gpu;
 use forward::Probe;
@@ -111,35 +111,53 @@ impl Drop for CudaBackend {
     }
 }
 
-/// One pinned host slot of a pipelined decode loop and the event recorded after its copy (our
-/// own event: event tracking is off, so the slice's built-in event is never recorded).
+/// One pinned host slot of a pipelined decode loop, mapped into the device, and the event
+/// recorded after the step's tokens are written to it (our own event: event tracking is off, so
+/// the slice's built-in event is never recorded). A kernel writes the tokens (`readback_words`),
+/// not a device-to-host copy: a copy would wait behind any long copy queued on the same copy
+/// engine from another stream (the prefix cache's moves to its host tier).
 struct Readback {
     host: cudarc::driver::PinnedHostSlice<i32>,
+    /// The slot's address on the device.
+    dev: u64,
     done: cudarc::driver::CudaEvent,
 }
+
+const READBACK_WORDS: registry::Kernel = registry::Kernel::ordered(&registry::OPS, "readback_words");
 
 impl Readback {
     /// The two slots of a loop with two steps in flight, `len` words each.
     fn pair(gpu: &Gpu, len: usize) -> Result<[Readback; 2]> {
         let alloc = || -> Result<Readback> {
-            // SAFETY: plain page-locked host memory; only read after its copy's event.
-            let host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(len, 0) }
+            // SAFETY: page-locked host memory mapped into the device; only read after the event
+            // that follows the kernel writing it.
+            let mut host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP) }
                 .map_err(|e| anyhow!("pinned host allocation: {e:?}"))?;
+            let at = host.as_mut_ptr().map_err(|e| anyhow!("pinned host allocation: {e:?}"))?;
+            let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: `at` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP in
+            // this context; the call only writes `dev`.
+            unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dev, at.cast(), 0) }
+                .result()
+                .map_err(|e| anyhow!("mapping the token readback into the device: {e:?}"))?;
             let done = gpu.ctx.new_event(None).map_err(|e| anyhow!("{e:?}"))?;
-            Ok(Readback { host, done })
+            Ok(Readback { host, dev, done })
         };
         Ok([alloc()?, alloc()?])
     }
 
-    /// Queues the copy of `src` into the slot's first words, then the slot's event.
-    fn enqueue<S: DevicePtr<i32>>(&mut self, st: &Arc<CudaStream>, src: &S) -> Result<()> {
-        // A plain slice of the pinned words: the copy is as long as `src`, not the slot.
-        let host = self.host.as_mut_slice().map_err(|e| anyhow!("token readback: {e:?}"))?;
-        st.memcpy_dtoh(src, &mut host[..src.len()]).map_err(|e| anyhow!("token readback: {e:?}"))?;
-        self.done.record(st).map_err(|e| anyhow!("token readback: {e:?}"))
+    /// Queues the kernel writing the first `n` words of `src` into the slot's first words, then
+    /// the slot's event.
+    fn enqueue(&mut self, gpu: &Gpu, src: &CudaSlice<i32>, n: usize) -> Result<()> {
+        if n > src.len() || n > self.host.len() {
+            bail!("token readback of {n} words from {} into a slot of {}", src.len(), self.host.len());
+        }
+        let args = [device::Arg::P(device::ptr(src, &gpu.stream)), device::Arg::I(n as i32), device::Arg::P(self.dev)];
+        gpu.launch(READBACK_WORDS, (1, 1, 1), 256, 0, &args)?;
+        self.done.record(&gpu.stream).map_err(|e| anyhow!("token readback: {e:?}"))
     }
 
-    /// The slot's first `len` words, once its copy is done.
+    /// The slot's first `len` words, once its kernel is done.
     fn wait(&self, len: usize) -> Result<&[i32]> {
         let err = |e: cudarc::driver::DriverError| anyhow!("CUDA error during the forward pass: {e:?}");
         self.done.synchronize().map_err(err)?;
@@ -234,7 +252,7 @@ impl CudaBackend {
         let w = DevWeights::upload(&gpu, &mw, ck.total_bytes(), frag_experts)?;
         let decoder = Decoder::new(&gpu, &cfg, &w)?;
         let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
-        let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
+        let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), gpu.device_copy()?, state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
         gpu.sync()?;
         Ok(CudaBackend {
             use_graphs: opts.graphs,
@@ -549,7 +567,7 @@ impl CudaBackend {
          -> Result<()> {
             let st = seq.state_mut::<CudaSequence>();
             b.run_step(st, out)?;
-            slot.enqueue(&b.gpu.stream, &st.step)
+            slot.enqueue(&b.gpu, &st.step, st.step.len())
         };
         // Before a step is queued, the page its position writes is mapped (pages below the
         // sequence's length stay in place, so mapping never disturbs the steps in flight).

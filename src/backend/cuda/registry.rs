@@ -163,7 +163,7 @@ pub const MOE: Module = Module {
 pub const OPS: Module = Module {
     name: "ops",
     source: include_str!("../../../kernels/ops.cu"),
-    kernels: &["pf_rmsnorm", "pf_swiglu"],
+    kernels: &["pf_rmsnorm", "pf_swiglu", "readback_words", "copy_words16"],
 };
 
 /// Token choice on the device.

@@ -9,6 +9,7 @@
 //! pages only once it continues (see [`KvSpace`]).
 
 use super::budget::Ledger;
+use super::device::{ptr, DeviceCopy};
 use super::hostmem::PinnedPool;
 use super::vmm::{granularity, AddressRange, PhysPage};
 use crate::backend::SequenceMemoryReport;
@@ -28,14 +29,39 @@ pub struct SequenceMemory {
     ledger: Mutex<Ledger<PhysPage, CudaSlice<f32>>>,
     /// Pinned host chunks for copies of sequences moved out of the device.
     pinned: Arc<PinnedPool>,
+    /// The stream those copies run on, beside the compute stream's queued work.
+    copies: Arc<CudaStream>,
+    /// Snapshot copies on the compute stream, by the SMs.
+    dcopy: DeviceCopy,
+}
+
+/// A held space's pages mapped for reads queued on another stream
+/// ([`KvSpace::read_regions_beside`]): unmapped when dropped, which must wait until those reads
+/// are done. The space keeps the pages themselves.
+pub struct MappedRegions {
+    range: AddressRange,
+    pieces: Vec<usize>,
+    page_bytes: usize,
+}
+
+impl Drop for MappedRegions {
+    fn drop(&mut self) {
+        self.pieces.iter().for_each(|&off| self.range.unmap(off, self.page_bytes));
+    }
 }
 
 impl SequenceMemory {
-    pub fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, slot_floats: usize, fraction: f64, cap: Option<usize>) -> Result<Arc<Self>> {
+    pub fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, dcopy: DeviceCopy, slot_floats: usize, fraction: f64, cap: Option<usize>) -> Result<Arc<Self>> {
         let page = granularity(&ctx)?;
         let ledger = Mutex::new(Ledger::new(page, slot_floats * 4));
         let pinned = PinnedPool::new(ctx.clone());
-        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger, pinned }))
+        let copies = ctx.new_stream().map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
+        Ok(Arc::new(SequenceMemory { ctx, stream, fraction, cap, slot_floats, ledger, pinned, copies, dcopy }))
+    }
+
+    /// The stream of host copies (CudaSequence::start_copy_to_host).
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copies
     }
 
     pub fn pinned(&self) -> &Arc<PinnedPool> {
@@ -124,7 +150,8 @@ impl StateSlot {
     pub fn try_clone(&self) -> Result<Self> {
         let mut s = StateSlot::take(&self.mem)?;
         let dst = s.buf.as_mut().expect("just taken");
-        self.mem.stream.memcpy_dtod(self.buf(), dst).map_err(|e| anyhow!("device copy failed: {e:?}"))?;
+        let st = &self.mem.stream;
+        self.mem.dcopy.copy(ptr(dst, st), ptr(self.buf(), st), self.bytes())?;
         Ok(s)
     }
 
@@ -307,6 +334,24 @@ impl KvSpace {
         out
     }
 
+    /// [`KvSpace::read_regions`] for reads that `f` queues on another stream than the space's:
+    /// a held space's mapping comes back with the result, to be dropped (unmapping the pages)
+    /// only once those reads are done; on an error nothing stays mapped, so the caller first
+    /// waits for its stream.
+    pub fn read_regions_beside<R>(&self, f: impl FnOnce(&dyn Fn(usize) -> u64) -> Result<R>) -> (Result<R>, Option<MappedRegions>) {
+        if !self.is_held() {
+            return (f(&|r| self.region(r)), None);
+        }
+        let range = match self.map_all() {
+            Ok(Some(range)) => range,
+            Ok(None) => return (f(&|_| 0), None),
+            Err(e) => return (Err(e), None),
+        };
+        let out = f(&|r| range.base() + (r * self.region_bytes) as u64);
+        let pieces = (0..self.regions).flat_map(|r| (0..self.pages[r].len()).map(move |i| r * self.region_bytes + i * self.page_bytes)).collect();
+        (out, Some(MappedRegions { range, pieces, page_bytes: self.page_bytes }))
+    }
+
     pub fn regions(&self) -> usize {
         self.regions
     }
@@ -368,14 +413,13 @@ impl KvSpace {
                     Mapping::Whole(_) => src_tail + (r * self.region_bytes + full * self.page_bytes) as u64,
                     Mapping::Held { .. } => src_tail + (r * self.page_bytes) as u64,
                 };
-                // SAFETY: both are mapped over these `partial` bytes (the source holds `rows`
-                // rows; the tail page was just mapped).
-                let copied = unsafe { cudarc::driver::result::memcpy_dtod_async(tail.base() + (r * self.page_bytes) as u64, src, partial, self.mem.stream.cu_stream()) };
-                if let Err(e) = copied {
+                // Both are mapped over these `partial` bytes (the source holds `rows` rows; the
+                // tail page was just mapped).
+                if let Err(e) = self.mem.dcopy.copy(tail.base() + (r * self.page_bytes) as u64, src, partial) {
                     let _ = self.mem.stream.synchronize();
                     self.unmap_tail(&tail);
                     give_back(fresh);
-                    return Err(anyhow!("device copy failed: {e:?}"));
+                    return Err(e);
                 }
             }
             fresh.into_iter().zip(pages.iter_mut()).for_each(|(p, region)| region.push(Arc::new(p)));

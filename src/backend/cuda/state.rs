@@ -6,11 +6,11 @@
 
 use super::device::{ptr, Gpu};
 use super::hostmem::{HostCopy, PinnedPool};
-use super::seqmem::{KvSpace, SequenceMemory, StateSlot};
-use crate::backend::SequenceState;
+use super::seqmem::{KvSpace, MappedRegions, SequenceMemory, StateSlot};
+use crate::backend::{PendingHostCopy, SequenceState};
 use crate::checkpoint::{LayerKind, ModelConfig};
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -147,6 +147,39 @@ impl CudaSequence {
     }
 }
 
+/// A CudaHostState whose copies are queued; its event follows them.
+pub struct PendingCudaHost {
+    state: Option<CudaHostState>,
+    done: CudaEvent,
+    /// A held sequence's pages mapped for the copy: unmapped after `done` (field order: dropped
+    /// after Drop::drop waited).
+    _mapped: Option<MappedRegions>,
+}
+
+impl PendingCudaHost {
+    fn wait(mut self: Box<Self>) -> Result<CudaHostState> {
+        self.done.synchronize().map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
+        Ok(self.state.take().expect("a pending copy is waited for once"))
+    }
+}
+
+impl PendingHostCopy for PendingCudaHost {
+    fn is_done(&self) -> bool {
+        self.done.is_complete()
+    }
+    fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>> {
+        Ok(Box::new(self.wait()?))
+    }
+}
+
+impl Drop for PendingCudaHost {
+    /// The pinned chunks go back to their pool when the copy drops: not before the device is
+    /// done writing them.
+    fn drop(&mut self) {
+        let _ = self.done.synchronize();
+    }
+}
+
 /// A sequence's state slot and KV rows in pinned host memory (the prefix cache's host tier),
 /// back to back: the slot, then each region's rows.
 pub struct CudaHostState {
@@ -162,19 +195,38 @@ impl CudaSequence {
         PinnedPool::rounded(self.slot.bytes() + self.kv.regions() * len * self.kv.row_bytes())
     }
 
-    fn copy_to_host(&self, len: usize) -> Result<CudaHostState> {
+    /// Queues the copy of a sequence of `len` tokens into pinned host memory on the sequence
+    /// memory's copy stream, beside whatever the compute stream has queued (the sequence itself
+    /// must have nothing pending there: SequenceState::start_to_host), and an event after it.
+    fn start_copy_to_host(&self, len: usize) -> Result<PendingCudaHost> {
         let (slot_bytes, region_bytes) = (self.slot.bytes(), len * self.kv.row_bytes());
         let mem = self.slot.memory();
+        let st = mem.copy_stream();
         let mut copy = HostCopy::with_capacity(mem.pinned(), slot_bytes + self.kv.regions() * region_bytes)?;
-        copy.append_from_device(ptr(self.slot.buf(), &self.stream), slot_bytes, &self.stream)?;
-        self.kv.read_regions(|at| {
+        // After whatever the compute stream has queued so far (a snapshot's own copies among it),
+        // so the sequence's state is complete whichever work the caller left pending.
+        let queued_so_far = self.stream.record_event(None).map_err(|e| anyhow!("host copy event: {e:?}"))?;
+        st.wait(&queued_so_far).map_err(|e| anyhow!("host copy event: {e:?}"))?;
+        let (queued, mapped) = self.kv.read_regions_beside(|at| {
+            copy.append_from_device(ptr(self.slot.buf(), &self.stream), slot_bytes, st)?;
             for r in 0..self.kv.regions() {
-                copy.append_from_device(at(r), region_bytes, &self.stream)?;
+                copy.append_from_device(at(r), region_bytes, st)?;
             }
             Ok(())
-        })?;
-        self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
-        Ok(CudaHostState { copy, kv_bf16: self.kv_bf16, slot_bytes, region_bytes })
+        });
+        let done = queued.and_then(|()| st.record_event(None).map_err(|e| anyhow!("host copy event: {e:?}")));
+        match done {
+            Ok(done) => Ok(PendingCudaHost { state: Some(CudaHostState { copy, kv_bf16: self.kv_bf16, slot_bytes, region_bytes }), done, _mapped: mapped }),
+            Err(e) => {
+                // Copies already queued read the mapping and write the pinned chunks.
+                let _ = st.synchronize();
+                Err(e)
+            }
+        }
+    }
+
+    fn copy_to_host(&self, len: usize) -> Result<CudaHostState> {
+        Box::new(self.start_copy_to_host(len)?).wait()
     }
 
     /// A sequence holding what `host` holds (`len` tokens), its KV pages mapped
@@ -204,6 +256,9 @@ impl SequenceState for CudaSequence {
     }
     fn to_host(&self, len: usize) -> Result<Box<dyn Any + Send + Sync>> {
         Ok(Box::new(self.copy_to_host(len)?))
+    }
+    fn start_to_host(&self, len: usize) -> Result<Box<dyn PendingHostCopy>> {
+        Ok(Box::new(self.start_copy_to_host(len)?))
     }
     fn host_bytes(&self, len: usize) -> usize {
         self.host_copy_bytes(len)
