@@ -196,8 +196,8 @@ impl CudaSequence {
     }
 
     /// Queues the copy of a sequence of `len` tokens into pinned host memory on the sequence
-    /// memory's copy stream, beside whatever the compute stream has queued (the sequence itself
-    /// must have nothing pending there: SequenceState::start_to_host), and an event after it.
+    /// memory's copy stream, after the work the compute stream has queued so far and beside
+    /// whatever it queues next, and an event after it.
     fn start_copy_to_host(&self, len: usize) -> Result<PendingCudaHost> {
         let (slot_bytes, region_bytes) = (self.slot.bytes(), len * self.kv.row_bytes());
         let mem = self.slot.memory();
