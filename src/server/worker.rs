@@ -471,7 +471,7 @@ impl Worker {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
                 // The single-sequence loop takes no hooks: the turn's moves start before it.
-                while *to_move > 0 && moving.len() < MOVES_IN_FLIGHT && step_moves(cache, moving, to_move, moved_out) {}
+                while step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
                 solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
             }
@@ -830,8 +830,6 @@ fn consumed_tokens(prompt: &[u32], generated: &[u32], stop: Option<u32>, fed: us
     })
 }
 
-/// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
-/// resumes next turn) once `newcomer` says a request waits to join.
 /// One round of the prefix cache's moves to its host tier (beside a decode step, or before the
 /// single-sequence loop): settles one move whose copy is done (its device memory kept in
 /// `moved_out` until the backend is idle) and starts one more while `to_move` bytes are wanted
@@ -854,6 +852,9 @@ fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<
     true
 }
 
+/// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
+/// resumes next turn) once `newcomer` says a request waits to join; `beside` runs once per step
+/// while the device has it queued.
 fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool, beside: &mut dyn FnMut()) {
     let mut batch = Vec::with_capacity(rows.len());
     let mut replies = Vec::with_capacity(rows.len());
