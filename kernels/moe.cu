@@ -1102,9 +1102,9 @@ __device__ __forceinline__ void block_excl_scan2(int a, int b, int* wa, int* wb,
 // a graph. Dynamic shared memory: route_batch_smem (moe.rs). Instances of 1 and 4
 // router rows per block (moe_route_batch_1 / _4): few tokens spread the router over more blocks
 // (moe.rs route_rows_per_block).
-#define RB_TOK 8
+#define RB_TOK 16
 #define RB_THREADS 256
-#define RB_DONE 24  // counters of `done` before its count scratch (moe.rs ROUTE_DONE_WORDS)
+#define RB_DONE 16  // counters of `done` before its count scratch (moe.rs ROUTE_DONE_WORDS)
 
 __device__ __forceinline__ void rb_dequant8(const u32* __restrict__ w, const u16* __restrict__ s,
                                             const u16* __restrict__ b, int bits, int H, int group, int row,
@@ -1216,7 +1216,7 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     __syncthreads();
     if (!last) return;
     float* lg = rb_sm;                                         // [nt][E] the group's logits
-    int* cnt = reinterpret_cast<int*>(rb_sm + RB_TOK * E);     // [E] counts, then fill cursors
+    int* cnt = reinterpret_cast<int*>(rb_sm + min(RB_TOK, n) * E);  // [E] counts, then fill cursors
     int* off = cnt + E;                                        // [E]
     int* ids = off + E;                                        // [n * K] every slot's expert
     float* wts = reinterpret_cast<float*>(ids + n * K);        // [nwarps][2][K] two tokens' weights per warp
@@ -1225,9 +1225,8 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     // All loads in flight at once (L2, written by the other blocks), not one token's per warp.
     for (int i = tid; i < nt * E; i += RB_THREADS) lg[i] = __ldcg(logits + (size_t)c0 * E + i);
     __syncthreads();
-    // One token per warp (RB_TOK = nwarps: a group's top-k is as deep as one token's); with more
-    // tokens than warps, tokens t and t + nwarps on warp t, their dependent reductions
-    // interleaved.
+    // Tokens t and t + nwarps on warp t (RB_TOK = 2 * nwarps): their top-k's dependent
+    // reductions interleave.
     for (int t = warp; t < nt; t += 2 * nwarps) {
         const int two = t + nwarps < nt ? 2 : 1;
         int* wi = wid + warp * 2 * K;

@@ -339,13 +339,13 @@ pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per
 /// block are `route_rows_per_block`.
-const RB_TOK: usize = 8;
+const RB_TOK: usize = 16;
 const RB_THREADS: usize = 256;
 
 /// `moe_route_batch`'s `done` words: RB_DONE counters (finished groups, then finished blocks per
 /// RB_TOK-token group: 1 + MAX_BATCH / RB_TOK of them), then the groups' summed counts (E < 2 *
 /// RB_THREADS experts). Zeroed when allocated; the kernel leaves them zeroed.
-const ROUTE_DONE_WORDS: usize = 24;
+const ROUTE_DONE_WORDS: usize = 16;
 pub const ROUTE_DONE_LEN: usize = ROUTE_DONE_WORDS + 2 * RB_THREADS;
 const _: () = assert!(super::batch::MAX_BATCH.div_ceil(RB_TOK) < ROUTE_DONE_WORDS);
 
@@ -408,14 +408,12 @@ pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: 
     gpu.launch(kernel, grid, RB_THREADS as u32, route_batch_smem(d, n, rows) as u32, &args)
 }
 
-/// Router rows per `moe_route_batch` block for a step of `n` tokens: one up to
-/// [`ONE_ROW_TOKENS`] (the router then spreads over E + 1 blocks per token group instead of a
-/// quarter of that: +2.4% aggregate decode at B = 16 on an H200, 2026-12-01), four for more
-/// tokens (one row per block lost 1.4% at B = 64, where the token groups already fill the GPU).
-const ONE_ROW_TOKENS: usize = 16;
-
+/// Router rows per `moe_route_batch` block for a step of `n` tokens: one while a single token
+/// block holds them all (the router then spreads over E + 1 blocks instead of a quarter of that:
+/// +2.4% aggregate decode at B = 16 on an H200, 2026-12-01), four for more tokens (one row per
+/// block lost 1.4% at B = 64, where the token blocks already fill the GPU).
 fn route_rows_per_block(n: usize) -> usize {
-    if n <= ONE_ROW_TOKENS {
+    if n <= RB_TOK {
         1
     } else {
         4
@@ -428,7 +426,7 @@ fn route_rows_per_block(n: usize) -> usize {
 fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
     let warps = RB_THREADS / 32;
     let sums = warps * rows * RB_TOK;
-    let routing = RB_TOK * d.e + 2 * d.e + n * d.k + 4 * warps * d.k;
+    let routing = RB_TOK.min(n) * d.e + 2 * d.e + n * d.k + 4 * warps * d.k;
     4 * sums.max(routing)
 }
 
@@ -652,16 +650,17 @@ mod tests {
     #[test]
     fn routing_spreads_few_tokens_over_more_blocks() {
         assert_eq!(route_rows_per_block(1), 1);
-        assert_eq!(route_rows_per_block(16), 1);
-        assert_eq!(route_rows_per_block(17), 4);
+        assert_eq!(route_rows_per_block(RB_TOK), 1);
+        assert_eq!(route_rows_per_block(RB_TOK + 1), 4);
         assert_eq!(route_rows_per_block(64), 4);
-        // At the 35B shape the last block's routing scratch (its group's 8 tokens' 256 logits,
-        // counts and offsets, 16 x 8 ids, per warp two tokens' 8 ids and weights) outweighs the
-        // blocks' sums, and grows with the step only by its slots' ids.
+        // At the 35B shape the last block's routing scratch (its group's 16 tokens' 256 logits,
+        // counts and offsets, the step's slots' ids, per warp two tokens' 8 ids and weights)
+        // outweighs the blocks' sums, and grows past 16 tokens only by the slots' ids.
         let d = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
-        assert_eq!(route_batch_smem(&d, 16, 1), 4 * (8 * 256 + 2 * 256 + 16 * 8 + 4 * 8 * 8));
+        assert_eq!(route_batch_smem(&d, 16, 1), 4 * (16 * 256 + 2 * 256 + 16 * 8 + 4 * 8 * 8));
         assert_eq!(route_batch_smem(&d, 16, 4), route_batch_smem(&d, 16, 1));
-        assert_eq!(route_batch_smem(&d, 128, 4), 4 * (8 * 256 + 2 * 256 + 128 * 8 + 4 * 8 * 8));
+        assert_eq!(route_batch_smem(&d, 4, 1), 4 * (4 * 256 + 2 * 256 + 4 * 8 + 4 * 8 * 8));
+        assert_eq!(route_batch_smem(&d, 128, 4), 4 * (16 * 256 + 2 * 256 + 128 * 8 + 4 * 8 * 8));
     }
 
     #[test]
