@@ -511,15 +511,9 @@ impl Worker {
 
     /// Settles the moves whose copies are done, or all of them (`wait`); whether any settled.
     fn settle_moves(&mut self, wait: bool) -> bool {
-        let mut i = 0;
         let mut settled = false;
-        while i < self.moving.len() {
-            if !wait && self.moving[i].copy.as_ref().is_ok_and(|c| !c.is_done()) {
-                i += 1;
-                continue;
-            }
-            let Move { copy, entry } = self.moving.swap_remove(i);
-            drop(self.cache.settle_moved(entry, || copy?.finish()));
+        while let Some(freed) = settle_next(&mut self.cache, &mut self.moving, wait) {
+            drop(freed);
             settled = true;
         }
         if settled {
@@ -830,15 +824,21 @@ fn consumed_tokens(prompt: &[u32], generated: &[u32], stop: Option<u32>, fed: us
     })
 }
 
+/// Settles one move into the prefix cache's host tier: one whose copy is done (or failed), or
+/// with `wait` any, waiting for its copy. Returns the entry's device item, for the caller to free
+/// when the backend is idle; `None` when no move qualifies.
+fn settle_next(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, wait: bool) -> Option<Sequence> {
+    let i = moving.iter().position(|m| wait || m.copy.as_ref().map_or(true, |c| c.is_done()))?;
+    let Move { copy, entry } = moving.swap_remove(i);
+    Some(cache.settle_moved(entry, || copy?.finish()))
+}
+
 /// One round of the prefix cache's moves to its host tier (beside a decode step, or before the
 /// single-sequence loop): settles one move whose copy is done (its device memory kept in
 /// `moved_out` until the backend is idle) and starts one more while `to_move` bytes are wanted
 /// and fewer than [`MOVES_IN_FLIGHT`] are under way. Whether it started one.
 fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<Move>, to_move: &mut u64, moved_out: &mut Vec<Sequence>) -> bool {
-    if let Some(i) = moving.iter().position(|m| m.copy.as_ref().is_ok_and(|c| c.is_done())) {
-        let Move { copy, entry } = moving.swap_remove(i);
-        moved_out.push(cache.settle_moved(entry, || copy?.finish()));
-    }
+    moved_out.extend(settle_next(cache, moving, false));
     if *to_move == 0 || moving.len() >= MOVES_IN_FLIGHT {
         return false;
     }

@@ -274,7 +274,7 @@ impl DeviceCopy {
         if bytes == 0 {
             return Ok(());
         }
-        if (dst | src | bytes as u64) % 16 != 0 {
+        if !(dst | src | bytes as u64).is_multiple_of(16) {
             // SAFETY: the caller passes live device ranges of `bytes` bytes.
             return unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(|e| anyhow!("device copy failed: {e:?}"));
         }

@@ -321,23 +321,10 @@ impl KvSpace {
     }
 
     /// Runs `f` with the device address of each region's row 0 (`f` queues reads of the rows
-    /// this space holds). A held space maps its pages into a range for the call and unmaps them
-    /// after it (once the stream is done).
-    pub fn read_regions<R>(&self, f: impl FnOnce(&dyn Fn(usize) -> u64) -> Result<R>) -> Result<R> {
-        if !self.is_held() {
-            return f(&|r| self.region(r));
-        }
-        let Some(range) = self.map_all()? else { return f(&|_| 0) };
-        let out = f(&|r| range.base() + (r * self.region_bytes) as u64);
-        let _ = self.mem.stream.synchronize();
-        self.unmap_regions(&range, self.regions);
-        out
-    }
-
-    /// [`KvSpace::read_regions`] for reads that `f` queues on another stream than the space's:
-    /// a held space's mapping comes back with the result, to be dropped (unmapping the pages)
-    /// only once those reads are done; on an error nothing stays mapped, so the caller first
-    /// waits for its stream.
+    /// this space holds, on any stream). A held space maps its pages into a range for the call;
+    /// that mapping comes back with the result, to be dropped (unmapping the pages) only once
+    /// those reads are done; on an error nothing stays mapped, so the caller first waits for its
+    /// stream.
     pub fn read_regions_beside<R>(&self, f: impl FnOnce(&dyn Fn(usize) -> u64) -> Result<R>) -> (Result<R>, Option<MappedRegions>) {
         if !self.is_held() {
             return (f(&|r| self.region(r)), None);

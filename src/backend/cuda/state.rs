@@ -157,7 +157,7 @@ pub struct PendingCudaHost {
 }
 
 impl PendingCudaHost {
-    fn wait(mut self: Box<Self>) -> Result<CudaHostState> {
+    fn wait(mut self) -> Result<CudaHostState> {
         self.done.synchronize().map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
         Ok(self.state.take().expect("a pending copy is waited for once"))
     }
@@ -168,7 +168,7 @@ impl PendingHostCopy for PendingCudaHost {
         self.done.is_complete()
     }
     fn finish(self: Box<Self>) -> Result<Box<dyn Any + Send + Sync>> {
-        Ok(Box::new(self.wait()?))
+        Ok(Box::new((*self).wait()?))
     }
 }
 
@@ -226,7 +226,7 @@ impl CudaSequence {
     }
 
     fn copy_to_host(&self, len: usize) -> Result<CudaHostState> {
-        Box::new(self.start_copy_to_host(len)?).wait()
+        self.start_copy_to_host(len)?.wait()
     }
 
     /// A sequence holding what `host` holds (`len` tokens), its KV pages mapped
