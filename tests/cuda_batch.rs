@@ -14,7 +14,7 @@ mod common;
 use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{attention, testing, CudaBackend};
-use lily::backend::{Backend, BatchRow, LogitsWanted, PrefillPiece, Sequence};
+use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::batch_prompt;
 use lily::engine::sampling::{argmax, SamplerSnapshot, SamplingParams};
@@ -235,63 +235,6 @@ fn cuda_batch_steps_queued_ahead_leave_each_row_as_alone() {
         let next = decode_together(&mut gpu, &mut seqs[i..i + 1], &[1], &[cont], &[]);
         assert_eq!(next[0], [alone[fed[i]]], "row {i}: the step after the batch");
     }
-}
-
-/// A prefill queued beside batched decode steps (`prefill_pieces_beside`: the prefill on its
-/// own stream, the steps on the main one, both on the device at once) leaves every sequence as
-/// the two calls one after the other do: the rows' tokens, and the prefilled sequences' logits at
-/// their next step, bit for bit.
-#[test]
-#[ignore = "needs a GPU"]
-fn cuda_prefill_beside_batched_decode_is_as_one_after_the_other() {
-    let mut gpu = cuda(true);
-    let vocab = gpu.config().vocab_size;
-    let lens = &LENS[4..12];
-    let (max, snaps) = (vec![24; lens.len()], vec![greedy(); lens.len()]);
-    // Several pieces in one prefill call, long enough for the wgmma experts' route.
-    let prompts: Vec<Vec<u32>> = [700usize, 300, 129, 1000].iter().enumerate().map(|(i, &n)| batch_prompt(20 + i, n, vocab)).collect();
-    let run = |gpu: &mut CudaBackend, beside: bool| -> (Vec<Vec<u32>>, Vec<f32>) {
-        let mut rows: Vec<(Sequence, u32)> = lens.iter().enumerate().map(|(i, &len)| prefilled(gpu, i, len)).collect();
-        let mut seqs: Vec<Sequence> = prompts.iter().map(|_| gpu.new_sequence(2048).unwrap()).collect();
-        let mut pieces: Vec<PrefillPiece> = seqs.iter_mut().zip(&prompts).map(|(seq, p)| PrefillPiece { seq, tokens: &p[..] }).collect();
-        let (results, tokens) = if beside {
-            let mut tokens = Vec::new();
-            let (mut steps_before_done, mut decoded) = (0, false);
-            let b: &mut dyn Backend = gpu;
-            let results = b.prefill_pieces_beside(&mut pieces, &mut |b: &mut dyn Backend, done: &dyn Fn() -> bool| {
-                let mut out = vec![Vec::new(); rows.len()];
-                let mut brows: Vec<BatchRow> = rows.iter_mut().zip(&max).zip(&snaps).map(|(((seq, first), &m), s)| BatchRow { seq, first_token: *first, max_tokens: m, sampler: s.clone() }).collect();
-                b.decode_batch(&mut brows, &mut |i: usize, t: u32| {
-                    if i == 0 && !done() {
-                        steps_before_done += 1;
-                    }
-                    out[i].push(t);
-                    true
-                })
-                .unwrap();
-                (tokens, decoded) = (out, true);
-            });
-            assert!(decoded);
-            eprintln!("{steps_before_done} of 24 steps read before the prefill was done");
-            (results, tokens)
-        } else {
-            let results = gpu.prefill_pieces(&mut pieces);
-            (results, decode_together(gpu, &mut rows, &max, &snaps, &[]))
-        };
-        assert!(results.iter().all(Result::is_ok), "{results:?}");
-        drop(pieces);
-        for (s, p) in seqs.iter().zip(&prompts) {
-            assert_eq!(s.len(), p.len());
-        }
-        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-        let next: Vec<u32> = prompts.iter().map(|p| p[0]).collect();
-        (tokens, testing::batch_logits(gpu, &mut refs, &next).unwrap())
-    };
-    let (tokens, logits) = run(&mut gpu, false);
-    let (tokens_beside, logits_beside) = run(&mut gpu, true);
-    assert_eq!(tokens_beside, tokens);
-    assert!(tokens.iter().all(|t| t.len() == 24));
-    assert_eq!(max_abs_diff(&logits_beside, &logits), 0.0, "the prefilled sequences' next logits");
 }
 
 #[test]

@@ -271,15 +271,6 @@ pub trait Backend: Send {
         pieces.iter_mut().map(|p| self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ())).collect()
     }
 
-    /// Queues what [`Backend::prefill_pieces`] does and returns before it is done, for
-    /// `prefill_pieces_beside` (on `dyn Backend`) to run decode steps of other sequences
-    /// meanwhile; `None` where the backend cannot (the default: the
-    /// prefill then runs first, as a call of its own). The pieces' sequences are not advanced
-    /// until the prefill is done.
-    fn queue_prefill_pieces(&mut self, _pieces: &mut [PrefillPiece]) -> Option<QueuedPrefill> {
-        None
-    }
-
     /// Device memory in use and the device's total, in bytes (`None` for the host backend).
     /// "In use" is the whole device's (cuMemGetInfo), i.e. ours on a dedicated GPU.
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -522,55 +513,6 @@ pub struct BatchRow<'a> {
 pub struct PrefillPiece<'a> {
     pub seq: &'a mut Sequence,
     pub tokens: &'a [u32],
-}
-
-/// A prefill under way ([`Backend::queue_prefill_pieces`]): the pieces' results so far (those
-/// that failed their checks, or took another path, are final), the pieces it queued, and the
-/// device work in flight.
-pub struct QueuedPrefill {
-    pub results: Vec<Result<()>>,
-    pub queued: Vec<usize>,
-    pub flight: Box<dyn PrefillInFlight>,
-}
-
-/// The device work of a queued prefill.
-pub trait PrefillInFlight {
-    /// Whether the work is done (never blocks).
-    fn done(&self) -> bool;
-    /// Waits for the work; an error fails every queued piece.
-    fn wait(self: Box<Self>) -> Result<()>;
-}
-
-/// What runs beside a prefill (`prefill_pieces_beside`, on `dyn Backend`):
-/// it gets the backend and a probe that says whether the prefill is done.
-pub type BesidePrefill<'a> = dyn FnMut(&mut dyn Backend, &dyn Fn() -> bool) + 'a;
-
-impl dyn Backend + '_ {
-    /// Feeds the pieces as [`Backend::prefill_pieces`] does while `beside` runs, and returns
-    /// their results once both are done. `beside` gets the backend (for decode calls on other
-    /// sequences than the pieces') and a probe that says whether the prefill is done, to stop
-    /// its steps then. Where the backend can queue the prefill ([`Backend::queue_prefill_pieces`]:
-    /// on CUDA a stream of its own, below the decode's in priority) the two run on the device
-    /// at once; else the prefill runs first and the probe says done.
-    pub fn prefill_pieces_beside(&mut self, pieces: &mut [PrefillPiece], beside: &mut BesidePrefill) -> Vec<Result<()>> {
-        let Some(q) = self.queue_prefill_pieces(pieces) else {
-            let results = self.prefill_pieces(pieces);
-            beside(self, &|| true);
-            return results;
-        };
-        let QueuedPrefill { mut results, queued, flight } = q;
-        // The prefill is waited for even when `beside` panics: its device work writes the
-        // pieces' sequences, which the caller may free once this returns.
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| beside(self, &|| flight.done())));
-        match flight.wait() {
-            Ok(()) => queued.iter().for_each(|&i| pieces[i].seq.advance(pieces[i].tokens.len())),
-            Err(e) => queued.iter().for_each(|&i| results[i] = Err(anyhow::anyhow!("{e:#}"))),
-        }
-        if let Err(panic) = ran {
-            std::panic::resume_unwind(panic);
-        }
-        results
-    }
 }
 
 /// The attention KV cache element type the user asked for (`--kv-cache`).

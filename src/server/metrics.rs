@@ -172,10 +172,9 @@ pub enum WorkerPhase {
     /// Starting queued requests: the prefix-cache lookup and copy, the memory reservation, and
     /// the snapshots evicted or spilled to the host tier to make room.
     Admit,
-    /// Prefill rounds and their checkpoints' snapshots, with the decode steps that run beside
-    /// the rounds.
+    /// Prefill rounds and their checkpoints' snapshots.
     Prefill,
-    /// Decode steps in turns without a prefill round, with the host's work on their tokens.
+    /// Decode steps, with the host's work on their tokens.
     Decode,
     /// Ending finished requests: final events and keeping their sequences in the prefix cache.
     Retire,

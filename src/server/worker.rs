@@ -291,14 +291,10 @@ impl Worker {
             }
             self.admit(&mut rx);
             t = metrics.worker_spent(WorkerPhase::Admit, t);
-            self.move_ahead();
-            // The rows decode beside each prefill round (its time counts as prefill); without
-            // one, on their own.
-            let rounds = self.prefill();
+            self.prefill();
             t = metrics.worker_spent(WorkerPhase::Prefill, t);
-            if !rounds {
-                self.decode(&rx);
-            }
+            self.move_ahead();
+            self.decode(&rx);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
             self.retire();
             t = metrics.worker_spent(WorkerPhase::Retire, t);
@@ -419,17 +415,14 @@ impl Worker {
     /// Prefills up to `prefill_chunk` prompt tokens (more while more prompts wait than rows
     /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
-    /// (see the module comment). The decoding rows take their steps beside each round
-    /// ([`prefill_round`]); whether any round ran.
-    fn prefill(&mut self) -> bool {
+    /// (see the module comment).
+    fn prefill(&mut self) {
         let decoding = self.active.iter().filter(|a| a.stepping()).count();
         let waiting = self.active.iter().filter(|a| a.prefilling()).count();
         let chunk = turn_tokens(self.cfg.prefill_chunk, decoding, waiting);
         let mut budget = chunk;
-        let mut rounds = 0;
-        let Worker { backend, tokenizer, metrics, cfg, cache, active, moving, to_move, moved_out, .. } = self;
+        let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
-        let mut moves = Moves { cache, moving, to_move, moved_out };
         let mut forks = Vec::new();
         loop {
             // Rows with all but their last prompt token in decode from the next step on. Their
@@ -446,42 +439,57 @@ impl Worker {
             if started || budget == 0 {
                 break;
             }
-            let fed = prefill_round(&mut ctx, &mut moves, active, budget, chunk);
+            let fed = prefill_round(&mut ctx, cache, active, budget, chunk);
             if fed == 0 {
                 break;
             }
-            rounds += 1;
             budget -= fed.min(budget);
         }
         active.extend(forks);
-        // The backend is idle: what the moves settled during the rounds can go.
-        self.free_moved_out();
-        rounds > 0
     }
 
-    /// Frees the device memory of the entries the moves settled during a backend call, once the
-    /// backend is idle.
-    fn free_moved_out(&mut self) {
+    /// Decodes the rows whose prompt is in (see the module comment).
+    fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
+        let prefill_waits = self.active.iter().any(Active::prefilling);
+        // A new request ends a decode call early only if it could be admitted now.
+        let room = self.held.is_none() && self.active.len() < self.max_batch;
+        let newcomer = || room && !rx.is_empty();
+        let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
+        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
+        // A row at max-seq cannot take another step.
+        for a in active.iter_mut().filter(|a| a.stepping() && a.seq.len() >= a.seq.max_seq()) {
+            a.reply.end = Some(End::Length);
+        }
+        // Structured-output rows step in the batch, masked in its sampler; alone, one steps on
+        // the host like a logprobs row (the single-sequence forward beats a batch step of one).
+        let alone = active.iter().filter(|a| a.stepping() && !a.reply.wants_logits()).count() == 1;
+        let (host, device): (Vec<&mut Active>, Vec<&mut Active>) =
+            active.iter_mut().filter(|a| a.stepping()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
+        ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
+        let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
+        match device.len() {
+            0 => {}
+            1 if host.is_empty() && !prefill_waits => {
+                // The single-sequence loop takes no hooks: the turn's moves start before it.
+                while step_moves(cache, moving, to_move, moved_out) {}
+                let mut device = device;
+                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
+            }
+            _ => {
+                let mut beside = || {
+                    step_moves(cache, moving, to_move, moved_out);
+                };
+                batch_steps(&mut ctx, device, horizon, &newcomer, &mut beside)
+            }
+        }
+        for a in host {
+            host_step(&mut ctx, a);
+        }
+        // The backend is idle: what the moves settled during the call can go.
         if !self.moved_out.is_empty() {
             self.moved_out.clear();
             self.publish();
         }
-    }
-
-    /// Decodes the rows whose prompt is in, with no prefill beside them (see the module
-    /// comment): up to [`DECODE_HORIZON`] steps, fewer when a request could join.
-    fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
-        // A new request ends a decode call early only if it could be admitted now.
-        let room = self.held.is_none() && self.active.len() < self.max_batch;
-        let newcomer = || room && !rx.is_empty();
-        let prefill_waits = self.active.iter().any(Active::prefilling);
-        let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
-        let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
-        let mut moves = Moves { cache, moving, to_move, moved_out };
-        let rows = active.iter_mut().filter(|a| a.stepping()).collect();
-        let horizon = if prefill_waits { 1 } else { DECODE_HORIZON };
-        decode_rows(&mut ctx, &mut moves, rows, horizon, !prefill_waits, &newcomer);
-        self.free_moved_out();
     }
 
     /// Settles the moves whose copies are done (into the host tier; their device memory freed:
@@ -645,7 +653,7 @@ fn turn_tokens(chunk: usize, decoding: usize, waiting: usize) -> usize {
 /// once; each row is snapshotted into the prefix cache at its checkpoint. A row whose client
 /// wants prompt logprobs runs its own forwards (it needs every position's logits). Returns the
 /// tokens fed.
-fn prefill_round(ctx: &mut Ctx, moves: &mut Moves, active: &mut [Active], budget: usize, chunk: usize) -> usize {
+fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, active: &mut [Active], budget: usize, chunk: usize) -> usize {
     // (row, tokens, the row's checkpoint)
     let mut plan: Vec<(usize, usize, usize)> = Vec::new();
     let mut packed = 0;
@@ -684,33 +692,20 @@ fn prefill_round(ctx: &mut Ctx, moves: &mut Moves, active: &mut [Active], budget
     }
     let results = {
         let mut pieces: Vec<PrefillPiece> = Vec::with_capacity(plan.len());
-        let mut stepping: Vec<&mut Active> = Vec::new();
         let mut next = plan.iter().peekable();
         for (i, a) in active.iter_mut().enumerate() {
             if let Some(&(_, k, _)) = next.next_if(|p| p.0 == i) {
                 let fed = a.seq.len();
                 pieces.push(PrefillPiece { seq: &mut a.seq, tokens: &a.reply.job.prompt[fed..fed + k] });
-            } else if a.stepping() {
-                stepping.push(a);
             }
         }
-        // The decoding rows step while the device prefills (up to a horizon, until the prefill
-        // is done), instead of waiting for the round.
-        let (tokenizer, metrics, cfg) = (ctx.tokenizer, ctx.metrics, ctx.cfg);
-        let moves = &mut *moves;
-        let mut beside = |backend: &mut dyn Backend, done: &dyn Fn() -> bool| {
-            if !stepping.is_empty() {
-                let mut ctx = Ctx { backend, tokenizer, metrics, cfg };
-                decode_rows(&mut ctx, moves, std::mem::take(&mut stepping), DECODE_HORIZON, false, done);
-            }
-        };
-        guarded(|| Ok(ctx.backend.prefill_pieces_beside(&mut pieces, &mut beside)))
+        guarded(|| Ok(ctx.backend.prefill_pieces(&mut pieces)))
     };
     match results {
         Ok(results) => {
             for (&(i, _, checkpoint), r) in plan.iter().zip(results) {
                 match r {
-                    Ok(()) => snapshot_at(moves.cache, &mut active[i], checkpoint),
+                    Ok(()) => snapshot_at(cache, &mut active[i], checkpoint),
                     Err(e) => active[i].reply.failed = Some(e),
                 }
             }
@@ -857,60 +852,10 @@ fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<
     true
 }
 
-/// The prefix cache and its moves to the host tier, which start and settle beside decode steps.
-struct Moves<'a> {
-    cache: &'a mut PrefixCache<Sequence, HostSequence>,
-    moving: &'a mut Vec<Move>,
-    /// Bytes of entries still to move this turn.
-    to_move: &'a mut u64,
-    /// Device memory of entries settled during a backend call, freed after it.
-    moved_out: &'a mut Vec<Sequence>,
-}
-
-impl Moves<'_> {
-    /// One round of moves ([`step_moves`]); whether it started one.
-    fn step(&mut self) -> bool {
-        step_moves(self.cache, self.moving, self.to_move, self.moved_out)
-    }
-}
-
-/// Steps of the decoding rows: up to `horizon` (one while a row whose client wants logprobs
-/// steps on the host), every row stopping once `stop` says so; one row alone runs the
-/// single-sequence loop where `solo` allows (it runs whole). The prefix cache's moves run beside
-/// the steps.
-fn decode_rows(ctx: &mut Ctx, moves: &mut Moves, mut rows: Vec<&mut Active>, horizon: usize, solo: bool, stop: &dyn Fn() -> bool) {
-    // A row at max-seq cannot take another step.
-    for a in rows.iter_mut().filter(|a| a.seq.len() >= a.seq.max_seq()) {
-        a.reply.end = Some(End::Length);
-    }
-    rows.retain(|a| a.stepping());
-    // Structured-output rows step in the batch, masked in its sampler; alone, one steps on
-    // the host like a logprobs row (the single-sequence forward beats a batch step of one).
-    let alone = rows.iter().filter(|a| !a.reply.wants_logits()).count() == 1;
-    let (host, device): (Vec<&mut Active>, Vec<&mut Active>) = rows.into_iter().partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
-    ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
-    let horizon = if host.is_empty() { horizon } else { 1 };
-    match device.len() {
-        0 => {}
-        1 if host.is_empty() && solo => {
-            // The single-sequence loop takes no hooks: the moves start before it.
-            while moves.step() {}
-            let mut device = device;
-            solo_steps(ctx, device.pop().expect("one row"), horizon);
-        }
-        _ => batch_steps(ctx, device, horizon, stop, &mut || {
-            moves.step();
-        }),
-    }
-    for a in host {
-        host_step(ctx, a);
-    }
-}
-
 /// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
-/// resumes next turn) once `stop` says so (a request waits to join, or the prefill beside the
-/// steps is done); `beside` runs once per step while the device has it queued.
-fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, stop: &dyn Fn() -> bool, beside: &mut dyn FnMut()) {
+/// resumes next turn) once `newcomer` says a request waits to join; `beside` runs once per step
+/// while the device has it queued.
+fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool, beside: &mut dyn FnMut()) {
     let mut batch = Vec::with_capacity(rows.len());
     let mut replies = Vec::with_capacity(rows.len());
     for a in rows {
@@ -920,7 +865,7 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, stop: &dyn
         replies.push(reply);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), stop, beside, ahead: false };
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, beside, ahead: false };
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut hooks));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
@@ -933,11 +878,11 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, stop: &dyn
 
 /// A batched decode's view of its rows' replies: each token goes to its reply (`accept`: false
 /// ends the row), a reply's structured-output constraint masks its row's draws, and every row
-/// stops (to resume next turn) once `stop` says so.
+/// stops (to resume next turn) once `newcomer` says a request waits to join.
 struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
     replies: &'a mut [&'r mut Reply],
     accept: &'a mut F,
-    stop: &'a dyn Fn() -> bool,
+    newcomer: &'a dyn Fn() -> bool,
     /// Host work beside the queued steps (the prefix cache's moves).
     beside: &'a mut dyn FnMut(),
     /// The backend queued the next step before this step's tokens: each row has been fed its
@@ -947,17 +892,17 @@ struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
 
 impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
     fn token(&mut self, row: usize, token: u32) -> bool {
-        (self.accept)(self.replies[row], token) && (self.ahead || !(self.stop)())
+        (self.accept)(self.replies[row], token) && (self.ahead || !(self.newcomer)())
     }
 
     fn mask(&mut self, row: usize, allowed: &mut [u32]) -> anyhow::Result<bool> {
         Ok(self.replies[row].allowed(allowed))
     }
 
-    /// Ahead only while the rows are not to stop (they pause one step later than they would
-    /// otherwise) and no row is constrained (a grammar's mask follows the last token).
+    /// Ahead only while no request waits to join (the rows pause one step later than they
+    /// would otherwise) and no row is constrained (a grammar's mask follows the last token).
     fn queue_ahead(&mut self) -> bool {
-        self.ahead = !(self.stop)() && self.replies.iter().all(|r| r.job.constraint.is_none());
+        self.ahead = !(self.newcomer)() && self.replies.iter().all(|r| r.job.constraint.is_none());
         self.ahead
     }
 

@@ -56,7 +56,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub sms: u32,
     pub name: String,
-    kernels: Arc<Registry>,
+    kernels: Registry,
     /// Launch kernels that wait for their predecessor as programmatic dependents: their weight
     /// loads (issued before the wait) then overlap the previous kernel's tail. Results are the
     /// same either way.
@@ -95,33 +95,15 @@ impl Gpu {
         // SAFETY: called before any allocation on this context.
         unsafe { ctx.disable_event_tracking() };
         // A created stream, not the legacy default stream: the decode step is captured into a
-        // CUDA graph, which the legacy stream does not allow. At the highest priority: a prefill
-        // queued beside the decode steps ([`Gpu::side_stream`]) takes what SMs they leave.
-        ctx.bind_to_thread().map_err(|e| anyhow!("cannot use the CUDA context on GPU {device}: {e:?}"))?;
-        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
+        // CUDA graph, which the legacy stream does not allow.
         let stream = ctx
-            .new_stream_with_priority(highest)
+            .new_stream()
             .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap_or(132)
             .max(1) as u32;
-        Ok(Gpu { kernels: Arc::new(Registry::new(ctx.clone())), ctx, stream, sms, name, pdl })
-    }
-
-    /// The same device and kernels on a stream of their own at the lowest priority: the
-    /// prefill's, so that its chunks run beside the decode steps (on the highest-priority stream)
-    /// with the SMs those leave. Work on it is ordered against the main stream by the caller.
-    pub fn side_stream(&self) -> Result<Gpu> {
-        self.ctx.bind_to_thread().map_err(|e| anyhow!("cannot use the CUDA context: {e:?}"))?;
-        let (lowest, _) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
-        let stream = self
-            .ctx
-            .new_stream_with_priority(lowest)
-            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
-        Ok(Gpu { ctx: self.ctx.clone(), stream, sms: self.sms, name: self.name.clone(), kernels: self.kernels.clone(), pdl: self.pdl })
+        Ok(Gpu { kernels: Registry::new(ctx.clone()), ctx, stream, sms, name, pdl })
     }
 
     /// Compiles and loads every kernel module now (start-up: NVRTC errors surface here, and no

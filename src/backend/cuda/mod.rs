@@ -35,7 +35,7 @@ pub mod testing;
 pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, HostSequence, LogitsWanted, PrefillInFlight, PrefillPiece, QueuedPrefill, Sequence, SequenceMemoryReport, StepHooks};
+use super::{Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, SequenceMemoryReport, StepHooks};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -57,9 +57,6 @@ pub struct CudaBackend {
     pub(crate) w: DevWeights,
     pub(crate) opts: CudaOptions,
     decoder: Decoder,
-    /// The device on the prefill's own stream, below `gpu`'s in priority: a prefill queued
-    /// beside decode steps ([`Backend::queue_prefill_pieces`]) runs on the SMs they leave.
-    pub(crate) prefill_gpu: Gpu,
     /// The budget and pools sequences draw their memory from.
     mem: Arc<SequenceMemory>,
     /// Prefill buffers, grown to the longest chunk seen.
@@ -254,8 +251,7 @@ impl CudaBackend {
         let frag_experts = moe::fragment_order_experts(&moe::MoeDims::new(&cfg), opts.force_cuda_core_moe);
         let w = DevWeights::upload(&gpu, &mw, ck.total_bytes(), frag_experts)?;
         let decoder = Decoder::new(&gpu, &cfg, &w)?;
-        let prefill_gpu = gpu.side_stream()?;
-        let blas = if opts.cublas { blas::Blas::open(&prefill_gpu.stream) } else { None };
+        let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
         let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), gpu.device_copy()?, state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
         gpu.sync()?;
         Ok(CudaBackend {
@@ -266,7 +262,6 @@ impl CudaBackend {
             w,
             opts,
             decoder,
-            prefill_gpu,
             mem,
             chunk_buffers: None,
             blas,
@@ -337,23 +332,8 @@ impl CudaBackend {
 
     /// One prefill call over `pieces` (validated by the caller; see `prefill::Prefill::run`).
     fn prefill_run(&mut self, pieces: &[prefill::Piece], wanted: LogitsWanted) -> Result<Vec<f32>> {
-        self.prefill_after_stream()?;
-        let mut bufs = self.chunk_buffers.take();
-        let r = self.prefill_call().run(&mut bufs, pieces, wanted);
-        self.chunk_buffers = bufs;
-        r
-    }
-
-    /// The prefill's stream waits for the work queued on the main one (the pieces' sequences
-    /// may have been written there: restored, copied, decoded).
-    fn prefill_after_stream(&self) -> Result<()> {
-        self.prefill_gpu.stream.join(&self.gpu.stream).map_err(|e| anyhow!("ordering the prefill's stream: {e:?}"))
-    }
-
-    /// A prefill call on the prefill's stream.
-    fn prefill_call(&self) -> prefill::Prefill<'_> {
-        prefill::Prefill {
-            gpu: &self.prefill_gpu,
+        let run = prefill::Prefill {
+            gpu: &self.gpu,
             cfg: &self.cfg,
             w: &self.w,
             blas: self.blas.as_ref(),
@@ -362,27 +342,8 @@ impl CudaBackend {
             chunk: self.opts.prefill_chunk,
             exact: self.opts.exact_prefill,
             profile: self.opts.profile,
-        }
-    }
-
-    /// Each piece checked: the results of those that failed their checks or took the
-    /// per-token path (what `forward` would not prefill, a single token say), and the indices of
-    /// those left for the prefill.
-    fn checked_pieces(&mut self, pieces: &mut [PrefillPiece]) -> (Vec<Result<()>>, Vec<usize>) {
-        let mut results: Vec<Result<()>> = Vec::with_capacity(pieces.len());
-        let mut ok = Vec::new();
-        for (i, p) in pieces.iter_mut().enumerate() {
-            if !self.prefills(p.tokens.len()) {
-                results.push(self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ()));
-                continue;
-            }
-            let r = self.check_tokens(p.seq, p.tokens);
-            if r.is_ok() {
-                ok.push(i);
-            }
-            results.push(r);
-        }
-        (results, ok)
+        };
+        run.run(&mut self.chunk_buffers, pieces, wanted)
     }
 
     /// Single tokens, and models whose shapes the prefill kernels do not cover (or
@@ -503,12 +464,25 @@ impl Backend for CudaBackend {
     /// The pieces that pass `check_tokens` go through one prefill call (several sequences' rows
     /// in each chunk); a failure of that call fails each of them.
     fn prefill_pieces(&mut self, pieces: &mut [PrefillPiece]) -> Vec<Result<()>> {
-        let (mut results, ok) = self.checked_pieces(pieces);
+        let mut results: Vec<Result<()>> = Vec::with_capacity(pieces.len());
+        let mut ok = Vec::new();
+        for (i, p) in pieces.iter_mut().enumerate() {
+            // What `forward` would not prefill (a single token, say) takes its path.
+            if !self.prefills(p.tokens.len()) {
+                results.push(self.forward(p.seq, p.tokens, LogitsWanted::None).map(|_| ()));
+                continue;
+            }
+            let r = self.check_tokens(p.seq, p.tokens);
+            if r.is_ok() {
+                ok.push(i);
+            }
+            results.push(r);
+        }
         if ok.is_empty() {
             return results;
         }
         let run = {
-            let views = piece_views(pieces, &ok);
+            let views: Vec<prefill::Piece> = ok.iter().map(|&i| prefill::Piece { seq: pieces[i].seq.state::<CudaSequence>(), pos: pieces[i].seq.len(), tokens: pieces[i].tokens }).collect();
             self.prefill_run(&views, LogitsWanted::None)
         };
         for &i in &ok {
@@ -518,33 +492,6 @@ impl Backend for CudaBackend {
             }
         }
         results
-    }
-
-    /// The prefill of `prefill_pieces` queued on the prefill's stream, done when an event
-    /// recorded after it completes. Not while profiling (the profile times a call's phases).
-    fn queue_prefill_pieces(&mut self, pieces: &mut [PrefillPiece]) -> Option<QueuedPrefill> {
-        if self.opts.profile {
-            return None;
-        }
-        let (mut results, queued) = self.checked_pieces(pieces);
-        let flight = if queued.is_empty() {
-            Ok(None)
-        } else {
-            let views = piece_views(pieces, &queued);
-            let mut bufs = self.chunk_buffers.take();
-            let r = self.prefill_after_stream().and_then(|()| self.prefill_call().queue(&mut bufs, &views, LogitsWanted::None, &mut Probe::default()));
-            self.chunk_buffers = bufs;
-            r.and_then(|_| self.prefill_gpu.stream.record_event(None).map(Some).map_err(|e| anyhow!("recording the prefill's event: {e:?}")))
-        };
-        match flight {
-            Ok(done) => Some(QueuedPrefill { results, queued, flight: Box::new(PrefillEvent(done)) }),
-            Err(e) => {
-                // Part of it may be queued: it must be done before the caller frees what it writes.
-                let _ = self.prefill_gpu.sync();
-                queued.iter().for_each(|&i| results[i] = Err(anyhow!("{e:#}")));
-                Some(QueuedPrefill { results, queued: Vec::new(), flight: Box::new(PrefillEvent(None)) })
-            }
-        }
     }
 
     /// Greedy decode with the token kept on the device: each step's graph ends with
@@ -574,27 +521,6 @@ impl Backend for CudaBackend {
     /// tokens are read where the hooks allow it.
     fn decode_batch(&mut self, rows: &mut [BatchRow], hooks: &mut dyn StepHooks) -> Result<Vec<usize>> {
         self.batch_decode(rows, hooks)
-    }
-}
-
-/// The prefill call's views of pieces `which`.
-fn piece_views<'a>(pieces: &'a [PrefillPiece], which: &[usize]) -> Vec<prefill::Piece<'a>> {
-    which.iter().map(|&i| prefill::Piece { seq: pieces[i].seq.state::<CudaSequence>(), pos: pieces[i].seq.len(), tokens: pieces[i].tokens }).collect()
-}
-
-/// A queued prefill's event on its stream (none when nothing was queued).
-struct PrefillEvent(Option<cudarc::driver::CudaEvent>);
-
-impl PrefillInFlight for PrefillEvent {
-    fn done(&self) -> bool {
-        self.0.as_ref().is_none_or(|e| e.try_is_complete().unwrap_or(true))
-    }
-
-    fn wait(self: Box<Self>) -> Result<()> {
-        match &self.0 {
-            Some(e) => e.synchronize().map_err(|e| anyhow!("CUDA error during the prefill: {e:?}")),
-            None => Ok(()),
-        }
     }
 }
 

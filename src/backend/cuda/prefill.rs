@@ -300,18 +300,6 @@ impl Prefill<'_> {
     /// once) through the model in chunks ([`plan_chunks`]); returns the wanted logits as the
     /// `Backend` trait does, which only a call of one piece may want.
     pub fn run(&self, bufs: &mut Option<ChunkBuffers>, pieces: &[Piece], wanted: crate::backend::LogitsWanted) -> Result<Vec<f32>> {
-        let mut probe = Probe::profiling(self.profile);
-        let out = self.queue(bufs, pieces, wanted, &mut probe)?;
-        self.gpu.sync()?;
-        if self.profile {
-            report(&probe.phase_ms(self.gpu)?, pieces.iter().map(|p| p.tokens.len()).sum());
-        }
-        Ok(out)
-    }
-
-    /// [`Prefill::run`] up to the end of its queued work: returns once the last chunk is queued
-    /// (with no logits wanted, before the device is done), with the logits read so far.
-    pub fn queue(&self, bufs: &mut Option<ChunkBuffers>, pieces: &[Piece], wanted: crate::backend::LogitsWanted, probe: &mut Probe) -> Result<Vec<f32>> {
         use crate::backend::LogitsWanted;
         if pieces.len() != 1 && wanted != LogitsWanted::None {
             bail!("a prefill of several sequences returns no logits");
@@ -326,6 +314,7 @@ impl Prefill<'_> {
         };
         ChunkBuffers::fit(bufs, gpu, cfg, nmax, rows_cap, self.blas.is_some())?;
         let b = bufs.as_mut().expect("fitted above");
+        let mut probe = Probe::profiling(self.profile);
         let mut out = Vec::new();
         for c in &plan {
             let mut segments = Vec::with_capacity(c.len());
@@ -336,12 +325,16 @@ impl Prefill<'_> {
                 ids.extend(p.tokens[start..start + n].iter().map(|&t| t as i32));
             }
             gpu.stream.memcpy_htod(&ids, &mut b.scratch.ids).map_err(|e| anyhow!("token upload: {e:?}"))?;
-            self.chunk_layers(b, ids.len(), &segments, probe)?;
+            self.chunk_layers(b, ids.len(), &segments, &mut probe)?;
             if let [(0, start, n)] = c[..] {
                 if let Some((r0, r1)) = logit_rows(wanted, n, start + n == lens[0]) {
-                    out.extend(self.logits(b, r0, r1, probe)?);
+                    out.extend(self.logits(b, r0, r1, &mut probe)?);
                 }
             }
+        }
+        gpu.sync()?;
+        if self.profile {
+            report(&probe.phase_ms(gpu)?, lens.iter().sum());
         }
         Ok(out)
     }

@@ -131,7 +131,7 @@ fn blas_scratch(b: &CudaBackend, q: &QuantTensor, tokens: usize, needed: bool) -
         bail!("cuBLAS is not loaded (libcublas missing or LILY_CUDA_CUBLAS=0)");
     }
     let (w, a) = (q.rows * q.cols, tokens * q.cols);
-    Ok(Some(BlasScratch::new(&b.prefill_gpu, w, w, a, a)?))
+    Ok(Some(BlasScratch::new(&b.gpu, w, w, a, a)?))
 }
 
 /// `x` is `[tokens][q.cols]`; returns `[tokens][q.rows]` through the prefill GEMM `route`.
@@ -152,8 +152,7 @@ enum Route {
 }
 
 fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: Route) -> Result<Vec<f32>> {
-    // The prefill's stream, which cuBLAS is bound to.
-    let gpu = &b.prefill_gpu;
+    let gpu = &b.gpu;
     if x.len() != tokens * q.cols {
         bail!("gemm: x has {} values, want {tokens}x{}", x.len(), q.cols);
     }
