@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{max_abs_diff, rel_rms, rnd, tiny_checkpoint};
+use common::{max_abs_diff, random_quant, rel_rms, rnd, tiny_checkpoint};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{attention, testing, CudaBackend};
 use lily::backend::{Backend, BatchRow, LogitsWanted, Sequence};
@@ -234,6 +234,36 @@ fn cuda_batch_steps_queued_ahead_leave_each_row_as_alone() {
         seqs[i].1 = alone[fed[i] - 1];
         let next = decode_together(&mut gpu, &mut seqs[i..i + 1], &[1], &[cont], &[]);
         assert_eq!(next[0], [alone[fed[i]]], "row {i}: the step after the batch");
+    }
+}
+
+/// The batched GEMV set at every blocking of a step's tokens: 16 or 8 tokens per 256-thread block
+/// (one token block), 32 or 16 per 512-thread block (several; `gemv_tcb_w`). Each token's outputs
+/// are bit-identical whatever the step's token count, and near the CPU's f32 product (bf16
+/// inputs on the tensor cores); at the 35B's hidden width (2,048 columns) and GDN value width
+/// (4,096).
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_gemv_set_does_not_depend_on_the_token_count() {
+    let gpu = cuda(true);
+    for (rows, cols) in [(1000usize, 2048usize), (2048, 4096)] {
+        let q = random_quant(rows, cols, 4, 7 + cols as u64);
+        let n = 100;
+        let x = rnd(11, n * cols);
+        let all = testing::gemv_batch(&gpu, &q, &x, n, false).unwrap();
+        for ntok in [1usize, 8, 9, 16, 17, 32, 33, 64] {
+            let part = testing::gemv_batch(&gpu, &q, &x[..ntok * cols], ntok, false).unwrap();
+            assert_eq!(max_abs_diff(&part, &all[..ntok * rows]), 0.0, "{rows}x{cols}: {ntok} tokens against {n}");
+        }
+        // The fragment-order codes (the model's matrices): the same outputs.
+        for ntok in [16usize, 17, n] {
+            let f = testing::gemv_batch(&gpu, &q, &x[..ntok * cols], ntok, true).unwrap();
+            assert_eq!(max_abs_diff(&f, &all[..ntok * rows]), 0.0, "{rows}x{cols}: {ntok} tokens, fragment order");
+        }
+        let want = lily::backend::cpu::qmatmul::qmatmul_all(&q, &x, n);
+        let r = rel_rms(&all, &want);
+        eprintln!("{rows}x{cols}, {n} tokens: rel RMS {r:.3e} against the CPU");
+        assert!(r < 1e-2, "{rows}x{cols}: relative error {r}");
     }
 }
 

@@ -16,6 +16,10 @@ const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
 const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
 const GEMV_TCB_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_f");
+const GEMV_TCB_W: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_w");
+const GEMV_TCB_WF: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_wf");
+/// Threads of `gemv_tcb_w` (one block per SM).
+const GEMV_TCB_W_THREADS: u32 = 512;
 const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
 const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
@@ -647,6 +651,19 @@ fn tcb_tokens(cols: usize) -> usize {
     }
 }
 
+/// How `gemv_tcb` blocks a step's `ntok` tokens over `cols` columns: (tokens per block, wide).
+/// A step of several token blocks runs the 512-thread `gemv_tcb_w` with twice the tokens per
+/// block: its blocks are one per SM either way (`tcb_row_blocks`), and each dequantised weight
+/// fragment then serves twice the tokens, where the dequantisation is most of the instructions.
+fn tcb_blocking(cols: usize, ntok: usize) -> (usize, bool) {
+    let tok = tcb_tokens(cols);
+    if ntok > tok {
+        (2 * tok, true)
+    } else {
+        (tok, false)
+    }
+}
+
 /// `gemv_tcb`'s blocks per token block (grid.y): `tc_geometry`'s, but at most one per SM when the
 /// step has several token blocks. Each block copies its tokens' fragments for the whole K, so
 /// with several token blocks a wave of two per SM moves more bytes of fragments than of weights,
@@ -664,9 +681,10 @@ fn tcb_row_blocks(blocks: usize, sms: usize, ntok: usize, tok: usize) -> usize {
 /// Fragment words per 64-column group and 8 tokens (TCB_WORDS in kernels/common.cuh).
 pub const TCB_WORDS: usize = 256;
 
-/// Dynamic shared memory of `gemv_tcb` over `cols` columns.
-fn gemv_tcb_smem(cols: usize) -> u32 {
-    let (tok, gpr, warps) = (tcb_tokens(cols), cols / 64, (GEMV_THREADS / 32) as usize);
+/// Dynamic shared memory of `gemv_tcb` over `cols` columns with `tok` tokens per block and
+/// `threads` per block.
+fn gemv_tcb_smem(cols: usize, tok: usize, threads: u32) -> u32 {
+    let (gpr, warps) = (cols / 64, (threads / 32) as usize);
     ((tok / 8 * gpr * TCB_WORDS + tok * gpr + warps * 16 * tok) * 4) as u32
 }
 
@@ -677,13 +695,18 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     if !set.all4 || !cols.is_multiple_of(64) {
         bail!("the batched GEMV takes 4-bit matrices of whole 64-column groups");
     }
-    let smem = gemv_tcb_smem(cols);
-    let k = if set.frag { GEMV_TCB_F } else { GEMV_TCB };
-    let per_sm = blocks_per_sm(gpu, k, smem, 1)?;
+    // The tiles and K slices are the 256-thread kernel's at every token count (bit-identical
+    // outputs whatever the batch); the wide kernel's warps take them two blocks' worth at a time.
+    let narrow_smem = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
+    let per_sm = blocks_per_sm(gpu, if set.frag { GEMV_TCB_F } else { GEMV_TCB }, narrow_smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
+    let (tok, wide) = tcb_blocking(cols, ntok);
+    let (k, threads, blocks) = match (wide, set.frag) {
+        (false, frag) => (if frag { GEMV_TCB_F } else { GEMV_TCB }, GEMV_THREADS, tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok)),
+        (true, frag) => (if frag { GEMV_TCB_WF } else { GEMV_TCB_W }, GEMV_TCB_W_THREADS, blocks.min(gpu.sms as usize)),
+    };
+    let smem = gemv_tcb_smem(cols, tok, threads);
     let s = &gpu.stream;
-    let tok = tcb_tokens(cols);
-    let blocks = tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok);
     let args = [
         Arg::P(set.descs),
         Arg::I(set.count as i32),
@@ -695,7 +718,7 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
         Arg::I(slices as i32),
         Arg::I(kc as i32),
     ];
-    gpu.launch(k, (ntok.div_ceil(tok) as u32, blocks as u32, 1), GEMV_THREADS, smem, &args)
+    gpu.launch(k, (ntok.div_ceil(tok) as u32, blocks as u32, 1), threads, smem, &args)
 }
 
 /// `len` f32 values at `x` to bf16 at `y` (`len` a multiple of 4: rows of 64-column matrices).
@@ -787,14 +810,23 @@ mod tests {
     }
 
     #[test]
-    fn batched_gemv_blocks_fit_two_per_sm() {
+    fn batched_gemv_blocks_fit_two_per_sm_and_wide_ones_one() {
         // 35B inputs: hidden 2,048 (16 tokens per block), GDN value / attention inner 4,096 (8),
-        // expert and shared-expert widths 512.
+        // expert and shared-expert widths 512; the wide kernel's blocks twice the tokens.
         for cols in [2048, 4096, 512] {
-            assert!(gemv_tcb_smem(cols) <= 113 * 1024, "{cols}: {}", gemv_tcb_smem(cols));
+            let narrow = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
+            assert!(narrow <= 113 * 1024, "{cols}: {narrow}");
+            let wide = gemv_tcb_smem(cols, 2 * tcb_tokens(cols), GEMV_TCB_W_THREADS);
+            assert!(wide <= super::super::registry::SMEM_OPTIN_LIMIT, "{cols}: {wide}");
         }
         assert_eq!(tcb_tokens(2048), 16);
         assert_eq!(tcb_tokens(4096), 8);
+        // One token block: the 256-thread kernel; several: the wide one, twice the tokens each.
+        assert_eq!(tcb_blocking(2048, 16), (16, false));
+        assert_eq!(tcb_blocking(2048, 17), (32, true));
+        assert_eq!(tcb_blocking(2048, 128), (32, true));
+        assert_eq!(tcb_blocking(4096, 8), (8, false));
+        assert_eq!(tcb_blocking(4096, 9), (16, true));
     }
 
     #[test]

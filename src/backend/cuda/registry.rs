@@ -51,6 +51,8 @@ pub const QMATMUL: Module = Module {
         "gemv_tc",
         "gemv_tcb",
         "gemv_tcb_f",
+        "gemv_tcb_w",
+        "gemv_tcb_wf",
         "stage_tcb",
         "embed_q",
         "pf_gemm",

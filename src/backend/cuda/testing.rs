@@ -94,6 +94,27 @@ pub fn gemv(b: &CudaBackend, q: &QuantTensor, x: &[f32], gain: Option<&[f32]>) -
     read(gpu, &y)
 }
 
+/// `ntok` rows of `x` (`[ntok][q.cols]`) through the batched decode's GEMV set (`stage_tcb`, then
+/// `gemv_tcb` as a step of `ntok` rows runs it), over the codes in row order or (`frag`) their
+/// fragment-order copy; returns `[ntok][q.rows]`.
+pub fn gemv_batch(b: &CudaBackend, q: &QuantTensor, x: &[f32], ntok: usize, frag: bool) -> Result<Vec<f32>> {
+    let gpu = &b.gpu;
+    if x.len() != ntok * q.cols {
+        bail!("gemv_batch: x has {} values, want {ntok}x{}", x.len(), q.cols);
+    }
+    let dq = if frag { DevQ::upload_with_frag_copy(gpu, q)? } else { DevQ::upload(gpu, q)? };
+    let y = gpu.zeros::<f32>(ntok * q.rows)?;
+    let xd = gpu.upload(x)?;
+    let st = qmatmul::TcbStaging::new(gpu, ntok, q.cols)?;
+    qmatmul::stage_tcb(gpu, ptr(&xd, &gpu.stream), q.cols, ntok, 0, 1e-6, 0, &st)?;
+    let mut sets = GemvSets::default();
+    sets.frag = frag;
+    let i = sets.add(gpu, &[(&dq, ptr(&y, &gpu.stream), false)]);
+    let descs = gpu.upload(&sets.descs)?;
+    qmatmul::gemv_tcb(gpu, sets.set(i, ptr(&descs, &gpu.stream)), &st, q.cols, ntok)?;
+    read(gpu, &y)
+}
+
 /// The device argmax (ties -> lowest id) of `logits`.
 pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
     let gpu = &b.gpu;
