@@ -745,11 +745,10 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
 // load_tokens_tc of the consecutive staged rows j0.. (j0 a multiple of 8): their 8-token groups
 // lie in the staging as in the block's fragments, so the copy is one contiguous run of whole
 // groups (rows nt..ceil8(nt) - 1 come along: the staging has them, and their columns' outputs are
-// never stored). The group sums' row stride is the token groups tcb_groups(nt) multiplies.
-__device__ __forceinline__ int tcb_groups(int nt) { return nt > 16 ? 4 : nt > 8 ? 2 : 1; }
+// never stored).
 __device__ void load_token_block_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
                                     int nt, u32* xf, float* gsum) {
-    const int gpr = cols >> 6, ntok = 8 * tcb_groups(nt);
+    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     const int pieces = ((nt + 7) >> 3) * gpr * (TCB_WORDS / 4);
     const u32* src = frag + (size_t)(j0 >> 3) * gpr * TCB_WORDS;
     for (int p = threadIdx.x; p < pieces; p += blockDim.x) cp_async16(xf + 4 * p, src + 4 * p);

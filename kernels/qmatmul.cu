@@ -391,8 +391,8 @@ stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float e
 // gemv_tc for the few tokens of a batched decode step: several 4-bit matrices (group 64) that
 // share one staged input (stage_tcb), y_m[t][r] (+)= W_m[r] . x[t] for tokens t < ntok (outputs
 // token-major [ntok][rows_m]); bf16 activations on the tensor cores (tcb_mma in common.cuh).
-// grid (ceil(ntok / tok_blk), blocks): a block copies its tok_blk (8 or 16; 16 or 32 in the
-// 512-thread gemv_tcb_w) tokens' fragments, then walks the set's 16-row tiles like gemv_tc:
+// grid (ceil(ntok / tok_blk), blocks): a block copies its tok_blk (8 or 16) tokens' fragments,
+// then walks the set's 16-row tiles like gemv_tc:
 // `slices` warps of `kc` 512-column chunks per tile, summed through shared memory. The tokens of
 // a block share every weight load and every dequantised weight fragment, and the blocks of the
 // same rows (consecutive blockIdx.x) run together, so larger batches read the weights from L2.
@@ -471,10 +471,7 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
     load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
-    const int ng = tcb_groups(nt);
-    if (ng == 4)
-        gemv_tcb_tiles<4, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
-    else if (ng == 2)
+    if (nt > 8)
         gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
         gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
@@ -491,10 +488,10 @@ gemv_tcb_f(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ fra
            int cols, int ntok, int tok_blk, int slices, int kc) {
     gemv_tcb_body<true>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
 }
-// The same with 16 warps and twice the tokens per block (one block per SM: the fragments of 32
-// tokens of 2,048 columns are 128 KB), for steps of several token blocks: each dequantised
-// weight fragment serves twice the tokens. The warps take the same tiles and K slices as the
-// 256-thread kernel's, so every output is bit-identical.
+// The same with 16 warps, one block per SM: 16 tokens of 4,096 columns (128 KB of fragments)
+// where the 256-thread kernel's blocks take 8, so each dequantised weight fragment serves twice
+// the tokens. The warps take the same tiles and K slices as the 256-thread kernel's, so every
+// output is bit-identical.
 extern "C" __global__ void __launch_bounds__(512, 1)
 gemv_tcb_w(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
            int cols, int ntok, int tok_blk, int slices, int kc) {

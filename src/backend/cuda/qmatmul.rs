@@ -652,17 +652,21 @@ fn tcb_tokens(cols: usize) -> usize {
 }
 
 /// How `gemv_tcb` blocks a step's `ntok` tokens over `cols` columns: (tokens per block, wide).
-/// A step of several token blocks runs the 512-thread `gemv_tcb_w` with twice the tokens per
-/// block: its blocks are one per SM either way (`tcb_row_blocks`), and each dequantised weight
-/// fragment then serves twice the tokens, where the dequantisation is most of the instructions.
+/// Where the 256-thread kernel's blocks take 8 tokens (4,096 columns) and the step has more, the
+/// 512-thread `gemv_tcb_w` takes 16 per block: its blocks are one per SM either way
+/// (`tcb_row_blocks`), and each dequantised weight fragment then serves twice the tokens. (32
+/// tokens per wide block over 2,048 columns lost: four n8 tiles per warp spill at 128 registers.)
 fn tcb_blocking(cols: usize, ntok: usize) -> (usize, bool) {
     let tok = tcb_tokens(cols);
-    if ntok > tok {
-        (2 * tok, true)
+    if ntok > tok && tok < TCB_TOK {
+        (TCB_TOK, true)
     } else {
         (tok, false)
     }
 }
+
+/// Most tokens per `gemv_tcb` block: two n8 tiles (TCB_TOK in kernels/common.cuh).
+const TCB_TOK: usize = 16;
 
 /// `gemv_tcb`'s blocks per token block (grid.y): `tc_geometry`'s, but at most one per SM when the
 /// step has several token blocks. Each block copies its tokens' fragments for the whole K, so
@@ -812,21 +816,22 @@ mod tests {
     #[test]
     fn batched_gemv_blocks_fit_two_per_sm_and_wide_ones_one() {
         // 35B inputs: hidden 2,048 (16 tokens per block), GDN value / attention inner 4,096 (8),
-        // expert and shared-expert widths 512; the wide kernel's blocks twice the tokens.
+        // expert and shared-expert widths 512; the wide kernel's blocks 16 tokens.
         for cols in [2048, 4096, 512] {
             let narrow = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
             assert!(narrow <= 113 * 1024, "{cols}: {narrow}");
-            let wide = gemv_tcb_smem(cols, 2 * tcb_tokens(cols), GEMV_TCB_W_THREADS);
+            let wide = gemv_tcb_smem(cols, TCB_TOK, GEMV_TCB_W_THREADS);
             assert!(wide <= super::super::registry::SMEM_OPTIN_LIMIT, "{cols}: {wide}");
         }
         assert_eq!(tcb_tokens(2048), 16);
         assert_eq!(tcb_tokens(4096), 8);
-        // One token block: the 256-thread kernel; several: the wide one, twice the tokens each.
+        // Several token blocks of 8: the wide kernel, 16 each; else the 256-thread kernel.
         assert_eq!(tcb_blocking(2048, 16), (16, false));
-        assert_eq!(tcb_blocking(2048, 17), (32, true));
-        assert_eq!(tcb_blocking(2048, 128), (32, true));
+        assert_eq!(tcb_blocking(2048, 17), (16, false));
+        assert_eq!(tcb_blocking(2048, 128), (16, false));
         assert_eq!(tcb_blocking(4096, 8), (8, false));
         assert_eq!(tcb_blocking(4096, 9), (16, true));
+        assert_eq!(tcb_blocking(4096, 128), (16, true));
     }
 
     #[test]
