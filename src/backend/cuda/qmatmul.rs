@@ -652,13 +652,14 @@ fn tcb_tokens(cols: usize) -> usize {
 }
 
 /// How `gemv_tcb` blocks a step's `ntok` tokens over `cols` columns: (tokens per block, wide).
-/// Where the 256-thread kernel's blocks take 8 tokens (4,096 columns) and the step has more, the
-/// 512-thread `gemv_tcb_w` takes 16 per block: its blocks are one per SM either way
-/// (`tcb_row_blocks`), and each dequantised weight fragment then serves twice the tokens. (32
-/// tokens per wide block over 2,048 columns lost: four n8 tiles per warp spill at 128 registers.)
+/// Where the 256-thread kernel's blocks take 8 tokens (4,096 columns) and the step has more than
+/// 16, the 512-thread `gemv_tcb_w` takes 16 per block: its blocks are one per SM either way
+/// (`tcb_row_blocks`), and each dequantised weight fragment then serves twice the tokens. At 16
+/// tokens (one wide block) the 256-thread kernel's two token blocks are faster; 32 tokens per
+/// wide block over 2,048 columns lost (four n8 tiles per warp spill at 128 registers).
 fn tcb_blocking(cols: usize, ntok: usize) -> (usize, bool) {
     let tok = tcb_tokens(cols);
-    if ntok > tok && tok < TCB_TOK {
+    if ntok > TCB_TOK && tok < TCB_TOK {
         (TCB_TOK, true)
     } else {
         (tok, false)
@@ -825,12 +826,14 @@ mod tests {
         }
         assert_eq!(tcb_tokens(2048), 16);
         assert_eq!(tcb_tokens(4096), 8);
-        // Several token blocks of 8: the wide kernel, 16 each; else the 256-thread kernel.
+        // Blocks of 8 tokens and more than 16 in the step: the wide kernel, 16 each; else the
+        // 256-thread kernel.
         assert_eq!(tcb_blocking(2048, 16), (16, false));
         assert_eq!(tcb_blocking(2048, 17), (16, false));
         assert_eq!(tcb_blocking(2048, 128), (16, false));
         assert_eq!(tcb_blocking(4096, 8), (8, false));
-        assert_eq!(tcb_blocking(4096, 9), (16, true));
+        assert_eq!(tcb_blocking(4096, 16), (8, false));
+        assert_eq!(tcb_blocking(4096, 17), (16, true));
         assert_eq!(tcb_blocking(4096, 128), (16, true));
     }
 
