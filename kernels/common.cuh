@@ -746,11 +746,9 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
 // lie in the staging as in the block's fragments, so the copy is one contiguous run of whole
 // groups (rows nt..ceil8(nt) - 1 come along: the staging has them, and their columns' outputs are
 // never stored).
-// The group sums' row stride is the block's token columns: 8, TCB_TOK, or (MAXG = 4) 32.
-template <int MAXG = 2>
 __device__ void load_token_block_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
                                     int nt, u32* xf, float* gsum) {
-    const int gpr = cols >> 6, ntok = MAXG == 4 && nt > TCB_TOK ? 2 * TCB_TOK : nt > 8 ? TCB_TOK : 8;
+    const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     const int pieces = ((nt + 7) >> 3) * gpr * (TCB_WORDS / 4);
     const u32* src = frag + (size_t)(j0 >> 3) * gpr * TCB_WORDS;
     for (int p = threadIdx.x; p < pieces; p += blockDim.x) cp_async16(xf + 4 * p, src + 4 * p);

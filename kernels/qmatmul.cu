@@ -459,7 +459,7 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
     }
 }
 
-template <bool FRAG, int MAXG = 2>
+template <bool FRAG>
 __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,
                                               const float* __restrict__ gs_in, int cols, int ntok, int tok_blk,
                                               int slices, int kc) {
@@ -470,10 +470,8 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     float* part = gsum + tok_blk * gpr;
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
-    load_token_block_tc<MAXG>(frag, gs_in, cols, t0, nt, xf, gsum);
-    if (MAXG == 4 && nt > 16)
-        gemv_tcb_tiles<MAXG == 4 ? 4 : 2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
-    else if (nt > 8)
+    load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
+    if (nt > 8)
         gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
     else
         gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
@@ -503,18 +501,6 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 gemv_tcb_wf(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
             int cols, int ntok, int tok_blk, int slices, int kc) {
     gemv_tcb_body<true>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
-// 8 warps and 32 tokens of 2,048 columns per block (four n8 tiles per warp, up to 255 registers:
-// one block per SM, 128 KB of fragments), so each dequantised weight fragment serves 32 tokens.
-extern "C" __global__ void __launch_bounds__(256, 1)
-gemv_tcb_t(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-           int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<false, 4>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
-extern "C" __global__ void __launch_bounds__(256, 1)
-gemv_tcb_tf(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-            int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<true, 4>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
 }
 
 // ============================== prefill (T tokens) ==============================

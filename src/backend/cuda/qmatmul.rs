@@ -18,8 +18,6 @@ const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
 const GEMV_TCB_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_f");
 const GEMV_TCB_W: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_w");
 const GEMV_TCB_WF: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_wf");
-const GEMV_TCB_T: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_t");
-const GEMV_TCB_TF: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_tf");
 /// Threads of `gemv_tcb_w` (one block per SM).
 const GEMV_TCB_W_THREADS: u32 = 512;
 const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
@@ -653,33 +651,22 @@ fn tcb_tokens(cols: usize) -> usize {
     }
 }
 
-/// The `gemv_tcb` kernels: 256 threads and up to 16 tokens per block (two per SM); 512 threads
-/// and 16 tokens (`gemv_tcb_w`); 256 threads and 32 tokens (`gemv_tcb_t`, four n8 tiles per warp,
-/// up to 255 registers); the last two one block per SM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum TcbKernel {
-    Narrow,
-    Wide,
-    Tall,
-}
-
-/// How `gemv_tcb` blocks a step's `ntok` tokens over `cols` columns: (tokens per block, kernel).
-/// In steps of more than 16 tokens the blocks take twice the 256-thread kernel's tokens, one block
-/// per SM either way (`tcb_row_blocks`), so each dequantised weight fragment serves twice the
-/// tokens: 16 per 512-thread block over 4,096 columns, 32 per 256-thread block over 2,048. At 16
-/// tokens (one such block) the 256-thread kernel's two blocks of 8 are faster; 32 tokens per
-/// 512-thread block spill at 128 registers.
-fn tcb_blocking(cols: usize, ntok: usize) -> (usize, TcbKernel) {
+/// How `gemv_tcb` blocks a step's `ntok` tokens over `cols` columns: (tokens per block, wide).
+/// Where the 256-thread kernel's blocks take 8 tokens (4,096 columns) and the step has more than
+/// 16, the 512-thread `gemv_tcb_w` takes 16 per block: its blocks are one per SM either way
+/// (`tcb_row_blocks`), and each dequantised weight fragment then serves twice the tokens. At 16
+/// tokens (one wide block) the 256-thread kernel's two token blocks are faster; 32 tokens per
+/// wide block over 2,048 columns lost (four n8 tiles per warp spill at 128 registers).
+fn tcb_blocking(cols: usize, ntok: usize) -> (usize, bool) {
     let tok = tcb_tokens(cols);
-    match (ntok > TCB_TOK, tok < TCB_TOK) {
-        (false, _) => (tok, TcbKernel::Narrow),
-        (true, true) => (TCB_TOK, TcbKernel::Wide),
-        (true, false) => (2 * TCB_TOK, TcbKernel::Tall),
+    if ntok > TCB_TOK && tok < TCB_TOK {
+        (TCB_TOK, true)
+    } else {
+        (tok, false)
     }
 }
 
-/// Most tokens per block of the 256-thread `gemv_tcb`: two n8 tiles (TCB_TOK in
-/// kernels/common.cuh).
+/// Most tokens per `gemv_tcb` block: two n8 tiles (TCB_TOK in kernels/common.cuh).
 const TCB_TOK: usize = 16;
 
 /// `gemv_tcb`'s blocks per token block (grid.y): `tc_geometry`'s, but at most one per SM when the
@@ -718,12 +705,10 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     let narrow_smem = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
     let per_sm = blocks_per_sm(gpu, if set.frag { GEMV_TCB_F } else { GEMV_TCB }, narrow_smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
-    let (tok, kernel) = tcb_blocking(cols, ntok);
-    let sms = gpu.sms as usize;
-    let (k, threads, blocks) = match (kernel, set.frag) {
-        (TcbKernel::Narrow, frag) => (if frag { GEMV_TCB_F } else { GEMV_TCB }, GEMV_THREADS, tcb_row_blocks(blocks, sms, ntok, tok)),
-        (TcbKernel::Wide, frag) => (if frag { GEMV_TCB_WF } else { GEMV_TCB_W }, GEMV_TCB_W_THREADS, blocks.min(sms)),
-        (TcbKernel::Tall, frag) => (if frag { GEMV_TCB_TF } else { GEMV_TCB_T }, GEMV_THREADS, blocks.min(sms)),
+    let (tok, wide) = tcb_blocking(cols, ntok);
+    let (k, threads, blocks) = match (wide, set.frag) {
+        (false, frag) => (if frag { GEMV_TCB_F } else { GEMV_TCB }, GEMV_THREADS, tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok)),
+        (true, frag) => (if frag { GEMV_TCB_WF } else { GEMV_TCB_W }, GEMV_TCB_W_THREADS, blocks.min(gpu.sms as usize)),
     };
     let smem = gemv_tcb_smem(cols, tok, threads);
     let s = &gpu.stream;
@@ -838,21 +823,18 @@ mod tests {
             assert!(narrow <= 113 * 1024, "{cols}: {narrow}");
             let wide = gemv_tcb_smem(cols, TCB_TOK, GEMV_TCB_W_THREADS);
             assert!(wide <= super::super::registry::SMEM_OPTIN_LIMIT, "{cols}: {wide}");
-            if tcb_tokens(cols) == TCB_TOK {
-                let tall = gemv_tcb_smem(cols, 2 * TCB_TOK, GEMV_THREADS);
-                assert!(tall <= super::super::registry::SMEM_OPTIN_LIMIT, "{cols}: {tall}");
-            }
         }
         assert_eq!(tcb_tokens(2048), 16);
         assert_eq!(tcb_tokens(4096), 8);
-        // More than 16 tokens in the step: twice the 256-thread kernel's tokens per block.
-        assert_eq!(tcb_blocking(2048, 16), (16, TcbKernel::Narrow));
-        assert_eq!(tcb_blocking(2048, 17), (32, TcbKernel::Tall));
-        assert_eq!(tcb_blocking(2048, 128), (32, TcbKernel::Tall));
-        assert_eq!(tcb_blocking(4096, 8), (8, TcbKernel::Narrow));
-        assert_eq!(tcb_blocking(4096, 16), (8, TcbKernel::Narrow));
-        assert_eq!(tcb_blocking(4096, 17), (16, TcbKernel::Wide));
-        assert_eq!(tcb_blocking(4096, 128), (16, TcbKernel::Wide));
+        // Blocks of 8 tokens and more than 16 in the step: the wide kernel, 16 each; else the
+        // 256-thread kernel.
+        assert_eq!(tcb_blocking(2048, 16), (16, false));
+        assert_eq!(tcb_blocking(2048, 17), (16, false));
+        assert_eq!(tcb_blocking(2048, 128), (16, false));
+        assert_eq!(tcb_blocking(4096, 8), (8, false));
+        assert_eq!(tcb_blocking(4096, 16), (8, false));
+        assert_eq!(tcb_blocking(4096, 17), (16, true));
+        assert_eq!(tcb_blocking(4096, 128), (16, true));
     }
 
     #[test]

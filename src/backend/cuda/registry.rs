@@ -53,8 +53,6 @@ pub const QMATMUL: Module = Module {
         "gemv_tcb_f",
         "gemv_tcb_w",
         "gemv_tcb_wf",
-        "gemv_tcb_t",
-        "gemv_tcb_tf",
         "stage_tcb",
         "embed_q",
         "pf_gemm",
