@@ -476,32 +476,23 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     else
         gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
 }
-extern "C" __global__ void __launch_bounds__(256, 2)
-gemv_tcb(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-         int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<false>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
-// gemv_tcb over codes in fragment order (common.cuh tc_load; the descriptors point at the
-// matrices' fragment-order copies).
-extern "C" __global__ void __launch_bounds__(256, 2)
-gemv_tcb_f(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-           int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<true>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
+// The entry points: THREADS per block, at least MINB blocks per SM, codes in row order or
+// (FRAG) in fragment order (common.cuh tc_load; the descriptors point at the matrices'
+// fragment-order copies).
+#define GEMV_TCB_ENTRY(NAME, THREADS, MINB, FRAG)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                                \
+        NAME(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,                          \
+             const float* __restrict__ gs_in, int cols, int ntok, int tok_blk, int slices, int kc) {          \
+        gemv_tcb_body<FRAG>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);                       \
+    }
+GEMV_TCB_ENTRY(gemv_tcb, 256, 2, false)
+GEMV_TCB_ENTRY(gemv_tcb_f, 256, 2, true)
 // The same with 16 warps, one block per SM: 16 tokens of 4,096 columns (128 KB of fragments)
 // where the 256-thread kernel's blocks take 8, so each dequantised weight fragment serves twice
 // the tokens. The warps take the same tiles and K slices as the 256-thread kernel's, so every
 // output is bit-identical.
-extern "C" __global__ void __launch_bounds__(512, 1)
-gemv_tcb_w(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-           int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<false>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
-extern "C" __global__ void __launch_bounds__(512, 1)
-gemv_tcb_wf(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
-            int cols, int ntok, int tok_blk, int slices, int kc) {
-    gemv_tcb_body<true>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
-}
+GEMV_TCB_ENTRY(gemv_tcb_w, 512, 1, false)
+GEMV_TCB_ENTRY(gemv_tcb_wf, 512, 1, true)
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
