@@ -392,10 +392,10 @@ stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float e
 // share one staged input (stage_tcb), y_m[t][r] (+)= W_m[r] . x[t] for tokens t < ntok (outputs
 // token-major [ntok][rows_m]); bf16 activations on the tensor cores (tcb_mma in common.cuh).
 // grid (ceil(ntok / tok_blk), blocks): a block copies its tok_blk (8 or 16) tokens' fragments,
-// then walks the set's 16-row tiles like gemv_tc:
-// `slices` warps of `kc` 512-column chunks per tile, summed through shared memory. The tokens of
-// a block share every weight load and every dequantised weight fragment, and the blocks of the
-// same rows (consecutive blockIdx.x) run together, so larger batches read the weights from L2.
+// then walks the set's 16-row tiles like gemv_tc: `slices` warps of `kc` 512-column chunks per
+// tile, summed through shared memory. The tokens of a block share every weight load and every
+// dequantised weight fragment, and the blocks of the same rows (consecutive blockIdx.x) run
+// together, so larger batches read the weights from L2.
 // Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
 template <int NTG, bool FRAG>
 __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,

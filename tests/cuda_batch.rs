@@ -237,11 +237,11 @@ fn cuda_batch_steps_queued_ahead_leave_each_row_as_alone() {
     }
 }
 
-/// The batched GEMV set at every blocking of a step's tokens: 16 or 8 tokens per 256-thread block,
-/// 16 per 512-thread block over 4,096 columns in steps of more than 16 (`gemv_tcb_w`). Each token's outputs
-/// are bit-identical whatever the step's token count, and near the CPU's f32 product (bf16
-/// inputs on the tensor cores); at the 35B's hidden width (2,048 columns) and GDN value width
-/// (4,096).
+/// The batched GEMV set at every blocking of a step's tokens: 16 or 8 tokens per 256-thread
+/// block, 16 per 512-thread block over 4,096 columns in steps of more than 16 (`gemv_tcb_w`).
+/// Each token's outputs are bit-identical whatever the step's token count, and near the CPU's
+/// f32 product (bf16 inputs on the tensor cores); at the 35B's hidden width (2,048 columns) and
+/// GDN value width (4,096).
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_gemv_set_does_not_depend_on_the_token_count() {
