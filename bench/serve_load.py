@@ -18,7 +18,8 @@ request sent to last stream ended), time to first token p50 / p95 (request sent 
 chunk), inter-token latency p50 / p95 (gaps between consecutive text chunks of a stream; a
 chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character), and where
 a Lily server's model worker spent the level (`worker_secs`: idle, admit, prefill, decode, retire,
-from `lily_worker_microseconds_total` before and after it; absent for other servers).
+from `lily_worker_microseconds_total` just before the clients start and after the last stream
+ended; absent for other servers).
 
     python3 bench/serve_load.py --lily target/release/lily --model DIR        # starts `lily serve`
     python3 bench/serve_load.py --url http://127.0.0.1:8000                   # a running server
@@ -114,12 +115,22 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
     start_at = time.monotonic() + (1.0 if procs > 1 else 0.0)
     shares = [list(range(concurrency))[p::procs] for p in range(procs)]
     args = [(url, api_key, model, level, share, prompt_len, max_tokens, params, vocab, rounds, start_at) for share in shares]
+
+    async def worker_at_start():
+        # The worker's phases from just before the clients start, so that its idle time is the
+        # level's own, not the wait for the client processes.
+        await asyncio.sleep(max(0.0, start_at - 0.01 - time.monotonic()))
+        return await asyncio.to_thread(worker_micros, url, api_key)
+
+    before = asyncio.create_task(worker_at_start())
     if procs == 1:
         results = await run_clients(*args[0])
     else:
         loop = asyncio.get_running_loop()
         parts = await asyncio.gather(*(loop.run_in_executor(pool, clients_in_process, *a) for a in args))
         results = [x for part in parts for x in part]
+    before = await before
+    after = worker_micros(url, api_key)
     start = min(r["sent"] for r in results)
     end = max(r["ended"] for r in results)
     tokens = sum(r["completion_tokens"] for r in results)
@@ -135,6 +146,7 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
         "per_stream_tok_s_p50": round(percentile([r["completion_tokens"] / (r["ended"] - r["chunks"][0]) for r in results if len(r["chunks"]) > 1], 0.5) or 0, 2),
         "ttft_secs": {"p50": round(percentile(ttft, 0.5), 4), "p95": round(percentile(ttft, 0.95), 4)},
         "itl_secs": {"p50": round(percentile(itl, 0.5) or 0, 5), "p95": round(percentile(itl, 0.95) or 0, 5)},
+        **({"worker_secs": {k: round((after[k] - before.get(k, 0)) / 1e6, 3) for k in after}} if before and after else {}),
     }
 
 
@@ -192,11 +204,7 @@ async def main_async(args, url):
                 await run_level(pool, url, args.api_key, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab, 1, procs(c))
             for i, c in enumerate(levels):
                 # Prompts differ across levels and modes: no request finds another's in the prefix cache.
-                before = worker_micros(url, args.api_key)
                 r = await run_level(pool, url, args.api_key, model, 100 * m + i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds, procs(c))
-                after = worker_micros(url, args.api_key)
-                if before and after:
-                    r["worker_secs"] = {k: round((after[k] - before.get(k, 0)) / 1e6, 3) for k in after}
                 rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
                 print(json.dumps(rec), flush=True)
                 lines.append(rec)

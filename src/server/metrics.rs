@@ -160,8 +160,18 @@ pub struct Metrics {
     pub draining: std::sync::atomic::AtomicBool,
     /// Tokens held by the running requests' sequences (the gateway's load figure).
     pub active_tokens: AtomicU64,
-    /// The model worker's time by what it was doing, in microseconds ([`WorkerPhase`]).
+    /// The model worker's time by what it was doing, in microseconds ([`WorkerPhase`]; idle
+    /// time in `idle`).
     worker_us: [AtomicU64; WorkerPhase::ALL.len()],
+    /// The worker's idle time: its ended waits and the wait under way, counted as it goes (a
+    /// wait can last minutes; added only at its end, the counter would jump then).
+    idle: Mutex<IdleClock>,
+}
+
+#[derive(Default)]
+struct IdleClock {
+    ended_us: u64,
+    since: Option<Instant>,
 }
 
 /// What the model worker spends its time on, one turn of its loop after another.
@@ -241,14 +251,48 @@ impl Metrics {
             draining: std::sync::atomic::AtomicBool::new(false),
             active_tokens: AtomicU64::new(0),
             worker_us: Default::default(),
+            idle: Mutex::new(IdleClock::default()),
         }
     }
 
     /// Adds the time since `since` to the worker's `phase`; returns now (the next phase's start).
     pub fn worker_spent(&self, phase: WorkerPhase, since: Instant) -> Instant {
         let now = Instant::now();
-        self.worker_us[phase as usize].fetch_add(now.duration_since(since).as_micros() as u64, Relaxed);
+        let us = now.duration_since(since).as_micros() as u64;
+        match phase {
+            WorkerPhase::Idle => self.idle.lock().unwrap_or_else(|e| e.into_inner()).ended_us += us,
+            _ => {
+                self.worker_us[phase as usize].fetch_add(us, Relaxed);
+            }
+        }
         now
+    }
+
+    /// The worker waits for a request from `since` (its last phase's end) until
+    /// [`Metrics::worker_wait_ended`]; the wait counts as idle time while it lasts.
+    pub fn worker_waits(&self, since: Instant) {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).since = Some(since);
+    }
+
+    /// The wait [`Metrics::worker_waits`] began ends now; returns now (the next phase's start).
+    pub fn worker_wait_ended(&self) -> Instant {
+        let now = Instant::now();
+        let mut clock = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(since) = clock.since.take() {
+            clock.ended_us += now.duration_since(since).as_micros() as u64;
+        }
+        now
+    }
+
+    /// The worker's time in `phase` so far, in microseconds.
+    fn worker_micros(&self, phase: WorkerPhase) -> u64 {
+        match phase {
+            WorkerPhase::Idle => {
+                let clock = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                clock.ended_us + clock.since.map_or(0, |s| s.elapsed().as_micros() as u64)
+            }
+            _ => self.worker_us[phase as usize].load(Relaxed),
+        }
     }
 
     pub fn count_request(&self, endpoint: &'static str, status: u16) {
@@ -309,7 +353,7 @@ impl Metrics {
     pub fn render(&self, model: &str) -> String {
         use Item::*;
         let requests = self.requests_by_status().into_iter().map(|((ep, st), n)| (vec![("endpoint".to_string(), ep.to_string()), ("status".to_string(), st.to_string())], n)).collect();
-        let worker = WorkerPhase::ALL.iter().map(|&p| (vec![("phase".to_string(), p.label().to_string())], self.worker_us[p as usize].load(Relaxed))).collect();
+        let worker = WorkerPhase::ALL.iter().map(|&p| (vec![("phase".to_string(), p.label().to_string())], self.worker_micros(p))).collect();
         let items = vec![
             Info(vec![("model".into(), model.into()), ("version".into(), env!("CARGO_PKG_VERSION").into())]),
             Gauge("lily_uptime_seconds", "Seconds since start.", (self.started.elapsed().as_secs_f64() * 1e3).round() / 1e3),
@@ -375,6 +419,17 @@ mod tests {
         let decode_us = m.render("m").lines().find_map(|l| l.strip_prefix("lily_worker_microseconds_total{phase=\"decode\"} ")).and_then(|v| v.parse::<u64>().ok());
         assert!(decode_us.is_some_and(|us| us >= 3000), "{decode_us:?}");
         assert!(m.render("m").contains("lily_worker_microseconds_total{phase=\"idle\"} 0"));
+        // A wait under way counts as it goes, and once when it ends.
+        let idle_us = |m: &Metrics| m.render("m").lines().find_map(|l| l.strip_prefix("lily_worker_microseconds_total{phase=\"idle\"} ")).and_then(|v| v.parse::<u64>().ok()).unwrap();
+        m.worker_waits(Instant::now() - std::time::Duration::from_millis(5));
+        let during = idle_us(&m);
+        assert!(during >= 5000, "{during}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        m.worker_wait_ended();
+        let after = idle_us(&m);
+        assert!(after >= during + 2000, "{during} {after}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert_eq!(idle_us(&m), after, "no wait under way");
         m.generated(30);
         m.generated(20);
         assert!(m.render("m").contains("lily_generation_tokens_per_second 50"), "within the first second the rate is per one second");

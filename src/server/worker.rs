@@ -283,11 +283,13 @@ impl Worker {
         let mut t = Instant::now();
         loop {
             if self.active.is_empty() && self.held.is_none() {
-                match rx.blocking_recv() {
+                metrics.worker_waits(t);
+                let job = rx.blocking_recv();
+                t = metrics.worker_wait_ended();
+                match job {
                     Some(job) => self.held = Some(job),
                     None => break,
                 }
-                t = metrics.worker_spent(WorkerPhase::Idle, t);
             }
             self.admit(&mut rx);
             t = metrics.worker_spent(WorkerPhase::Admit, t);
