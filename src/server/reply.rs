@@ -71,6 +71,9 @@ pub struct Reply {
     pub admitted: Instant,
     pub resumed: Instant,
     pub prompt_in: Option<Instant>,
+    /// What [`Reply::finish`] returned, once it ran: the final event goes out when the reply
+    /// ends, mid-way through a decode call, not when the call returns.
+    answered: Option<Option<&'static str>>,
 }
 
 impl Reply {
@@ -88,7 +91,7 @@ impl Reply {
         let sampler = Sampler::new(params).snapshot();
         let forked = job.index % req.n != 0;
         let usage = if forked { Usage::default() } else { Usage { prompt_tokens: job.prompt.len(), cached_tokens, ..Default::default() } };
-        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None, admitted: Instant::now(), resumed: Instant::now(), prompt_in: None }
+        Reply { job, usage, sampler, next: 0, generated: Vec::new(), end: None, failed: None, started: Instant::now(), pipeline, decoder: StreamDecoder::new().skip_special(true), last_token_at: None, first_token_at: None, admitted: Instant::now(), resumed: Instant::now(), prompt_in: None, answered: None }
     }
 
     /// Tokens this reply may still produce.
@@ -134,6 +137,21 @@ impl Reply {
     /// the device): sends what it releases to the client and says whether to go on. When it
     /// returns false, `end` says why.
     pub fn accept(&mut self, tok: u32, logits: &[f32], stop_ids: &[u32], tokenizer: &Tokenizer, metrics: &Metrics) -> bool {
+        let go = self.take_token(tok, logits, stop_ids, tokenizer, metrics);
+        // An ended reply is answered now: its client has its last event (and can send its next
+        // request) while the rest of the decode call runs the other rows, up to 16 steps.
+        if !go && self.end.is_some() && self.failed.is_none() {
+            self.finish();
+        }
+        go
+    }
+
+    /// Whether the final event went out (or the client was gone by then).
+    pub fn answered(&self) -> bool {
+        self.answered.is_some()
+    }
+
+    fn take_token(&mut self, tok: u32, logits: &[f32], stop_ids: &[u32], tokenizer: &Tokenizer, metrics: &Metrics) -> bool {
         if self.failed.is_some() {
             // Drawn after the constraint failed (see `allowed`): not the request's.
             return false;
@@ -201,9 +219,18 @@ impl Reply {
         (self.end == Some(End::StopToken)).then_some(self.next)
     }
 
-    /// Sends the rest of the text and the final event; returns the finish reason, or `None`
-    /// when the client is gone. Call once `end` is set.
+    /// Sends the rest of the text and the final event (once: later calls return what the first
+    /// did); returns the finish reason, or `None` when the client is gone. Call once `end` is set.
     pub fn finish(&mut self) -> Option<&'static str> {
+        if let Some(done) = self.answered {
+            return done;
+        }
+        let done = self.send_final();
+        self.answered = Some(done);
+        done
+    }
+
+    fn send_final(&mut self) -> Option<&'static str> {
         let end = self.end.unwrap_or(End::Length);
         self.usage.completion_tokens = self.generated.len() + usize::from(end == End::StopToken);
         if end == End::ClientGone {

@@ -533,12 +533,19 @@ impl Worker {
                 continue;
             }
             let Active { seq, mut reply, .. } = self.active.remove(i);
-            if let Some(e) = reply.failed.take() {
-                self.fail(&reply.job, reply.usage.cached_tokens, &e);
-                continue;
-            }
+            // A reply answered before a later step of its call failed stands; its sequence's
+            // state is unknown then, and is not cached.
+            let cache_it = match reply.failed.take() {
+                Some(e) if !reply.answered() => {
+                    self.fail(&reply.job, reply.usage.cached_tokens, &e);
+                    continue;
+                }
+                failed => failed.is_none(),
+            };
             let finish = reply.finish();
-            self.cache_sequence(seq, &reply);
+            if cache_it {
+                self.cache_sequence(seq, &reply);
+            }
             let (usage, job) = (&reply.usage, &reply.job);
             let secs = reply.started.elapsed().as_secs_f64();
             self.metrics.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);

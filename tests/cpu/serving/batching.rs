@@ -29,6 +29,8 @@ struct Stream {
     /// Arrival time of each chunk that carried text.
     chunks: Vec<Instant>,
     finish: Option<String>,
+    /// Arrival time of the chunk that carried the finish reason.
+    ended: Option<Instant>,
 }
 
 /// Streams a completion, hanging up after `hang_up_after` text chunks when given.
@@ -53,6 +55,7 @@ async fn stream(url: &str, body: Value, hang_up_after: Option<usize>) -> Stream 
             }
             if let Some(f) = c["finish_reason"].as_str() {
                 out.finish = Some(f.to_string());
+                out.ended = Some(Instant::now());
             }
         }
         if hang_up_after.is_some_and(|n| out.chunks.len() >= n) {
@@ -128,6 +131,43 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
         }
     }
     assert!(max_batch >= 2, "/metrics never showed a batch of two or more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ends_with_its_last_token_not_with_the_decode_call() {
+    // A short request joins a long one's decode; a decode call runs up to 16 steps, and the short
+    // one's last token comes at its third: its stream ends then, a few of the long one's tokens
+    // later, not when the call returns.
+    let s = spawn(uncached_args()).unwrap();
+    let url = format!("{}/v1/completions", s.url());
+    let (mut long, mut short) = (body(1, 96, false), body(0, 3, false));
+    long["ignore_eos"] = json!(true);
+    short["ignore_eos"] = json!(true);
+    let (r, mut first) = (client().post(&url).json(&long).send().await.unwrap(), None);
+    assert_eq!(r.status(), 200);
+    let mut r = r;
+    // The long stream decodes before the short request is sent.
+    while first.is_none() {
+        let bytes = r.chunk().await.unwrap().unwrap();
+        if std::str::from_utf8(&bytes).unwrap().contains("\"text\"") {
+            first = Some(Instant::now());
+        }
+    }
+    let reader = tokio::spawn(async move {
+        let mut at = Vec::new();
+        while let Some(bytes) = r.chunk().await.unwrap() {
+            let n = std::str::from_utf8(&bytes).unwrap().matches("\"text\"").count();
+            at.extend(std::iter::repeat_n(Instant::now(), n));
+        }
+        at
+    });
+    let a = stream(&url, short, None).await;
+    let long_chunks = reader.await.unwrap();
+    let (started, ended) = (a.chunks[0], a.ended.expect("the short stream ended"));
+    assert_eq!(a.finish.as_deref(), Some("length"));
+    let between = long_chunks.iter().filter(|&&t| t > started && t <= ended).count();
+    assert!(long_chunks.len() > 40, "the long stream ran past the short one ({} chunks)", long_chunks.len());
+    assert!(between < 8, "{between} of the long stream's chunks came between the short one's first token and its end");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
