@@ -524,7 +524,9 @@ impl Worker {
         settled
     }
 
-    /// Ends the finished rows: final events, metrics, and their sequences into the prefix cache.
+    /// Ends the finished rows: their final events where they were not sent as the rows ended
+    /// (a row ended outside a decode step: max-seq, a departed client), metrics, and their
+    /// sequences into the prefix cache.
     fn retire(&mut self) {
         let mut i = 0;
         while i < self.active.len() {
