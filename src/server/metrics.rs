@@ -160,18 +160,13 @@ pub struct Metrics {
     pub draining: std::sync::atomic::AtomicBool,
     /// Tokens held by the running requests' sequences (the gateway's load figure).
     pub active_tokens: AtomicU64,
-    /// The model worker's time by what it was doing, in microseconds ([`WorkerPhase`]; idle
-    /// time in `idle`).
+    /// The model worker's time by what it was doing, in microseconds ([`WorkerPhase`]).
     worker_us: [AtomicU64; WorkerPhase::ALL.len()],
-    /// The worker's idle time: its ended waits and the wait under way, counted as it goes (a
-    /// wait can last minutes; added only at its end, the counter would jump then).
-    idle: Mutex<IdleClock>,
-}
-
-#[derive(Default)]
-struct IdleClock {
-    ended_us: u64,
-    since: Option<Instant>,
+    /// The start of the worker's wait for a request under way, counted as idle time while it
+    /// lasts (a wait can last minutes; added only at its end, the counter would jump then).
+    /// Its lock also covers adding an ended wait to the idle count, so a reading sees each wait
+    /// once.
+    waiting_since: Mutex<Option<Instant>>,
 }
 
 /// What the model worker spends its time on, one turn of its loop after another.
@@ -251,45 +246,38 @@ impl Metrics {
             draining: std::sync::atomic::AtomicBool::new(false),
             active_tokens: AtomicU64::new(0),
             worker_us: Default::default(),
-            idle: Mutex::new(IdleClock::default()),
+            waiting_since: Mutex::new(None),
         }
     }
 
     /// Adds the time since `since` to the worker's `phase`; returns now (the next phase's start).
     pub fn worker_spent(&self, phase: WorkerPhase, since: Instant) -> Instant {
         let now = Instant::now();
-        let us = now.duration_since(since).as_micros() as u64;
-        match phase {
-            WorkerPhase::Idle => self.idle.lock().unwrap_or_else(|e| e.into_inner()).ended_us += us,
-            _ => {
-                self.worker_us[phase as usize].fetch_add(us, Relaxed);
-            }
-        }
+        self.worker_us[phase as usize].fetch_add(now.duration_since(since).as_micros() as u64, Relaxed);
         now
     }
 
     /// The worker waits for a request from `since` (its last phase's end) until
     /// [`Metrics::worker_wait_ended`]; the wait counts as idle time while it lasts.
     pub fn worker_waits(&self, since: Instant) {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).since = Some(since);
+        *self.waiting_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(since);
     }
 
     /// The wait [`Metrics::worker_waits`] began ends now; returns now (the next phase's start).
     pub fn worker_wait_ended(&self) -> Instant {
-        let now = Instant::now();
-        let mut clock = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(since) = clock.since.take() {
-            clock.ended_us += now.duration_since(since).as_micros() as u64;
+        let mut waiting = self.waiting_since.lock().unwrap_or_else(|e| e.into_inner());
+        match waiting.take() {
+            Some(since) => self.worker_spent(WorkerPhase::Idle, since),
+            None => Instant::now(),
         }
-        now
     }
 
     /// The worker's time in `phase` so far, in microseconds.
     fn worker_micros(&self, phase: WorkerPhase) -> u64 {
         match phase {
             WorkerPhase::Idle => {
-                let clock = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                clock.ended_us + clock.since.map_or(0, |s| s.elapsed().as_micros() as u64)
+                let waiting = self.waiting_since.lock().unwrap_or_else(|e| e.into_inner());
+                self.worker_us[phase as usize].load(Relaxed) + waiting.map_or(0, |s| s.elapsed().as_micros() as u64)
             }
             _ => self.worker_us[phase as usize].load(Relaxed),
         }

@@ -645,9 +645,9 @@ pub fn stage_tcb_after(gpu: &Gpu, x: u64, cols: usize, nrows: usize, gain: u64, 
 /// else 8.
 fn tcb_tokens(cols: usize) -> usize {
     if cols <= 2048 {
-        16
+        TCB_TOK
     } else {
-        8
+        TCB_TOK / 2
     }
 }
 
@@ -706,9 +706,13 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
     let per_sm = blocks_per_sm(gpu, if set.frag { GEMV_TCB_F } else { GEMV_TCB }, narrow_smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let (tok, wide) = tcb_blocking(cols, ntok);
-    let (k, threads, blocks) = match (wide, set.frag) {
-        (false, frag) => (if frag { GEMV_TCB_F } else { GEMV_TCB }, GEMV_THREADS, tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok)),
-        (true, frag) => (if frag { GEMV_TCB_WF } else { GEMV_TCB_W }, GEMV_TCB_W_THREADS, blocks.min(gpu.sms as usize)),
+    // A wide step has several token blocks (more than 16 tokens), so one block per SM here too.
+    let blocks = tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok);
+    let (k, threads) = match (wide, set.frag) {
+        (false, false) => (GEMV_TCB, GEMV_THREADS),
+        (false, true) => (GEMV_TCB_F, GEMV_THREADS),
+        (true, false) => (GEMV_TCB_W, GEMV_TCB_W_THREADS),
+        (true, true) => (GEMV_TCB_WF, GEMV_TCB_W_THREADS),
     };
     let smem = gemv_tcb_smem(cols, tok, threads);
     let s = &gpu.stream;
@@ -835,6 +839,12 @@ mod tests {
         assert_eq!(tcb_blocking(4096, 16), (8, false));
         assert_eq!(tcb_blocking(4096, 17), (16, true));
         assert_eq!(tcb_blocking(4096, 128), (16, true));
+        // Wide steps have several token blocks: one block per SM by `tcb_row_blocks`.
+        for ntok in 1..=128 {
+            if let (tok, true) = tcb_blocking(4096, ntok) {
+                assert_eq!(tcb_row_blocks(264, 132, ntok, tok), 132, "{ntok}");
+            }
+        }
     }
 
     #[test]
