@@ -662,7 +662,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS) { 
 
 // A warp's 16-row tile through its ring: the first matrix's stages (and the second's, GLU), the
 // first TCR_DEPTH - 1 already issued; then SwiGLU and the store as moe_tcb's.
-template <int NTG, bool FRAG, int D = TCR_DEPTH>
+template <int NTG, bool FRAG>
 __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restrict__ w, const u16* __restrict__ s,
                                          const u16* __restrict__ b, const u32* __restrict__ w2, const u16* __restrict__ s2,
                                          const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int r0,
@@ -674,17 +674,17 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = up[tg][0] = up[tg][1] = up[tg][2] = up[tg][3] = 0.f;
     for (int k = 0; k < nst; ++k) {
         __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
-        const int n = k + D - 1;
+        const int n = k + TCR_DEPTH - 1;
         if (n < nst) {
             const bool second = n >= half;
-            tcr_issue<FRAG>(smem_u32(ring + (n % D) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
+            tcr_issue<FRAG>(smem_u32(ring + (n % TCR_DEPTH) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
                       r0, r_end, cols, TCR_GROUPS * (n % half));
         } else {
             cp_commit();  // an empty group keeps the count the wait below relies on
         }
-        cp_wait<D - 1>();
+        cp_wait<TCR_DEPTH - 1>();
         __syncwarp();  // stage k's copies, made by every lane, are visible to all
-        const unsigned char* cur = ring + (k % D) * TCR_STAGE_BYTES;
+        const unsigned char* cur = ring + (k % TCR_DEPTH) * TCR_STAGE_BYTES;
         if (k < half) tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * k, xf, gsum, gpr, acc);
         else tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
     }
@@ -704,46 +704,40 @@ __device__ __forceinline__ void tcr_stage_sums(const float* red, float* __restri
     sgsum[(size_t)slots[tok] * gpr + (r_begin >> 6) + gh] = e0 + e1;
 }
 
-template <bool FRAG, int TT = TCB_TOK, int D = TCR_DEPTH>
+template <bool FRAG>
 __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum) {
     extern __shared__ float smem[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
     const int gpr = cols >> 6, warp = threadIdx.x >> 5;
     u32* xf = reinterpret_cast<u32*>(smem);
-    float* gsum = smem + (TT / 8) * gpr * TCB_WORDS;
-    unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TT * gpr) + warp * (D * TCR_STAGE_BYTES);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TCB_TOK * gpr) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
     EXPERT_MATS;
     const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
     const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
-    __shared__ int slot[TT], xrow[TT];
+    // The ring's first stages load while the block stages its tokens.
+    if (r0 < r_end)
+        for (int n = 0; n < TCR_DEPTH - 1 && n < nst; ++n) {
+            const bool second = n >= half;
+            tcr_issue<FRAG>(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0, r_end,
+                      cols, TCR_GROUPS * (n % half));
+        }
+    for (int n = nst; n < TCR_DEPTH - 1; ++n) cp_commit();
+    const int nt = min(TCB_TOK, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
+    TILE_SLOTS
+    __syncthreads();
+    load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
     __shared__ float red[8 * TCB_TOK * 2];
-    // Passes of TT slots (one for TT = TCB_TOK): each streams the rows' weights again.
-    for (int c0 = 0;;) {
-        // The ring's first stages load while the block stages its tokens.
-        if (r0 < r_end)
-            for (int n = 0; n < D - 1 && n < nst; ++n) {
-                const bool second = n >= half;
-                tcr_issue<FRAG>(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0,
-                                r_end, cols, TCR_GROUPS * (n % half));
-            }
-        for (int n = nst; n < D - 1; ++n) cp_commit();
-        const int cnt = min(TCB_TOK, counts[e] - f0), nt = min(TT, cnt - c0);
-        const int* lst = list + offsets[e] + f0 + c0;
-        TILE_SLOTS
+    if (r0 < r_end) {
+        if (nt > 8) tcr_tile<2, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+        else tcr_tile<1, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+    }
+    if (sfrag) {
         __syncthreads();
-        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
-        if (r0 < r_end) {
-            if (TT > 8 && nt > 8) tcr_tile<TT / 8, FRAG, D>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
-            else tcr_tile<1, FRAG, D>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
-        }
-        if (sfrag) {
-            __syncthreads();
-            tcr_stage_sums(red, sgsum, blockIdx.x * 128, r_end, rows >> 6, slot, nt);
-        }
-        c0 += TT;
-        if (TT == TCB_TOK || c0 >= cnt) break;
-        __syncthreads();  // the last pass's tokens, slots and sums are no longer read
+        tcr_stage_sums(red, sgsum, blockIdx.x * 128, r_end, rows >> 6, slot, nt);
     }
 }
 // sfrag / sgsum: null to store y; else (rows a multiple of 64) the outputs staged there as
@@ -751,14 +745,6 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sf
 #define MOE_TCR_ARGS MOE_TILE_ARGS, u32 *__restrict__ sfrag, float *__restrict__ sgsum
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES, sfrag, sgsum); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
-// moe_tcr8: moe_tcr with the tokens of 8 slots staged at a time (passes of 8 over a tile's
-// slots, each streaming the rows again) and a ring of TCR8_DEPTH stages: 67 KB of shared memory
-// and at most 80 registers, so three blocks (24 warps) share an SM where moe_tcr fits two. Why:
-// at 16 rows moe_tcr's warps stall with fewer than one eligible per scheduler, and most tiles hold
-// one or two slots. The same products in the same order per slot: bit-identical to moe_tcr.
-#define TCR8_DEPTH 3
-extern "C" __global__ void __launch_bounds__(256, 3) moe_tcr8(MOE_TCR_ARGS) { moe_tcr_body<false, 8, TCR8_DEPTH>(MOE_TILE_NAMES, sfrag, sgsum); }
-extern "C" __global__ void __launch_bounds__(256, 3) moe_tcr8_f(MOE_TCR_ARGS) { moe_tcr_body<true, 8, TCR8_DEPTH>(MOE_TILE_NAMES, sfrag, sgsum); }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per

@@ -151,13 +151,11 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
-        GroupedRoute::Tcr8,
         GroupedRoute::F32Frag,
         GroupedRoute::WgmmaFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
-        GroupedRoute::Tcr8Frag,
     ];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
@@ -192,12 +190,10 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
-        GroupedRoute::Tcr8,
         GroupedRoute::WgmmaFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
-        GroupedRoute::Tcr8Frag,
     ];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
@@ -239,17 +235,12 @@ fn cuda_batch_gate_up_ring_stages_the_down_input_as_stage_tcb() {
     let cases = [(&gate, &up, ne, k, t, &ids), (&moe.gate_exps, &moe.up_exps, tiny_ne, 2, 40, &tiny_ids)];
     for (g, u, ne, k, t, ids) in cases {
         let x = rnd(41 + t as u64, t * g.cols);
-        let mut staged = Vec::new();
-        for (frag, eight) in [(false, false), (true, false), (false, true), (true, true)] {
-            let [(fw, fs), (tw, ts)] = testing::tcr_staged_outputs(&b, g, u, ne, &x, t, ids, k, frag, eight).unwrap();
+        for frag in [false, true] {
+            let [(fw, fs), (tw, ts)] = testing::tcr_staged_outputs(&b, g, u, ne, &x, t, ids, k, frag).unwrap();
             assert!(fs.iter().any(|&v| v != 0.0), "the fused kernel staged nothing");
-            assert_eq!(fw, tw, "fragment words ({} rows, frag {frag}, eight {eight})", g.rows / ne);
-            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fs), bits(&ts), "group sums ({} rows, frag {frag}, eight {eight})", g.rows / ne);
-            staged.push((fw, bits(&fs)));
+            assert_eq!(fw, tw, "fragment words ({} rows, frag {frag})", g.rows / ne);
+            assert_eq!(fs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ts.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "group sums ({} rows, frag {frag})", g.rows / ne);
         }
-        // moe_tcr8 stages what moe_tcr stages, in either code order.
-        assert!(staged.iter().all(|s| *s == staged[0]), "the ring kernels' staged outputs differ");
     }
 }
 
@@ -279,13 +270,13 @@ fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantT
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
     let mut seen: Vec<(GroupedRoute, Vec<f32>)> = Vec::new();
     for &route in routes {
-        if matches!(route.row_order(), GroupedRoute::Tcr | GroupedRoute::Tcr8) && !q.cols.is_multiple_of(128) {
+        if route.row_order() == GroupedRoute::Tcr && !q.cols.is_multiple_of(128) {
             continue; // moe_tcr streams whole 128-column stages (the tiny model's down rows are 64)
         }
         let got = testing::grouped_gemm(b, q, up, ne, &x, t, ids, k, route).unwrap();
         let earlier = |r: GroupedRoute| seen.iter().find(|(s, _)| *s == r).map(|(_, y)| y);
         // moe_tcp and moe_tcr do moe_tcb's arithmetic in the same order.
-        if matches!(route, GroupedRoute::Tcp | GroupedRoute::Tcr | GroupedRoute::Tcr8) {
+        if matches!(route, GroupedRoute::Tcp | GroupedRoute::Tcr) {
             assert!(earlier(GroupedRoute::Tcb).is_some_and(|w| *w == got), "{name} T={t}: {route:?} differs from moe_tcb");
         }
         if route.row_order() != route {

@@ -65,8 +65,7 @@ struct MoeBuffers {
     gate: CudaSlice<f32>,
     down: CudaSlice<f32>,
     /// gate|up on `moe_tcr` (weights through per-warp rings), else `moe_tcb` (moe::tcr_fits).
-    gate_up_ring: Option<moe::TcrPass>,
-    down_ring: bool,
+    gate_up_ring: bool,
 }
 
 impl MoeBuffers {
@@ -80,15 +79,9 @@ impl MoeBuffers {
             list: gpu.zeros(slots)?,
             tiles: gpu.zeros(1 + 2 * moe::batch_max_tiles(cap, &d))?,
             done: gpu.zeros(moe::ROUTE_DONE_LEN)?,
-            down_ring: std::env::var("LILY_TCR8").is_ok_and(|v| v == "2") && moe::tcr_fits(gpu, d.inter, moe::TcrPass::Eight)?,
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
-            gate_up_ring: {
-                // TRIAL (A/B switch, to be removed): LILY_TCR8=1 takes moe_tcr8 (2: down too).
-                let eight = std::env::var("LILY_TCR8").is_ok_and(|v| v == "1" || v == "2");
-                let pass = if eight && moe::tcr_fits(gpu, d.hidden, moe::TcrPass::Eight)? { moe::TcrPass::Eight } else { moe::TcrPass::Sixteen };
-                moe::tcr_fits(gpu, d.hidden, pass)?.then_some(pass)
-            },
+            gate_up_ring: moe::tcr_fits(gpu, d.hidden)?,
         })
     }
 }
@@ -319,8 +312,8 @@ impl Pass for BatchPass<'_> {
         let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
         // The ring kernel stages its outputs for the down products itself (one launch less).
         let slots = &self.b.staged_slots;
-        if let Some(pass) = mb.gate_up_ring.filter(|_| d.inter.is_multiple_of(64)) {
-            moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots), pass)?;
+        if mb.gate_up_ring && d.inter.is_multiple_of(64) {
+            moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots))?;
             self.point(probe, Point::Phase("moe.gate_up"))?;
         } else {
             moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
@@ -329,11 +322,7 @@ impl Pass for BatchPass<'_> {
         }
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
         // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
-        if mb.down_ring {
-            moe::moe_tcr(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1), None, moe::TcrPass::Eight)?;
-        } else {
-            moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
-        }
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };

@@ -30,8 +30,6 @@ const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
 const MOE_TCB_F: Kernel = Kernel::ordered(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
-const MOE_TCR8: Kernel = Kernel::ordered(&MOE, "moe_tcr8");
-const MOE_TCR8_F: Kernel = Kernel::ordered(&MOE, "moe_tcr8_f");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -477,72 +475,25 @@ pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     gpu.launch(k, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
 }
 
-/// `moe_tcr`'s ring: stages of `TCR_GROUPS` 64-column groups, `TCR_DEPTH` per warp (`TCR8_DEPTH`
-/// in `moe_tcr8`), each 16 rows of codes padded to `TCR_ROW_BYTES` plus their scales and biases
-/// (kernels/moe.cu).
+/// `moe_tcr`'s ring: stages of `TCR_GROUPS` 64-column groups, `TCR_DEPTH` per warp, each 16 rows
+/// of codes padded to `TCR_ROW_BYTES` plus their scales and biases (kernels/moe.cu).
 const TCR_GROUPS: usize = 2;
 const TCR_DEPTH: usize = 4;
-const TCR8_DEPTH: usize = 3;
 const TCR_ROW_BYTES: usize = TCR_GROUPS * 32 + 16;
 const TCR_STAGE_BYTES: usize = 16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4;
 
-/// How many of a tile's slots a `moe_tcr` block stages at a time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TcrPass {
-    /// `moe_tcr`: the whole 16-slot tile, two blocks per SM.
-    Sixteen,
-    /// `moe_tcr8`: 8 slots per pass (a tile of more streams its rows again), a shallower ring and
-    /// at most 80 registers: three blocks per SM.
-    Eight,
-}
-
-impl TcrPass {
-    fn kernel(self, frag: bool) -> Kernel {
-        match (self, frag) {
-            (TcrPass::Sixteen, false) => MOE_TCR,
-            (TcrPass::Sixteen, true) => MOE_TCR_F,
-            (TcrPass::Eight, false) => MOE_TCR8,
-            (TcrPass::Eight, true) => MOE_TCR8_F,
-        }
-    }
-
-    fn slots(self) -> usize {
-        match self {
-            TcrPass::Sixteen => 16,
-            TcrPass::Eight => 8,
-        }
-    }
-
-    /// The resident blocks per SM its speed relies on.
-    fn blocks_per_sm(self) -> usize {
-        match self {
-            TcrPass::Sixteen => 2,
-            TcrPass::Eight => 3,
-        }
-    }
-
-    fn depth(self) -> usize {
-        match self {
-            TcrPass::Sixteen => TCR_DEPTH,
-            TcrPass::Eight => TCR8_DEPTH,
-        }
-    }
-}
-
-/// Whether `moe_tcr` (`pass`) takes matrices of `cols` columns (whole stages) and as many of its
-/// blocks as it relies on fit an SM beside their staged tokens.
-pub fn tcr_fits(gpu: &Gpu, cols: usize, pass: TcrPass) -> Result<bool> {
+/// Whether `moe_tcr` takes matrices of `cols` columns (whole stages) and two of its blocks fit an
+/// SM beside their staged tokens (what its speed relies on).
+pub fn tcr_fits(gpu: &Gpu, cols: usize) -> Result<bool> {
     if !cols.is_multiple_of(64 * TCR_GROUPS) {
         return Ok(false);
     }
-    Ok(super::qmatmul::blocks_per_sm(gpu, pass.kernel(false), tcr_smem(cols, pass), 1)? >= pass.blocks_per_sm())
+    Ok(super::qmatmul::blocks_per_sm(gpu, MOE_TCR, tcr_smem(cols), 1)? >= 2)
 }
 
-/// `moe_tcr`'s dynamic shared memory: the staged tokens of a pass and every warp's ring.
-fn tcr_smem(cols: usize, pass: TcrPass) -> u32 {
-    let gpr = cols / 64;
-    let tokens = (pass.slots() / 8 * gpr * TCB_WORDS + pass.slots() * gpr) * 4;
-    (tokens + (GEMV_THREADS as usize / 32) * pass.depth() * TCR_STAGE_BYTES) as u32
+/// `moe_tcr`'s dynamic shared memory: `moe_tcb`'s and every warp's ring.
+fn tcr_smem(cols: usize) -> u32 {
+    tcb_smem(cols) + ((GEMV_THREADS as usize / 32) * TCR_DEPTH * TCR_STAGE_BYTES) as u32
 }
 
 /// The staged expert kernels' dynamic shared memory: 16 tokens' fragments and group sums over
@@ -559,7 +510,7 @@ fn tcb_smem(cols: usize) -> u32 {
 /// would stage `y`'s rows (the same words and group sums): the down products' input without a
 /// staging launch (`rows` a multiple of 64; `staged_out` holds a row for every slot of the lists).
 #[allow(clippy::too_many_arguments)]
-pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>, pass: TcrPass) -> Result<()> {
+pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
     let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
     let (sfrag, sgsum) = match staged_out {
         None => (0, 0),
@@ -567,7 +518,7 @@ pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Some(o) => bail!("moe_tcr cannot stage {rows}-column outputs into {}-column rows", o.cols),
     };
     args.extend([Arg::P(sfrag), Arg::P(sgsum)]);
-    gpu.launch(pass.kernel(frag), (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols, pass), &args)
+    gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the

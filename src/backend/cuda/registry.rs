@@ -147,8 +147,6 @@ pub const MOE: Module = Module {
         "moe_tcb_f",
         "moe_tcp_f",
         "moe_tcr_f",
-        "moe_tcr8",
-        "moe_tcr8_f",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_down",

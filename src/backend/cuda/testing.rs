@@ -219,14 +219,11 @@ pub enum GroupedRoute {
     /// `stage_tcb` + `moe_tcr` (`moe_tcb` with each warp's weights streamed through a ring in
     /// shared memory; bit-identical to `Tcb`).
     Tcr,
-    /// `stage_tcb` + `moe_tcr8` (`moe_tcr` staging 8 slots per pass; bit-identical to `Tcb`).
-    Tcr8,
-    /// `Tcb`, `Tcp`, `Tcr`, `Tcr8`, `Wgmma` and `F32` over codes in fragment order (the `*_f`
-    /// kernel instances; `pf_gemm`'s other loads): the same products as in row order.
+    /// `Tcb`, `Tcp`, `Tcr`, `Wgmma` and `F32` over codes in fragment order (the `*_f` kernel
+    /// instances; `pf_gemm`'s other loads): the same products as in row order.
     TcbFrag,
     TcpFrag,
     TcrFrag,
-    Tcr8Frag,
     WgmmaFrag,
     F32Frag,
 }
@@ -238,7 +235,6 @@ impl GroupedRoute {
             GroupedRoute::TcbFrag => GroupedRoute::Tcb,
             GroupedRoute::TcpFrag => GroupedRoute::Tcp,
             GroupedRoute::TcrFrag => GroupedRoute::Tcr,
-            GroupedRoute::Tcr8Frag => GroupedRoute::Tcr8,
             GroupedRoute::WgmmaFrag => GroupedRoute::Wgmma,
             GroupedRoute::F32Frag => GroupedRoute::F32,
             r => r,
@@ -264,7 +260,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let route = route.row_order();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
-        GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr | GroupedRoute::Tcr8 => moe::PrefillExperts::Tcb,
+        GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
         _ => unreachable!("row_order above"),
     }
@@ -288,7 +284,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
-    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr | GroupedRoute::Tcr8) {
+    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr) {
         let st = TcbStaging::new(gpu, tokens, q.cols)?;
         qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 1e-6, 0, &st)?;
         // No shared expert: expert number `experts` is in none of the lists.
@@ -296,9 +292,8 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let experts_kernel = match route {
             GroupedRoute::Tcb => moe::moe_tcb,
             GroupedRoute::Tcp => moe::moe_tcp,
-            GroupedRoute::Tcr8 if moe::tcr_fits(gpu, q.cols, moe::TcrPass::Eight)? => tcr8_rows,
-            GroupedRoute::Tcr if moe::tcr_fits(gpu, q.cols, moe::TcrPass::Sixteen)? => tcr_rows,
-            _ => bail!("{route:?} does not take {} columns", q.cols),
+            _ if !moe::tcr_fits(gpu, q.cols)? => bail!("moe_tcr does not take {} columns", q.cols),
+            _ => tcr_rows,
         };
         experts_kernel(gpu, &dq, du.as_ref(), &shared, rows, &st, yp, g(k))?;
         return read(gpu, &y);
@@ -346,26 +341,18 @@ impl SlotLists {
 /// `moe_tcr` storing its outputs in `y` (the other expert kernels' signature).
 #[allow(clippy::too_many_arguments)]
 fn tcr_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    moe::moe_tcr(gpu, q, up, shared, rows, st, y, g, None, moe::TcrPass::Sixteen)
-}
-
-/// `moe_tcr8` storing its outputs in `y`.
-#[allow(clippy::too_many_arguments)]
-fn tcr8_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    moe::moe_tcr(gpu, q, up, shared, rows, st, y, g, None, moe::TcrPass::Eight)
+    moe::moe_tcr(gpu, q, up, shared, rows, st, y, g, None)
 }
 
 /// The staged input of the down products that `moe_tcr` writes itself (its `staged_out`), and
 /// what `stage_tcb` stages from its stored outputs instead: ((fragment words, group sums) of
 /// the fused kernel, the same of the two launches), over `tokens * k` slot rows of `q.rows /
-/// experts` columns. Same routing as [`grouped_gemm`]; `q` and `up` in fragment order with `frag`;
-/// `eight`: `moe_tcr8`.
+/// experts` columns. Same routing as [`grouped_gemm`]; `q` and `up` in fragment order with `frag`.
 #[allow(clippy::too_many_arguments)]
-pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, frag: bool, eight: bool) -> Result<[(Vec<u32>, Vec<f32>); 2]> {
+pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, frag: bool) -> Result<[(Vec<u32>, Vec<f32>); 2]> {
     let gpu = &b.gpu;
     let rows = q.rows / experts;
-    let pass = if eight { moe::TcrPass::Eight } else { moe::TcrPass::Sixteen };
-    if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) || !moe::tcr_fits(gpu, q.cols, pass)? {
+    if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) || !moe::tcr_fits(gpu, q.cols)? {
         bail!("tcr_staged_outputs: bad shapes");
     }
     let upload = |m: &QuantTensor| if frag { DevQ::upload_frag(gpu, m) } else { DevQ::upload(gpu, m) };
@@ -379,8 +366,8 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     let y = gpu.zeros::<f32>(tokens * k * rows)?;
     let yp = ptr(&y, &gpu.stream);
     let (fused, two) = (TcbStaging::new(gpu, tokens * k, rows)?, TcbStaging::new(gpu, tokens * k, rows)?);
-    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, Some(&fused), pass)?;
-    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, None, pass)?;
+    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, Some(&fused))?;
+    moe::moe_tcr(gpu, &dq, Some(&du), &shared, rows, &st, yp, g, None)?;
     qmatmul::stage_tcb(gpu, yp, rows, tokens * k, 0, 1e-6, 0, &two)?;
     Ok([(read(gpu, &fused.frag)?, read(gpu, &fused.gsum)?), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
