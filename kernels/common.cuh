@@ -824,7 +824,11 @@ static_assert(TCR_GROUPS == 2, "tcr_issue copies a row's stage scales (and biase
 // Issues the copies of groups [G, G + TCR_GROUPS) of rows r0..r0 + 15 (zeros from r_end on) into
 // the stage at shared address `dst`, and commits them as one group.
 // FRAG: the codes of a tile in fragment order (tc_load), whole tiles: the stage's groups are
-// TCR_GROUPS * 512 contiguous bytes, copied as they lie.
+// TCR_GROUPS * 512 contiguous bytes, copied as they lie; and `s` holds the scales and biases in
+// stage order (`b` is not read): per 16-row tile and stage, each row's [scales | biases] of the
+// stage's groups as the stage lays them out, 128 contiguous bytes (weights.rs
+// `stage_order_scales`), where a row-order row's are 4 bytes in each of 16 rows' 64 (one sector
+// apiece).
 template <bool FRAG = false>
 __device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ w, const u16* __restrict__ s,
                                           const u16* __restrict__ b, int r0, int r_end, int cols, int G) {
@@ -835,6 +839,9 @@ __device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ 
         const char* src = reinterpret_cast<const char*>(w + (size_t)(on ? r0 : 0) * wpr) + (size_t)G * 512;
 #pragma unroll
         for (int u = lane; u < TCR_GROUPS * 32; u += 32) cp_async16z(dst + u * 16, src + u * 16, on);
+        // Lanes 0-7: 16 bytes (two rows) each of the stage's 128.
+        const char* sb = reinterpret_cast<const char*>(s) + (((size_t)(on ? r0 : 0) >> 4) * (gpr / TCR_GROUPS) + G / TCR_GROUPS) * (16 * TCR_GROUPS * 4);
+        if (lane < 8) cp_async16z(dst + 16 * TCR_ROW_BYTES + lane * 16, sb + lane * 16, on);
     } else {
 #pragma unroll
         for (int u = lane; u < 16 * parts; u += 32) {
@@ -842,12 +849,12 @@ __device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ 
             const bool on = r0 + row < r_end;
             cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, w + (size_t)(on ? r0 + row : 0) * wpr + 8 * G + 4 * part, on);
         }
+        // Lanes 0-15 the scales of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
+        const int row = lane & 15;
+        const bool on = r0 + row < r_end;
+        const u16* src = (lane < 16 ? s : b) + (size_t)(on ? r0 + row : 0) * gpr + G;
+        cp_async4z(dst + 16 * TCR_ROW_BYTES + row * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src, on);
     }
-    // Lanes 0-15 the scales of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
-    const int row = lane & 15;
-    const bool on = r0 + row < r_end;
-    const u16* src = (lane < 16 ? s : b) + (size_t)(on ? r0 + row : 0) * gpr + G;
-    cp_async4z(dst + 16 * TCR_ROW_BYTES + row * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src, on);
     cp_commit();
 }
 

@@ -713,7 +713,13 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sf
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
     unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TCB_TOK * gpr) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
+    const u16 *st = s, *st2 = s2;  // FRAG: the scales and biases in stage order (tcr_issue)
     EXPERT_MATS;
+    if constexpr (FRAG) {
+        // Stage order holds both, 2 * gpr words per row: expert e's from row e * rows on.
+        s = e == shared_e ? ss : st + 2 * erows * gpr;
+        s2 = e == shared_e ? ss2 : st2 + 2 * erows * gpr;
+    }
     const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
     const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
     // The ring's first stages load while the block stages its tokens.
@@ -744,6 +750,8 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sf
 // stage_tcb would stage them from y (the next product's input, bit for bit), and y is not written.
 #define MOE_TCR_ARGS MOE_TILE_ARGS, u32 *__restrict__ sfrag, float *__restrict__ sgsum
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe_tcr_body<false>(MOE_TILE_NAMES, sfrag, sgsum); }
+// moe_tcr over codes in fragment order (tc_load) with the scales and biases in stage order: s,
+// s2, ss and ss2 hold them (tcr_issue), b, b2, sb and sb2 are not read.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============

@@ -512,6 +512,23 @@ fn tcb_smem(cols: usize) -> u32 {
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
     let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    if frag {
+        // Over fragment-order codes the kernel reads the scales and biases in stage order, one
+        // array per matrix in place of the (scales, biases) pair.
+        let stage = |m: Option<&DevQ>| -> Result<u64> {
+            match m {
+                None => Ok(0),
+                Some(m) => m.stage_sb.as_ref().map(|c| ptr(c, &gpu.stream)).ok_or_else(|| anyhow::anyhow!("moe_tcr over fragment-order codes needs stage-order scales")),
+            }
+        };
+        if !rows.is_multiple_of(16) {
+            bail!("moe_tcr over fragment-order codes takes experts of whole 16-row tiles, not {rows} rows");
+        }
+        for (at, m) in [(1, Some(q)), (4, up), (7, Some(shared.q)), (10, shared.up)] {
+            args[at] = Arg::P(stage(m)?);
+            args[at + 1] = Arg::P(0);
+        }
+    }
     let (sfrag, sgsum) = match staged_out {
         None => (0, 0),
         Some(o) if rows.is_multiple_of(64) && o.cols >= rows => (ptr(&o.frag, &gpu.stream), ptr(&o.gsum, &gpu.stream)),

@@ -254,7 +254,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     }
     let rows = q.rows / experts;
     let frag = route.row_order() != route;
-    let upload = |m: &QuantTensor| if frag { DevQ::upload_frag(gpu, m) } else { DevQ::upload(gpu, m) };
+    let upload = |m: &QuantTensor| if frag { upload_frag_staged(gpu, m) } else { DevQ::upload(gpu, m) };
     let dq = upload(q)?;
     let du = up.map(upload).transpose()?;
     let route = route.row_order();
@@ -338,6 +338,13 @@ impl SlotLists {
     }
 }
 
+/// `q` in fragment order, with its scales and biases in stage order too where it has whole stages
+/// (what `moe_tcr` reads over fragment-order codes), as the backend uploads gate and up.
+fn upload_frag_staged(gpu: &Gpu, q: &QuantTensor) -> Result<DevQ> {
+    let d = DevQ::upload_frag(gpu, q)?;
+    if q.group == 64 && super::weights::stage_shape(q.cols) { d.with_stage_scales(gpu, q) } else { Ok(d) }
+}
+
 /// `moe_tcr` storing its outputs in `y` (the other expert kernels' signature).
 #[allow(clippy::too_many_arguments)]
 fn tcr_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
@@ -355,7 +362,7 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) || !moe::tcr_fits(gpu, q.cols)? {
         bail!("tcr_staged_outputs: bad shapes");
     }
-    let upload = |m: &QuantTensor| if frag { DevQ::upload_frag(gpu, m) } else { DevQ::upload(gpu, m) };
+    let upload = |m: &QuantTensor| if frag { upload_frag_staged(gpu, m) } else { DevQ::upload(gpu, m) };
     let (dq, du) = (upload(q)?, upload(up)?);
     let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
     let g = lists.grouped(k);

@@ -29,6 +29,53 @@ pub struct DevQ {
     /// the routed experts, the prefill as a dense product), the projections' and lm_head's (the
     /// batched decode's `gemv_tcb_f`; the one-sequence GEMVs and the prefill read row order).
     pub frag_copy: Option<CudaSlice<u32>>,
+    /// The scales and biases in the stage order of the batched gate|up ring kernel
+    /// (`moe_tcr_f`; [`stage_order_scales`]), beside the row-order `s` and `b` the other kernels
+    /// read.
+    pub stage_sb: Option<CudaSlice<u16>>,
+}
+
+/// Groups per stage of the batched gate|up ring kernel (TCR_GROUPS in kernels/common.cuh).
+const STAGE_GROUPS: usize = 2;
+
+/// Whether a matrix of `cols` columns (group 64) has scales and biases in stage order: whole stages.
+pub fn stage_shape(cols: usize) -> bool {
+    cols.is_multiple_of(64 * STAGE_GROUPS)
+}
+
+/// Row-order bf16 scales and biases (`[rows][gpr]` each, `gpr` a multiple of `STAGE_GROUPS`) in
+/// stage order, the rows padded with zeros to whole 16-row tiles: per tile and stage of
+/// `STAGE_GROUPS` groups, per row of the tile its stage's scales, then its stage's biases (the
+/// layout of a ring stage's scales in shared memory, so a stage's are one contiguous copy of
+/// 16 * 2 * STAGE_GROUPS words).
+pub fn stage_order_scales(s: &[u16], b: &[u16], rows: usize, gpr: usize) -> Vec<u16> {
+    let stages = gpr / STAGE_GROUPS;
+    let per_row = 2 * STAGE_GROUPS;
+    let mut out = vec![0u16; rows.next_multiple_of(16) * gpr * 2];
+    for r in 0..rows {
+        for k in 0..stages {
+            let at = (((r / 16) * stages + k) * 16 + r % 16) * per_row;
+            let g = r * gpr + k * STAGE_GROUPS;
+            out[at..at + STAGE_GROUPS].copy_from_slice(&s[g..g + STAGE_GROUPS]);
+            out[at + STAGE_GROUPS..at + per_row].copy_from_slice(&b[g..g + STAGE_GROUPS]);
+        }
+    }
+    out
+}
+
+/// `q`'s scales or biases (`bytes`) as bf16 (exact: MLX stores bf16; other float dtypes are
+/// rounded to bf16 once here).
+fn bf16_values(q: &QuantTensor, bytes: &[u8]) -> Vec<u16> {
+    match q.scale_dtype {
+        DType::BF16 => bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
+        dt => crate::checkpoint::store::to_f32(dt, bytes).into_iter().map(|v| half::bf16::from_f32(v).to_bits()).collect(),
+    }
+}
+
+/// Whether a gate or up matrix gets stage-order scales: 4-bit, group 64, whole stages, 16-row
+/// experts' tiles (every expert's rows a multiple of 16 so no tile spans two).
+fn glu_stage_scales(t: &QuantTensor) -> bool {
+    frag_shape(t.bits, t.group, t.cols) && stage_shape(t.cols) && t.rows.is_multiple_of(16)
 }
 
 /// Whether codes of this shape can go in fragment order: 4-bit, group 64, whole 64-column groups.
@@ -115,22 +162,9 @@ impl DevQ {
             );
         }
         let w = gpu.upload(words)?;
-        // Scales and biases stay bf16 on the device (exact: MLX stores bf16). Other float dtypes
-        // are rounded to bf16 once here.
-        let to_bf16 = |bytes: &[u8]| -> Vec<u16> {
-            match q.scale_dtype {
-                DType::BF16 => bytes
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-                dt => crate::checkpoint::store::to_f32(dt, bytes)
-                    .into_iter()
-                    .map(|v| half::bf16::from_f32(v).to_bits())
-                    .collect(),
-            }
-        };
-        let s = gpu.upload(&to_bf16(q.scales.as_bytes()))?;
-        let b = gpu.upload(&to_bf16(q.biases.as_bytes()))?;
+        // Scales and biases stay bf16 on the device.
+        let s = gpu.upload(&bf16_values(q, q.scales.as_bytes()))?;
+        let b = gpu.upload(&bf16_values(q, q.biases.as_bytes()))?;
         Ok(DevQ {
             w,
             s,
@@ -140,7 +174,18 @@ impl DevQ {
             bits: q.bits,
             frag,
             frag_copy: None,
+            stage_sb: None,
         })
+    }
+
+    /// This matrix with its scales and biases in stage order too ([`DevQ::stage_sb`]).
+    pub fn with_stage_scales(mut self, gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+        if q.group != 64 || !stage_shape(q.cols) {
+            bail!("{}: no stage order for {} columns in groups of {}", q.name, q.cols, q.group);
+        }
+        let (s, b) = (bf16_values(q, q.scales.as_bytes()), bf16_values(q, q.biases.as_bytes()));
+        self.stage_sb = Some(gpu.upload(&stage_order_scales(&s, &b, q.rows, q.cols / 64))?);
+        Ok(self)
     }
     pub fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
         (
@@ -150,7 +195,7 @@ impl DevQ {
         )
     }
     pub fn bytes(&self) -> usize {
-        (self.w.len() + self.frag_copy.as_ref().map_or(0, |c| c.len())) * 4 + (self.s.len() + self.b.len()) * 2
+        (self.w.len() + self.frag_copy.as_ref().map_or(0, |c| c.len())) * 4 + (self.s.len() + self.b.len() + self.stage_sb.as_ref().map_or(0, |c| c.len())) * 2
     }
 }
 
@@ -230,7 +275,15 @@ impl DevWeights {
             .filter(|t| frag_shape(t.bits, t.group, t.cols))
             .map(|t| t.rows.next_multiple_of(16) * t.cols / 2)
             .sum();
-        let needed = host_bytes + copies;
+        // The gate|up matrices' stage-order scales and biases (below): 4 bytes per row and group.
+        let stage_copies: usize = mw
+            .layers
+            .iter()
+            .flat_map(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.shared_gate, &l.moe.shared_up])
+            .filter(|t| frag_experts && glu_stage_scales(t))
+            .map(|t| t.rows.next_multiple_of(16) * (t.cols / 64) * 4)
+            .sum();
+        let needed = host_bytes + copies + stage_copies;
         if needed + (1 << 30) > free {
             bail!(
                 "not enough GPU memory for the weights: {:.1} GiB needed, {:.1} GiB free of {:.1} GiB",
@@ -242,6 +295,12 @@ impl DevWeights {
         let q = |t: &QuantTensor| DevQ::upload(gpu, t);
         let experts = |t: &QuantTensor| if frag_experts { DevQ::upload_frag(gpu, t) } else { DevQ::upload(gpu, t) };
         let shared = |t: &QuantTensor| if frag_experts { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
+        // Gate and up (routed and shared): their scales and biases in stage order too, for the
+        // batched decode's ring kernel over fragment-order codes (`moe_tcr_f`).
+        let glu = |t: &QuantTensor, d: Result<DevQ>| match d {
+            Ok(d) if frag_experts && glu_stage_scales(t) => d.with_stage_scales(gpu, t),
+            d => d,
+        };
         // The projections and the lm_head: row order for the one-sequence GEMVs and the prefill,
         // and a fragment-order copy for the batched decode's GEMV sets (`gemv_tcb_f`).
         let dense = |t: &QuantTensor| if frag_shape(t.bits, t.group, t.cols) { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
@@ -292,11 +351,11 @@ impl DevWeights {
                 mixer,
                 moe: DevMoe {
                     router: q(&m.router)?,
-                    gate_exps: experts(&m.gate_exps)?,
-                    up_exps: experts(&m.up_exps)?,
+                    gate_exps: glu(&m.gate_exps, experts(&m.gate_exps))?,
+                    up_exps: glu(&m.up_exps, experts(&m.up_exps))?,
                     down_exps: experts(&m.down_exps)?,
-                    shared_gate: shared(&m.shared_gate)?,
-                    shared_up: shared(&m.shared_up)?,
+                    shared_gate: glu(&m.shared_gate, shared(&m.shared_gate))?,
+                    shared_up: glu(&m.shared_up, shared(&m.shared_up))?,
                     shared_down: shared(&m.shared_down)?,
                     shared_expert_gate: q(&m.shared_expert_gate)?,
                 },
@@ -317,7 +376,7 @@ impl DevWeights {
 
 #[cfg(test)]
 mod tests {
-    use super::fragment_order;
+    use super::{fragment_order, stage_order_scales};
 
     /// kernels/common.cuh `frag_word`, the device's index formula for the same order.
     fn frag_word(row: usize, wi: usize, cols: usize) -> usize {
@@ -345,6 +404,34 @@ mod tests {
             // Lane 1 (g = 0, t = 1) of the first block: words 2 and 3 of rows 0 and 8.
             let row8 = |w: usize| if rows > 8 { words[8 * wpr + w] } else { 0 };
             assert_eq!(out[4..8], [words[2], words[3], row8(2), row8(3)]);
+        }
+    }
+
+    /// tcr_issue's (kernels/common.cuh) byte offset of the stage holding group `grp` of tile row
+    /// `row`'s block, plus the row's place in it: where its stage's scales and biases start.
+    fn stage_byte(row: usize, grp: usize, gpr: usize) -> usize {
+        (((row >> 4) * (gpr / 2) + grp / 2) * (16 * 2 * 4)) + (row & 15) * 8
+    }
+
+    #[test]
+    fn stage_order_scales_are_the_ring_stages_layout_padded_to_whole_tiles() {
+        for (rows, gpr) in [(32usize, 4usize), (20, 2), (48, 32)] {
+            let s: Vec<u16> = (0..rows * gpr).map(|i| 1 + i as u16).collect();
+            let b: Vec<u16> = (0..rows * gpr).map(|i| 30_000 + i as u16).collect();
+            let out = stage_order_scales(&s, &b, rows, gpr);
+            assert_eq!(out.len(), rows.div_ceil(16) * 16 * gpr * 2);
+            let mut hit = vec![false; out.len()];
+            for r in 0..rows {
+                for g in 0..gpr {
+                    // A stage row: the scales of its two groups, then their biases (bf16 words).
+                    let at = stage_byte(r, g, gpr) / 2 + (g & 1);
+                    assert_eq!(out[at], s[r * gpr + g], "{rows} x {gpr}: scale of row {r} group {g}");
+                    assert_eq!(out[at + 2], b[r * gpr + g], "{rows} x {gpr}: bias of row {r} group {g}");
+                    hit[at] = true;
+                    hit[at + 2] = true;
+                }
+            }
+            assert!(out.iter().zip(&hit).all(|(v, h)| *h || *v == 0), "padding rows are zeros");
         }
     }
 }
