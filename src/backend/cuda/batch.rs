@@ -66,8 +66,6 @@ struct MoeBuffers {
     down: CudaSlice<f32>,
     /// gate|up on `moe_tcr` (weights through per-warp rings), else `moe_tcb` (moe::tcr_fits).
     gate_up_ring: bool,
-    /// TRIAL (A/B switch LILY_DOWN_RING=1, to be removed): down on `moe_tcr` too.
-    down_ring: bool,
 }
 
 impl MoeBuffers {
@@ -84,7 +82,6 @@ impl MoeBuffers {
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
             gate_up_ring: moe::tcr_fits(gpu, d.hidden)?,
-            down_ring: std::env::var("LILY_DOWN_RING").is_ok_and(|v| v == "1") && moe::tcr_fits(gpu, d.inter)?,
         })
     }
 }
@@ -325,11 +322,7 @@ impl Pass for BatchPass<'_> {
         }
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
         // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
-        if mb.down_ring {
-            moe::moe_tcr(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1), None)?;
-        } else {
-            moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
-        }
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };

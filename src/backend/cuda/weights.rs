@@ -279,7 +279,7 @@ impl DevWeights {
         let stage_copies: usize = mw
             .layers
             .iter()
-            .flat_map(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.down_exps, &l.moe.shared_gate, &l.moe.shared_up, &l.moe.shared_down])
+            .flat_map(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.shared_gate, &l.moe.shared_up])
             .filter(|t| frag_experts && glu_stage_scales(t))
             .map(|t| t.rows.next_multiple_of(16) * (t.cols / 64) * 4)
             .sum();
@@ -353,10 +353,10 @@ impl DevWeights {
                     router: q(&m.router)?,
                     gate_exps: glu(&m.gate_exps, experts(&m.gate_exps))?,
                     up_exps: glu(&m.up_exps, experts(&m.up_exps))?,
-                    down_exps: glu(&m.down_exps, experts(&m.down_exps))?,
+                    down_exps: experts(&m.down_exps)?,
                     shared_gate: glu(&m.shared_gate, shared(&m.shared_gate))?,
                     shared_up: glu(&m.shared_up, shared(&m.shared_up))?,
-                    shared_down: glu(&m.shared_down, shared(&m.shared_down))?,
+                    shared_down: shared(&m.shared_down)?,
                     shared_expert_gate: q(&m.shared_expert_gate)?,
                 },
             });
