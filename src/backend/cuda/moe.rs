@@ -509,6 +509,7 @@ fn tcb_smem(cols: usize) -> u32 {
 /// `staged_out` the outputs are not stored in `y` but staged there as [`super::qmatmul::stage_tcb`]
 /// would stage `y`'s rows (the same words and group sums): the down products' input without a
 /// staging launch (`rows` a multiple of 64; `staged_out` holds a row for every slot of the lists).
+/// Over fragment-order codes the matrices need their stage-order scales ([`DevQ::stage_sb`]).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
     let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;

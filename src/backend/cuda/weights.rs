@@ -72,8 +72,8 @@ fn bf16_values(q: &QuantTensor, bytes: &[u8]) -> Vec<u16> {
     }
 }
 
-/// Whether a gate or up matrix gets stage-order scales: 4-bit, group 64, whole stages, 16-row
-/// experts' tiles (every expert's rows a multiple of 16 so no tile spans two).
+/// Whether a gate or up matrix gets stage-order scales: 4-bit, group 64, whole stages and whole
+/// 16-row tiles (`moe_tcr` also checks that each expert's rows are, so no tile spans two).
 fn glu_stage_scales(t: &QuantTensor) -> bool {
     frag_shape(t.bits, t.group, t.cols) && stage_shape(t.cols) && t.rows.is_multiple_of(16)
 }
