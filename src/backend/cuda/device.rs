@@ -3,7 +3,7 @@
 //! predecessor).
 
 use super::nvrtc::nvrtc_available;
-use super::registry::{Kernel, Registry, MODULES};
+use super::registry::{Kernel, Registry};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -109,7 +109,7 @@ impl Gpu {
     /// Compiles and loads every kernel module now (start-up: NVRTC errors surface here, and no
     /// module loads during a graph capture).
     pub fn load_all(&self) -> Result<()> {
-        MODULES.iter().try_for_each(|m| self.kernels.load(m))
+        self.kernels.load_all()
     }
 
     /// The loaded function of `k`, opted in to `smem` bytes of dynamic shared memory as its

@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Result};
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 use std::ffi::CString;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Code shared by every module (prepended, so NVRTC needs no include path and no CUDA headers).
 pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
@@ -134,7 +135,10 @@ pub fn cubin_cached(name: &str, src: &str) -> Result<Vec<u8>> {
     }
     let cubin = compile_cubin(name, src)?;
     if std::fs::create_dir_all(cache_dir()).is_ok() {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // A name of its own per write: two compilations of one module in one process (backends
+        // opened side by side) must not write into each other's file before the rename.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let tmp = path.with_extension(format!("tmp{}-{}", std::process::id(), WRITES.fetch_add(1, Ordering::Relaxed)));
         if std::fs::write(&tmp, &cubin).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }

@@ -6,6 +6,7 @@ use super::nvrtc::{cubin_cached, module_source};
 use anyhow::{anyhow, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -201,19 +202,30 @@ impl Registry {
         Registry { ctx, modules: Mutex::new(HashMap::new()) }
     }
 
-    /// Compiles (or reads from the cubin cache) and loads `m` unless it is loaded.
-    pub fn load(&self, m: &'static Module) -> Result<()> {
+    /// Compiles (or reads from the cubin cache) and loads every module of `MODULES` that is not
+    /// loaded, the compilations side by side (NVRTC takes ~45 s for all of them one after
+    /// another on a cold cache, the MoE module ~19 s alone).
+    pub fn load_all(&self) -> Result<()> {
         let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        self.load_locked(&mut mods, m).map(|_| ())
+        let missing: Vec<&'static Module> = MODULES.iter().copied().filter(|m| !mods.contains_key(m.name)).collect();
+        let cubins: Vec<Result<Vec<u8>>> = missing.par_iter().map(|m| cubin_cached(m.name, &module_source(m.source))).collect();
+        for (m, cubin) in missing.into_iter().zip(cubins) {
+            self.load_locked(&mut mods, m, Some(cubin?))?;
+        }
+        Ok(())
     }
 
     fn load_locked<'a>(
         &self,
         mods: &'a mut HashMap<&'static str, Loaded>,
         m: &'static Module,
+        cubin: Option<Vec<u8>>,
     ) -> Result<&'a mut Loaded> {
         if !mods.contains_key(m.name) {
-            let cubin = cubin_cached(m.name, &module_source(m.source))?;
+            let cubin = match cubin {
+                Some(c) => c,
+                None => cubin_cached(m.name, &module_source(m.source))?,
+            };
             let module = self
                 .ctx
                 .load_module(Ptx::from_binary(cubin))
@@ -227,7 +239,7 @@ impl Registry {
     /// shared memory when that is over the default limit.
     pub fn function(&self, k: Kernel, smem: u32) -> Result<CudaFunction> {
         let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        let loaded = self.load_locked(&mut mods, k.module)?;
+        let loaded = self.load_locked(&mut mods, k.module, None)?;
         if !loaded.funcs.contains_key(k.name) {
             let f = loaded.module.load_function(k.name).map_err(|e| {
                 anyhow!("kernel {} missing from kernels/{}.cu: {e:?}", k.name, k.module.name)
