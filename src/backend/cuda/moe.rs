@@ -432,12 +432,39 @@ fn route_batch_smem(d: &MoeDims, n: usize, rows: usize) -> usize {
 
 /// Codes, scales and biases of `q`, then of `up` (zeros without it): the leading arguments of the
 /// staged expert kernels; the codes in fragment order (`frag`: the caller checked that they have
-/// it) or row order.
-fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, frag: bool) -> [Arg; 6] {
-    let ptrs = |m: &DevQ| if frag { m.frag_ptrs(gpu).expect("checked by the caller") } else { m.ptrs(gpu) };
+/// it) or row order. `Stage` order: the scales and biases as their one stage-order array (the
+/// caller checked that they have it), no biases.
+fn matrix_pair_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, order: CodeOrder) -> [Arg; 6] {
+    let ptrs = |m: &DevQ| match order {
+        CodeOrder::Row => m.ptrs(gpu),
+        CodeOrder::Fragment => m.frag_ptrs(gpu).expect("checked by the caller"),
+        CodeOrder::Stage => {
+            let (w, _, _) = m.frag_ptrs(gpu).expect("checked by the caller");
+            (w, ptr(m.stage_sb.as_ref().expect("checked by the caller"), &gpu.stream), 0)
+        }
+    };
     let (w, s, b) = ptrs(q);
     let (w2, s2, b2) = up.map(ptrs).unwrap_or((0, 0, 0));
     [Arg::P(w), Arg::P(s), Arg::P(b), Arg::P(w2), Arg::P(s2), Arg::P(b2)]
+}
+
+/// How the staged expert kernels read a matrix: row-order codes; fragment-order codes; or
+/// fragment-order codes with the scales and biases in stage order (`moe_tcr_f`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CodeOrder {
+    Row,
+    Fragment,
+    Stage,
+}
+
+impl CodeOrder {
+    fn of(frag: bool) -> Self {
+        if frag {
+            CodeOrder::Fragment
+        } else {
+            CodeOrder::Row
+        }
+    }
 }
 
 /// Rows of an expert per `moe_tcb` block (8 warps of 16-row tiles).
@@ -457,7 +484,7 @@ pub struct SharedExpert<'a> {
 /// its own matrices (4-bit, group 64).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS))?;
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS), false)?;
     gpu.launch(if frag { MOE_TCB_F } else { MOE_TCB }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
@@ -468,7 +495,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 /// block's staging was most of its time.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, false)?;
     let k = if frag { MOE_TCP_F } else { MOE_TCP };
     let per_sm = super::qmatmul::blocks_per_sm(gpu, k, smem, 2)?;
     let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
@@ -512,24 +539,7 @@ fn tcb_smem(cols: usize) -> u32 {
 /// Over fragment-order codes the matrices need their stage-order scales ([`DevQ::stage_sb`]).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
-    let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None)?;
-    if frag {
-        // Over fragment-order codes the kernel reads the scales and biases in stage order, one
-        // array per matrix in place of the (scales, biases) pair.
-        let stage = |m: Option<&DevQ>| -> Result<u64> {
-            match m {
-                None => Ok(0),
-                Some(m) => m.stage_sb.as_ref().map(|c| ptr(c, &gpu.stream)).ok_or_else(|| anyhow::anyhow!("moe_tcr over fragment-order codes needs stage-order scales")),
-            }
-        };
-        if !rows.is_multiple_of(16) {
-            bail!("moe_tcr over fragment-order codes takes experts of whole 16-row tiles, not {rows} rows");
-        }
-        for (at, m) in [(1, Some(q)), (4, up), (7, Some(shared.q)), (10, shared.up)] {
-            args[at] = Arg::P(stage(m)?);
-            args[at + 1] = Arg::P(0);
-        }
-    }
+    let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, true)?;
     let (sfrag, sgsum) = match staged_out {
         None => (0, 0),
         Some(o) if rows.is_multiple_of(64) && o.cols >= rows => (ptr(&o.frag, &gpu.stream), ptr(&o.gsum, &gpu.stream)),
@@ -547,9 +557,10 @@ fn tcp_blocks(max_items: usize, wave: usize) -> usize {
 }
 
 /// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp) and dynamic shared memory of
-/// the staged expert kernels, after checking the matrices.
+/// the staged expert kernels, after checking the matrices; `stage_scales`: over fragment-order
+/// codes the kernel reads the scales and biases in stage order (`moe_tcr_f`).
 #[allow(clippy::too_many_arguments)]
-fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>) -> Result<(Vec<Arg>, u32, bool)> {
+fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>, stage_scales: bool) -> Result<(Vec<Arg>, u32, bool)> {
     let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
@@ -564,8 +575,17 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     if mats.iter().flatten().any(|m| if frag { m.frag_ptrs(gpu).is_none() } else { m.frag }) {
         bail!("the batched expert kernel takes the routed and shared experts' codes in one order");
     }
-    let mut args = matrix_pair_args(gpu, q, up, frag).to_vec();
-    args.extend(matrix_pair_args(gpu, shared.q, shared.up, frag));
+    let order = if frag && stage_scales { CodeOrder::Stage } else { CodeOrder::of(frag) };
+    if order == CodeOrder::Stage {
+        if mats.iter().flatten().any(|m| m.stage_sb.is_none()) {
+            bail!("moe_tcr over fragment-order codes needs stage-order scales");
+        }
+        if !rows.is_multiple_of(16) {
+            bail!("moe_tcr over fragment-order codes takes experts of whole 16-row tiles, not {rows} rows");
+        }
+    }
+    let mut args = matrix_pair_args(gpu, q, up, order).to_vec();
+    args.extend(matrix_pair_args(gpu, shared.q, shared.up, order));
     args.extend([Arg::I(shared.expert as i32), Arg::I(base), Arg::P(y), Arg::I(rows as i32), Arg::I(q.cols as i32)]);
     args.extend(rows_per_block.map(|r| Arg::I(r as i32)));
     args.extend([
@@ -631,7 +651,7 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
     }
     let k = if gate.frag { PF_MOE_WG_GLU_F } else { PF_MOE_WG_GLU };
-    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), gate.frag), rows, gate.cols, x, h, g, WG_GLU_ROWS)
+    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g, WG_GLU_ROWS)
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (f32 out,
@@ -641,7 +661,7 @@ pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Group
         bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");
     }
     let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
-    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, down.frag), rows, down.cols, h, y, g, WG_DOWN_ROWS)
+    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag)), rows, down.cols, h, y, g, WG_DOWN_ROWS)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -102,7 +102,7 @@ pub fn gemv_batch(b: &CudaBackend, q: &QuantTensor, x: &[f32], ntok: usize, frag
     if x.len() != ntok * q.cols {
         bail!("gemv_batch: x has {} values, want {ntok}x{}", x.len(), q.cols);
     }
-    let dq = if frag { DevQ::upload_with_frag_copy(gpu, q)? } else { DevQ::upload(gpu, q)? };
+    let dq = if frag { DevQ::upload_with_frag_copy(gpu, q, false)? } else { DevQ::upload(gpu, q)? };
     let y = gpu.zeros::<f32>(ntok * q.rows)?;
     let xd = gpu.upload(x)?;
     let st = qmatmul::TcbStaging::new(gpu, ntok, q.cols)?;
@@ -338,11 +338,10 @@ impl SlotLists {
     }
 }
 
-/// `q` in fragment order, with its scales and biases in stage order too where it has whole stages
-/// (what `moe_tcr` reads over fragment-order codes), as the backend uploads gate and up.
+/// `q` in fragment order, with its scales and biases in stage order too where they fit (what
+/// `moe_tcr` reads over fragment-order codes), as the backend uploads gate and up.
 fn upload_frag_staged(gpu: &Gpu, q: &QuantTensor) -> Result<DevQ> {
-    let d = DevQ::upload_frag(gpu, q)?;
-    if q.group == 64 && super::weights::stage_shape(q.cols) { d.with_stage_scales(gpu, q) } else { Ok(d) }
+    DevQ::upload_frag(gpu, q, super::weights::stage_scales_fit(q))
 }
 
 /// `moe_tcr` storing its outputs in `y` (the other expert kernels' signature).

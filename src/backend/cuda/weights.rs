@@ -38,11 +38,6 @@ pub struct DevQ {
 /// Groups per stage of the batched gate|up ring kernel (TCR_GROUPS in kernels/common.cuh).
 const STAGE_GROUPS: usize = 2;
 
-/// Whether a matrix of `cols` columns (group 64) has scales and biases in stage order: whole stages.
-pub fn stage_shape(cols: usize) -> bool {
-    cols.is_multiple_of(64 * STAGE_GROUPS)
-}
-
 /// Row-order bf16 scales and biases (`[rows][gpr]` each, `gpr` a multiple of `STAGE_GROUPS`) in
 /// stage order, the rows padded with zeros to whole 16-row tiles: per tile and stage of
 /// `STAGE_GROUPS` groups, per row of the tile its stage's scales, then its stage's biases (the
@@ -72,10 +67,11 @@ fn bf16_values(q: &QuantTensor, bytes: &[u8]) -> Vec<u16> {
     }
 }
 
-/// Whether a gate or up matrix gets stage-order scales: 4-bit, group 64, whole stages and whole
-/// 16-row tiles (`moe_tcr` also checks that each expert's rows are, so no tile spans two).
-fn glu_stage_scales(t: &QuantTensor) -> bool {
-    frag_shape(t.bits, t.group, t.cols) && stage_shape(t.cols) && t.rows.is_multiple_of(16)
+/// Whether a matrix in fragment order can have its scales and biases in stage order too: whole
+/// stages and whole 16-row tiles (`moe_tcr` also checks that each expert's rows are, so no tile
+/// spans two).
+pub fn stage_scales_fit(t: &QuantTensor) -> bool {
+    frag_shape(t.bits, t.group, t.cols) && t.cols.is_multiple_of(64 * STAGE_GROUPS) && t.rows.is_multiple_of(16)
 }
 
 /// Whether codes of this shape can go in fragment order: 4-bit, group 64, whole 64-column groups.
@@ -114,16 +110,17 @@ fn frag_codes(q: &QuantTensor) -> Result<Vec<u32>> {
 impl DevQ {
     /// `upload` with the codes in fragment order (rows padded to whole 16-row tiles; permuted
     /// on the host, so the device holds no second copy at any time); a shape that cannot
-    /// ([`frag_shape`]) is an error.
-    pub fn upload_frag(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
-        Self::upload_codes(gpu, q, &frag_codes(q)?, true)
+    /// ([`frag_shape`]) is an error. `stage_scales`: the scales and biases in stage order too
+    /// ([`DevQ::stage_sb`]; a shape that cannot, [`stage_scales_fit`], is an error).
+    pub fn upload_frag(gpu: &Gpu, q: &QuantTensor, stage_scales: bool) -> Result<Self> {
+        Self::upload_codes(gpu, q, &frag_codes(q)?, true, stage_scales)
     }
 
     /// `upload` with a fragment-order copy of the codes beside the row-order ones
-    /// ([`DevQ::frag_copy`]).
-    pub fn upload_with_frag_copy(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
+    /// ([`DevQ::frag_copy`]); `stage_scales` as in [`DevQ::upload_frag`].
+    pub fn upload_with_frag_copy(gpu: &Gpu, q: &QuantTensor, stage_scales: bool) -> Result<Self> {
         let codes = frag_codes(q)?;
-        let mut d = Self::upload(gpu, q)?;
+        let mut d = Self::upload_codes(gpu, q, q.words(), false, stage_scales)?;
         d.frag_copy = Some(gpu.upload(&codes)?);
         Ok(d)
     }
@@ -139,11 +136,12 @@ impl DevQ {
     }
 
     pub fn upload(gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
-        Self::upload_codes(gpu, q, q.words(), false)
+        Self::upload_codes(gpu, q, q.words(), false, false)
     }
 
-    /// `q` with `words` as its codes (`frag`: in fragment order, else `q`'s own row order).
-    fn upload_codes(gpu: &Gpu, q: &QuantTensor, words: &[u32], frag: bool) -> Result<Self> {
+    /// `q` with `words` as its codes (`frag`: in fragment order, else `q`'s own row order), with
+    /// its scales and biases in stage order too where `stage_scales`.
+    fn upload_codes(gpu: &Gpu, q: &QuantTensor, words: &[u32], frag: bool, stage_scales: bool) -> Result<Self> {
         if q.bits != 4 && q.bits != 8 {
             bail!(
                 "{}: {}-bit weights are not supported by the CUDA backend (4 or 8)",
@@ -161,31 +159,24 @@ impl DevQ {
                 q.group
             );
         }
+        if stage_scales && !stage_scales_fit(q) {
+            bail!("{}: no stage order for {} rows x {} columns in groups of {}", q.name, q.rows, q.cols, q.group);
+        }
         let w = gpu.upload(words)?;
         // Scales and biases stay bf16 on the device.
-        let s = gpu.upload(&bf16_values(q, q.scales.as_bytes()))?;
-        let b = gpu.upload(&bf16_values(q, q.biases.as_bytes()))?;
+        let (s, b) = (bf16_values(q, q.scales.as_bytes()), bf16_values(q, q.biases.as_bytes()));
+        let stage_sb = if stage_scales { Some(gpu.upload(&stage_order_scales(&s, &b, q.rows, q.cols / 64))?) } else { None };
         Ok(DevQ {
             w,
-            s,
-            b,
+            s: gpu.upload(&s)?,
+            b: gpu.upload(&b)?,
             rows: q.rows,
             cols: q.cols,
             bits: q.bits,
             frag,
             frag_copy: None,
-            stage_sb: None,
+            stage_sb,
         })
-    }
-
-    /// This matrix with its scales and biases in stage order too ([`DevQ::stage_sb`]).
-    pub fn with_stage_scales(mut self, gpu: &Gpu, q: &QuantTensor) -> Result<Self> {
-        if q.group != 64 || !stage_shape(q.cols) {
-            bail!("{}: no stage order for {} columns in groups of {}", q.name, q.cols, q.group);
-        }
-        let (s, b) = (bf16_values(q, q.scales.as_bytes()), bf16_values(q, q.biases.as_bytes()));
-        self.stage_sb = Some(gpu.upload(&stage_order_scales(&s, &b, q.rows, q.cols / 64))?);
-        Ok(self)
     }
     pub fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
         (
@@ -280,7 +271,7 @@ impl DevWeights {
             .layers
             .iter()
             .flat_map(|l| [&l.moe.gate_exps, &l.moe.up_exps, &l.moe.shared_gate, &l.moe.shared_up])
-            .filter(|t| frag_experts && glu_stage_scales(t))
+            .filter(|t| frag_experts && stage_scales_fit(t))
             .map(|t| t.rows.next_multiple_of(16) * (t.cols / 64) * 4)
             .sum();
         let needed = host_bytes + copies + stage_copies;
@@ -293,17 +284,13 @@ impl DevWeights {
             );
         }
         let q = |t: &QuantTensor| DevQ::upload(gpu, t);
-        let experts = |t: &QuantTensor| if frag_experts { DevQ::upload_frag(gpu, t) } else { DevQ::upload(gpu, t) };
-        let shared = |t: &QuantTensor| if frag_experts { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
-        // Gate and up (routed and shared): their scales and biases in stage order too, for the
-        // batched decode's ring kernel over fragment-order codes (`moe_tcr_f`).
-        let glu = |t: &QuantTensor, d: Result<DevQ>| match d {
-            Ok(d) if frag_experts && glu_stage_scales(t) => d.with_stage_scales(gpu, t),
-            d => d,
-        };
+        // Gate and up (`glu`, routed and shared): their scales and biases in stage order too, for
+        // the batched decode's ring kernel over fragment-order codes (`moe_tcr_f`).
+        let experts = |t: &QuantTensor, glu: bool| if frag_experts { DevQ::upload_frag(gpu, t, glu && stage_scales_fit(t)) } else { DevQ::upload(gpu, t) };
+        let shared = |t: &QuantTensor, glu: bool| if frag_experts { DevQ::upload_with_frag_copy(gpu, t, glu && stage_scales_fit(t)) } else { DevQ::upload(gpu, t) };
         // The projections and the lm_head: row order for the one-sequence GEMVs and the prefill,
         // and a fragment-order copy for the batched decode's GEMV sets (`gemv_tcb_f`).
-        let dense = |t: &QuantTensor| if frag_shape(t.bits, t.group, t.cols) { DevQ::upload_with_frag_copy(gpu, t) } else { DevQ::upload(gpu, t) };
+        let dense = |t: &QuantTensor| if frag_shape(t.bits, t.group, t.cols) { DevQ::upload_with_frag_copy(gpu, t, false) } else { DevQ::upload(gpu, t) };
         let f = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(mw.layers.len());
         for l in &mw.layers {
@@ -351,12 +338,12 @@ impl DevWeights {
                 mixer,
                 moe: DevMoe {
                     router: q(&m.router)?,
-                    gate_exps: glu(&m.gate_exps, experts(&m.gate_exps))?,
-                    up_exps: glu(&m.up_exps, experts(&m.up_exps))?,
-                    down_exps: experts(&m.down_exps)?,
-                    shared_gate: glu(&m.shared_gate, shared(&m.shared_gate))?,
-                    shared_up: glu(&m.shared_up, shared(&m.shared_up))?,
-                    shared_down: shared(&m.shared_down)?,
+                    gate_exps: experts(&m.gate_exps, true)?,
+                    up_exps: experts(&m.up_exps, true)?,
+                    down_exps: experts(&m.down_exps, false)?,
+                    shared_gate: shared(&m.shared_gate, true)?,
+                    shared_up: shared(&m.shared_up, true)?,
+                    shared_down: shared(&m.shared_down, false)?,
                     shared_expert_gate: q(&m.shared_expert_gate)?,
                 },
             });
