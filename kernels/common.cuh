@@ -220,12 +220,6 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 // A release-and-acquire fence at GPU scope (lighter than __threadfence's sequentially consistent
 // one): for "the last block to take a ticket" patterns, in the thread that takes the ticket.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-// A load with acquire semantics at GPU scope (a flag another block releases).
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // A decode kernel lets the next one launch right after its own wait, so at most one kernel runs
 // ahead of the one that is computing.
@@ -722,7 +716,6 @@ __device__ __forceinline__ void tcb_cp_wait_all() {
 // fragments xf and group sums gsum, then waits and syncs. Token columns nt..ntok - 1 keep whatever
 // they held: an mma's output column depends on its B column alone, and those outputs are never
 // stored.
-template <bool CG = false>
 __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
                                int nt, const int* rows, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
@@ -743,8 +736,7 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
     }
     for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
         const int j = p % nt, G = p / nt;
-        const float* src = gs_in + (size_t)(rows ? rows[j] : j0 + j) * gpr + G;
-        gsum[G * ntok + j] = CG ? __ldcg(src) : *src;
+        gsum[G * ntok + j] = gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G];
     }
     tcb_cp_wait_all();
     __syncthreads();

@@ -615,12 +615,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb_f(MOE_TCB_ARGS) { m
 // same order: bit-identical. grid: one wave (any count), block 256; moe_tcb's shared memory.
 #define MOE_TILE_NAMES \
     w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, rows, cols, frag, gs_in, xdiv, counts, offsets, list, tiles
-// The items [i0, i1) of moe_tcp's walk; CG: the staged tokens' group sums are read through L2
-// (moe_fused writes them in the same launch).
-template <bool FRAG, bool CG = false>
-__device__ __forceinline__ void tcp_run(MOE_TILE_ARGS, int i0, int i1) {
+template <bool FRAG>
+__device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
+    const long long total = (long long)tiles[0] * rtiles;
+    const int i0 = (int)(total * blockIdx.x / gridDim.x), i1 = (int)(total * (blockIdx.x + 1) / gridDim.x);
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
     const size_t wpr = (size_t)cols >> 3;
@@ -639,17 +639,12 @@ __device__ __forceinline__ void tcp_run(MOE_TILE_ARGS, int i0, int i1) {
         __syncthreads();  // the previous tile's fragments and slots are no longer read
         TILE_SLOTS
         __syncthreads();
-        load_tokens_tc<CG>(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
         if (nt > 8) moe_tcb_rows<2, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         else moe_tcb_rows<1, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         lo = hi;
     }
-}
-template <bool FRAG>
-__device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
-    const long long total = (long long)tiles[0] * ((rows + 15) >> 4);
-    tcp_run<FRAG>(MOE_TILE_NAMES, (int)(total * blockIdx.x / gridDim.x), (int)(total * (blockIdx.x + 1) / gridDim.x));
 }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp(MOE_TILE_ARGS) { moe_tcp_body<false>(MOE_TILE_NAMES); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS) { moe_tcp_body<true>(MOE_TILE_NAMES); }
@@ -709,11 +704,11 @@ __device__ __forceinline__ void tcr_stage_sums(const float* red, float* __restri
     sgsum[(size_t)slots[tok] * gpr + (r_begin >> 6) + gh] = e0 + e1;
 }
 
-// One block of moe_tcr: rows 128 bx .. 128 bx + 127 of tile ty's expert.
 template <bool FRAG>
-__device__ __forceinline__ void moe_tcr_unit(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum, unsigned ty, unsigned bx) {
+__device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum) {
     extern __shared__ float smem[];
-    const int e = tiles[1 + 2 * ty], f0 = tiles[2 + 2 * ty];
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
     const int gpr = cols >> 6, warp = threadIdx.x >> 5;
     u32* xf = reinterpret_cast<u32*>(smem);
     float* gsum = smem + 2 * gpr * TCB_WORDS;
@@ -725,7 +720,7 @@ __device__ __forceinline__ void moe_tcr_unit(MOE_TILE_ARGS, u32* __restrict__ sf
         s = e == shared_e ? ss : st + 2 * erows * gpr;
         s2 = e == shared_e ? ss2 : st2 + 2 * erows * gpr;
     }
-    const int r0 = bx * 128 + warp * 16, r_end = min(rows, (int)bx * 128 + 128);
+    const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
     const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
     // The ring's first stages load while the block stages its tokens.
     if (r0 < r_end)
@@ -748,13 +743,8 @@ __device__ __forceinline__ void moe_tcr_unit(MOE_TILE_ARGS, u32* __restrict__ sf
     }
     if (sfrag) {
         __syncthreads();
-        tcr_stage_sums(red, sgsum, bx * 128, r_end, rows >> 6, slot, nt);
+        tcr_stage_sums(red, sgsum, blockIdx.x * 128, r_end, rows >> 6, slot, nt);
     }
-}
-template <bool FRAG>
-__device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum) {
-    if ((int)blockIdx.y >= tiles[0]) return;
-    moe_tcr_unit<FRAG>(MOE_TILE_NAMES, sfrag, sgsum, blockIdx.y, blockIdx.x);
 }
 // sfrag / sgsum: null to store y; else (rows a multiple of 64) the outputs staged there as
 // stage_tcb would stage them from y (the next product's input, bit for bit), and y is not written.
@@ -763,73 +753,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe
 // moe_tcr over codes in fragment order (tc_load) with the scales and biases in stage order: s,
 // s2, ss and ss2 hold them (tcr_issue), b, b2, sb and sb2 are not read.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
-
-// moe_fused: a batched decode step's expert products, gate|up (moe_tcr_f's blocks, outputs
-// staged) and down (moe_tcp_f's items), in one launch of persistent blocks that take units of
-// work in order from a counter. Why: the gate|up blocks of 16 rows (~412 at 16 tokens for 264
-// slots) ran in 1.56 waves, the SMs active 72% of that launch; here a block done with its
-// gate|up units goes on to down units of the tiles whose gate|up outputs are in, so the tail of
-// one product is the start of the next. The same products in the same order: bit-identical to
-// moe_tcr_f + moe_tcp_f.
-//
-// Units: first every tile's ceil(rows / 128) gate|up blocks (tile-major), then every tile's down
-// items in runs of FUSED_DOWN_ITEMS. A down unit waits (thread 0, acquire) until its tile's
-// gate|up blocks have released their count in ready[tile]. Deadlock-free with any number of
-// resident blocks: units are taken in increasing order and a block takes its next one only while
-// working on its current one, so every gate|up unit a down unit waits on was taken before it by a
-// running block, and gate|up units never wait. The last block out zeroes the counter and the
-// ready counts (graph replays). sched: [next unit, blocks out, ready[max tiles]], zero at launch.
-#define FUSED_DOWN_ITEMS 32
-#define MOE_FUSED_ARGS                                                                                             \
-    MOE_TILE_ARGS, u32 *__restrict__ sfrag, float *__restrict__ sgsum, const u32 *__restrict__ dw,               \
-        const u16 *__restrict__ ds, const u16 *__restrict__ db, const u32 *__restrict__ dsw,                       \
-        const u16 *__restrict__ dss, const u16 *__restrict__ dsb, float *__restrict__ dy, int drows,              \
-        int *__restrict__ sched
-extern "C" __global__ void __launch_bounds__(256, 2) moe_fused_f(MOE_FUSED_ARGS) {
-    __shared__ int s_unit[2];
-    const int ntiles = tiles[0], gu_blocks = (rows + 127) >> 7, drt = (drows + 15) >> 4;
-    const int d_units = (drt + FUSED_DOWN_ITEMS - 1) / FUSED_DOWN_ITEMS;
-    const int gu_units = ntiles * gu_blocks, total = gu_units + ntiles * d_units;
-    int* ready = sched + 2;
-    if (threadIdx.x == 0) s_unit[0] = atomicAdd(sched, 1);
-    __syncthreads();
-    for (int it = 0;; ++it) {
-        const int u = s_unit[it & 1];
-        if (u >= total) break;
-        int next = 0;
-        if (threadIdx.x == 0) next = atomicAdd(sched, 1);  // used at the end: its latency hides
-        if (u < gu_units) {
-            const int ty = u / gu_blocks;
-            moe_tcr_unit<true>(MOE_TILE_NAMES, sfrag, sgsum, ty, u - ty * gu_blocks);
-            __syncthreads();  // every thread's staged words and sums are written
-            if (threadIdx.x == 0) {
-                fence_acq_rel_gpu();
-                atomicAdd(ready + ty, 1);
-            }
-        } else {
-            const int v = u - gu_units, ty = v / d_units;
-            if (threadIdx.x == 0)
-                while (ld_acquire_gpu(ready + ty) < gu_blocks) __nanosleep(64);
-            __syncthreads();
-            const int i0 = ty * drt + (v - ty * d_units) * FUSED_DOWN_ITEMS, i1 = min((ty + 1) * drt, i0 + FUSED_DOWN_ITEMS);
-            // Down reads the staged outputs per slot (xdiv 1, no shared-expert rows to redirect).
-            tcp_run<true, true>(dw, ds, db, nullptr, nullptr, nullptr, dsw, dss, dsb, nullptr, nullptr, nullptr, shared_e,
-                                0x7fffffff, dy, drows, rows, sfrag, sgsum, 1, counts, offsets, list, tiles, i0, i1);
-        }
-        if (threadIdx.x == 0) s_unit[(it + 1) & 1] = next;
-        __syncthreads();
-    }
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        fence_acq_rel_gpu();
-        last = atomicAdd(sched + 1, 1) == (int)gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last) {
-        for (int i = threadIdx.x; i < ntiles; i += blockDim.x) ready[i] = 0;
-        if (threadIdx.x == 0) sched[0] = sched[1] = 0;
-    }
-}
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per

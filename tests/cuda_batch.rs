@@ -425,22 +425,6 @@ fn cuda_batch_gdn_step_kernels_agree_bit_for_bit() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn cuda_batch_fused_expert_kernel_agrees_bit_for_bit() {
-    // The experts' gate|up and down products in one launch (the default) and as two launches
-    // (the test option): two steps of 16 rows, the second over the states the first wrote.
-    let mut runs = Vec::new();
-    for separate in [true, false] {
-        let mut gpu = cuda(false);
-        testing::options_mut(&mut gpu).separate_batch_experts = separate;
-        assert_eq!(testing::fused_experts_apply(&gpu).unwrap(), !separate, "the fused kernel applies to the tiny model");
-        runs.push(two_steps_together(&mut gpu, &LENS));
-    }
-    assert_eq!(max_abs_diff(&runs[1].0, &runs[0].0), 0.0, "step 1, fused vs two launches");
-    assert_eq!(max_abs_diff(&runs[1].1, &runs[0].1), 0.0, "step 2, fused vs two launches");
-}
-
-#[test]
-#[ignore = "needs a GPU"]
 fn cuda_batch_tensor_core_attention_matches_the_cpu_and_the_cuda_core_kernel() {
     // bf16 KV cache: the batched decode's attention splits on the tensor cores (the default) against
     // the CPU reference (the bounds of the test above) and against the CUDA-core split kernel

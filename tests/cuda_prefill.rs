@@ -244,33 +244,6 @@ fn cuda_batch_gate_up_ring_stages_the_down_input_as_stage_tcb() {
     }
 }
 
-/// The batched decode's one-launch expert kernel (`moe_fused_f`: gate|up blocks, then runs of
-/// down items once their tile's gate|up outputs are in) against the two launches it replaces,
-/// bit for bit, at the 35B's widths (uneven counts: full and part-full 16-slot tiles, four
-/// gate|up blocks and four down runs per tile) and on the tiny model (one gate|up block of 64
-/// rows, half its warps idle; one down run of 8 items); a second launch on the same scheduling
-/// words gives the same (the kernel leaves them zeroed).
-#[test]
-#[ignore = "needs a GPU"]
-fn cuda_batch_fused_expert_kernel_matches_the_two_launches() {
-    let b = cuda();
-    let (ne, k, t, ids) = uneven_routes();
-    let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 51), random_quant(ne * 512, 2048, 4, 52), random_quant(ne * 2048, 512, 4, 53));
-    let mw = ModelWeights::from_checkpoint(&ck()).unwrap();
-    let moe = &mw.layers[0].moe;
-    let tiny_ne = ck().config.num_experts;
-    let tiny_ids: Vec<u32> = (0..40u32).flat_map(|i| [i % tiny_ne as u32, (i + 3) % tiny_ne as u32]).collect();
-    let cases = [(&gate, &up, &down, ne, k, t, &ids), (&moe.gate_exps, &moe.up_exps, &moe.down_exps, tiny_ne, 2, 40, &tiny_ids)];
-    for (g, u, d, ne, k, t, ids) in cases {
-        let x = rnd(61 + t as u64, t * g.cols);
-        let [first, second, two] = testing::fused_expert_outputs(&b, g, u, d, ne, &x, t, ids, k).unwrap();
-        assert!(two.iter().any(|&v| v != 0.0), "the two launches wrote nothing");
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&first), bits(&two), "fused vs two launches ({} gate|up rows)", g.rows / ne);
-        assert_eq!(bits(&second), bits(&two), "second fused launch ({} gate|up rows)", g.rows / ne);
-    }
-}
-
 /// One grouped product (`up`: the fused SwiGLU pair) of `t` random tokens routed by `ids` through
 /// each route, against the CPU: the f32 route to rounding, the bf16 ones within the tensor-core
 /// tolerance; `moe_tcp` and `moe_tcr` exactly as `moe_tcb`, every route over fragment-order codes

@@ -66,14 +66,10 @@ struct MoeBuffers {
     down: CudaSlice<f32>,
     /// gate|up on `moe_tcr` (weights through per-warp rings), else `moe_tcb` (moe::tcr_fits).
     gate_up_ring: bool,
-    /// gate|up and down in one `moe_fused_f` launch where the layer's experts take it
-    /// (moe::fused_fits, moe::fused_takes), with its scheduling words.
-    fused: bool,
-    fused_sched: CudaSlice<i32>,
 }
 
 impl MoeBuffers {
-    fn new(gpu: &Gpu, cfg: &ModelConfig, cap: usize, fused: bool) -> Result<Self> {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, cap: usize) -> Result<Self> {
         let d = MoeDims::new(cfg);
         let slots = cap * (d.k + 1);
         Ok(MoeBuffers {
@@ -86,8 +82,6 @@ impl MoeBuffers {
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
             gate_up_ring: moe::tcr_fits(gpu, d.hidden)?,
-            fused: fused && moe::fused_fits(gpu, d.hidden)?,
-            fused_sched: gpu.zeros(moe::fused_sched_len(moe::batch_max_tiles(cap, &d)))?,
         })
     }
 }
@@ -117,8 +111,7 @@ pub struct BatchBuffers {
 }
 
 impl BatchBuffers {
-    /// `fused_experts`: the one-launch expert kernel where it applies (test option off: two).
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, cap: usize, fused_experts: bool) -> Result<Self> {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, cap: usize) -> Result<Self> {
         let heads = cap * cfg.num_attention_heads * MAX_SPLITS;
         let act = Activations::new(gpu, cfg, cap, cap)?;
         let sets = forward::model_sets(gpu, w, &act, true, |_, _| vec![])?;
@@ -141,7 +134,7 @@ impl BatchBuffers {
         Ok(BatchBuffers {
             cap,
             act,
-            moe: MoeBuffers::new(gpu, cfg, cap, fused_experts)?,
+            moe: MoeBuffers::new(gpu, cfg, cap)?,
             _descs: sets.descs,
             layers,
             head,
@@ -317,26 +310,20 @@ impl Pass for BatchPass<'_> {
         let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
         let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);
         let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
-        // The ring kernel stages its outputs for the down products itself (one launch less);
-        // the fused kernel runs both products in one launch.
+        // The ring kernel stages its outputs for the down products itself (one launch less).
         let slots = &self.b.staged_slots;
-        if mb.fused && d.inter.is_multiple_of(64) && moe::fused_takes(m) {
-            moe::moe_fused(self.gpu, &shared_gate_up, &m.gate_exps, &m.up_exps, d.inter, st, slots, &m.down_exps, &m.shared_down, h, down, grouped(k), &mb.fused_sched)?;
-            self.point(probe, Point::Phase("moe.experts"))?;
+        if mb.gate_up_ring && d.inter.is_multiple_of(64) {
+            moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
         } else {
-            if mb.gate_up_ring && d.inter.is_multiple_of(64) {
-                moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots))?;
-                self.point(probe, Point::Phase("moe.gate_up"))?;
-            } else {
-                moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
-                self.point(probe, Point::Phase("moe.gate_up"))?;
-                qmatmul::stage_tcb(self.gpu, gate, d.inter, n * (k + 1), 0, self.dims.eps, 0, slots)?;
-            }
-            let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
-            // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
-            moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
-            self.point(probe, Point::Phase("moe.down"))?;
+            moe::moe_tcb(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k))?;
+            self.point(probe, Point::Phase("moe.gate_up"))?;
+            qmatmul::stage_tcb(self.gpu, gate, d.inter, n * (k + 1), 0, self.dims.eps, 0, slots)?;
         }
+        let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
+        // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
+        self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };
         if probe.trace.is_some() {
@@ -392,7 +379,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.batcher = None;
-        let bufs = BatchBuffers::new(&self.gpu, &self.cfg, &self.w, capacity_for(rows), !self.opts.separate_batch_experts)?;
+        let bufs = BatchBuffers::new(&self.gpu, &self.cfg, &self.w, capacity_for(rows))?;
         self.batcher = Some(Batcher { bufs, graphs: Vec::new() });
         Ok(())
     }

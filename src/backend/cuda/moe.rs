@@ -30,7 +30,6 @@ const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
 const MOE_TCB_F: Kernel = Kernel::ordered(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
-const MOE_FUSED_F: Kernel = Kernel::ordered(&MOE, "moe_fused_f");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
@@ -548,62 +547,6 @@ pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     };
     args.extend([Arg::P(sfrag), Arg::P(sgsum)]);
     gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
-}
-
-/// Down items (16 rows of one tile) per unit of `moe_fused_f` (FUSED_DOWN_ITEMS in kernels/moe.cu).
-const FUSED_DOWN_ITEMS: usize = 32;
-
-/// Words of `moe_fused_f`'s scheduling scratch for lists of up to `max_tiles` tiles: the unit
-/// counter, the count of blocks done, and a ready count per tile (zero at launch; the kernel
-/// leaves them zero).
-pub fn fused_sched_len(max_tiles: usize) -> usize {
-    2 + max_tiles
-}
-
-/// Whether `moe_fused_f` takes experts of `hidden` columns: [`tcr_fits`]' condition for its
-/// gate|up units, at the fused kernel's own registers.
-pub fn fused_fits(gpu: &Gpu, hidden: usize) -> Result<bool> {
-    if !hidden.is_multiple_of(64 * TCR_GROUPS) {
-        return Ok(false);
-    }
-    Ok(super::qmatmul::blocks_per_sm(gpu, MOE_FUSED_F, tcr_smem(hidden), 1)? >= 2)
-}
-
-/// Whether a layer's experts are in the orders `moe_fused_f` reads: codes in fragment order
-/// (the shared expert's as its copy), gate and up (routed and shared) with stage-order scales.
-pub fn fused_takes(m: &DevMoe) -> bool {
-    let frag = |q: &DevQ| q.frag || q.frag_copy.is_some();
-    m.gate_exps.frag && [&m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down].into_iter().all(frag)
-        && [&m.gate_exps, &m.up_exps, &m.shared_gate, &m.shared_up].iter().all(|q| q.stage_sb.is_some())
-}
-
-/// The batched decode's expert products in one launch (`moe_fused_f`): the gate|up products of
-/// [`moe_tcr`] with their outputs staged in `mid`, then the down products of [`moe_tcp`] from
-/// `mid` into `y`, on persistent blocks that take the gate|up blocks and then runs of down items
-/// in order, each run once its tile's gate|up outputs are in (bit-identical to the two
-/// launches). `inter` / `hidden`: rows per expert of gate and up / of down. `g`: the gate|up
-/// lists (xdiv k); the down products read them per slot. Experts in
-/// fragment order, gate and up with stage-order scales; `sched`: [`fused_sched_len`] zeroed words.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_fused(gpu: &Gpu, gu: &SharedExpert, gate: &DevQ, up: &DevQ, inter: usize, st: &TcbStaging, mid: &TcbStaging, down: &DevQ, shared_down: &DevQ, hidden: usize, y: u64, g: Grouped, sched: &CudaSlice<i32>) -> Result<()> {
-    let (mut args, _, frag) = tcb_args(gpu, gate, Some(up), gu, inter, st, 0, &g, None, true)?;
-    let down_shared = SharedExpert { q: shared_down, up: None, expert: gu.expert, base: None };
-    let (_, _, down_frag) = tcb_args(gpu, down, None, &down_shared, hidden, mid, y, &Grouped { xdiv: 1, ..g }, None, false)?;
-    if !frag || !down_frag || !inter.is_multiple_of(64) || mid.cols < inter || down.cols != inter {
-        bail!("moe_fused takes fragment-order experts whose {inter} gate|up rows (whole 64-row groups) are the down products' columns");
-    }
-    if sched.len() < fused_sched_len(g.max_tiles) {
-        bail!("moe_fused needs {} scheduling words, not {}", fused_sched_len(g.max_tiles), sched.len());
-    }
-    let stream = &gpu.stream;
-    args.extend([Arg::P(ptr(&mid.frag, stream)), Arg::P(ptr(&mid.gsum, stream))]);
-    let [dw, ds, db, ..] = matrix_pair_args(gpu, down, None, CodeOrder::Fragment);
-    let [sw, ss, sb, ..] = matrix_pair_args(gpu, shared_down, None, CodeOrder::Fragment);
-    args.extend([dw, ds, db, sw, ss, sb, Arg::P(y), Arg::I(hidden as i32), Arg::P(ptr(sched, stream))]);
-    let smem = tcr_smem(gate.cols).max(tcb_smem(down.cols));
-    let wave = gpu.sms as usize * super::qmatmul::blocks_per_sm(gpu, MOE_FUSED_F, smem, 2)?;
-    let units = g.max_tiles * (inter.div_ceil(MOE_TCB_ROWS) + hidden.div_ceil(16).div_ceil(FUSED_DOWN_ITEMS));
-    gpu.launch(MOE_FUSED_F, (units.clamp(1, wave) as u32, 1, 1), GEMV_THREADS, smem, &args)
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the

@@ -72,9 +72,6 @@ pub struct CudaOptions {
     /// Test-only: the batched decode's attention splits on the CUDA cores even where the
     /// tensor-core kernel applies.
     pub attn_split_cuda_core: bool,
-    /// Test-only: the batched decode's expert products as two launches (`moe_tcr`, `moe_tcp`)
-    /// where the one-launch `moe_fused_f` applies (the reference it must match bit for bit).
-    pub separate_batch_experts: bool,
 }
 
 impl Default for CudaOptions {
@@ -97,7 +94,6 @@ impl Default for CudaOptions {
             tcb_prefill_tokens: super::moe::TCB_PREFILL_TOKENS,
             gdn_step_blocks: None,
             attn_split_cuda_core: false,
-            separate_batch_experts: false,
         }
     }
 }
@@ -132,7 +128,6 @@ impl CudaOptions {
             graphs: flag("LILY_CUDA_GRAPH", d.graphs),
             pdl: flag("LILY_CUDA_PDL", d.pdl),
             exact_prefill: flag("LILY_PREFILL_F32", d.exact_prefill),
-            separate_batch_experts: flag("LILY_TRIAL_SEPARATE_EXPERTS", d.separate_batch_experts),
             ..d
         }
     }

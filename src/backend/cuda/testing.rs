@@ -378,52 +378,6 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     Ok([(read(gpu, &fused.frag)?, read(gpu, &fused.gsum)?), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
 
-/// The batched decode's expert products in one launch (`moe::moe_fused`, run twice on the same
-/// scheduling words: its counters must come back zeroed) and as the two launches it replaces
-/// (`moe_tcr` staging its outputs, `moe_tcp`): the down outputs `[tokens * k][down.rows /
-/// experts]` of [fused first run, fused second run, two launches]. Same routing as
-/// [`grouped_gemm`]; every matrix in fragment order, gate and up with stage-order scales.
-#[allow(clippy::too_many_arguments)]
-pub fn fused_expert_outputs(b: &CudaBackend, gate: &QuantTensor, up: &QuantTensor, down: &QuantTensor, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize) -> Result<[Vec<f32>; 3]> {
-    let gpu = &b.gpu;
-    let (inter, hidden) = (gate.rows / experts, down.rows / experts);
-    if x.len() != tokens * gate.cols || ids.len() != tokens * k || !gate.rows.is_multiple_of(experts) || !down.rows.is_multiple_of(experts) || !moe::fused_fits(gpu, gate.cols)? {
-        bail!("fused_expert_outputs: bad shapes");
-    }
-    let (dg, du, dd) = (upload_frag_staged(gpu, gate)?, upload_frag_staged(gpu, up)?, upload_frag_staged(gpu, down)?);
-    let lists = SlotLists::new(gpu, gate, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
-    let xd = gpu.upload(x)?;
-    let st = TcbStaging::new(gpu, tokens, gate.cols)?;
-    qmatmul::stage_tcb(gpu, ptr(&xd, &gpu.stream), gate.cols, tokens, 0, 1e-6, 0, &st)?;
-    // No shared expert: expert number `experts` is in none of the lists.
-    let shared = moe::SharedExpert { q: &dg, up: Some(&du), expert: experts, base: None };
-    let mid = TcbStaging::new(gpu, tokens * k, inter)?;
-    let sched = gpu.zeros::<i32>(moe::fused_sched_len(lists.max_tiles))?;
-    let mut out = Vec::new();
-    for _ in 0..2 {
-        let y = gpu.zeros::<f32>(tokens * k * hidden)?;
-        moe::moe_fused(gpu, &shared, &dg, &du, inter, &st, &mid, &dd, &dd, hidden, ptr(&y, &gpu.stream), lists.grouped(k), &sched)?;
-        out.push(read(gpu, &y)?);
-    }
-    let (y, mid) = (gpu.zeros::<f32>(tokens * k * hidden)?, TcbStaging::new(gpu, tokens * k, inter)?);
-    moe::moe_tcr(gpu, &dg, Some(&du), &shared, inter, &st, 0, lists.grouped(k), Some(&mid))?;
-    let shared_down = moe::SharedExpert { q: &dd, up: None, expert: experts, base: None };
-    moe::moe_tcp(gpu, &dd, None, &shared_down, hidden, &mid, ptr(&y, &gpu.stream), lists.grouped(1))?;
-    out.push(read(gpu, &y)?);
-    if read(gpu, &sched)?.iter().any(|&w| w != 0) {
-        bail!("moe_fused left its scheduling words non-zero");
-    }
-    let two = out.pop().expect("three runs");
-    let second = out.pop().expect("three runs");
-    Ok([out.pop().expect("three runs"), second, two])
-}
-
-/// Whether the batched decode runs layer 0's expert products in one launch (`moe_fused_f`).
-pub fn fused_experts_apply(b: &CudaBackend) -> Result<bool> {
-    let d = MoeDims::new(&b.cfg);
-    Ok(!b.opts.separate_batch_experts && d.inter.is_multiple_of(64) && moe::fused_fits(&b.gpu, d.hidden)? && moe::fused_takes(&b.w.layers[0].moe))
-}
-
 /// A staging's residual rows, fragment words and group sums ([`staged_after_combine`]).
 pub type StagedRows = (Vec<f32>, Vec<u32>, Vec<f32>);
 
