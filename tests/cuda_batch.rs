@@ -164,6 +164,33 @@ fn cuda_batch_greedy_tokens_do_not_depend_on_the_batch() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn cuda_batch_warm_up_captures_every_batch_size_and_changes_no_token() {
+    // The server's warm-up: a short prefill, a decode step, and the batch steps of 2..=16 rows,
+    // greedy and sampled, captured ahead. Then the same greedy and sampled decodes as on a fresh
+    // backend (rows leave mid-way: the steps of the smaller batches run through warmed graphs).
+    let n = LENS.len();
+    let max: Vec<usize> = (0..n).map(|i| 6 + 2 * (i % 5)).collect();
+    let chat = SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, ..Default::default() };
+    let mut runs = Vec::new();
+    for warm in [false, true] {
+        let mut gpu = cuda(true);
+        if warm {
+            let done = gpu.warm_up(n).unwrap().expect("the CUDA backend warms up");
+            eprintln!("{done}");
+            assert!(done.contains(&format!("{} batch step graphs", 2 * (n - 1))), "{done}");
+        }
+        let mut run = Vec::new();
+        for snaps in [vec![greedy(); n], (0..n).map(|i| snap(chat.clone(), 7 + i as u64)).collect()] {
+            let mut seqs: Vec<(Sequence, u32)> = LENS.iter().enumerate().map(|(i, &len)| prefilled(&mut gpu, i, len)).collect();
+            run.push(decode_together(&mut gpu, &mut seqs, &max, &snaps, &[]));
+        }
+        runs.push(run);
+    }
+    assert_eq!(runs[1], runs[0], "tokens after the warm-up vs without it");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn cuda_batch_sampling_per_row() {
     let mut gpu = cuda(true);
     let chat = SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, ..Default::default() };

@@ -298,6 +298,13 @@ pub trait Backend: Send {
         DEFAULT_BATCH_CAPACITY
     }
 
+    /// Readies the backend for a server's running batch of up to `max_batch` rows before the
+    /// first request, so the first requests do not pay for it (library loading, scratch growth,
+    /// captured steps). Returns what it did, for the log (`None`: nothing to do).
+    fn warm_up(&mut self, _max_batch: usize) -> Result<Option<String>> {
+        Ok(None)
+    }
+
     /// Whether sequences created from now on keep their attention KV cache in bf16.
     fn kv_bf16(&self) -> bool {
         false

@@ -104,6 +104,11 @@ pub struct ServeArgs {
     /// (none decoding included), a turn takes up to 16,384 in one forward.
     #[arg(long, default_value_t = worker::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Start without warming up (CUDA: a short prefill and the batch steps of every batch size
+    /// captured ahead, a few seconds at start; without it the first requests of each batch size
+    /// wait for them instead).
+    #[arg(long)]
+    pub no_warmup: bool,
     /// Memory budget of the prefix cache (sequence snapshots), in MiB. Default: all of the
     /// sequence memory where the backend has a budget of its own (CUDA; snapshots then give way
     /// to running requests, least recently used first), else 2048.
@@ -179,6 +184,7 @@ impl ServeArgs {
             max_queue: 256,
             max_batch: None,
             prefill_chunk: worker::PREFILL_CHUNK,
+            no_warmup: false,
             prefix_cache_mb: None,
             prefix_cache_host_mb: None,
             prefix_checkpoint_tokens: 2048,
@@ -307,6 +313,7 @@ fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>, tokenizer
         prefill_chunk: args.prefill_chunk,
         checkpoint_every: args.prefix_checkpoint_tokens,
         message_start: tokenizer.token_id("<|im_start|>"),
+        warm_up: !args.no_warmup,
     }
 }
 

@@ -187,6 +187,8 @@ pub struct WorkerConfig {
     pub checkpoint_every: usize,
     /// The token that starts a chat message (`<|im_start|>`): a checkpoint before each one.
     pub message_start: Option<u32>,
+    /// Warm the backend up for the batch before serving ([`Backend::warm_up`]).
+    pub warm_up: bool,
 }
 
 /// A request in the batch: its sequence and its reply.
@@ -255,7 +257,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
+    pub fn new(mut backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, cfg: WorkerConfig) -> Self {
         let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
         let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| backend.default_host_tier_bytes());
         let host = HostTier { budget: host_bytes, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
@@ -273,6 +275,14 @@ impl Worker {
             None => capacity,
         }
         .max(1);
+        if cfg.warm_up {
+            // Serving without it only costs the first requests time: a failure is reported, not fatal.
+            match backend.warm_up(max_batch) {
+                Ok(Some(done)) => eprintln!("lily: {done}"),
+                Ok(None) => {}
+                Err(e) => eprintln!("lily: warm-up failed ({e:#}); serving without it"),
+            }
+        }
         metrics.max_batch.store(max_batch as u64, Relaxed);
         Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0, moved_out: Vec::new() }
     }

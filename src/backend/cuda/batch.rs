@@ -43,8 +43,9 @@ use cudarc::driver::{CudaSlice, CudaStream};
 /// Most rows of one batched decode call.
 pub const MAX_BATCH: usize = 128;
 
-/// Captured batch steps kept at once (distinct row counts and split counts).
-const MAX_BATCH_GRAPHS: usize = 48;
+/// Captured batch steps kept at once (distinct row counts, split counts and token choices): room
+/// for a warm-up's two per row count and as many again, the least recently used going first.
+const MAX_BATCH_GRAPHS: usize = 4 * MAX_BATCH;
 
 /// The GEMV sets of one layer (outputs in the batch buffers).
 struct LayerSets {
@@ -368,7 +369,19 @@ fn ask_masks(hooks: &mut dyn StepHooks, live: &[usize], words: usize, masks: &mu
 /// The backend's batch buffers and the steps captured over them.
 pub struct Batcher {
     pub bufs: BatchBuffers,
+    /// Least recently used first.
     graphs: Vec<(StepKey, StepGraph)>,
+}
+
+impl Batcher {
+    /// Keeps a captured step as the most recently used, dropping the least recently used one
+    /// when [`MAX_BATCH_GRAPHS`] are kept.
+    fn keep(&mut self, key: StepKey, g: StepGraph) {
+        if self.graphs.len() >= MAX_BATCH_GRAPHS {
+            self.graphs.remove(0);
+        }
+        self.graphs.push((key, g));
+    }
 }
 
 impl CudaBackend {
@@ -382,6 +395,38 @@ impl CudaBackend {
         let bufs = BatchBuffers::new(&self.gpu, &self.cfg, &self.w, capacity_for(rows))?;
         self.batcher = Some(Batcher { bufs, graphs: Vec::new() });
         Ok(())
+    }
+
+    /// Captures ahead the batch steps a server's running batch takes most: every row count from
+    /// 2 to `max_rows`, greedy and sampled, over new sequences' KV type and at the split count of
+    /// rows whose context is long enough that the row count sets it ([`batch_splits`]: past 16
+    /// positions per split, e.g. 128 at 16 rows, 1,024 at 2), with the buffers at the capacity of `max_rows` (a
+    /// larger batch reallocates them and drops the graphs). The first step of each size then
+    /// does not stall the running streams while it is captured. Returns how many it captured.
+    pub(super) fn capture_batch_steps(&mut self, max_rows: usize) -> Result<usize> {
+        let max_rows = max_rows.min(MAX_BATCH);
+        if !self.use_graphs || self.profile.is_some() || max_rows < 2 {
+            return Ok(0);
+        }
+        self.fit_batch(max_rows)?;
+        let kv_bf16 = self.opts.kv_bf16;
+        let attn = self.attn_split_kernel(kv_bf16);
+        let mut captured = 0;
+        for rows in 2..=max_rows {
+            for out in [StepOut::Greedy, StepOut::Sample] {
+                let key = StepKey { rows, splits: batch_splits(usize::MAX, rows), kv_bf16, out, gdn: self.gdn_step_kernel(rows), attn };
+                let batcher = self.batcher.as_mut().expect("fitted above");
+                if batcher.graphs.iter().any(|(k, _)| *k == key) {
+                    continue;
+                }
+                let (gpu, cfg, w) = (&self.gpu, &self.cfg, &self.w);
+                let g = super::capture(gpu, || enqueue(gpu, cfg, w, &batcher.bufs, key, &mut Probe::default()))?;
+                g.upload()?;
+                batcher.keep(key, g);
+                captured += 1;
+            }
+        }
+        Ok(captured)
     }
 
     /// Writes the rows' state pointers and `[token, position]` pairs into the batch tables, and
@@ -442,17 +487,17 @@ impl CudaBackend {
         if !self.use_graphs {
             return enqueue(&self.gpu, &self.cfg, &self.w, &batcher.bufs, key, &mut Probe::default());
         }
-        if let Some((_, g)) = batcher.graphs.iter().find(|(k, _)| *k == key) {
-            return g.launch();
+        // The most recently used last.
+        if let Some(i) = batcher.graphs.iter().position(|(k, _)| *k == key) {
+            let hit = batcher.graphs.remove(i);
+            batcher.graphs.push(hit);
+            return batcher.graphs.last().expect("just pushed").1.launch();
         }
         let (gpu, cfg, w) = (&self.gpu, &self.cfg, &self.w);
         match super::capture(gpu, || enqueue(gpu, cfg, w, &batcher.bufs, key, &mut Probe::default())) {
             Ok(g) => {
-                if batcher.graphs.len() >= MAX_BATCH_GRAPHS {
-                    batcher.graphs.remove(0);
-                }
                 g.launch()?;
-                batcher.graphs.push((key, g));
+                batcher.keep(key, g);
                 Ok(())
             }
             Err(e) => {

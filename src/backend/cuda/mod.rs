@@ -175,6 +175,11 @@ impl StepGraph {
     fn launch(&self) -> Result<()> {
         self.0.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))
     }
+
+    /// Puts the graph on the device ahead of its first launch (which would otherwise do it).
+    fn upload(&self) -> Result<()> {
+        self.0.upload().map_err(|e| anyhow::anyhow!("CUDA graph upload failed: {e:?}"))
+    }
 }
 
 /// Captures what `enqueue` launches on the stream into a graph (not launched).
@@ -190,6 +195,10 @@ fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph>
         (enq, graph) => bail!("{:?} / {:?}", enq.err(), graph.err()),
     }
 }
+
+/// Prompt tokens of [`CudaBackend`]'s warm-up: past `options::CUBLAS_MIN_TOKENS`, so its prefill
+/// runs the cuBLAS route.
+const WARM_UP_PROMPT: usize = 256;
 
 /// Graphs kept at once (a prefix cache holds a few live sequences).
 const MAX_GRAPHS: usize = 8;
@@ -394,6 +403,23 @@ impl Backend for CudaBackend {
 
     fn kv_bf16(&self) -> bool {
         self.opts.kv_bf16
+    }
+
+    /// A prompt of [`WARM_UP_PROMPT`] tokens through the prefill (cuBLAS loads on the first GEMM
+    /// of a long enough chunk, the prefill scratch is allocated) and one decode step; then the
+    /// batch buffers at their final capacity and the batch steps captured ([`batch`]'s
+    /// `capture_batch_steps`).
+    fn warm_up(&mut self, max_batch: usize) -> Result<Option<String>> {
+        let t0 = std::time::Instant::now();
+        let vocab = self.cfg.vocab_size as u32;
+        let prompt: Vec<u32> = (0..WARM_UP_PROMPT as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let mut seq = self.new_sequence(WARM_UP_PROMPT + 1)?;
+        self.forward(&mut seq, &prompt, LogitsWanted::Last)?;
+        self.forward(&mut seq, &prompt[..1], LogitsWanted::Last)?;
+        drop(seq);
+        let graphs = self.capture_batch_steps(max_batch)?;
+        self.gpu.sync()?;
+        Ok(Some(format!("warmed up in {:.1}s (a {WARM_UP_PROMPT}-token prefill, a decode step, {graphs} batch step graphs)", t0.elapsed().as_secs_f64())))
     }
 
     /// `true` stores K and V rounded to bf16, as the CPU backend does with the same setting.
