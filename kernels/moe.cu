@@ -775,7 +775,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { m
 // h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input. Down: each
 // warp 16 rows, f32 out [slot][row].
 #define WG_N 128         // slots per tile, as staged (pf_moe_wg_tile narrows each tile's wgmmas)
-#define WG_STAGES 5      // 64-column groups of the slots' inputs in shared memory
+#define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
 #define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
 #define WG_DOWN_ROWS 256 // 64 per warpgroup
@@ -954,13 +954,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // codes(1), scales(0); P1 = inputs(1), codes(2); P2 = inputs(2), codes(3); step G: inputs(G + 3),
     // codes(G + 4) and, when G % 8 == 0, scales(G / 8 + 1). Step G waits for all but the two latest
     // commits (everything up to step G - 3's), then the barrier: group G's inputs and group
-    // G + 1's codes and scales are in for every thread. A step leaves its products running and
-    // waits only for the previous step's (wgmma_wait<1>), so the tensor cores go from group G to
-    // G + 1 without waiting for the barrier: past the barrier every warpgroup's products of group
-    // G - 2 are done, so inputs(G + 3) go into G - 2's stage (five stages); codes(G + 4) go into
-    // G - 1's, whose codes were read into registers during step G - 2 (its inputs, which group
-    // G - 1's products may still be reading, are not touched).
-    static_assert(WG_STAGES == 5, "the commit accounting below");
+    // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
+    // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
+    static_assert(WG_STAGES == 4, "the commit accounting below");
     copy_inputs(0);
     copy_codes(0);
     copy_codes(1);
@@ -984,9 +980,10 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         read(0, c);
         build(c, a0);
     }
-    // Step G: the wgmmas of group G are queued behind group G - 1's while this thread builds
-    // group G + 1's A into the registers group G - 1's read (done after the wait below); then
-    // the copies (see the commit accounting above).
+    // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
+    // The products go first, so the tensor cores start right after the barrier; then the copies
+    // into the stage of group G - 1 (free once every thread passed the barrier) and the codes'
+    // part of group G's stage (read into registers during step G - 1).
     auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         cp_wait<2>();
         fence_proxy_async_smem();
@@ -997,7 +994,6 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 #pragma unroll
         for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
         wgmma_commit();
-        wgmma_wait<1>();
         copy_inputs(G + 3);
         copy_codes(G + 4);
         if ((G & 7) == 0) copy_scales((G >> 3) + 1);
@@ -1007,12 +1003,12 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             read(G + 1, c);
             build(c, nxt);
         }
+        wgmma_wait<0>();
     };
     for (int G = 0; G < gpr; G += 2) {
         step(G, a0, a1);
         if (G + 1 < gpr) step(G + 1, a1, a0);
     }
-    wgmma_wait<0>();
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
     const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;

@@ -607,7 +607,7 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
 const WG_THREADS: u32 = 512;
 const WG_GLU_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
-const WG_STAGES: usize = 5;
+const WG_STAGES: usize = 4;
 const WG_AROWS: usize = 256;
 const WG_SMEM: u32 = (WG_STAGES * (WG_TILE * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32;
 
