@@ -366,6 +366,16 @@ fn ask_masks(hooks: &mut dyn StepHooks, live: &[usize], words: usize, masks: &mu
     Ok(masked[..live.len()].iter().any(|&m| m != 0))
 }
 
+/// What [`CudaBackend::capture_batch_steps`] did: the rows its buffers take, the steps it
+/// captured, and the device memory each took.
+#[derive(Debug, Default)]
+pub struct WarmBatch {
+    pub rows: usize,
+    pub graphs: usize,
+    pub buffer_bytes: usize,
+    pub graph_bytes: usize,
+}
+
 /// The backend's batch buffers and the steps captured over them.
 pub struct Batcher {
     pub bufs: BatchBuffers,
@@ -402,16 +412,20 @@ impl CudaBackend {
     /// rows whose context is long enough that the row count sets it ([`batch_splits`]: past 16
     /// positions per split, e.g. 128 at 16 rows, 1,024 at 2), with the buffers at the capacity of `max_rows` (a
     /// larger batch reallocates them and drops the graphs). The first step of each size then
-    /// does not stall the running streams while it is captured. Returns how many it captured.
-    pub(super) fn capture_batch_steps(&mut self, max_rows: usize) -> Result<usize> {
+    /// does not stall the running streams while it is captured. Returns what it did.
+    pub(super) fn capture_batch_steps(&mut self, max_rows: usize) -> Result<WarmBatch> {
         let max_rows = max_rows.min(MAX_BATCH);
+        let mut warm = WarmBatch { rows: max_rows, ..WarmBatch::default() };
         if !self.use_graphs || self.profile.is_some() || max_rows < 2 {
-            return Ok(0);
+            return Ok(warm);
         }
+        let used = |gpu: &Gpu| gpu.mem_info().map(|(free, total)| total.saturating_sub(free)).unwrap_or(0);
+        let start = used(&self.gpu);
         self.fit_batch(max_rows)?;
+        let fitted = used(&self.gpu);
+        warm.buffer_bytes = fitted.saturating_sub(start);
         let kv_bf16 = self.opts.kv_bf16;
         let attn = self.attn_split_kernel(kv_bf16);
-        let mut captured = 0;
         for rows in 2..=max_rows {
             for out in [StepOut::Greedy, StepOut::Sample] {
                 let key = StepKey { rows, splits: batch_splits(usize::MAX, rows), kv_bf16, out, gdn: self.gdn_step_kernel(rows), attn };
@@ -423,10 +437,12 @@ impl CudaBackend {
                 let g = super::capture(gpu, || enqueue(gpu, cfg, w, &batcher.bufs, key, &mut Probe::default()))?;
                 g.upload()?;
                 batcher.keep(key, g);
-                captured += 1;
+                warm.graphs += 1;
             }
         }
-        Ok(captured)
+        self.gpu.sync()?;
+        warm.graph_bytes = used(&self.gpu).saturating_sub(fitted);
+        Ok(warm)
     }
 
     /// Writes the rows' state pointers and `[token, position]` pairs into the batch tables, and

@@ -417,15 +417,14 @@ impl Backend for CudaBackend {
         self.forward(&mut seq, &prompt, LogitsWanted::Last)?;
         self.forward(&mut seq, &prompt[..1], LogitsWanted::Last)?;
         drop(seq);
-        let used = |gpu: &Gpu| gpu.mem_info().map(|(free, total)| total.saturating_sub(free)).unwrap_or(0);
-        let before = used(&self.gpu);
-        let graphs = self.capture_batch_steps(max_batch)?;
-        self.gpu.sync()?;
-        let mib = used(&self.gpu).saturating_sub(before) >> 20;
+        let w = self.capture_batch_steps(max_batch)?;
         Ok(Some(format!(
-            "warmed up in {:.1}s (a {WARM_UP_PROMPT}-token prefill, a decode step, {graphs} batch step graphs and the buffers of {} rows: {mib} MiB)",
+            "warmed up in {:.1}s: a {WARM_UP_PROMPT}-token prefill and a decode step, the batch buffers of {} rows ({} MiB), {} batch step graphs ({} MiB)",
             t0.elapsed().as_secs_f64(),
-            max_batch.min(batch::MAX_BATCH)
+            w.rows,
+            w.buffer_bytes >> 20,
+            w.graphs,
+            w.graph_bytes >> 20
         )))
     }
 
