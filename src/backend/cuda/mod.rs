@@ -196,9 +196,10 @@ fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph>
     }
 }
 
-/// Prompt tokens of [`CudaBackend`]'s warm-up: past `options::CUBLAS_MIN_TOKENS`, so its prefill
-/// runs the cuBLAS route.
-const WARM_UP_PROMPT: usize = 256;
+/// Prompt tokens of [`CudaBackend`]'s warm-up: past `options::CUBLAS_MIN_TOKENS` and
+/// `moe::TCB_PREFILL_TOKENS`, so its prefill takes the long chunks' routes (cuBLAS loads on its
+/// first GEMM; the wgmma expert kernels).
+const WARM_UP_PROMPT: usize = 1024;
 
 /// Graphs kept at once (a prefix cache holds a few live sequences).
 const MAX_GRAPHS: usize = 8;
@@ -407,8 +408,8 @@ impl Backend for CudaBackend {
 
     /// A prompt of [`WARM_UP_PROMPT`] tokens through the prefill (cuBLAS loads on the first GEMM
     /// of a long enough chunk, the prefill scratch is allocated) and one decode step; then the
-    /// batch buffers at their final capacity and the batch steps captured ([`batch`]'s
-    /// `capture_batch_steps`).
+    /// batch buffers at their final capacity and the batch steps captured
+    /// (`capture_batch_steps`), so the first requests pay for none of it (docs/server.md).
     fn warm_up(&mut self, max_batch: usize) -> Result<Option<String>> {
         let t0 = std::time::Instant::now();
         let vocab = self.cfg.vocab_size as u32;
