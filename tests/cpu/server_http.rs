@@ -503,6 +503,55 @@ async fn a_panicking_request_does_not_stop_the_server() {
     assert_eq!(st, 200, "{v}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_warms_its_backend_up_for_its_batch_once_and_serves_if_that_fails() {
+    use lily::backend::{Backend, LogitsWanted, Sequence};
+    use std::sync::{Arc, Mutex};
+    struct Warming {
+        inner: lily::backend::cpu::CpuBackend,
+        calls: Arc<Mutex<Vec<usize>>>,
+        fail: bool,
+    }
+    impl Backend for Warming {
+        fn name(&self) -> &'static str {
+            "warming"
+        }
+        fn config(&self) -> &lily::checkpoint::ModelConfig {
+            self.inner.config()
+        }
+        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
+            self.inner.new_sequence(max_seq)
+        }
+        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
+            self.inner.forward(seq, tokens, w)
+        }
+        fn batch_capacity(&self) -> usize {
+            6
+        }
+        fn warm_up(&mut self, max_batch: usize) -> anyhow::Result<Option<String>> {
+            self.calls.lock().unwrap().push(max_batch);
+            if self.fail {
+                anyhow::bail!("warm-up failed (simulated)");
+            }
+            Ok(Some("warmed up (test)".into()))
+        }
+    }
+    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
+    // (--no-warmup, the warm-up fails, --max-batch, the warm-ups the backend saw)
+    let cases: [(bool, bool, Option<usize>, &[usize]); 4] = [(false, false, None, &[6]), (false, false, Some(3), &[3]), (true, false, None, &[]), (false, true, None, &[6])];
+    for (no_warmup, fail, max_batch, want) in cases {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let backend = Warming { inner: lily::backend::cpu::CpuBackend::new(&ck).unwrap(), calls: calls.clone(), fail };
+        let mut a = args();
+        a.no_warmup = no_warmup;
+        a.max_batch = max_batch;
+        let s = spawn_with_backend(a, Box::new(backend)).unwrap();
+        let (st, v) = post(&format!("{}/v1/completions", s.url()), json!({"prompt": [1, 2, 3], "max_tokens": 2})).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(calls.lock().unwrap().as_slice(), want, "no_warmup {no_warmup}, failing {fail}, max_batch {max_batch:?}");
+    }
+}
+
 /// A test backend's forward: feeds `tokens` and answers logits that always pick token 7.
 fn always_seven(vocab: usize, seq: &mut lily::backend::Sequence, tokens: &[u32], w: lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> {
     use lily::backend::LogitsWanted;
