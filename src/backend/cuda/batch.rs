@@ -410,9 +410,10 @@ impl CudaBackend {
     /// Captures ahead the batch steps a server's running batch takes most: every row count from
     /// 2 to `max_rows`, greedy and sampled, over new sequences' KV type and at the split count of
     /// rows whose context is long enough that the row count sets it ([`batch_splits`]: past 16
-    /// positions per split, e.g. 128 at 16 rows, 1,024 at 2), with the buffers at the capacity of `max_rows` (a
-    /// larger batch reallocates them and drops the graphs). The first step of each size then
-    /// does not stall the running streams while it is captured. Returns what it did.
+    /// positions per split, e.g. 128 at 16 rows, 1,024 at 2), with the buffers at the capacity
+    /// of `max_rows` (a larger batch reallocates them and drops the graphs). The first step of
+    /// each size then does not stall the running streams while it is captured. Returns what it
+    /// did.
     pub(super) fn capture_batch_steps(&mut self, max_rows: usize) -> Result<WarmBatch> {
         let max_rows = max_rows.min(MAX_BATCH);
         let mut warm = WarmBatch { rows: max_rows, ..WarmBatch::default() };
