@@ -1025,16 +1025,17 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                 if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
             }
     } else {
-        float* y = reinterpret_cast<float*>(out);
+        u16* y = reinterpret_cast<u16*>(out);
+        auto bf = [](float v) { return (u16)(pack_bf16(v, 0.f) & 0xffffu); };
 #pragma unroll
         for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int n = 8 * j + 2 * t + q;
                 if (n >= cnt) continue;
-                float* yr = y + (size_t)slot[n] * rows;
-                if (va) yr[R] = acc[4 * j + q];
-                if (vb) yr[R + 8] = acc[4 * j + 2 + q];
+                u16* yr = y + (size_t)slot[n] * rows;
+                if (va) yr[R] = bf(acc[4 * j + q]);
+                if (vb) yr[R + 8] = bf(acc[4 * j + 2 + q]);
             }
     }
 }
@@ -1060,7 +1061,8 @@ __device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
     else pf_moe_wg_body<GLU, FRAG, WG_N>(PF_MOE_WG_PASS);
 }
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
-// tiles). Down into y (f32 [slot][rows]): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
+// tiles). Down into y (bf16 [slot][rows]: half the bytes written here and read by the combine,
+// pf_moe_combine_bf16): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
 // dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
     pf_moe_wg_tile<true, false>(PF_MOE_WG_PASS);
@@ -1386,6 +1388,26 @@ extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, c
 }
 
 // x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
+// pf_moe_combine over bf16 routed outputs D (the wgmma down kernel's): two columns per thread,
+// each summed in moe_combined's order. grid (ceil(h / 512), T), block 256; h even.
+extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
+                                               const float* __restrict__ SH, const float* __restrict__ sgl,
+                                               float* __restrict__ x, int h) {
+    const int t = blockIdx.y, c = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (c >= h) return;
+    float a0 = 0.f, a1 = 0.f;
+    for (int k = 0; k < K; ++k) {
+        const float w = top_w[(size_t)t * K + k];
+        const u32 d = D[(((size_t)t * K + k) * h + c) >> 1];
+        a0 += w * __uint_as_float(d << 16);
+        a1 += w * __uint_as_float(d & 0xffff0000u);
+    }
+    const float g = sigmoid_f(sgl[t]);
+    a0 += g * SH[(size_t)t * h + c];
+    a1 += g * SH[(size_t)t * h + c + 1];
+    x[(size_t)t * h + c] += a0;
+    x[(size_t)t * h + c + 1] += a1;
+}
 extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const float* __restrict__ top_w, int K,
                                           const float* __restrict__ SH, const float* __restrict__ sgl,
                                           float* __restrict__ x, int h) {

@@ -24,6 +24,7 @@ const PF_ROUTE: Kernel = Kernel::ordered(&MOE, "pf_route");
 const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
+const PF_MOE_COMBINE_BF16: Kernel = Kernel::ordered(&MOE, "pf_moe_combine_bf16");
 const MOE_TCB: Kernel = Kernel::ordered(&MOE, "moe_tcb");
 const MOE_TCP: Kernel = Kernel::ordered(&MOE, "moe_tcp");
 const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
@@ -335,6 +336,15 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile:
 pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -> Result<()> {
     let args = [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)];
     gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+}
+
+/// [`combine`] over routed outputs in bf16 (`out.down`, as [`moe_wg_down`] writes them).
+pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -> Result<()> {
+    if !d.hidden.is_multiple_of(2) {
+        bail!("the bf16 combine takes an even hidden size, not {}", d.hidden);
+    }
+    let args = [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)];
+    gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &args)
 }
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per
@@ -654,8 +664,8 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
     wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g, WG_GLU_ROWS)
 }
 
-/// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (f32 out,
-/// `h` in the wgmma order).
+/// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
+/// [`combine_bf16_down`]'s input; `h` in the wgmma order).
 pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
     if !wg_takes(&[down]) {
         bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");

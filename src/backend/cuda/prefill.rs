@@ -230,7 +230,11 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
         self.point(probe, Point::Phase("shared"))?;
         let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, sgl: self.p(&a.sgl) };
-        moe::combine(self.gpu, &d, &out, self.p(&a.x), n)?;
+        if route == PrefillExperts::Wg {
+            moe::combine_bf16_down(self.gpu, &d, &out, self.p(&a.x), n)?;
+        } else {
+            moe::combine(self.gpu, &d, &out, self.p(&a.x), n)?;
+        }
         self.point(probe, Point::Phase("combine"))
     }
 }

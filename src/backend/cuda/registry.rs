@@ -159,6 +159,7 @@ pub const MOE: Module = Module {
         "pf_scan",
         "pf_scatter",
         "pf_moe_combine",
+        "pf_moe_combine_bf16",
     ],
 };
 

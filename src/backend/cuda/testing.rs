@@ -208,7 +208,8 @@ pub enum GroupedRoute {
     /// `pf_gemm_tc` (bf16 tensor cores).
     TensorCore,
     /// `stage_wg` + `pf_moe_wg_glu` / `_down` (the routed experts of long prefill chunks): the
-    /// gate|up output is bf16 in the wgmma order, read back here as f32 `[slot][row]`.
+    /// gate|up output is bf16 in the wgmma order, the down output bf16 `[slot][row]`, both read
+    /// back here as f32 `[slot][row]`.
     Wgmma,
     /// `stage_tcb` + `moe_tcb` (the gate|up kernel of the batched decode and of short prefill
     /// chunks, 16-slot tiles).
@@ -274,14 +275,16 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let xs = gpu.zeros::<u32>(tokens * q.cols / 2)?;
         let xsp = ptr(&xs, &gpu.stream);
         moe::stage_wg(gpu, xp, q.cols, tokens, xsp)?;
+        let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         let Some(u) = &du else {
-            moe::moe_wg_down(gpu, &dq, rows, xsp, yp, g(k))?;
-            return read(gpu, &y);
+            // bf16 out, read back as f32.
+            let yb = gpu.zeros::<u16>(tokens * k * rows)?;
+            moe::moe_wg_down(gpu, &dq, rows, xsp, ptr(&yb, &gpu.stream), g(k))?;
+            return Ok(read(gpu, &yb)?.into_iter().map(bf16).collect());
         };
         let h = gpu.zeros::<u16>(tokens * k * rows)?;
         moe::moe_wg_glu(gpu, &dq, u, rows, xsp, ptr(&h, &gpu.stream), g(k))?;
         let h = read(gpu, &h)?;
-        let bf16 = |v: u16| f32::from_bits((v as u32) << 16);
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
     if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr) {
