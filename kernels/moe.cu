@@ -1025,17 +1025,21 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                 if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
             }
     } else {
+        // Rows in pairs, one 4-byte store per lane: lane g (even) stores rows R, R + 1 (its own
+        // row and its neighbour g + 1's, lane + 4), lane g + 1 rows R + 7, R + 8 (the
+        // neighbour's R + 8 and its own). rows is even, so a pair is whole or past the end.
         u16* y = reinterpret_cast<u16*>(out);
-        auto bf = [](float v) { return (u16)(pack_bf16(v, 0.f) & 0xffffu); };
+        const bool lo = (g & 1) == 0;
+        const int r0 = lo ? R : R + 7;
 #pragma unroll
         for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
+                const float a = acc[4 * j + q], b = acc[4 * j + 2 + q];
+                const float pa = __shfl_xor_sync(0xffffffffu, a, 4), pb = __shfl_xor_sync(0xffffffffu, b, 4);
                 const int n = 8 * j + 2 * t + q;
-                if (n >= cnt) continue;
-                u16* yr = y + (size_t)slot[n] * rows;
-                if (va) yr[R] = bf(acc[4 * j + q]);
-                if (vb) yr[R + 8] = bf(acc[4 * j + 2 + q]);
+                if (n >= cnt || r0 >= rows) continue;
+                *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(a, pa) : pack_bf16(pb, b);
             }
     }
 }

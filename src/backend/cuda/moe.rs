@@ -667,8 +667,8 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
 /// [`combine_bf16_down`]'s input; `h` in the wgmma order).
 pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
-    if !wg_takes(&[down]) {
-        bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups");
+    if !wg_takes(&[down]) || !rows.is_multiple_of(2) {
+        bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups and an even number of rows");
     }
     let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
     wg_launch(gpu, k, matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag)), rows, down.cols, h, y, g, WG_DOWN_ROWS)
