@@ -1012,9 +1012,8 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
     const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
-    const bool va = R < rows, vb = GLU ? va : R + 8 < rows;
     if (GLU) {
-        if (!va) return;
+        if (R >= rows) return;
         u16* h = reinterpret_cast<u16*>(out);
         const int pos = wg_pos(R);
 #pragma unroll
@@ -1391,7 +1390,6 @@ extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, c
     list[offsets[e] + i] = slot;
 }
 
-// x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
 // pf_moe_combine over bf16 routed outputs D (the wgmma down kernel's): two columns per thread,
 // each summed in moe_combined's order. grid (ceil(h / 512), T), block 256; h even.
 extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
@@ -1412,6 +1410,7 @@ extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const 
     x[(size_t)t * h + c] += a0;
     x[(size_t)t * h + c + 1] += a1;
 }
+// x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
 extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const float* __restrict__ top_w, int K,
                                           const float* __restrict__ SH, const float* __restrict__ sgl,
                                           float* __restrict__ x, int h) {
