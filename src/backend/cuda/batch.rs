@@ -34,7 +34,7 @@ use super::sampling::{self, SampleScratch, ARGMAX_SCRATCH};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use super::{CudaBackend, Readback, StepGraph};
-use crate::backend::{check_batch, mask_words, BatchRow, StepHooks};
+use crate::backend::{check_batch, mask_words, Backend, BatchRow, StepHooks};
 use crate::checkpoint::ModelConfig;
 use crate::engine::sampling::SamplerSnapshot;
 use anyhow::{anyhow, bail, Result};
@@ -366,8 +366,8 @@ fn ask_masks(hooks: &mut dyn StepHooks, live: &[usize], words: usize, masks: &mu
     Ok(masked[..live.len()].iter().any(|&m| m != 0))
 }
 
-/// What [`CudaBackend::capture_batch_steps`] did: the rows its buffers take, the steps it
-/// captured, and the device memory each took.
+/// What [`CudaBackend::capture_batch_steps`] did: the rows its buffers take (0: it fitted none),
+/// the steps it captured, and the device memory each took.
 #[derive(Debug, Default)]
 pub struct WarmBatch {
     pub rows: usize,
@@ -416,14 +416,15 @@ impl CudaBackend {
     /// did.
     pub(super) fn capture_batch_steps(&mut self, max_rows: usize) -> Result<WarmBatch> {
         let max_rows = max_rows.min(MAX_BATCH);
-        let mut warm = WarmBatch { rows: max_rows, ..WarmBatch::default() };
+        let mut warm = WarmBatch::default();
         if !self.use_graphs || self.profile.is_some() || max_rows < 2 {
             return Ok(warm);
         }
-        let used = |gpu: &Gpu| gpu.mem_info().map(|(free, total)| total.saturating_sub(free)).unwrap_or(0);
-        let start = used(&self.gpu);
+        let used = |b: &Self| b.device_memory().map_or(0, |(used, _)| used as usize);
+        let start = used(self);
         self.fit_batch(max_rows)?;
-        let fitted = used(&self.gpu);
+        let fitted = used(self);
+        warm.rows = max_rows;
         warm.buffer_bytes = fitted.saturating_sub(start);
         let kv_bf16 = self.opts.kv_bf16;
         let attn = self.attn_split_kernel(kv_bf16);
@@ -442,7 +443,7 @@ impl CudaBackend {
             }
         }
         self.gpu.sync()?;
-        warm.graph_bytes = used(&self.gpu).saturating_sub(fitted);
+        warm.graph_bytes = used(self).saturating_sub(fitted);
         Ok(warm)
     }
 

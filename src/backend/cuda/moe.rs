@@ -334,8 +334,12 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile:
 
 /// `x[t] += sum_k w[t,k] * down[t*k + j] + sigmoid(sgl[t]) * shared[t]` over `n` rows.
 pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -> Result<()> {
-    let args = [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)];
-    gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
+    gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
+}
+
+/// The combine kernels' arguments (`pf_moe_combine`, `pf_moe_combine_bf16`).
+fn combine_args(d: &MoeDims, out: &PendingCombine, x: u64) -> [Arg; 7] {
+    [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)]
 }
 
 /// [`combine`] over routed outputs in bf16 (`out.down`, as [`moe_wg_down`] writes them).
@@ -343,8 +347,7 @@ pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n
     if !d.hidden.is_multiple_of(2) {
         bail!("the bf16 combine takes an even hidden size, not {}", d.hidden);
     }
-    let args = [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)];
-    gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &args)
+    gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
 }
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per
