@@ -1061,3 +1061,271 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                            kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x);                            \
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)
+
+// Hopper causal attention on warpgroup MMAs (bf16 cache, head dims 64 / 128 / 256): the same math
+// as pf_attn_tc (Q scaled by scale*log2(e) and rounded to bf16 once, bf16 P, f32 accumulation and
+// exp2 online softmax), but 128 rows per block, (128/group) tokens x the group's q heads of one kv
+// head: two warpgroups of 64 rows share each K/V tile, so a tile read from L2 serves twice the rows.
+// Q, K and V sit in shared memory in 128-byte swizzled atoms (pfw_off): S = Q K^T reads Q and K
+// K-major, O += P V reads V N-major (the same bytes: an atom row is 64 consecutive head values of
+// one key either way), P from the S accumulators as register A fragments. K and V tiles of 64 keys
+// are double-buffered and copied by all 256 threads with cp.async (8 threads per 128 contiguous
+// bytes of a key's row, so every request fills whole sectors), one barrier per tile. Per
+// warpgroup and tile j, S_j and P_{j-1} V_{j-1} are issued together; the softmax of S_j runs while
+// the tensor cores do PV, and O is rescaled once PV is done. Splits and partials as pf_attn_tc.
+// Dynamic smem (128 + 4*64)*HD*2 + 1024 (the atoms' 1024-byte alignment).
+#define PFW_THREADS 256
+
+// Byte offset of (row r, 16-byte chunk c) of a tile whose rows are `groups` groups of 8: atoms of
+// 8 rows x 128 bytes (64 bf16), atom (r/8, c/8) at ((c/8)*groups + r/8)*1024, a row's chunks
+// XOR-permuted by r%8 (the wgmma 128-byte swizzle), so both the copies into an atom row and the
+// tensor cores' reads of a chunk down 8 rows spread over every bank.
+__device__ __forceinline__ u32 pfw_off(int r, int c, int groups) {
+    return (u32)(((((c >> 3) * groups) + (r >> 3)) << 10) | ((r & 7) << 7) | (((c & 7) ^ (r & 7)) << 4));
+}
+// Descriptor of a 128-byte-swizzled operand (layout type 1 in bits 62-63).
+__device__ __forceinline__ unsigned long long pfw_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    return wgmma_desc(smem_addr, lbo_bytes, sbo_bytes) | (1ull << 62);
+}
+
+// A K or V tile: keys kt .. kt + 63 of one kv head, each thread the same 16-byte chunk of one key
+// per pass (KPI keys a pass); keys at or past `nkeys` are zero-filled (their source clamped to the
+// last key, never read).
+template <int HD>
+__device__ __forceinline__ void pfw_tile_async(const u16* __restrict__ src, size_t kv_dim, int kt, int nkeys, u32 dst) {
+    constexpr int P = HD / 8, KPI = PFW_THREADS / P;
+    static_assert(KPI % 8 == 0, "a pass covers whole atoms");
+    const int c = threadIdx.x % P, k0 = threadIdx.x / P;
+    const u32 d0 = dst + pfw_off(k0, c, 8);
+    if (kt + 64 <= nkeys) {
+        const u16* s0 = src + (size_t)(kt + k0) * kv_dim + c * 8;
+#pragma unroll
+        for (int i = 0; i < 64 / KPI; ++i) cp_async16(d0 + i * (KPI / 8) * 1024, s0 + (size_t)i * KPI * kv_dim);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 64 / KPI; ++i) {
+            const int kr = kt + k0 + i * KPI;
+            cp_async16z(d0 + i * (KPI / 8) * 1024, src + (size_t)min(kr, nkeys - 1) * kv_dim + c * 8, kr < nkeys);
+        }
+    }
+}
+
+template <int HD>
+__device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
+                           const u16* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
+                           float* __restrict__ out, int kchunk, float* __restrict__ part_o,
+                           float* __restrict__ part_ml, int tile) {
+    constexpr int TILE = 64 * HD * 2, NO = HD / 2;
+    extern __shared__ __align__(128) u16 pfw_sm[];
+    const u32 qs = (smem_u32(pfw_sm) + 1023u) & ~1023u, ks0 = qs + 128 * HD * 2, vs0 = ks0 + 2 * TILE;
+    const int group = nh / nkv, qt = 128 / group;
+    const int kvh = blockIdx.y, tok0 = tile * qt;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
+    const size_t kv_dim = (size_t)nkv * HD;
+    const float qscale = scale * 1.4426950408889634f;
+    char* const qp = reinterpret_cast<char*>(pfw_sm) + (qs - smem_u32(pfw_sm));
+    for (int idx = tid; idx < 128 * HD / 4; idx += PFW_THREADS) {
+        const int r = idx / (HD / 4), f = idx % (HD / 4);
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+        uint2 pk;
+        pk.x = pack_bf16(v.x * qscale, v.y * qscale);
+        pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        *reinterpret_cast<uint2*>(qp + pfw_off(r, f >> 1, 16) + ((f & 1) << 3)) = pk;
+    }
+    // This thread's rows (64 wg + 16 warp + g and + 8) and their query positions.
+    int pq[2];
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int t = tok0 + (64 * wg + 16 * warp + g + 8 * hv) / group;
+        pq[hv] = t < T ? pos0 + t : -1;
+    }
+    const int pq_min = min(pq[0], pq[1]);
+    const int last_t = min(T - 1, tok0 + qt - 1);
+    const int nkeys = pos0 + last_t + 1;
+    const int splits = gridDim.z, k_lo = blockIdx.z * kchunk;
+    const int k_hi = splits > 1 ? min(nkeys, k_lo + kchunk) : nkeys;
+    const int ntiles = k_hi > k_lo ? (k_hi - k_lo + 63) / 64 : 0;
+    const u16* kh = kc + kvh * HD;
+    const u16* vh = vc + kvh * HD;
+    const u32 qw = qs + wg * 8 * 1024;  // this warpgroup's 64 rows: Q's row groups 8 wg .. 8 wg + 7
+    float o[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] = 0.f;
+    float s[32];
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    u32 pa[4][4];
+    // k step ks: head columns 16 ks .. 16 ks + 15, two chunks of atom column ks / 4; the next 8
+    // rows (keys) one atom (1024 bytes) on.
+    auto s_products = [&](u32 kst) {
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks)
+            wgmma_ss_m64n64k16(s, pfw_desc(qw + (ks >> 2) * 16 * 1024 + (ks & 3) * 32, 16, 1024),
+                               pfw_desc(kst + (ks >> 2) * 8 * 1024 + (ks & 3) * 32, 16, 1024), ks > 0);
+    };
+    // k step kk: keys 16 kk .. 16 kk + 15 (atom rows of key groups 2 kk, 2 kk + 1: SBO), the head
+    // columns in atoms of 64 (LBO: the next atom column, 8 key groups on).
+    auto pv_desc = [&](u32 vst, unsigned long long (&d)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            d[kk] = pfw_desc(vst + 2 * kk * 1024, 8 * 1024, 1024);
+            asm volatile("" : "+l"(d[kk]));
+        }
+    };
+    auto pv_products = [&](const unsigned long long (&d)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64k16_nmajor<HD>(o, pa[kk], d[kk]);
+    };
+    // Mask (keys past a row's position), online softmax of s, its P as bf16 A fragments in pn;
+    // corr: the factor the row's earlier sums take.
+    auto softmax = [&](int kt, u32 (&pn)[4][4], float (&corr)[2]) {
+        if (kt + 63 > pq_min) {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (kt + nt * 8 + 2 * (lane & 3) + (e & 1) > pq[e >> 1]) s[4 * nt + e] = NEG_INF;
+        }
+        float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int i = 0; i < 32; ++i) mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
+        float base[2];
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+            const float mn = fmaxf(m[hv], mt[hv]);
+            base[hv] = mn == NEG_INF ? 0.f : mn;
+            corr[hv] = exp2f(m[hv] - base[hv]);
+            m[hv] = mn;
+            l[hv] *= corr[hv];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float p0 = exp2f(s[4 * nt] - base[0]), p1 = exp2f(s[4 * nt + 1] - base[0]);
+            const float p2 = exp2f(s[4 * nt + 2] - base[1]), p3 = exp2f(s[4 * nt + 3] - base[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pn[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+            pn[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+        }
+    };
+    // Copy groups: K(0); then per tile j after its barrier K(j + 1) and V(j), so tile j's barrier
+    // finds K(j) and V(j - 1) in, and the stages they overwrite were last read by tile j - 1's
+    // products (done before any thread passed the barrier). Tile j: S_j and P_{j-1} V_{j-1} are
+    // issued right after the barrier and the copies after them, so the tensor cores start at once;
+    // the softmax of S_j runs under PV, and O takes its rescale once PV is done (rescaled while S_j
+    // runs, ptxas serialises the products: it waits for every group before reading O).
+    if (ntiles > 0) pfw_tile_async<HD>(kh, kv_dim, k_lo, nkeys, ks0);
+    cp_commit();
+    float corr[2];
+    for (int j = 0; j < ntiles; ++j) {
+        const int kt = k_lo + 64 * j;
+        cp_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        wgmma_fence();
+        s_products(ks0 + (j & 1) * TILE);
+        wgmma_commit();
+        if (j == 0) {
+            if (ntiles > 1) pfw_tile_async<HD>(kh, kv_dim, kt + 64, nkeys, ks0 + TILE);
+            pfw_tile_async<HD>(vh, kv_dim, kt, nkeys, vs0);
+            cp_commit();
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 32; ++i) wgmma_keep(s[i]);
+            softmax(kt, pa, corr);
+            continue;
+        }
+        {
+            unsigned long long vd[4];
+            pv_desc(vs0 + ((j - 1) & 1) * TILE, vd);
+            wgmma_fence();
+            pv_products(vd);
+        }
+        wgmma_commit();
+        if (j + 1 < ntiles) pfw_tile_async<HD>(kh, kv_dim, kt + 64, nkeys, ks0 + ((j + 1) & 1) * TILE);
+        pfw_tile_async<HD>(vh, kv_dim, kt, nkeys, vs0 + (j & 1) * TILE);
+        cp_commit();
+        wgmma_wait<1>();
+#pragma unroll
+        for (int i = 0; i < 32; ++i) wgmma_keep(s[i]);
+        u32 pn[4][4];
+        softmax(kt, pn, corr);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            wgmma_keep(o[i]);
+            o[i] *= corr[(i >> 1) & 1];
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) pa[x][y] = pn[x][y];
+    }
+    if (ntiles > 0) {
+        cp_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        unsigned long long vd[4];
+        pv_desc(vs0 + ((ntiles - 1) & 1) * TILE, vd);
+        wgmma_fence();
+        pv_products(vd);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < NO; ++i) wgmma_keep(o[i]);
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 1);
+        l[hv] += __shfl_xor_sync(0xffffffffu, l[hv], 2);
+    }
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        const int r = 64 * wg + 16 * warp + g + 8 * hv;
+        const int t = tok0 + r / group, h = kvh * group + r % group;
+        if (t >= T) continue;
+        if (splits > 1) {
+            const size_t row = ((size_t)t * nh + h) * splits + blockIdx.z;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; ++nt)
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) part_o[row * HD + nt * 8 + 2 * (lane & 3) + cc] = o[4 * nt + hv * 2 + cc];
+            if ((lane & 3) == 0) {
+                // exp2 units to natural ones: the partial weights are exp(m - M) in the combine.
+                part_ml[2 * row] = m[hv] == NEG_INF ? NEG_INF : m[hv] * 0.6931471805599453f;
+                part_ml[2 * row + 1] = l[hv];
+            }
+            continue;
+        }
+        const float il = 1.f / l[hv];
+        const size_t rb = ((size_t)t * nh + h) * HD;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; ++nt)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
+                out[idx] = (o[4 * nt + hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
+            }
+    }
+}
+
+// nseg segments' 128-row query blocks, each segment's longest rows first: grid (their blocks, nkv,
+// splits), block 256. With splits > 1 the launch holds one segment.
+#define PF_ATTN_WG(HD)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) pf_attn_wg_##HD(                                  \
+        const AttnSegs segs, int nseg, const float* q, const float* gate, int nh, int nkv, float scale, float* out, \
+        int kchunk, float* part_o, float* part_ml) {                                                               \
+        const int qt = 128 / (nh / nkv);                                                                           \
+        int x = blockIdx.x;                                                                                        \
+        const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
+        const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
+        pf_attn_wg<HD>(q + off, gate + off, static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), \
+                       segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                 \
+                       (segs.n[z] + qt - 1) / qt - 1 - x);                                                          \
+    }
+PF_ATTN_WG(64)
+PF_ATTN_WG(128)
+PF_ATTN_WG(256)

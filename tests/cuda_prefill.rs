@@ -393,7 +393,7 @@ fn cuda_prefill_attention_tc_matches_f32() {
     let b = cuda();
     for &(nh, nkv, hd) in &[(4usize, 2usize, 64usize), (16, 2, 256), (8, 8, 128)] {
         // The last two split the keys over blocks (a few tokens over a long cache).
-        for &(t, pos0) in &[(1usize, 0usize), (37, 0), (200, 0), (70, 150), (5, 3000), (20, 5000)] {
+        for &(t, pos0) in &[(1usize, 0usize), (37, 0), (200, 0), (70, 150), (700, 100), (5, 3000), (20, 5000)] {
             let n = pos0 + t;
             let q = rnd(21 + t as u64, t * nh * hd);
             let gate = rnd(22, t * nh * hd);
@@ -403,13 +403,14 @@ fn cuda_prefill_attention_tc_matches_f32() {
                 .unwrap();
             let tc = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false, false)
                 .unwrap();
-            // The bf16 cache's tiles are copied as they are (cp.async), the f32 cache's rounded
-            // to bf16 on the way: the same operands, so the same bits.
+            // The bf16 cache runs the wgmma kernel (128-row blocks), the f32 cache the mma.sync one
+            // (64-row blocks, its tiles rounded to bf16 on the way): the same operands and the
+            // same products in the same order, so the same bits.
             let tc_bf16 = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true, false)
                 .unwrap();
             assert!(
                 tc.iter().zip(&tc_bf16).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "bf16-cache attention differs from the f32 cache's: nh={nh} nkv={nkv} hd={hd} T={t} pos0={pos0}"
+                "the wgmma attention (bf16 cache) differs from the mma.sync one (f32 cache): nh={nh} nkv={nkv} hd={hd} T={t} pos0={pos0}"
             );
             // CPU: softmax(q k / sqrt(hd)) v * sigmoid(gate), causal.
             let mut want = vec![0.0f32; t * nh * hd];

@@ -128,6 +128,9 @@ pub const ATTENTION: Module = Module {
         "pf_attn_tc_64_bf16",
         "pf_attn_tc_128_bf16",
         "pf_attn_tc_256_bf16",
+        "pf_attn_wg_64",
+        "pf_attn_wg_128",
+        "pf_attn_wg_256",
     ],
 };
 
