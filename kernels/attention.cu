@@ -4,7 +4,7 @@
 //                       attn_combine
 //   batched decode:     attn_prep_batch[_bf16], attn_split_batch_{64,128,256}[_bf16], attn_combine_batch
 //   prefill (T tokens): pf_attn_prep, pf_attn_prep_bf16, pf_attn_{64,128,256}, pf_attn_{64,128,256}_bf16,
-//                       pf_attn_tc_{64,128,256}, pf_attn_tc_{64,128,256}_bf16
+//                       pf_attn_tc_{64,128,256} (f32 cache), pf_attn_wg_{64,128,256} (bf16 cache)
 // The `_bf16` entry points read and write a bf16 KV cache instead of an f32 one.
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -787,7 +787,8 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 
-// Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style. Same
+// Tensor-core causal attention over the f32 cache (bf16 mma.sync, f32 accumulate and softmax),
+// flash style; the bf16 cache runs pf_attn_wg below, whose results are the same bits. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
 // head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
 // 64 keys, K and V go to shared memory in bf16 (copied or rounded, below); S = Q K^T
@@ -798,35 +799,9 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 // (a multiple of 64) and writes unnormalised partials (o, and m in natural-log units with l) as
 // attn_combine_batch reads them: rows [T][nh][splits]. The entry point runs the longest query rows
 // first (the last tile first): the causal blocks' work grows with their tokens, and the last wave
-// of a grid in launch order would otherwise hold only the longest ones.
-//
-// The bf16 cache's tiles need no rounding, so they are copied straight into shared memory with
-// 16-byte cp.async (rows past the last key zero-filled): the next tile's K is in flight while this
-// tile's softmax and PV run, its V while the next S runs. The f32 cache's tiles are rounded on the
-// way, through registers, one tile at a time. Both give the same bf16 operands.
+// of a grid in launch order would otherwise hold only the longest ones. The f32 cache's tiles are
+// rounded to bf16 on the way into shared memory, through registers, one tile at a time.
 #define PFA_LD(HD) ((HD) + 8)
-
-template <typename KV>
-struct KvIsBf16 {
-    static constexpr bool value = false;
-};
-template <>
-struct KvIsBf16<u16> {
-    static constexpr bool value = true;
-};
-
-// The bf16 cache's rows kt .. kt + 63 of one kv head into a tile of shared memory (row stride LD
-// bf16): 16-byte asynchronous copies, rows at or past `nkeys` zero-filled (their source clamped to
-// the last key, never read).
-template <int HD>
-__device__ __forceinline__ void pfa_tile_async(const u16* __restrict__ src, size_t kv_dim, int kt, int nkeys, u16* dst) {
-    constexpr int LD = PFA_LD(HD), P = HD / 8;
-    for (int idx = threadIdx.x; idx < 64 * P; idx += 128) {
-        const int kr = idx / P, c = idx % P;
-        cp_async16z(smem_u32(dst + kr * LD + c * 8), src + (size_t)min(kt + kr, nkeys - 1) * kv_dim + c * 8,
-                    kt + kr < nkeys);
-    }
-}
 
 template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
@@ -902,24 +877,9 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
             }
         }
     };
-    constexpr bool ASYNC = KvIsBf16<KV>::value;
-    // bf16 cache: commit groups K(k_lo), V(k_lo), then per tile K(next) after the S products and
-    // V(next) after PV (empty past the last tile, so every wait below sees the same count).
-    auto load_tile = [&](const KV* cache, u16* tile, int kt) {
-        if constexpr (ASYNC) {
-            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(cache) + kvh * HD, kv_dim, kt, nkeys, tile);
-            cp_commit();
-        }
-    };
-    load_tile(kc, Ks, k_lo);
-    load_tile(vc, Vs, k_lo);
     for (int kt = k_lo; kt < k_hi; kt += 64) {
-        if constexpr (ASYNC) {
-            cp_wait<1>();  // K(kt); V(kt) may still be in flight
-        } else {
-            __syncthreads();  // every warp is done with the previous tile
-            load_tiles_f32(kt);
-        }
+        __syncthreads();  // every warp is done with the previous tile
+        load_tiles_f32(kt);
         __syncthreads();
         // A warp whose rows are all before the whole tile skips its products (not the barriers).
         const bool active = kt <= warp_pq;
@@ -939,10 +899,6 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     mma_bf16(s[2 * np + 1], a, b2, b3);
                 }
             }
-        }
-        if constexpr (ASYNC) {
-            __syncthreads();  // every warp is done with K(kt)
-            load_tile(kc, Ks, kt + 64);
         }
         u32 pa[4][4];
         if (active) {
@@ -984,10 +940,6 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                 pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
             }
         }
-        if constexpr (ASYNC) {
-            cp_wait<1>();  // V(kt); K(kt + 64) may still be in flight
-            __syncthreads();
-        }
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -999,10 +951,6 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
                 }
             }
-        }
-        if constexpr (ASYNC) {
-            __syncthreads();  // every warp is done with V(kt)
-            load_tile(vc, Vs, kt + 64);
         }
     }
 #pragma unroll
@@ -1060,7 +1008,9 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                            static_cast<const KV*>(segs.vc[z]), segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, \
                            kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x);                            \
     }
-FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)
+PF_ATTN_TC(64, float, )
+PF_ATTN_TC(128, float, )
+PF_ATTN_TC(256, float, )
 
 // Hopper causal attention on warpgroup MMAs (bf16 cache, head dims 64 / 128 / 256): the same math
 // as pf_attn_tc (Q scaled by scale*log2(e) and rounded to bf16 once, bf16 P, f32 accumulation and

@@ -105,11 +105,8 @@ const CHUNK_F32: Instances = [
     ["pf_attn_128", "pf_attn_128_bf16"],
     ["pf_attn_256", "pf_attn_256_bf16"],
 ];
-const CHUNK_TC: Instances = [
-    ["pf_attn_tc_64", "pf_attn_tc_64_bf16"],
-    ["pf_attn_tc_128", "pf_attn_tc_128_bf16"],
-    ["pf_attn_tc_256", "pf_attn_tc_256_bf16"],
-];
+/// f32 cache only (the bf16 column is never selected: the bf16 cache runs CHUNK_WG).
+const CHUNK_TC: Instances = [["pf_attn_tc_64", "pf_attn_tc_64"], ["pf_attn_tc_128", "pf_attn_tc_128"], ["pf_attn_tc_256", "pf_attn_tc_256"]];
 /// bf16 cache only (the f32 column is never selected).
 const CHUNK_WG: Instances = [["pf_attn_wg_64", "pf_attn_wg_64"], ["pf_attn_wg_128", "pf_attn_wg_128"], ["pf_attn_wg_256", "pf_attn_wg_256"]];
 
