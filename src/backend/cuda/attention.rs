@@ -292,7 +292,6 @@ pub enum ChunkAttn {
 /// A prefill attention kernel and its launch shape.
 #[derive(Clone, Copy, Debug)]
 pub struct ChunkKernel {
-    pub variant: ChunkAttn,
     pub kernel: Kernel,
     pub threads: u32,
     /// Dynamic shared memory, bytes.
@@ -316,11 +315,11 @@ pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool) -> Option<ChunkKernel
         ChunkAttn::Wgmma => (&CHUNK_WG, 256, 128, (128 + 4 * 64) * hd * 2 + 1024),
     };
     let name = instance(table, hd, kv_bf16)?;
-    Some(ChunkKernel { variant, kernel: Kernel::ordered(&ATTENTION, name), threads, smem: smem as u32, rows })
+    Some(ChunkKernel { kernel: Kernel::ordered(&ATTENTION, name), threads, smem: smem as u32, rows })
 }
 
-/// Whether the prefill kernels take this head layout: each block holds 64 query rows of one KV
-/// head's group.
+/// Whether the prefill kernels take this head layout: each block (or warpgroup, in the 128-row
+/// wgmma blocks) holds 64 query rows of one KV head's group, whole tokens.
 pub fn chunk_supported(nh: usize, nkv: usize) -> bool {
     nkv > 0 && nh.is_multiple_of(nkv) && nh >= nkv && 64 % (nh / nkv) == 0
 }
