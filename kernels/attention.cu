@@ -787,6 +787,36 @@ __device__ void pf_attn(const float* __restrict__ q, const float* __restrict__ g
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 
+// One online-softmax step (exp2 units) of a warp's 16 query rows over a 64-key tile, s in the
+// mma accumulator layout (this thread's rows g: s[nt][0..1], g + 8: s[nt][2..3]; keys 8 nt + 2 t,
+// + 1) and already masked, mt this thread's maxima of its two rows' scores: the rows' running
+// maxima m and sums l take the tile, corr gets the factor the rows' earlier sums (and O) take, pa
+// the tile's P as bf16 A fragments (k step kk: keys 16 kk .. 16 kk + 15). pf_attn_tc and
+// pf_attn_wg share it, so their results are the same bits.
+__device__ __forceinline__ void flash_softmax_step(const float (&s)[8][4], float (&mt)[2], float (&m)[2], float (&l)[2],
+                                                   float (&corr)[2], u32 (&pa)[4][4]) {
+    float base[2];
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+        mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
+        mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
+        const float mn = fmaxf(m[hv], mt[hv]);
+        base[hv] = mn == NEG_INF ? 0.f : mn;
+        corr[hv] = exp2f(m[hv] - base[hv]);
+        m[hv] = mn;
+        l[hv] *= corr[hv];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
+        const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
+        l[0] += p0 + p1;
+        l[1] += p2 + p3;
+        pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
+        pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+}
+
 // Tensor-core causal attention over the f32 cache (bf16 mma.sync, f32 accumulate and softmax),
 // flash style; the bf16 cache runs pf_attn_wg below, whose results are the same bits. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
@@ -912,32 +942,14 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
                     mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
                 }
-            float base[2], corr[2];
-#pragma unroll
-            for (int hv = 0; hv < 2; ++hv) {
-                mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
-                mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
-                const float mn = fmaxf(m[hv], mt[hv]);
-                base[hv] = mn == NEG_INF ? 0.f : mn;
-                corr[hv] = exp2f(m[hv] - base[hv]);
-                m[hv] = mn;
-                l[hv] *= corr[hv];
-            }
+            float corr[2];
+            flash_softmax_step(s, mt, m, l, corr, pa);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 o[nt][0] *= corr[0];
                 o[nt][1] *= corr[0];
                 o[nt][2] *= corr[1];
                 o[nt][3] *= corr[1];
-            }
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-                const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
-                const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
-                l[0] += p0 + p1;
-                l[1] += p2 + p3;
-                pa[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
-                pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
             }
         }
         if (active) {
@@ -1140,26 +1152,7 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
         float mt[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int i = 0; i < 32; ++i) mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
-        float base[2];
-#pragma unroll
-        for (int hv = 0; hv < 2; ++hv) {
-            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
-            mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 2));
-            const float mn = fmaxf(m[hv], mt[hv]);
-            base[hv] = mn == NEG_INF ? 0.f : mn;
-            corr[hv] = exp2f(m[hv] - base[hv]);
-            m[hv] = mn;
-            l[hv] *= corr[hv];
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            const float p0 = exp2f(s[4 * nt] - base[0]), p1 = exp2f(s[4 * nt + 1] - base[0]);
-            const float p2 = exp2f(s[4 * nt + 2] - base[1]), p3 = exp2f(s[4 * nt + 3] - base[1]);
-            l[0] += p0 + p1;
-            l[1] += p2 + p3;
-            pn[nt >> 1][(nt & 1) * 2] = pack_bf16(p0, p1);
-            pn[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
-        }
+        flash_softmax_step(reinterpret_cast<const float(&)[8][4]>(s), mt, m, l, corr, pn);
     };
     // Copy groups: K(0); then per tile j after its barrier K(j + 1) and V(j), so tile j's barrier
     // finds K(j) and V(j - 1) in, and the stages they overwrite were last read by tile j - 1's
