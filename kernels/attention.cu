@@ -4,7 +4,7 @@
 //                       attn_combine
 //   batched decode:     attn_prep_batch[_bf16], attn_split_batch_{64,128,256}[_bf16], attn_combine_batch
 //   prefill (T tokens): pf_attn_prep, pf_attn_prep_bf16, pf_attn_{64,128,256}, pf_attn_{64,128,256}_bf16,
-//                       pf_attn_tc_{64,128,256} (f32 cache), pf_attn_wg_{64,128,256} (bf16 cache)
+//                       pf_attn_tc_{64,128,256}[_bf16], pf_attn_wg_{64,128,256} (bf16 cache)
 // The `_bf16` entry points read and write a bf16 KV cache instead of an f32 one.
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -789,13 +789,12 @@ FOR_EACH_ATTN_INSTANCE(PF_ATTN)
 
 // One online-softmax step (exp2 units) of a warp's 16 query rows over a 64-key tile, s in the
 // mma accumulator layout (this thread's rows g: s[nt][0..1], g + 8: s[nt][2..3]; keys 8 nt + 2 t,
-// + 1) and already masked, mt this thread's maxima of its two rows' scores: the rows' running
-// maxima m and sums l take the tile, corr gets the factor the rows' earlier sums (and O) take, pa
-// the tile's P as bf16 A fragments (k step kk: keys 16 kk .. 16 kk + 15). pf_attn_tc and
-// pf_attn_wg share it, so their results are the same bits.
-__device__ __forceinline__ void flash_softmax_step(const float (&s)[8][4], float (&mt)[2], float (&m)[2], float (&l)[2],
-                                                   float (&corr)[2], u32 (&pa)[4][4]) {
-    float base[2];
+// + 1) and already masked, mt this thread's maxima of its two rows' scores. First the rows: their
+// running maxima m take the tile's, corr gets the factor the rows' earlier sums l (and O) take,
+// base the maxima the tile's exponents subtract. pf_attn_tc and pf_attn_wg share both halves, so
+// their results are the same bits.
+__device__ __forceinline__ void flash_softmax_rows(float (&mt)[2], float (&m)[2], float (&l)[2], float (&base)[2],
+                                                   float (&corr)[2]) {
 #pragma unroll
     for (int hv = 0; hv < 2; ++hv) {
         mt[hv] = fmaxf(mt[hv], __shfl_xor_sync(0xffffffffu, mt[hv], 1));
@@ -806,6 +805,11 @@ __device__ __forceinline__ void flash_softmax_step(const float (&s)[8][4], float
         m[hv] = mn;
         l[hv] *= corr[hv];
     }
+}
+// Then the tile's P: exp2(s - base) into the sums l and, rounded to bf16, the A fragments pa
+// (k step kk: keys 16 kk .. 16 kk + 15).
+__device__ __forceinline__ void flash_softmax_p(const float (&s)[8][4], const float (&base)[2], float (&l)[2],
+                                                u32 (&pa)[4][4]) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
         const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
@@ -817,8 +821,10 @@ __device__ __forceinline__ void flash_softmax_step(const float (&s)[8][4], float
     }
 }
 
-// Tensor-core causal attention over the f32 cache (bf16 mma.sync, f32 accumulate and softmax),
-// flash style; the bf16 cache runs pf_attn_wg below, whose results are the same bits. Same
+// Tensor-core causal attention (bf16 mma.sync, f32 accumulate and softmax), flash style: the f32
+// cache's prefill, and the bf16 cache's launches whose keys are split over blocks (a few tokens
+// over a long cache: bound by the cache's bytes, where two 64-row blocks per SM keep more of them
+// in flight than one 128-row pf_attn_wg block); pf_attn_wg below gives the same bits. Same
 // block shape as pf_attn: 64 rows = (64/group query tokens) x (the group's q heads) of one kv
 // head, 4 warps of 16 rows. Q is scaled by scale*log2(e) and rounded to bf16 once; per tile of
 // 64 keys, K and V go to shared memory in bf16 (copied or rounded, below); S = Q K^T
@@ -829,9 +835,35 @@ __device__ __forceinline__ void flash_softmax_step(const float (&s)[8][4], float
 // (a multiple of 64) and writes unnormalised partials (o, and m in natural-log units with l) as
 // attn_combine_batch reads them: rows [T][nh][splits]. The entry point runs the longest query rows
 // first (the last tile first): the causal blocks' work grows with their tokens, and the last wave
-// of a grid in launch order would otherwise hold only the longest ones. The f32 cache's tiles are
-// rounded to bf16 on the way into shared memory, through registers, one tile at a time.
+// of a grid in launch order would otherwise hold only the longest ones.
+//
+// The bf16 cache's tiles need no rounding, so they are copied straight into shared memory with
+// 16-byte cp.async (rows past the last key zero-filled): the next tile's K is in flight while this
+// tile's softmax and PV run, its V while the next S runs. The f32 cache's tiles are rounded on the
+// way, through registers, one tile at a time. Both give the same bf16 operands.
 #define PFA_LD(HD) ((HD) + 8)
+
+template <typename KV>
+struct KvIsBf16 {
+    static constexpr bool value = false;
+};
+template <>
+struct KvIsBf16<u16> {
+    static constexpr bool value = true;
+};
+
+// The bf16 cache's rows kt .. kt + 63 of one kv head into a tile of shared memory (row stride LD
+// bf16): 16-byte asynchronous copies, rows at or past `nkeys` zero-filled (their source clamped to
+// the last key, never read).
+template <int HD>
+__device__ __forceinline__ void pfa_tile_async(const u16* __restrict__ src, size_t kv_dim, int kt, int nkeys, u16* dst) {
+    constexpr int LD = PFA_LD(HD), P = HD / 8;
+    for (int idx = threadIdx.x; idx < 64 * P; idx += 128) {
+        const int kr = idx / P, c = idx % P;
+        cp_async16z(smem_u32(dst + kr * LD + c * 8), src + (size_t)min(kt + kr, nkeys - 1) * kv_dim + c * 8,
+                    kt + kr < nkeys);
+    }
+}
 
 template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
@@ -907,9 +939,24 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
             }
         }
     };
+    constexpr bool ASYNC = KvIsBf16<KV>::value;
+    // bf16 cache: commit groups K(k_lo), V(k_lo), then per tile K(next) after the S products and
+    // V(next) after PV (empty past the last tile, so every wait below sees the same count).
+    auto load_tile = [&](const KV* cache, u16* tile, int kt) {
+        if constexpr (ASYNC) {
+            if (kt < k_hi) pfa_tile_async<HD>(reinterpret_cast<const u16*>(cache) + kvh * HD, kv_dim, kt, nkeys, tile);
+            cp_commit();
+        }
+    };
+    load_tile(kc, Ks, k_lo);
+    load_tile(vc, Vs, k_lo);
     for (int kt = k_lo; kt < k_hi; kt += 64) {
-        __syncthreads();  // every warp is done with the previous tile
-        load_tiles_f32(kt);
+        if constexpr (ASYNC) {
+            cp_wait<1>();  // K(kt); V(kt) may still be in flight
+        } else {
+            __syncthreads();  // every warp is done with the previous tile
+            load_tiles_f32(kt);
+        }
         __syncthreads();
         // A warp whose rows are all before the whole tile skips its products (not the barriers).
         const bool active = kt <= warp_pq;
@@ -930,6 +977,10 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                 }
             }
         }
+        if constexpr (ASYNC) {
+            __syncthreads();  // every warp is done with K(kt)
+            load_tile(kc, Ks, kt + 64);
+        }
         u32 pa[4][4];
         if (active) {
             // Mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
@@ -942,8 +993,8 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     if (key > pq[e >> 1]) s[nt][e] = NEG_INF;
                     mt[e >> 1] = fmaxf(mt[e >> 1], s[nt][e]);
                 }
-            float corr[2];
-            flash_softmax_step(s, mt, m, l, corr, pa);
+            float base[2], corr[2];
+            flash_softmax_rows(mt, m, l, base, corr);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 o[nt][0] *= corr[0];
@@ -951,6 +1002,11 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                 o[nt][2] *= corr[1];
                 o[nt][3] *= corr[1];
             }
+            flash_softmax_p(s, base, l, pa);
+        }
+        if constexpr (ASYNC) {
+            cp_wait<1>();  // V(kt); K(kt + 64) may still be in flight
+            __syncthreads();
         }
         if (active) {
 #pragma unroll
@@ -963,6 +1019,10 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                     mma_bf16(o[2 * dp + 1], pa[kk], b2, b3);
                 }
             }
+        }
+        if constexpr (ASYNC) {
+            __syncthreads();  // every warp is done with V(kt)
+            load_tile(vc, Vs, kt + 64);
         }
     }
 #pragma unroll
@@ -1020,9 +1080,7 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
                            static_cast<const KV*>(segs.vc[z]), segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, \
                            kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x);                            \
     }
-PF_ATTN_TC(64, float, )
-PF_ATTN_TC(128, float, )
-PF_ATTN_TC(256, float, )
+FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)
 
 // Hopper causal attention on warpgroup MMAs (bf16 cache, head dims 64 / 128 / 256): the same math
 // as pf_attn_tc (Q scaled by scale*log2(e) and rounded to bf16 once, bf16 P, f32 accumulation and
@@ -1034,7 +1092,9 @@ PF_ATTN_TC(256, float, )
 // are double-buffered and copied by all 256 threads with cp.async (8 threads per 128 contiguous
 // bytes of a key's row, so every request fills whole sectors), one barrier per tile. Per
 // warpgroup and tile j, S_j and P_{j-1} V_{j-1} are issued together; the softmax of S_j runs while
-// the tensor cores do PV, and O is rescaled once PV is done. Splits and partials as pf_attn_tc.
+// the tensor cores do PV, and O is rescaled once PV is done. Splits and partials as pf_attn_tc
+// (the host sends split launches, a few tokens over a long cache, to pf_attn_tc, whose two blocks
+// per SM keep more of the cache's bytes in flight; the path stays for the shared launch shape).
 // Dynamic smem (128 + 4*64)*HD*2 + 1024 (the atoms' 1024-byte alignment).
 #define PFW_THREADS 256
 
@@ -1152,7 +1212,9 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
         float mt[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int i = 0; i < 32; ++i) mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
-        flash_softmax_step(reinterpret_cast<const float(&)[8][4]>(s), mt, m, l, corr, pn);
+        float base[2];
+        flash_softmax_rows(mt, m, l, base, corr);
+        flash_softmax_p(reinterpret_cast<const float(&)[8][4]>(s), base, l, pn);
     };
     // Copy groups: K(0); then per tile j after its barrier K(j + 1) and V(j), so tile j's barrier
     // finds K(j) and V(j - 1) in, and the stages they overwrite were last read by tile j - 1's

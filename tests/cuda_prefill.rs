@@ -403,9 +403,10 @@ fn cuda_prefill_attention_tc_matches_f32() {
                 .unwrap();
             let tc = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, false, false)
                 .unwrap();
-            // The bf16 cache runs the wgmma kernel (128-row blocks), the f32 cache the mma.sync one
-            // (64-row blocks, its tiles rounded to bf16 on the way): the same operands and the
-            // same products in the same order (and here the same key splits), so the same bits.
+            // The bf16 cache runs the wgmma kernel (128-row blocks; the mma.sync one where the keys
+            // are split), the f32 cache the mma.sync one (64-row blocks, its tiles rounded to bf16
+            // on the way): the same operands and the same products in the same order, so the same
+            // bits.
             let tc_bf16 = testing::chunk_attention(&b, &q, &gate, &kc, &vc, t, pos0, nh, nkv, hd, true, false)
                 .unwrap();
             assert!(

@@ -105,8 +105,11 @@ const CHUNK_F32: Instances = [
     ["pf_attn_128", "pf_attn_128_bf16"],
     ["pf_attn_256", "pf_attn_256_bf16"],
 ];
-/// f32 cache only (the bf16 column is never selected: the bf16 cache runs CHUNK_WG).
-const CHUNK_TC: Instances = [["pf_attn_tc_64", "pf_attn_tc_64"], ["pf_attn_tc_128", "pf_attn_tc_128"], ["pf_attn_tc_256", "pf_attn_tc_256"]];
+const CHUNK_TC: Instances = [
+    ["pf_attn_tc_64", "pf_attn_tc_64_bf16"],
+    ["pf_attn_tc_128", "pf_attn_tc_128_bf16"],
+    ["pf_attn_tc_256", "pf_attn_tc_256_bf16"],
+];
 /// bf16 cache only (the f32 column is never selected).
 const CHUNK_WG: Instances = [["pf_attn_wg_64", "pf_attn_wg_64"], ["pf_attn_wg_128", "pf_attn_wg_128"], ["pf_attn_wg_256", "pf_attn_wg_256"]];
 
@@ -283,7 +286,9 @@ pub enum ChunkAttn {
     /// `pf_attn_wg_{hd}`: bf16 cache, warpgroup MMAs on 128-row blocks (two warpgroups share each
     /// K/V tile), the softmax overlapping the PV products.
     Wgmma,
-    /// `pf_attn_tc_{hd}`: f32 cache, bf16 `mma.sync` on 64-row Q/K/V tiles.
+    /// `pf_attn_tc_{hd}[_bf16]`: bf16 `mma.sync` on 64-row Q/K/V tiles: the f32 cache, and the
+    /// launches whose keys are split over blocks (bound by the cache's bytes: two blocks per SM
+    /// keep more of them in flight than one wgmma block).
     TensorCore,
     /// `pf_attn_{hd}`: f32, exact to rounding against the CPU (the exact mode).
     F32,
@@ -300,9 +305,10 @@ pub struct ChunkKernel {
     pub rows: usize,
 }
 
-/// The prefill attention kernel for a head dim, cache element type and mode.
-pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool) -> Option<ChunkKernel> {
-    let variant = match (exact, kv_bf16) {
+/// The prefill attention kernel for a head dim, cache element type and mode, for a launch whose
+/// keys are split over blocks ([`chunk_splits`] > 1) or not.
+pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool, split: bool) -> Option<ChunkKernel> {
+    let variant = match (exact, kv_bf16 && !split) {
         (true, _) => ChunkAttn::F32,
         (false, true) => ChunkAttn::Wgmma,
         (false, false) => ChunkAttn::TensorCore,
@@ -332,39 +338,38 @@ const MAX_CHUNK_SPLITS: usize = 128;
 const MIN_SPLIT_KEYS: usize = 512;
 
 /// Key splits of the tensor-core prefill attention for `n` queries over `keys` cache positions
-/// on `sms` SMs: a block holds `rows` / group queries of one KV head and streams every key up to
-/// its last query, so a few tokens over a long cache (a conversation's next turn) make a handful
-/// of blocks that each read the whole cache. Split so the blocks fill the SMs about twice; 1 when
+/// on `sms` SMs: a block holds 64 / group queries of one KV head and streams every key up to its
+/// last query, so a few tokens over a long cache (a conversation's next turn) make a handful of
+/// blocks that each read the whole cache. Split so the blocks fill the SMs about twice; 1 when
 /// the query tiles fill them already.
-pub fn chunk_splits(n: usize, rows: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
-    let blocks = n.div_ceil(rows / (nh / nkv)) * nkv;
+pub fn chunk_splits(n: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(64 / (nh / nkv)) * nkv;
     if blocks >= sms {
         return 1;
     }
     (2 * sms).div_ceil(blocks).min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_CHUNK_SPLITS)
 }
 
-/// Partial rows (query token x split) [`chunk_splits`] can ask for at most with either block
-/// height, so one buffer of `rows x nh x hd` (+ `x 2` for max and sum) serves every call.
+/// Partial rows (query token x split) [`chunk_splits`] can ask for at most, so one buffer of
+/// `rows x nh x hd` (+ `x 2` for max and sum) serves every call.
 pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
-    let most = |rows: usize| {
-        let qt = rows / (nh / nkv);
-        (1..=sms.div_ceil(nkv) * qt).map(|n| (n, chunk_splits(n, rows, nh, nkv, usize::MAX, sms))).filter(|&(_, s)| s > 1).map(|(n, s)| n * s).max().unwrap_or(1)
-    };
-    most(64).max(most(128))
+    let qt = 64 / (nh / nkv);
+    (1..=sms.div_ceil(nkv) * qt).map(|n| (n, chunk_splits(n, nh, nkv, usize::MAX, sms))).filter(|&(_, s)| s > 1).map(|(n, s)| n * s).max().unwrap_or(1)
 }
 
 /// Causal attention of each segment's queries over its cache (up to its last position), gated.
 /// The segments share the KV element type `d.kv_bf16`; `p`'s activations start at the chunk's
 /// first row. Up to [`PF_ATTN_SEGS`] segments go in one launch, so the short prompts of a burst
-/// fill the SMs together; a segment whose query blocks would leave most SMs idle over a long
-/// cache ([`chunk_splits`] > 1, tensor-core kernel) runs alone with its keys split over blocks,
-/// partials in `part` (room for [`chunk_split_rows`] rows) merged by the decode's combine kernel.
+/// fill the SMs together (the bf16 cache on `pf_attn_wg`); a segment whose query blocks would
+/// leave most SMs idle over a long cache ([`chunk_splits`] > 1) runs alone on `pf_attn_tc` with
+/// its keys split over blocks, partials in `part` (room for [`chunk_split_rows`] rows) merged by
+/// the decode's combine kernel.
 pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool) -> Result<()> {
-    let ck = select_chunk(d.hd, d.kv_bf16, exact).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd))?;
-    let qt = ck.rows / (d.nh / d.nkv);
-    let splits_of = |s: &AttnSegment| if exact { 1 } else { chunk_splits(s.n, ck.rows, d.nh, d.nkv, s.pos0 + s.n, gpu.sms as usize) };
+    let select = |split| select_chunk(d.hd, d.kv_bf16, exact, split).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd));
+    let splits_of = |s: &AttnSegment| if exact { 1 } else { chunk_splits(s.n, d.nh, d.nkv, s.pos0 + s.n, gpu.sms as usize) };
     let launch = |group: &[AttnSegment], splits: usize| {
+        let ck = select(splits > 1)?;
+        let qt = ck.rows / (d.nh / d.nkv);
         let blocks = group.iter().map(|g| g.n.div_ceil(qt)).sum::<usize>();
         let mut args = vec![
             segs_arg(group),
@@ -407,42 +412,41 @@ mod tests {
             for bf16 in [false, true] {
                 let sfx = if bf16 { "_bf16" } else { "" };
                 assert_eq!(select_split(hd, bf16).unwrap().name, format!("attn_split_{hd}{sfx}"));
-                let tc = select_chunk(hd, bf16, false).unwrap();
+                let tc = select_chunk(hd, bf16, false, false).unwrap();
                 let want = if bf16 { (format!("pf_attn_wg_{hd}"), 256, 128) } else { (format!("pf_attn_tc_{hd}"), 128, 64) };
                 assert_eq!((tc.kernel.name.to_string(), tc.threads, tc.rows), want);
-                let f = select_chunk(hd, bf16, true).unwrap();
-                assert_eq!((f.kernel.name.to_string(), f.threads), (format!("pf_attn_{hd}{sfx}"), 256));
+                let split = select_chunk(hd, bf16, false, true).unwrap();
+                assert_eq!((split.kernel.name.to_string(), split.threads, split.rows), (format!("pf_attn_tc_{hd}{sfx}"), 128, 64));
+                for split in [false, true] {
+                    let f = select_chunk(hd, bf16, true, split).unwrap();
+                    assert_eq!((f.kernel.name.to_string(), f.threads), (format!("pf_attn_{hd}{sfx}"), 256));
+                }
             }
         }
-        assert!(select_split(96, false).is_none() && select_chunk(96, true, true).is_none());
+        assert!(select_split(96, false).is_none() && select_chunk(96, true, true, false).is_none());
         // 35B, hd 256: 96 KiB for the split ring, 99 KiB of mma.sync tiles, 192 KiB of wgmma tiles.
         assert_eq!(split_smem(256), 98_304);
-        assert_eq!(select_chunk(256, false, false).unwrap().smem, 101_376);
-        assert_eq!(select_chunk(256, true, false).unwrap().smem, 197_632);
+        assert_eq!(select_chunk(256, true, false, true).unwrap().smem, 101_376);
+        assert_eq!(select_chunk(256, true, false, false).unwrap().smem, 197_632);
         assert!(!chunk_supported(12, 5) && !chunk_supported(3 * 128, 3));
     }
 
     #[test]
     fn prefill_attention_splits_keys_only_when_its_query_tiles_leave_sms_idle() {
         let (nh, nkv, sms) = (16, 2, 132);
-        // A turn's 25 new tokens over 94K cached ones: 8 blocks of 64 rows, so 33 splits fill
-        // 264 slots; 4 blocks of 128 rows, 66 splits.
-        assert_eq!(chunk_splits(25, 64, nh, nkv, 94_000, sms), 33);
-        assert_eq!(chunk_splits(25, 128, nh, nkv, 94_000, sms), 66);
+        // A turn's 25 new tokens over 94K cached ones: 8 blocks, so 33 splits fill 264 slots.
+        assert_eq!(chunk_splits(25, nh, nkv, 94_000, sms), 33);
         // Short caches are not split below 512 keys per split; long chunks are not split.
-        assert_eq!(chunk_splits(25, 64, nh, nkv, 1_500, sms), 2);
-        assert_eq!(chunk_splits(25, 64, nh, nkv, 900, sms), 1);
-        assert_eq!(chunk_splits(2048, 128, nh, nkv, 94_000, sms), 1);
-        assert_eq!(chunk_splits(1, 128, nh, nkv, 262_144, sms), 128);
-        // The partial buffer covers every split call of either block height (1,040 queries x 3
-        // splits is the most here).
+        assert_eq!(chunk_splits(25, nh, nkv, 1_500, sms), 2);
+        assert_eq!(chunk_splits(25, nh, nkv, 900, sms), 1);
+        assert_eq!(chunk_splits(2048, nh, nkv, 94_000, sms), 1);
+        assert_eq!(chunk_splits(1, nh, nkv, 262_144, sms), 128);
+        // The partial buffer covers every split call (520 queries x 3 splits is the most here).
         let rows = chunk_split_rows(nh, nkv, sms);
-        assert_eq!(rows, 3120);
-        for height in [64, 128] {
-            for n in 1..3000 {
-                let splits = chunk_splits(n, height, nh, nkv, 262_144, sms);
-                assert!(splits == 1 || n * splits <= rows, "n = {n}");
-            }
+        assert_eq!(rows, 1560);
+        for n in 1..3000 {
+            let splits = chunk_splits(n, nh, nkv, 262_144, sms);
+            assert!(splits == 1 || n * splits <= rows, "n = {n}");
         }
     }
 

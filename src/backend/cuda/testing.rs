@@ -491,7 +491,7 @@ pub struct AttnSegmentInput {
 /// its own caches), as a chunk of several prompts runs it; returns each sequence's outputs.
 pub fn chunk_attention_segments(b: &CudaBackend, segs: &[AttnSegmentInput], nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<Vec<f32>>> {
     let gpu = &b.gpu;
-    if attention::select_chunk(hd, kv_bf16, exact).is_none() || !attention::chunk_supported(nh, nkv) {
+    if attention::select_chunk(hd, kv_bf16, exact, false).is_none() || !attention::chunk_supported(nh, nkv) {
         bail!("chunk_attention: unsupported shape");
     }
     let width = nh * hd;
