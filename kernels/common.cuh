@@ -385,8 +385,10 @@ __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], unsigned long
         : "l"(adesc), "l"(bdesc), "r"((int)acc));
 }
 // d += A B, m64nNk16 with A from registers (as wgmma_m64k16) and B N-major in shared memory
-// (imm-trans-b: each core matrix's 16-byte rows hold 8 consecutive n of one k; SBO steps along
-// N, LBO along K). N: 64, 128 or 256 (the attention's head dimension).
+// (imm-trans-b: each 16-byte row holds 8 consecutive n of one k). The descriptor offsets' roles
+// depend on the layout (PTX ISA, canonical layouts): without swizzling SBO steps along N and LBO
+// along K; with the 128-byte swizzle (pf_attn_wg) LBO steps along N and SBO along K. N: 64, 128
+// or 256 (the attention's head dimension).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16_nmajor(float (&d)[N / 2], const u32 (&a)[4], unsigned long long desc);
 template <>
