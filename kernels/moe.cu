@@ -1081,6 +1081,236 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_f(PF_
     pf_moe_wg_tile<false, true>(PF_MOE_WG_PASS);
 }
 
+// ---- down over a tile's whole K with its inputs resident ----
+// pf_moe_wg_down_res: the down products of one tile over `rbs` consecutive 256-row blocks per CTA
+// as one run of steps (K = cols of at most WG_RES_GROUPS groups: the 35B's 512). The tile's
+// inputs are copied into shared memory once, every group, and serve every row block; only the
+// rows' codes (and with each row block's first group its scales and biases) stream through a
+// ring of WG_RES_STAGES stages. So the copies run ahead across row blocks instead of filling and
+// draining every gpr steps, and the inputs are read from L2 once per CTA, not once per row block.
+// The products, their order and the stores are pf_moe_wg_body's (down): bit-identical outputs.
+// Shared memory (moe::wg_res_smem): gpr input groups of WG_N slots (WG_N * 128 bytes each), the
+// code ring (WG_RES_STAGES x WG_CODES), nb = (WG_RES_STAGES - 2) / gpr + 2 buffers of a row
+// block's scales and biases (WG_SCALES each: a buffer is refilled only after every read of the
+// row block it held), then the slot and input-row indices.
+#define WG_RES_GROUPS 8
+#define WG_RES_STAGES 8
+
+// Where the copies of one step go and come from, advanced one step at a time (no divisions on the
+// step path): the step's group G, its row block's scale buffer, the byte offset of the thread's
+// code piece of group 0 and the element offset of its row's scales.
+struct WgResCursor {
+    int s, G, buf, rb;  // step, group, scale buffer, row block (local)
+    u32 coff, soff;
+    bool valid;
+};
+
+template <bool FRAG, int NW>
+__device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ w, const u16* __restrict__ s,
+                                                        const u16* __restrict__ b, u16* __restrict__ y, int rows,
+                                                        int cols, const u32* __restrict__ x, int xdiv,
+                                                        const int* __restrict__ counts, const int* __restrict__ offsets,
+                                                        const int* __restrict__ list, const int* __restrict__ tiles,
+                                                        int rbs) {
+    constexpr int N = WG_N, S = WG_RES_STAGES;
+    extern __shared__ uint4 wg_sm4[];
+    unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
+    const int gpr = cols >> 6, xwords = cols >> 1, nb = (S - 2) / gpr + 2;
+    const int rb0 = blockIdx.x * rbs, nrb = min(rbs, (rows + WG_DOWN_ROWS - 1) / WG_DOWN_ROWS - rb0);
+    if (nrb <= 0) return;
+    const int steps = nrb * gpr;
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int cnt = min(N, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 sm0 = smem_u32(wg_sm), codes0 = sm0 + gpr * (N * 128), scales0 = codes0 + S * WG_CODES;
+    int* slot = reinterpret_cast<int*>(wg_sm + (scales0 - sm0) + nb * WG_SCALES);
+    int* xrow = slot + N;
+    if (tid < N) {
+        const int sl = tid < cnt ? lst[tid] : -1;
+        slot[tid] = sl;
+        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
+    }
+    // The copies: thread tid copies half tid & 1 of block row tid >> 1's codes of each group (32
+    // bytes a row) and, with a row block's first group, that row's scales (tid & 1 == 0) or
+    // biases; in fragment order (FRAG) lane tid & 31's 16 bytes of 16-row tile tid >> 5's group
+    // instead. A row past `rows` reads the expert's row 0 with zero scales and biases.
+    const int crow = tid >> 1, chalf = tid & 1;
+    const int crow_code = FRAG ? 16 * (tid >> 5) : crow;  // the block row whose codes this thread copies
+    const u32 row_bytes = (u32)cols >> 1, block_bytes = WG_DOWN_ROWS * row_bytes;
+    const u32 cdst = FRAG ? codes0 + tid * 16 : codes0 + crow * 32 + chalf * 16;
+    const u32 sdst = scales0 + crow * 32 + chalf * 16;
+    const u16* ssrc = chalf ? b : s;
+    const u32 cpiece = FRAG ? lane * 16 : chalf * 16, cstep = FRAG ? 512 : 32;
+    WgResCursor c;
+    c.s = 0, c.G = 0, c.buf = 0, c.rb = 0;
+    {
+        const int R = rb0 * WG_DOWN_ROWS + crow_code, Rs = rb0 * WG_DOWN_ROWS + crow;
+        c.valid = Rs < rows;
+        c.coff = (u32)(e * rows + (R < rows ? R : 0)) * row_bytes + cpiece;
+        c.soff = (u32)(e * rows + (c.valid ? Rs : 0)) * (u32)gpr;
+    }
+    auto copy_step = [&]() {
+        if (c.s < steps) {
+            cp_async16(cdst + (c.s % S) * WG_CODES, reinterpret_cast<const unsigned char*>(w) + c.coff + c.G * cstep);
+            if (c.G == 0) {
+                const u32 dst = sdst + c.buf * WG_SCALES;
+                const u16* src = ssrc + c.soff;
+                if (gpr == WG_RES_GROUPS) {
+                    cp_async16z(dst, src, c.valid);
+                } else {
+                    u32 v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int G0 = 2 * j;
+                        const u32 lo = c.valid && G0 < gpr ? src[G0] : 0u, hi = c.valid && G0 + 1 < gpr ? src[G0 + 1] : 0u;
+                        v[j] = lo | (hi << 16);
+                    }
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+                }
+            }
+        }
+        ++c.s;
+        if (++c.G == gpr) {
+            c.G = 0;
+            if (++c.buf == nb) c.buf = 0;
+            ++c.rb;
+            const int R = (rb0 + c.rb) * WG_DOWN_ROWS + crow_code, Rs = (rb0 + c.rb) * WG_DOWN_ROWS + crow;
+            c.coff = R < rows ? c.coff + block_bytes : (u32)(e * rows) * row_bytes + cpiece;
+            c.valid = Rs < rows;
+            c.soff = c.valid ? c.soff + WG_DOWN_ROWS * (u32)gpr : (u32)(e * rows) * (u32)gpr;
+        }
+    };
+    // This thread's operands of one group: codes from code stage `st`, scales from buffer `sb`.
+    const int ka = warp * 16 + g, kb = ka + 8;
+    auto read = [&](u32 st, u32 sb, int G, WgGroup& q) {
+        u32 sa, ba, sbv, bb;
+        if constexpr (FRAG) {
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(q.qa.x), "=r"(q.qa.y), "=r"(q.qb.x), "=r"(q.qb.y)
+                         : "r"(st + lane * 16 + warp * 512));
+        } else {
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(q.qa.x), "=r"(q.qa.y) : "r"(st + 8 * t + ka * 32));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(q.qb.x), "=r"(q.qb.y) : "r"(st + 8 * t + kb * 32));
+        }
+        const u32 ss = sb + 2 * G;
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sbv) : "r"(ss + kb * 32));
+        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
+        q.sa = sa * 0x10001u; q.ba = ba * 0x10001u; q.sb = sbv * 0x10001u; q.bb = bb * 0x10001u;
+    };
+    __syncthreads();  // slot and xrow
+    // Every group's inputs (pf_moe_wg_body's layout, group G at G * N * 128 bytes).
+    constexpr int WG_CP = N * 8 / WG_THREADS, NG = N / 8;
+    const int n_in = (lane & 7) + 8 * ((tid >> 5) & (NG - 1)), p_in = lane >> 3;
+    const int r_in = xrow[n_in];
+    const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = sm0 + p_in * (N * 16) + n_in * 16;
+    if (r_in >= 0)
+        for (int G = 0; G < gpr; ++G)
+#pragma unroll
+            for (int k = 0; k < WG_CP; ++k) cp_async16(xdst + G * (N * 128) + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
+    // Commits (one per step, some empty, so the count is uniform): P0 = the inputs, step 0's and
+    // step 1's copies; P1 .. P(S-2) = step j + 1's; step s: step s + S's. Step s waits for all but
+    // the S - 2 latest (everything up to step s - S + 1's: the codes of step s + 1 and, copied with
+    // its row block's first codes, its scales), then the barrier: every thread is done with step
+    // s - 1, whose code stage takes step s + S's.
+    copy_step();
+    copy_step();
+    cp_commit();
+#pragma unroll
+    for (int j = 1; j < S - 1; ++j) {
+        copy_step();
+        cp_commit();
+    }
+    float acc[NW / 2];
+#pragma unroll
+    for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+    u32 a0[4][4], a1[4][4];
+    auto build = [&](const WgGroup& q, u32 (&a)[4][4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) affine_a_frag(q.qa, q.qb, i, q.sa, q.ba, q.sb, q.bb, a[i]);
+    };
+    cp_wait<S - 2>();
+    __syncthreads();
+    {
+        WgGroup q;
+        read(codes0, scales0, 0, q);
+        build(q, a0);
+    }
+    // The step being multiplied: group G of local row block rb, its scales in buffer buf.
+    int G = 0, rb = 0, buf = 0;
+    auto step = [&](int st, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+        cp_wait<S - 2>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(sm0 + G * (N * 128) + i * 2 * (N * 16), N * 16, 128));
+        wgmma_commit();
+        copy_step();
+        cp_commit();
+        const bool last = G + 1 == gpr;
+        if (st + 1 < steps) {
+            const int nbuf = last ? (buf + 1 == nb ? 0 : buf + 1) : buf;
+            WgGroup q;
+            read(codes0 + ((st + 1) % S) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
+            build(q, nxt);
+        }
+        wgmma_wait<0>();
+        if (last) {
+            // The row block's outputs, as pf_moe_wg_body stores them (row pairs, one 4-byte store
+            // per lane), then its accumulators cleared for the next row block.
+#pragma unroll
+            for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
+            const int R = (rb0 + rb) * WG_DOWN_ROWS + warp * 16 + g;
+            const bool lo = (g & 1) == 0;
+            const int r0 = lo ? R : R + 7;
+#pragma unroll
+            for (int j = 0; j < NW / 8; ++j)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const float va = acc[4 * j + q], vb = acc[4 * j + 2 + q];
+                    const float pa = __shfl_xor_sync(0xffffffffu, va, 4), pb = __shfl_xor_sync(0xffffffffu, vb, 4);
+                    const int n = 8 * j + 2 * t + q;
+                    if (n >= cnt || r0 >= rows) continue;
+                    *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(va, pa) : pack_bf16(pb, vb);
+                }
+#pragma unroll
+            for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+            G = 0;
+            ++rb;
+            buf = buf + 1 == nb ? 0 : buf + 1;
+        } else {
+            ++G;
+        }
+    };
+    for (int st = 0; st < steps; st += 2) {
+        step(st, a0, a1);
+        if (st + 1 < steps) step(st + 1, a1, a0);
+    }
+}
+
+template <bool FRAG>
+__device__ __forceinline__ void pf_moe_wg_down_res_tile(PF_MOE_WG_ARGS, int rbs) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
+    u16* y = reinterpret_cast<u16*>(out);
+    if (cnt <= 32) pf_moe_wg_down_res_body<FRAG, 32>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else if (cnt <= 64) pf_moe_wg_down_res_body<FRAG, 64>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else if (cnt <= 96) pf_moe_wg_down_res_body<FRAG, 96>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else pf_moe_wg_down_res_body<FRAG, WG_N>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+}
+// Down with resident inputs into y (bf16 [slot][rows], as pf_moe_wg_down): grid
+// (ceil(rows / (rbs * WG_DOWN_ROWS)), tiles), block WG_THREADS, dynamic shared memory
+// moe::wg_res_smem(cols); cols at most WG_RES_GROUPS * 64. w2, s2, b2 unused.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_res(PF_MOE_WG_ARGS, int rbs) {
+    pf_moe_wg_down_res_tile<false>(PF_MOE_WG_PASS, rbs);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_res_f(PF_MOE_WG_ARGS, int rbs) {
+    pf_moe_wg_down_res_tile<true>(PF_MOE_WG_PASS, rbs);
+}
+
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan
 // by shuffles, then the earlier warps' totals from `wa` / `wb` (one entry per warp, shared). Ends
 // with the block synchronised.

@@ -36,6 +36,8 @@ const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
 const PF_MOE_WG_DOWN_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_f");
+const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
+const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::dependent(&MOE, "moe_route_batch_4");
 
@@ -673,12 +675,46 @@ pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Group
     if !wg_takes(&[down]) || !rows.is_multiple_of(2) {
         bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups and an even number of rows");
     }
+    let mats = matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag));
+    let trial = std::env::var("LILY_TRIAL_DOWN_RB").ok().and_then(|v| v.parse::<usize>().ok());
+    if down.cols <= WG_RES_COLS && trial != Some(0) {
+        let rbs = trial.unwrap_or(WG_RES_ROW_BLOCKS);
+        let k = if down.frag { PF_MOE_WG_DOWN_RES_F } else { PF_MOE_WG_DOWN_RES };
+        let mut args = wg_args(mats, rows, down.cols, h, y, g);
+        args.push(Arg::I(rbs as i32));
+        let grid = (rows.div_ceil(rbs * WG_DOWN_ROWS) as u32, g.max_tiles as u32, 1);
+        return gpu.launch(k, grid, WG_THREADS, wg_res_smem(down.cols), &args);
+    }
     let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
-    wg_launch(gpu, k, matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag)), rows, down.cols, h, y, g, WG_DOWN_ROWS)
+    wg_launch(gpu, k, mats, rows, down.cols, h, y, g, WG_DOWN_ROWS)
+}
+
+/// The down kernel with resident inputs (`pf_moe_wg_down_res`, WG_RES_* in kernels/moe.cu) takes
+/// matrices of at most this many columns (8 groups: the 35B's experts have 512).
+const WG_RES_COLS: usize = 8 * 64;
+/// Its code ring's stages (WG_RES_STAGES).
+const WG_RES_STAGES: usize = 8;
+/// 256-row blocks per CTA of the down kernel with resident inputs: each CTA copies its tile's
+/// inputs once for these row blocks and runs their steps as one pipeline.
+const WG_RES_ROW_BLOCKS: usize = 8;
+
+/// Dynamic shared memory of `pf_moe_wg_down_res` over `cols` columns: every group's inputs of a
+/// tile, the code ring, the row blocks' scale buffers (as many as the ring needs, see there), the
+/// slot and input-row indices.
+fn wg_res_smem(cols: usize) -> u32 {
+    let gpr = cols / 64;
+    let buffers = (WG_RES_STAGES - 2) / gpr + 2;
+    (gpr * WG_TILE * 128 + WG_RES_STAGES * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32
 }
 
 #[allow(clippy::too_many_arguments)]
 fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped, rows_per_block: usize) -> Result<()> {
+    let args = wg_args(mats, rows, cols, x, out, g);
+    gpu.launch(k, (rows.div_ceil(rows_per_block) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
+}
+
+/// The wgmma expert kernels' arguments (PF_MOE_WG_ARGS in kernels/moe.cu).
+fn wg_args(mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped) -> Vec<Arg> {
     let mut args = mats.to_vec();
     args.extend([
         Arg::P(out),
@@ -691,7 +727,7 @@ fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: 
         Arg::P(g.list),
         Arg::P(g.tiles),
     ]);
-    gpu.launch(k, (rows.div_ceil(rows_per_block) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
+    args
 }
 
 #[cfg(test)]
@@ -742,6 +778,14 @@ mod tests {
         // biases per thread, two pieces of the slots' inputs per thread.
         assert_eq!(super::WG_AROWS * 2, super::WG_THREADS as usize);
         assert_eq!(super::WG_TILE * 8, 2 * super::WG_THREADS as usize);
+        // The down kernel with resident inputs at every width it takes: the 35B's 512 columns
+        // (8 groups, two scale buffers) and the tiny model's 64 (one group, eight buffers).
+        for gpr in 1..=super::WG_RES_COLS / 64 {
+            let smem = super::wg_res_smem(64 * gpr);
+            assert!(smem <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT, "{gpr} groups: {smem} bytes");
+        }
+        assert_eq!(super::wg_res_smem(512), (8 * 16384 + 8 * 8192 + 2 * 8192 + 1024) as u32);
+        assert_eq!(super::wg_res_smem(64), (16384 + 8 * 8192 + 8 * 8192 + 1024) as u32);
     }
 
     #[test]

@@ -156,6 +156,8 @@ pub const MOE: Module = Module {
         "pf_moe_wg_down",
         "pf_moe_wg_glu_f",
         "pf_moe_wg_down_f",
+        "pf_moe_wg_down_res",
+        "pf_moe_wg_down_res_f",
         "moe_route_batch_1",
         "moe_route_batch_4",
         "pf_route",
