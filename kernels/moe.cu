@@ -769,11 +769,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { m
 // scales and biases 8 groups at a time; each thread then reads its two rows' operands from
 // there. Whole 16-byte copies shared by the block, not each thread's own small loads: per-thread
 // 4- and 8-byte copies of the same bytes queued so many requests that the gate|up kernel got
-// slower than with plain loads two groups ahead (docs/cuda-prefill.md). GLU (gate|up with
-// SwiGLU): each warp's 16 A rows are 8 gate rows and the same 8 up rows (A rows g and g + 8 of
-// lane g), so the thread holding a slot's gate accumulator holds its up one too; the result
-// h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input. Down: each
-// warp 16 rows, f32 out [slot][row].
+// slower than with plain loads two groups ahead (docs/cuda-prefill.md). Gate|up with SwiGLU
+// (pf_moe_wg_glu): each warp's 16 A rows are 8 gate rows and the same 8 up rows (A rows g and
+// g + 8 of lane g), so the thread holding a slot's gate accumulator holds its up one too; the
+// result h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input.
+// Down (pf_moe_wg_down_res, below): each warp 16 rows, bf16 out [slot][row].
 #define WG_N 128         // slots per tile, as staged (pf_moe_wg_tile narrows each tile's wgmmas)
 #define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
@@ -817,7 +817,7 @@ struct WgGroup {
     u32 sa, ba, sb, bb;
 };
 
-template <bool GLU, bool FRAG, int NW>
+template <bool FRAG, int NW>
 __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                const u16* __restrict__ b, const u32* __restrict__ w2,
                                                const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -843,11 +843,11 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         xrow[tid] = sl >= 0 ? sl / xdiv : -1;
     }
     // A row k (0..255) of the block: warp k / 16, lane group k % 8, the thread's row a (k & 8 == 0)
-    // or b. GLU: a = gate row R, b = up row R (one output row R); down: a = R, b = R + 8. A row
-    // past `rows` reads the expert's row 0 with zero scales and biases, i.e. zero weights.
+    // or b: a = gate row R, b = up row R (one output row R). A row past `rows` reads the expert's
+    // row 0 with zero scales and biases, i.e. zero weights.
     auto a_row = [&](int k, bool& valid) {
-        const int wk = k >> 4, bk = (k >> 3) & 1, gk = k & 7;
-        const int R = GLU ? blockIdx.x * WG_GLU_ROWS + wk * 8 + gk : blockIdx.x * WG_DOWN_ROWS + wk * 16 + bk * 8 + gk;
+        const int wk = k >> 4, gk = k & 7;
+        const int R = blockIdx.x * WG_GLU_ROWS + wk * 8 + gk;
         valid = R < rows;
         return e * rows + (valid ? R : 0);
     };
@@ -856,19 +856,18 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     const int crow = tid >> 1, chalf = tid & 1;
     bool cvalid;
     const int cr = a_row(crow, cvalid);
-    const bool cup = GLU && ((crow >> 3) & 1);
+    const bool cup = (crow >> 3) & 1;
     // Offsets rather than pointers, to spare registers: bytes into the codes, elements into the
     // scales or biases of the copied row; the matrix is picked at each copy.
     const u32 coff = (u32)cr * (u32)(cols >> 1) + chalf * 16, soff = (u32)cr * (u32)gpr;
     const u32 sm0 = smem_u32(wg_sm);
     const u32 cdst = sm0 + N * 128 + crow * 32 + chalf * 16;  // + SCALES - N * 128: the scales' place
     // Fragment order (FRAG): thread tid copies lane tid & 31's 16 bytes of one 16-row tile's group
-    // instead, to byte 16 tid of the same 8 KB: GLU gate tiles 0..7 of the block's rows (tid < 256),
-    // then the up tiles; down tiles 0..15. A tile past `rows` copies the expert's first (zero
-    // scales, as above).
-    const int ftile = GLU ? (tid >> 5) & 7 : tid >> 5;
-    const bool fup = GLU && tid >= 256;
-    const int fr = (GLU ? blockIdx.x * WG_GLU_ROWS : blockIdx.x * WG_DOWN_ROWS) + 16 * ftile;
+    // instead, to byte 16 tid of the same 8 KB: gate tiles 0..7 of the block's rows (tid < 256),
+    // then the up tiles. A tile past `rows` copies the expert's first (zero scales, as above).
+    const int ftile = (tid >> 5) & 7;
+    const bool fup = tid >= 256;
+    const int fr = blockIdx.x * WG_GLU_ROWS + 16 * ftile;
     const u32 fcoff = (u32)(e * rows + (fr < rows ? fr : 0)) * (u32)(cols >> 1) + lane * 16;
     auto copy_codes = [&](int G) {
         if (G < gpr) {
@@ -907,18 +906,11 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
         const u32 cs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + 8 * t, ss = sm0 + SCALES + ((G >> 3) & 1) * WG_SCALES + 2 * (G & 7);
         u32 sa, ba, sb, bb;
         if constexpr (FRAG) {
-            // GLU: gate rows of tile warp / 2, half warp & 1, and the same up rows 4 KB on; down:
-            // tile `warp`, both halves.
+            // Gate rows of tile warp / 2, half warp & 1, and the same up rows 4 KB on.
             const u32 fs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + lane * 16;
-            if (GLU) {
-                const u32 fa = fs + (warp >> 1) * 512 + (warp & 1) * 8;
-                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
-                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
-            } else {
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(c.qa.x), "=r"(c.qa.y), "=r"(c.qb.x), "=r"(c.qb.y)
-                             : "r"(fs + warp * 512));
-            }
+            const u32 fa = fs + (warp >> 1) * 512 + (warp & 1) * 8;
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
         } else {
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs + ka * 32));
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + kb * 32));
@@ -1011,36 +1003,17 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     }
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
-    const int R = GLU ? blockIdx.x * WG_GLU_ROWS + warp * 8 + g : blockIdx.x * WG_DOWN_ROWS + warp * 16 + g;
-    if (GLU) {
-        if (R >= rows) return;
-        u16* h = reinterpret_cast<u16*>(out);
-        const int pos = wg_pos(R);
+    const int R = blockIdx.x * WG_GLU_ROWS + warp * 8 + g;
+    if (R >= rows) return;
+    u16* h = reinterpret_cast<u16*>(out);
+    const int pos = wg_pos(R);
 #pragma unroll
-        for (int j = 0; j < NW / 8; ++j)
+    for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int n = 8 * j + 2 * t + q;
-                if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
-            }
-    } else {
-        // Rows in pairs, one 4-byte store per lane: lane g (even) stores rows R, R + 1 (its own
-        // row and its neighbour g + 1's, lane + 4), lane g + 1 rows R + 7, R + 8 (the
-        // neighbour's R + 8 and its own). rows is even, so a pair is whole or past the end.
-        u16* y = reinterpret_cast<u16*>(out);
-        const bool lo = (g & 1) == 0;
-        const int r0 = lo ? R : R + 7;
-#pragma unroll
-        for (int j = 0; j < NW / 8; ++j)
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float a = acc[4 * j + q], b = acc[4 * j + 2 + q];
-                const float pa = __shfl_xor_sync(0xffffffffu, a, 4), pb = __shfl_xor_sync(0xffffffffu, b, 4);
-                const int n = 8 * j + 2 * t + q;
-                if (n >= cnt || r0 >= rows) continue;
-                *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(a, pa) : pack_bf16(pb, b);
-            }
-    }
+        for (int q = 0; q < 2; ++q) {
+            const int n = 8 * j + 2 * t + q;
+            if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
+        }
 }
 
 #define PF_MOE_WG_ARGS                                                                                          \
@@ -1054,31 +1027,24 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
 // work for them. The staging layout stays that of WG_N slots; columns past the tile's slots
 // multiply whatever the stage holds and are never stored.
-template <bool GLU, bool FRAG>
+template <bool FRAG>
 __device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
     if ((int)blockIdx.y >= tiles[0]) return;
     const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
-    if (cnt <= 32) pf_moe_wg_body<GLU, FRAG, 32>(PF_MOE_WG_PASS);
-    else if (cnt <= 64) pf_moe_wg_body<GLU, FRAG, 64>(PF_MOE_WG_PASS);
-    else if (cnt <= 96) pf_moe_wg_body<GLU, FRAG, 96>(PF_MOE_WG_PASS);
-    else pf_moe_wg_body<GLU, FRAG, WG_N>(PF_MOE_WG_PASS);
+    if (cnt <= 32) pf_moe_wg_body<FRAG, 32>(PF_MOE_WG_PASS);
+    else if (cnt <= 64) pf_moe_wg_body<FRAG, 64>(PF_MOE_WG_PASS);
+    else if (cnt <= 96) pf_moe_wg_body<FRAG, 96>(PF_MOE_WG_PASS);
+    else pf_moe_wg_body<FRAG, WG_N>(PF_MOE_WG_PASS);
 }
-// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows]): grid (ceil(rows / WG_GLU_ROWS),
-// tiles). Down into y (bf16 [slot][rows]: half the bytes written here and read by the combine,
-// pf_moe_combine_bf16): grid (ceil(rows / WG_DOWN_ROWS), tiles). Block WG_THREADS,
-// dynamic shared memory moe::WG_SMEM; tiles of WG_N slots.
+// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows], pf_moe_wg_down_res's input):
+// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::WG_SMEM;
+// tiles of WG_N slots.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
-    pf_moe_wg_tile<true, false>(PF_MOE_WG_PASS);
-}
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down(PF_MOE_WG_ARGS) {
-    pf_moe_wg_tile<false, false>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<false>(PF_MOE_WG_PASS);
 }
 // The same over experts in fragment order (tc_load).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
-    pf_moe_wg_tile<true, true>(PF_MOE_WG_PASS);
-}
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_f(PF_MOE_WG_ARGS) {
-    pf_moe_wg_tile<false, true>(PF_MOE_WG_PASS);
+    pf_moe_wg_tile<true>(PF_MOE_WG_PASS);
 }
 
 // ---- down over a tile's whole K with its inputs resident ----
@@ -1259,8 +1225,10 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         }
         wgmma_wait<0>();
         if (last) {
-            // The row block's outputs, as pf_moe_wg_body stores them (row pairs, one 4-byte store
-            // per lane), then its accumulators cleared for the next row block.
+            // The row block's outputs, then its accumulators cleared for the next row block. Rows
+            // in pairs, one 4-byte store per lane: lane g (even) stores rows R, R + 1 (its own row
+            // and its neighbour g + 1's, lane + 4), lane g + 1 rows R + 7, R + 8 (the neighbour's
+            // R + 8 and its own). rows is even, so a pair is whole or past the end.
 #pragma unroll
             for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
             const int R = (rb0 + rb) * WG_DOWN_ROWS + warp * 16 + g;

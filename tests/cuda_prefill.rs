@@ -199,6 +199,19 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
 }
 
+/// The wgmma down kernel's pipeline across row blocks where the 35B's shapes do not take it: 3
+/// groups per row (fewer groups than code stages, so a row block's scales are copied into one of
+/// four buffers several row blocks ahead) and 2,304 rows per expert (nine 256-row blocks: one CTA
+/// takes eight, the next one).
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_wgmma_down_across_row_blocks() {
+    let b = cuda();
+    let (ne, k, t, ids) = uneven_routes();
+    let down = random_quant(ne * 2304, 192, 4, 24);
+    grouped_case(&b, "down (2,304 x 192)", &down, None, ne, k, t, &ids, &[GroupedRoute::Wgmma, GroupedRoute::WgmmaFrag]);
+}
+
 /// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (300, 220, 150, 60, 100,
 /// 10, 128, 232 slots): (experts, k, tokens, ids). Expert e takes the next counts[e] tokens,
 /// wrapping, so every token gets k distinct experts, in ascending order.

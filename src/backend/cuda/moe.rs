@@ -33,9 +33,7 @@ const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
-const PF_MOE_WG_DOWN: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
-const PF_MOE_WG_DOWN_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_f");
 const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
 const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1");
@@ -239,12 +237,12 @@ impl PrefillExperts {
 }
 
 /// Whether the staged expert kernels take the layer: 4-bit experts of whole 64-column groups (and
-/// 64-row groups of intermediate outputs, the wgmma down product's columns), the shared expert as
-/// wide as a routed one.
+/// 64-row groups of intermediate outputs, the wgmma down product's columns, at most
+/// [`WG_RES_COLS`] of them), the shared expert as wide as a routed one.
 pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
     let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
     let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
-    d.group == 64 && d.sinter == d.inter && d.inter.is_multiple_of(64) && mats.iter().all(|q| q4(q))
+    d.group == 64 && d.sinter == d.inter && d.inter.is_multiple_of(64) && d.inter <= WG_RES_COLS && mats.iter().all(|q| q4(q))
 }
 
 /// The route of a prefill chunk of `n` tokens: in the bf16 mode, the staged kernels where they
@@ -615,10 +613,11 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     Ok((args, smem, frag))
 }
 
-/// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down`; WG_* in kernels/moe.cu): tiles of
-/// the lists' [`WG_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows (256 A
-/// rows), `WG_STAGES` stages of one 64-column group's slot inputs and codes of the block's rows,
-/// and two buffers of 8 groups' scales and biases in shared memory.
+/// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down_res`; WG_* in kernels/moe.cu): tiles
+/// of the lists' [`WG_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows (256 A
+/// rows). Gate|up: `WG_STAGES` stages of one 64-column group's slot inputs and codes of the
+/// block's rows, and two buffers of 8 groups' scales and biases in shared memory (down:
+/// [`wg_res_smem`]).
 const WG_THREADS: u32 = 512;
 const WG_GLU_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
@@ -670,32 +669,27 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
-/// [`combine_bf16_down`]'s input; `h` in the wgmma order).
+/// [`combine_bf16_down`]'s input; `h` in the wgmma order). Each CTA keeps its tile's inputs in
+/// shared memory for [`WG_RES_ROW_BLOCKS`] row blocks of 256 (`pf_moe_wg_down_res`).
 pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
-    if !wg_takes(&[down]) || !rows.is_multiple_of(2) {
-        bail!("the wgmma down kernel takes 4-bit matrices of whole 64-column groups and an even number of rows");
+    if !wg_takes(&[down]) || !rows.is_multiple_of(2) || down.cols > WG_RES_COLS {
+        bail!("the wgmma down kernel takes 4-bit matrices of at most {WG_RES_COLS} columns in whole 64-column groups and an even number of rows");
     }
-    let mats = matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag));
-    let trial = std::env::var("LILY_TRIAL_DOWN_RB").ok().and_then(|v| v.parse::<usize>().ok());
-    if down.cols <= WG_RES_COLS && trial != Some(0) {
-        let rbs = trial.unwrap_or(WG_RES_ROW_BLOCKS);
-        let k = if down.frag { PF_MOE_WG_DOWN_RES_F } else { PF_MOE_WG_DOWN_RES };
-        let mut args = wg_args(mats, rows, down.cols, h, y, g);
-        args.push(Arg::I(rbs as i32));
-        let grid = (rows.div_ceil(rbs * WG_DOWN_ROWS) as u32, g.max_tiles as u32, 1);
-        return gpu.launch(k, grid, WG_THREADS, wg_res_smem(down.cols), &args);
-    }
-    let k = if down.frag { PF_MOE_WG_DOWN_F } else { PF_MOE_WG_DOWN };
-    wg_launch(gpu, k, mats, rows, down.cols, h, y, g, WG_DOWN_ROWS)
+    let k = if down.frag { PF_MOE_WG_DOWN_RES_F } else { PF_MOE_WG_DOWN_RES };
+    let mut args = wg_args(matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag)), rows, down.cols, h, y, g);
+    args.push(Arg::I(WG_RES_ROW_BLOCKS as i32));
+    let grid = (rows.div_ceil(WG_RES_ROW_BLOCKS * WG_DOWN_ROWS) as u32, g.max_tiles as u32, 1);
+    gpu.launch(k, grid, WG_THREADS, wg_res_smem(down.cols), &args)
 }
 
-/// The down kernel with resident inputs (`pf_moe_wg_down_res`, WG_RES_* in kernels/moe.cu) takes
-/// matrices of at most this many columns (8 groups: the 35B's experts have 512).
-const WG_RES_COLS: usize = 8 * 64;
-/// Its code ring's stages (WG_RES_STAGES).
+/// The down kernel takes matrices of at most this many columns (8 groups, the 35B's experts' 512):
+/// a tile's inputs over all of them stay in shared memory.
+pub const WG_RES_COLS: usize = 8 * 64;
+/// Its code ring's stages (WG_RES_STAGES in kernels/moe.cu).
 const WG_RES_STAGES: usize = 8;
-/// 256-row blocks per CTA of the down kernel with resident inputs: each CTA copies its tile's
-/// inputs once for these row blocks and runs their steps as one pipeline.
+/// 256-row blocks per CTA of the down kernel: each CTA copies its tile's inputs once for these
+/// row blocks and runs their steps as one pipeline. At the 35B's 2,048 rows a CTA takes all 8
+/// (one H200, 2026-12-04: down at 4K 10.9 -> 9.9 ms with 8 or 4, 11.0 with 2; docs/cuda-prefill.md).
 const WG_RES_ROW_BLOCKS: usize = 8;
 
 /// Dynamic shared memory of `pf_moe_wg_down_res` over `cols` columns: every group's inputs of a
