@@ -817,6 +817,17 @@ struct WgGroup {
     u32 sa, ba, sb, bb;
 };
 
+// The scales and biases of A rows ka and kb for one group (`ss`: the group's first row's scale;
+// each row's 8 scales then 8 biases are 32 bytes), as bf16 pairs.
+__device__ __forceinline__ void wg_read_scales(u32 ss, int ka, int kb, WgGroup& c) {
+    u32 sa, ba, sb, bb;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
+    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
+    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sb) : "r"(ss + kb * 32));
+    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
+    c.sa = sa * 0x10001u; c.ba = ba * 0x10001u; c.sb = sb * 0x10001u; c.bb = bb * 0x10001u;
+}
+
 template <bool FRAG, int NW>
 __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                const u16* __restrict__ b, const u32* __restrict__ w2,
@@ -904,7 +915,6 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     const int ka = (warp * 2) * 8 + g, kb = ka + 8;
     auto read = [&](int G, WgGroup& c) {
         const u32 cs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + 8 * t, ss = sm0 + SCALES + ((G >> 3) & 1) * WG_SCALES + 2 * (G & 7);
-        u32 sa, ba, sb, bb;
         if constexpr (FRAG) {
             // Gate rows of tile warp / 2, half warp & 1, and the same up rows 4 KB on.
             const u32 fs = sm0 + (G % WG_STAGES) * STAGE + N * 128 + lane * 16;
@@ -915,11 +925,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs + ka * 32));
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + kb * 32));
         }
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sb) : "r"(ss + kb * 32));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
-        c.sa = sa * 0x10001u; c.ba = ba * 0x10001u; c.sb = sb * 0x10001u; c.bb = bb * 0x10001u;
+        wg_read_scales(ss, ka, kb, c);
     };
     __syncthreads();  // slot and xrow
     // Group G's inputs of the tile's slots go into stage G % WG_STAGES: 16-byte pieces p = 2i + reg
@@ -1150,7 +1156,6 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     // This thread's operands of one group: codes from code stage `st`, scales from buffer `sb`.
     const int ka = warp * 16 + g, kb = ka + 8;
     auto read = [&](u32 st, u32 sb, int G, WgGroup& q) {
-        u32 sa, ba, sbv, bb;
         if constexpr (FRAG) {
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(q.qa.x), "=r"(q.qa.y), "=r"(q.qb.x), "=r"(q.qb.y)
@@ -1159,12 +1164,7 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(q.qa.x), "=r"(q.qa.y) : "r"(st + 8 * t + ka * 32));
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(q.qb.x), "=r"(q.qb.y) : "r"(st + 8 * t + kb * 32));
         }
-        const u32 ss = sb + 2 * G;
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sbv) : "r"(ss + kb * 32));
-        asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
-        q.sa = sa * 0x10001u; q.ba = ba * 0x10001u; q.sb = sbv * 0x10001u; q.bb = bb * 0x10001u;
+        wg_read_scales(sb + 2 * G, ka, kb, q);
     };
     __syncthreads();  // slot and xrow
     // Every group's inputs (pf_moe_wg_body's layout, group G at G * N * 128 bytes).
