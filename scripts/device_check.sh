@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
-#   scripts/device_pack.sh --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory --test cuda_fixture
-#   (~27 MB; carry [".device"]; the xz-compressed binaries are decompressed below)
+#   scripts/device_pack.sh [--raw-tests] --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory --test cuda_fixture
+#   (~27 MB, less with --raw-tests; carry [".device"]; the xz-compressed binaries are decompressed below)
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
 # 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch + cuda_memory);
@@ -24,8 +24,17 @@ ck=${LILY_CK:-/root/ck}
 [ -f "$ck/config.json" ] || ( ./.device/bin/lily synth --preset 35b-a3b --out "$ck" > /tmp/synth.log 2>&1 ) &
 synth=$!
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 200 bash .device/run test -E "test(cuda)" --no-fail-fast --success-output final > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
-  el "tests"; grep -E "^\s+FAIL|Summary|rc=" "$out/tests.log" | tail -8
+  if [ -d .device/tests ]; then
+    # scripts/device_pack.sh --raw-tests: one binary per suite, GPU-only tests included.
+    for t in .device/tests/*; do
+      case "$t" in *.xz) continue;; esac
+      timeout 200 "$t" --include-ignored --test-threads 2 > "$out/tests-$(basename "$t").log" 2>&1; echo "rc=$?" >> "$out/tests-$(basename "$t").log"
+      el "tests $(basename "$t")"; grep -E "^test result|FAILED|panicked|rc=" "$out/tests-$(basename "$t").log" | tail -4
+    done
+  else
+    timeout 200 bash .device/run test -E "test(cuda)" --no-fail-fast --success-output final > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
+    el "tests"; grep -E "^\s+FAIL|Summary|rc=" "$out/tests.log" | tail -8
+  fi
 fi
 wait $synth
 show() { python3 -c 'import json,sys
