@@ -1060,7 +1060,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_M
 // rows' codes (and with each row block's first group its scales and biases) stream through a
 // ring of WG_RES_STAGES stages. So the copies run ahead across row blocks instead of filling and
 // draining every gpr steps, and the inputs are read from L2 once per CTA, not once per row block.
-// The products, their order and the stores are pf_moe_wg_body's (down): bit-identical outputs.
+// Each row's sum runs over the groups in order whatever the row blocks per CTA: the same bits.
 // Shared memory (moe::wg_res_smem): gpr input groups of WG_N slots (WG_N * 128 bytes each), the
 // code ring (WG_RES_STAGES x WG_CODES), nb = (WG_RES_STAGES - 2) / gpr + 2 buffers of a row
 // block's scales and biases (WG_SCALES each: a buffer is refilled only after every read of the
