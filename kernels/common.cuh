@@ -215,7 +215,35 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
 // buffer, state written at earlier steps) -- typically L2 prefetches of its weights; pdl_wait()
 // returns once the previous kernel has completed and its writes are visible. pdl_trigger() lets
 // the next kernel be scheduled. Both are no-ops when the kernel was launched normally.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// ---- decode timeline (LILY_CUDA_TIMELINE=1 compiles every module with LILY_TIMELINE defined;
+// src/backend/cuda/timeline.rs) ----
+// Thread 0 of block 0 of each decode kernel stamps %globaltimer once it may read its inputs: in
+// pdl_wait for the programmatic dependents (the moment the previous kernel completed), at entry
+// for the others (moe_tcb/tcp/tcr, readback_words). The buffer, set by the host in every module:
+// [stamps taken, capacity, then per stamp (ns, gridDim.x | gridDim.y << 32)]. One counter for all
+// modules, so the stamps are in launch order; without the define this is nothing.
+#ifdef LILY_TIMELINE
+__device__ unsigned long long* lily_timeline;
+__device__ __forceinline__ void tl_stamp() {
+    unsigned long long* tl = lily_timeline;
+    if (tl != nullptr && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y) == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        const unsigned long long i = atomicAdd(tl, 1ull);
+        if (i < tl[1]) {
+            tl[2 + 2 * i] = t;
+            tl[3 + 2 * i] = (unsigned long long)gridDim.x | ((unsigned long long)gridDim.y << 32);
+        }
+    }
+}
+#else
+__device__ __forceinline__ void tl_stamp() {}
+#endif
+
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    tl_stamp();
+}
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // A release-and-acquire fence at GPU scope (lighter than __threadfence's sequentially consistent
 // one): for "the last block to take a ticket" patterns, in the thread that takes the ticket.

@@ -568,6 +568,7 @@ __device__ __forceinline__ void moe_tcb_rows(const u32* __restrict__ w, const u1
 template <bool FRAG>
 __device__ __forceinline__ void moe_tcb_body(MOE_TCB_ARGS) {
     extern __shared__ float smem[];
+    tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
     const int cnt = min(TCB_TOK, counts[e] - f0);
@@ -618,6 +619,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb_f(MOE_TCB_ARGS) { m
 template <bool FRAG>
 __device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
+    tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
     const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
     const long long total = (long long)tiles[0] * rtiles;
     const int i0 = (int)(total * blockIdx.x / gridDim.x), i1 = (int)(total * (blockIdx.x + 1) / gridDim.x);
@@ -707,6 +709,7 @@ __device__ __forceinline__ void tcr_stage_sums(const float* red, float* __restri
 template <bool FRAG>
 __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgsum) {
     extern __shared__ float smem[];
+    tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
     if ((int)blockIdx.y >= tiles[0]) return;
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
     const int gpr = cols >> 6, warp = threadIdx.x >> 5;

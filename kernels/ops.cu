@@ -38,6 +38,7 @@ extern "C" __global__ void pf_swiglu(float* __restrict__ g, const float* __restr
 // tier). The fence makes the words visible to the host before the kernel completes, i.e. before
 // the event recorded after it. grid 1, block 256.
 extern "C" __global__ void readback_words(const int* __restrict__ src, int n, volatile int* __restrict__ host) {
+    tl_stamp();  // the timeline's stamp at entry (launched in order)
     for (int i = threadIdx.x; i < n; i += blockDim.x) host[i] = src[i];
     __threadfence_system();
 }

@@ -5,7 +5,7 @@
 //! (CUDA 13) on the loader path; when it cannot be loaded the test prints a notice and passes
 //! (skipped). Set LILY_REQUIRE_NVRTC=1 to turn the skip into a failure (CI).
 
-use lily::backend::cuda::nvrtc::{check_compile_cubin, module_source, nvrtc_available, nvrtc_version};
+use lily::backend::cuda::nvrtc::{check_compile_cubin, module_source, nvrtc_available, nvrtc_version, timeline_source};
 use lily::backend::cuda::registry::MODULES;
 
 #[test]
@@ -40,4 +40,17 @@ fn every_kernel_compiles_for_sm90a() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The decode timeline's build (`LILY_CUDA_TIMELINE=1`: every module with its stamps) compiles
+/// too: the stamp itself lives in kernels/common.cuh, so the smallest modules check it.
+#[test]
+fn the_timeline_build_compiles() {
+    if !nvrtc_available() {
+        return; // every_kernel_compiles_for_sm90a says why
+    }
+    for m in MODULES.iter().filter(|m| m.name == "ops" || m.name == "sample") {
+        let cubin = check_compile_cubin(m.name, &timeline_source(m.source)).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(cubin.windows(13).any(|w| w == b"lily_timeline"), "{}: no lily_timeline global", m.name);
+    }
 }

@@ -4,6 +4,7 @@
 
 use super::nvrtc::nvrtc_available;
 use super::registry::{Kernel, Registry};
+use super::timeline::Timeline;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -61,6 +62,8 @@ pub struct Gpu {
     /// loads (issued before the wait) then overlap the previous kernel's tail. Results are the
     /// same either way.
     pdl: bool,
+    /// The decode timeline's buffer and launch log (`LILY_CUDA_TIMELINE=1`).
+    timeline: Option<Arc<Timeline>>,
 }
 
 impl Gpu {
@@ -103,7 +106,21 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap_or(132)
             .max(1) as u32;
-        Ok(Gpu { kernels: Registry::new(ctx.clone()), ctx, stream, sms, name, pdl })
+        Ok(Gpu { kernels: Registry::new(ctx.clone()), ctx, stream, sms, name, pdl, timeline: None })
+    }
+
+    /// Turns on the decode timeline (timeline.rs): before any kernel module loads, since every
+    /// module is then compiled with its stamps.
+    pub fn enable_timeline(&mut self) -> Result<()> {
+        let t = Timeline::new(&self.stream)?;
+        self.kernels.set_timeline(t.address(&self.stream), self.stream.clone());
+        self.timeline = Some(Arc::new(t));
+        Ok(())
+    }
+
+    /// The decode timeline, when on.
+    pub fn timeline(&self) -> Option<&Arc<Timeline>> {
+        self.timeline.as_ref()
     }
 
     /// Compiles and loads every kernel module now (start-up: NVRTC errors surface here, and no
@@ -122,7 +139,11 @@ impl Gpu {
     /// kernel waits for its predecessor.
     pub fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
         let f = self.kernels.function(k, smem)?;
-        launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits)
+        launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits)?;
+        if let Some(t) = &self.timeline {
+            t.launched(k, grid);
+        }
+        Ok(())
     }
 
     /// Device-to-device copies on this stream by the SMs ([`DeviceCopy`]).

@@ -75,6 +75,9 @@ impl Probe {
     pub fn at(&mut self, gpu: &Gpu, point: Point, x: &CudaSlice<f32>, values: usize) -> Result<()> {
         match point {
             Point::Phase(name) => {
+                if let Some(t) = gpu.timeline() {
+                    t.phase(name);
+                }
                 if let Some(m) = self.marks.as_mut() {
                     m.push((name, gpu.record_event()?));
                 }

@@ -32,6 +32,7 @@ pub mod seqmem;
 pub mod state;
 #[cfg(feature = "cuda-testing")]
 pub mod testing;
+pub mod timeline;
 pub mod vmm;
 pub mod weights;
 
@@ -98,6 +99,11 @@ impl DecodeProfile {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if let Some(t) = self.gpu.timeline() {
+            if let Err(e) = t.report(&self.gpu) {
+                eprintln!("lily: CUDA timeline: {e:#}");
+            }
+        }
         if let Some(p) = &self.profile {
             if p.steps == 0 {
                 return;
@@ -167,18 +173,26 @@ impl Readback {
 
 /// A captured decode step. CUDA graphs may be launched from any thread as long as calls are not
 /// concurrent; the backend is used through `&mut self`, which serialises them.
-struct StepGraph(cudarc::driver::CudaGraph);
+struct StepGraph {
+    graph: cudarc::driver::CudaGraph,
+    /// With the decode timeline: its launch log of the capture, added at each replay.
+    timeline: Option<(Arc<timeline::Timeline>, Vec<timeline::Entry>)>,
+}
 // SAFETY: see above: only launched through `&mut CudaBackend`.
 unsafe impl Send for StepGraph {}
 
 impl StepGraph {
     fn launch(&self) -> Result<()> {
-        self.0.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))
+        self.graph.launch().map_err(|e| anyhow::anyhow!("CUDA graph launch failed: {e:?}"))?;
+        if let Some((t, entries)) = &self.timeline {
+            t.replayed(entries);
+        }
+        Ok(())
     }
 
     /// Puts the graph on the device ahead of its first launch (which would otherwise do it).
     fn upload(&self) -> Result<()> {
-        self.0.upload().map_err(|e| anyhow::anyhow!("CUDA graph upload failed: {e:?}"))
+        self.graph.upload().map_err(|e| anyhow::anyhow!("CUDA graph upload failed: {e:?}"))
     }
 }
 
@@ -188,10 +202,14 @@ fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph>
     let st = &gpu.stream;
     st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
+    if let Some(t) = gpu.timeline() {
+        t.begin_capture();
+    }
     let enq = enqueue();
     let graph = st.end_capture(CUgraphInstantiate_flags(0));
+    let timeline = gpu.timeline().map(|t| (t.clone(), t.end_capture()));
     match (enq, graph) {
-        (Ok(()), Ok(Some(g))) => Ok(StepGraph(g)),
+        (Ok(()), Ok(Some(graph))) => Ok(StepGraph { graph, timeline }),
         (enq, graph) => bail!("{:?} / {:?}", enq.err(), graph.err()),
     }
 }
@@ -251,7 +269,10 @@ impl CudaBackend {
     }
 
     pub fn with_options(ck: &Checkpoint, opts: CudaOptions) -> Result<Self> {
-        let gpu = Gpu::open(opts.device, opts.pdl)?;
+        let mut gpu = Gpu::open(opts.device, opts.pdl)?;
+        if opts.timeline {
+            gpu.enable_timeline()?;
+        }
         let mw = ModelWeights::from_checkpoint(ck)?;
         let cfg = mw.config.clone();
         if let Some(why) = unsupported_shapes(&cfg) {

@@ -55,6 +55,11 @@ pub fn module_source(src: &str) -> String {
     format!("{COMMON}\n// ---- module ----\n{src}")
 }
 
+/// [`module_source`] with the decode timeline's stamps compiled in (timeline.rs).
+pub fn timeline_source(src: &str) -> String {
+    format!("#define LILY_TIMELINE\n{}", module_source(src))
+}
+
 /// Compiles one source string to a CUBIN for [`ARCH`]; the error carries NVRTC's log.
 pub fn compile_cubin(name: &str, src: &str) -> Result<Vec<u8>> {
     compile_with(name, src, &nvrtc_options())

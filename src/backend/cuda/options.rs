@@ -46,6 +46,9 @@ pub struct CudaOptions {
     /// `LILY_CUDA_PROFILE=1`: direct launches with an event after every phase; per-phase GPU time
     /// is printed after each prefill and when the backend is dropped (decode).
     pub profile: bool,
+    /// `LILY_CUDA_TIMELINE=1`: kernels compiled with timeline stamps; where a graph step's time
+    /// goes per phase and kernel is printed when the backend is dropped (timeline.rs).
+    pub timeline: bool,
     /// Decode steps replay captured CUDA graphs (`LILY_CUDA_GRAPH=0` launches directly).
     pub graphs: bool,
     /// Decode kernels launch as programmatic dependents of the previous kernel
@@ -84,6 +87,7 @@ impl Default for CudaOptions {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cublas: true,
             profile: false,
+            timeline: false,
             graphs: true,
             pdl: true,
             exact_prefill: false,
@@ -125,6 +129,7 @@ impl CudaOptions {
                 .unwrap_or(d.prefill_chunk),
             cublas: flag("LILY_CUDA_CUBLAS", d.cublas),
             profile: flag("LILY_CUDA_PROFILE", d.profile),
+            timeline: flag("LILY_CUDA_TIMELINE", d.timeline),
             graphs: flag("LILY_CUDA_GRAPH", d.graphs),
             pdl: flag("LILY_CUDA_PDL", d.pdl),
             exact_prefill: flag("LILY_PREFILL_F32", d.exact_prefill),
@@ -159,7 +164,7 @@ mod tests {
         assert_eq!(with(&[]), CudaOptions::default());
         let d = CudaOptions::default();
         assert!(d.kv_bf16 && d.cublas && d.graphs && d.pdl);
-        assert!(!d.profile && !d.exact_prefill && !d.decode_forward && !d.force_cuda_core_moe);
+        assert!(!d.profile && !d.timeline && !d.exact_prefill && !d.decode_forward && !d.force_cuda_core_moe);
         assert_eq!(d.prefill_chunk, 8192);
     }
 
@@ -170,13 +175,14 @@ mod tests {
             ("LILY_CUDA_PREFILL_CHUNK", "512"),
             ("LILY_CUDA_CUBLAS", "0"),
             ("LILY_CUDA_PROFILE", "1"),
+            ("LILY_CUDA_TIMELINE", "1"),
             ("LILY_CUDA_GRAPH", "0"),
             ("LILY_CUDA_PDL", "0"),
             ("LILY_PREFILL_F32", "1"),
             ("LILY_GPU_MEMORY_FRACTION", "0.5"),
         ]);
         assert_eq!(o.memory_fraction, 0.5);
-        assert!(!o.kv_bf16 && !o.cublas && o.profile && !o.graphs && !o.pdl && o.exact_prefill);
+        assert!(!o.kv_bf16 && !o.cublas && o.profile && o.timeline && !o.graphs && !o.pdl && o.exact_prefill);
         assert_eq!(o.prefill_chunk, 512);
     }
 

@@ -2,9 +2,9 @@
 //! prepended), compiled by NVRTC and loaded into a CUDA context on first use, its functions looked
 //! up by name and kept.
 
-use super::nvrtc::{cubin_cached, module_source};
+use super::nvrtc::{cubin_cached, module_source, timeline_source};
 use anyhow::{anyhow, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -193,6 +193,10 @@ pub const SMEM_OPTIN_LIMIT: u32 = 227 * 1024;
 pub struct Registry {
     ctx: Arc<CudaContext>,
     modules: Mutex<HashMap<&'static str, Loaded>>,
+    /// With the decode timeline: its buffer's address, written into each module as it loads
+    /// (every module is then compiled with `LILY_TIMELINE`; timeline.rs), and the stream to write
+    /// it on.
+    timeline: Option<(u64, Arc<CudaStream>)>,
 }
 
 struct Loaded {
@@ -203,7 +207,22 @@ struct Loaded {
 
 impl Registry {
     pub fn new(ctx: Arc<CudaContext>) -> Self {
-        Registry { ctx, modules: Mutex::new(HashMap::new()) }
+        Registry { ctx, modules: Mutex::new(HashMap::new()), timeline: None }
+    }
+
+    /// Compiles every module from now on with the timeline's stamps, pointed at the buffer at
+    /// `addr` (before any module loads).
+    pub fn set_timeline(&mut self, addr: u64, stream: Arc<CudaStream>) {
+        self.timeline = Some((addr, stream));
+    }
+
+    /// The source of module `m` as compiled here.
+    fn source(&self, m: &Module) -> String {
+        if self.timeline.is_some() {
+            timeline_source(m.source)
+        } else {
+            module_source(m.source)
+        }
     }
 
     /// Compiles (or reads from the cubin cache) and loads every module of `MODULES` that is not
@@ -212,7 +231,7 @@ impl Registry {
     pub fn load_all(&self) -> Result<()> {
         let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         let missing: Vec<&'static Module> = MODULES.iter().copied().filter(|m| !mods.contains_key(m.name)).collect();
-        let cubins: Vec<Result<Vec<u8>>> = missing.par_iter().map(|m| cubin_cached(m.name, &module_source(m.source))).collect();
+        let cubins: Vec<Result<Vec<u8>>> = missing.par_iter().map(|m| cubin_cached(m.name, &self.source(m))).collect();
         for (m, cubin) in missing.into_iter().zip(cubins) {
             self.load_locked(&mut mods, m, Some(cubin?))?;
         }
@@ -228,12 +247,20 @@ impl Registry {
         if !mods.contains_key(m.name) {
             let cubin = match cubin {
                 Some(c) => c,
-                None => cubin_cached(m.name, &module_source(m.source))?,
+                None => cubin_cached(m.name, &self.source(m))?,
             };
             let module = self
                 .ctx
                 .load_module(Ptx::from_binary(cubin))
                 .map_err(|e| anyhow!("loading kernels/{}.cu: {e:?}", m.name))?;
+            if let Some((addr, stream)) = &self.timeline {
+                let mut global = module
+                    .get_global("lily_timeline", stream)
+                    .map_err(|e| anyhow!("kernels/{}.cu: no lily_timeline: {e:?}", m.name))?;
+                stream
+                    .memcpy_htod(&addr.to_le_bytes(), &mut global)
+                    .map_err(|e| anyhow!("kernels/{}.cu: setting lily_timeline: {e:?}", m.name))?;
+            }
             mods.insert(m.name, Loaded { module, funcs: HashMap::new() });
         }
         Ok(mods.get_mut(m.name).expect("inserted above"))
