@@ -1,6 +1,6 @@
 // Quantized matrix products (MLX affine 4/8-bit codes, bf16 scales and biases) and the
 // embedding gather. Same math as src/backend/cpu/qmatmul.rs.
-//   decode (T = 1):     gemv_q, gemv_tc, embed_q
+//   decode (T = 1):     gemv_q, gemv_tc(_f), embed_q
 //   batched decode:     stage_tcb, gemv_tcb (B tokens, bf16 activations)
 //   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_dequant_bf16, pf_dequant_f32,
 //                       pf_to_bf16, pf_embed
@@ -200,9 +200,10 @@ __device__ __forceinline__ void set_locate(const QMat* __restrict__ mats, int ti
 // are issued before the prologue. (The host keeps sets of few tiles, the out-projections, on
 // gemv_q: qmatmul.rs `select_gemv`.)
 // Dynamic shared memory: cols/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
-gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,
-        float eps, int slices, int kc, float* __restrict__ xnorm_out) {
+template <bool FRAG>
+__device__ __forceinline__ void gemv_tc_body(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
+                                             const float* __restrict__ gain, float eps, int slices, int kc,
+                                             float* __restrict__ xnorm_out) {
     extern __shared__ float smem[];
     const int gpr = cols >> 6;
     u32* xf = reinterpret_cast<u32*>(smem);
@@ -216,7 +217,7 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
     auto load = [&](TcItem& it, int m, int r0, int k) {
         const QMat& M = mats[m];
         const int G0 = (my_slice * kc + k) * TC_NG;
-        tc_load(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
+        tc_load<FRAG>(it, M.w, M.s, M.b, M.rows, r0, cols, G0, min(gpr, G0 + TC_NG));
     };
     TcItem it;
     int m, r0;
@@ -235,7 +236,14 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
         }
         float acc0 = 0.f, acc1 = 0.f;
         if (m >= 0) {
-            if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
+            if constexpr (FRAG) {
+                // The tile's later chunks are contiguous: 128-byte lines spread over the lanes.
+                if (kc > 1) {
+                    const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)r0 * (cols >> 3)) +
+                                    (size_t)(my_slice * kc + 1) * TC_NG * 512;
+                    for (int off = lane * 128; off < (kc - 1) * TC_NG * 512; off += 32 * 128) prefetch_l2(p + off);
+                }
+            } else if (kc > 1 && lane < 16 && r0 + lane < mats[m].rows) {
                 // The later chunks of this warp's 16 rows into L2 while the first is computed.
                 const char* p = reinterpret_cast<const char*>(mats[m].w + (size_t)(r0 + lane) * (cols >> 3)) +
                                 (size_t)(my_slice * kc + 1) * TC_NG * 32;
@@ -274,6 +282,19 @@ gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, i
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
+gemv_tc(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,
+        float eps, int slices, int kc, float* __restrict__ xnorm_out) {
+    gemv_tc_body<false>(mats, nmats, x, cols, gain, eps, slices, kc, xnorm_out);
+}
+// gemv_tc over the matrices' fragment-order copies (common.cuh tc_load: one coalesced 16-byte
+// load per lane and group; the descriptors point at the copies; the same products).
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
+gemv_tc_f(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols, const float* __restrict__ gain,
+          float eps, int slices, int kc, float* __restrict__ xnorm_out) {
+    gemv_tc_body<true>(mats, nmats, x, cols, gain, eps, slices, kc, xnorm_out);
 }
 
 // ============================ batched decode (B tokens) ============================

@@ -200,7 +200,7 @@ pub fn model_sets(gpu: &Gpu, w: &DevWeights, act: &Activations, frag: bool, mut 
     sets.frag = frag;
     let ids: Vec<_> = w.layers.iter().map(|l| (mixer_sets(gpu, &mut sets, &l.mixer, act), extra(&mut sets, l))).collect();
     let head = sets.add(gpu, &[(&w.lm_head, ptr(&act.logits, &gpu.stream), false)]);
-    let descs = gpu.upload(&sets.descs)?;
+    let descs = gpu.upload(&sets.device_descs())?;
     let base = ptr(&descs, &gpu.stream);
     let layers = ids
         .into_iter()

@@ -14,6 +14,7 @@ use std::cell::Cell;
 
 const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
+const GEMV_TC_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc_f");
 const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
 const GEMV_TCB_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_f");
 const GEMV_TCB_W: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_w");
@@ -66,6 +67,10 @@ pub struct GemvSet {
     pub all4: bool,
     /// The descriptors point at the matrices' fragment-order copies (`gemv_tcb_f`).
     pub frag: bool,
+    /// Row-order sets whose matrices all have fragment-order copies: the address of the same
+    /// descriptors pointing at the copies, which `gemv_tc_f` reads where the set runs on the
+    /// tensor cores (`gemv_q` reads row order).
+    pub frag_twin: Option<u64>,
 }
 
 impl QMatDesc {
@@ -77,14 +82,28 @@ impl QMatDesc {
 }
 
 /// Builds descriptor sets back to back in one list, then places them at a device address.
+/// Where a set's descriptors are and what its matrices share.
+struct SetEntry {
+    first: usize,
+    count: usize,
+    rows: usize,
+    tiles: usize,
+    all4: bool,
+    frag: bool,
+    /// The set's first twin (index into `GemvSets::twins`).
+    twin: Option<usize>,
+}
+
 #[derive(Default)]
 pub struct GemvSets {
     pub descs: Vec<QMatDesc>,
-    /// (first descriptor, count, rows, tiles, all 4-bit, fragment order) per set.
-    sets: Vec<(usize, usize, usize, usize, bool, bool)>,
+    sets: Vec<SetEntry>,
     /// Sets whose matrices all have fragment-order copies point at them (the batched decode's:
     /// `gemv_tcb_f`; the other GEMVs read row order).
     pub frag: bool,
+    /// Without `frag`: the fragment-order twins of such sets' descriptors (`GemvSet::frag_twin`),
+    /// stored after `descs` on the device.
+    pub twins: Vec<QMatDesc>,
 }
 
 impl GemvSets {
@@ -92,26 +111,45 @@ impl GemvSets {
     pub fn add(&mut self, gpu: &Gpu, list: &[(&DevQ, u64, bool)]) -> usize {
         let first = self.descs.len();
         let (mut rows, mut tiles, mut all4) = (0, 0, true);
-        let frag = self.frag && list.iter().all(|(q, _, _)| q.frag_copy.is_some());
+        let copies = list.iter().all(|(q, _, _)| q.frag_copy.is_some());
+        let frag = self.frag && copies;
+        let twin = (!self.frag && copies).then_some(self.twins.len());
         for (q, y, acc) in list {
             debug_assert!(!q.frag, "the GEMVs take dense matrices, whose codes are in row order");
             let mut d = QMatDesc::new(gpu, q, *y, *acc);
             if let (true, Some((w, _, _))) = (frag, q.frag_ptrs(gpu)) {
                 d.w = w;
             }
+            if let (Some(_), Some((w, _, _))) = (twin, q.frag_ptrs(gpu)) {
+                self.twins.push(QMatDesc { w, ..d });
+            }
             self.descs.push(d);
             rows += q.rows;
             tiles += q.rows.div_ceil(16);
             all4 &= q.bits == 4;
         }
-        self.sets.push((first, list.len(), rows, tiles, all4, frag));
+        self.sets.push(SetEntry { first, count: list.len(), rows, tiles, all4, frag, twin });
         self.sets.len() - 1
+    }
+
+    /// Every descriptor as the device holds them: `descs`, then `twins`.
+    pub fn device_descs(&self) -> Vec<QMatDesc> {
+        self.descs.iter().chain(&self.twins).copied().collect()
     }
 
     /// Set `i` with its descriptors at `base` (the device copy of `descs`).
     pub fn set(&self, i: usize, base: u64) -> GemvSet {
-        let (first, count, rows, tiles, all4, frag) = self.sets[i];
-        GemvSet { descs: base + (first * std::mem::size_of::<QMatDesc>()) as u64, count, rows, tiles, all4, frag }
+        let e = &self.sets[i];
+        let at = |i: usize| base + (i * std::mem::size_of::<QMatDesc>()) as u64;
+        GemvSet {
+            descs: at(e.first),
+            count: e.count,
+            rows: e.rows,
+            tiles: e.tiles,
+            all4: e.all4,
+            frag: e.frag,
+            frag_twin: e.twin.map(|t| at(self.descs.len() + t)),
+        }
     }
 }
 
@@ -205,10 +243,15 @@ pub fn gemv(gpu: &Gpu, set: GemvSet, inp: GemvInput, group: usize, min_tiles: us
     match select_gemv(&set, inp.cols, group, min_tiles) {
         GemvKernel::TensorCore => {
             let smem = tc_smem(inp.cols, (GEMV_THREADS / 32) as usize);
+            // The same geometry either way (the per-SM blocks of gemv_tc), so the same K slices.
             let per_sm = blocks_per_sm(gpu, GEMV_TC, smem, 1)?;
             let (blocks, slices, kc) = tc_geometry(set.tiles, inp.cols, sms, per_sm);
             let tail = [Arg::I(slices as i32), Arg::I(kc as i32), Arg::P(inp.xnorm_out)];
-            gpu.launch(GEMV_TC, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
+            let (k, head) = match set.frag_twin {
+                Some(t) => (GEMV_TC_F, [&[Arg::P(t)], &head[1..]].concat()),
+                None => (GEMV_TC, head.to_vec()),
+            };
+            gpu.launch(k, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
         }
         GemvKernel::Simt => {
             let smem = ((inp.cols + inp.cols / group + 33) * 4) as u32;
@@ -750,7 +793,7 @@ mod tests {
     }
 
     fn set(rows: &[usize], all4: bool) -> GemvSet {
-        GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4, frag: false }
+        GemvSet { descs: 0, count: rows.len(), rows: rows.iter().sum(), tiles: rows.iter().map(|r| r.div_ceil(16)).sum(), all4, frag: false, frag_twin: None }
     }
 
     #[test]

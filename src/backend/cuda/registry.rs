@@ -50,6 +50,7 @@ pub const QMATMUL: Module = Module {
     kernels: &[
         "gemv_q",
         "gemv_tc",
+        "gemv_tc_f",
         "gemv_tcb",
         "gemv_tcb_f",
         "gemv_tcb_w",
