@@ -8,7 +8,8 @@
 //! per step, greedy tokens kept on the device and two steps in flight), `prefill` (T tokens in
 //! chunks) and `batch` (one token of each of B sequences per step: GEMV sets and expert products
 //! over the batch's tokens, per-row mixers);
-//! `options` (every setting, read once). See docs/cuda.md and docs/cuda-prefill.md.
+//! `options` (every setting, read once); `timeline` (where a graph decode step's time goes, a
+//! developer knob). See docs/cuda.md and docs/cuda-prefill.md.
 
 pub mod activations;
 pub mod attention;
