@@ -81,7 +81,6 @@ impl QMatDesc {
     }
 }
 
-/// Builds descriptor sets back to back in one list, then places them at a device address.
 /// Where a set's descriptors are and what its matrices share.
 struct SetEntry {
     first: usize,
@@ -94,6 +93,7 @@ struct SetEntry {
     twin: Option<usize>,
 }
 
+/// Builds descriptor sets back to back in one list, then places them at a device address.
 #[derive(Default)]
 pub struct GemvSets {
     pub descs: Vec<QMatDesc>,
@@ -117,11 +117,12 @@ impl GemvSets {
         for (q, y, acc) in list {
             debug_assert!(!q.frag, "the GEMVs take dense matrices, whose codes are in row order");
             let mut d = QMatDesc::new(gpu, q, *y, *acc);
-            if let (true, Some((w, _, _))) = (frag, q.frag_ptrs(gpu)) {
-                d.w = w;
-            }
-            if let (Some(_), Some((w, _, _))) = (twin, q.frag_ptrs(gpu)) {
-                self.twins.push(QMatDesc { w, ..d });
+            if let Some((w, _, _)) = q.frag_ptrs(gpu) {
+                if frag {
+                    d.w = w;
+                } else if twin.is_some() {
+                    self.twins.push(QMatDesc { w, ..d });
+                }
             }
             self.descs.push(d);
             rows += q.rows;
