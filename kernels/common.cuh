@@ -777,18 +777,12 @@ __device__ __forceinline__ void tcb_cp_wait_all() {
     cp_wait<0>();
 }
 
-// The group sum of a row staged by moe_tcs from its four 16-row quarters' (reg 0, reg 1)
-// partial sums d[2 tq + r], in stage_tcb's butterfly order (moe_tcr's tcr_stage_sums).
-__device__ __forceinline__ float quarter_sums(const float* __restrict__ d) {
-    return ((d[0] + d[4]) + (d[2] + d[6])) + ((d[1] + d[5]) + (d[3] + d[7]));
-}
-
 // Copies the staged rows rows[j] (or row j0 + j without `rows`) for tokens j < nt into the block's
 // fragments xf and group sums gsum, then waits and syncs. Token columns nt..ntok - 1 keep whatever
 // they held: an mma's output column depends on its B column alone, and those outputs are never
-// stored. `parts`: gs_in holds each group sum as moe_tcs's quarter partials (quarter_sums).
+// stored.
 __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __restrict__ gs_in, int cols, int j0,
-                               int nt, const int* rows, u32* xf, float* gsum, bool parts = false) {
+                               int nt, const int* rows, u32* xf, float* gsum) {
     const int gpr = cols >> 6, ntok = nt > 8 ? TCB_TOK : 8;
     // 16-byte pieces: (token, group, step i, half) -> 4 words of the token's 8 in that record.
     // A token's pieces are gpr * 8 (a power of two at the model's widths: shifts, not divisions,
@@ -807,8 +801,7 @@ __device__ void load_tokens_tc(const u32* __restrict__ frag, const float* __rest
     }
     for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
         const int j = p % nt, G = p / nt;
-        const size_t at = (size_t)(rows ? rows[j] : j0 + j) * gpr + G;
-        gsum[G * ntok + j] = parts ? quarter_sums(gs_in + 8 * at) : gs_in[at];
+        gsum[G * ntok + j] = gs_in[(size_t)(rows ? rows[j] : j0 + j) * gpr + G];
     }
     tcb_cp_wait_all();
     __syncthreads();

@@ -470,12 +470,12 @@ __device__ __forceinline__ void tcb_store(const float (&acc)[NTG][4], float* __r
 // (h, s) pairs columns 8h + s and 8h + s + 4, i.e. rows g and g + 4 (h = 0) or g + 8 and g + 12
 // (h = 1) of lanes g = s and g + 4, so lanes g < 4 take their partner's rows from lane + 16. The
 // sums follow stage_tcb's (stage_piece) butterfly over the word index q = 8i + 2t + reg: here
-// the h and s / 2 levels; tcr_stage_sums adds the quarters tq and the reg halves. red(tok, r, c):
-// the item's (reg r) partial sum c of token tok.
-template <int NTG, class Red>
-__device__ __forceinline__ void tcb_stage_words(const float (&acc)[NTG][4], u32* __restrict__ sfrag, int r0, int gpr,
-                                                const int* slots, int nt, Red red) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// the h and s / 2 levels; tcr_stage_sums adds the quarters tq and the reg halves. red: per warp
+// and token, the (reg 0, reg 1) partial sums.
+template <int NTG>
+__device__ __forceinline__ void tcb_stage_words(const float (&acc)[NTG][4], u32* __restrict__ sfrag, float* red, int r0,
+                                                int gpr, const int* slots, int nt) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
     const int G = r0 >> 6, tq = (r0 >> 4) & 3;
     auto half = [](u32 w) { return __uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u); };
 #pragma unroll
@@ -492,7 +492,7 @@ __device__ __forceinline__ void tcb_stage_words(const float (&acc)[NTG][4], u32*
                 const int sl = slots[tok];
                 sfrag[tcb_word(sl, gpr, G, g >> 1, tq, g & 1)] = w0;
                 sfrag[tcb_word(sl, gpr, G, 2 + (g >> 1), tq, g & 1)] = w1;
-                if (g < 2) red(tok, g, c);
+                if (g < 2) red[(warp * TCB_TOK + tok) * 2 + g] = c;
             }
         }
 }
@@ -617,7 +617,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb_f(MOE_TCB_ARGS) { m
 #define MOE_TILE_NAMES \
     w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, rows, cols, frag, gs_in, xdiv, counts, offsets, list, tiles
 template <bool FRAG>
-__device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS, int gs_parts) {
+__device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
     tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
     const int rtiles = (rows + 15) >> 4, gpr = cols >> 6;
@@ -641,16 +641,15 @@ __device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS, int gs_parts) {
         __syncthreads();  // the previous tile's fragments and slots are no longer read
         TILE_SLOTS
         __syncthreads();
-        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum, gs_parts);
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
         if (nt > 8) moe_tcb_rows<2, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         else moe_tcb_rows<1, FRAG>(we, se, be, w2e, s2e, b2e, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum);
         lo = hi;
     }
 }
-// gs_parts: the inputs' group sums are moe_tcs's quarter partials (load_tokens_tc).
-extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp(MOE_TILE_ARGS, int gs_parts) { moe_tcp_body<false>(MOE_TILE_NAMES, gs_parts); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS, int gs_parts) { moe_tcp_body<true>(MOE_TILE_NAMES, gs_parts); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp(MOE_TILE_ARGS) { moe_tcp_body<false>(MOE_TILE_NAMES); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS) { moe_tcp_body<true>(MOE_TILE_NAMES); }
 
 // moe_tcr: moe_tcb's products with each warp's weights streamed through a ring in shared memory
 // (common.cuh). Why: a moe_tcb warp loads a 512-column item of its 16 rows into registers and
@@ -692,12 +691,8 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
         else tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
     }
     if (w2) tcb_swiglu<NTG>(acc, up);
-    if (sfrag) {
-        const int warp = threadIdx.x >> 5;
-        tcb_stage_words<NTG>(acc, sfrag, r0, rows >> 6, slots, nt, [&](int tok, int r, float c) { red[(warp * TCB_TOK + tok) * 2 + r] = c; });
-    } else {
-        tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
-    }
+    if (sfrag) tcb_stage_words<NTG>(acc, sfrag, red, r0, rows >> 6, slots, nt);
+    else tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
 }
 
 // The group sums of a moe_tcr block's staged outputs (tcb_stage_words): per token and 64-column
@@ -761,211 +756,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe
 // moe_tcr over codes in fragment order (tc_load) with the scales and biases in stage order: s,
 // s2, ss and ss2 hold them (tcr_issue), b, b2, sb and sb2 are not read.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
-
-// moe_tcs: moe_tcr's gate|up products with every 16-row item split along K over a block's 16
-// warps. Why: a moe_tcr warp sums one item's whole K, so a batched decode step's items come in
-// quanta of a warp's full item (~412 blocks of 8 items in 264 slots at 16 rows: 1.56 waves, the
-// SMs active 72% of the launch). Here one block per SM takes a contiguous run of the step's
-// (tile, 16-row) items, and each item's 16 units (gate or up matrix x one of TCS_PARTS fixed K
-// parts) go one to each warp, so every SM's share is within one item of the mean and its warps'
-// within a part. Each warp streams its parts of every item of the run through its ring (moe_tcr's
-// stages), one after the other, with no block barrier between items: a warp stores its part's
-// accumulators in one of TCS_BUFS shared buffers and the warp that arrives last at an item sums the
-// 16 parts (gate and up each in part order, a fixed order: the same for every batch) and runs the
-// SwiGLU and the store or staging (tcb_stage_words). The staged outputs' group sums are left as
-// their four 16-row quarters' (reg 0, reg 1) partial sums in `sgpart` ([slot][group][quarter][2]),
-// since a 64-row group's items can end in different blocks; moe_tcp adds them as tcr_stage_sums
-// did (gs_parts). Blocks meet a new tile at a block barrier and stage its tokens with plain loads
-// (the ring's copies stay in flight). grid: one block per SM, block 512. Dynamic shared memory:
-// moe_tcb's + TCS_BUFS buffers of TCS_WARPS warps' accumulators + 16 rings (moe::tcs_smem).
-#define TCS_WARPS 16
-#define TCS_PARTS 8                  // K parts per matrix: warps 0-7 the gate matrix's, 8-15 the up matrix's
-#define TCS_BUFS 3                   // items whose parts may wait for their sum at once
-#define TCS_PART_FLOATS (8 * 32)     // a warp's accumulators of one item (NTG <= 2), [tg * 4 + q][lane]
-
-// The staged rows a tile's slots read (TILE_SLOTS) into xf / gsum with plain loads, as
-// load_tokens_tc lays them out; the caller synchronises before and after.
-__device__ __forceinline__ void tcs_stage_tokens(const u32* __restrict__ frag, const float* __restrict__ gs_in, int gpr,
-                                                 int nt, const int* xrow, u32* xf, float* gsum) {
-    const int per_tok = gpr * 8, ntok = nt > 8 ? TCB_TOK : 8;
-    for (int p = threadIdx.x; p < nt * per_tok; p += blockDim.x) {
-        const int j = p / per_tok, q = p - j * per_tok;
-        const int G = q >> 3, i = (q >> 1) & 3, h = q & 1;
-        const int in_rec = (G * 4 + i) * 64 + h * 4, r = xrow[j];
-        *reinterpret_cast<uint4*>(xf + (size_t)(j >> 3) * gpr * TCB_WORDS + in_rec + (j & 7) * 8) =
-            *reinterpret_cast<const uint4*>(frag + (size_t)(r >> 3) * gpr * TCB_WORDS + in_rec + (r & 7) * 8);
-    }
-    for (int p = threadIdx.x; p < nt * gpr; p += blockDim.x) {
-        const int j = p % nt, G = p / nt;
-        gsum[G * ntok + j] = gs_in[(size_t)xrow[j] * gpr + G];
-    }
-}
-
-// A warp's part of one item: its ns stages (groups from G0 on) out of the ring, each issuing the
-// stage TCR_DEPTH - 1 ahead of it (`issue`, which walks the warp's parts of the run's items);
-// the accumulators into its buffer `mine` ([tg * 4 + q][lane]) once `wait_buffer` says it is free.
-template <int NTG, bool FRAG, class Issue, class Wait>
-__device__ __forceinline__ void tcs_part(unsigned char* ring, int& k, int ns, int G0, Issue& issue, const u32* xf,
-                                         const float* gsum, int gpr, float* mine, Wait& wait_buffer) {
-    const int lane = threadIdx.x & 31;
-    float acc[NTG][4];
-#pragma unroll
-    for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
-    for (int j = 0; j < ns; ++j, ++k) {
-        __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
-        issue();
-        cp_wait<TCR_DEPTH - 1>();
-        __syncwarp();  // stage k's copies, made by every lane, are visible to all
-        tcr_stage<NTG, FRAG>(ring + (k % TCR_DEPTH) * TCR_STAGE_BYTES, G0 + TCR_GROUPS * j, xf, gsum, gpr, acc);
-    }
-    wait_buffer();
-#pragma unroll
-    for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) mine[(tg * 4 + q) * 32 + lane] = acc[tg][q];
-}
-
-// The item's sum (gate parts, then up parts, each in part order), SwiGLU, and its store or staging.
-template <int NTG>
-__device__ __forceinline__ void tcs_finish(const float* buf, float* __restrict__ y, int rows, int r0, const int* slots,
-                                           int nt, u32* __restrict__ sfrag, float* __restrict__ sgpart) {
-    const int lane = threadIdx.x & 31;
-    float acc[NTG][4], up[NTG][4];
-#pragma unroll
-    for (int tg = 0; tg < NTG; ++tg)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float* v = buf + (tg * 4 + q) * 32 + lane;
-            float a = v[0], u = v[TCS_PARTS * TCS_PART_FLOATS];
-#pragma unroll
-            for (int p = 1; p < TCS_PARTS; ++p) {
-                a += v[p * TCS_PART_FLOATS];
-                u += v[(TCS_PARTS + p) * TCS_PART_FLOATS];
-            }
-            acc[tg][q] = a;
-            up[tg][q] = u;
-        }
-    tcb_swiglu<NTG>(acc, up);
-    if (sfrag) {
-        const int gpo = rows >> 6, G = r0 >> 6, tq = (r0 >> 4) & 3;
-        tcb_stage_words<NTG>(acc, sfrag, r0, gpo, slots, nt, [&](int tok, int r, float c) {
-            sgpart[(((size_t)slots[tok] * gpo + G) * 4 + tq) * 2 + r] = c;
-        });
-    } else {
-        tcb_store<NTG>(acc, y, rows, rows, r0, slots, nt);
-    }
-}
-
-template <bool FRAG>
-__device__ __forceinline__ void moe_tcs_body(MOE_TILE_ARGS, u32* __restrict__ sfrag, float* __restrict__ sgpart) {
-    extern __shared__ float smem[];
-    tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
-    const int gpr = cols >> 6, rtiles = rows >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int total = tiles[0] * rtiles;
-    const int lo = (int)((long long)total * blockIdx.x / gridDim.x), hi = (int)((long long)total * (blockIdx.x + 1) / gridDim.x);
-    if (lo >= hi) return;
-    u32* xf = reinterpret_cast<u32*>(smem);
-    float* gsum = smem + 2 * gpr * TCB_WORDS;
-    float* part = gsum + TCB_TOK * gpr;
-    unsigned char* ring = reinterpret_cast<unsigned char*>(part + TCS_BUFS * TCS_WARPS * TCS_PART_FLOATS) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
-    __shared__ int slot[TCB_TOK], xrow[TCB_TOK], tile_nt;
-    __shared__ int arrived[TCS_BUFS];
-    __shared__ volatile int summed[TCS_BUFS];  // the last item (run index) each buffer's parts were summed for
-    if ((int)threadIdx.x < TCS_BUFS) {
-        arrived[threadIdx.x] = 0;
-        summed[threadIdx.x] = (int)threadIdx.x - TCS_BUFS;
-    }
-    // This warp's unit of every item: matrix (gate or up) and its stages [s0, s0 + ns) of the
-    // matrix's gpr / TCR_GROUPS (parts of zero stages where there are fewer than TCS_PARTS).
-    const bool second = warp >= TCS_PARTS;
-    const int pt = warp % TCS_PARTS, S = gpr / TCR_GROUPS;
-    const int s0 = pt * S / TCS_PARTS, ns = (pt + 1) * S / TCS_PARTS - s0, nst = (hi - lo) * ns;
-    // Expert e's matrix of this warp (FRAG: the scales and biases in stage order, in s / ss).
-    auto matrix = [&](int ti, const u32*& wm, const u16*& sm, const u16*& bm) {
-        const int e = tiles[1 + 2 * ti];
-        const size_t wpr = (size_t)cols >> 3, erows = (size_t)e * rows;
-        if (e == shared_e) {
-            wm = second ? sw2 : sw, sm = second ? ss2 : ss, bm = second ? sb2 : sb;
-        } else {
-            wm = (second ? w2 : w) + erows * wpr;
-            sm = (second ? s2 : s) + (FRAG ? 2 : 1) * erows * gpr;
-            bm = (second ? b2 : b) + erows * gpr;
-        }
-    };
-    // The issue cursor: the next stage's item (tile, rows) and stage; empty groups past the run.
-    int i_ti = lo / rtiles, i_r0 = (lo - i_ti * rtiles) * 16, i_st = 0, issued = 0;
-    const u32* iw;
-    const u16 *is, *ib;
-    matrix(i_ti, iw, is, ib);
-    auto issue = [&]() {
-        if (issued < nst) {
-            tcr_issue<FRAG>(smem_u32(ring + (issued % TCR_DEPTH) * TCR_STAGE_BYTES), iw, is, ib, i_r0, rows, cols,
-                            TCR_GROUPS * (s0 + i_st));
-            if (++i_st == ns) {
-                i_st = 0;
-                if ((i_r0 += 16) == rows) {
-                    i_r0 = 0;
-                    if (issued + 1 < nst) matrix(++i_ti, iw, is, ib);
-                }
-            }
-        } else {
-            cp_commit();  // an empty group keeps the count the ring's wait relies on
-        }
-        ++issued;
-    };
-    // The ring's first stages load while the block stages its first tile's tokens.
-    for (int n = 0; n < TCR_DEPTH - 1; ++n) issue();
-    int cur_ti = -1, k = 0;
-    for (int it = 0; it < hi - lo; ++it) {
-        const int rg = lo + it, ti = rg / rtiles, r0 = (rg - ti * rtiles) * 16;
-        if (ti != cur_ti) {
-            __syncthreads();  // every warp is done with the previous tile's tokens and slots
-            const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];
-            const int nt = min(TCB_TOK, counts[e] - f0);
-            const int* lst = list + offsets[e] + f0;
-            if (threadIdx.x == 0) tile_nt = nt;
-            TILE_SLOTS
-            __syncthreads();
-            tcs_stage_tokens(frag, gs_in, gpr, nt, xrow, xf, gsum);
-            __syncthreads();
-            cur_ti = ti;
-        }
-        const int nt = tile_nt, bi = it % TCS_BUFS;
-        float* buf = part + bi * TCS_WARPS * TCS_PART_FLOATS;
-        float* mine = buf + warp * TCS_PART_FLOATS;
-        // The buffer's previous item must be summed before this one's parts go in; tcs_part's
-        // stages run first, so the wait is rarely felt.
-        auto wait_buffer = [&]() {
-            if (lane == 0)
-                while (summed[bi] < it - TCS_BUFS) {
-                }
-            __syncwarp();
-        };
-        if (nt > 8) tcs_part<2, FRAG>(ring, k, ns, TCR_GROUPS * s0, issue, xf, gsum, gpr, mine, wait_buffer);
-        else tcs_part<1, FRAG>(ring, k, ns, TCR_GROUPS * s0, issue, xf, gsum, gpr, mine, wait_buffer);
-        __threadfence_block();
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) last = atomicAdd(&arrived[bi], 1) == TCS_WARPS - 1;
-        if (__shfl_sync(0xffffffffu, last, 0)) {
-            __threadfence_block();  // the other warps' parts, published before their arrivals
-            if (nt > 8) tcs_finish<2>(buf, y, rows, r0, slot, nt, sfrag, sgpart);
-            else tcs_finish<1>(buf, y, rows, r0, slot, nt, sfrag, sgpart);
-            __syncwarp();
-            if (lane == 0) {
-                arrived[bi] = 0;
-                __threadfence_block();
-                summed[bi] = it;
-            }
-        }
-    }
-}
-// sfrag / sgpart: null to store y; else (rows a multiple of 64) the outputs' bf16 fragment words
-// staged as stage_tcb would stage them from y and their group sums' quarter partials (above).
-#define MOE_TCS_ARGS MOE_TILE_ARGS, u32 *__restrict__ sfrag, float *__restrict__ sgpart
-extern "C" __global__ void __launch_bounds__(512, 1) moe_tcs(MOE_TCS_ARGS) { moe_tcs_body<false>(MOE_TILE_NAMES, sfrag, sgpart); }
-// moe_tcs over codes in fragment order with the scales and biases in stage order (moe_tcr_f's).
-extern "C" __global__ void __launch_bounds__(512, 1) moe_tcs_f(MOE_TCS_ARGS) { moe_tcs_body<true>(MOE_TILE_NAMES, sfrag, sgpart); }
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per

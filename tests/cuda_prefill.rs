@@ -151,13 +151,11 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
-        GroupedRoute::Tcs,
         GroupedRoute::F32Frag,
         GroupedRoute::WgmmaFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
-        GroupedRoute::TcsFrag,
     ];
     // T = 300 concentrates the slots on 3 experts (~200 each: several 64-token tiles per expert).
     for t in [1usize, 7, 64, 133, 300] {
@@ -192,12 +190,10 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
-        GroupedRoute::Tcs,
         GroupedRoute::WgmmaFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
-        GroupedRoute::TcsFrag,
     ];
     grouped_case(&b, "gate|up swiglu (35B widths)", &gate, Some(&up), ne, k, t, &ids, &routes);
     grouped_case(&b, "down (35B widths)", &down, None, ne, k, t, &ids, &routes);
@@ -235,13 +231,10 @@ fn uneven_routes() -> (usize, usize, usize, Vec<u32>) {
     (ne, k, t, per_token.concat())
 }
 
-type StagedOutputs = fn(&CudaBackend, &QuantTensor, &QuantTensor, usize, &[f32], usize, &[u32], usize, bool) -> anyhow::Result<[(Vec<u32>, Vec<f32>); 2]>;
-
-/// The batched decode's gate|up ring and split kernels staging their outputs for the down
-/// products themselves: the same fragment words and group sums (moe_tcs's added from its quarter
-/// partials), bit for bit, as storing them and staging them with `stage_tcb`, over row- and
-/// fragment-order codes, at the 35B's widths (four 128-row blocks per tile) and on the tiny model
-/// (64 rows: half of a block's warps have no rows).
+/// The batched decode's gate|up ring kernel staging its outputs for the down products itself:
+/// the same fragment words and group sums, bit for bit, as storing them and staging them with
+/// `stage_tcb`, over row- and fragment-order codes, at the 35B's widths (four 128-row blocks per
+/// tile) and on the tiny model (64 rows: half of a block's warps have no rows).
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_gate_up_ring_stages_the_down_input_as_stage_tcb() {
@@ -256,12 +249,10 @@ fn cuda_batch_gate_up_ring_stages_the_down_input_as_stage_tcb() {
     for (g, u, ne, k, t, ids) in cases {
         let x = rnd(41 + t as u64, t * g.cols);
         for frag in [false, true] {
-            for (kernel, staged) in [("moe_tcr", testing::tcr_staged_outputs as StagedOutputs), ("moe_tcs", testing::tcs_staged_outputs)] {
-                let [(fw, fs), (tw, ts)] = staged(&b, g, u, ne, &x, t, ids, k, frag).unwrap();
-                assert!(fs.iter().any(|&v| v != 0.0), "{kernel} staged nothing");
-                assert_eq!(fw, tw, "{kernel}: fragment words ({} rows, frag {frag})", g.rows / ne);
-                assert_eq!(fs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ts.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{kernel}: group sums ({} rows, frag {frag})", g.rows / ne);
-            }
+            let [(fw, fs), (tw, ts)] = testing::tcr_staged_outputs(&b, g, u, ne, &x, t, ids, k, frag).unwrap();
+            assert!(fs.iter().any(|&v| v != 0.0), "the fused kernel staged nothing");
+            assert_eq!(fw, tw, "fragment words ({} rows, frag {frag})", g.rows / ne);
+            assert_eq!(fs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ts.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "group sums ({} rows, frag {frag})", g.rows / ne);
         }
     }
 }
@@ -292,11 +283,8 @@ fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantT
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
     let mut seen: Vec<(GroupedRoute, Vec<f32>)> = Vec::new();
     for &route in routes {
-        if matches!(route.row_order(), GroupedRoute::Tcr | GroupedRoute::Tcs) && !q.cols.is_multiple_of(128) {
-            continue; // moe_tcr and moe_tcs stream whole 128-column stages (the tiny model's down rows are 64)
-        }
-        if route.row_order() == GroupedRoute::Tcs && up.is_none() {
-            continue; // moe_tcs runs gate|up pairs only
+        if route.row_order() == GroupedRoute::Tcr && !q.cols.is_multiple_of(128) {
+            continue; // moe_tcr streams whole 128-column stages (the tiny model's down rows are 64)
         }
         let got = testing::grouped_gemm(b, q, up, ne, &x, t, ids, k, route).unwrap();
         let earlier = |r: GroupedRoute| seen.iter().find(|(s, _)| *s == r).map(|(_, y)| y);

@@ -65,12 +65,8 @@ struct MoeBuffers {
     done: CudaSlice<u32>,
     gate: CudaSlice<f32>,
     down: CudaSlice<f32>,
-    /// gate|up on `moe_tcs` (items split along K over a block's warps; moe::tcs_fits), else on
-    /// `moe_tcr` (weights through per-warp rings; moe::tcr_fits), else on `moe_tcb`.
-    gate_up_split: bool,
+    /// gate|up on `moe_tcr` (weights through per-warp rings), else `moe_tcb` (moe::tcr_fits).
     gate_up_ring: bool,
-    /// `moe_tcs`'s group-sum partials of the down products' input (moe::tcs_parts_len).
-    parts: CudaSlice<f32>,
 }
 
 impl MoeBuffers {
@@ -86,9 +82,7 @@ impl MoeBuffers {
             done: gpu.zeros(moe::ROUTE_DONE_LEN)?,
             gate: gpu.zeros(slots * d.inter)?,
             down: gpu.zeros(slots * d.hidden)?,
-            gate_up_split: d.inter.is_multiple_of(64) && moe::tcs_fits(gpu, d.inter, d.hidden)?,
-            gate_up_ring: d.inter.is_multiple_of(64) && moe::tcr_fits(gpu, d.hidden)?,
-            parts: gpu.zeros(moe::tcs_parts_len(slots, d.inter))?,
+            gate_up_ring: moe::tcr_fits(gpu, d.hidden)?,
         })
     }
 }
@@ -317,14 +311,9 @@ impl Pass for BatchPass<'_> {
         let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
         let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);
         let shared_gate_up = SharedExpert { q: &m.shared_gate, up: Some(&m.shared_up), expert: d.e, base: Some(n * k) };
-        // The split and ring kernels stage their outputs for the down products themselves (one
-        // launch less).
+        // The ring kernel stages its outputs for the down products itself (one launch less).
         let slots = &self.b.staged_slots;
-        let parts = mb.gate_up_split.then_some(&mb.parts);
-        if mb.gate_up_split {
-            moe::moe_tcs(self.gpu, &m.gate_exps, &m.up_exps, &shared_gate_up, d.inter, st, gate, grouped(k), Some((slots, &mb.parts)))?;
-            self.point(probe, Point::Phase("moe.gate_up"))?;
-        } else if mb.gate_up_ring {
+        if mb.gate_up_ring && d.inter.is_multiple_of(64) {
             moe::moe_tcr(self.gpu, &m.gate_exps, Some(&m.up_exps), &shared_gate_up, d.inter, st, gate, grouped(k), Some(slots))?;
             self.point(probe, Point::Phase("moe.gate_up"))?;
         } else {
@@ -334,7 +323,7 @@ impl Pass for BatchPass<'_> {
         }
         let shared_down = SharedExpert { q: &m.shared_down, up: None, expert: d.e, base: None };
         // Persistent blocks for down: a moe_tcb block's staging there serves one item per warp.
-        moe::moe_tcp_over(self.gpu, &m.down_exps, None, &shared_down, h, slots, parts, down, grouped(1))?;
+        moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
         let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };

@@ -31,8 +31,6 @@ const MOE_TCR: Kernel = Kernel::ordered(&MOE, "moe_tcr");
 const MOE_TCB_F: Kernel = Kernel::ordered(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered(&MOE, "moe_tcr_f");
-const MOE_TCS: Kernel = Kernel::ordered(&MOE, "moe_tcs");
-const MOE_TCS_F: Kernel = Kernel::ordered(&MOE, "moe_tcs_f");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
@@ -499,7 +497,7 @@ pub struct SharedExpert<'a> {
 /// its own matrices (4-bit, group 64).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, None, y, &g, Some(MOE_TCB_ROWS), false)?;
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, Some(MOE_TCB_ROWS), false)?;
     gpu.launch(if frag { MOE_TCB_F } else { MOE_TCB }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, smem, &args)
 }
 
@@ -510,14 +508,7 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 /// block's staging was most of its time.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    moe_tcp_over(gpu, q, up, shared, rows, st, None, y, g)
-}
-
-/// [`moe_tcp`] over inputs staged by [`moe_tcs`]: their group sums are `parts`' quarter partials.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_tcp_over(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, parts: Option<&CudaSlice<f32>>, y: u64, g: Grouped) -> Result<()> {
-    let (mut args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, parts, y, &g, None, false)?;
-    args.push(Arg::I(parts.is_some() as i32));
+    let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, false)?;
     let k = if frag { MOE_TCP_F } else { MOE_TCP };
     let per_sm = super::qmatmul::blocks_per_sm(gpu, k, smem, 2)?;
     let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
@@ -561,7 +552,7 @@ fn tcb_smem(cols: usize) -> u32 {
 /// Over fragment-order codes the matrices need their stage-order scales ([`DevQ::stage_sb`]).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<&TcbStaging>) -> Result<()> {
-    let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, None, y, &g, None, true)?;
+    let (mut args, _, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, true)?;
     let (sfrag, sgsum) = match staged_out {
         None => (0, 0),
         Some(o) if rows.is_multiple_of(64) && o.cols >= rows => (ptr(&o.frag, &gpu.stream), ptr(&o.gsum, &gpu.stream)),
@@ -571,58 +562,6 @@ pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
 }
 
-/// `moe_tcs`: block size, K parts per matrix and item buffers (TCS_* in kernels/moe.cu).
-const TCS_THREADS: u32 = 512;
-const TCS_BUFS: usize = 3;
-const TCS_PART_FLOATS: usize = 8 * 32;
-
-/// Whether `moe_tcs` takes gate|up matrices of `cols` columns and `rows` rows per expert (whole
-/// ring stages, whole 16-row items) and one block of it fits an SM.
-pub fn tcs_fits(gpu: &Gpu, rows: usize, cols: usize) -> Result<bool> {
-    if !cols.is_multiple_of(64 * TCR_GROUPS) || !rows.is_multiple_of(16) {
-        return Ok(false);
-    }
-    Ok(tcs_blocks_per_sm(gpu, cols)? >= 1)
-}
-
-fn tcs_blocks_per_sm(gpu: &Gpu, cols: usize) -> Result<usize> {
-    let smem = tcs_smem(cols);
-    Ok(gpu.function(MOE_TCS, smem)?.occupancy_max_active_blocks_per_multiprocessor(TCS_THREADS, smem as usize, None).unwrap_or(0) as usize)
-}
-
-/// `moe_tcs`'s dynamic shared memory: `moe_tcb`'s, the item buffers and every warp's ring.
-fn tcs_smem(cols: usize) -> u32 {
-    let warps = TCS_THREADS as usize / 32;
-    tcb_smem(cols) + (TCS_BUFS * warps * TCS_PART_FLOATS * 4 + warps * TCR_DEPTH * TCR_STAGE_BYTES) as u32
-}
-
-/// Floats of [`moe_tcs`]'s group-sum partials for `slots` staged rows of `rows` columns.
-pub fn tcs_parts_len(slots: usize, rows: usize) -> usize {
-    slots * rows.div_ceil(64) * 8
-}
-
-/// `moe_tcs`: the gate|up products of [`moe_tcr`] (`up` required) with each 16-row item's K split
-/// into fixed parts over a block's warps, one block per SM taking a contiguous run of the items:
-/// the SMs' shares even out where whole items come in waves. Not bit-identical to `moe_tcr` (the
-/// parts are summed in part order), but in the same order for every batch. With `staged_out` the
-/// outputs are staged as [`moe_tcr`] stages them, the group sums left as quarter partials in
-/// `parts` ([`tcs_parts_len`]; [`moe_tcp_over`] reads them). The caller checks [`tcs_fits`].
-#[allow(clippy::too_many_arguments)]
-pub fn moe_tcs(gpu: &Gpu, q: &DevQ, up: &DevQ, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped, staged_out: Option<(&TcbStaging, &CudaSlice<f32>)>) -> Result<()> {
-    let (mut args, _, frag) = tcb_args(gpu, q, Some(up), shared, rows, st, None, y, &g, None, true)?;
-    let (sfrag, parts) = match staged_out {
-        None => (0, 0),
-        Some((o, p)) if rows.is_multiple_of(64) && o.cols >= rows && p.len() >= tcs_parts_len(o.rows, rows) => (ptr(&o.frag, &gpu.stream), ptr(p, &gpu.stream)),
-        Some((o, _)) => bail!("moe_tcs cannot stage {rows}-column outputs into {}-column rows", o.cols),
-    };
-    if !rows.is_multiple_of(16) {
-        bail!("moe_tcs takes experts of whole 16-row items, not {rows} rows");
-    }
-    args.extend([Arg::P(sfrag), Arg::P(parts)]);
-    let blocks = gpu.sms as usize * tcs_blocks_per_sm(gpu, q.cols)?.max(1);
-    gpu.launch(if frag { MOE_TCS_F } else { MOE_TCS }, (blocks as u32, 1, 1), TCS_THREADS, tcs_smem(q.cols), &args)
-}
-
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the
 /// `max_items` (tile, 16-row) items the lists can hold apiece, so at a batch of one (9 tiles)
 /// the blocks split the work as moe_tcb's do.
@@ -630,12 +569,11 @@ fn tcp_blocks(max_items: usize, wave: usize) -> usize {
     max_items.div_ceil((GEMV_THREADS / 32) as usize).clamp(1, wave.max(1))
 }
 
-/// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp; `gs_parts`: group sums read from
-/// there instead of `st`) and dynamic shared memory of
+/// The arguments (`rows_per_block`: moe_tcb's, none for moe_tcp) and dynamic shared memory of
 /// the staged expert kernels, after checking the matrices; `stage_scales`: over fragment-order
 /// codes the kernel reads the scales and biases in stage order (`moe_tcr_f`).
 #[allow(clippy::too_many_arguments)]
-fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, gs_parts: Option<&CudaSlice<f32>>, y: u64, g: &Grouped, rows_per_block: Option<usize>, stage_scales: bool) -> Result<(Vec<Arg>, u32, bool)> {
+fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: &Grouped, rows_per_block: Option<usize>, stage_scales: bool) -> Result<(Vec<Arg>, u32, bool)> {
     let same = |a: &DevQ| a.bits == 4 && a.cols == q.cols;
     if !same(q) || !up.is_none_or(same) || !same(shared.q) || shared.up.is_some() != up.is_some() || !shared.up.is_none_or(same) || !q.cols.is_multiple_of(64) {
         bail!("the batched expert kernel takes 4-bit matrices of whole 64-column groups, the shared expert's like the routed ones'");
@@ -665,7 +603,7 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
     args.extend(rows_per_block.map(|r| Arg::I(r as i32)));
     args.extend([
         Arg::P(ptr(&st.frag, stream)),
-        Arg::P(ptr(gs_parts.unwrap_or(&st.gsum), stream)),
+        Arg::P(ptr(&st.gsum, stream)),
         Arg::I(g.xdiv as i32),
         Arg::P(g.counts),
         Arg::P(g.offsets),

@@ -152,8 +152,6 @@ pub const MOE: Module = Module {
         "moe_tcb_f",
         "moe_tcp_f",
         "moe_tcr_f",
-        "moe_tcs",
-        "moe_tcs_f",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_glu_f",

@@ -220,15 +220,11 @@ pub enum GroupedRoute {
     /// `stage_tcb` + `moe_tcr` (`moe_tcb` with each warp's weights streamed through a ring in
     /// shared memory; bit-identical to `Tcb`).
     Tcr,
-    /// `stage_tcb` + `moe_tcs` (gate|up only: `moe_tcr`'s products with each 16-row item split
-    /// along K over a block's warps, the parts summed in a fixed order; not bit-identical to `Tcb`).
-    Tcs,
-    /// `Tcb`, `Tcp`, `Tcr`, `Tcs`, `Wgmma` and `F32` over codes in fragment order (the `*_f` kernel
+    /// `Tcb`, `Tcp`, `Tcr`, `Wgmma` and `F32` over codes in fragment order (the `*_f` kernel
     /// instances; `pf_gemm`'s other loads): the same products as in row order.
     TcbFrag,
     TcpFrag,
     TcrFrag,
-    TcsFrag,
     WgmmaFrag,
     F32Frag,
 }
@@ -240,7 +236,6 @@ impl GroupedRoute {
             GroupedRoute::TcbFrag => GroupedRoute::Tcb,
             GroupedRoute::TcpFrag => GroupedRoute::Tcp,
             GroupedRoute::TcrFrag => GroupedRoute::Tcr,
-            GroupedRoute::TcsFrag => GroupedRoute::Tcs,
             GroupedRoute::WgmmaFrag => GroupedRoute::Wgmma,
             GroupedRoute::F32Frag => GroupedRoute::F32,
             r => r,
@@ -266,7 +261,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let route = route.row_order();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
-        GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr | GroupedRoute::Tcs => moe::PrefillExperts::Tcb,
+        GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
         _ => unreachable!("row_order above"),
     }
@@ -292,7 +287,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let h = read(gpu, &h)?;
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
-    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr | GroupedRoute::Tcs) {
+    if matches!(route, GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr) {
         let st = TcbStaging::new(gpu, tokens, q.cols)?;
         qmatmul::stage_tcb(gpu, xp, q.cols, tokens, 0, 1e-6, 0, &st)?;
         // No shared expert: expert number `experts` is in none of the lists.
@@ -300,7 +295,6 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let experts_kernel = match route {
             GroupedRoute::Tcb => moe::moe_tcb,
             GroupedRoute::Tcp => moe::moe_tcp,
-            GroupedRoute::Tcs => tcs_rows,
             _ if !moe::tcr_fits(gpu, q.cols)? => bail!("moe_tcr does not take {} columns", q.cols),
             _ => tcr_rows,
         };
@@ -357,45 +351,6 @@ fn upload_frag_staged(gpu: &Gpu, q: &QuantTensor) -> Result<DevQ> {
 #[allow(clippy::too_many_arguments)]
 fn tcr_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
     moe::moe_tcr(gpu, q, up, shared, rows, st, y, g, None)
-}
-
-/// `moe_tcs` storing its outputs in `y` (gate|up only).
-#[allow(clippy::too_many_arguments)]
-fn tcs_rows(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &moe::SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
-    let Some(up) = up else { bail!("moe_tcs runs gate|up pairs only") };
-    if !moe::tcs_fits(gpu, rows, q.cols)? {
-        bail!("moe_tcs does not take {rows} x {} matrices", q.cols);
-    }
-    moe::moe_tcs(gpu, q, up, shared, rows, st, y, g, None)
-}
-
-/// [`tcr_staged_outputs`] for `moe_tcs`: its staged fragment words and the group sums of its
-/// quarter partials (added on the host in `load_tokens_tc`'s order), against `stage_tcb` of its
-/// stored outputs.
-#[allow(clippy::too_many_arguments)]
-pub fn tcs_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, experts: usize, x: &[f32], tokens: usize, ids: &[u32], k: usize, frag: bool) -> Result<[(Vec<u32>, Vec<f32>); 2]> {
-    let gpu = &b.gpu;
-    let rows = q.rows / experts;
-    if x.len() != tokens * q.cols || ids.len() != tokens * k || !q.rows.is_multiple_of(experts) || !moe::tcs_fits(gpu, rows, q.cols)? {
-        bail!("tcs_staged_outputs: bad shapes");
-    }
-    let upload = |m: &QuantTensor| if frag { upload_frag_staged(gpu, m) } else { DevQ::upload(gpu, m) };
-    let (dq, du) = (upload(q)?, upload(up)?);
-    let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
-    let g = lists.grouped(k);
-    let xd = gpu.upload(x)?;
-    let st = TcbStaging::new(gpu, tokens, q.cols)?;
-    qmatmul::stage_tcb(gpu, ptr(&xd, &gpu.stream), q.cols, tokens, 0, 1e-6, 0, &st)?;
-    let shared = moe::SharedExpert { q: &dq, up: Some(&du), expert: experts, base: None };
-    let y = gpu.zeros::<f32>(tokens * k * rows)?;
-    let yp = ptr(&y, &gpu.stream);
-    let (fused, two) = (TcbStaging::new(gpu, tokens * k, rows)?, TcbStaging::new(gpu, tokens * k, rows)?);
-    let parts = gpu.zeros::<f32>(moe::tcs_parts_len(fused.rows, rows))?;
-    moe::moe_tcs(gpu, &dq, &du, &shared, rows, &st, yp, g, Some((&fused, &parts)))?;
-    moe::moe_tcs(gpu, &dq, &du, &shared, rows, &st, yp, g, None)?;
-    qmatmul::stage_tcb(gpu, yp, rows, tokens * k, 0, 1e-6, 0, &two)?;
-    let sums = read(gpu, &parts)?.chunks(8).map(|d| ((d[0] + d[4]) + (d[2] + d[6])) + ((d[1] + d[5]) + (d[3] + d[7]))).collect();
-    Ok([(read(gpu, &fused.frag)?, sums), (read(gpu, &two.frag)?, read(gpu, &two.gsum)?)])
 }
 
 /// The staged input of the down products that `moe_tcr` writes itself (its `staged_out`), and

@@ -24,7 +24,7 @@ const CAPACITY: usize = 1 << 18;
 
 /// The kernels launched in order (not as programmatic dependents) that stamp at entry; every
 /// dependent kernel stamps in `pdl_wait`.
-const ORDERED_STAMPING: &[&str] = &["moe_tcb", "moe_tcb_f", "moe_tcp", "moe_tcp_f", "moe_tcr", "moe_tcr_f", "moe_tcs", "moe_tcs_f", "readback_words"];
+const ORDERED_STAMPING: &[&str] = &["moe_tcb", "moe_tcb_f", "moe_tcp", "moe_tcp_f", "moe_tcr", "moe_tcr_f", "readback_words"];
 
 /// Whether launches of `k` leave a stamp.
 pub fn stamps(k: Kernel) -> bool {
