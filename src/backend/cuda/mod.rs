@@ -130,7 +130,7 @@ struct Readback {
     done: cudarc::driver::CudaEvent,
 }
 
-const READBACK_WORDS: registry::Kernel = registry::Kernel::ordered(&registry::OPS, "readback_words");
+const READBACK_WORDS: registry::Kernel = registry::Kernel::ordered_stamping(&registry::OPS, "readback_words");
 
 impl Readback {
     /// The two slots of a loop with two steps in flight, `len` words each.

@@ -19,21 +19,28 @@ pub struct Module {
 
 /// A kernel of a module. `waits`: it executes `griddepcontrol.wait` before touching anything the
 /// previous kernel of the stream writes, so it may launch as a programmatic dependent (PDL).
+/// `stamps`: its block 0 leaves a decode-timeline stamp (kernels/common.cuh `tl_stamp`; every
+/// dependent kernel does in `pdl_wait`, the in-order decode kernels at entry).
 #[derive(Clone, Copy)]
 pub struct Kernel {
     pub module: &'static Module,
     pub name: &'static str,
     pub waits: bool,
+    pub stamps: bool,
 }
 
 impl Kernel {
     /// A kernel that waits for its predecessor inside (the decode kernels).
     pub const fn dependent(module: &'static Module, name: &'static str) -> Self {
-        Kernel { module, name, waits: true }
+        Kernel { module, name, waits: true, stamps: true }
     }
     /// A kernel that must start after its predecessor finished (the prefill kernels).
     pub const fn ordered(module: &'static Module, name: &'static str) -> Self {
-        Kernel { module, name, waits: false }
+        Kernel { module, name, waits: false, stamps: false }
+    }
+    /// An in-order kernel of the decode steps that calls `tl_stamp()` at entry.
+    pub const fn ordered_stamping(module: &'static Module, name: &'static str) -> Self {
+        Kernel { module, name, waits: false, stamps: true }
     }
 }
 

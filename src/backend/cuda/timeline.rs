@@ -22,14 +22,6 @@ use std::sync::{Arc, Mutex};
 /// Stamps the buffer holds; later stamps are counted and dropped.
 const CAPACITY: usize = 1 << 18;
 
-/// The kernels launched in order (not as programmatic dependents) that stamp at entry; every
-/// dependent kernel stamps in `pdl_wait`.
-const ORDERED_STAMPING: &[&str] = &["moe_tcb", "moe_tcb_f", "moe_tcp", "moe_tcp_f", "moe_tcr", "moe_tcr_f", "readback_words"];
-
-/// Whether launches of `k` leave a stamp.
-pub fn stamps(k: Kernel) -> bool {
-    k.waits || ORDERED_STAMPING.contains(&k.name)
-}
 
 /// One entry of the launch log.
 #[derive(Clone, Debug, PartialEq)]
@@ -82,7 +74,7 @@ impl Timeline {
 
     /// A launch of `k` with `grid` (only stamping kernels are logged).
     pub fn launched(&self, k: Kernel, grid: (u32, u32, u32)) {
-        if stamps(k) {
+        if k.stamps {
             self.push(Entry::Kernel { name: k.name, grid: (grid.0, grid.1) });
         }
     }
