@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex};
 /// Stamps the buffer holds; later stamps are counted and dropped.
 const CAPACITY: usize = 1 << 18;
 
-
 /// One entry of the launch log.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Entry {
