@@ -2,7 +2,8 @@
 # One device call that checks a build and A/Bs it on one machine. Run on the GPU machine from the
 # repository root after
 #   scripts/device_pack.sh [--raw-tests] --features cuda-testing --test cuda_gpu --test cuda_prefill --test cuda_sampling --test cuda_batch --test cuda_memory --test cuda_fixture
-#   (~27 MB, less with --raw-tests; carry [".device"]; the xz-compressed binaries are decompressed below)
+#   (~27 MB, less with --raw-tests; carry [".device"]; the xz-compressed binaries are decompressed below;
+#   .device/bin/lily may be left out: a lily-bench then writes the checkpoint, `--synth-preset`)
 # then:  bash scripts/device_check.sh [ARMS_FILE]        (everything it prints also lands in $OUT)
 #
 # 1. the GPU tests (cuda_gpu + cuda_prefill + cuda_sampling + cuda_batch + cuda_memory);
@@ -21,7 +22,13 @@ mkdir -p "$out"
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 bash scripts/device_unpack.sh
 ck=${LILY_CK:-/root/ck}
-[ -f "$ck/config.json" ] || ( ./.device/bin/lily synth --preset 35b-a3b --out "$ck" > /tmp/synth.log 2>&1 ) &
+# The checkpoint by `lily synth`, or by a lily-bench when the call carries no lily binary.
+if [ -x .device/bin/lily ]; then
+  writer=(./.device/bin/lily synth --preset 35b-a3b --out "$ck")
+else
+  writer=("$(ls .device/bin/lily-bench* | grep -v '\.xz$' | head -1)" --model "$ck" --synth-preset 35b-a3b)
+fi
+[ -f "$ck/config.json" ] || ( "${writer[@]}" > /tmp/synth.log 2>&1 ) &
 synth=$!
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -d .device/tests ]; then

@@ -17,6 +17,7 @@ use lily::backend::{open_backend_with, Backend, BackendKind, KvCache, LogitsWant
 use lily::engine::sampling::{Sampler, SamplingArgs, SamplingParams};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
+use lily::synth::{synthesize, Preset};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -28,8 +29,8 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt length (the context before decoding).
-    #[arg(long)]
-    prompt_len: usize,
+    #[arg(long, required_unless_present = "synth_preset")]
+    prompt_len: Option<usize>,
     #[arg(long, default_value_t = 64)]
     decode_steps: usize,
     /// Sequences decoded together (`Backend::decode_batch`); without it, the single-sequence
@@ -60,6 +61,17 @@ struct Args {
     /// Also write the JSON line here.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// First write this preset's synthetic checkpoint (seed 0, as `lily synth --preset` does) to
+    /// --model when it holds no config.json; without --prompt-len, only that. A GPU machine's
+    /// call then needs no `lily` binary for its checkpoint.
+    #[arg(long, requires = "model")]
+    synth_preset: Option<Preset>,
+}
+
+impl Args {
+    fn prompt_len(&self) -> usize {
+        self.prompt_len.unwrap_or(0)
+    }
 }
 
 fn main() {
@@ -70,7 +82,16 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    if args.prompt_len == 0 || args.decode_steps == 0 {
+    if let (Some(preset), Some(dir)) = (args.synth_preset, &args.model) {
+        if !dir.join("config.json").exists() {
+            eprintln!("lily-bench: writing the {preset} synthetic checkpoint to {}", dir.display());
+            synthesize(&preset.config(), dir, 0, false)?;
+        }
+        if args.prompt_len.is_none() {
+            return Ok(());
+        }
+    }
+    if args.prompt_len() == 0 || args.decode_steps == 0 {
         bail!("--prompt-len and --decode-steps must be positive");
     }
     if args.batch == Some(0) {
@@ -86,7 +107,7 @@ fn run(args: Args) -> Result<()> {
     }
     let kv_cache = if backend.kv_bf16() { "bf16" } else { "f32" };
     let vocab = backend.config().vocab_size;
-    let needed = args.prompt_len.checked_add(args.decode_steps + 1).context("context too large")?;
+    let needed = args.prompt_len().checked_add(args.decode_steps + 1).context("context too large")?;
     let max_seq = args.max_seq.unwrap_or(needed);
     if max_seq < needed {
         bail!("--max-seq {max_seq} is smaller than prompt + decode steps + 1 = {needed}");
@@ -102,7 +123,7 @@ fn run(args: Args) -> Result<()> {
         "backend": backend.name(),
         "source_id": option_env!("LILY_BENCH_SOURCE_ID").unwrap_or("unknown"),
         "model": dir.display().to_string(),
-        "prompt_len": args.prompt_len,
+        "prompt_len": args.prompt_len(),
         "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
         "decode_steps": args.decode_steps,
         "warmup": !args.no_warmup,
@@ -114,7 +135,7 @@ fn run(args: Args) -> Result<()> {
         let line = batch::run(backend.as_mut(), &args, n, max_seq, &params, mem_samples)?;
         return emit(common, line, args.json_out.as_deref());
     }
-    let prompt = contract_prompt(args.prompt_len, vocab);
+    let prompt = contract_prompt(args.prompt_len(), vocab);
 
     // The last prompt token goes through the decode path (Backend::decode_greedy or
     // decode_sampled), so the first generated token comes out of the same pipelined loop as the
@@ -125,7 +146,7 @@ fn run(args: Args) -> Result<()> {
         None => backend.decode_greedy(seq, first, steps, on_token),
         Some(s) => backend.decode_sampled(seq, first, steps, s, on_token),
     };
-    let (prefix, last_prompt) = prompt.split_at(args.prompt_len - 1);
+    let (prefix, last_prompt) = prompt.split_at(args.prompt_len() - 1);
     let last_prompt = last_prompt[0];
     if !args.no_warmup {
         let mut warm = backend.new_sequence(max_seq)?;
@@ -173,12 +194,12 @@ fn run(args: Args) -> Result<()> {
     eprintln!(
         "lily-bench: {} prompt {} -> prefill {:.1} tok/s, decode {:.2} tok/s, digest {digest}",
         backend.name(),
-        args.prompt_len,
-        args.prompt_len as f64 / prefill_secs,
+        args.prompt_len(),
+        args.prompt_len() as f64 / prefill_secs,
         args.decode_steps as f64 / decode_secs
     );
     let line = json!({
-        "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len as f64 / prefill_secs, "first_token_id": first},
+        "prefill": {"wall_secs": prefill_secs, "tok_s": args.prompt_len() as f64 / prefill_secs, "first_token_id": first},
         "decode": {"wall_secs": decode_secs, "tok_s": args.decode_steps as f64 / decode_secs, "step_wall_secs": steps, "token_digest": digest, "token_ids": tokens},
         "sequence_state_bytes": seq.memory_bytes(),
         "sequence_memory": backend.sequence_memory(),
@@ -257,7 +278,7 @@ mod batch {
     }
 
     pub fn run(backend: &mut dyn Backend, args: &Args, n: usize, max_seq: usize, params: &SamplingParams, mut mem: Vec<(u64, u64)>) -> Result<serde_json::Value> {
-        let len = args.prompt_len;
+        let len = args.prompt_len();
         if !args.no_warmup {
             let mut warm = prefilled(backend, n, len, max_seq)?;
             backend.decode_batch(&mut rows(&mut warm, 3, params), &mut |_: usize, _: u32| true)?;

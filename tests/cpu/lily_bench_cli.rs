@@ -86,3 +86,31 @@ fn batch_runs_report_aggregate_rates_and_a_digest_per_sequence() {
     let err = one_line_error(bench(&["--batch", "0"]));
     assert!(err.contains("--batch must be positive"), "{err}");
 }
+
+/// `--synth-preset` writes the preset's checkpoint where --model points when it has none (alone,
+/// without --prompt-len, it only does that), and a run on it then measures it; a checkpoint that
+/// is there is left as it is.
+#[test]
+fn synth_preset_writes_the_checkpoint_a_run_then_uses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let lily_bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lily-bench"))
+            .args(["--model", dir.to_str().unwrap(), "--synth-preset", "tiny", "--backend", "cpu"])
+            .args(extra)
+            .output()
+            .expect("run lily-bench")
+    };
+    let out = lily_bench(&[]);
+    assert!(out.status.success() && out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    let config = dir.join("config.json");
+    let written = std::fs::metadata(&config).expect("config.json written").modified().unwrap();
+    let out = lily_bench(&["--prompt-len", "8", "--decode-steps", "2", "--no-warmup"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(line["decode"]["token_ids"].as_array().unwrap().len(), 2);
+    assert_eq!(std::fs::metadata(&config).unwrap().modified().unwrap(), written, "the checkpoint was written again");
+    // Without --model there is nowhere to write it.
+    let out = Command::new(env!("CARGO_BIN_EXE_lily-bench")).args(["--synth-preset", "tiny"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}
