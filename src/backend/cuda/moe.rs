@@ -665,7 +665,8 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
     }
     let k = if gate.frag { PF_MOE_WG_GLU_F } else { PF_MOE_WG_GLU };
-    wg_launch(gpu, k, matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g, WG_GLU_ROWS)
+    let args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
+    gpu.launch(k, (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
@@ -699,12 +700,6 @@ fn wg_res_smem(cols: usize) -> u32 {
     let gpr = cols / 64;
     let buffers = (WG_RES_STAGES - 2) / gpr + 2;
     (gpr * WG_TILE * 128 + WG_RES_STAGES * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32
-}
-
-#[allow(clippy::too_many_arguments)]
-fn wg_launch(gpu: &Gpu, k: Kernel, mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Grouped, rows_per_block: usize) -> Result<()> {
-    let args = wg_args(mats, rows, cols, x, out, g);
-    gpu.launch(k, (rows.div_ceil(rows_per_block) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
 }
 
 /// The wgmma expert kernels' arguments (PF_MOE_WG_ARGS in kernels/moe.cu).
