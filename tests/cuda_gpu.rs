@@ -420,9 +420,44 @@ fn cuda_decode_greedy_matches_forward_argmax() {
     }
     assert_eq!(cont[..], want[5..5 + cont.len()]);
 
+    // A sink that lets no step be queued ahead from its 4th token on (the server's solo row once
+    // a request waits to join) and stops at the 5th: the sequence holds every token but the
+    // 5th, and a second call resuming with it continues exactly.
+    let mut seq = gpu.new_sequence(max_seq).unwrap();
+    gpu.forward(&mut seq, prefix, LogitsWanted::None).unwrap();
+    let mut sink = Pausing { got: Vec::new(), stop_at: 5 };
+    assert_eq!(gpu.decode_greedy(&mut seq, last[0], n, &mut sink).unwrap(), 5);
+    assert_eq!(sink.got, want[..5]);
+    assert_eq!(seq.len(), prefix.len() + 5, "the paused sequence holds every token but its last");
+    let mut rest = Vec::new();
+    gpu.decode_greedy(&mut seq, sink.got[4], n - 5, &mut |x| {
+        rest.push(x);
+        true
+    })
+    .unwrap();
+    assert_eq!(rest, want[5..]);
+
     // A second decode_greedy on the same backend and a fresh sequence reuses the captured graph.
     let (again, _) = run(&mut gpu);
     assert_eq!(again, want);
+}
+
+/// A token sink that stops at its `stop_at`-th token and lets no step be queued ahead from the
+/// token before it on.
+struct Pausing {
+    got: Vec<u32>,
+    stop_at: usize,
+}
+
+impl lily::backend::TokenSink for Pausing {
+    fn token(&mut self, token: u32) -> bool {
+        self.got.push(token);
+        self.got.len() < self.stop_at
+    }
+
+    fn queue_ahead(&mut self) -> bool {
+        self.got.len() + 2 < self.stop_at
+    }
 }
 
 #[test]

@@ -317,14 +317,15 @@ pub trait Backend: Send {
 
     /// Greedy decoding without handing logits to the caller: feeds `first_token` at the
     /// sequence's current position, then produces up to `steps` tokens, each the argmax (ties ->
-    /// lowest id) of the previous step's logits, calling `on_token(token)` for each in order;
+    /// lowest id) of the previous step's logits, calling `on_token.token(token)` for each in order;
     /// `on_token` returns false to stop. Returns the number of tokens produced (passed to
     /// `on_token`).
     ///
     /// The sequence then holds `first_token` and every produced token except the last one
     /// (`steps` tokens when nothing stopped early; `check_room(steps)` must hold). When
     /// `on_token` stops early, a pipelining backend (CUDA: step N+1 is already queued when token
-    /// N is read) may also have fed that last token; `seq.len()` tells.
+    /// N is read) may also have fed that last token, but only after [`TokenSink::queue_ahead`]
+    /// said yes for that step; `seq.len()` tells.
     ///
     /// The default runs `forward` + host argmax per step (CPU backend); the CUDA backend keeps
     /// the token on the device and reads it back asynchronously.
@@ -333,14 +334,14 @@ pub trait Backend: Send {
         seq: &mut Sequence,
         first_token: u32,
         steps: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        on_token: &mut dyn TokenSink,
     ) -> Result<usize> {
         seq.check_room(steps)?;
         let mut cur = first_token;
         for i in 0..steps {
             let logits = self.forward(seq, &[cur], LogitsWanted::Last)?;
             cur = crate::engine::sampling::argmax(&logits);
-            if !on_token(cur) {
+            if !on_token.token(cur) {
                 return Ok(i + 1);
             }
         }
@@ -363,7 +364,7 @@ pub trait Backend: Send {
         first_token: u32,
         steps: usize,
         snap: &crate::engine::sampling::SamplerSnapshot,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        on_token: &mut dyn TokenSink,
     ) -> Result<usize> {
         seq.check_room(steps)?;
         let mut snap = snap.clone();
@@ -373,7 +374,7 @@ pub trait Backend: Send {
             let mut logits = self.forward(seq, &[cur], LogitsWanted::Last)?;
             cur = snap.sample_at(&mut logits, at);
             snap.observe(cur);
-            if !on_token(cur) {
+            if !on_token.token(cur) {
                 return Ok(i + 1);
             }
         }
@@ -461,6 +462,29 @@ pub trait StepHooks {
     /// host work done here (the server's prefix-cache moves) runs while the device computes
     /// instead of between calls. It must not touch the rows of the call. Nothing by default.
     fn beside_steps(&mut self) {}
+}
+
+/// What a single-sequence decode ([`Backend::decode_greedy`], [`Backend::decode_sampled`])
+/// hands its tokens to.
+pub trait TokenSink {
+    /// The next token; false stops the decode.
+    fn token(&mut self, token: u32) -> bool;
+
+    /// Asked by a backend that can queue steps ahead, once per step after it is queued and
+    /// before its token goes to `token`: whether it may queue the next step now, before that
+    /// token is read. Yes accepts that a decode `token` stops at this step holds this step's
+    /// token too (the queued step fed it); after a no, a stop leaves the sequence holding every
+    /// token but its last, so the caller can resume it later with that token. Yes by default.
+    fn queue_ahead(&mut self) -> bool {
+        true
+    }
+}
+
+/// A closure takes every token and lets the backend queue ahead.
+impl<F: FnMut(u32) -> bool> TokenSink for F {
+    fn token(&mut self, token: u32) -> bool {
+        self(token)
+    }
 }
 
 /// Closures never constrain their rows: the backend may queue steps ahead.

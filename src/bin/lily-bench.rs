@@ -13,7 +13,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lily::backend::cuda::CudaOptions;
-use lily::backend::{open_backend_with, Backend, BackendKind, KvCache, LogitsWanted, Sequence};
+use lily::backend::{open_backend_with, Backend, BackendKind, KvCache, LogitsWanted, Sequence, TokenSink};
 use lily::engine::sampling::{Sampler, SamplingArgs, SamplingParams};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
@@ -142,7 +142,7 @@ fn run(args: Args) -> Result<()> {
     // decode tokens.
     let mut sampler = Sampler::new(params.clone());
     let snap = (!sampler.is_plain_greedy()).then(|| sampler.snapshot());
-    let decode = |backend: &mut dyn Backend, seq: &mut Sequence, first: u32, steps: usize, on_token: &mut dyn FnMut(u32) -> bool| match &snap {
+    let decode = |backend: &mut dyn Backend, seq: &mut Sequence, first: u32, steps: usize, on_token: &mut dyn TokenSink| match &snap {
         None => backend.decode_greedy(seq, first, steps, on_token),
         Some(s) => backend.decode_sampled(seq, first, steps, s, on_token),
     };

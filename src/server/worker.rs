@@ -36,7 +36,7 @@ use super::output::Delta;
 use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
-use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks};
+use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks, TokenSink};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -482,10 +482,11 @@ impl Worker {
         match device.len() {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
-                // The single-sequence loop takes no hooks: the turn's moves start before it.
+                // The single-sequence loop runs nothing beside its steps: the turn's moves start
+                // before it.
                 while step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
-                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON);
+                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON, &newcomer);
             }
             _ => {
                 let mut beside = || {
@@ -812,24 +813,24 @@ fn steps_for(a: &Active, cap: usize) -> usize {
     a.reply.remaining().min(a.seq.max_seq() - a.seq.len()).min(cap)
 }
 
-/// One row alone: the backend's pipelined single-sequence loop (the token stays on the device).
-/// It runs whole (a pipelined loop stopped early may have fed a token whose successor is lost),
-/// so it is kept short: `steps` at most.
-fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize) {
+/// One row alone: the backend's pipelined single-sequence loop (the token stays on the device),
+/// up to `steps` steps; it pauses (to resume next turn) once `newcomer` says a request waits to
+/// join, as a batch's rows do, so a stream running alone delays a newcomer by a step rather than
+/// by the rest of its call.
+fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, newcomer: &dyn Fn() -> bool) {
     let steps = steps_for(a, steps);
     let Active { seq, reply, .. } = a;
     let first = reply.next;
     let snap = reply.sampler.clone();
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let r = {
-        let mut each = |t: u32| reply.accept(t, &[], stop_ids, tokenizer, metrics);
-        guarded(|| match snap.params.is_plain_greedy() {
-            true => ctx.backend.decode_greedy(seq, first, steps, &mut each),
-            false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut each),
-        })
-    };
+    let mut replies = [reply];
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, beside: &mut || {}, ahead: false };
+    let r = guarded(|| match snap.params.is_plain_greedy() {
+        true => ctx.backend.decode_greedy(seq, first, steps, &mut hooks),
+        false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut hooks),
+    });
     if let Err(e) = r {
-        reply.failed = Some(e);
+        replies[0].failed = Some(e);
     }
 }
 
@@ -929,6 +930,17 @@ impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
 
     fn beside_steps(&mut self) {
         (self.beside)()
+    }
+}
+
+/// A row alone ([`solo_steps`]): the same pause and queue-ahead rules for its one reply.
+impl<F: FnMut(&mut Reply, u32) -> bool> TokenSink for RowHooks<'_, '_, F> {
+    fn token(&mut self, token: u32) -> bool {
+        StepHooks::token(self, 0, token)
+    }
+
+    fn queue_ahead(&mut self) -> bool {
+        StepHooks::queue_ahead(self)
     }
 }
 

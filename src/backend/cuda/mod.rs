@@ -37,7 +37,7 @@ pub mod timeline;
 pub mod vmm;
 pub mod weights;
 
-use super::{Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, SequenceMemoryReport, StepHooks};
+use super::{Backend, BatchRow, HostSequence, LogitsWanted, PrefillPiece, Sequence, SequenceMemoryReport, StepHooks, TokenSink};
 use crate::checkpoint::{Checkpoint, ModelConfig};
 use crate::engine::sampling::SamplerSnapshot;
 use crate::model::ModelWeights;
@@ -552,14 +552,14 @@ impl Backend for CudaBackend {
     /// Greedy decode with the token kept on the device: each step's graph ends with
     /// `argmax_next`, which writes the next token and position into the step buffer (see
     /// [`CudaBackend::device_loop`]).
-    fn decode_greedy(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
+    fn decode_greedy(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, on_token: &mut dyn TokenSink) -> Result<usize> {
         self.device_loop(seq, first_token, steps, StepOut::Greedy, on_token)
     }
 
     /// Sampled decode on the device: the snapshot's parameters, seed and counts are loaded once,
     /// then each step's graph ends with the device sampler (sampling.rs); plain greedy snapshots
     /// take the argmax path.
-    fn decode_sampled(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, snap: &SamplerSnapshot, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
+    fn decode_sampled(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, snap: &SamplerSnapshot, on_token: &mut dyn TokenSink) -> Result<usize> {
         snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
         let out = match sampling::select(snap) {
             sampling::TokenChoice::Argmax => StepOut::Greedy,
@@ -585,7 +585,7 @@ impl CudaBackend {
     /// queued right behind step N; the 8-byte step buffer is copied to a pinned host slot after
     /// each step (two slots, one event each) and step N's token is read only after step N+1 has
     /// been submitted.
-    fn device_loop(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, out: StepOut, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
+    fn device_loop(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, out: StepOut, on_token: &mut dyn TokenSink) -> Result<usize> {
         if steps == 0 {
             return Ok(0);
         }
@@ -612,7 +612,7 @@ impl CudaBackend {
         first_token: u32,
         steps: usize,
         out: StepOut,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        on_token: &mut dyn TokenSink,
         rb: &mut [Readback; 2],
     ) -> Result<usize> {
         let pos0 = seq.len();
@@ -629,37 +629,45 @@ impl CudaBackend {
         let grow = |seq: &mut Sequence, fed: usize| -> Result<()> { seq.state_mut::<CudaSequence>().grow(fed) };
         grow(seq, pos0 + 1)?;
         decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;
-        let [s0, s1] = rb;
-        submit(self, seq, s0)?;
+        submit(self, seq, &mut rb[0])?;
         // Growth that fails (the memory budget) ends the loop after the steps already queued:
         // their tokens are delivered, then the error is returned.
         let mut stalled: Option<anyhow::Error> = None;
-        for i in 0..steps {
-            // Queue step i + 1 (it feeds token i, still on the device) before reading token i.
-            if i + 1 < steps && stalled.is_none() {
-                match grow(seq, pos0 + i + 2) {
-                    Ok(()) => {
-                        let slot = if i % 2 == 0 { &mut *s1 } else { &mut *s0 };
-                        submit(self, seq, slot)?;
-                    }
-                    Err(e) => stalled = Some(e),
-                }
+        // Queues step i + 1 (it feeds token i, on the device whether read yet or not) into the
+        // other readback slot; whether it was queued.
+        let queue_next = |b: &mut Self, seq: &mut Sequence, rb: &mut [Readback; 2], i: usize, stalled: &mut Option<anyhow::Error>| -> Result<bool> {
+            if i + 1 >= steps || stalled.is_some() {
+                return Ok(false);
             }
-            let slot = if i % 2 == 0 { &*s0 } else { &*s1 };
-            let v = slot.wait(2)?;
+            if let Err(e) = grow(seq, pos0 + i + 2) {
+                *stalled = Some(e);
+                return Ok(false);
+            }
+            submit(b, seq, &mut rb[(i + 1) % 2])?;
+            Ok(true)
+        };
+        for i in 0..steps {
+            // Step i + 1 is queued before token i is read where the sink allows it (two steps in
+            // flight), else once the sink took token i without stopping.
+            let ahead = i + 1 < steps && stalled.is_none() && on_token.queue_ahead();
+            let queued = ahead && queue_next(self, seq, rb, i, &mut stalled)?;
+            let v = rb[i % 2].wait(2)?;
             let (tok, next_pos) = (v[0], v[1]);
             seq.advance(1);
             if next_pos as usize != pos0 + i + 1 || tok < 0 || tok as usize >= self.cfg.vocab_size
             {
                 bail!("device step buffer out of sync (token {tok}, position {next_pos})");
             }
-            if !on_token(tok as u32) {
-                if i + 1 < steps && stalled.is_none() {
+            if !on_token.token(tok as u32) {
+                if queued {
                     // Step i + 1 already fed this token.
                     self.gpu.sync()?;
                     seq.advance(1);
                 }
                 return Ok(i + 1);
+            }
+            if !ahead {
+                queue_next(self, seq, rb, i, &mut stalled)?;
             }
             if let Some(e) = stalled.take() {
                 return Err(e);

@@ -171,6 +171,46 @@ async fn a_stream_ends_with_its_last_token_not_with_the_decode_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
+    // A stream decoding alone runs the single-sequence loop up to 16 steps per call; a request
+    // that arrives meanwhile joins after the step under way, not after the call. Every forward
+    // is logged (its end, and whether it was a decode step: the prefill's want no logits), and a
+    // decode step takes 15 ms, so the HTTP path's latency is well under a step.
+    use lily::backend::LogitsWanted;
+    use std::sync::Mutex;
+    let log = Arc::new(Mutex::new(Vec::<(Instant, bool)>::new()));
+    let l = log.clone();
+    let s = steered_server(move |w, _, _| {
+        let step = w == LogitsWanted::Last;
+        if step {
+            std::thread::sleep(Duration::from_millis(15));
+        }
+        l.lock().unwrap().push((Instant::now(), step));
+    });
+    let url = format!("{}/v1/completions", s.url());
+    let mut long = body(1, 48, false);
+    long["ignore_eos"] = json!(true);
+    let mut r = client().post(&url).json(&long).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // Its third token is out: the newcomer arrives early in the long stream's first decode call.
+    let mut seen = 0;
+    while seen < 3 {
+        let bytes = r.chunk().await.unwrap().expect("the long stream goes on");
+        seen += std::str::from_utf8(&bytes).unwrap().matches("\"text\"").count();
+    }
+    let sent = Instant::now();
+    let reader = tokio::spawn(async move { while r.chunk().await.unwrap().is_some() {} });
+    let short = stream(&url, body(0, 2, false), None).await;
+    reader.await.unwrap();
+    assert_eq!(short.finish.as_deref(), Some("length"));
+    let log = log.lock().unwrap();
+    // The long stream's steps after the newcomer was sent and before its prompt went in.
+    let steps = log.iter().skip_while(|(t, _)| *t < sent).take_while(|(_, step)| *step).count();
+    assert!(log.iter().any(|(t, step)| *t > sent && !step), "the newcomer's prompt was prefilled");
+    assert!(steps <= 3, "the long stream took {steps} steps after the newcomer arrived before its prefill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_output_streams_batch_with_the_others_and_keep_their_solo_output() {
     let s = spawn(uncached_args()).unwrap();
     let url = format!("{}/v1/completions", s.url());
