@@ -462,34 +462,16 @@ async fn unicode_streams_whole_characters_and_logprobs_format() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_request_does_not_stop_the_server() {
-    use lily::backend::{Backend, LogitsWanted, Sequence};
-    struct Flaky {
-        inner: lily::backend::cpu::CpuBackend,
-        poison: u32,
-    }
-    impl Backend for Flaky {
-        fn name(&self) -> &'static str {
-            "flaky"
+    let poison = 4242;
+    let s = around_server(move |b: &mut dyn lily::backend::Backend, seq: &mut lily::backend::Sequence, tokens: &[u32], w| {
+        if tokens.contains(&poison) {
+            panic!("poisoned token");
         }
-        fn config(&self) -> &lily::checkpoint::ModelConfig {
-            self.inner.config()
+        if tokens.contains(&(poison + 1)) {
+            anyhow::bail!("backend error");
         }
-        fn new_sequence(&self, max_seq: usize) -> anyhow::Result<Sequence> {
-            self.inner.new_sequence(max_seq)
-        }
-        fn forward(&mut self, seq: &mut Sequence, tokens: &[u32], w: LogitsWanted) -> anyhow::Result<Vec<f32>> {
-            if tokens.contains(&self.poison) {
-                panic!("poisoned token");
-            }
-            if tokens.contains(&(self.poison + 1)) {
-                anyhow::bail!("backend error");
-            }
-            self.inner.forward(seq, tokens, w)
-        }
-    }
-    let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
-    let backend = Flaky { inner: lily::backend::cpu::CpuBackend::new(&ck).unwrap(), poison: 4242 };
-    let s = spawn_with_backend(args(), Box::new(backend)).unwrap();
+        b.forward(seq, tokens, w)
+    });
     let url = format!("{}/v1/completions", s.url());
     let (st, v) = post(&url, json!({"prompt": [1, 4242, 3], "max_tokens": 2})).await;
     assert_eq!(st, 500, "{v}");

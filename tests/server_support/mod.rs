@@ -108,16 +108,21 @@ pub fn rss_bytes() -> usize {
     s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok()).unwrap_or(0) * 1024
 }
 
-/// The tiny model on the CPU with `steer(wanted, logits, vocab)` editing the logits of every
-/// forward (tests that need the model to say something: end of sequence, `</think>`, ...).
-pub struct Steered<F> {
+/// The tiny model on the CPU with `around(inner, seq, tokens, wanted)` in place of its forward:
+/// tests that need the model to say something (end of sequence, `</think>`, ...), to fail on
+/// some input, or to take its time. Every other backend call is the CPU backend's default.
+pub struct Around<F> {
     inner: Box<dyn lily::backend::Backend>,
-    steer: F,
+    around: F,
 }
 
-impl<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send> lily::backend::Backend for Steered<F> {
+/// What [`Around`] runs for a forward: the inner backend, then the forward's arguments.
+pub trait Forward: FnMut(&mut dyn lily::backend::Backend, &mut lily::backend::Sequence, &[u32], lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> + Send {}
+impl<F: FnMut(&mut dyn lily::backend::Backend, &mut lily::backend::Sequence, &[u32], lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> + Send> Forward for F {}
+
+impl<F: Forward> lily::backend::Backend for Around<F> {
     fn name(&self) -> &'static str {
-        "steered"
+        "around"
     }
     fn config(&self) -> &lily::checkpoint::ModelConfig {
         self.inner.config()
@@ -126,16 +131,24 @@ impl<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send> lily::back
         self.inner.new_sequence(max_seq)
     }
     fn forward(&mut self, seq: &mut lily::backend::Sequence, tokens: &[u32], w: lily::backend::LogitsWanted) -> anyhow::Result<Vec<f32>> {
-        let mut out = self.inner.forward(seq, tokens, w)?;
-        let vocab = self.inner.config().vocab_size;
-        (self.steer)(w, &mut out, vocab);
-        Ok(out)
+        (self.around)(self.inner.as_mut(), seq, tokens, w)
     }
 }
 
-/// A server on the tiny model whose logits `steer` edits (see [`Steered`]).
-pub fn steered_server<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send + 'static>(steer: F) -> ServerHandle {
+/// A server on the tiny model whose forwards `around` runs (see [`Around`]).
+pub fn around_server<F: Forward + 'static>(around: F) -> ServerHandle {
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let inner: Box<dyn lily::backend::Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
-    spawn_with_backend(args(), Box::new(Steered { inner, steer })).unwrap()
+    spawn_with_backend(args(), Box::new(Around { inner, around })).unwrap()
+}
+
+/// A server on the tiny model whose logits `steer(wanted, logits, vocab)` edits after every
+/// forward.
+pub fn steered_server<F: FnMut(lily::backend::LogitsWanted, &mut [f32], usize) + Send + 'static>(mut steer: F) -> ServerHandle {
+    around_server(move |b: &mut dyn lily::backend::Backend, seq: &mut lily::backend::Sequence, tokens: &[u32], w| {
+        let mut out = b.forward(seq, tokens, w)?;
+        let vocab = b.config().vocab_size;
+        steer(w, &mut out, vocab);
+        Ok(out)
+    })
 }
