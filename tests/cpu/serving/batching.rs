@@ -175,7 +175,8 @@ async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
     // A stream decoding alone runs the single-sequence loop up to 16 steps per call; a request
     // that arrives meanwhile joins after the step under way, not after the call. Every forward
     // is logged (its end, and whether it was a decode step: the prefill's want no logits), and a
-    // decode step takes 15 ms, so the HTTP path's latency is well under a step.
+    // decode step takes 25 ms, so the HTTP path's latency is under a step or two even on a busy
+    // machine (the old behaviour took 13 more steps here).
     use lily::backend::LogitsWanted;
     use std::sync::Mutex;
     let log = Arc::new(Mutex::new(Vec::<(Instant, bool)>::new()));
@@ -183,7 +184,7 @@ async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
     let s = steered_server(move |w, _, _| {
         let step = w == LogitsWanted::Last;
         if step {
-            std::thread::sleep(Duration::from_millis(15));
+            std::thread::sleep(Duration::from_millis(25));
         }
         l.lock().unwrap().push((Instant::now(), step));
     });
@@ -207,7 +208,7 @@ async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
     // The long stream's steps after the newcomer was sent and before its prompt went in.
     let steps = log.iter().skip_while(|(t, _)| *t < sent).take_while(|(_, step)| *step).count();
     assert!(log.iter().any(|(t, step)| *t > sent && !step), "the newcomer's prompt was prefilled");
-    assert!(steps <= 3, "the long stream took {steps} steps after the newcomer arrived before its prefill");
+    assert!(steps <= 4, "the long stream took {steps} steps after the newcomer arrived before its prefill");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
