@@ -317,9 +317,8 @@ pub trait Backend: Send {
 
     /// Greedy decoding without handing logits to the caller: feeds `first_token` at the
     /// sequence's current position, then produces up to `steps` tokens, each the argmax (ties ->
-    /// lowest id) of the previous step's logits, calling `on_token.token(token)` for each in order;
-    /// `on_token` returns false to stop. Returns the number of tokens produced (passed to
-    /// `on_token`).
+    /// lowest id) of the previous step's logits, handing each to `on_token.token` in order, which
+    /// returns false to stop. Returns the number of tokens produced (handed to `on_token`).
     ///
     /// The sequence then holds `first_token` and every produced token except the last one
     /// (`steps` tokens when nothing stopped early; `check_room(steps)` must hold). When

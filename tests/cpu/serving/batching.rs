@@ -1,7 +1,8 @@
 //! Continuous batching in the server, on the tiny model and the CPU backend: concurrent streams
 //! share decode steps (each still gets exactly its solo output, greedy or seeded), a client that
 //! hangs up leaves the others untouched, a long prompt is prefilled between the running streams'
-//! steps instead of stalling them, and `--max-batch` bounds a step.
+//! steps instead of stalling them, a request arriving while one stream decodes alone joins
+//! within a step, and `--max-batch` bounds a step.
 
 use serde_json::{json, Value};
 use crate::server_support::*;
