@@ -13,6 +13,7 @@
 #    e.g.  "cublas off 4K | LILY_CUDA_CUBLAS=0 | --prompt-len 4096". A binary other than
 #    .device/bin/lily-bench can be named with BENCH=path in the env column. Lines starting with #
 #    are skipped. A switch is only worth making the default if its tests pass and it wins here.
+# SKIP_TESTS=1 leaves out step 1; TEST_TIMEOUT (seconds, default 200) bounds each test binary.
 set -u
 export LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
@@ -35,11 +36,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     # scripts/device_pack.sh --raw-tests: one binary per suite, GPU-only tests included.
     for t in .device/tests/*; do
       case "$t" in *.xz) continue;; esac
-      timeout 200 "$t" --include-ignored --test-threads 2 > "$out/tests-$(basename "$t").log" 2>&1; echo "rc=$?" >> "$out/tests-$(basename "$t").log"
+      timeout "${TEST_TIMEOUT:-200}" "$t" --include-ignored --test-threads 2 > "$out/tests-$(basename "$t").log" 2>&1; echo "rc=$?" >> "$out/tests-$(basename "$t").log"
       el "tests $(basename "$t")"; grep -E "^test result|FAILED|panicked|rc=" "$out/tests-$(basename "$t").log" | tail -4
     done
   else
-    timeout 200 bash .device/run test -E "test(cuda)" --no-fail-fast --success-output final > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
+    timeout "${TEST_TIMEOUT:-200}" bash .device/run test -E "test(cuda)" --no-fail-fast --success-output final > "$out/tests.log" 2>&1; echo "tests rc=$?" >> "$out/tests.log"
     el "tests"; grep -E "^\s+FAIL|Summary|rc=" "$out/tests.log" | tail -8
   fi
 fi

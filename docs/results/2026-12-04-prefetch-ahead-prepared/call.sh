@@ -1,6 +1,20 @@
 set -u
 export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck
-bash scripts/device_check.sh .device/arms.txt 2>&1 | tail -45
+# moe_tcs waits on shared-memory counters (its buffers): if that deadlocked, every batched test and
+# every batched arm of the patched binary would hang until its timeout and eat the call. So a short
+# batched run of that binary goes first, alone; without its line the tests get 60 s each and the
+# patched binary's batched arms are left out (its one-sequence arms stay).
+printf 'smoke b16 | BENCH=./.device/bin/lily-bench | --prompt-len 64 --decode-steps 8 --batch 16\n' > /tmp/smoke.txt
+SKIP_TESTS=1 bash scripts/device_check.sh /tmp/smoke.txt 2>&1 | tail -3
+arms=.device/arms.txt
+if ! grep -q '"batch"' "$OUT/ab.jsonl" 2>/dev/null; then
+  echo "SMOKE FAILED: the patched binary's batched step did not finish"
+  grep -v 'BENCH=./.device/bin/lily-bench |.*--batch' .device/arms.txt > /tmp/arms-safe.txt
+  arms=/tmp/arms-safe.txt
+  export TEST_TIMEOUT=60
+fi
+for f in "$OUT/ab.jsonl" "$OUT/bench-stderr.log"; do [ -f "$f" ] && mv "$f" "$OUT/smoke-$(basename "$f")"; done
+bash scripts/device_check.sh "$arms" 2>&1 | tail -45
 for f in $OUT/ab.jsonl $OUT/bench-stderr.log; do mv $f $OUT/call-$(basename $f); done
 grep -A40 "CUDA timeline" $OUT/call-bench-stderr.log | grep -v "^      " | head -50
 grep -E "Tcs|grouped gate" $OUT/tests-cuda_prefill.log | head -20
