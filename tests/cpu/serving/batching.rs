@@ -182,12 +182,14 @@ async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
     use std::sync::Mutex;
     let log = Arc::new(Mutex::new(Vec::<(Instant, bool)>::new()));
     let l = log.clone();
-    let s = steered_server(move |w, _, _| {
+    let s = around_server(move |b: &mut dyn lily::backend::Backend, seq: &mut lily::backend::Sequence, tokens: &[u32], w| {
         let step = w == LogitsWanted::Last;
         if step {
             std::thread::sleep(Duration::from_millis(25));
         }
+        let out = b.forward(seq, tokens, w);
         l.lock().unwrap().push((Instant::now(), step));
+        out
     });
     let url = format!("{}/v1/completions", s.url());
     let mut long = body(1, 48, false);
