@@ -1,12 +1,12 @@
-//! CI check (no GPU needed): every kernel module (one per op family, kernels/<family>.cu) compiles
-//! with NVRTC to an sm_90a CUBIN holding every entry point the backend loads. It compiles with
-//! device debug (`nvrtc::check_compile_cubin`): the same front end and assembler as the runtime
-//! build at a third of the time; the optimised build runs on the GPU machine. Needs libnvrtc
-//! (CUDA 13) on the loader path; when it cannot be loaded the test prints a notice and passes
-//! (skipped). Set LILY_REQUIRE_NVRTC=1 to turn the skip into a failure (CI).
+//! CI check (no GPU needed): every kernel module (one per op family, kernels/<family>.cu, and the
+//! benchmarks' modules) compiles with NVRTC to an sm_90a CUBIN holding every entry point the
+//! backend loads. It compiles with device debug (`nvrtc::check_compile_cubin`): the same front
+//! end and assembler as the runtime build at a third of the time; the optimised build runs on the
+//! GPU machine. Needs libnvrtc (CUDA 13) on the loader path; when it cannot be loaded the test
+//! prints a notice and passes (skipped). Set LILY_REQUIRE_NVRTC=1 to turn the skip into a failure (CI).
 
 use lily::backend::cuda::nvrtc::{check_compile_cubin, module_source, nvrtc_available, nvrtc_version, timeline_source};
-use lily::backend::cuda::registry::MODULES;
+use lily::backend::cuda::registry::{BENCH_MODULES, MODULES};
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -22,7 +22,7 @@ fn every_kernel_compiles_for_sm90a() {
     // One thread per module: NVRTC compiles separate programs concurrently, and a module takes
     // seconds on one core.
     let results: Vec<_> = std::thread::scope(|scope| {
-        let jobs: Vec<_> = MODULES.iter().map(|m| (m, scope.spawn(move || check_compile_cubin(m.name, &module_source(m.source))))).collect();
+        let jobs: Vec<_> = MODULES.iter().chain(BENCH_MODULES).map(|m| (m, scope.spawn(move || check_compile_cubin(m.name, &module_source(m.source))))).collect();
         jobs.into_iter().map(|(m, j)| (m, j.join().expect("compile thread panicked"))).collect()
     });
     let mut failures = Vec::new();

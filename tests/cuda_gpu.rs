@@ -550,3 +550,39 @@ fn cuda_bf16_kv_matches_cpu_bf16_kv() {
     eprintln!("bf16 KV + tensor-core prefill vs CPU: last-position logits relative RMS {rel:.2e}");
     assert!(rel.is_finite() && rel < 0.1, "tensor-core prefill with a bf16 KV cache: relative RMS {rel}");
 }
+
+/// The hand-over microbenchmark's chain (`lily-bench --handover`) gives the host's result every
+/// way it runs: one programmatic-dependent launch per phase, and one persistent launch whose
+/// blocks wait on flags (for the whole grid, or for one neighbour block), with and without the
+/// weights prefetched; all ways the same bits. A flag protocol that let a block read a phase
+/// before it was written would show here (or hang: the persistent grid is sized to be resident).
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_handover_chain_matches_host_every_way() {
+    use lily::backend::cuda::handover::{Chain, HandoverBench, Way};
+    use lily::backend::cuda::Gpu;
+    let gpu = Gpu::open(0, true).unwrap();
+    let resident = HandoverBench::resident_blocks(&gpu).unwrap();
+    let blocks = (2 * gpu.sms as usize).min(resident);
+    let chain = Chain { rows: 1024, cols: 512, phases: 6, blocks, neighbour: false };
+    let mut bench = HandoverBench::new(&gpu, chain).unwrap();
+    for neighbour in [false, true] {
+        bench.set_grid(blocks, neighbour).unwrap();
+        let want = HandoverBench::host_reference(bench.chain());
+        let mut digests = Vec::new();
+        for way in [
+            Way::Launches { prefetch: false },
+            Way::Launches { prefetch: true },
+            Way::Persistent { prefetch: false, wait: true },
+            Way::Persistent { prefetch: true, wait: true },
+        ] {
+            let m = bench.run(way, 1, 2).unwrap();
+            let got = bench.last_output().unwrap();
+            let (err, scale) = (max_abs_diff(&got, &want), want.iter().fold(0f32, |a, v| a.max(v.abs())));
+            eprintln!("handover {} neighbour {neighbour}: max |diff| {err:.3e} of max |y| {scale:.3}", way.label());
+            assert!(scale > 0.1 && err <= 1e-4 * scale, "{} (neighbour {neighbour}): max |diff| {err} against max |y| {scale}", way.label());
+            digests.push(m.digest);
+        }
+        assert!(digests.windows(2).all(|w| w[0] == w[1]), "neighbour {neighbour}: digests differ {digests:x?}");
+    }
+}

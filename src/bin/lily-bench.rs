@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt length (the context before decoding).
-    #[arg(long, required_unless_present = "synth_preset")]
+    #[arg(long, required_unless_present_any = ["synth_preset", "handover"])]
     prompt_len: Option<usize>,
     #[arg(long, default_value_t = 64)]
     decode_steps: usize,
@@ -66,6 +66,10 @@ struct Args {
     /// call then needs no `lily` binary for its checkpoint.
     #[arg(long, requires = "model")]
     synth_preset: Option<Preset>,
+    /// Instead of a model: the decode hand-over microbenchmark on the GPU (a JSON line per chain
+    /// and way; docs/cuda.md, "Toward a persistent decode kernel").
+    #[arg(long, conflicts_with_all = ["prompt_len", "batch", "synth_preset"])]
+    handover: bool,
 }
 
 impl Args {
@@ -82,6 +86,9 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
+    if args.handover {
+        return handover::sweep(args.json_out.as_deref());
+    }
     if let (Some(preset), Some(dir)) = (args.synth_preset, &args.model) {
         if !dir.join("config.json").exists() {
             eprintln!("lily-bench: writing the {preset} synthetic checkpoint to {}", dir.display());
@@ -331,5 +338,86 @@ mod batch {
             "sequence_memory": backend.sequence_memory(),
             "device_memory": super::device_memory_json(&mem, max_seq),
         }))
+    }
+}
+
+/// `--handover`: one dependent hand-over between decode phases, as a programmatic-dependent kernel
+/// boundary and as a readiness flag inside a persistent kernel (lily::backend::cuda::handover).
+mod handover {
+    use anyhow::{bail, Context, Result};
+    use lily::backend::cuda::handover::{Chain, HandoverBench, Way};
+    use lily::backend::cuda::Gpu;
+    use serde_json::json;
+    use std::io::Write;
+
+    /// (rows, columns) of a phase's bf16 weights: the router's half megabyte, an out-projection's
+    /// ~4 MB, an in-projection's ~14 MB.
+    const SHAPES: [(usize, usize); 3] = [(1024, 256), (2048, 1024), (2048, 3584)];
+    /// Weight bytes a chain streams at least (past the 50 MB L2, so every phase reads DRAM).
+    const CHAIN_BYTES: usize = 256 << 20;
+    const WAYS: [Way; 5] = [
+        Way::Launches { prefetch: true },
+        Way::Launches { prefetch: false },
+        Way::Persistent { prefetch: true, wait: true },
+        Way::Persistent { prefetch: false, wait: true },
+        Way::Persistent { prefetch: true, wait: false },
+    ];
+
+    pub fn sweep(json_out: Option<&std::path::Path>) -> Result<()> {
+        let gpu = Gpu::open(0, true)?;
+        let resident = HandoverBench::resident_blocks(&gpu)?;
+        let mut out = match json_out {
+            Some(p) => Some(std::fs::File::create(p).with_context(|| format!("cannot write {}", p.display()))?),
+            None => None,
+        };
+        let sms = gpu.sms as usize;
+        for (rows, cols) in SHAPES {
+            let phases = CHAIN_BYTES.div_ceil(rows * cols * 2).clamp(32, 512);
+            let mut bench = HandoverBench::new(&gpu, Chain { rows, cols, phases, blocks: sms, neighbour: false })?;
+            for blocks in [sms, 2 * sms].into_iter().filter(|&b| b <= resident) {
+                for neighbour in [false, true] {
+                    bench.set_grid(blocks, neighbour)?;
+                    let mut chain_digest = None;
+                    for way in WAYS {
+                        let m = bench.run(way, 2, 5)?;
+                        let waits = !matches!(way, Way::Persistent { wait: false, .. });
+                        if waits {
+                            match chain_digest {
+                                None => chain_digest = Some(m.digest),
+                                Some(d) if d != m.digest => bail!("{} gave other bits than launches ({rows}x{cols}, {blocks} blocks)", way.label()),
+                                Some(_) => {}
+                            }
+                        }
+                        let c = bench.chain();
+                        eprintln!(
+                            "lily-bench: handover {rows}x{cols} ({:.2} MB) x {phases}, {blocks} blocks{}, {}: {:.2} us per phase, {:.2} TB/s",
+                            c.phase_bytes() as f64 / 1e6,
+                            if neighbour { ", neighbour" } else { "" },
+                            way.label(),
+                            m.us_per_phase,
+                            m.tb_per_s
+                        );
+                        let line = json!({
+                            "schema_version": 1,
+                            "engine": "lily",
+                            "source_id": option_env!("LILY_BENCH_SOURCE_ID").unwrap_or("unknown"),
+                            "device": gpu.name,
+                            "handover": {
+                                "way": way.label(), "rows": rows, "cols": cols, "phase_bytes": c.phase_bytes(),
+                                "phases": phases, "blocks": blocks, "neighbour": neighbour,
+                                "us_per_phase": m.us_per_phase, "tb_per_s": m.tb_per_s,
+                                "digest": format!("{:016x}", m.digest), "chain_result": waits,
+                            },
+                        });
+                        let text = serde_json::to_string(&line)?;
+                        println!("{text}");
+                        if let Some(f) = out.as_mut() {
+                            writeln!(f, "{text}")?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

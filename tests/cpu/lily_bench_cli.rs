@@ -114,3 +114,17 @@ fn synth_preset_writes_the_checkpoint_a_run_then_uses() {
     let out = Command::new(env!("CARGO_BIN_EXE_lily-bench")).args(["--synth-preset", "tiny"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `--handover` (the GPU hand-over microbenchmark) needs no model; without a GPU it is a one-line
+/// error, and it takes no model-run flags.
+#[test]
+fn handover_without_a_gpu_is_a_one_line_error() {
+    let run = |extra: &[&str]| Command::new(env!("CARGO_BIN_EXE_lily-bench")).arg("--handover").args(extra).output().unwrap();
+    if lily::backend::cuda::device::driver_available() {
+        return; // a GPU machine runs it for real (bench scripts)
+    }
+    let err = one_line_error(run(&[]));
+    assert!(err.contains("NVIDIA driver"), "{err}");
+    let out = run(&["--prompt-len", "8"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -20,6 +20,7 @@ pub mod decode;
 pub mod device;
 pub mod forward;
 pub mod gdn;
+pub mod handover;
 pub mod hostmem;
 pub mod moe;
 pub mod nvrtc;

@@ -191,6 +191,17 @@ pub const SAMPLE: Module = Module {
 /// Every module, in load order.
 pub const MODULES: &[&Module] = &[&QMATMUL, &GDN, &ATTENTION, &MOE, &OPS, &SAMPLE];
 
+/// The decode hand-over microbenchmark (`lily-bench --handover`, handover.rs): not a model's
+/// kernels, so not in `MODULES` (it loads on first use, never at start-up).
+pub const HANDOVER: Module = Module {
+    name: "handover",
+    source: include_str!("../../../kernels/handover.cu"),
+    kernels: &["ho_gemv", "ho_persist"],
+};
+
+/// The modules outside `MODULES` (compile-checked with them).
+pub const BENCH_MODULES: &[&Module] = &[&HANDOVER];
+
 /// Dynamic shared memory a kernel may use without the opt-in attribute.
 const SMEM_DEFAULT_LIMIT: u32 = 48 * 1024;
 
@@ -305,7 +316,7 @@ mod tests {
     #[test]
     fn module_names_and_entry_points_are_unique() {
         let mut names = std::collections::HashSet::new();
-        for m in MODULES {
+        for m in MODULES.iter().chain(BENCH_MODULES) {
             assert!(names.insert(m.name), "module {} twice", m.name);
             for k in m.kernels {
                 assert!(names.insert(k), "kernel {k} in two modules");
