@@ -14,8 +14,13 @@ if ! grep -q '"batch"' "$OUT/ab.jsonl" 2>/dev/null; then
   export TEST_TIMEOUT=60
 fi
 for f in "$OUT/ab.jsonl" "$OUT/bench-stderr.log"; do [ -f "$f" ] && mv "$f" "$OUT/smoke-$(basename "$f")"; done
-bash scripts/device_check.sh "$arms" 2>&1 | tail -45
+# Issue 18's design question, apart from the model (~15 s): one hand-over as a PDL kernel boundary
+# against a flag in a persistent kernel (lily-bench --handover; docs/cuda.md).
+bash scripts/device_unpack.sh >/dev/null 2>&1
+LILY_CACHE_DIR=/tmp/lilycache LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-} \
+  timeout 120 ./.device/bin/lily-bench --handover --json-out "$OUT/handover.jsonl" 2>&1 | grep -v '^{' | tail -62
+bash scripts/device_check.sh "$arms" 2>&1 | tail -46
 for f in $OUT/ab.jsonl $OUT/bench-stderr.log; do mv $f $OUT/call-$(basename $f); done
 grep -A40 "CUDA timeline" $OUT/call-bench-stderr.log | grep -v "^      " | head -50
-grep -E "Tcs|grouped gate" $OUT/tests-cuda_prefill.log | head -20
-grep -E "gdn_step_kernels|Pausing|decode_greedy_matches" $OUT/tests-cuda_batch.log $OUT/tests-cuda_gpu.log | head -6
+grep -E "Tcs|grouped gate|screened routing" $OUT/tests-cuda_prefill.log | head -20
+grep -E "gdn_step_kernels|Pausing|decode_greedy_matches|handover" $OUT/tests-cuda_batch.log $OUT/tests-cuda_gpu.log | head -12
