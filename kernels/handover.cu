@@ -80,18 +80,21 @@ extern "C" __global__ void __launch_bounds__(HO_THREADS) ho_gemv(const u16* __re
     ho_phase(Wp, rows, cols, x, y, neighbour, blockIdx.x, gridDim.x, xs);
 }
 
-__device__ __forceinline__ unsigned ho_ld_acquire(const unsigned* p) {
+__device__ __forceinline__ unsigned ho_ld_relaxed(const unsigned* p) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
-// Every phase in one launch. flags [phases][G + 1], zero at launch: word b of phase p is set
+// Every phase in one launch. flags [phases][G + 1] + 1, zero at launch: word b of phase p is set
 // once block b wrote its rows of phase p, word G counts the blocks that did. Before phase p a
 // block waits for the words it reads (`wait` = 0: it does not wait, a floor with the same loads
-// and stores whose results are not the chain's). Deadlock-free only when all G blocks are
-// resident at once: the host sizes G by the occupancy query. The prefetch of phase p's rows goes
-// out before the wait, so the weights stream while the previous phase finishes.
+// and stores whose results are not the chain's): thread 0 spins on relaxed loads (an acquire
+// load invalidates the SM's L1 each time), then one acquire fence. Deadlock-free only when all G
+// blocks are resident at once: the host sizes G by the occupancy query; a wait that outlasts
+// 2 s sets the last word and gives up, so a broken protocol fails the run instead of hanging it.
+// The prefetch of phase p's rows goes out before the wait, so the weights stream while the
+// previous phase finishes.
 extern "C" __global__ void __launch_bounds__(HO_THREADS) ho_persist(const u16* __restrict__ W, int phases, int rows,
                                                                   int cols, float* acts, unsigned* flags,
                                                                   int neighbour, int prefetch, int wait) {
@@ -104,8 +107,15 @@ extern "C" __global__ void __launch_bounds__(HO_THREADS) ho_persist(const u16* _
             const unsigned* prev = flags + (size_t)(p - 1) * (G + 1);
             const unsigned* word = neighbour ? prev + (b + 1) % G : prev + G;
             const unsigned target = neighbour ? 1u : (unsigned)G;
-            while (ho_ld_acquire(word) < target) {
+            // 2^22 loads of an L2 line take seconds: long past any real wait. (ptxas keeps one
+            // word of this path in local memory, thread 0's only, off the GEMV's loop.)
+            for (unsigned n = 0; ho_ld_relaxed(word) < target; ++n) {
+                if (n == (1u << 22)) {
+                    atomicExch(flags + (size_t)phases * (G + 1), 1u);
+                    break;
+                }
             }
+            fence_acq_rel_gpu();
         }
         __syncthreads();
         ho_phase(Wp, rows, cols, acts + (size_t)p * rows, acts + (size_t)(p + 1) * rows, neighbour, b, G, xs);

@@ -88,6 +88,11 @@ pub struct HandoverBench<'a> {
     flags: CudaSlice<u32>,
 }
 
+/// The flag words of a chain: per phase one per block and the count, then the failure word.
+fn flag_words(c: &Chain) -> usize {
+    c.phases * (c.blocks + 1) + 1
+}
+
 /// A deterministic value in [-1, 1) for index `i` of stream `seed`.
 fn unit(seed: u64, i: u64) -> f32 {
     let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -113,7 +118,7 @@ impl<'a> HandoverBench<'a> {
             *a = unit(2, i as u64);
         }
         let (w, acts) = (gpu.upload(&w)?, gpu.upload(&acts)?);
-        let flags = gpu.zeros::<u32>(chain.phases * (chain.blocks + 1))?;
+        let flags = gpu.zeros::<u32>(flag_words(&chain))?;
         Ok(HandoverBench { gpu, chain, w, acts, flags })
     }
 
@@ -121,8 +126,8 @@ impl<'a> HandoverBench<'a> {
     pub fn set_grid(&mut self, blocks: usize, neighbour: bool) -> Result<()> {
         let c = Chain { blocks, neighbour, ..self.chain };
         c.check()?;
-        if c.phases * (blocks + 1) > self.flags.len() {
-            self.flags = self.gpu.zeros::<u32>(c.phases * (blocks + 1))?;
+        if flag_words(&c) > self.flags.len() {
+            self.flags = self.gpu.zeros::<u32>(flag_words(&c))?;
         }
         self.chain = c;
         Ok(())
@@ -132,12 +137,21 @@ impl<'a> HandoverBench<'a> {
         self.chain
     }
 
-    /// The graph of one run of the chain `way`'s way.
+    /// The graph of one run of the chain `way`'s way (every way's with the flags' memset, so
+    /// their times differ only by how the phases hand over).
     fn graph(&self, way: Way) -> Result<StepGraph> {
         let (gpu, c) = (self.gpu, self.chain);
         let (w, acts, flags) = (ptr(&self.w, &gpu.stream), ptr(&self.acts, &gpu.stream), ptr(&self.flags, &gpu.stream));
         let grid = (c.blocks as u32, 1, 1);
-        capture(gpu, || match way {
+        capture(gpu, || {
+            gpu.zero(flags, flag_words(&c) * 4)?;
+            self.enqueue(way, w, acts, flags, grid)
+        })
+    }
+
+    fn enqueue(&self, way: Way, w: u64, acts: u64, flags: u64, grid: (u32, u32, u32)) -> Result<()> {
+        let (gpu, c) = (self.gpu, self.chain);
+        match way {
             Way::Launches { prefetch } => {
                 for p in 0..c.phases {
                     let args = [
@@ -154,7 +168,6 @@ impl<'a> HandoverBench<'a> {
                 Ok(())
             }
             Way::Persistent { prefetch, wait } => {
-                gpu.zero(flags, c.phases * (c.blocks + 1) * 4)?;
                 let args = [
                     Arg::P(w),
                     Arg::I(c.phases as i32),
@@ -168,7 +181,7 @@ impl<'a> HandoverBench<'a> {
                 ];
                 gpu.launch(HO_PERSIST, grid, HO_THREADS, 0, &args)
             }
-        })
+        }
     }
 
     /// Most blocks of the persistent kernel resident at once: more would deadlock.
@@ -198,6 +211,17 @@ impl<'a> HandoverBench<'a> {
         self.gpu.sync()?;
         let ms = t0.elapsed_ms(&t1).map_err(|e| anyhow!("{e:?}"))? as f64;
         let c = self.chain;
+        // The result checked is a run's over activations poisoned first (NaN), so a phase read
+        // before it was written shows: every run computes the same values, and a read of the last
+        // run's would pass.
+        let acts = ptr(&self.acts, &self.gpu.stream) + (c.rows * 4) as u64;
+        // SAFETY: the activations past the first phase's input, a live allocation of this size.
+        unsafe { cudarc::driver::result::memset_d8_async(acts, 0xff, c.phases * c.rows * 4, self.gpu.stream.cu_stream()) }.map_err(|e| anyhow!("device memset: {e:?}"))?;
+        g.launch()?;
+        let failed = self.gpu.stream.clone_dtoh(&self.flags.slice(flag_words(&c) - 1..flag_words(&c))).map_err(|e| anyhow!("{e:?}"))?;
+        if failed[0] != 0 {
+            bail!("{}: a block polled a flag 2^22 times in vain (the hand-over protocol is broken)", way.label());
+        }
         let last = self.gpu.stream.clone_dtoh(&self.acts.slice(c.phases * c.rows..)).map_err(|e| anyhow!("{e:?}"))?;
         let digest = last.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100_0000_01b3));
         let us_per_phase = ms * 1e3 / (reps.max(1) * c.phases) as f64;
