@@ -58,7 +58,13 @@ while IFS='|' read -r label envs args; do
   env_list=()
   for kv in $envs; do case "$kv" in BENCH=*) bench=${kv#BENCH=};; *) env_list+=("$kv");; esac; done
   # shellcheck disable=SC2086
+  # Each JSON line gains the arm's label ("arm"), so scripts/call_summary.py can pair arms.
   env ${env_list[@]+"${env_list[@]}"} timeout 150 "$bench" --model "$ck" --backend cuda $args \
-    2> >(grep -v "^lily-bench: cuda prompt" >> "$out/bench-stderr.log") | tee -a "$out/ab.jsonl" | show "$label"
+    2> >(grep -v "^lily-bench: cuda prompt" >> "$out/bench-stderr.log") \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    try: d=json.loads(l)
+    except Exception: continue
+    d["arm"]=sys.argv[1]; print(json.dumps(d), flush=True)' "$label" | tee -a "$out/ab.jsonl" | show "$label"
 done < "$arms"
 el "arms"

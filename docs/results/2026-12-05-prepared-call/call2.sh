@@ -6,3 +6,4 @@ export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck
 SKIP_TESTS=1 bash scripts/device_check.sh .device/arms2.txt 2>&1 | tail -14
 for f in $OUT/ab.jsonl $OUT/bench-stderr.log; do mv $f $OUT/call2-$(basename $f); done
 grep -A40 "CUDA timeline" $OUT/call2-bench-stderr.log | grep -v "^      " | head -60
+python3 scripts/call_summary.py "$OUT" --same all=all9 | tail -30
