@@ -21,7 +21,6 @@ LILY_CACHE_DIR=/tmp/lilycache LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/n
   timeout 120 ./.device/bin/lily-bench --handover --json-out "$OUT/handover.jsonl" 2>&1 | grep -v '^{' | tail -62
 bash scripts/device_check.sh "$arms" 2>&1 | tail -46
 for f in $OUT/ab.jsonl $OUT/bench-stderr.log; do mv $f $OUT/call-$(basename $f); done
-grep -A40 "CUDA timeline" $OUT/call-bench-stderr.log | grep -v "^      " | head -50
 grep -E "Tcs|grouped gate|screened routing" $OUT/tests-cuda_prefill.log | head -20
 grep -E "gdn_step_kernels|Pausing|decode_greedy_matches|handover" $OUT/tests-cuda_batch.log $OUT/tests-cuda_gpu.log | head -12
 python3 scripts/call_summary.py "$OUT" --same all=all9 --same all9=all8 --same all7=oproj
