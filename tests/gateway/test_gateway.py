@@ -28,15 +28,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    pytest.importorskip("sglang_router")
-    if not BIN.exists():
-        pytest.fail(f"{BIN} not found: run `cargo build --bin lily` first (or set LILY_BIN)")
-    logs = tmp_path_factory.mktemp("replica-logs")
-    port, base = free_port(), free_port()
-    while any(p in (port,) for p in range(base, base + 3)):
-        base = free_port()
+def free_run(n, avoid=()):
+    """A port p with p .. p + n - 1 all free now (each bound once to check) and none in `avoid`."""
+    for _ in range(200):
+        p = free_port()
+        if p + n > 65536 or any(q in avoid for q in range(p, p + n)):
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
+def start_cluster(logs):
+    """deploy/replicas.sh on fresh ports: (process, gateway port, first replica port, its output
+    lines, whether it started)."""
+    port = free_port()
+    base = free_run(3, avoid=(port,))
     env = dict(os.environ, LOG_DIR=str(logs))
     proc = subprocess.Popen(["bash", str(ROOT / "deploy" / "replicas.sh"), "--cpu", "3", "--lily", str(BIN), "--port", str(port), "--base-port", str(base), "--", "--max-seq", "2048"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     out = []
@@ -50,9 +67,29 @@ def cluster(tmp_path_factory):
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(180) or proc.poll() is not None:
-        proc.kill()
-        pytest.fail("the cluster did not start:\n" + "".join(out))
+    started = ready.wait(180) and proc.poll() is None
+    return proc, port, base, out, started
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("sglang_router")
+    if not BIN.exists():
+        pytest.fail(f"{BIN} not found: run `cargo build --bin lily` first (or set LILY_BIN)")
+    # The ports are free when chosen, but another process on the machine (the Rust tests running
+    # beside these) may take one before a replica binds it: then new ports, a few times.
+    for attempt in range(3):
+        logs = tmp_path_factory.mktemp("replica-logs")
+        proc, port, base, out, started = start_cluster(logs)
+        if started:
+            break
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        taken = any("Address already in use" in f.read_text(errors="replace") for f in logs.glob("*.log"))
+        if not taken or attempt == 2:
+            pytest.fail("the cluster did not start:\n" + "".join(out))
     yield {"url": f"http://127.0.0.1:{port}/v1", "base": base, "logs": logs}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
