@@ -16,7 +16,7 @@
 //!   at the end; a non-empty directory is only replaced if it is a previous synth output
 //!   (it carries the [`MARKER`] file).
 
-mod gen;
+pub(crate) mod gen;
 mod write;
 
 use crate::checkpoint::config::ModelConfig;

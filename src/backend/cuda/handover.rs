@@ -10,7 +10,9 @@ use super::device::{ptr, Arg, Gpu};
 use super::registry::{Kernel, HANDOVER};
 use super::{capture, StepGraph};
 use anyhow::{anyhow, bail, Result};
+use crate::engine::contract::token_digest;
 use cudarc::driver::CudaSlice;
+use half::bf16;
 use rayon::prelude::*;
 
 const HO_GEMV: Kernel = Kernel::dependent(&HANDOVER, "ho_gemv");
@@ -75,7 +77,7 @@ pub struct Measured {
     pub us_per_phase: f64,
     /// The chain's weight bytes over that time.
     pub tb_per_s: f64,
-    /// FNV-1a of the last phase's output bits.
+    /// The last phase's output bits through the contract's token digest (FNV-1a).
     pub digest: u64,
 }
 
@@ -93,18 +95,15 @@ fn flag_words(c: &Chain) -> usize {
     c.phases * (c.blocks + 1) + 1
 }
 
-/// A deterministic value in [-1, 1) for index `i` of stream `seed`.
+/// A deterministic value in [-1, 1) for index `i` of stream `seed` (the synthetic checkpoints'
+/// counter-based words).
 fn unit(seed: u64, i: u64) -> f32 {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 29;
-    ((z >> 40) as f32) / ((1u64 << 23) as f32) - 1.0
+    ((crate::synth::gen::word(seed, i) >> 40) as f32) / ((1u64 << 23) as f32) - 1.0
 }
 
-/// The bf16 bits of `x` (round to nearest even; finite inputs).
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+/// Weight `i` of the chain (bf16).
+fn weight(i: u64) -> bf16 {
+    bf16::from_f32(unit(1, i))
 }
 
 impl<'a> HandoverBench<'a> {
@@ -112,7 +111,7 @@ impl<'a> HandoverBench<'a> {
     pub fn new(gpu: &'a Gpu, chain: Chain) -> Result<Self> {
         chain.check()?;
         let n = chain.phases * chain.rows * chain.cols;
-        let w: Vec<u16> = (0..n as u64).into_par_iter().map(|i| bf16_bits(unit(1, i))).collect();
+        let w: Vec<u16> = (0..n as u64).into_par_iter().map(|i| weight(i).to_bits()).collect();
         let mut acts = vec![0f32; (chain.phases + 1) * chain.rows];
         for (i, a) in acts.iter_mut().take(chain.rows).enumerate() {
             *a = unit(2, i as u64);
@@ -195,8 +194,11 @@ impl<'a> HandoverBench<'a> {
 
     /// Runs the chain `way`'s way `warmup` times, then `reps` times timed.
     pub fn run(&mut self, way: Way, warmup: usize, reps: usize) -> Result<Measured> {
-        if matches!(way, Way::Persistent { .. }) && self.chain.blocks > Self::resident_blocks(self.gpu)? {
-            bail!("{} blocks cannot all be resident (at most {}): the persistent chain would deadlock", self.chain.blocks, Self::resident_blocks(self.gpu)?);
+        if matches!(way, Way::Persistent { .. }) {
+            let resident = Self::resident_blocks(self.gpu)?;
+            if self.chain.blocks > resident {
+                bail!("{} blocks cannot all be resident (at most {resident}): the persistent chain would deadlock", self.chain.blocks);
+            }
         }
         let g = self.graph(way)?;
         g.upload()?;
@@ -222,8 +224,8 @@ impl<'a> HandoverBench<'a> {
         if failed[0] != 0 {
             bail!("{}: a block polled a flag 2^22 times in vain (the hand-over protocol is broken)", way.label());
         }
-        let last = self.gpu.stream.clone_dtoh(&self.acts.slice(c.phases * c.rows..)).map_err(|e| anyhow!("{e:?}"))?;
-        let digest = last.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100_0000_01b3));
+        let bits: Vec<u32> = self.last_output()?.iter().map(|v| v.to_bits()).collect();
+        let digest = token_digest(&bits);
         let us_per_phase = ms * 1e3 / (reps.max(1) * c.phases) as f64;
         Ok(Measured { us_per_phase, tb_per_s: c.phase_bytes() as f64 / (us_per_phase * 1e6), digest })
     }
@@ -246,7 +248,7 @@ impl<'a> HandoverBench<'a> {
                 for (r, yr) in y.iter_mut().enumerate().take(r1).skip(r0) {
                     let base = ((p * chain.rows + r) * chain.cols) as u64;
                     let dot: f64 = (0..chain.cols)
-                        .map(|j| f32::from_bits((bf16_bits(unit(1, base + j as u64)) as u32) << 16) as f64 * x[s0 + j % n] as f64)
+                        .map(|j| weight(base + j as u64).to_f64() * x[s0 + j % n] as f64)
                         .sum();
                     *yr = (dot * scale) as f32;
                 }
@@ -268,12 +270,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bf16_rounding_and_values() {
-        assert_eq!(bf16_bits(1.0), 0x3f80);
-        assert_eq!(bf16_bits(-2.0), 0xc000);
-        // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: to even (1).
-        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
-        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+    fn values_are_in_range() {
         for i in 0..1000 {
             let v = unit(7, i);
             assert!((-1.0..1.0).contains(&v), "{v}");
