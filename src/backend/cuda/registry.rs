@@ -202,7 +202,7 @@ pub const HANDOVER: Module = Module {
 /// The modules outside `MODULES` (compile-checked with them).
 pub const BENCH_MODULES: &[&Module] = &[&HANDOVER];
 
-/// Dynamic shared memory a kernel may use without the opt-in attribute.
+/// Shared memory (static and dynamic together) a block may use without the opt-in attribute.
 const SMEM_DEFAULT_LIMIT: u32 = 48 * 1024;
 
 /// Dynamic shared memory a block may opt into on sm_90 (227 KiB).
@@ -220,7 +220,7 @@ pub struct Registry {
 
 struct Loaded {
     module: Arc<CudaModule>,
-    /// Functions looked up so far, with the dynamic shared memory they are opted in to.
+    /// Functions looked up so far, with the dynamic shared memory each may launch with now.
     funcs: HashMap<&'static str, (CudaFunction, u32)>,
 }
 
@@ -286,7 +286,7 @@ impl Registry {
     }
 
     /// The function of `k`, loading its module on first use, opted in to `smem` bytes of dynamic
-    /// shared memory when that is over the default limit.
+    /// shared memory when that and its static shared memory together pass the default limit.
     pub fn function(&self, k: Kernel, smem: u32) -> Result<CudaFunction> {
         let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         let loaded = self.load_locked(&mut mods, k.module, None)?;
@@ -294,7 +294,8 @@ impl Registry {
             let f = loaded.module.load_function(k.name).map_err(|e| {
                 anyhow!("kernel {} missing from kernels/{}.cu: {e:?}", k.name, k.module.name)
             })?;
-            loaded.funcs.insert(k.name, (f, SMEM_DEFAULT_LIMIT));
+            let allowed = dynamic_smem_allowed(SMEM_DEFAULT_LIMIT, static_smem(&f, k)?);
+            loaded.funcs.insert(k.name, (f, allowed));
         }
         let (f, optin) = loaded.funcs.get_mut(k.name).expect("inserted above");
         if smem > *optin {
@@ -309,9 +310,32 @@ impl Registry {
     }
 }
 
+/// The static shared memory of `f` (its `__shared__` arrays).
+fn static_smem(f: &CudaFunction, k: Kernel) -> Result<u32> {
+    let bytes = f
+        .get_attribute(sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .map_err(|e| anyhow!("{k:?}: its static shared memory: {e:?}"))?;
+    Ok(u32::try_from(bytes).unwrap_or(0))
+}
+
+/// The dynamic shared memory a launch may ask for under a block limit of `limit` bytes: the
+/// limit is on static and dynamic together.
+fn dynamic_smem_allowed(limit: u32, static_bytes: u32) -> u32 {
+    limit.saturating_sub(static_bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn static_shared_memory_counts_against_the_default_limit() {
+        assert_eq!(dynamic_smem_allowed(SMEM_DEFAULT_LIMIT, 0), 48 * 1024);
+        // A kernel with 10 KB static and 40 KB dynamic passes 48 KB only together: it needs the
+        // opt-in although its dynamic part alone is under the line.
+        assert!(40 * 1024 > dynamic_smem_allowed(SMEM_DEFAULT_LIMIT, 10 * 1024));
+        assert_eq!(dynamic_smem_allowed(SMEM_DEFAULT_LIMIT, 64 * 1024), 0);
+    }
 
     #[test]
     fn module_names_and_entry_points_are_unique() {
