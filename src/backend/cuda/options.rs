@@ -21,9 +21,9 @@ pub const DEFAULT_MEMORY_FRACTION: f64 = 0.9;
 /// tensor-core GEMM.
 pub const CUBLAS_MIN_TOKENS: usize = 128;
 
-/// 4-bit sets of fewer 16-row tiles than this stay on the CUDA-core GEMV (the 2,048-row
-/// out-projections, 128 tiles, measured faster there; docs/cuda.md).
-pub const GEMV_TC_MIN_TILES: usize = 256;
+/// 4-bit sets of fewer 16-row tiles than this stay on the CUDA-core GEMV (the tiny model's; the
+/// 35B's 2,048-row out-projections, 128 tiles, run on the tensor cores: docs/cuda.md).
+pub const GEMV_TC_MIN_TILES: usize = 128;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct CudaOptions {

@@ -809,8 +809,8 @@ mod tests {
             let head = set(&[cfg.vocab_size], true);
             assert_eq!(select_gemv(&router, h, 64, 0), GemvKernel::Simt);
             assert_eq!(select_gemv(&head, h, 64, min), GemvKernel::TensorCore);
-            assert_eq!(select_gemv(&out, cfg.gdn_value_dim(), 64, min), GemvKernel::Simt);
             let want = if big { GemvKernel::TensorCore } else { GemvKernel::Simt };
+            assert_eq!(select_gemv(&out, cfg.gdn_value_dim(), 64, min), want);
             assert_eq!(select_gemv(&gdn_in, h, 64, min), want);
             // Tests put every 4-bit set on the tensor cores.
             assert_eq!(select_gemv(&out, cfg.gdn_value_dim(), 64, 0), GemvKernel::TensorCore);
