@@ -856,3 +856,23 @@ fn cuda_prefill_pieces_equal_each_alone() {
         }
     }
 }
+
+/// The dense matrices kept in bf16 since loading (what the cuBLAS route multiplies in long
+/// chunks) are the values the route dequantises per chunk without them: the logits of a prefill
+/// the same bits either way.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_dense_bf16_copies_change_no_bit() {
+    let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
+    let vocab = b.config().vocab_size;
+    let toks: Vec<u32> = (0..300u32).map(|i| (i * 2654435761u32) % vocab as u32).collect();
+    let run = |b: &mut CudaBackend| {
+        let mut s = b.new_sequence(512).unwrap();
+        testing::prefill(b, &mut s, &toks, LogitsWanted::All, DEFAULT_CHUNK, false).unwrap()
+    };
+    let kept = run(&mut b);
+    let dropped = testing::drop_dense_bf16(&mut b);
+    assert!(dropped > 0, "the backend kept no bf16 copy");
+    let per_chunk = run(&mut b);
+    assert!(kept.iter().zip(&per_chunk).all(|(x, y)| x.to_bits() == y.to_bits()), "{dropped} copies changed the logits");
+}

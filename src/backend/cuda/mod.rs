@@ -282,9 +282,12 @@ impl CudaBackend {
         }
         gpu.load_all()?;
         let frag_experts = moe::fragment_order_experts(&moe::MoeDims::new(&cfg), opts.force_cuda_core_moe);
-        let w = DevWeights::upload(&gpu, &mw, ck.total_bytes(), frag_experts)?;
-        let decoder = Decoder::new(&gpu, &cfg, &w)?;
+        let mut w = DevWeights::upload(&gpu, &mw, ck.total_bytes(), frag_experts)?;
         let blas = if opts.cublas { blas::Blas::open(&gpu.stream) } else { None };
+        if blas.is_some() {
+            w.keep_dense_bf16(&gpu, cfg.quant.group_size, opts.memory_fraction)?;
+        }
+        let decoder = Decoder::new(&gpu, &cfg, &w)?;
         let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), gpu.device_copy()?, state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
         gpu.sync()?;
         Ok(CudaBackend {

@@ -510,9 +510,7 @@ impl<'a> Gemm<'a> {
 
     /// `q` (first `rows` rows) dequantised into a cuBLAS scratch.
     fn dequant(&self, q: &DevQ, rows: usize, k: Kernel, out: u64) -> Result<()> {
-        row_order(q)?;
-        let args = [&qmat_args(q, self.gpu, rows, self.group)[..], &[Arg::P(out)]].concat();
-        self.gpu.launch(k, ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1), 256, 0, &args)
+        dequant_rows(self.gpu, q, rows, self.group, k, out)
     }
 
     /// `y[t][0..rows] (+)= W · x[t]` for `ntok` tokens (grouped: per-expert slot lists).
@@ -523,8 +521,15 @@ impl<'a> Gemm<'a> {
             GemmRoute::Cublas => {
                 let r = self.blas.as_ref().expect("selected only with cuBLAS");
                 let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
-                self.dequant(q, rows, PF_DEQUANT_BF16, r.wb.0)?;
-                r.blas.gemm(Precision::Bf16, r.wb.0, xb, y, (rows, q.cols, ntok, ldy), accumulate)
+                // The weights kept in bf16 since loading (`DevQ::dense_bf16`), else dequantised now.
+                let wb = match &q.dense_bf16 {
+                    Some(d) => ptr(d, &self.gpu.stream),
+                    None => {
+                        self.dequant(q, rows, PF_DEQUANT_BF16, r.wb.0)?;
+                        r.wb.0
+                    }
+                };
+                r.blas.gemm(Precision::Bf16, wb, xb, y, (rows, q.cols, ntok, ldy), accumulate)
             }
             GemmRoute::TensorCore => gemm_tc(self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
             GemmRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
@@ -567,6 +572,21 @@ impl<'a> Gemm<'a> {
             }
         }
     }
+}
+
+/// The first `rows` rows of row-order `q` dequantised by `k` (`pf_dequant_bf16` / `_f32`) to `out`.
+fn dequant_rows(gpu: &Gpu, q: &DevQ, rows: usize, group: usize, k: Kernel, out: u64) -> Result<()> {
+    row_order(q)?;
+    let args = [&qmat_args(q, gpu, rows, group)[..], &[Arg::P(out)]].concat();
+    gpu.launch(k, ((rows * q.cols / 8).div_ceil(256) as u32, 1, 1), 256, 0, &args)
+}
+
+/// `q` dequantised to bf16 as the cuBLAS route dequantises it per chunk (the same kernel, so the
+/// same values): a copy kept beside the codes ([`DevQ::dense_bf16`]).
+pub fn dense_bf16_copy(gpu: &Gpu, q: &DevQ, group: usize) -> Result<CudaSlice<u16>> {
+    let out = gpu.zeros::<u16>(q.rows * q.cols)?;
+    dequant_rows(gpu, q, q.rows, group, PF_DEQUANT_BF16, ptr(&out, &gpu.stream))?;
+    Ok(out)
 }
 
 /// The leading arguments of every quantised-matrix prefill kernel (pf_gemm, pf_gemm_skinny,

@@ -467,6 +467,12 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
     Ok(out)
 }
 
+/// Drops the dense matrices' bf16 copies ([`super::weights::DevWeights::keep_dense_bf16`]), so
+/// the cuBLAS route dequantises per chunk again; returns how many there were.
+pub fn drop_dense_bf16(b: &mut CudaBackend) -> usize {
+    b.w.dense_matrices().into_iter().filter_map(|q| q.dense_bf16.take()).count()
+}
+
 /// The prefill attention kernel alone: `q`, `gate` `[t][nh][hd]` (q already normed and rotated),
 /// caches `[pos0 + t][nkv][hd]` given in f32 and kept as the model would (bf16 with `kv_bf16`);
 /// returns the gated outputs `[t][nh][hd]`. `exact`: the f32 kernel, else the tensor-core one.

@@ -33,6 +33,9 @@ pub struct DevQ {
     /// (`moe_tcr_f`; [`stage_order_scales`]), beside the row-order `s` and `b` the other kernels
     /// read.
     pub stage_sb: Option<CudaSlice<u16>>,
+    /// The rows dequantised to bf16 once, for the long prefill chunks' cuBLAS GEMMs, which
+    /// otherwise dequantise them into a scratch every chunk ([`DevWeights::keep_dense_bf16`]).
+    pub dense_bf16: Option<CudaSlice<u16>>,
 }
 
 /// Groups per stage of the batched gate|up ring kernel (TCR_GROUPS in kernels/common.cuh).
@@ -176,6 +179,7 @@ impl DevQ {
             frag,
             frag_copy: None,
             stage_sb,
+            dense_bf16: None,
         })
     }
     pub fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
@@ -244,6 +248,40 @@ pub struct DevWeights {
 }
 
 impl DevWeights {
+    /// Keeps the dense matrices the long prefill chunks multiply on cuBLAS (GDN in and out,
+    /// attention q, k, v and o, the shared expert) dequantised to bf16 ([`DevQ::dense_bf16`]), so a
+    /// chunk no longer dequantises ~3.5 GB of them first (the 35B: 2.8 GB kept), when they take at
+    /// most an eighth of what `fraction` of the device leaves besides the weights (the rest stays
+    /// for sequences); else nothing. Returns the bytes kept.
+    pub fn keep_dense_bf16(&mut self, gpu: &Gpu, group: usize, fraction: f64) -> Result<usize> {
+        let mut dense = self.dense_matrices();
+        dense.retain(|q| !q.frag);
+        let bytes: usize = dense.iter().map(|q| q.rows * q.cols * 2).sum();
+        let (free, total) = gpu.mem_info()?;
+        let room = ((total as f64 * fraction) as usize).saturating_sub(total - free);
+        if bytes == 0 || bytes > room / 8 {
+            return Ok(0);
+        }
+        for q in dense {
+            q.dense_bf16 = Some(super::qmatmul::dense_bf16_copy(gpu, q, group)?);
+        }
+        Ok(bytes)
+    }
+
+    /// The dense matrices of every layer: GDN in and out, attention q, k, v and o, the shared
+    /// expert (what the long prefill chunks multiply on cuBLAS).
+    pub fn dense_matrices(&mut self) -> Vec<&mut DevQ> {
+        let mut dense: Vec<&mut DevQ> = Vec::new();
+        for l in self.layers.iter_mut() {
+            match &mut l.mixer {
+                DevMixer::Gdn(g) => dense.extend([&mut g.in_qkv, &mut g.in_z, &mut g.out]),
+                DevMixer::Attn(a) => dense.extend([&mut a.q, &mut a.k, &mut a.v, &mut a.o]),
+            }
+            dense.extend([&mut l.moe.shared_gate, &mut l.moe.shared_up, &mut l.moe.shared_down]);
+        }
+        dense
+    }
+
     /// Uploads everything; checks free memory first so a too-large model fails with one line.
     /// `frag_experts`: the routed experts' codes in fragment order and a fragment-order copy of
     /// the shared expert's (what the tensor-core expert kernels read; moe::fragment_order_experts).
