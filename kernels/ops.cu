@@ -6,9 +6,12 @@
 // attn_prep, gdn_step.)
 
 // RMSNorm of each row (x * inv * gain, as ops::rms_norm), one warp per row in float4s (n a
-// multiple of 4): the second pass re-reads the row from L1. grid (ceil(rows / 8)), block 256.
+// multiple of 4): the second pass re-reads the row from L1. With `staged` (not null) the outputs
+// also go there in bf16, as pf_to_bf16 would stage `out` for the cuBLAS GEMMs (the same words:
+// round to nearest even of the same values), without a second kernel reading `out` back.
+// grid (ceil(rows / 8)), block 256.
 extern "C" __global__ void pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* __restrict__ out,
-                                      int rows, int n, float eps) {
+                                      int rows, int n, float eps, uint2* __restrict__ staged) {
     const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * n);
@@ -20,9 +23,12 @@ extern "C" __global__ void pf_rmsnorm(const float* __restrict__ x, const float* 
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     const float inv = inv_rms_from(warp_sum(ss), n, eps);
+    uint2* srow = staged ? staged + (size_t)row * (n / 4) : nullptr;
     for (int c = lane; c < n / 4; c += 32) {
         const float4 v = xr[c], g = gr[c];
-        orow[c] = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        const float4 o = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        orow[c] = o;
+        if (srow) srow[c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
     }
 }
 

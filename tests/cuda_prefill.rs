@@ -607,6 +607,16 @@ fn cuda_prefill_logits_match_cpu() {
     );
     assert!(r < 0.1, "relative logit error {r}");
     assert!(t1 >= 180, "top-1 agreement {t1}/200");
+    // The long chunks' MoE output added into the residual by the next layer's input norm (the
+    // default) or by a launch of its own: the same values, bit for bit.
+    testing::options_mut(&mut gpu).tcb_prefill_tokens = 0;
+    testing::options_mut(&mut gpu).fuse_combine_norm = false;
+    let mut s6 = gpu.new_sequence(256).unwrap();
+    let unfused = testing::prefill(&mut gpu, &mut s6, &toks, LogitsWanted::All, DEFAULT_CHUNK, false)
+        .unwrap();
+    testing::options_mut(&mut gpu).fuse_combine_norm = true;
+    testing::options_mut(&mut gpu).tcb_prefill_tokens = lily::backend::cuda::moe::TCB_PREFILL_TOKENS;
+    assert!(unfused.iter().zip(&long).all(|(a, b)| a.to_bits() == b.to_bits()), "the combine fused into the next norm changed the logits");
     // Last only equals the last row of All (same path).
     for exact in [true, false] {
         let all = if exact { &got } else { &tc };

@@ -25,6 +25,7 @@ const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
 const PF_MOE_COMBINE_BF16: Kernel = Kernel::ordered(&MOE, "pf_moe_combine_bf16");
+const PF_MOE_COMBINE_NORM_BF16: Kernel = Kernel::ordered(&MOE, "pf_moe_combine_norm_bf16");
 const MOE_TCB: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcb");
 const MOE_TCP: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcp");
 const MOE_TCR: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr");
@@ -348,6 +349,39 @@ pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n
         bail!("the bf16 combine takes an even hidden size, not {}", d.hidden);
     }
     gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
+}
+
+/// Float4s of a row per lane of `pf_moe_combine_norm_bf16` (PF_CN_F4 in kernels/moe.cu).
+const COMBINE_NORM_F4: usize = 16;
+
+/// Whether [`combine_norm_bf16`] takes rows of `hidden` values (one warp's registers hold a row).
+pub fn combine_norm_fits(hidden: usize) -> bool {
+    hidden.is_multiple_of(4) && hidden <= 32 * 4 * COMBINE_NORM_F4
+}
+
+/// [`combine_bf16_down`] fused with the next layer's input norm over `n` rows: `x += ...`, then
+/// `u = RMSNorm(x) * gain` and, with `staged`, its bf16 copy there (`ops::rms_norm`'s): the
+/// values of the separate launches, one launch and one read of `x` fewer.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_norm_bf16(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, gain: u64, u: u64, staged: Option<u64>, n: usize, eps: f32) -> Result<()> {
+    if !combine_norm_fits(d.hidden) {
+        bail!("the fused combine and norm take rows of whole float4s of at most {} values, not {}", 128 * COMBINE_NORM_F4, d.hidden);
+    }
+    let args = [
+        Arg::P(out.down),
+        Arg::P(out.top_w),
+        Arg::I(out.k as i32),
+        Arg::P(out.shared),
+        Arg::P(out.sgl),
+        Arg::P(x),
+        Arg::P(gain),
+        Arg::P(u),
+        Arg::P(staged.unwrap_or(0)),
+        Arg::I(n as i32),
+        Arg::I(d.hidden as i32),
+        Arg::F(eps),
+    ];
+    gpu.launch(PF_MOE_COMBINE_NORM_BF16, (n.div_ceil(8) as u32, 1, 1), 256, 0, &args)
 }
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per

@@ -60,6 +60,9 @@ pub struct CudaOptions {
     /// Multi-token forwards run the decode step once per token instead of the prefill kernels, so
     /// `lily logits --decode-forward` measures the decode kernels on every position.
     pub decode_forward: bool,
+    /// Test-only: false adds the long chunks' MoE output into the residual in a launch of its own
+    /// instead of in the next layer's input norm (`moe::combine_norm_bf16`; the same values).
+    pub fuse_combine_norm: bool,
     /// Test-only: see [`GEMV_TC_MIN_TILES`] (0 puts every 4-bit set on the tensor-core GEMV).
     pub gemv_tc_min_tiles: usize,
     /// Test-only: see [`CUBLAS_MIN_TOKENS`] (0 sends every dense prefill GEMM to cuBLAS).
@@ -92,6 +95,7 @@ impl Default for CudaOptions {
             pdl: true,
             exact_prefill: false,
             decode_forward: false,
+            fuse_combine_norm: true,
             gemv_tc_min_tiles: GEMV_TC_MIN_TILES,
             cublas_min_tokens: CUBLAS_MIN_TOKENS,
             force_cuda_core_moe: false,

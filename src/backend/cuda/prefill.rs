@@ -92,7 +92,11 @@ struct ChunkPass<'a> {
     segments: &'a [Segment<'a>],
     exact: bool,
     tcb_prefill_tokens: usize,
+    fuse_combine_norm: bool,
     dims: LayerDims,
+    /// The last MoE layer's output, added into the residual by the next layer's input norm
+    /// (`moe::combine_norm_bf16`) where the long chunks' route wrote it in bf16.
+    pending: Option<PendingCombine>,
 }
 
 impl ChunkPass<'_> {
@@ -100,11 +104,16 @@ impl ChunkPass<'_> {
         ptr(s, &self.gpu.stream)
     }
 
-    /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it.
-    fn norm(&self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
+    /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it, after adding
+    /// the pending MoE output into `x`.
+    fn norm(&mut self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
         let (n, h) = (self.rows, self.w.embed.cols);
-        ops::rms_norm(self.gpu, self.p(&self.act.x), self.p(gain), self.p(&self.act.u), n, h, self.dims.eps)?;
-        self.gemm.stage(self.p(&self.act.u), n, h)?;
+        let (x, g, u) = (self.p(&self.act.x), self.p(gain), self.p(&self.act.u));
+        let staged = self.gemm.stage_target(u, n, h);
+        match self.pending.take() {
+            Some(out) => moe::combine_norm_bf16(self.gpu, &self.dims.moe, &out, x, g, u, staged, n, self.dims.eps)?,
+            None => ops::rms_norm(self.gpu, x, g, u, n, h, self.dims.eps, staged)?,
+        }
         self.point(probe, Point::Phase("norm"))
     }
 }
@@ -185,7 +194,7 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("attn.out"))
     }
 
-    fn moe(&mut self, _li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
+    fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
         let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
@@ -230,6 +239,12 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
         self.point(probe, Point::Phase("shared"))?;
         let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, sgl: self.p(&a.sgl) };
+        if route == PrefillExperts::Wg && self.fuse_combine_norm && li + 1 < self.w.layers.len() && moe::combine_norm_fits(h) && probe.trace.is_none() {
+            // Added into x by the next layer's input norm, in the same launch (a trace reads x
+            // at each layer's end: then it is added here).
+            self.pending = Some(out);
+            return Ok(());
+        }
         if route == PrefillExperts::Wg {
             moe::combine_bf16_down(self.gpu, &d, &out, self.p(&a.x), n)?;
         } else {
@@ -262,6 +277,8 @@ pub struct Prefill<'a> {
     pub blas: Option<&'a Blas>,
     pub cublas_min_tokens: usize,
     pub tcb_prefill_tokens: usize,
+    /// The long chunks' MoE output added into the residual by the next layer's input norm.
+    pub fuse_combine_norm: bool,
     pub chunk: usize,
     pub exact: bool,
     pub profile: bool,
@@ -355,8 +372,10 @@ impl Prefill<'_> {
             segments,
             exact: self.exact,
             tcb_prefill_tokens: self.tcb_prefill_tokens,
+            fuse_combine_norm: self.fuse_combine_norm,
             // Each segment's attention reads its own sequence's KV type.
             dims: LayerDims::new(self.cfg, false),
+            pending: None,
         };
         forward::layers(&mut pass, self.w, &Segments(segments), probe)
     }
@@ -373,7 +392,7 @@ impl Prefill<'_> {
             let m = (r1 - r).min(b.act.logit_rows);
             let xr = ptr(&b.act.x, st) + (r * h * 4) as u64;
             let ur = ptr(&b.act.u, st);
-            ops::rms_norm(gpu, xr, ptr(&self.w.final_norm, st), ur, m, h, eps)?;
+            ops::rms_norm(gpu, xr, ptr(&self.w.final_norm, st), ur, m, h, eps, None)?;
             gemm.run(&self.w.lm_head, vocab, ur, m, ptr(&b.act.logits, st), vocab, false, None)?;
             probe.at(gpu, Point::Phase("head"), &b.act.x, 0)?;
             let mut host = vec![0.0f32; m * vocab];

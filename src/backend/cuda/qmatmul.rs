@@ -493,19 +493,17 @@ impl<'a> Gemm<'a> {
         self.blas.as_ref().map(|r| BlasLimits { min_tokens: r.min_tokens, scratch: scratch(r) })
     }
 
-    /// Keeps a bf16 copy of the normed hidden states `u` (`ntok` x `cols`) for every GEMM that
-    /// reads them until the next norm rewrites `u` (the next `stage`). No-op without cuBLAS.
-    pub fn stage(&self, u: u64, ntok: usize, cols: usize) -> Result<()> {
-        let Some(r) = self.blas.as_ref() else {
-            return Ok(());
-        };
+    /// Where the norm writing the hidden states `u` (`ntok` x `cols`) also writes their bf16
+    /// copy, which every cuBLAS GEMM reading `u` then takes until the next norm rewrites `u` (the
+    /// next call); `None` (nothing staged) without cuBLAS or where its GEMMs do not run.
+    pub fn stage_target(&self, u: u64, ntok: usize, cols: usize) -> Option<u64> {
+        let r = self.blas.as_ref()?;
         r.staged.set(None);
         let len = ntok * cols;
-        if ntok >= r.min_tokens && len <= r.ub.1 {
-            to_bf16(self.gpu, u, r.ub.0, len)?;
+        (ntok >= r.min_tokens && len <= r.ub.1).then(|| {
             r.staged.set(Some((u, len)));
-        }
-        Ok(())
+            r.ub.0
+        })
     }
 
     /// `q` (first `rows` rows) dequantised into a cuBLAS scratch.

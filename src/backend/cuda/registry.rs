@@ -171,6 +171,7 @@ pub const MOE: Module = Module {
         "pf_scatter",
         "pf_moe_combine",
         "pf_moe_combine_bf16",
+        "pf_moe_combine_norm_bf16",
     ],
 };
 
