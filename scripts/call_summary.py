@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """What a device call brought back, in one reading: the GPU test suites' results, each lily-bench
-arm beside the base arm of the same shape, the digests that must be equal, and the hand-over
-microbenchmark's differences between ways.
+arm beside the base arm of the same shape, the digests that must be equal, the hand-over
+microbenchmark's differences between ways, and the serving load test's table.
 
     python3 scripts/call_summary.py OUT_DIR [--base base] [--same A=B ...]
 
 OUT_DIR holds what scripts/device_check.sh and the call scripts wrote: tests-*.log, *ab.jsonl
-(lily-bench lines carrying their arm's label as "arm"), handover.jsonl. An arm "X rest" is set
+(lily-bench lines carrying their arm's label as "arm"), handover.jsonl, *serve_load*.jsonl
+(bench/serve_load.py, one line per mode and concurrency). An arm "X rest" is set
 beside "BASE rest" (e.g. "all b16" beside "base b16"). --same A=B names two arm prefixes whose
 digests must be equal on every shape both ran (e.g. --same all=all9: "all b1 4K" against
 "all9 b1 4K"); a difference is printed as MISMATCH and makes the exit status 1.
@@ -117,6 +118,36 @@ def handover(out):
     return lines
 
 
+def serve_load(out):
+    """The load test's table (as docs/benchmarks.md keeps it): per concurrency, each mode's
+    aggregate tok/s, TTFT p50 and inter-token latency p95, one table per *serve_load*.jsonl."""
+    tables = []
+    for path in sorted(glob.glob(os.path.join(out, "*serve_load*.jsonl"))):
+        rows, modes = {}, []
+        for line in open(path, errors="replace"):
+            try:
+                d = json.loads(line)
+                cell = (d["decode"]["aggregate_tok_s"], d["ttft_secs"]["p50"], d["itl_secs"]["p95"])
+                key = (d["concurrency"], d["mode"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            rows[key] = cell
+            if d["mode"] not in modes:
+                modes.append(d["mode"])
+        if not rows:
+            continue
+        head = "| C | " + " | ".join(f"{m} tok/s | TTFT p50 s | ITL p95 ms" for m in modes) + " |"
+        lines = [f"{os.path.basename(path)}:", "", head, "|---:|" + "---:|---:|---:|" * len(modes)]
+        for c in sorted({c for c, _ in rows}):
+            cells = []
+            for m in modes:
+                v = rows.get((c, m))
+                cells.append(f"{v[0]:,.1f} | {v[1]:.3f} | {v[2] * 1e3:.1f}" if v else " | | ")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        tables.append(lines)
+    return tables
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -152,6 +183,9 @@ def main(argv=None):
     if len(ho) > 2:
         print("\n## Hand-over (us per phase; L launches, P persistent, F no wait; prefetch unless 'no pf')\n")
         print("\n".join(ho))
+    for table in serve_load(args.out):
+        print("\n## Serving load test\n")
+        print("\n".join(table))
     return 0 if ok else 1
 
 

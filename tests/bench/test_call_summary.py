@@ -63,3 +63,19 @@ def test_a_clean_call_exits_zero_and_errors_are_one_line(tmp_path, capsys):
     assert cs.main([str(tmp_path), "--same", "all"]) == 2
     err = capsys.readouterr().err
     assert "is not a directory" in err and "--same takes A=B" in err
+
+
+def test_the_serving_load_test_reads_as_one_table_per_file(tmp_path, capsys):
+    (tmp_path / "tests-cuda_gpu.log").write_text("test result: ok. 12 passed; 0 failed\nrc=0\n")
+    rows = []
+    for mode, c, tok_s, ttft, itl in [("greedy", 1, 430.74, 0.0495, 0.00219), ("greedy", 16, 1800.79, 0.2808, 0.00708),
+                                      ("sampled", 16, 1732.82, 0.2631, 0.00744)]:
+        rows.append(json.dumps({"mode": mode, "concurrency": c, "decode": {"aggregate_tok_s": tok_s},
+                                "ttft_secs": {"p50": ttft}, "itl_secs": {"p95": itl}}))
+    rows.append("{\"mode\": \"greedy\"}")  # a line without the figures is skipped
+    (tmp_path / "serve_load.jsonl").write_text("\n".join(rows) + "\n")
+    assert cs.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| C | greedy tok/s | TTFT p50 s | ITL p95 ms | sampled tok/s | TTFT p50 s | ITL p95 ms |" in out
+    assert "| 16 | 1,800.8 | 0.281 | 7.1 | 1,732.8 | 0.263 | 7.4 |" in out
+    assert "| 1 | 430.7 | 0.050 | 2.2 |  | | " in out  # no sampled row at one client
