@@ -169,8 +169,13 @@ impl Gpu {
 
     /// Zeroes `bytes` bytes at device address `p` (stream-ordered).
     pub fn zero(&self, p: u64, bytes: usize) -> Result<()> {
+        self.fill(p, 0, bytes)
+    }
+
+    /// Sets `bytes` bytes at device address `p` to `byte` (stream-ordered).
+    pub fn fill(&self, p: u64, byte: u8, bytes: usize) -> Result<()> {
         // SAFETY: callers pass the address and length of a live allocation they own.
-        unsafe { cudarc::driver::result::memset_d8_async(p, 0, bytes, self.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memset_d8_async(p, byte, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("device memset: {e:?}"))
     }
 

@@ -217,8 +217,7 @@ impl<'a> HandoverBench<'a> {
         // before it was written shows: every run computes the same values, and a read of the last
         // run's would pass.
         let acts = ptr(&self.acts, &self.gpu.stream) + (c.rows * 4) as u64;
-        // SAFETY: the activations past the first phase's input, a live allocation of this size.
-        unsafe { cudarc::driver::result::memset_d8_async(acts, 0xff, c.phases * c.rows * 4, self.gpu.stream.cu_stream()) }.map_err(|e| anyhow!("device memset: {e:?}"))?;
+        self.gpu.fill(acts, 0xff, c.phases * c.rows * 4)?;  // the activations past the first phase's input
         g.launch()?;
         let failed = self.gpu.stream.clone_dtoh(&self.flags.slice(flag_words(&c) - 1..flag_words(&c))).map_err(|e| anyhow!("{e:?}"))?;
         if failed[0] != 0 {
