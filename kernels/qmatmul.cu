@@ -159,6 +159,94 @@ gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, in
     }
 }
 
+// This lane's share of chunks [i0, i1) of a row (qrow_part_t's arithmetic over part of the row:
+// the same chunks, scales and group biases, lane-strided from i0).
+template <int BITS>
+__device__ __forceinline__ float qrow_range_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
+                                             const u16* __restrict__ br, const float* xs, const float* gsum,
+                                             int i0, int i1, int group) {
+    constexpr int LCPC = BITS == 4 ? 5 : 4;
+    const int lane = threadIdx.x & 31;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    const int cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
+    float acc = 0.f;
+#pragma unroll 2
+    for (int i = i0 + lane; i < i1; i += 32) {
+        uint4 q = __ldg(w4 + i);
+        float4 xv[32 / BITS];
+        chunk_x<BITS>(x4, i * (32 / BITS), xv);
+        float d = chunk_dot<BITS>(q, xv);
+        int g = i >> lcpg;
+        acc += bf16f(__ldg(sr + g)) * d;
+        if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
+    }
+    return acc;
+}
+
+// gemv_q for sets too small to give every warp of a wave a row (the router: 257 rows): each row's
+// chunks split into `ks` equal parts (ks divides 8 and every matrix's chunk count), one per warp of
+// the row's `8 / ks` adjacent warps in one block, so each lane has ks times fewer dependent loads
+// and the set spreads over ks times more SMs. The parts' warp sums are added in part order by the
+// row's first warp. Dynamic shared memory: cols + cols/group + 33 + 8 floats. grid
+// ceil(total / (8 / ks)), block 256.
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
+gemv_q_split(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, int cols,
+             const float* __restrict__ gain, float eps, int group, float* __restrict__ xnorm_out, int ks) {
+    extern __shared__ float smem[];
+    float* xs = smem;
+    float* gsum = xs + cols;
+    float* red = gsum + cols / group;
+    float* part = red + 33;
+    int total = 0;
+    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gpr = cols / group;
+    const int r = blockIdx.x * (8 / ks) + warp / ks, p = warp % ks;
+    int m = 0, rr = r;
+    if (r < total)
+        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+    const QMat& M = mats[r < total ? m : 0];
+    const int n4 = cols >> (M.bits == 4 ? 5 : 4), i0 = p * (n4 / ks), i1 = i0 + n4 / ks;
+    const size_t wpr = (size_t)cols * M.bits / 32;
+    // This warp's part of its row into L2 before the activation prologue (PDL overlaps it with
+    // the previous kernel).
+    if (r < total) {
+        prefetch_l2_warp(M.w + (size_t)rr * wpr + (size_t)i0 * 4, (size_t)(i1 - i0) * 16, lane);
+        if (lane == 0) prefetch_l2(M.s + (size_t)rr * gpr);
+        if (lane == 1) prefetch_l2(M.b + (size_t)rr * gpr);
+    }
+    if (gain && (int)threadIdx.x * 32 < cols) prefetch_l2(gain + threadIdx.x * 32);
+    pdl_wait_trigger();
+    float inv = 1.f;
+    const bool fast = (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
+    if (fast) {
+        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    } else {
+        stage_x(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    }
+    float d = 0.f;
+    if (r < total) {
+        const u32* w = M.w + (size_t)rr * wpr;
+        const u16* sr = M.s + (size_t)rr * gpr;
+        const u16* br = M.b + (size_t)rr * gpr;
+        d = M.bits == 4 ? qrow_range_t<4>(w, sr, br, xs, gsum, i0, i1, group)
+                        : qrow_range_t<8>(w, sr, br, xs, gsum, i0, i1, group);
+    }
+    d = warp_sum(d);
+    if (lane == 0) part[warp] = d;
+    __syncthreads();
+    if (r < total && p == 0 && lane == 0) {
+        float sum = part[warp];
+        for (int j = 1; j < ks; ++j) sum += part[warp + j];
+        sum *= inv;
+        M.y[rr] = M.accumulate ? M.y[rr] + sum : sum;
+    }
+}
+
 // Embedding gather: x = dequantized row `token` of the 4/8-bit table (s*q + b, as
 // qmatmul::dequantize_row). The token id lives on the device (the decode loop never reads it back).
 extern "C" __global__ void embed_q(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,

@@ -115,6 +115,18 @@ fn cuda_gemv_35b_widths_match_cpu_qmatmul() {
             );
         }
     }
+    // The router's set with its RMSNorm prologue (the post-attention norm), as decode runs it:
+    // small sets split each row over several warps (`gemv_q_split`).
+    let q = random_quant(257, 2048, 8, 6);
+    let (x, gain) = (rnd(106, 2048), rnd(107, 2048));
+    let mut u = vec![0.0; 2048];
+    ops::rms_norm(&x, &gain, b.config().rms_norm_eps as f32, &mut u);
+    let want = qmatmul::qmatmul_all(&q, &u, 1);
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let got = testing::gemv(&b, &q, &x, Some(&gain)).unwrap();
+    let e = max_abs_diff(&got, &want);
+    eprintln!("gemv+norm [257x2048, 8-bit]: max |err| {e:.3e} (max |y| {scale:.3})");
+    assert!(e <= 1e-4 * scale.max(1.0), "the router set with its norm: max err {e}");
 }
 
 #[test]

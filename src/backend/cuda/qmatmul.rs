@@ -13,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use std::cell::Cell;
 
 const GEMV_Q: Kernel = Kernel::dependent(&QMATMUL, "gemv_q");
+const GEMV_Q_SPLIT: Kernel = Kernel::dependent(&QMATMUL, "gemv_q_split");
 const GEMV_TC: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc");
 const GEMV_TC_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tc_f");
 const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
@@ -185,6 +186,17 @@ pub fn simt_geometry(rows: usize, sms: usize, blocks_per_sm: usize) -> (usize, u
     (rows.div_ceil(rows_per_warp * warps).min(wave).max(1), rows_per_warp)
 }
 
+/// `gemv_q_split`'s parts per row for a set of `rows` rows of `cols` columns, 1 for `gemv_q`: a
+/// set with fewer rows than half the warps of a wave (`wave_warps`; the router's 257 rows
+/// against ~3,000 warps) splits each row over 4 or 2 warps, the most that divide the rows'
+/// 16-byte chunks (`cols / 32` of them at 4 bits, twice that at 8) and still fit one wave.
+pub fn simt_split(rows: usize, cols: usize, wave_warps: usize) -> usize {
+    if rows == 0 || rows * 2 > wave_warps || !cols.is_multiple_of(32) {
+        return 1;
+    }
+    [4usize, 2].into_iter().find(|&ks| (cols / 32).is_multiple_of(ks) && rows * ks <= wave_warps).unwrap_or(1)
+}
+
 /// Fragment words per 64-column group (TCX_WORDS in kernels/common.cuh).
 const TCX_WORDS: usize = 96;
 /// Groups of 64 columns per tensor-core work item (TC_NG in kernels/common.cuh).
@@ -257,9 +269,20 @@ pub fn gemv(gpu: &Gpu, set: GemvSet, inp: GemvInput, group: usize, min_tiles: us
         GemvKernel::Simt => {
             let smem = ((inp.cols + inp.cols / group + 33) * 4) as u32;
             let per_sm = blocks_per_sm(gpu, GEMV_Q, smem, 4)?;
-            let (blocks, _) = simt_geometry(set.rows, sms, per_sm);
+            let warps = (GEMV_THREADS / 32) as usize;
             let tail = [Arg::I(group as i32), Arg::P(inp.xnorm_out)];
-            gpu.launch(GEMV_Q, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
+            match simt_split(set.rows, inp.cols, sms * per_sm * warps) {
+                1 => {
+                    let (blocks, _) = simt_geometry(set.rows, sms, per_sm);
+                    gpu.launch(GEMV_Q, (blocks as u32, 1, 1), GEMV_THREADS, smem, &[&head[..], &tail].concat())
+                }
+                ks => {
+                    // Each block: `warps / ks` rows, then the parts' sums (8 floats).
+                    let blocks = set.rows.div_ceil(warps / ks);
+                    let args = [&head[..], &tail, &[Arg::I(ks as i32)]].concat();
+                    gpu.launch(GEMV_Q_SPLIT, (blocks as u32, 1, 1), GEMV_THREADS, smem + 8 * 4, &args)
+                }
+            }
         }
     }
 }
@@ -848,6 +871,14 @@ mod tests {
         assert!(slices > 1);
         // Router: 257 rows, one row per warp.
         assert_eq!(simt_geometry(257, 132, 4), (33, 1));
+        // The 35B router set (257 rows of 2,048 columns) splits each row over 4 warps: 129
+        // blocks; a set with a row for half a wave's warps or more does not split.
+        assert_eq!(simt_split(257, 2048, 132 * 3 * 8), 4);
+        assert_eq!(simt_split(2048, 4096, 132 * 3 * 8), 1);
+        assert_eq!(simt_split(1000, 2048, 132 * 3 * 8), 2);
+        assert_eq!(simt_split(257, 96, 132 * 3 * 8), 1); // 3 chunks of 32 columns
+        assert_eq!(simt_split(257, 80, 132 * 3 * 8), 1); // not whole chunks
+        assert_eq!(simt_split(0, 2048, 132 * 3 * 8), 1); // gemv_q's geometry keeps one block
         assert_eq!(simt_geometry(1_000_000, 132, 4), (528, 2));
     }
 

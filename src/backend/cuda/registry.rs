@@ -56,6 +56,7 @@ pub const QMATMUL: Module = Module {
     source: include_str!("../../../kernels/qmatmul.cu"),
     kernels: &[
         "gemv_q",
+        "gemv_q_split",
         "gemv_tc",
         "gemv_tc_f",
         "gemv_tcb",
