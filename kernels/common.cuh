@@ -125,18 +125,20 @@ __device__ __forceinline__ float chunk_dot(uint4 q, const float4 (&xv)[32 / BITS
         return dot_byte(q.x, xv[0]) + dot_byte(q.y, xv[1]) + dot_byte(q.z, xv[2]) + dot_byte(q.w, xv[3]);
 }
 
+// This lane's share of 16-byte chunks [i0, i1) of a row: the chunks lane-strided from i0, each
+// scaled by its group's scale, the group's bias term at the group's first chunk.
 template <int BITS>
-__device__ __forceinline__ float qrow_part_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
-                                            const u16* __restrict__ br, const float* xs, const float* gsum,
-                                            int cols, int group) {
+__device__ __forceinline__ float qrow_range_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
+                                             const u16* __restrict__ br, const float* xs, const float* gsum,
+                                             int i0, int i1, int group) {
     constexpr int LCPC = BITS == 4 ? 5 : 4;  // log2 codes per uint4
     const int lane = threadIdx.x & 31;
     const uint4* w4 = reinterpret_cast<const uint4*>(wr);
     const float4* x4 = reinterpret_cast<const float4*>(xs);
-    const int n4 = cols >> LCPC, cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
+    const int cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
     float acc = 0.f;
 #pragma unroll 2
-    for (int i = lane; i < n4; i += 32) {
+    for (int i = i0 + lane; i < i1; i += 32) {
         uint4 q = __ldg(w4 + i);
         float4 xv[32 / BITS];
         chunk_x<BITS>(x4, i * (32 / BITS), xv);
@@ -146,6 +148,13 @@ __device__ __forceinline__ float qrow_part_t(const u32* __restrict__ wr, const u
         if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
     }
     return acc;
+}
+// This lane's share of a whole row of `cols` columns.
+template <int BITS>
+__device__ __forceinline__ float qrow_part_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
+                                            const u16* __restrict__ br, const float* xs, const float* gsum,
+                                            int cols, int group) {
+    return qrow_range_t<BITS>(wr, sr, br, xs, gsum, 0, cols >> (BITS == 4 ? 5 : 4), group);
 }
 __device__ __forceinline__ float qrow_part(const u32* __restrict__ wr, const u16* __restrict__ sr,
                                           const u16* __restrict__ br, const float* xs, const float* gsum,

@@ -71,6 +71,27 @@ __device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16
     else qrow_part2_t<8>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
 }
 
+// The input of gemv_q / gemv_q_split staged into xs and gsum (stage_x_fast where the width allows,
+// else stage_x) with its optional RMSNorm, block 0 also writing the normalised input to xnorm_out.
+// Returns the factor the row sums still need: the fast staging leaves 1/rms to them, stage_x
+// applies it.
+__device__ __forceinline__ float stage_gemv_input(const float* __restrict__ x, int cols, const float* __restrict__ gain,
+                                                  float eps, int group, float* xs, float* gsum, float* red,
+                                                  float* __restrict__ xnorm_out) {
+    float inv = 1.f;
+    const bool fast = (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
+    if (fast) {
+        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
+    } else {
+        stage_x(x, cols, gain, eps, group, xs, gsum, red);
+        if (xnorm_out && blockIdx.x == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
+    }
+    return inv;
+}
+
 // Dynamic shared memory: cols + cols/group + 33 floats.
 // Each warp owns one row at a time and walks the concatenated rows of all matrices.
 extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS)
@@ -102,17 +123,7 @@ gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, in
     if (gain && (int)threadIdx.x * 32 < cols) prefetch_l2(gain + threadIdx.x * 32);
     // With PDL the prefetches above overlap the previous kernel; x is only read after it ends.
     pdl_wait_trigger();
-    float inv = 1.f;
-    const bool fast = (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
-    if (fast) {
-        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
-        if (xnorm_out && blockIdx.x == 0)
-            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
-    } else {
-        stage_x(x, cols, gain, eps, group, xs, gsum, red);
-        if (xnorm_out && blockIdx.x == 0)
-            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
-    }
+    const float inv = stage_gemv_input(x, cols, gain, eps, group, xs, gsum, red, xnorm_out);
     // Two rows per warp per iteration, reduced together, so two rows' loads are in flight; the
     // next pair is prefetched into L2 one iteration ahead.
     for (int r = blockIdx.x * warps + warp; r < total; r += 2 * nw) {
@@ -159,31 +170,6 @@ gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, in
     }
 }
 
-// This lane's share of chunks [i0, i1) of a row (qrow_part_t's arithmetic over part of the row:
-// the same chunks, scales and group biases, lane-strided from i0).
-template <int BITS>
-__device__ __forceinline__ float qrow_range_t(const u32* __restrict__ wr, const u16* __restrict__ sr,
-                                             const u16* __restrict__ br, const float* xs, const float* gsum,
-                                             int i0, int i1, int group) {
-    constexpr int LCPC = BITS == 4 ? 5 : 4;
-    const int lane = threadIdx.x & 31;
-    const uint4* w4 = reinterpret_cast<const uint4*>(wr);
-    const float4* x4 = reinterpret_cast<const float4*>(xs);
-    const int cpg = group >> LCPC, lcpg = __ffs(cpg) - 1;
-    float acc = 0.f;
-#pragma unroll 2
-    for (int i = i0 + lane; i < i1; i += 32) {
-        uint4 q = __ldg(w4 + i);
-        float4 xv[32 / BITS];
-        chunk_x<BITS>(x4, i * (32 / BITS), xv);
-        float d = chunk_dot<BITS>(q, xv);
-        int g = i >> lcpg;
-        acc += bf16f(__ldg(sr + g)) * d;
-        if ((i & (cpg - 1)) == 0) acc += bf16f(__ldg(br + g)) * gsum[g];
-    }
-    return acc;
-}
-
 // gemv_q for sets too small to give every warp of a wave a row (the router: 257 rows): each row's
 // chunks split into `ks` equal parts (ks divides 8 and every matrix's chunk count), one per warp of
 // the row's `8 / ks` adjacent warps in one block, so each lane has ks times fewer dependent loads
@@ -217,17 +203,7 @@ gemv_q_split(const QMat* __restrict__ mats, int nmats, const float* __restrict__
     }
     if (gain && (int)threadIdx.x * 32 < cols) prefetch_l2(gain + threadIdx.x * 32);
     pdl_wait_trigger();
-    float inv = 1.f;
-    const bool fast = (cols & 63) == 0 && cols <= 2 * STAGE_MAXK * (int)blockDim.x && (group == 32 || group == 64);
-    if (fast) {
-        inv = stage_x_fast<STAGE_MAXK>(x, cols, gain, eps, group, xs, gsum, red);
-        if (xnorm_out && blockIdx.x == 0)
-            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = gain ? x[c] * inv * gain[c] : x[c];
-    } else {
-        stage_x(x, cols, gain, eps, group, xs, gsum, red);
-        if (xnorm_out && blockIdx.x == 0)
-            for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm_out[c] = xs[swz_elem(c)];
-    }
+    const float inv = stage_gemv_input(x, cols, gain, eps, group, xs, gsum, red, xnorm_out);
     float d = 0.f;
     if (r < total) {
         const u32* w = M.w + (size_t)rr * wpr;
