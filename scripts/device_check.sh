@@ -14,6 +14,8 @@
 #    .device/bin/lily-bench can be named with BENCH=path in the env column. Lines starting with #
 #    are skipped. A switch is only worth making the default if its tests pass and it wins here.
 # SKIP_TESTS=1 leaves out step 1; TEST_TIMEOUT (seconds, default 200) bounds each test binary.
+# The device tool brings back at most 8 files of $OUT: end a call that writes more (tests, arms,
+# a load test) with scripts/out_bundle.sh, which packs them into one out.tar.xz.
 set -u
 export LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
