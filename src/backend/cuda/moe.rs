@@ -76,7 +76,8 @@ pub enum MoeKernels {
 /// widths in whole groups, routed and shared experts of one width, and staged activations within
 /// the default 48 KiB of shared memory. `force_cuda_core`: tests.
 pub fn select(d: &MoeDims, force_cuda_core: bool) -> MoeKernels {
-    let warps_down = d.k + 1;
+    // `moe_down_tc`'s block as `experts` launches it: DOWN_TC_SPLIT warps per expert.
+    let warps_down = (d.k + 1) * DOWN_TC_SPLIT;
     let tc = d.group == 64
         && d.hidden.is_multiple_of(64)
         && d.inter.is_multiple_of(64)
@@ -852,6 +853,10 @@ mod tests {
         assert_eq!(select(&MoeDims { sinter: 128, ..tiny }, false), MoeKernels::CudaCore);
         assert_eq!(select(&MoeDims { inter: 768, sinter: 768, ..tiny }, false), MoeKernels::CudaCore);
         assert_eq!(select(&MoeDims { k: 32, e: 64, ..tiny }, false), MoeKernels::CudaCore);
+        // Top-16 would need 34 warps in moe_down_tc's block (two per expert): past the 32 a block
+        // holds, so the CUDA-core kernels take it.
+        assert_eq!(select(&MoeDims { k: 16, e: 64, ..tiny }, false), MoeKernels::CudaCore);
+        assert_eq!(select(&MoeDims { k: 15, e: 64, ..tiny }, false), MoeKernels::TensorCore);
         let big = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
         assert_eq!(max_tiles(4096, &big), 512 + 256);
         // A decode batch: at most one tile per routed slot.
