@@ -340,8 +340,14 @@ pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -
 }
 
 /// The combine kernels' arguments (`pf_moe_combine`, `pf_moe_combine_bf16`).
-fn combine_args(d: &MoeDims, out: &PendingCombine, x: u64) -> [Arg; 7] {
-    [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x), Arg::I(d.hidden as i32)]
+fn combine_args(d: &MoeDims, out: &PendingCombine, x: u64) -> Vec<Arg> {
+    [&combine_head(out, x)[..], &[Arg::I(d.hidden as i32)]].concat()
+}
+
+/// The leading arguments of every combine kernel: the routed outputs, their weights and count,
+/// the shared expert's output and gate logit, the residual stream they are added into.
+fn combine_head(out: &PendingCombine, x: u64) -> [Arg; 6] {
+    [Arg::P(out.down), Arg::P(out.top_w), Arg::I(out.k as i32), Arg::P(out.shared), Arg::P(out.sgl), Arg::P(x)]
 }
 
 /// [`combine`] over routed outputs in bf16 (`out.down`, as [`moe_wg_down`] writes them).
@@ -368,20 +374,8 @@ pub fn combine_norm_bf16(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, g
     if !combine_norm_fits(d.hidden) {
         bail!("the fused combine and norm take rows of whole float4s of at most {} values, not {}", 128 * COMBINE_NORM_F4, d.hidden);
     }
-    let args = [
-        Arg::P(out.down),
-        Arg::P(out.top_w),
-        Arg::I(out.k as i32),
-        Arg::P(out.shared),
-        Arg::P(out.sgl),
-        Arg::P(x),
-        Arg::P(gain),
-        Arg::P(u),
-        Arg::P(staged.unwrap_or(0)),
-        Arg::I(n as i32),
-        Arg::I(d.hidden as i32),
-        Arg::F(eps),
-    ];
+    let norm = [Arg::P(gain), Arg::P(u), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.hidden as i32), Arg::F(eps)];
+    let args = [&combine_head(out, x)[..], &norm].concat();
     gpu.launch(PF_MOE_COMBINE_NORM_BF16, (n.div_ceil(8) as u32, 1, 1), 256, 0, &args)
 }
 
