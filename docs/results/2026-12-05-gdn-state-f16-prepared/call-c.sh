@@ -7,15 +7,7 @@ set -u
 export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT"
-python3 - <<'PY'
-import glob, lzma, os
-for f in glob.glob('.device-gs/**/*.xz', recursive=True):
-    out = f[:-3]
-    if not os.path.exists(out):
-        with lzma.open(f) as src, open(out, 'wb') as dst:
-            dst.write(src.read())
-        os.chmod(out, 0o755)
-PY
+bash scripts/device_unpack.sh .device-gs
 [ -f "$LILY_CK/config.json" ] || (./.device-gs/bin/lily synth --preset 35b-a3b --out "$LILY_CK" > /tmp/synth.log 2>&1) &
 synth=$!
 t0=$(date +%s)
