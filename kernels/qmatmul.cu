@@ -71,6 +71,19 @@ __device__ __forceinline__ void qrow_part2(const u32* __restrict__ wa, const u16
     else qrow_part2_t<8>(wa, sa, ba, wb, sb, bb, xs, gsum, cols, group, outa, outb);
 }
 
+// Rows of a GEMV set: the matrices' rows, concatenated.
+__device__ __forceinline__ int qmat_total(const QMat* __restrict__ mats, int nmats) {
+    int total = 0;
+    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    return total;
+}
+// Row r (< qmat_total) of the concatenated matrices: its matrix m and its row rr there.
+__device__ __forceinline__ void qmat_row(const QMat* __restrict__ mats, int r, int& m, int& rr) {
+    m = 0;
+    rr = r;
+    while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+}
+
 // The input of gemv_q / gemv_q_split staged into xs and gsum (stage_x_fast where the width allows,
 // else stage_x) with its optional RMSNorm, block 0 also writing the normalised input to xnorm_out.
 // Returns the factor the row sums still need: the fast staging leaves 1/rms to them, stage_x
@@ -101,16 +114,15 @@ gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, in
     float* xs = smem;
     float* gsum = xs + cols;
     float* red = gsum + cols / group;
-    int total = 0;
-    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    const int total = qmat_total(mats, nmats);
     int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gpr = cols / group;
     const int nw = gridDim.x * warps;
     // Row rr (of the concatenated matrices) into L2, codes and scales/biases.
     auto prefetch_row = [&](int rr) {
         if (rr >= total) return;
-        int m = 0;
-        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+        int m;
+        qmat_row(mats, rr, m, rr);
         const QMat& M = mats[m];
         size_t wpr = (size_t)cols * M.bits / 32;
         prefetch_l2_warp(M.w + (size_t)rr * wpr, wpr * 4, lane);
@@ -133,12 +145,7 @@ gemv_q(const QMat* __restrict__ mats, int nmats, const float* __restrict__ x, in
         int mi[2] = {-1, -1}, ri[2] = {0, 0};
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-            int rr = r + t * nw, m = 0;
-            if (rr < total) {
-                while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
-                mi[t] = m;
-                ri[t] = rr;
-            }
+            if (r + t * nw < total) qmat_row(mats, r + t * nw, mi[t], ri[t]);
         }
         if (mi[1] >= 0 && mats[mi[0]].bits == mats[mi[1]].bits) {
             const QMat& A = mats[mi[0]];
@@ -184,13 +191,11 @@ gemv_q_split(const QMat* __restrict__ mats, int nmats, const float* __restrict__
     float* gsum = xs + cols;
     float* red = gsum + cols / group;
     float* part = red + 33;
-    int total = 0;
-    for (int m = 0; m < nmats; ++m) total += mats[m].rows;
+    const int total = qmat_total(mats, nmats);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gpr = cols / group;
     const int r = blockIdx.x * (8 / ks) + warp / ks, p = warp % ks;
     int m = 0, rr = r;
-    if (r < total)
-        while (rr >= mats[m].rows) { rr -= mats[m].rows; ++m; }
+    if (r < total) qmat_row(mats, r, m, rr);
     const QMat& M = mats[r < total ? m : 0];
     const int n4 = cols >> (M.bits == 4 ? 5 : 4), i0 = p * (n4 / ks), i1 = i0 + n4 / ks;
     const size_t wpr = (size_t)cols * M.bits / 32;
