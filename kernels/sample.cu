@@ -186,6 +186,30 @@ __device__ __forceinline__ void sample_each_kept(const SampleRow* row, const Sam
     }
 }
 
+// z of this thread's share of tokens [lo, hi) of a row: the logits with the tokens outside the
+// row's mask (`allowed`, null for none) at -inf and the penalties of the counts applied; the
+// finite values' maximum and count go into m and fin.
+__device__ __forceinline__ void sample_z(const float* __restrict__ logits, const SampleParams& p,
+                                         const int* __restrict__ counts, const u32* __restrict__ allowed,
+                                         float* __restrict__ z, int lo, int hi, float& m, unsigned long long& fin) {
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float v = logits[i];
+        if (allowed && !((allowed[i >> 5] >> (i & 31)) & 1u)) v = NEG_INF;
+        if (p.penalties) {
+            const int c = counts[i];
+            if (c > 0) {
+                if (p.repetition != 1.f) v = v > 0.f ? v / p.repetition : v * p.repetition;
+                v -= p.presence + p.frequency * (float)c;
+            }
+        }
+        z[i] = v;
+        if (sample_finite(v)) {
+            m = fmaxf(m, v);
+            fin++;
+        }
+    }
+}
+
 // z = logits with the tokens outside the row's mask at -inf (where masked[r]: mask row r, bit
 // t % 32 of word t / 32 allows token t, as the host's backend::apply_mask) and the repetition,
 // presence and frequency penalties of the counts applied (as Sampler::apply_penalties); zmax; the
@@ -208,22 +232,7 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int n, 
     sample_slice(n, lo, hi);
     float m = NEG_INF;
     unsigned long long fin = 0;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        float v = logits[i];
-        if (allowed && !((allowed[i >> 5] >> (i & 31)) & 1u)) v = NEG_INF;
-        if (p.penalties) {
-            const int c = counts[i];
-            if (c > 0) {
-                if (p.repetition != 1.f) v = v > 0.f ? v / p.repetition : v * p.repetition;
-                v -= p.presence + p.frequency * (float)c;
-            }
-        }
-        z[i] = v;
-        if (sample_finite(v)) {
-            m = fmaxf(m, v);
-            fin++;
-        }
-    }
+    sample_z(logits, p, counts, allowed, z, lo, hi, m, fin);
     __shared__ float red[32];
     __shared__ unsigned long long redn[32];
     for (int o = 16; o > 0; o >>= 1) {
@@ -398,6 +407,18 @@ __device__ __forceinline__ unsigned long long sample_mix(unsigned long long x) {
     return x ^ (x >> 31);
 }
 
+// The draw's score of kept token i (z / T + Gumbel noise with u a hash of the step's key and i;
+// z itself at temperature 0), folded into (best, idx): the larger score, the lower id on a tie.
+__device__ __forceinline__ void sample_draw_take(int i, float v, bool sampled, float inv_t, unsigned long long key,
+                                                 float& best, int& idx) {
+    float s = v;
+    if (sampled) {
+        const float u = ((float)(sample_mix(key + (unsigned long long)i) >> 40) + 0.5f) * (1.f / 16777216.f);
+        s = v * inv_t - logf(-logf(u));
+    }
+    if (s > best || (s == best && i < idx)) { best = s; idx = i; }
+}
+
 // The draw: argmax of z / T + Gumbel noise over the kept set (argmax of z at temperature 0),
 // ties to the lowest id; writes the token and the next position into the step buffer and counts
 // the token when penalties are on. part: 2 x gridDim.x words.
@@ -423,12 +444,7 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
     // Candidates in any order: the larger score, the lower id on a tie (argmax_grid's order).
     sample_each_kept(row, cand, z, n, [&](int i, float v) {
         if (!sample_finite(v) || v < tau) return;
-        float s = v;
-        if (sampled) {
-            const float u = ((float)(sample_mix(key + (unsigned long long)i) >> 40) + 0.5f) * (1.f / 16777216.f);
-            s = v * inv_t - logf(-logf(u));
-        }
-        if (s > best || (s == best && i < idx)) { best = s; idx = i; }
+        sample_draw_take(i, v, sampled, inv_t, key, best, idx);
     });
     if (!argmax_grid(best, idx, part, &row->ticket)) return;
     const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
@@ -436,4 +452,319 @@ extern "C" __global__ void sample_draw(const float* __restrict__ z, int n, const
     step[1] += 1;
     if (p.penalties) counts[tok] += 1;
     row->finite = 0;
+}
+
+// ---- one launch for a small top-k (the chat settings) ----
+// For rows whose top-k is at most SAMPLE_SMALL_K (sampling.rs picks it per step), what
+// sample_prep, sample_select x 8 and sample_draw do, in one launch, with the same token: each
+// block makes z for its slice (as sample_prep) and lists its K largest finite values (every value
+// above its K-th largest, then those equal to it while slots remain); the row's last block takes
+// the k-th largest of the lists (they hold every token at or above the row's k-th largest: no
+// block's K-th largest is above it), then the top-k set's mass, the top-p threshold and the draw
+// over those few tokens with the same integer masses, the same radix choice of thresholds and the
+// same Gumbel scores. A block with more values equal to its K-th largest than slots (exactly
+// equal floats) makes the last block read the whole row instead.
+#define SAMPLE_SMALL_K 64
+// Scratch per row (u64 words, in the select passes' histogram buffer): the blocks' lists, then
+// one SampleSmallBlock per block.
+#define SAMPLE_SMALL_LIST (ARGMAX_MAX_BLOCKS * SAMPLE_SMALL_K)
+#define SAMPLE_SMALL_WORDS (SAMPLE_SMALL_LIST + 2 * ARGMAX_MAX_BLOCKS)
+struct SampleSmallBlock {
+    float zmax;
+    u32 finite;
+    u32 count;     // values listed (at most K)
+    u32 overflow;  // values equal to the K-th largest did not all fit
+};
+
+// The radix search of one block, as sample_select's passes and last block do it over a row: the
+// largest key whose candidates at or above it weigh `need` or more (T = u32: counts, each
+// candidate 1; T = u64: fixed-point masses), digit by digit from the most significant byte;
+// false when all candidates together weigh less. visit(f) calls f(key, take, w) for every
+// candidate of every thread, the lanes of a warp together. Every thread of the block calls it and
+// gets the same result. h: 256 T of shared memory.
+template <typename T, typename Visit>
+__device__ bool sample_block_search(Visit visit, T need, T* h, u32* result) {
+    __shared__ u32 s_bucket;
+    __shared__ T s_left;
+    __shared__ int s_reach;
+    u32 prefix = 0;
+    for (int digit = 3; digit >= 0; --digit) {
+        const int shift = 8 * digit;
+        const u32 mask = digit == 3 ? 0u : ~0u << (shift + 8);
+        for (int c = threadIdx.x; c < SAMPLE_BINS; c += blockDim.x) h[c] = 0;
+        __syncthreads();
+        visit([&](u32 key, bool take, T w) {
+            take = take && (key & mask) == prefix;
+            const u32 bin = (key >> shift) & 255u;
+            if constexpr (sizeof(T) == 4) {
+                // Counts: the lanes of a warp in the same bin add once together (most keys share
+                // their top bits).
+                const u32 peers = __match_any_sync(__activemask(), take ? bin : 0xffffffffu);
+                if (take && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (T)__popc(peers));
+            } else {
+                if (take) atomicAdd(&h[bin], w);
+            }
+        });
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // The bucket where the weight from the top reaches `need`: lane l holds buckets
+            // 8l..8l+7; a suffix sum over the lanes finds the lane, that lane its bucket.
+            const int lane = threadIdx.x;
+            T in_lane = 0;
+            for (int j = 0; j < 8; j++) in_lane += h[8 * lane + j];
+            T from_top = in_lane;
+            for (int o = 1; o < 32; o <<= 1) {
+                const T t = __shfl_down_sync(0xffffffffu, from_top, o);
+                if (lane + o < 32) from_top += t;
+            }
+            const u32 reach = __ballot_sync(0xffffffffu, from_top >= need);
+            if (lane == 0) s_reach = reach != 0;
+            if (reach && lane == 31 - __clz(reach)) {
+                T above = from_top - in_lane;
+                int c = 8 * lane + 7;
+                for (; c > 8 * lane; c--) {
+                    if (above + h[c] >= need) break;
+                    above += h[c];
+                }
+                s_bucket = (u32)c;
+                s_left = need - above;
+            }
+        }
+        __syncthreads();
+        if (!s_reach) return false;
+        prefix |= s_bucket << shift;
+        need = s_left;
+        __syncthreads();  // s_bucket / s_left are read by every thread before the next digit
+    }
+    *result = prefix;
+    return true;
+}
+
+// The block's (value desc, index asc) maximum of every thread's candidate: thread 0 (lane 0 of
+// warp 0) gets it.
+__device__ __forceinline__ void sample_block_argmax(float& best, int& idx) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    argmax_warp(best, idx);
+    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nw ? bv[lane] : NEG_INF;
+        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        argmax_warp(best, idx);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ T sample_block_sum(T x, T* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    __syncthreads();
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    T s = 0;
+    for (int w = 0; w < nw; w++) s += red[w];
+    return s;
+}
+
+__device__ __forceinline__ float sample_block_max(float x, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    __syncthreads();
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    float m = NEG_INF;
+    for (int w = 0; w < nw; w++) m = fmaxf(m, red[w]);
+    return m;
+}
+
+// What sample_block_search visits (callables with a templated operator(): NVRTC compiles no
+// generic lambdas). The finite-or-not keys of this thread's share of a block's slice:
+struct SampleSliceKeys {
+    const float* z;
+    int lo, hi;
+    template <typename F>
+    __device__ void operator()(F f) const {
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            f(sample_key(v), sample_finite(v), 1u);
+        }
+    }
+};
+// This thread's share of a row's candidates, f(token, z): the lists gathered in shared memory,
+// or the whole row (read through L2: other blocks wrote it).
+struct SampleSource {
+    bool whole_row;
+    const float* z;
+    int n;
+    const u32* ckey;
+    const int* cidx;
+    int total;
+    template <typename F>
+    __device__ void operator()(F f) const {
+        if (whole_row) {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) f(i, __ldcg(z + i));
+        } else {
+            for (int j = threadIdx.x; j < total; j += blockDim.x) f(cidx[j], sample_key_float(ckey[j]));
+        }
+    }
+};
+// The candidates' keys, counted (the top-k search).
+struct SampleKeysOf {
+    SampleSource src;
+    template <typename F>
+    __device__ void operator()(F f) const {
+        src([&](int, float v) { f(sample_key(v), sample_finite(v), 1u); });
+    }
+};
+// The candidates at or above both thresholds, weighed by their fixed-point masses (top-p).
+struct SampleMassesOf {
+    SampleSource src;
+    float tau_k, cut, zmax, t;
+    template <typename F>
+    __device__ void operator()(F f) const {
+        src([&](int, float v) {
+            const bool take = sample_finite(v) && v >= tau_k && v >= cut;
+            f(sample_key(v), take, take ? sample_mass(v, zmax, t) : 0ull);
+        });
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_small_k(const float* __restrict__ logits, int n, const SampleParams* __restrict__ prm,
+                   int* __restrict__ counts, const int* __restrict__ masked, const u32* __restrict__ mask,
+                   int mask_words, float* __restrict__ z, SampleRow* __restrict__ row,
+                   unsigned long long* __restrict__ scratch, int* __restrict__ step) {
+    pdl_wait_trigger();
+    const size_t r = blockIdx.y;
+    logits += r * n;
+    prm += r;
+    counts += r * n;
+    z += r * n;
+    row += r;
+    step += 2 * r;
+    scratch += r * SAMPLE_SMALL_WORDS;
+    SampleCand* lists = reinterpret_cast<SampleCand*>(scratch);
+    SampleSmallBlock* info = reinterpret_cast<SampleSmallBlock*>(scratch + SAMPLE_SMALL_LIST);
+    const SampleParams p = *prm;
+    const int K = max(1, min(p.top_k, SAMPLE_SMALL_K));
+    const u32* allowed = masked[r] ? mask + r * mask_words : nullptr;
+    __shared__ u32 h32[SAMPLE_BINS];
+    __shared__ unsigned long long h64[SAMPLE_BINS];
+    __shared__ float redf[32];
+    __shared__ unsigned long long redu[32];
+    __shared__ u32 s_count, s_overflow;
+
+    // z of the slice (sample_prep's arithmetic), its maximum and finite count.
+    int lo, hi;
+    sample_slice(n, lo, hi);
+    float m = NEG_INF;
+    unsigned long long fin = 0;
+    sample_z(logits, p, counts, allowed, z, lo, hi, m, fin);
+    m = sample_block_max(m, redf);
+    fin = sample_block_sum(fin, redu);
+    if (threadIdx.x == 0) { s_count = 0; s_overflow = 0; }
+    __syncthreads();  // the slice's z (global, this block's own writes) and the counters
+
+    // The slice's list: every finite value above its K-th largest, then the values equal to it
+    // while slots remain (all finite values when fewer than K).
+    SampleCand* mine = lists + (size_t)blockIdx.x * K;
+    float tb = NEG_INF;
+    if (fin >= (unsigned long long)K) {
+        u32 key = 0;
+        sample_block_search<u32>(SampleSliceKeys{z, lo, hi}, (u32)K, h32, &key);
+        tb = sample_key_float(key);
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            if (sample_finite(v) && v > tb) mine[atomicAdd(&s_count, 1u)] = SampleCand{i, v};
+        }
+        __syncthreads();
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            if (v == tb) {
+                const u32 c = atomicAdd(&s_count, 1u);
+                if (c < (u32)K) mine[c] = SampleCand{i, v};
+                else s_overflow = 1;
+            }
+        }
+    } else {
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = z[i];
+            if (sample_finite(v)) mine[atomicAdd(&s_count, 1u)] = SampleCand{i, v};
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) info[blockIdx.x] = SampleSmallBlock{m, (u32)fin, min(s_count, (u32)K), s_overflow};
+    __threadfence();  // the lists, the block's info and its z visible before the ticket
+    if (!last_block(&row->ticket)) return;
+
+    // ---- the row's last block: the blocks' lists (or the row) to the token ----
+    __shared__ u32 ckey[SAMPLE_SMALL_LIST];
+    __shared__ int cidx[SAMPLE_SMALL_LIST];
+    __shared__ u32 s_total;
+    float zmax = NEG_INF;
+    unsigned long long finite = 0;
+    u32 over = 0;
+    // Other blocks' writes: read through L2.
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+        zmax = fmaxf(zmax, __ldcg(&info[b].zmax));
+        finite += __ldcg(&info[b].finite);
+        over |= __ldcg(&info[b].overflow);
+    }
+    zmax = sample_block_max(zmax, redf);
+    finite = sample_block_sum(finite, redu);
+    const bool whole_row = sample_block_sum((unsigned long long)over, redu) != 0;
+    if (threadIdx.x == 0) s_total = 0;
+    __syncthreads();
+    if (!whole_row) {
+        for (int j = threadIdx.x; j < (int)gridDim.x * K; j += blockDim.x) {
+            const int b = j / K, e = j % K;
+            if (e < (int)__ldcg(&info[b].count)) {
+                const SampleCand* c = lists + (size_t)b * K + e;
+                const u32 at = atomicAdd(&s_total, 1u);
+                ckey[at] = sample_key(__ldcg(&c->v));
+                cidx[at] = __ldcg(&c->idx);
+            }
+        }
+    }
+    __syncthreads();
+    const SampleSource each{whole_row, z, n, ckey, cidx, (int)s_total};
+    const bool sampled = p.temperature > 0.f && finite > 0;
+    float tau = sampled && p.min_p > 0.f ? zmax + p.temperature * logf(p.min_p) : NEG_INF;
+    float tau_k = NEG_INF;
+    if (sampled && p.top_k > 0 && (unsigned long long)p.top_k < finite) {
+        u32 key = 0;
+        if (sample_block_search<u32>(SampleKeysOf{each}, (u32)p.top_k, h32, &key)) tau_k = sample_key_float(key);
+    }
+    if (sampled && p.top_p < 1.f) {
+        // The top-k set's mass; the target is top_p of it, as sample_select's pass 4 sets it.
+        unsigned long long tm = 0;
+        each([&](int, float v) {
+            if (sample_finite(v) && v >= tau_k) tm += sample_mass(v, zmax, p.temperature);
+        });
+        unsigned long long need = (unsigned long long)ceil((double)sample_block_sum(tm, redu) * (double)p.top_p);
+        if (need == 0) need = 1;
+        u32 key = 0;
+        const SampleMassesOf masses{each, tau_k, fmaxf(tau, tau_k), zmax, p.temperature};
+        if (sample_block_search<unsigned long long>(masses, need, h64, &key)) tau = fmaxf(tau, sample_key_float(key));
+    }
+    // The draw (sample_draw's scores): Gumbel-max over the kept set, ties to the lowest id.
+    const float keep = fmaxf(tau, tau_k);
+    const bool draws = p.temperature > 0.f;
+    const float inv_t = draws ? 1.f / p.temperature : 0.f;
+    const unsigned long long key = sample_mix(p.seed ^ sample_mix((unsigned long long)(unsigned)step[1]));
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    each([&](int i, float v) {
+        if (!sample_finite(v) || v < keep) return;
+        sample_draw_take(i, v, draws, inv_t, key, best, idx);
+    });
+    sample_block_argmax(best, idx);
+    if (threadIdx.x != 0) return;
+    const int tok = idx == 0x7fffffff ? 0 : idx;  // no finite logit: token 0 rather than garbage
+    step[0] = tok;
+    step[1] += 1;
+    if (p.penalties) counts[tok] += 1;
+    row->ticket = 0;
 }

@@ -122,6 +122,53 @@ fn cuda_sampler_greedy_with_penalties_matches_the_host_exactly() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn cuda_small_k_sampler_draws_the_general_kernels_tokens() {
+    // `sample_small_k` (one launch, rows with top-k <= SMALL_K) must choose exactly what
+    // sample_prep + sample_select x 8 + sample_draw choose: the same thresholds from the same
+    // integer masses, the same Gumbel scores. Over several logit rows (one with most logits
+    // exactly equal, as a model's unused vocabulary rows give, so blocks overflow their lists and
+    // the last block reads the row), settings and seeds, 64 draws each at successive positions.
+    // In the last row fewer than k values sit above the tied zeros (+0.0 and -0.0 mixed), so the
+    // k-th largest is 0.0 itself and the kept set is most of the row: only the whole-row reading
+    // finds it.
+    use lily::backend::cuda::sampling::SMALL_K;
+    let b = cuda();
+    let n = b.config().vocab_size;
+    let mut tied = vec![0.0f32; n];
+    for (i, v) in logits(n, 7).iter().enumerate().filter(|(i, _)| i % 1013 == 0) {
+        tied[i] = *v;
+    }
+    let mut few_above: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { -0.0 } else { 0.0 }).collect();
+    for (j, i) in (0..10).map(|j| (j, 7 + 24_551 * j)).filter(|&(_, i)| i < n) {
+        few_above[i] = 1.0 + 0.25 * j as f32;
+    }
+    let rows = [logits(n, 3), logits(n, 5).iter().map(|v| v * 0.05).collect(), tied, few_above];
+    let chat = SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, ..Default::default() };
+    let settings = [
+        chat.clone(),
+        SamplingParams { top_k: 1, ..chat.clone() },
+        SamplingParams { top_k: SMALL_K, top_p: 0.95, ..chat.clone() },
+        SamplingParams { top_p: 1.0, ..chat.clone() },
+        SamplingParams { min_p: 0.05, ..chat.clone() },
+        SamplingParams { temperature: 1.3, top_k: 40, top_p: 0.5, ..Default::default() },
+        SamplingParams { repetition_penalty: 1.1, presence_penalty: 0.4, frequency_penalty: 0.2, ..chat.clone() },
+        SamplingParams { top_p: 1.0, top_k: SMALL_K, ..chat.clone() },
+        SamplingParams { top_p: 0.95, top_k: 20, temperature: 1.0, ..Default::default() },
+    ];
+    for (ri, l) in rows.iter().enumerate() {
+        for (si, params) in settings.iter().enumerate() {
+            for seed in [1u64, 77] {
+                let s = snap(params.clone(), seed);
+                let small = testing::sample(&b, l, &s, 64).unwrap();
+                let general = testing::sample_general(&b, l, &s, 64).unwrap();
+                assert_eq!(small, general, "logits row {ri}, setting {si} ({params:?}), seed {seed}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn cuda_sampler_same_seed_same_tokens() {
     let b = cuda();
     let l = logits(248_320, 7);

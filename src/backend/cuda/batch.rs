@@ -351,7 +351,8 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, k
     pass.point(probe, Point::Phase("lm_head"))?;
     match key.out {
         StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, pass.p(&b.argmax), n)?,
-        StepOut::Sample => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n)?,
+        StepOut::Sample => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n, false)?,
+        StepOut::SampleSmallK => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n, true)?,
         StepOut::Logits | StepOut::None => return Ok(()),
     }
     pass.point(probe, Point::Phase("token"))
@@ -429,7 +430,7 @@ impl CudaBackend {
         let kv_bf16 = self.opts.kv_bf16;
         let attn = self.attn_split_kernel(kv_bf16);
         for rows in 2..=max_rows {
-            for out in [StepOut::Greedy, StepOut::Sample] {
+            for out in [StepOut::Greedy, StepOut::Sample, StepOut::SampleSmallK] {
                 let key = StepKey { rows, splits: batch_splits(usize::MAX, rows), kv_bf16, out, gdn: self.gdn_step_kernel(rows), attn };
                 let batcher = self.batcher.as_mut().expect("fitted above");
                 if batcher.graphs.iter().any(|(k, _)| *k == key) {
@@ -466,7 +467,7 @@ impl CudaBackend {
         st.memcpy_htod(&tables, &mut b.tables).map_err(|e| anyhow!("batch table upload: {e:?}"))?;
         let mut dst = b.steps.slice_mut(0..steps.len());
         st.memcpy_htod(&steps, &mut dst).map_err(|e| anyhow!("batch step upload: {e:?}"))?;
-        if out == StepOut::Sample {
+        if matches!(out, StepOut::Sample | StepOut::SampleSmallK) {
             b.sample.load(gpu, snaps)?;
         }
         Ok(())
@@ -603,7 +604,13 @@ impl CudaBackend {
                     }
                     let any_masked = ask_masks(hooks, &live, words, &mut masks, &mut masked)?;
                     let plain = live.iter().all(|&i| snaps[i].params.is_plain_greedy());
-                    let out = if plain && !any_masked { StepOut::Greedy } else { StepOut::Sample };
+                    let out = if plain && !any_masked {
+                        StepOut::Greedy
+                    } else if live.iter().all(|&i| sampling::small_k(&snaps[i].params)) {
+                        StepOut::SampleSmallK
+                    } else {
+                        StepOut::Sample
+                    };
                     // The sampling state is loaded when rows are bound for sampling.
                     if last_out != Some(out) {
                         bound = false;

@@ -30,6 +30,9 @@ pub enum StepOut {
     Greedy,
     /// Logits, then the device sampler with the loaded parameters, into the step buffer.
     Sample,
+    /// `Sample` for rows whose top-k is at most [`sampling::SMALL_K`]: the same token from one
+    /// launch (`sample_small_k`).
+    SampleSmallK,
 }
 
 /// The GEMV sets of one layer.
@@ -202,8 +205,9 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights,
             sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st), 1)?;
             pass.point(probe, Point::Phase("argmax"))?;
         }
-        StepOut::Sample => {
-            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample, 1)?;
+        StepOut::Sample | StepOut::SampleSmallK => {
+            let small = out == StepOut::SampleSmallK;
+            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample, 1, small)?;
             pass.point(probe, Point::Phase("sample"))?;
         }
         StepOut::None | StepOut::Logits => {}

@@ -572,6 +572,10 @@ impl Backend for CudaBackend {
                 self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
                 StepOut::Sample
             }
+            sampling::TokenChoice::SampleSmallK => {
+                self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
+                StepOut::SampleSmallK
+            }
         };
         self.device_loop(seq, first_token, steps, out, on_token)
     }

@@ -187,7 +187,7 @@ pub const OPS: Module = Module {
 pub const SAMPLE: Module = Module {
     name: "sample",
     source: include_str!("../../../kernels/sample.cu"),
-    kernels: &["argmax_next", "sample_prep", "sample_select", "sample_draw"],
+    kernels: &["argmax_next", "sample_prep", "sample_select", "sample_draw", "sample_small_k"],
 };
 
 /// Every module, in load order.

@@ -5,7 +5,7 @@
 
 use super::device::{ptr, Arg, Gpu};
 use super::registry::{Kernel, SAMPLE};
-use crate::engine::sampling::SamplerSnapshot;
+use crate::engine::sampling::{SamplerSnapshot, SamplingParams};
 use crate::backend::mask_words;
 use anyhow::{anyhow, Result};
 use cudarc::driver::CudaSlice;
@@ -14,6 +14,11 @@ const ARGMAX_NEXT: Kernel = Kernel::dependent(&SAMPLE, "argmax_next");
 const SAMPLE_PREP: Kernel = Kernel::dependent(&SAMPLE, "sample_prep");
 const SAMPLE_SELECT: Kernel = Kernel::dependent(&SAMPLE, "sample_select");
 const SAMPLE_DRAW: Kernel = Kernel::dependent(&SAMPLE, "sample_draw");
+const SAMPLE_SMALL_K: Kernel = Kernel::dependent(&SAMPLE, "sample_small_k");
+
+/// The largest top-k `sample_small_k` takes (SAMPLE_SMALL_K in kernels/sample.cu): each block
+/// lists its top-k largest values, the row's last block chooses among the lists.
+pub const SMALL_K: usize = 64;
 
 /// Blocks of `argmax_next` per row at most (each reduces a slice; the last one to finish merges;
 /// ARGMAX_MAX_BLOCKS in kernels/sample.cu).
@@ -87,14 +92,24 @@ pub enum TokenChoice {
     Argmax,
     /// `sample_prep` + `sample_select` x 8 + `sample_draw`: everything else.
     Sample,
+    /// `sample_small_k`: the same token in one launch, for a temperature above 0 and a top-k of
+    /// at most [`SMALL_K`] (the chat settings).
+    SampleSmallK,
 }
 
 pub fn select(snap: &SamplerSnapshot) -> TokenChoice {
     if snap.params.is_plain_greedy() {
         TokenChoice::Argmax
+    } else if small_k(&snap.params) {
+        TokenChoice::SampleSmallK
     } else {
         TokenChoice::Sample
     }
+}
+
+/// Whether `sample_small_k` takes a row with these parameters.
+pub fn small_k(p: &SamplingParams) -> bool {
+    p.temperature > 0.0 && (1..=SMALL_K).contains(&p.top_k)
 }
 
 /// Blocks of the sampling kernels (each takes a slice of the vocabulary).
@@ -184,15 +199,28 @@ impl SampleScratch {
     }
 }
 
+/// u64 words of `sample_small_k`'s scratch per row (SAMPLE_SMALL_WORDS: the blocks' lists of 8-byte
+/// candidates, then 16 bytes per block), in the select passes' histogram buffer.
+const SMALL_WORDS: usize = SAMPLE_BLOCKS as usize * SMALL_K + 2 * SAMPLE_BLOCKS as usize;
+
 /// Samples the next token from `n` logits as the loaded parameters say, into the step buffer, for
-/// the first `rows` rows of logits, step buffers and scratch.
-pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize) -> Result<()> {
+/// the first `rows` rows of logits, step buffers and scratch; with `small` by `sample_small_k`
+/// (every row's parameters must pass [`small_k`]).
+pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratch, rows: usize, small: bool) -> Result<()> {
     let st = &gpu.stream;
     let (prm, counts, z, hist, row, part) = (ptr(&s.params, st), ptr(&s.counts, st), ptr(&s.z, st), ptr(&s.hist, st), ptr(&s.row, st), ptr(&s.part, st));
     let (masked, mask, cand) = (ptr(&s.masked, st), ptr(&s.mask, st), ptr(&s.cand, st));
     let grid = (blocks_per_row(rows).min(SAMPLE_BLOCKS), rows as u32, 1);
     let ni = Arg::I(n as i32);
-    let prep = [Arg::P(logits), ni.clone(), Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row), Arg::P(part)];
+    let head = [Arg::P(logits), ni.clone(), Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row)];
+    if small {
+        if s.hist.len() < rows * SMALL_WORDS {
+            anyhow::bail!("sampling scratch for {} rows, {rows} asked", s.rows);
+        }
+        let args: Vec<Arg> = head.into_iter().chain([Arg::P(hist), Arg::P(step)]).collect();
+        return gpu.launch(SAMPLE_SMALL_K, grid, 1024, 0, &args);
+    }
+    let prep: Vec<Arg> = head.into_iter().chain([Arg::P(part)]).collect();
     gpu.launch(SAMPLE_PREP, grid, 1024, 0, &prep)?;
     for pass in 0..SELECT_PASSES {
         gpu.launch(SAMPLE_SELECT, grid, 1024, 0, &[Arg::P(z), ni.clone(), Arg::P(prm), Arg::P(row), Arg::P(hist), Arg::I(pass), Arg::P(cand)])?;
@@ -214,7 +242,14 @@ mod tests {
         assert_eq!(select(&snap(SamplingParams::greedy())), TokenChoice::Argmax);
         assert_eq!(select(&snap(SamplingParams { repetition_penalty: 1.1, ..Default::default() })), TokenChoice::Sample);
         let chat = SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, ..Default::default() };
-        assert_eq!(select(&snap(chat.clone())), TokenChoice::Sample);
+        assert_eq!(select(&snap(chat.clone())), TokenChoice::SampleSmallK);
+        // Past SMALL_K, without top-k, or at temperature 0 (penalised argmax): the general kernels.
+        assert_eq!(select(&snap(SamplingParams { top_k: SMALL_K + 1, ..chat.clone() })), TokenChoice::Sample);
+        assert_eq!(select(&snap(SamplingParams { top_k: 0, ..chat.clone() })), TokenChoice::Sample);
+        assert_eq!(select(&snap(SamplingParams { temperature: 0.0, repetition_penalty: 1.1, top_k: 20, ..Default::default() })), TokenChoice::Sample);
+        assert_eq!(select(&snap(SamplingParams { top_k: SMALL_K, ..chat.clone() })), TokenChoice::SampleSmallK);
+        // sample_small_k's lists and block records fit the select passes' histograms of a row.
+        assert!(SMALL_WORDS <= SAMPLE_BLOCKS as usize * SAMPLE_BINS);
         let p = SampleParams::new(&snap(chat));
         assert_eq!((p.top_k, p.penalties, p.seed), (20, 0, 9));
         // The C struct: six floats, two ints, one u64.

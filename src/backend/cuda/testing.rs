@@ -126,8 +126,18 @@ pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
 
 /// `draws` tokens from the device sampler over fixed `logits`, continuing `snap` (its counts
 /// grow with each draw when a penalty is set); each draw is at the next position, so its noise
-/// differs.
+/// differs. The kernels the decode would pick for `snap` (`sample_small_k` for a small top-k).
 pub fn sample(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize) -> Result<Vec<u32>> {
+    sample_with(b, logits, snap, draws, sampling::select(snap) == sampling::TokenChoice::SampleSmallK)
+}
+
+/// [`sample`] through the general kernels (`sample_prep`, `sample_select` x 8, `sample_draw`)
+/// whatever the parameters.
+pub fn sample_general(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize) -> Result<Vec<u32>> {
+    sample_with(b, logits, snap, draws, false)
+}
+
+fn sample_with(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize, small: bool) -> Result<Vec<u32>> {
     let gpu = &b.gpu;
     let mut scratch = sampling::SampleScratch::new(gpu, logits.len(), 1)?;
     scratch.load(gpu, &[snap])?;
@@ -135,7 +145,7 @@ pub fn sample(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: us
     let mut step = gpu.upload(&[0i32, 0i32])?;
     let mut out = Vec::with_capacity(draws);
     for _ in 0..draws {
-        sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch, 1)?;
+        sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch, 1, small)?;
         let v = read(gpu, &step)?;
         out.push(v[0] as u32);
         gpu.stream.memcpy_htod(&[0i32, v[1]], &mut step).map_err(|e| anyhow!("{e:?}"))?;
