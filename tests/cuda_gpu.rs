@@ -271,6 +271,51 @@ fn cuda_teacher_forced_logits_match_cpu() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn cuda_decode_graphs_follow_the_addresses_they_bake_in() {
+    // A decode graph is keyed by the sequence's addresses and the options the step reads: a new
+    // sequence at a finished one's addresses replays its graph (and decodes as it did), one
+    // elsewhere or under other options captures its own.
+    let mut gpu = cuda();
+    let vocab = gpu.config().vocab_size;
+    let toks = prompt(40, vocab);
+    let decode = |b: &mut CudaBackend| -> (Vec<u32>, Vec<u64>) {
+        let mut seq = b.new_sequence(toks.len() + 24).unwrap();
+        let mut logits = b.forward(&mut seq, &toks, LogitsWanted::Last).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..16 {
+            let t = argmax(&logits);
+            out.push(t);
+            logits = b.forward(&mut seq, &[t], LogitsWanted::Last).unwrap();
+        }
+        (out, testing::binding(&seq))
+    };
+    let (first, at) = decode(&mut gpu);
+    let graphs = testing::decode_graphs(&gpu);
+    assert!(graphs >= 1, "the steps ran through a graph");
+    let (again, at2) = decode(&mut gpu);
+    assert_eq!(again, first, "the same prompt decodes the same tokens");
+    let now = testing::decode_graphs(&gpu);
+    eprintln!("decode graphs: {graphs} after the first sequence, {now} after the second (same addresses: {})", at2 == at);
+    assert_eq!(now, if at2 == at { graphs } else { graphs + 1 }, "a graph per distinct set of addresses");
+    // Another GEMV route: the same addresses capture again.
+    let min_tiles = testing::options_mut(&mut gpu).gemv_tc_min_tiles;
+    testing::options_mut(&mut gpu).gemv_tc_min_tiles = min_tiles + 100_000;
+    let (routed, at3) = decode(&mut gpu);
+    eprintln!("the CUDA-core GEMVs' tokens: {routed:?} (same addresses again: {})", at3 == at2);
+    assert_eq!(testing::decode_graphs(&gpu), now + 1, "one more graph");
+    if at3 == at2 {
+        // At the same addresses only the options can have made it new; back to them, it replays.
+        testing::options_mut(&mut gpu).gemv_tc_min_tiles = min_tiles;
+        let (back, at4) = decode(&mut gpu);
+        assert_eq!(back, first);
+        if at4 == at2 {
+            assert_eq!(testing::decode_graphs(&gpu), now + 1, "the first options' graph replays");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn cuda_greedy_matches_cpu_and_clone_continues() {
     let ck = ck();
     let mut cpu = CpuBackend::new(&ck).unwrap();

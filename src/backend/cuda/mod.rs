@@ -66,8 +66,8 @@ pub struct CudaBackend {
     chunk_buffers: Option<ChunkBuffers>,
     /// cuBLAS for long prefill chunks (when `opts.cublas` and libcublas loads).
     pub(crate) blas: Option<blas::Blas>,
-    /// Captured decode steps, keyed by (sequence id, what the step produces).
-    graphs: Vec<(u64, StepOut, StepGraph)>,
+    /// Captured decode steps, keyed by what they bake in ([`step_key`]) and what they produce.
+    graphs: Vec<(Vec<u64>, StepOut, StepGraph)>,
     /// Batched decode buffers and their captured steps, once a batch ran.
     batcher: Option<batch::Batcher>,
     /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
@@ -224,6 +224,15 @@ const WARM_UP_PROMPT: usize = 1024;
 /// Graphs kept at once (a prefix cache holds a few live sequences).
 const MAX_GRAPHS: usize = 8;
 
+/// What a captured decode step of `seq` bakes in: the sequence's addresses
+/// ([`CudaSequence::binding`]) and the options `decode::enqueue` reads, which tests change between
+/// calls.
+fn step_key(seq: &CudaSequence, opts: &CudaOptions) -> Vec<u64> {
+    let mut k = seq.binding();
+    k.extend([opts.gemv_tc_min_tiles as u64, opts.force_cuda_core_moe as u64]);
+    k
+}
+
 /// One-line reason why the CUDA backend cannot run here, or None when it can (cheap: no kernel
 /// compilation, no weights).
 pub fn unavailable_reason(device: usize) -> Option<String> {
@@ -338,8 +347,13 @@ impl CudaBackend {
         if !self.use_graphs {
             return self.enqueue_step(seq, splits, out, &mut Probe::default());
         }
-        if let Some((_, _, g)) = self.graphs.iter().find(|(id, o, _)| *id == seq.id && *o == out) {
-            return g.launch();
+        let key = step_key(seq, &self.opts);
+        if let Some(i) = self.graphs.iter().position(|(k, o, _)| *k == key && *o == out) {
+            // The graph a steady stream of requests replays stays the last to be evicted.
+            let hit = self.graphs.remove(i);
+            hit.2.launch()?;
+            self.graphs.push(hit);
+            return Ok(());
         }
         match capture(&self.gpu, || self.enqueue_step(seq, splits, out, &mut Probe::default())) {
             Ok(g) => {
@@ -347,7 +361,7 @@ impl CudaBackend {
                     self.graphs.remove(0);
                 }
                 g.launch()?;
-                self.graphs.push((seq.id, out, g));
+                self.graphs.push((key, out, g));
                 Ok(())
             }
             Err(e) => {

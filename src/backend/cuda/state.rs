@@ -63,14 +63,6 @@ pub struct CudaSequence {
     pub max_seq: usize,
     /// KV cache elements are bf16 (the `_bf16` attention kernels) instead of f32.
     pub kv_bf16: bool,
-    /// Unique per sequence (and per clone): decode graphs are keyed by it, since they bake in
-    /// this sequence's device addresses.
-    pub id: u64,
-}
-
-fn next_id() -> u64 {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Bytes per KV cache element.
@@ -102,7 +94,6 @@ impl CudaSequence {
             layers,
             max_seq,
             kv_bf16,
-            id: next_id(),
         })
     }
 
@@ -119,6 +110,19 @@ impl CudaSequence {
 
     pub fn layer_slot(&self, li: usize) -> LayerSlot {
         self.layers[li]
+    }
+
+    /// What a captured decode step bakes in of this sequence: its step buffer's and every layer's
+    /// state addresses, the KV element type and max-seq (the split count). Decode graphs are keyed
+    /// by it, so a sequence that takes over a finished one's slot, KV address space and step
+    /// buffer (as a server's next request does) replays its graph instead of capturing one.
+    pub fn binding(&self) -> Vec<u64> {
+        let mut b = vec![ptr(&self.step, &self.stream), self.kv_bf16 as u64, self.max_seq as u64];
+        for li in 0..self.layers.len() {
+            let (p, q) = self.layer_ptrs(li);
+            b.extend([p, q]);
+        }
+        b
     }
 
     /// Maps KV pages so positions `0..tokens` can be written; all or none
@@ -140,7 +144,6 @@ impl CudaSequence {
             kv: self.kv.try_clone(len)?,
             max_seq: self.max_seq,
             kv_bf16: self.kv_bf16,
-            id: next_id(),
         };
         self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
         Ok(c)

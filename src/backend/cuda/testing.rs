@@ -650,3 +650,13 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     let o = read(gpu, &od)?;
     scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), read(gpu, sd)?))).collect()
 }
+
+/// The decode graphs `b` holds.
+pub fn decode_graphs(b: &CudaBackend) -> usize {
+    b.graphs.len()
+}
+
+/// What a decode graph of `seq` bakes in of it ([`CudaSequence::binding`]).
+pub fn binding(seq: &Sequence) -> Vec<u64> {
+    seq.state::<CudaSequence>().binding()
+}
