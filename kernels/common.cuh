@@ -221,7 +221,11 @@ __device__ __forceinline__ void prefetch_l2_warp(const void* p, size_t bytes, in
 // Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (context::launch_ex), a
 // decode kernel may start while the previous kernel of the stream still runs. Before pdl_wait()
 // it may only touch what no kernel of the current step writes (weights, descriptors, the step
-// buffer, state written at earlier steps) -- typically L2 prefetches of its weights; pdl_wait()
+// buffer, state written at earlier steps) -- typically L2 prefetches of its weights -- or what
+// the kernel two launches back wrote when the one between lets it start only after its own
+// pdl_wait() (pdl_wait_trigger), i.e. once that one's predecessor has completed, read through L2
+// (__ldcg: the wait orders only the predecessor's writes, not a stale L1 line): moe_down_tc reads
+// the router's logits this way behind moe_gate_up_tc (attn_prep triggers first); pdl_wait()
 // returns once the previous kernel has completed and its writes are visible. pdl_trigger() lets
 // the next kernel be scheduled. Both are no-ops when the kernel was launched normally.
 // ---- decode timeline (LILY_CUDA_TIMELINE=1 compiles every module with LILY_TIMELINE defined;

@@ -284,7 +284,9 @@ extern "C" __global__ void moe_down(const float* __restrict__ act, const int* __
 // [0, slices) take the slot's gate rows r0..r0+15, warps [slices, 2 slices) the same up rows,
 // each over `kc` chunks of 512 columns (slices * kc = chunks of the hidden size); the slices are
 // summed through shared memory and 16 threads write silu(gate) * up. Routing as in
-// moe_gate_up: warp 0 of a routed slot computes top-k while the other warps stage x.
+// moe_gate_up: warp 0 of a routed slot computes top-k while the other warps stage x. It takes
+// moe_gate_up's arguments (moe.rs gate_up_args) but not its L2 prefetch of the down rows:
+// moe_down_tc routes the token itself and loads its rows before its wait.
 // Dynamic shared memory: hidden/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
 // MOE_TC_MINB: resident blocks per SM moe_gate_up_tc's registers must allow (3: 80 registers,
 // one wave of the 35B's 288 blocks).
@@ -315,26 +317,22 @@ __device__ __forceinline__ void moe_gate_up_tc_body(MOE_GATE_UP_TC_ARGS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int up = warp >= slices, my_slice = warp - (up ? slices : 0);
     const size_t wpr = (size_t)cols / 8;
-    const int drows = (hidden + gridDim.x - 1) / gridDim.x;
-    const int d0 = blockIdx.x * drows, dn = max(0, min(hidden, d0 + drows) - d0);
     if (!routed && warp == 0) {
         // The shared expert does not depend on the router: its rows go to L2 before the wait.
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(sgw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(suw + (size_t)r0 * wpr, nrows * wpr * 4, lane);
-        if (dn > 0) prefetch_q4_rows(sdw, sds, sdb, d0, dn, sinter, 64, lane);
     }
     pdl_wait_trigger();
     if (routed && warp == 0) {
         route_topk(logits, E, K, ids, wts);
         __syncwarp();
-        // The block's 16 gate and up rows into L2 at once, and its share of the expert's down rows
-        // (moe_down's weights).
+        // The block's 16 gate and up rows into L2 at once (moe_down_tc loads its own rows before
+        // its wait).
         const size_t row0 = (size_t)ids[slot] * inter + r0;
         const int nrows = min(16, rows - r0);
         prefetch_l2_warp(gw + row0 * wpr, nrows * wpr * 4, lane);
         prefetch_l2_warp(uw + row0 * wpr, nrows * wpr * 4, lane);
-        if (dn > 0) prefetch_q4_rows(dw, ds, db, (size_t)ids[slot] * hidden + d0, dn, inter, 64, lane);
         if (blockIdx.x == 0 && slot == 0 && lane < K) { top_ids[lane] = ids[lane]; top_w[lane] = wts[lane]; }
     }
     stage_x_tc(x, cols, nullptr, 0.f, xf, gsum, red, routed ? 1 : 0);  // its barrier publishes ids
@@ -385,13 +383,17 @@ extern "C" __global__ void __launch_bounds__(256, MOE_TC_MINB) moe_gate_up_tc_f(
 // inter/64 groups (split 1 or 2; at most TC_NG groups per warp) for output rows r0..r0+15, with
 // the routing weight (or the shared expert's sigmoid gate) folded into the scales; the warps are
 // summed through shared memory into the residual stream. act = [K * inter + sinter] with
-// inter == sinter (the host checks). Every warp's loads are issued before act is staged.
+// inter == sinter (the host checks). Every warp's loads are issued before the programmatic-
+// dependent wait: the block routes the token itself from the router's logits (route_topk, the
+// picks and weights moe_gate_up_tc makes and stores in top_ids / top_w), which the router wrote
+// two launches back: the gate|up launch that lets this one start has waited for the router, so
+// they are complete in L2 (read with L2-only loads). Only act comes from the gate|up launch.
 // Dynamic shared memory: n_act/64 * (TCX_WORDS + 1) + 33 + warps * 16 words.
-#define MOE_DOWN_TC_ARGS                                                                                   \
-    const float *__restrict__ act, const int *__restrict__ top_ids, const float *__restrict__ top_w, int K,      \
-        int inter, int split, const u32 *dw, const u16 *ds, const u16 *db, const u32 *sdw, const u16 *sds,      \
-        const u16 *sdb, const float *__restrict__ shared_gate_logit, int hidden, float *__restrict__ x
-#define MOE_DOWN_TC_NAMES act, top_ids, top_w, K, inter, split, dw, ds, db, sdw, sds, sdb, shared_gate_logit, hidden, x
+#define MOE_DOWN_TC_ARGS                                                                                          \
+    const float *__restrict__ logits, int E, const float *__restrict__ act, int K, int inter, int split, const u32 *dw, \
+        const u16 *ds, const u16 *db, const u32 *sdw, const u16 *sds, const u16 *sdb,                               \
+        const float *__restrict__ shared_gate_logit, int hidden, float *__restrict__ x
+#define MOE_DOWN_TC_NAMES logits, E, act, K, inter, split, dw, ds, db, sdw, sds, sdb, shared_gate_logit, hidden, x
 template <bool FRAG>
 __device__ __forceinline__ void moe_down_tc_body(MOE_DOWN_TC_ARGS) {
     extern __shared__ float smem[];
@@ -405,17 +407,26 @@ __device__ __forceinline__ void moe_down_tc_body(MOE_DOWN_TC_ARGS) {
     const int per = (gpe + split - 1) / split;
     const int G0 = share * per, G1 = min(gpe, G0 + per);
     const int r0 = blockIdx.x * 16;
+    __shared__ int ids[MOE_MAXK];
+    __shared__ float wts[MOE_MAXK];
+    // The logits through L2 (ld.global.cg) into shared memory: this launch's wait orders only the
+    // gate|up launch's writes, so an L1 line of an earlier layer's logits must not be read. The
+    // item's registers are not live across the top-k (so its registers and the item's do not add
+    // up): the shared expert's rows load after it too.
+    __shared__ float lg[512];  // E <= 512 (warp_route_topk_per)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) lg[e] = __ldcg(logits + e);
+    __syncthreads();
+    route_topk(lg, E, K, ids, wts);
+    __syncthreads();
     TcItem it;
-    if (slot == K) tc_load<FRAG>(it, sdw, sds, sdb, hidden, r0, inter, G0, G1);
-    pdl_wait_trigger();
-    float wscale;
     if (slot < K) {
-        const size_t e = (size_t)top_ids[slot] * hidden;
+        const size_t e = (size_t)ids[slot] * hidden;
         tc_load<FRAG>(it, dw + e * (inter / 8), ds + e * gpe, db + e * gpe, hidden, r0, inter, G0, G1);
-        wscale = top_w[slot];
     } else {
-        wscale = sigmoid_f(shared_gate_logit[0]);
+        tc_load<FRAG>(it, sdw, sds, sdb, hidden, r0, inter, G0, G1);
     }
+    pdl_wait_trigger();
+    const float wscale = slot < K ? wts[slot] : sigmoid_f(shared_gate_logit[0]);
     stage_x_tc(act, n_act, nullptr, 0.f, xf, gsum, red);
     float acc0 = 0.f, acc1 = 0.f;
     tc_mma(it, xf + slot * gpe * TCX_WORDS, gsum + slot * gpe, G0, G1, wscale, acc0, acc1);

@@ -152,11 +152,10 @@ fn gate_up_args(d: &MoeDims, p: &MoePtrs, tuning: &[Arg]) -> Vec<Arg> {
     a
 }
 
-/// Arguments of both down kernels; `third` is the shared expert's width (`moe_down`) or the warps
-/// per expert (`moe_down_tc`), `tuning` goes before the output.
-fn down_args(d: &MoeDims, p: &MoePtrs, third: Arg, tuning: &[Arg]) -> Vec<Arg> {
-    let mut a = vec![Arg::P(p.act), Arg::P(p.top_ids), Arg::P(p.top_w), Arg::I(d.k as i32), Arg::I(d.inter as i32), third];
-    a.extend(q(p.down));
+/// The down products' weights, the shared expert's gate and the residual stream, after each down
+/// kernel's own leading arguments; `tuning` goes before the output.
+fn down_tail(d: &MoeDims, p: &MoePtrs, tuning: &[Arg]) -> Vec<Arg> {
+    let mut a = q(p.down).to_vec();
     a.extend(q(p.sdown));
     a.extend([Arg::P(p.shared_gate_logit), Arg::I(d.hidden as i32)]);
     a.extend_from_slice(tuning);
@@ -184,7 +183,10 @@ pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Resu
             let tuning = [Arg::I(slices as i32), Arg::I((chunks / slices) as i32)];
             gpu.launch(gate_up, grid, (warps * 32) as u32, tc_smem(d.hidden, warps), &gate_up_args(d, p, &tuning))?;
             let warps = (d.k + 1) * DOWN_TC_SPLIT;
-            let args = down_args(d, p, Arg::I(DOWN_TC_SPLIT as i32), &[]);
+            // The router's logits (the block routes the token itself, before its wait), then the
+            // SwiGLU outputs.
+            let head = [Arg::P(p.logits), Arg::I(d.e as i32), Arg::P(p.act), Arg::I(d.k as i32), Arg::I(d.inter as i32), Arg::I(DOWN_TC_SPLIT as i32)];
+            let args = [&head[..], &down_tail(d, p, &[])].concat();
             gpu.launch(down, (d.hidden.div_ceil(16) as u32, 1, 1), (warps * 32) as u32, tc_smem((d.k + 1) * d.inter, warps), &args)
         }
         MoeKernels::CudaCore => {
@@ -195,7 +197,8 @@ pub fn experts(gpu: &Gpu, d: &MoeDims, p: &MoePtrs, kernels: MoeKernels) -> Resu
             gpu.launch(MOE_GATE_UP, grid, (warps * 32) as u32, smem, &gate_up_args(d, p, &[Arg::I(d.group as i32)]))?;
             let n_act = d.k * d.inter + d.sinter;
             let smem = ((n_act + n_act / d.group + 33) * 4) as u32;
-            let args = down_args(d, p, Arg::I(d.sinter as i32), &[Arg::I(d.group as i32)]);
+            let head = [Arg::P(p.act), Arg::P(p.top_ids), Arg::P(p.top_w), Arg::I(d.k as i32), Arg::I(d.inter as i32), Arg::I(d.sinter as i32)];
+            let args = [&head[..], &down_tail(d, p, &[Arg::I(d.group as i32)])].concat();
             gpu.launch(MOE_DOWN, (d.hidden.div_ceil(warps) as u32, 1, 1), (warps * 32) as u32, smem, &args)
         }
     }
