@@ -351,8 +351,7 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, k
     pass.point(probe, Point::Phase("lm_head"))?;
     match key.out {
         StepOut::Greedy => sampling::argmax_next(gpu, logits, vocab, steps, pass.p(&b.argmax), n)?,
-        StepOut::Sample => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n, false)?,
-        StepOut::SampleSmallK => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n, true)?,
+        StepOut::Sample | StepOut::SampleSmallK => sampling::sample_next(gpu, logits, vocab, steps, &b.sample, n, key.out == StepOut::SampleSmallK)?,
         StepOut::Logits | StepOut::None => return Ok(()),
     }
     pass.point(probe, Point::Phase("token"))

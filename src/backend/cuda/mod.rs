@@ -582,15 +582,12 @@ impl Backend for CudaBackend {
         snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
         let out = match sampling::select(snap) {
             sampling::TokenChoice::Argmax => StepOut::Greedy,
-            sampling::TokenChoice::Sample => {
-                self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
-                StepOut::Sample
-            }
-            sampling::TokenChoice::SampleSmallK => {
-                self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
-                StepOut::SampleSmallK
-            }
+            sampling::TokenChoice::Sample => StepOut::Sample,
+            sampling::TokenChoice::SampleSmallK => StepOut::SampleSmallK,
         };
+        if out != StepOut::Greedy {
+            self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
+        }
         self.device_loop(seq, first_token, steps, out, on_token)
     }
 
