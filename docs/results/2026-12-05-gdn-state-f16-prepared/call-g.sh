@@ -20,13 +20,14 @@ suite() {
 }
 suite warm-up-alone cuda_batch --exact cuda_batch_warm_up_captures_every_batch_size_and_changes_no_token
 suite cuda_batch-1thread cuda_batch --test-threads 1
-suite cuda_batch cuda_batch --test-threads 2
+suite cuda_batch cuda_batch --test-threads 2 --nocapture
 suite cuda_gpu cuda_gpu --test-threads 2
 suite cuda_prefill cuda_prefill --test-threads 2
 suite cuda_sampling cuda_sampling --test-threads 2
 suite cuda_memory cuda_memory --test-threads 2
 suite cuda_fixture cuda_fixture --test-threads 2 --nocapture
 grep -hE ": PPL|KL" "$OUT"/tests-cuda_fixture.log | head -12
+grep -c "capturing again" "$OUT"/tests-*.log
 wait $synth
 SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-gdn-state-f16-prepared/arms-g.txt 2>&1 | tail -12
 python3 scripts/call_summary.py "$OUT" --base f32

@@ -198,12 +198,33 @@ impl StepGraph {
     }
 }
 
-/// Captures what `enqueue` launches on the stream into a graph (not launched).
-fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+/// Captures what `enqueue` launches on the stream into a graph (not launched). A capture that
+/// another thread's implicitly synchronising call (a free, an unmap, a module load on the same
+/// device) invalidated is taken again: the capture launched nothing, so nothing ran twice.
+fn capture(gpu: &Gpu, enqueue: impl Fn() -> Result<()>) -> Result<StepGraph> {
+    const TRIES: usize = 3;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match capture_once(gpu, &enqueue) {
+            Err(Capture::Invalidated(e)) if tries < TRIES => eprintln!("lily: CUDA graph capture invalidated ({e}); capturing again"),
+            Err(Capture::Invalidated(e) | Capture::Failed(e)) => return Err(e),
+            Ok(g) => return Ok(g),
+        }
+    }
+}
+
+enum Capture {
+    /// Ended by `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: something outside the capture broke it.
+    Invalidated(anyhow::Error),
+    Failed(anyhow::Error),
+}
+
+fn capture_once(gpu: &Gpu, enqueue: &impl Fn() -> Result<()>) -> std::result::Result<StepGraph, Capture> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
     let st = &gpu.stream;
     st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
+        .map_err(|e| Capture::Failed(anyhow!("begin capture: {e:?}")))?;
     if let Some(t) = gpu.timeline() {
         t.begin_capture();
     }
@@ -212,7 +233,11 @@ fn capture(gpu: &Gpu, enqueue: impl FnOnce() -> Result<()>) -> Result<StepGraph>
     let timeline = gpu.timeline().map(|t| (t.clone(), t.end_capture()));
     match (enq, graph) {
         (Ok(()), Ok(Some(graph))) => Ok(StepGraph { graph, timeline }),
-        (enq, graph) => bail!("{:?} / {:?}", enq.err(), graph.err()),
+        (enq, graph) => {
+            let invalidated = matches!(&graph, Err(e) if e.0 == CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            let e = anyhow!("{:?} / {:?}", enq.err(), graph.err());
+            Err(if invalidated { Capture::Invalidated(e) } else { Capture::Failed(e) })
+        }
     }
 }
 
