@@ -44,7 +44,8 @@ serve() {
 
 # shellcheck disable=SC2086
 serve --max-seq 131072 ${SERVE_ARGS:-}
-trap 'kill $SERVER 2>/dev/null' EXIT
+# The next process on the device needs the server's memory back: wait for it to exit.
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 # SETTLE: seconds to wait before the first request (e.g. while the host tier's memory is pinned).
 sleep "${SETTLE:-0}"
 case $WHAT in load | all)

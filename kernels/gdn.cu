@@ -32,9 +32,32 @@ __device__ __forceinline__ int gdn_head_channel(int kh, int n, int c, int dk, in
 // written, so there is no race without a second kernel.
 #define GDN_SL 32
 
-template <bool SMEM_STATE>
-__device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
-                                              float* __restrict__ S, float bn, float an, float zj, float dtb,
+// The recurrent state's element in memory: f32, or f16 (u16 bits; half the bytes every decode
+// step reads and writes, and half a sequence's state memory). The arithmetic is f32 either way:
+// an entry is widened when loaded and rounded to nearest when stored, saturating at f16's largest
+// finite value (NaN stays NaN); docs/correctness.md has what the rounding costs on the trained
+// fixture.
+__device__ __forceinline__ float gdn_st_widen(float x) { return x; }
+__device__ __forceinline__ float gdn_st_widen(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+template <typename ST>
+__device__ __forceinline__ float gdn_st_ld(const ST* p) { return gdn_st_widen(*p); }
+__device__ __forceinline__ void gdn_st_st(float* p, float x) { *p = x; }
+__device__ __forceinline__ void gdn_st_st(u16* p, float x) {
+    u16 h;
+    asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    *p = h;
+}
+// A state slice's size in f32 words (the shared-memory stages count in floats).
+template <typename ST>
+__device__ __forceinline__ int gdn_st_words(int n) { return sizeof(ST) == 4 ? n : n >> 1; }
+
+template <bool SMEM_STATE, typename ST>
+__device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
+                                              ST* __restrict__ S, float bn, float an, float zj, float dtb,
                                               float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
                                               int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
                                               int row);
@@ -43,18 +66,18 @@ __device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_
 // registers, so a thread holds no state and three blocks fit on an SM (two with the register
 // slice): more of the state's reads are in flight while other blocks run their conv and norms.
 // The same operations in the same order either way.
-template <bool SMEM_STATE>
+template <bool SMEM_STATE, typename ST>
 __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, const float* __restrict__ z,
                                               const float* __restrict__ braw, const float* __restrict__ araw,
                                               float* __restrict__ ring, const float* __restrict__ taps,
                                               const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                              const float* __restrict__ norm_w, float* __restrict__ state,
+                                              const float* __restrict__ norm_w, ST* __restrict__ state,
                                               float* __restrict__ y, const int* __restrict__ step, int nk, int nv,
                                               int dk, int dv, int KC, float eps, u32* __restrict__ frag = nullptr,
                                               float* __restrict__ gsum = nullptr, int row = 0) {
     extern __shared__ float sm[];
-    float* Ssm = sm;           // dk * dv (SMEM_STATE)
-    float* qs = SMEM_STATE ? sm + dk * dv : sm;  // dk
+    ST* Ssm = reinterpret_cast<ST*>(sm);                      // dk * dv (SMEM_STATE)
+    float* qs = SMEM_STATE ? sm + gdn_st_words<ST>(dk * dv) : sm;  // dk
     float* ks = qs + dk;       // dk
     float* vs = ks + dk;       // dv
     // then the scratch of gdn_step_tail: 2 * (dk/32) * dv kv / o partials, 33 floats.
@@ -66,14 +89,15 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     // bulk of the kernel's traffic) are issued first and overlap the conv / norm prologue.
     const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
     const bool active = r < dk / GDN_SL;
-    float* S = state + (size_t)n * dk * dv;
+    ST* S = state + (size_t)n * dk * dv;
     float s[SMEM_STATE ? 1 : GDN_SL];
     if constexpr (SMEM_STATE) {
-        for (int p = tid; p < (dk * dv) >> 2; p += nt) cp_async16(Ssm + 4 * p, S + 4 * p);
+        constexpr int per16 = 16 / sizeof(ST);  // elements per 16-byte copy
+        for (int p = tid; p < gdn_st_words<ST>(dk * dv) >> 2; p += nt) cp_async16(Ssm + per16 * p, S + per16 * p);
         cp_commit();
     } else if (active) {
 #pragma unroll
-        for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = S[(size_t)(i0 + ii) * dv + j];
+        for (int ii = 0; ii < GDN_SL; ++ii) s[ii] = gdn_st_ld(S + (size_t)(i0 + ii) * dv + j);
     }
     // The state was written by this layer's step of the previous token (an earlier step), so it
     // is read before the PDL wait, like the static parameters and the conv history of this
@@ -122,16 +146,16 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     }
     if constexpr (SMEM_STATE) cp_wait<0>();
     __syncthreads();
-    gdn_step_tail<SMEM_STATE>(Ssm, s, qs, S, bn, an, zj, dtb, nega, nwj, y, n, nv, dk, dv, eps, frag, gsum, row);
+    gdn_step_tail<SMEM_STATE, ST>(Ssm, s, qs, S, bn, an, zj, dtb, nega, nwj, y, n, nv, dk, dv, eps, frag, gsum, row);
 }
 
 // Everything after the conv: q, k (normalised here) and v of the head in qs | ks | vs (then the
 // scratch of GdnDims::step_smem), the state slice in Ssm (SMEM_STATE, loaded and synchronised)
 // or in s (this thread's 32 entries), written back to S; the head's gated-norm outputs to y
 // and, with `frag`, staged for the out-projection at row `row`.
-template <bool SMEM_STATE>
-__device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
-                                              float* __restrict__ S, float bn, float an, float zj, float dtb,
+template <bool SMEM_STATE, typename ST>
+__device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STATE ? 1 : GDN_SL], float* qs,
+                                              ST* __restrict__ S, float bn, float an, float zj, float dtb,
                                               float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
                                               int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
                                               int row) {
@@ -163,7 +187,7 @@ __device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_
     const float alpha = expf(g);
     float kv = 0.f;
     // The decayed state entry, S * alpha (one rounding, never fused with what follows).
-    auto decayed = [&](int ii) { return SMEM_STATE ? __fmul_rn(Ssm[(i0 + ii) * dv + j], alpha) : s[ii]; };
+    auto decayed = [&](int ii) { return SMEM_STATE ? __fmul_rn(gdn_st_widen(Ssm[(i0 + ii) * dv + j]), alpha) : s[ii]; };
     if (active) {
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
@@ -184,7 +208,7 @@ __device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_
         for (int ii = 0; ii < GDN_SL; ++ii) {
             const float sn = fmaf(ks[i0 + ii] * ik, delta, decayed(ii));
             o = fmaf(sn, qs[i0 + ii] * iq * qscale, o);
-            S[(size_t)(i0 + ii) * dv + j] = sn;
+            gdn_st_st(S + (size_t)(i0 + ii) * dv + j, sn);
         }
         part_o[r * dv + j] = o;
     }
@@ -222,30 +246,43 @@ __device__ __forceinline__ void gdn_step_tail(const float* Ssm, float (&s)[SMEM_
     }
 }
 
-extern "C" __global__ void gdn_step(const float* __restrict__ qkv, const float* __restrict__ z,
-                                    const float* __restrict__ braw, const float* __restrict__ araw,
-                                    float* __restrict__ ring, const float* __restrict__ taps,
-                                    const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                    const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
-                                    const int* __restrict__ step, int nk, int nv, int dk, int dv, int KC, float eps) {
-    gdn_step_impl<false>(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps);
-}
+// Every GDN kernel that reads or writes the recurrent state comes in two instances: the f32 state
+// (the name alone) and the f16 one (`_f16`), the same operations on the widened entries.
+#define GDN_STEP_ARGS(ST)                                                                                   \
+    const float *__restrict__ qkv, const float *__restrict__ z, const float *__restrict__ braw,              \
+        const float *__restrict__ araw, float *__restrict__ ring, const float *__restrict__ taps,            \
+        const float *__restrict__ dt_bias, const float *__restrict__ neg_a, const float *__restrict__ norm_w, \
+        ST *__restrict__ state, float *__restrict__ y, const int *__restrict__ step, int nk, int nv, int dk,  \
+        int dv, int KC, float eps
+#define GDN_STEP_CALL qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps
+extern "C" __global__ void gdn_step(GDN_STEP_ARGS(float)) { gdn_step_impl<false, float>(GDN_STEP_CALL); }
+extern "C" __global__ void gdn_step_f16(GDN_STEP_ARGS(u16)) { gdn_step_impl<false, u16>(GDN_STEP_CALL); }
 
 // The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
 // its projections at row b of the token-major activations, its conv ring and state from the
 // per-row pointer tables, its [token, position] at steps[2b]. Each row is exactly gdn_step.
 // The parameters both batched steps take (gdn_step_persist adds the row count).
-#define GDN_STEP_BATCH_ARGS                                                                                    \
+#define GDN_STEP_BATCH_ARGS(ST)                                                                                \
     const float *__restrict__ qkv, const float *__restrict__ z, const float *__restrict__ braw,                 \
         const float *__restrict__ araw, float *const *__restrict__ rings, const float *__restrict__ taps,        \
         const float *__restrict__ dt_bias, const float *__restrict__ neg_a, const float *__restrict__ norm_w,   \
-        float *const *__restrict__ states, float *__restrict__ y, const int *__restrict__ steps, int nk, int nv, \
+        ST *const *__restrict__ states, float *__restrict__ y, const int *__restrict__ steps, int nk, int nv,    \
         int dk, int dv, int KC, float eps, u32 *__restrict__ frag, float *__restrict__ gsum
-extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BATCH_ARGS) {
+#define GDN_STEP_BATCH_CALL \
+    qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, nk, nv, dk, dv, KC, eps, frag, gsum
+template <typename ST>
+__device__ __forceinline__ void gdn_step_batch_impl(GDN_STEP_BATCH_ARGS(ST)) {
     const int b = blockIdx.y;
     const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
-    gdn_step_impl<true>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b], taps,
-                  dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps, frag, gsum, b);
+    gdn_step_impl<true, ST>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b],
+                            taps, dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps,
+                            frag, gsum, b);
+}
+extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BATCH_ARGS(float)) {
+    gdn_step_batch_impl<float>(GDN_STEP_BATCH_CALL);
+}
+extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch_f16(GDN_STEP_BATCH_ARGS(u16)) {
+    gdn_step_batch_impl<u16>(GDN_STEP_BATCH_CALL);
 }
 
 // The batched step on one wave of persistent blocks: block i takes the (row, head) items i,
@@ -257,22 +294,27 @@ extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BAT
 // the state traffic.) Each item is exactly gdn_step_batch's block for that (row, head): the
 // same operations in the same order.
 //
-// Shared memory (GdnDims::step_persist_smem): GDN_PS_STAGES stages of [state dk*dv | history
+// Shared memory (GdnDims::step_persist_smem): GDN_PS_STAGES stages of [state dk*dv (f32 or f16) | history
 // (KC-1)*nch | this step's inputs nch | z dv | b, a, dt_bias, neg_a], nch = 2dk + dv (the q, k
 // and v channels of the head, in that order), the rows' ring and state pointers, then
 // gdn_step_tail's scratch, then the rows' positions.
 #define GDN_PS_STAGES 3
-__device__ __forceinline__ int gdn_ps_stage(int dk, int dv, int KC) { return dk * dv + KC * (2 * dk + dv) + dv + 4; }
+// A stage's size in f32 words.
+template <typename ST>
+__device__ __forceinline__ int gdn_ps_stage(int dk, int dv, int KC) {
+    return gdn_st_words<ST>(dk * dv) + KC * (2 * dk + dv) + dv + 4;
+}
 __device__ __forceinline__ void cp_async4(unsigned s, const void* g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(g) : "memory");
 }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_BATCH_ARGS, int rows) {
+template <typename ST>
+__device__ __forceinline__ void gdn_step_persist_impl(GDN_STEP_BATCH_ARGS(ST), int rows) {
     extern __shared__ __align__(16) float gps_sm[];
     const int tid = threadIdx.x, nt = blockDim.x, items = rows * nv;
     const int nch = 2 * dk + dv, key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv, group = nv / nk;
-    const int stage = gdn_ps_stage(dk, dv, KC);
+    const int stage = gdn_ps_stage<ST>(dk, dv, KC);
     float** sring = reinterpret_cast<float**>(gps_sm + GDN_PS_STAGES * stage);
-    float** sstate = sring + rows;
+    ST** sstate = reinterpret_cast<ST**>(sring + rows);
     float* scratch = reinterpret_cast<float*>(sstate + rows);
     int* spos = reinterpret_cast<int*>(scratch + 2 * dk + dv + 2 * (dk / GDN_SL) * dv + 33);
     // The rows' tables and positions (the positions written by the previous step's token choice,
@@ -288,14 +330,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_B
     auto chan = [&](int n, int c) { return gdn_head_channel(n / group, n, c, dk, dv, key_dim); };
     auto stage_of = [&](int k) { return gps_sm + (k % GDN_PS_STAGES) * stage; };
     auto copy_state = [&](int k, int it) {
-        const float* S = sstate[it / nv] + (size_t)(it % nv) * dk * dv;
+        constexpr int per16 = 16 / sizeof(ST);  // elements per 16-byte copy
+        const ST* S = sstate[it / nv] + (size_t)(it % nv) * dk * dv;
         const u32 dst = smem_u32(stage_of(k));
-        for (int p = tid; p < (dk * dv) >> 2; p += nt) cp_async16(dst + 16 * p, S + 4 * p);
+        for (int p = tid; p < gdn_st_words<ST>(dk * dv) >> 2; p += nt) cp_async16(dst + 16 * p, S + per16 * p);
     };
     // Everything else of the item (after the wait: qkv, z, b and a are the previous kernel's).
     auto copy_inputs = [&](int k, int it) {
         const int b = it / nv, n = it % nv, pos = spos[b];
-        float* in = stage_of(k) + dk * dv;
+        float* in = stage_of(k) + gdn_st_words<ST>(dk * dv);
         const int q4 = nch >> 2;
         for (int p = tid; p < KC * q4; p += nt) {
             const int rr = p / q4, c4 = 4 * (p % q4), ch = chan(n, c4);
@@ -344,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_B
         cp_commit();
         cp_wait<GDN_PS_STAGES - 1>();
         __syncthreads();
-        const float* Ssm = stage_of(k);
-        const float* in = Ssm + dk * dv;
+        const ST* Ssm = reinterpret_cast<const ST*>(stage_of(k));
+        const float* in = stage_of(k) + gdn_st_words<ST>(dk * dv);
         const float* cur = in + (KC - 1) * nch;
         const float* zs = in + KC * nch;
         // The conv + SiLU of the head's channels: gdn_step_impl's sum, in the same order.
@@ -364,10 +407,16 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_B
         }
         __syncthreads();
         float unused[1];
-        gdn_step_tail<true>(Ssm, unused, scratch, sstate[b] + (size_t)n * dk * dv, zs[dv], zs[dv + 1], zs[tid % dv],
+        gdn_step_tail<true, ST>(Ssm, unused, scratch, sstate[b] + (size_t)n * dk * dv, zs[dv], zs[dv + 1], zs[tid % dv],
                             zs[dv + 2], zs[dv + 3], nwj, y + (size_t)b * nv * dv, n, nv, dk, dv, eps, frag, gsum, b);
         __syncthreads();  // the stage and the scratch are free for the next items
     }
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_BATCH_ARGS(float), int rows) {
+    gdn_step_persist_impl<float>(GDN_STEP_BATCH_CALL, rows);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist_f16(GDN_STEP_BATCH_ARGS(u16), int rows) {
+    gdn_step_persist_impl<u16>(GDN_STEP_BATCH_CALL, rows);
 }
 
 // ============================== prefill (T tokens) ==============================
@@ -482,10 +531,10 @@ extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const C
 // grid (nv, ceil(dv / (128/PARTS))), block 128.
 #define PF_GDN_TB 16
 
-template <int DK>
+template <int DK, typename ST>
 __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ conv,
                          const float* __restrict__ braw, const float* __restrict__ araw,
-                         const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ state,
+                         const float* __restrict__ dt_bias, const float* __restrict__ neg_a, ST* __restrict__ state,
                          float* __restrict__ o, int T, int nk, int nv, int dv, int C) {
     constexpr int PARTS = DK >= 128 ? 8 : (DK >= 64 ? 4 : 2);
     constexpr int R = DK / PARTS, RS = R + 4, KS = PARTS * RS, CPW = 32 / PARTS, BC = 4 * CPW;
@@ -499,10 +548,10 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     const int c0 = blockIdx.y * BC, c = c0 + cl;
     const bool cvalid = c < dv;
     const int kh = n / (nv / nk), key_dim = nk * DK;
-    float* S = state + (size_t)n * DK * dv;
+    ST* S = state + (size_t)n * DK * dv;
     float sreg[R];
 #pragma unroll
-    for (int i = 0; i < R; ++i) sreg[i] = cvalid ? S[(size_t)(part * R + i) * dv + c] : 0.f;
+    for (int i = 0; i < R; ++i) sreg[i] = cvalid ? gdn_st_ld(S + (size_t)(part * R + i) * dv + c) : 0.f;
     const float nega = neg_a[n], dtb = dt_bias[n];
     const float* vsrc = conv + 2 * key_dim + (size_t)n * dv + c0;
     float pv[NV];
@@ -608,12 +657,13 @@ __device__ void gdn_scan(const float* __restrict__ qn, const float* __restrict__
     }
     if (cvalid) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) S[(size_t)(part * R + i) * dv + c] = sreg[i];
+        for (int i = 0; i < R; ++i) gdn_st_st(S + (size_t)(part * R + i) * dv + c, sreg[i]);
     }
 }
 
 // Up to GDN_SCAN_SEGS sequences' scans in one launch (blockIdx.z = segment): segment z is rows
-// r0[z] .. r0[z] + n[z] of the chunk's inputs and outputs, with its own state. The recurrence is
+// r0[z] .. r0[z] + n[z] of the chunk's inputs and outputs, with its own state (f32 or f16 as the
+// kernel's instance reads it; the table holds untyped addresses). The recurrence is
 // a chain of dependent steps per token, so segments side by side run in the time of the longest
 // instead of the sum. Passed by value (gdn.rs ScanSegments has this layout).
 #define GDN_SCAN_SEGS 16
@@ -622,18 +672,22 @@ struct ScanSegs {
     int r0[GDN_SCAN_SEGS];
     int n[GDN_SCAN_SEGS];
 };
-#define PF_GDN_SCAN(DK)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) pf_gdn_scan_##DK(                                           \
+#define PF_GDN_SCAN(DK, NAME, ST)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                        \
         const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
         const float* dt_bias, const float* neg_a, const ScanSegs segs, float* o, int nk, int nv, int dv, int C) {   \
         const size_t r0 = segs.r0[blockIdx.z];                                                                     \
         const size_t kd = (size_t)nk * DK;                                                                         \
-        gdn_scan<DK>(qn + r0 * kd, kn + r0 * kd, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias, neg_a,    \
-                     segs.state[blockIdx.z], o + r0 * nv * dv, segs.n[blockIdx.z], nk, nv, dv, C);                 \
+        gdn_scan<DK, ST>(qn + r0 * kd, kn + r0 * kd, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,       \
+                         neg_a, reinterpret_cast<ST*>(segs.state[blockIdx.z]), o + r0 * nv * dv, segs.n[blockIdx.z], \
+                         nk, nv, dv, C);                                                                           \
     }
-PF_GDN_SCAN(32)
-PF_GDN_SCAN(64)
-PF_GDN_SCAN(128)
+PF_GDN_SCAN(32, pf_gdn_scan_32, float)
+PF_GDN_SCAN(64, pf_gdn_scan_64, float)
+PF_GDN_SCAN(128, pf_gdn_scan_128, float)
+PF_GDN_SCAN(32, pf_gdn_scan_32_f16, u16)
+PF_GDN_SCAN(64, pf_gdn_scan_64_f16, u16)
+PF_GDN_SCAN(128, pf_gdn_scan_128_f16, u16)
 
 // ---- the chunked scan (default mode): 64-token chunks in the WY form on the tensor cores ----
 // Within a chunk whose state starts at S0, with g_t = log a_t and G_t = sum_{s<=t} g_s, unrolling
@@ -881,17 +935,31 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
     }
 }
 
+// Two adjacent state entries (an even column and the next, 4- or 8-byte aligned) widened to f32,
+// and stored back (the f16 pair as one word, `a` at the lower address).
+__device__ __forceinline__ float2 gdn_st_ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 gdn_st_ld2(const u16* p) {
+    const u32 w = *reinterpret_cast<const u32*>(p);
+    return make_float2(gdn_st_widen((u16)(w & 0xffffu)), gdn_st_widen((u16)(w >> 16)));
+}
+__device__ __forceinline__ void gdn_st_st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void gdn_st_st2(u16* p, float a, float b) {
+    u32 w;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+    *reinterpret_cast<u32*>(p) = w;
+}
+
 // One (value head, GCV state columns) through all chunks of a segment: grid (nv, dv / GCV,
 // segments), block 256. Warps 0-3 own the state columns in f32 mma accumulators (warp w: key
 // rows w DK/4 ..) and per chunk make D = U - W S and then the new state; warps 4-7 make
 // P = (e^G Q) S and then O = P + M D beside them. The state, rounded to bf16, is the products'
 // operand in shared memory; each chunk's tiles are copied in with cp.async one chunk ahead.
 // Dynamic shared memory: 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + GC) GC_LDC bf16, 2 GC GC_LDU f32.
-template <int DK>
+template <int DK, typename ST>
 __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __restrict__ w_in,
                                const u16* __restrict__ qg_in, const u16* __restrict__ kd_in,
                                const u16* __restrict__ m_in, const float* __restrict__ eg_in,
-                               float* __restrict__ state, float* __restrict__ o, int T, int cg0, int nv, int dv) {
+                               ST* __restrict__ state, float* __restrict__ o, int T, int cg0, int nv, int dv) {
     constexpr int LDK = DK + 8, MT = DK / 64, RW = DK / 4;
     extern __shared__ __align__(16) unsigned char gcw_sm[];
     u16* Wb = reinterpret_cast<u16*>(gcw_sm);  // W          [2][GC][LDK]
@@ -905,7 +973,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
     const int warp = (tid >> 5) & 3;
     const bool owns_state = tid < 128;
     const int g = lane >> 2, q = lane & 3;
-    float* S = state + (size_t)h * DK * dv + c0;
+    ST* S = state + (size_t)h * DK * dv + c0;
     float sacc[MT][4][4];
     if (owns_state) {
 #pragma unroll
@@ -913,8 +981,8 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
 #pragma unroll
             for (int n8 = 0; n8 < 4; ++n8) {
                 const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
-                const float2 lo = *reinterpret_cast<const float2*>(S + (size_t)r * dv + col);
-                const float2 hi = *reinterpret_cast<const float2*>(S + (size_t)(r + 8) * dv + col);
+                const float2 lo = gdn_st_ld2(S + (size_t)r * dv + col);
+                const float2 hi = gdn_st_ld2(S + (size_t)(r + 8) * dv + col);
                 sacc[mi][n8][0] = lo.x;
                 sacc[mi][n8][1] = lo.y;
                 sacc[mi][n8][2] = hi.x;
@@ -1035,8 +1103,8 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
 #pragma unroll
             for (int n8 = 0; n8 < 4; ++n8) {
                 const int r = warp * RW + mi * 16 + g, col = n8 * 8 + 2 * q;
-                *reinterpret_cast<float2*>(S + (size_t)r * dv + col) = make_float2(sacc[mi][n8][0], sacc[mi][n8][1]);
-                *reinterpret_cast<float2*>(S + (size_t)(r + 8) * dv + col) = make_float2(sacc[mi][n8][2], sacc[mi][n8][3]);
+                gdn_st_st2(S + (size_t)r * dv + col, sacc[mi][n8][0], sacc[mi][n8][1]);
+                gdn_st_st2(S + (size_t)(r + 8) * dv + col, sacc[mi][n8][2], sacc[mi][n8][3]);
             }
     }
 }
@@ -1051,12 +1119,15 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
         gdn_chunk_prep<DK>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,   \
                            neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, qg, kd, m, eg);         \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) pf_gdn_chunk_walk_##DK(                                      \
+    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK, float)                                                          \
+    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK##_f16, u16)
+#define PF_GDN_CHUNK_WALK(DK, NAME, ST)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
         const float* u, const u16* w, const u16* qg, const u16* kd, const u16* m, const float* eg,                 \
         const ScanSegs segs, float* o, int nv, int dv) {                                                           \
         const int z = blockIdx.z;                                                                                  \
-        gdn_chunk_walk<DK>(u, w, qg, kd, m, eg, segs.state[z], o + (size_t)segs.r0[z] * nv * dv, segs.n[z],        \
-                           seg_chunk_base(segs, z), nv, dv);                                                       \
+        gdn_chunk_walk<DK, ST>(u, w, qg, kd, m, eg, reinterpret_cast<ST*>(segs.state[z]),                          \
+                               o + (size_t)segs.r0[z] * nv * dv, segs.n[z], seg_chunk_base(segs, z), nv, dv);      \
     }
 PF_GDN_CHUNK(64)
 PF_GDN_CHUNK(128)

@@ -89,12 +89,24 @@ struct PathArgs {
     /// the decode kernels on every position).
     #[arg(long)]
     decode_forward: bool,
-    /// CUDA: the f32 prefill kernels, exact to rounding against the CPU reference.
+    /// CUDA: the f32 prefill kernels and f32 GDN states, exact to rounding against the CPU
+    /// reference (`--gdn-state` still chooses the states' type).
     #[arg(long)]
     exact_prefill: bool,
     /// Attention KV cache element type (default: the backend's: CUDA bf16, CPU f32).
     #[arg(long, value_enum)]
     kv_cache: Option<KvCache>,
+    /// CUDA: the GDN recurrent states' element type (default f16, or LILY_GDN_STATE; f32 with
+    /// --exact-prefill).
+    #[arg(long, value_enum)]
+    gdn_state: Option<GdnState>,
+}
+
+/// The GDN recurrent state's element type (`--gdn-state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GdnState {
+    F32,
+    F16,
 }
 
 impl PathArgs {
@@ -103,6 +115,12 @@ impl PathArgs {
         let mut opts = CudaOptions::from_env();
         opts.decode_forward |= self.decode_forward;
         opts.exact_prefill |= self.exact_prefill;
+        if self.exact_prefill {
+            opts.gdn_state_f16 = false;
+        }
+        if let Some(s) = self.gdn_state {
+            opts.gdn_state_f16 = s == GdnState::F16;
+        }
         let mut backend = open_backend_with(kind, ck, opts)?;
         if let Some(kv) = self.kv_cache {
             kv.apply(backend.as_mut());

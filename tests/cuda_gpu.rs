@@ -35,7 +35,7 @@ fn cuda() -> CudaBackend {
 /// below), and every 4-bit GEMV set on the tensor-core kernel (the tiny model's sets are all
 /// small).
 fn exact_options() -> CudaOptions {
-    CudaOptions { exact_prefill: true, kv_bf16: false, gemv_tc_min_tiles: 0, ..CudaOptions::default() }
+    CudaOptions { exact_prefill: true, kv_bf16: false, gdn_state_f16: false, gemv_tc_min_tiles: 0, ..CudaOptions::default() }
 }
 
 fn cuda_with(opts: CudaOptions) -> CudaBackend {
@@ -606,6 +606,49 @@ fn cuda_bf16_kv_matches_cpu_bf16_kv() {
     let rel = rel_rms(&fast, &first);
     eprintln!("bf16 KV + tensor-core prefill vs CPU: last-position logits relative RMS {rel:.2e}");
     assert!(rel.is_finite() && rel < 0.1, "tensor-core prefill with a bf16 KV cache: relative RMS {rel}");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_f16_gdn_states_decode_within_their_rounding_of_the_cpu() {
+    // The GDN states stored in f16 (`gdn_state_f16`): the exact prefill's scan leaves the
+    // 300-token prompt's state rounded once (pf_gdn_scan_*_f16), then every decode step through
+    // the graph (gdn_step_f16) reads and rounds it again. Teacher-forced with the CPU's greedy
+    // tokens, so one flipped choice does not change the inputs after it; the f32-state backend
+    // runs beside it as the yardstick (its error is rounding only).
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    let mut f32s = cuda();
+    let mut f16s = cuda_with(CudaOptions { gdn_state_f16: true, ..exact_options() });
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(300, vocab);
+    let steps = 24;
+    let mut sc = cpu.new_sequence(1024).unwrap();
+    let (mut s32, mut s16) = (f32s.new_sequence(1024).unwrap(), f16s.new_sequence(1024).unwrap());
+    let mut want = cpu.forward(&mut sc, &toks, LogitsWanted::Last).unwrap();
+    let mut got32 = f32s.forward(&mut s32, &toks, LogitsWanted::Last).unwrap();
+    let mut got16 = f16s.forward(&mut s16, &toks, LogitsWanted::Last).unwrap();
+    let (mut worst32, mut worst16, mut worst_rel, mut agree, mut apart) = (0f32, 0f32, 0f32, 0, 0f32);
+    for _ in 0..steps {
+        worst32 = worst32.max(max_abs_diff(&got32, &want));
+        worst16 = worst16.max(max_abs_diff(&got16, &want));
+        apart = apart.max(max_abs_diff(&got16, &got32));
+        worst_rel = worst_rel.max(rel_rms(&got16, &want));
+        let t = argmax(&want);
+        agree += (argmax(&got16) == t) as usize;
+        want = cpu.forward(&mut sc, &[t], LogitsWanted::Last).unwrap();
+        got32 = f32s.forward(&mut s32, &[t], LogitsWanted::Last).unwrap();
+        got16 = f16s.forward(&mut s16, &[t], LogitsWanted::Last).unwrap();
+    }
+    eprintln!(
+        "f16 GDN states: 300-token prompt + {steps} steps: max |logit err| {worst16:.3e} (f32 states {worst32:.3e}, \
+         f16 vs f32 {apart:.3e}), worst relative RMS {worst_rel:.2e}, greedy agreement {agree}/{steps}"
+    );
+    assert!(worst32 <= LOGIT_TOL, "f32 states: max |logit error| {worst32}");
+    // The two backends differ only in the states' element type: the f16 instances ran.
+    assert!(apart > 0.0, "f16 states gave the f32 states' logits bit for bit");
+    assert!(worst_rel < 5e-3, "f16 states: max |logit error| {worst16}, relative RMS {worst_rel}");
+    assert!(agree + 1 >= steps, "f16 states: greedy agreement {agree}/{steps}");
 }
 
 /// The hand-over microbenchmark's chain (`lily-bench --handover`) gives the host's result every

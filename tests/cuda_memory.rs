@@ -28,7 +28,7 @@ fn ck() -> Checkpoint {
 
 /// Exact f32 prefill and f32 KV, as the CPU reference computes; `cap` bounds the budget.
 fn cuda(cap: Option<usize>) -> CudaBackend {
-    let opts = CudaOptions { exact_prefill: true, kv_bf16: false, gemv_tc_min_tiles: 0, sequence_memory_cap: cap, ..CudaOptions::default() };
+    let opts = CudaOptions { exact_prefill: true, kv_bf16: false, gdn_state_f16: false, gemv_tc_min_tiles: 0, sequence_memory_cap: cap, ..CudaOptions::default() };
     CudaBackend::with_options(&ck(), opts).expect("CUDA backend (needs an sm_90 GPU)")
 }
 
@@ -41,7 +41,7 @@ struct Sizes {
 fn sizes(b: &CudaBackend) -> Sizes {
     let cfg = b.config();
     let page = b.sequence_memory().unwrap().page_bytes as usize;
-    Sizes { page, slot: state::layout(cfg).1 * 4, rows_per_page: page / (cfg.kv_dim() * 4) }
+    Sizes { page, slot: state::layout(cfg, false).1 * 4, rows_per_page: page / (cfg.kv_dim() * 4) }
 }
 
 fn in_use(b: &CudaBackend) -> usize {

@@ -22,7 +22,7 @@ use lily::backend::cpu::{gdn, ops, qmatmul, CpuBackend};
 use lily::backend::cuda::options::DEFAULT_PREFILL_CHUNK as DEFAULT_CHUNK;
 use lily::backend::cuda::qmatmul::{FewRowRoute, GemmRoute};
 use lily::backend::cuda::testing::GroupedRoute;
-use lily::backend::cuda::{testing, CudaBackend};
+use lily::backend::cuda::{testing, CudaBackend, CudaOptions};
 use lily::backend::{Backend, LogitsWanted, PrefillPiece, Sequence};
 use lily::checkpoint::store::QuantTensor;
 use lily::checkpoint::Checkpoint;
@@ -36,8 +36,10 @@ fn ck() -> Checkpoint {
 }
 
 fn cuda() -> CudaBackend {
-    let mut b = CudaBackend::new(&ck()).expect("CUDA backend (needs an sm_90 GPU)");
-    // f32 KV like the CPU reference (the default bf16 cache: tests/cuda_gpu.rs).
+    // f32 GDN states and KV like the CPU reference (the default bf16 cache: tests/cuda_gpu.rs),
+    // whatever the environment asks.
+    let opts = CudaOptions { gdn_state_f16: false, ..CudaOptions::from_env() };
+    let mut b = CudaBackend::with_options(&ck(), opts).expect("CUDA backend (needs an sm_90 GPU)");
     b.set_kv_bf16(false);
     b
 }
@@ -462,6 +464,39 @@ fn cuda_prefill_attention_tc_matches_f32() {
             );
             assert!(ef < 1e-4, "f32 attention error {ef}");
             assert!(rt < 1e-2 && et < 2e-2, "tc attention: rel {rt} max {et}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_gdn_scans_with_f16_states_stay_within_f16_rounding() {
+    // The scans' f16-state instances (pf_gdn_scan_*_f16, pf_gdn_chunk_walk_*_f16) against the
+    // f32 ones on the same inputs: the initial state is rounded to f16 once, widened in the
+    // kernel, and the final state rounded once when stored, so outputs and final states differ
+    // from the f32 run's by about f16 rounding (2^-11 relative; the chunked path's bf16 operands
+    // of the state can round differently from an f16 value, one bf16 step in a few entries), on
+    // both paths. A wrong index or element size would be off by far more.
+    let b32 = cuda();
+    let b16 = CudaBackend::with_options(&ck(), CudaOptions { gdn_state_f16: true, kv_bf16: false, ..CudaOptions::from_env() }).unwrap();
+    for &(dk, dv) in &[(64usize, 64usize), (128, 128), (32, 96)] {
+        for &t in &[1usize, 9, 64, 200] {
+            let unit = |mut x: Vec<f32>, s: f32| {
+                for row in x.chunks_exact_mut(dk) {
+                    ops::l2_normalize(row, 1e-6);
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
+                x
+            };
+            let (q, k) = (unit(rnd(11, t * dk), 1.0 / (dk as f32).sqrt()), unit(rnd(12, t * dk), 1.0));
+            let (v, braw, araw, s0) = (rnd(13, t * dv), rnd(14, t), rnd(15, t), rnd(16, dk * dv));
+            for path in scan_paths(dk) {
+                let (o32, s32) = testing::gdn_scan(&b32, &q, &k, &v, &braw, &araw, 0.3, -0.7, &s0, dk, dv, path).unwrap();
+                let (o16, s16) = testing::gdn_scan(&b16, &q, &k, &v, &braw, &araw, 0.3, -0.7, &s0, dk, dv, path).unwrap();
+                let (ro, rs) = (rel_rms(&o16, &o32), rel_rms(&s16, &s32));
+                eprintln!("gdn scan ({path:?}) dk={dk} dv={dv} T={t}, f16 states vs f32: outputs relative RMS {ro:.2e}, final state {rs:.2e}");
+                assert!(rs > 0.0 && rs < 5e-3 && ro < 5e-3, "{path:?} dk={dk} T={t}: relative RMS outputs {ro}, state {rs}");
+            }
         }
     }
 }

@@ -108,6 +108,7 @@ fn run(args: Args) -> Result<()> {
     let ck = Checkpoint::open(&dir)?;
     let mut opts = CudaOptions::from_env();
     opts.memory_fraction = args.gpu_memory_fraction.unwrap_or(opts.memory_fraction);
+    let gdn_state_f16 = opts.gdn_state_f16;
     let mut backend = open_backend_with(args.backend, &ck, opts)?;
     if let Some(kv) = args.kv_cache {
         kv.apply(backend.as_mut());
@@ -136,6 +137,8 @@ fn run(args: Args) -> Result<()> {
         "warmup": !args.no_warmup,
         "max_seq": max_seq,
         "kv_cache": kv_cache,
+        // The CPU reference keeps f32 states whatever the CUDA options say.
+        "gdn_state": if gdn_state_f16 && backend.name() == "cuda" { "f16" } else { "f32" },
         "sampling": sampling_json(&params),
     });
     if let Some(n) = args.batch {

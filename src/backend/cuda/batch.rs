@@ -171,6 +171,8 @@ pub struct StepKey {
     pub rows: usize,
     pub splits: usize,
     pub kv_bf16: bool,
+    /// The rows' GDN states are f16 (`CudaOptions::gdn_state_f16`).
+    pub gdn_state_f16: bool,
     pub out: StepOut,
     pub gdn: gdn::StepBatchKernel,
     pub attn: attention::SplitBatch,
@@ -341,7 +343,7 @@ impl Pass for BatchPass<'_> {
 /// Enqueues one batch step over the first `key.rows` rows bound in `b`: the layers, the final
 /// norm and lm_head into the logits rows, and the token choice into the step rows.
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, w: &DevWeights, b: &BatchBuffers, key: StepKey, probe: &mut Probe) -> Result<()> {
-    let dims = LayerDims::new(cfg, key.kv_bf16);
+    let dims = LayerDims::new(cfg, key.kv_bf16, key.gdn_state_f16);
     let mut pass = BatchPass { gpu, w, b, rows: key.rows, splits: key.splits, gdn: key.gdn, attn: key.attn, dims, combine: None };
     forward::layers(&mut pass, w, &BatchStates(b), probe)?;
     let (n, vocab) = (key.rows, cfg.vocab_size);
@@ -430,7 +432,7 @@ impl CudaBackend {
         let attn = self.attn_split_kernel(kv_bf16);
         for rows in 2..=max_rows {
             for out in [StepOut::Greedy, StepOut::Sample, StepOut::SampleSmallK] {
-                let key = StepKey { rows, splits: batch_splits(usize::MAX, rows), kv_bf16, out, gdn: self.gdn_step_kernel(rows), attn };
+                let key = StepKey { rows, splits: batch_splits(usize::MAX, rows), kv_bf16, gdn_state_f16: self.opts.gdn_state_f16, out, gdn: self.gdn_step_kernel(rows), attn };
                 let batcher = self.batcher.as_mut().expect("fitted above");
                 if batcher.graphs.iter().any(|(k, _)| *k == key) {
                     continue;
@@ -487,7 +489,7 @@ impl CudaBackend {
         if self.opts.attn_split_cuda_core {
             return attention::SplitBatch::CudaCore;
         }
-        attention::select_split_batch(&LayerDims::new(&self.cfg, kv_bf16).attn)
+        attention::select_split_batch(&LayerDims::new(&self.cfg, kv_bf16, self.opts.gdn_state_f16).attn)
     }
 
     /// Runs one batch step over the bound rows: through its graph (captured on first use), or
@@ -562,6 +564,9 @@ impl CudaBackend {
         if rows.iter().any(|r| r.seq.state::<CudaSequence>().kv_bf16 != kv_bf16) {
             bail!("the rows of a batched decode must share one KV cache element type");
         }
+        if rows.iter().any(|r| r.seq.state::<CudaSequence>().gdn_state_f16 != self.opts.gdn_state_f16) {
+            bail!("the rows of a batched decode must keep their GDN states in the backend's element type");
+        }
         let mut snaps: Vec<SamplerSnapshot> = rows.iter().map(|r| r.sampler.clone()).collect();
         let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
         let mut produced = vec![0usize; rows.len()];
@@ -627,7 +632,7 @@ impl CudaBackend {
                         let sn: Vec<&SamplerSnapshot> = live.iter().map(|&i| &snaps[i]).collect();
                         self.bind_rows(&seqs, &toks, &pos, &sn, out)?;
                     }
-                    let key = StepKey { rows: n, splits, kv_bf16, out, gdn: self.gdn_step_kernel(n), attn };
+                    let key = StepKey { rows: n, splits, kv_bf16, gdn_state_f16: self.opts.gdn_state_f16, out, gdn: self.gdn_step_kernel(n), attn };
                     self.queue_batch_step(key, &mut rb[slot])?;
                     (key, any_masked)
                 }
@@ -698,13 +703,16 @@ impl CudaBackend {
             self.check_tokens(s, &[t])?;
         }
         let kv_bf16 = seqs[0].state::<CudaSequence>().kv_bf16;
+        if seqs.iter().any(|s| s.state::<CudaSequence>().gdn_state_f16 != self.opts.gdn_state_f16) {
+            bail!("the rows of a batched step must keep their GDN states in the backend's element type");
+        }
         let reach = seqs.iter().map(|s| s.len() + 1).max().unwrap_or(1);
         self.fit_batch(n)?;
         let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();
         let pos: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         self.bind_rows(&states, tokens, &pos, &[], StepOut::Logits)?;
         let attn = self.attn_split_kernel(kv_bf16);
-        let key = StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, out: StepOut::Logits, gdn: self.gdn_step_kernel(n), attn };
+        let key = StepKey { rows: n, splits: batch_splits(reach, n), kv_bf16, gdn_state_f16: self.opts.gdn_state_f16, out: StepOut::Logits, gdn: self.gdn_step_kernel(n), attn };
         self.run_batch_step(key)?;
         let b = &self.batcher.as_ref().expect("fitted").bufs;
         let vocab = self.cfg.vocab_size;

@@ -183,7 +183,7 @@ impl Pass for DecodePass<'_> {
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights, dec: &Decoder, seq: &CudaSequence, splits: usize, out: StepOut, probe: &mut Probe) -> Result<()> {
     let st = &gpu.stream;
     let step = ptr(&seq.step, st);
-    let dims = LayerDims::new(cfg, seq.kv_bf16);
+    let dims = LayerDims::new(cfg, seq.kv_bf16, seq.gdn_state_f16);
     let mut pass = DecodePass {
         gpu,
         dec,

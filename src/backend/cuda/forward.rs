@@ -34,11 +34,11 @@ pub struct LayerDims {
 }
 
 impl LayerDims {
-    pub fn new(cfg: &ModelConfig, kv_bf16: bool) -> Self {
+    pub fn new(cfg: &ModelConfig, kv_bf16: bool, gdn_state_f16: bool) -> Self {
         LayerDims {
             eps: cfg.rms_norm_eps as f32,
             group: cfg.quant.group_size,
-            gdn: GdnDims::new(cfg),
+            gdn: GdnDims::new(cfg).with_state_f16(gdn_state_f16),
             attn: AttnDims::new(cfg, kv_bf16),
             moe: MoeDims::new(cfg),
         }

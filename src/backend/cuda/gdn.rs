@@ -9,9 +9,10 @@ use super::registry::{Kernel, GDN, SMEM_OPTIN_LIMIT};
 use crate::checkpoint::ModelConfig;
 use anyhow::{bail, Result};
 
-const GDN_STEP: Kernel = Kernel::dependent(&GDN, "gdn_step");
-const GDN_STEP_BATCH: Kernel = Kernel::dependent(&GDN, "gdn_step_batch");
-const GDN_STEP_PERSIST: Kernel = Kernel::dependent(&GDN, "gdn_step_persist");
+/// The state-reading kernels' two instances: (f32 state, f16 state).
+const GDN_STEP: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step"), Kernel::dependent(&GDN, "gdn_step_f16")];
+const GDN_STEP_BATCH: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_batch"), Kernel::dependent(&GDN, "gdn_step_batch_f16")];
+const GDN_STEP_PERSIST: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_persist"), Kernel::dependent(&GDN, "gdn_step_persist_f16")];
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
@@ -29,6 +30,9 @@ pub struct GdnDims {
     /// Channels of the conv (q, k and v of every head).
     pub conv_dim: usize,
     pub eps: f32,
+    /// The recurrent state is stored in f16 (`CudaOptions::gdn_state_f16`; the `_f16` kernels)
+    /// instead of f32.
+    pub state_f16: bool,
 }
 
 impl GdnDims {
@@ -41,7 +45,24 @@ impl GdnDims {
             kc: cfg.linear_conv_kernel_dim,
             conv_dim: cfg.gdn_conv_dim(),
             eps: cfg.rms_norm_eps as f32,
+            state_f16: false,
         }
+    }
+    /// The same dims with the state stored in f16 (`f16`) or f32.
+    pub fn with_state_f16(self, f16: bool) -> Self {
+        GdnDims { state_f16: f16, ..self }
+    }
+    /// Bytes of one state entry.
+    pub fn state_elem_bytes(&self) -> usize {
+        if self.state_f16 {
+            2
+        } else {
+            4
+        }
+    }
+    /// Which instance of a state-reading kernel these dims launch.
+    fn instance(&self, kernels: [Kernel; 2]) -> Kernel {
+        kernels[self.state_f16 as usize]
     }
     /// Threads of `gdn_step`: one per (value column, 32-key slice).
     fn step_threads(&self) -> u32 {
@@ -52,14 +73,18 @@ impl GdnDims {
     }
     /// `gdn_step_batch` keeps the head's state slice in shared memory in front of the rest.
     fn step_batch_smem(&self) -> u32 {
-        self.step_smem() + (self.dk * self.dv * 4) as u32
+        self.step_smem() + (self.dk * self.dv * self.state_elem_bytes()) as u32
     }
     /// `gdn_step_persist`: three stages of (state slice, the conv's history and inputs of the
     /// head's channels, z, four scalars), the rows' two pointers, the step's scratch, then the
     /// rows' positions.
     fn step_persist_smem(&self, rows: usize) -> u32 {
-        let stage = self.dk * self.dv + self.kc * (2 * self.dk + self.dv) + self.dv + 4;
-        self.step_smem() + ((PERSIST_STAGES * stage + 5 * rows) * 4) as u32
+        self.step_smem() + ((PERSIST_STAGES * self.persist_stage_words() + 5 * rows) * 4) as u32
+    }
+    /// One stage of `gdn_step_persist` in f32 words (gdn_ps_stage in gdn.cu): the state slice, the
+    /// conv's history and inputs, z, four scalars.
+    fn persist_stage_words(&self) -> usize {
+        self.dk * self.dv * self.state_elem_bytes() / 4 + self.kc * (2 * self.dk + self.dv) + self.dv + 4
     }
 }
 
@@ -83,7 +108,7 @@ pub fn step_supported(d: &GdnDims) -> bool {
 /// Whether the prefill kernels take these head dims (a scan instance per key dim, value columns
 /// in warps). Without them multi-token forwards run the decode step per token.
 pub fn chunk_supported(d: &GdnDims) -> bool {
-    select_scan(d.dk).is_some() && d.dv.is_multiple_of(32) && d.dv <= 1024
+    select_scan(d).is_some() && d.dv.is_multiple_of(32) && d.dv <= 1024
 }
 
 /// The layer's weights and state, and the activations it reads and writes.
@@ -105,7 +130,7 @@ pub struct GdnPtrs {
 
 /// One token (decode): token and position in the step buffer.
 pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
-    gpu.launch(GDN_STEP, (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
+    gpu.launch(d.instance(GDN_STEP), (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
 }
 
 /// The batched step's kernel.
@@ -151,14 +176,14 @@ pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, 
     if let StepBatchKernel::Persist { blocks } = kernel {
         if persist_fits(d, rows) {
             args.push(Arg::I(rows as i32));
-            return gpu.launch(GDN_STEP_PERSIST, (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
+            return gpu.launch(d.instance(GDN_STEP_PERSIST), (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
         }
     }
     let smem = d.step_batch_smem();
     if smem > SMEM_OPTIN_LIMIT {
         bail!("the batched GDN step keeps a {} x {} state slice in shared memory: {smem} bytes do not fit", d.dk, d.dv);
     }
-    gpu.launch(GDN_STEP_BATCH, (d.nv as u32, rows as u32, 1), d.step_threads(), smem, &args)
+    gpu.launch(d.instance(GDN_STEP_BATCH), (d.nv as u32, rows as u32, 1), d.step_threads(), smem, &args)
 }
 
 /// Whether the batched step can stage its outputs itself: each head's outputs are whole 64-column
@@ -263,14 +288,16 @@ pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[Co
     Ok(())
 }
 
-/// The scan instance for a key head dim (the state of one column lives in registers).
-pub fn select_scan(dk: usize) -> Option<Kernel> {
-    match dk {
-        32 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_32")),
-        64 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_64")),
-        128 => Some(Kernel::ordered(&GDN, "pf_gdn_scan_128")),
-        _ => None,
-    }
+/// The scan instance for the key head dim and state element (the state of one column lives in
+/// registers).
+pub fn select_scan(d: &GdnDims) -> Option<Kernel> {
+    let names = match d.dk {
+        32 => ["pf_gdn_scan_32", "pf_gdn_scan_32_f16"],
+        64 => ["pf_gdn_scan_64", "pf_gdn_scan_64_f16"],
+        128 => ["pf_gdn_scan_128", "pf_gdn_scan_128_f16"],
+        _ => return None,
+    };
+    Some(d.instance(names.map(|n| Kernel::ordered(&GDN, n))))
 }
 
 /// State columns per scan block: 4 warps x 32 lanes / lanes per column.
@@ -339,7 +366,7 @@ pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[Sc
 
 /// The exact recurrence (`pf_gdn_scan_*`) over up to [`SCAN_SEGS`] segments.
 pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
-    let Some(k) = select_scan(d.dk) else {
+    let Some(k) = select_scan(d) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
     let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a];
@@ -350,12 +377,14 @@ pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, grou
     gpu.launch(k, grid, 128, 0, &args)
 }
 
-fn chunked_kernels(dk: usize) -> Option<(Kernel, Kernel)> {
-    match dk {
-        64 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_64"), Kernel::ordered(&GDN, "pf_gdn_chunk_walk_64"))),
-        128 => Some((Kernel::ordered(&GDN, "pf_gdn_chunk_prep_128"), Kernel::ordered(&GDN, "pf_gdn_chunk_walk_128"))),
-        _ => None,
-    }
+/// The chunked scan's prep (no state) and the walk instance for the state element.
+fn chunked_kernels(d: &GdnDims) -> Option<(Kernel, Kernel)> {
+    let (prep, walks) = match d.dk {
+        64 => ("pf_gdn_chunk_prep_64", ["pf_gdn_chunk_walk_64", "pf_gdn_chunk_walk_64_f16"]),
+        128 => ("pf_gdn_chunk_prep_128", ["pf_gdn_chunk_walk_128", "pf_gdn_chunk_walk_128_f16"]),
+        _ => return None,
+    };
+    Some((Kernel::ordered(&GDN, prep), d.instance(walks.map(|n| Kernel::ordered(&GDN, n)))))
 }
 
 /// Dynamic shared memory of pf_gdn_chunk_prep and pf_gdn_chunk_walk (gdn.cu).
@@ -372,7 +401,7 @@ fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
 /// The chunked scan (see gdn.cu) over up to [`SCAN_SEGS`] segments: every chunk's products at
 /// once, then the walk through each segment's chunks that carries its state.
 pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
-    let Some((prep, walk)) = chunked_kernels(d.dk).filter(|_| chunked_supported(d)) else {
+    let Some((prep, walk)) = chunked_kernels(d).filter(|_| chunked_supported(d)) else {
         bail!("GDN heads (key dim {}, value dim {}) not supported by the chunked scan", d.dk, d.dv);
     };
     let c = &s.chunked;
@@ -493,16 +522,43 @@ mod tests {
     fn kernels_for_the_35b_and_tiny_shapes() {
         let big = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
         assert!(step_supported(&big) && chunk_supported(&big));
-        assert_eq!(select_scan(big.dk).unwrap().name, "pf_gdn_scan_128");
+        assert_eq!(select_scan(&big).unwrap().name, "pf_gdn_scan_128");
         assert_eq!(big.step_threads(), 512);
         assert_eq!(scan_block_columns(128), 16);
         let tiny = GdnDims::new(&ModelConfig::tiny());
         assert!(step_supported(&tiny) && chunk_supported(&tiny));
-        assert_eq!(select_scan(tiny.dk).unwrap().name, "pf_gdn_scan_64");
+        assert_eq!(select_scan(&tiny).unwrap().name, "pf_gdn_scan_64");
         assert_eq!(scan_block_columns(64), 32);
-        assert!(select_scan(96).is_none());
+        assert!(select_scan(&GdnDims { dk: 96, ..tiny }).is_none());
         assert!(step_supported(&GdnDims { dk: 96, ..tiny }));
         assert!(!chunk_supported(&GdnDims { dk: 96, ..tiny }));
         assert!(!step_supported(&GdnDims { dk: 128, dv: 512, ..tiny }));
+    }
+
+    #[test]
+    fn an_f16_state_launches_the_f16_instances_with_half_the_state_bytes() {
+        let f32s = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
+        let f16s = f32s.with_state_f16(true);
+        assert_eq!((f32s.state_elem_bytes(), f16s.state_elem_bytes()), (4, 2));
+        for (k, name) in [(GDN_STEP, "gdn_step"), (GDN_STEP_BATCH, "gdn_step_batch"), (GDN_STEP_PERSIST, "gdn_step_persist")] {
+            assert_eq!(f32s.instance(k).name, name);
+            assert_eq!(f16s.instance(k).name, format!("{name}_f16"));
+        }
+        assert_eq!(select_scan(&f16s).unwrap().name, "pf_gdn_scan_128_f16");
+        let ((p32, w32), (p16, w16)) = (chunked_kernels(&f32s).unwrap(), chunked_kernels(&f16s).unwrap());
+        assert_eq!((p32.name, w32.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128"));
+        assert_eq!((p16.name, w16.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128_f16"));
+        // Every instance is in the module the backend compiles.
+        for k in [GDN_STEP, GDN_STEP_BATCH, GDN_STEP_PERSIST].concat().into_iter().chain([w16, select_scan(&f16s).unwrap()]) {
+            assert!(GDN.kernels.contains(&k.name), "{}", k.name);
+        }
+        // The batched steps' shared memory: the 128 x 128 slice is 64 KB in f32, 32 KB in f16;
+        // a stage of the persistent step (16-byte aligned) 8,192 words smaller.
+        assert_eq!(f32s.step_batch_smem() - f16s.step_batch_smem(), 128 * 128 * 2);
+        assert_eq!(f32s.step_persist_smem(4) - f16s.step_persist_smem(4), (3 * 128 * 128 / 2 * 4) as u32);
+        // Every stage starts 16-byte aligned (the cp.async copies into it), at both models' dims.
+        let tiny16 = GdnDims::new(&ModelConfig::tiny()).with_state_f16(true);
+        assert_eq!((f16s.persist_stage_words(), tiny16.persist_stage_words()), (9_860, 2_884));
+        assert!(f16s.persist_stage_words() % 4 == 0 && tiny16.persist_stage_words() % 4 == 0);
     }
 }

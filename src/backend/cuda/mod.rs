@@ -322,7 +322,7 @@ impl CudaBackend {
             w.keep_dense_bf16(&gpu, cfg.quant.group_size, opts.memory_fraction)?;
         }
         let decoder = Decoder::new(&gpu, &cfg, &w)?;
-        let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), gpu.device_copy()?, state::layout(&cfg).1, opts.memory_fraction, opts.sequence_memory_cap)?;
+        let mem = SequenceMemory::new(gpu.ctx.clone(), gpu.stream.clone(), gpu.device_copy()?, state::layout(&cfg, opts.gdn_state_f16).1, opts.memory_fraction, opts.sequence_memory_cap)?;
         gpu.sync()?;
         Ok(CudaBackend {
             use_graphs: opts.graphs,
@@ -417,6 +417,7 @@ impl CudaBackend {
             fuse_combine_norm: self.opts.fuse_combine_norm,
             chunk: self.opts.prefill_chunk,
             exact: self.opts.exact_prefill,
+            gdn_state_f16: self.opts.gdn_state_f16,
             profile: self.opts.profile,
         };
         run.run(&mut self.chunk_buffers, pieces, wanted)
@@ -529,7 +530,7 @@ impl Backend for CudaBackend {
     /// The batch GEMMs' row limit, or fewer when the sequence memory budget cannot hold that
     /// many sequences at their smallest.
     fn batch_capacity(&self) -> usize {
-        let regions = state::kv_regions(&state::layout(&self.cfg).0);
+        let regions = state::kv_regions(&state::layout(&self.cfg, self.opts.gdn_state_f16).0);
         let fits = self.mem.report().budget_bytes as usize / self.mem.sequence_floor_bytes(regions).max(1);
         batch::MAX_BATCH.min(fits).max(1)
     }
@@ -537,7 +538,7 @@ impl Backend for CudaBackend {
     /// A state slot and the KV address space of `max_seq` tokens; KV pages are mapped as the
     /// sequence grows.
     fn new_sequence(&self, max_seq: usize) -> Result<Sequence> {
-        let st = CudaSequence::new(&self.gpu, &self.mem, &self.cfg, max_seq, self.opts.kv_bf16)?;
+        let st = CudaSequence::new(&self.gpu, &self.mem, &self.cfg, max_seq, self.opts.kv_bf16, self.opts.gdn_state_f16)?;
         Ok(Sequence::new(max_seq, Box::new(st)))
     }
 

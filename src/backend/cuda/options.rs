@@ -32,6 +32,11 @@ pub struct CudaOptions {
     /// New sequences keep their attention KV cache in bf16 (`LILY_KV_BF16`, `--kv-cache`;
     /// default on: half the memory and half the long-context attention traffic).
     pub kv_bf16: bool,
+    /// The Gated DeltaNet recurrent states are stored in f16 instead of f32 (`LILY_GDN_STATE=f16`,
+    /// `--gdn-state`): half the bytes each decode step reads and writes per sequence and layer,
+    /// and half a sequence's state memory; the arithmetic stays f32 (default on; the rounding's
+    /// cost is measured in docs/correctness.md; `LILY_GDN_STATE=f32` and the exact paths keep f32).
+    pub gdn_state_f16: bool,
     /// Share of the device's total memory for weights, scratch and sequences
     /// (`LILY_GPU_MEMORY_FRACTION`, `--gpu-memory-fraction`): sequences draw on what is left of it
     /// after everything else on the device, and work that does not fit waits.
@@ -85,6 +90,7 @@ impl Default for CudaOptions {
         CudaOptions {
             device: 0,
             kv_bf16: true,
+            gdn_state_f16: true,
             memory_fraction: DEFAULT_MEMORY_FRACTION,
             sequence_memory_cap: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
@@ -123,6 +129,11 @@ impl CudaOptions {
         CudaOptions {
             device: get("LILY_CUDA_DEVICE").and_then(|v| v.parse().ok()).unwrap_or(d.device),
             kv_bf16: flag("LILY_KV_BF16", d.kv_bf16),
+            gdn_state_f16: match get("LILY_GDN_STATE").as_deref() {
+                Some("f16") => true,
+                Some("f32") => false,
+                _ => d.gdn_state_f16,
+            },
             memory_fraction: get("LILY_GPU_MEMORY_FRACTION")
                 .and_then(|v| v.parse().ok())
                 .filter(|f| valid_memory_fraction(*f))
@@ -184,15 +195,17 @@ mod tests {
             ("LILY_CUDA_PDL", "0"),
             ("LILY_PREFILL_F32", "1"),
             ("LILY_GPU_MEMORY_FRACTION", "0.5"),
+            ("LILY_GDN_STATE", "f16"),
         ]);
         assert_eq!(o.memory_fraction, 0.5);
+        assert!(o.gdn_state_f16 && !with(&[("LILY_GDN_STATE", "f32")]).gdn_state_f16);
         assert!(!o.kv_bf16 && !o.cublas && o.profile && o.timeline && !o.graphs && !o.pdl && o.exact_prefill);
         assert_eq!(o.prefill_chunk, 512);
     }
 
     #[test]
     fn bad_values_keep_the_default() {
-        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "0"), ("LILY_CUDA_PDL", "maybe"), ("LILY_GPU_MEMORY_FRACTION", "1.5")]);
+        let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "0"), ("LILY_CUDA_PDL", "maybe"), ("LILY_GPU_MEMORY_FRACTION", "1.5"), ("LILY_GDN_STATE", "bf16")]);
         assert_eq!(o, CudaOptions::default());
         let o = with(&[("LILY_CUDA_PREFILL_CHUNK", "lots"), ("LILY_GPU_MEMORY_FRACTION", "0")]);
         assert_eq!(o.prefill_chunk, DEFAULT_PREFILL_CHUNK);

@@ -281,6 +281,8 @@ pub struct Prefill<'a> {
     pub fuse_combine_norm: bool,
     pub chunk: usize,
     pub exact: bool,
+    /// The sequences' GDN states are f16 (`CudaOptions::gdn_state_f16`).
+    pub gdn_state_f16: bool,
     pub profile: bool,
 }
 
@@ -324,6 +326,9 @@ impl Prefill<'_> {
         use crate::backend::LogitsWanted;
         if pieces.len() != 1 && wanted != LogitsWanted::None {
             bail!("a prefill of several sequences returns no logits");
+        }
+        if pieces.iter().any(|p| p.seq.gdn_state_f16 != self.gdn_state_f16) {
+            bail!("a prefill's sequences must keep their GDN states in the backend's element type");
         }
         let (gpu, cfg) = (self.gpu, self.cfg);
         let lens: Vec<usize> = pieces.iter().map(|p| p.tokens.len()).collect();
@@ -374,7 +379,7 @@ impl Prefill<'_> {
             tcb_prefill_tokens: self.tcb_prefill_tokens,
             fuse_combine_norm: self.fuse_combine_norm,
             // Each segment's attention reads its own sequence's KV type.
-            dims: LayerDims::new(self.cfg, false),
+            dims: LayerDims::new(self.cfg, false, self.gdn_state_f16),
             pending: None,
         };
         forward::layers(&mut pass, self.w, &Segments(segments), probe)

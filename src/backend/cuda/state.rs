@@ -1,5 +1,6 @@
 //! Per-sequence device state: the step buffer (token id, position), the Gated DeltaNet conv rings
-//! and fp32 recurrent states (one slot of the state pool), and the attention KV caches
+//! and recurrent states (f32, or f16 with `CudaOptions::gdn_state_f16`; one slot of the state
+//! pool), and the attention KV caches
 //! (`[position][kv_heads * head_dim]`, f32 or bf16 per sequence, in pages mapped as the sequence
 //! grows; seqmem.rs). A sequence can be copied to pinned host memory and restored from it
 //! (hostmem.rs; the prefix cache's host tier).
@@ -29,11 +30,13 @@ pub fn kv_regions(layers: &[LayerSlot]) -> usize {
     2 * layers.iter().filter(|l| matches!(l, LayerSlot::Attn { .. })).count()
 }
 
-/// Each layer's place in a sequence's state slot and KV space, and the slot's size in f32s.
-/// Offsets are multiples of 64 elements (256-byte aligned, as the kernels' vector loads need).
-pub fn layout(cfg: &ModelConfig) -> (Vec<LayerSlot>, usize) {
+/// Each layer's place in a sequence's state slot and KV space, and the slot's size in f32s
+/// (an f16 recurrent state takes half the words). Offsets are multiples of 64 f32 words
+/// (256-byte aligned, as the kernels' vector loads need).
+pub fn layout(cfg: &ModelConfig, gdn_state_f16: bool) -> (Vec<LayerSlot>, usize) {
     let ring = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim()).next_multiple_of(64);
-    let state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim).next_multiple_of(64);
+    let entries = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+    let state = (if gdn_state_f16 { entries.div_ceil(2) } else { entries }).next_multiple_of(64);
     let (mut floats, mut attn) = (0, 0);
     let slots = cfg
         .layer_types
@@ -63,6 +66,8 @@ pub struct CudaSequence {
     pub max_seq: usize,
     /// KV cache elements are bf16 (the `_bf16` attention kernels) instead of f32.
     pub kv_bf16: bool,
+    /// The GDN recurrent states are f16 (the `_f16` GDN kernels) instead of f32.
+    pub gdn_state_f16: bool,
 }
 
 /// Bytes per KV cache element.
@@ -77,23 +82,28 @@ pub fn kv_elem_bytes(kv_bf16: bool) -> usize {
 impl CudaSequence {
     /// A fresh sequence: a zeroed state slot and the KV address space of `max_seq` tokens, with
     /// no KV memory yet ([`crate::backend::MemoryFull`] when the slot does not fit the budget).
-    pub fn new(gpu: &Gpu, mem: &Arc<SequenceMemory>, cfg: &ModelConfig, max_seq: usize, kv_bf16: bool) -> Result<Self> {
+    pub fn new(gpu: &Gpu, mem: &Arc<SequenceMemory>, cfg: &ModelConfig, max_seq: usize, kv_bf16: bool, gdn_state_f16: bool) -> Result<Self> {
         if max_seq == 0 {
             bail!("max-seq must be positive");
         }
         if max_seq > i32::MAX as usize / cfg.kv_dim().max(1) {
             bail!("max-seq {max_seq} is too large for the CUDA backend's 32-bit positions");
         }
-        let (layers, _) = layout(cfg);
+        let (layers, slot_words) = layout(cfg, gdn_state_f16);
         let regions = kv_regions(&layers);
+        let slot = StateSlot::take(mem)?;
+        if slot.bytes() != 4 * slot_words {
+            bail!("the sequence memory's state slots ({} bytes) do not hold this layout ({} bytes)", slot.bytes(), 4 * slot_words);
+        }
         Ok(CudaSequence {
             stream: gpu.stream.clone(),
             step: gpu.zeros(2)?,
             kv: KvSpace::new(mem, regions, max_seq, cfg.kv_dim() * kv_elem_bytes(kv_bf16))?,
-            slot: StateSlot::take(mem)?,
+            slot,
             layers,
             max_seq,
             kv_bf16,
+            gdn_state_f16,
         })
     }
 
@@ -113,11 +123,12 @@ impl CudaSequence {
     }
 
     /// What a captured decode step bakes in of this sequence: its step buffer's and every layer's
-    /// state addresses, the KV element type and max-seq (the split count). Decode graphs are keyed
-    /// by it, so a sequence that takes over a finished one's slot, KV address space and step
-    /// buffer (as a server's next request does) replays its graph instead of capturing one.
+    /// state addresses, the KV and GDN state element types and max-seq (the split count). Decode
+    /// graphs are keyed by it, so a sequence that takes over a finished one's slot, KV address
+    /// space and step buffer (as a server's next request does) replays its graph instead of
+    /// capturing one.
     pub fn binding(&self) -> Vec<u64> {
-        let mut b = vec![ptr(&self.step, &self.stream), self.kv_bf16 as u64, self.max_seq as u64];
+        let mut b = vec![ptr(&self.step, &self.stream), self.kv_bf16 as u64, self.gdn_state_f16 as u64, self.max_seq as u64];
         for li in 0..self.layers.len() {
             let (p, q) = self.layer_ptrs(li);
             b.extend([p, q]);
@@ -144,6 +155,7 @@ impl CudaSequence {
             kv: self.kv.try_clone(len)?,
             max_seq: self.max_seq,
             kv_bf16: self.kv_bf16,
+            gdn_state_f16: self.gdn_state_f16,
         };
         self.stream.synchronize().map_err(|e| anyhow!("{e:?}"))?;
         Ok(c)
@@ -188,6 +200,7 @@ impl Drop for PendingCudaHost {
 pub struct CudaHostState {
     copy: HostCopy,
     kv_bf16: bool,
+    gdn_state_f16: bool,
     slot_bytes: usize,
     region_bytes: usize,
 }
@@ -219,7 +232,7 @@ impl CudaSequence {
         });
         let done = queued.and_then(|()| st.record_event(None).map_err(|e| anyhow!("host copy event: {e:?}")));
         match done {
-            Ok(done) => Ok(PendingCudaHost { state: Some(CudaHostState { copy, kv_bf16: self.kv_bf16, slot_bytes, region_bytes }), done, _mapped: mapped }),
+            Ok(done) => Ok(PendingCudaHost { state: Some(CudaHostState { copy, kv_bf16: self.kv_bf16, gdn_state_f16: self.gdn_state_f16, slot_bytes, region_bytes }), done, _mapped: mapped }),
             Err(e) => {
                 // Copies already queued read the mapping and write the pinned chunks.
                 let _ = st.synchronize();
@@ -235,7 +248,7 @@ impl CudaSequence {
     /// A sequence holding what `host` holds (`len` tokens), its KV pages mapped
     /// ([`crate::backend::MemoryFull`] when they do not fit now).
     pub fn from_host(gpu: &Gpu, mem: &Arc<SequenceMemory>, cfg: &ModelConfig, max_seq: usize, len: usize, host: &CudaHostState) -> Result<Self> {
-        let mut seq = CudaSequence::new(gpu, mem, cfg, max_seq, host.kv_bf16)?;
+        let mut seq = CudaSequence::new(gpu, mem, cfg, max_seq, host.kv_bf16, host.gdn_state_f16)?;
         if host.slot_bytes != seq.slot.bytes() || host.region_bytes != len * seq.kv.row_bytes() {
             bail!("the host copy of a sequence does not match this model's layout");
         }
@@ -286,7 +299,7 @@ mod tests {
     fn sequence_bytes(cfg: &ModelConfig, tokens: usize, kv_bf16: bool, page_bytes: usize) -> usize {
         let attn_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
         let kv = (tokens * cfg.kv_dim() * kv_elem_bytes(kv_bf16)).div_ceil(page_bytes) * page_bytes;
-        layout(cfg).1 * 4 + 2 * attn_layers * kv
+        layout(cfg, false).1 * 4 + 2 * attn_layers * kv
     }
 
     #[test]
@@ -304,7 +317,7 @@ mod tests {
     #[test]
     fn layout_puts_each_gdn_layer_in_the_slot_and_numbers_the_attention_layers() {
         let cfg = ModelConfig::qwen36_35b_a3b();
-        let (slots, floats) = layout(&cfg);
+        let (slots, floats) = layout(&cfg, false);
         let (ring, state) = (cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim(), 32 * 128 * 128);
         let mut next = 0;
         let mut attn = 0;
@@ -324,6 +337,16 @@ mod tests {
         assert_eq!((attn, floats), (10, next));
         // 30 GDN layers x (128 KiB ring + 2 MiB state).
         assert_eq!(floats * 4, 30 * (128 << 10) + 30 * (2 << 20));
+        // The f16 states: the same order, 1 MiB each, still 256-byte aligned.
+        let (slots16, floats16) = layout(&cfg, true);
+        assert_eq!(floats16 * 4, 30 * (128 << 10) + 30 * (1 << 20));
+        for (a, b) in slots.iter().zip(&slots16) {
+            match (*a, *b) {
+                (LayerSlot::Gdn { .. }, LayerSlot::Gdn { ring, state }) => assert!(ring % 64 == 0 && state == ring + cfg.linear_conv_kernel_dim * cfg.gdn_conv_dim()),
+                (LayerSlot::Attn { a: x }, LayerSlot::Attn { a: y }) => assert_eq!(x, y),
+                _ => panic!("the layer kinds differ"),
+            }
+        }
     }
 
     #[test]

@@ -28,7 +28,8 @@ fn read<T: DeviceRepr + Default + Clone>(gpu: &Gpu, s: &CudaSlice<T>) -> Result<
 
 /// The options of `b`, to change between calls. Fields read per call (prefill chunk and precision,
 /// the GEMV and MoE choices, the cuBLAS threshold, the KV cache of new sequences) apply to the
-/// next forward; `pdl`, `graphs`, `cublas` and `profile` are fixed when the backend is made.
+/// next forward; `pdl`, `graphs`, `cublas`, `profile` and `gdn_state_f16` (the state slots'
+/// layout) are fixed when the backend is made.
 pub fn options_mut(b: &mut CudaBackend) -> &mut CudaOptions {
     &mut b.opts
 }
@@ -607,7 +608,9 @@ pub struct ScanInput<'a> {
 
 /// Several sequences' scans (one value head each) as the prefill runs a chunk of several
 /// segments: their rows one after the other, one launch per [`gdn::SCAN_SEGS`] segments, each on
-/// `path` whatever its length. Returns each segment's (outputs, final state).
+/// `path` whatever its length, the states stored as the backend's options say (f16 with
+/// `gdn_state_f16`: the initial states rounded to f16 on upload, the final ones widened back).
+/// Returns each segment's (outputs, final state).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize, path: gdn::ScanPath) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
     let gpu = &b.gpu;
@@ -626,8 +629,8 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
         for i in 0..t {
             conv[(r0 + i) * c + 2 * dk..(r0 + i + 1) * c].copy_from_slice(&s.v[i * dv..(i + 1) * dv]);
         }
-        let sd = gpu.upload(s.s0)?;
-        scans.push(gdn::ScanSegment { state: ptr(&sd, &gpu.stream), r0, n: t });
+        let sd = ScanState::upload(gpu, s.s0, b.opts.gdn_state_f16)?;
+        scans.push(gdn::ScanSegment { state: sd.ptr(gpu), r0, n: t });
         states.push(sd);
         r0 += t;
     }
@@ -636,7 +639,7 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     let (dtb, nga) = (up(&[dt_bias])?, up(&[neg_a])?);
     let od = gpu.zeros::<f32>(total * dv)?;
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-    let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0 };
+    let d = GdnDims { nk: 1, nv: 1, dk, dv, kc: 0, conv_dim: c, eps: 0.0, state_f16: b.opts.gdn_state_f16 };
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: 0, y: 0 };
     // The chunked scan's scratch as the prefill sizes it for a chunk of these tokens.
     let chunked = GdnChunked::new(gpu, &d, total)?;
@@ -648,7 +651,35 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
         }
     }
     let o = read(gpu, &od)?;
-    scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), read(gpu, sd)?))).collect()
+    scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), sd.read(gpu)?))).collect()
+}
+
+/// A test scan's state on the device in the element type the kernels read.
+enum ScanState {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<u16>),
+}
+
+impl ScanState {
+    fn upload(gpu: &Gpu, s0: &[f32], f16: bool) -> Result<Self> {
+        Ok(if f16 {
+            ScanState::F16(gpu.upload(&s0.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>())?)
+        } else {
+            ScanState::F32(gpu.upload(s0)?)
+        })
+    }
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            ScanState::F32(s) => ptr(s, &gpu.stream),
+            ScanState::F16(s) => ptr(s, &gpu.stream),
+        }
+    }
+    fn read(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+        Ok(match self {
+            ScanState::F32(s) => read(gpu, s)?,
+            ScanState::F16(s) => read(gpu, s)?.into_iter().map(|h| half::f16::from_bits(h).to_f32()).collect(),
+        })
+    }
 }
 
 /// The decode graphs `b` holds.

@@ -5,7 +5,7 @@ set -u
 # warm-up test failed in the two-thread run of this patch's build, f32 states, capture
 # invalidated: alone or not is what decides whether the patch or the test's concurrency is at
 # fault), then the rest of the suites and f32 / f16 arms at one sequence after 4K and 16 / 64 rows.
-export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1
+export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT"
 bash scripts/device_unpack.sh .device-gs
@@ -29,6 +29,6 @@ suite cuda_fixture cuda_fixture --test-threads 2 --nocapture
 grep -hE ": PPL|KL" "$OUT"/tests-cuda_fixture.log | head -12
 grep -c "capturing again" "$OUT"/tests-*.log
 wait $synth
-SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-gdn-state-f16-prepared/arms-g.txt 2>&1 | tail -12
+SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-gdn-state-f16-landed/arms-g.txt 2>&1 | tail -12
 python3 scripts/call_summary.py "$OUT" --base f32
 bash scripts/out_bundle.sh  # the tool brings back 8 files at most
