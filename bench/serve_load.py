@@ -17,7 +17,7 @@ Per level it prints one JSON line: aggregate completion tok/s over the level's w
 request sent to last stream ended), time to first token p50 / p95 (request sent to first text
 chunk), inter-token latency p50 / p95 (gaps between consecutive text chunks of a stream; a
 chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character), and where
-a Lily server's model worker spent the level (`worker_secs`: idle, admit, prefill, decode, retire,
+a Lily server's model worker spent the level (`worker_secs`: idle, admit, prefill, snapshot, decode, retire,
 from `lily_worker_microseconds_total` just before the clients start and after the last stream
 ended; absent for other servers).
 

@@ -177,8 +177,11 @@ pub enum WorkerPhase {
     /// Starting queued requests: the prefix-cache lookup and copy, the memory reservation, and
     /// the snapshots evicted or spilled to the host tier to make room.
     Admit,
-    /// Prefill rounds and their checkpoints' snapshots.
+    /// Prefill rounds (their checkpoints' snapshots apart).
     Prefill,
+    /// Copying prefilled sequences into the prefix cache at their checkpoints (within a prefill
+    /// turn).
+    Snapshot,
     /// Decode steps, with the host's work on their tokens.
     Decode,
     /// Ending finished requests: final events and keeping their sequences in the prefix cache.
@@ -186,13 +189,14 @@ pub enum WorkerPhase {
 }
 
 impl WorkerPhase {
-    pub const ALL: [WorkerPhase; 5] = [WorkerPhase::Idle, WorkerPhase::Admit, WorkerPhase::Prefill, WorkerPhase::Decode, WorkerPhase::Retire];
+    pub const ALL: [WorkerPhase; 6] = [WorkerPhase::Idle, WorkerPhase::Admit, WorkerPhase::Prefill, WorkerPhase::Snapshot, WorkerPhase::Decode, WorkerPhase::Retire];
 
     fn label(self) -> &'static str {
         match self {
             WorkerPhase::Idle => "idle",
             WorkerPhase::Admit => "admit",
             WorkerPhase::Prefill => "prefill",
+            WorkerPhase::Snapshot => "snapshot",
             WorkerPhase::Decode => "decode",
             WorkerPhase::Retire => "retire",
         }
@@ -254,6 +258,17 @@ impl Metrics {
     pub fn worker_spent(&self, phase: WorkerPhase, since: Instant) -> Instant {
         let now = Instant::now();
         self.worker_us[phase as usize].fetch_add(now.duration_since(since).as_micros() as u64, Relaxed);
+        now
+    }
+
+    /// As [`Metrics::worker_spent`], with `part` of the time (at most all of it) counted in its
+    /// own phase instead: a phase measured inside another.
+    pub fn worker_spent_with_part(&self, phase: WorkerPhase, part: (WorkerPhase, std::time::Duration), since: Instant) -> Instant {
+        let now = Instant::now();
+        let total = now.duration_since(since).as_micros() as u64;
+        let inner = (part.1.as_micros() as u64).min(total);
+        self.worker_us[part.0 as usize].fetch_add(inner, Relaxed);
+        self.worker_us[phase as usize].fetch_add(total - inner, Relaxed);
         now
     }
 
@@ -407,6 +422,15 @@ mod tests {
         let decode_us = m.render("m").lines().find_map(|l| l.strip_prefix("lily_worker_microseconds_total{phase=\"decode\"} ")).and_then(|v| v.parse::<u64>().ok());
         assert!(decode_us.is_some_and(|us| us >= 3000), "{decode_us:?}");
         assert!(m.render("m").contains("lily_worker_microseconds_total{phase=\"idle\"} 0"));
+        // A phase measured inside another counts in its own, the rest in the outer one; a part
+        // longer than the whole is cut to it.
+        let us = |m: &Metrics, p: &str| m.render("m").lines().find_map(|l| l.strip_prefix(&format!("lily_worker_microseconds_total{{phase=\"{p}\"}} "))).and_then(|v| v.parse::<u64>().ok()).unwrap();
+        let t = Instant::now() - std::time::Duration::from_millis(10);
+        m.worker_spent_with_part(WorkerPhase::Prefill, (WorkerPhase::Snapshot, std::time::Duration::from_millis(4)), t);
+        let (prefill, snapshot) = (us(&m, "prefill"), us(&m, "snapshot"));
+        assert!(snapshot == 4000 && prefill >= 6000 && prefill < 9000, "{prefill} {snapshot}");
+        m.worker_spent_with_part(WorkerPhase::Prefill, (WorkerPhase::Snapshot, std::time::Duration::from_secs(60)), Instant::now() - std::time::Duration::from_millis(1));
+        assert!(us(&m, "prefill") == prefill && us(&m, "snapshot") < 4000 + 100_000, "{}", us(&m, "snapshot"));
         // A wait under way counts as it goes, and once when it ends.
         let idle_us = |m: &Metrics| m.render("m").lines().find_map(|l| l.strip_prefix("lily_worker_microseconds_total{phase=\"idle\"} ")).and_then(|v| v.parse::<u64>().ok()).unwrap();
         m.worker_waits(Instant::now() - std::time::Duration::from_millis(5));

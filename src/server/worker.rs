@@ -41,7 +41,7 @@ use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Default prompt tokens prefilled per turn of the scheduler while rows decode
@@ -303,8 +303,8 @@ impl Worker {
             }
             self.admit(&mut rx);
             t = metrics.worker_spent(WorkerPhase::Admit, t);
-            self.prefill();
-            t = metrics.worker_spent(WorkerPhase::Prefill, t);
+            let snapshots = self.prefill();
+            t = metrics.worker_spent_with_part(WorkerPhase::Prefill, (WorkerPhase::Snapshot, snapshots), t);
             self.move_ahead();
             self.decode(&rx);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
@@ -427,8 +427,8 @@ impl Worker {
     /// Prefills up to `prefill_chunk` prompt tokens (more while more prompts wait than rows
     /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
-    /// (see the module comment).
-    fn prefill(&mut self) {
+    /// (see the module comment). Returns the time its checkpoints' snapshots took.
+    fn prefill(&mut self) -> Duration {
         let decoding = self.active.iter().filter(|a| a.stepping()).count();
         let waiting = self.active.iter().filter(|a| a.prefilling()).count();
         let chunk = turn_tokens(self.cfg.prefill_chunk, decoding, waiting);
@@ -436,6 +436,7 @@ impl Worker {
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
+        let mut snapshots = Duration::ZERO;
         loop {
             // Rows with all but their last prompt token in decode from the next step on. Their
             // clients have waited for the whole prompt: the turn ends here, and the next decode
@@ -451,13 +452,14 @@ impl Worker {
             if started || budget == 0 {
                 break;
             }
-            let fed = prefill_round(&mut ctx, cache, active, budget, chunk);
+            let fed = prefill_round(&mut ctx, cache, active, budget, chunk, &mut snapshots);
             if fed == 0 {
                 break;
             }
             budget -= fed.min(budget);
         }
         active.extend(forks);
+        snapshots
     }
 
     /// Decodes the rows whose prompt is in (see the module comment).
@@ -672,10 +674,10 @@ fn turn_tokens(chunk: usize, decoding: usize, waiting: usize) -> usize {
 /// piece fits in `chunk` tokens (so short prompts go in a chunk at a time, and every prompt a
 /// round starts also ends in it).
 /// The pieces go through one backend call, so their projections and experts read the weights
-/// once; each row is snapshotted into the prefix cache at its checkpoint. A row whose client
-/// wants prompt logprobs runs its own forwards (it needs every position's logits). Returns the
-/// tokens fed.
-fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, active: &mut [Active], budget: usize, chunk: usize) -> usize {
+/// once; each row is snapshotted into the prefix cache at its checkpoint (the time that takes is
+/// added to `snapshots`). A row whose client wants prompt logprobs runs its own forwards (it
+/// needs every position's logits). Returns the tokens fed.
+fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>, active: &mut [Active], budget: usize, chunk: usize, snapshots: &mut Duration) -> usize {
     // (row, tokens, the row's checkpoint)
     let mut plan: Vec<(usize, usize, usize)> = Vec::new();
     let mut packed = 0;
@@ -725,12 +727,14 @@ fn prefill_round(ctx: &mut Ctx, cache: &mut PrefixCache<Sequence, HostSequence>,
     };
     match results {
         Ok(results) => {
+            let t = Instant::now();
             for (&(i, _, checkpoint), r) in plan.iter().zip(results) {
                 match r {
                     Ok(()) => snapshot_at(cache, &mut active[i], checkpoint),
                     Err(e) => active[i].reply.failed = Some(e),
                 }
             }
+            *snapshots += t.elapsed();
         }
         Err(e) => {
             for &(i, _, _) in &plan {

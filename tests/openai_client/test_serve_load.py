@@ -33,7 +33,7 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
         assert 0 <= r["itl_secs"]["p50"] <= r["itl_secs"]["p95"], r
         # The worker's time over the level, by phase: it prefilled and decoded.
         w = r["worker_secs"]
-        assert set(w) == {"idle", "admit", "prefill", "decode", "retire"}, r
+        assert set(w) == {"idle", "admit", "prefill", "snapshot", "decode", "retire"}, r
         assert w["prefill"] > 0 and w["decode"] > 0, r
     assert [json.loads(l) for l in out.read_text().splitlines()] == lines
     # Every request's prompt was new to the server: no level is helped by the prefix cache.

@@ -315,7 +315,7 @@ async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     // The worker's time went to prefill and decode (and is counted per phase).
     let worker_us = |phase: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("lily_worker_microseconds_total{{phase=\"{phase}\"}} "))).and_then(|v| v.parse::<u64>().ok());
     assert!(worker_us("prefill").is_some_and(|us| us > 0) && worker_us("decode").is_some_and(|us| us > 0), "{metrics}");
-    assert!(["idle", "admit", "retire"].iter().all(|p| worker_us(p).is_some()), "{metrics}");
+    assert!(["idle", "admit", "snapshot", "retire"].iter().all(|p| worker_us(p).is_some()), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
