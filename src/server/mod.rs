@@ -30,6 +30,7 @@ pub mod stop;
 pub mod tokenize;
 pub mod tools;
 pub mod tui;
+pub mod turn_trace;
 pub mod worker;
 
 use crate::backend::cuda::CudaOptions;
@@ -109,6 +110,11 @@ pub struct ServeArgs {
     /// wait for them instead).
     #[arg(long)]
     pub no_warmup: bool,
+    /// Print one line per turn of the model worker to stderr: requests admitted, prompt tokens
+    /// prefilled and the time its snapshots took, rows and tokens decoded, requests retired
+    /// (how the scheduler cut a load; docs/server.md).
+    #[arg(long)]
+    pub trace_turns: bool,
     /// Memory budget of the prefix cache (sequence snapshots), in MiB. Default: all of the
     /// sequence memory where the backend has a budget of its own (CUDA; snapshots then give way
     /// to running requests, least recently used first), else 2048.
@@ -185,6 +191,7 @@ impl ServeArgs {
             max_batch: None,
             prefill_chunk: worker::PREFILL_CHUNK,
             no_warmup: false,
+            trace_turns: false,
             prefix_cache_mb: None,
             prefix_cache_host_mb: None,
             prefix_checkpoint_tokens: 2048,
@@ -314,6 +321,7 @@ fn worker_config(args: &ServeArgs, max_seq: usize, stop_ids: Vec<u32>, tokenizer
         checkpoint_every: args.prefix_checkpoint_tokens,
         message_start: tokenizer.token_id("<|im_start|>"),
         warm_up: !args.no_warmup,
+        trace_turns: args.trace_turns,
     }
 }
 

@@ -36,6 +36,7 @@ use super::output::Delta;
 use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
+use super::turn_trace::Turn;
 use crate::backend::{is_memory_full, Backend, BatchRow, HostSequence, HostSequenceCopy, LogitsWanted, PrefillPiece, Sequence, StepHooks, TokenSink};
 use crate::tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -189,6 +190,8 @@ pub struct WorkerConfig {
     pub message_start: Option<u32>,
     /// Warm the backend up for the batch before serving ([`Backend::warm_up`]).
     pub warm_up: bool,
+    /// One stderr line per turn ([`super::turn_trace`]).
+    pub trace_turns: bool,
 }
 
 /// A request in the batch: its sequence and its reply.
@@ -215,6 +218,15 @@ impl Active {
     fn prefilling(&self) -> bool {
         !self.decoding && !self.finished()
     }
+}
+
+/// What a turn's prefill did: prompt tokens fed, prompts that went in (their rows decode from the
+/// next step), and the time the checkpoints' snapshots took.
+#[derive(Default)]
+struct PrefillTurn {
+    tokens: usize,
+    prompts_in: usize,
+    snapshots: Duration,
 }
 
 /// What the steps need besides the rows (borrowed apart from them).
@@ -290,7 +302,8 @@ impl Worker {
     /// Serves jobs until the queue closes and the batch is empty.
     pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
         let metrics = Arc::clone(&self.metrics);
-        let mut t = Instant::now();
+        let serving = Instant::now();
+        let mut t = serving;
         loop {
             if self.active.is_empty() && self.held.is_none() {
                 metrics.worker_waits(t);
@@ -301,15 +314,28 @@ impl Worker {
                     None => break,
                 }
             }
+            let mut turn = Turn { at: t.duration_since(serving).as_secs_f64(), ..Turn::default() };
+            let (start, rows) = (t, self.active.len());
             self.admit(&mut rx);
             t = metrics.worker_spent(WorkerPhase::Admit, t);
-            let snapshots = self.prefill();
-            t = metrics.worker_spent_with_part(WorkerPhase::Prefill, (WorkerPhase::Snapshot, snapshots), t);
+            (turn.admit, turn.admitted) = (t - start, self.active.len().saturating_sub(rows));
+            let start = t;
+            let prefilled = self.prefill();
+            t = metrics.worker_spent_with_part(WorkerPhase::Prefill, (WorkerPhase::Snapshot, prefilled.snapshots), t);
+            (turn.prefill, turn.snapshots, turn.prompt_tokens, turn.prompts_in) = (t - start, prefilled.snapshots, prefilled.tokens, prefilled.prompts_in);
+            let (start, generated) = (t, metrics.generated_tokens.load(Relaxed));
+            turn.decode_rows = self.active.iter().filter(|a| a.stepping()).count();
             self.move_ahead();
             self.decode(&rx);
             t = metrics.worker_spent(WorkerPhase::Decode, t);
+            (turn.decode, turn.generated) = (t - start, metrics.generated_tokens.load(Relaxed) - generated);
+            let rows = self.active.len();
             self.retire();
             t = metrics.worker_spent(WorkerPhase::Retire, t);
+            turn.retired = rows.saturating_sub(self.active.len());
+            if self.cfg.trace_turns {
+                eprintln!("{}", turn.line());
+            }
         }
     }
 
@@ -427,8 +453,8 @@ impl Worker {
     /// Prefills up to `prefill_chunk` prompt tokens (more while more prompts wait than rows
     /// decode: [`turn_tokens`]), from the admitted prompts in order, in rounds of one backend
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
-    /// (see the module comment). Returns the time its checkpoints' snapshots took.
-    fn prefill(&mut self) -> Duration {
+    /// (see the module comment).
+    fn prefill(&mut self) -> PrefillTurn {
         let decoding = self.active.iter().filter(|a| a.stepping()).count();
         let waiting = self.active.iter().filter(|a| a.prefilling()).count();
         let chunk = turn_tokens(self.cfg.prefill_chunk, decoding, waiting);
@@ -436,7 +462,7 @@ impl Worker {
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         let mut forks = Vec::new();
-        let mut snapshots = Duration::ZERO;
+        let mut done = PrefillTurn::default();
         loop {
             // Rows with all but their last prompt token in decode from the next step on. Their
             // clients have waited for the whole prompt: the turn ends here, and the next decode
@@ -445,21 +471,25 @@ impl Worker {
             let mut started = false;
             for a in active.iter_mut().filter(|a| a.prefilling() && a.seq.len() + 1 >= a.reply.job.prompt.len()) {
                 match guarded(|| start_row(&mut ctx, a, &mut forks)) {
-                    Ok(()) => started = true,
+                    Ok(()) => {
+                        started = true;
+                        done.prompts_in += 1;
+                    }
                     Err(e) => a.reply.failed = Some(e),
                 }
             }
             if started || budget == 0 {
                 break;
             }
-            let fed = prefill_round(&mut ctx, cache, active, budget, chunk, &mut snapshots);
+            let fed = prefill_round(&mut ctx, cache, active, budget, chunk, &mut done.snapshots);
             if fed == 0 {
                 break;
             }
+            done.tokens += fed;
             budget -= fed.min(budget);
         }
         active.extend(forks);
-        snapshots
+        done
     }
 
     /// Decodes the rows whose prompt is in (see the module comment).

@@ -298,6 +298,8 @@ async fn a_long_prompt_is_prefilled_between_the_running_streams_steps() {
 async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     let mut a = uncached_args();
     a.max_batch = Some(2);
+    // The per-turn trace's accounting runs beside the scheduler (its lines go to stderr).
+    a.trace_turns = true;
     let s = spawn(a).unwrap();
     let url = format!("{}/v1/completions", s.url());
     let running = Arc::new(AtomicBool::new(true));
