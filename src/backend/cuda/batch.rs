@@ -564,9 +564,7 @@ impl CudaBackend {
         if rows.iter().any(|r| r.seq.state::<CudaSequence>().kv_bf16 != kv_bf16) {
             bail!("the rows of a batched decode must share one KV cache element type");
         }
-        if rows.iter().any(|r| r.seq.state::<CudaSequence>().gdn_state_f16 != self.opts.gdn_state_f16) {
-            bail!("the rows of a batched decode must keep their GDN states in the backend's element type");
-        }
+        rows.iter().try_for_each(|r| r.seq.state::<CudaSequence>().check_gdn_state(self.opts.gdn_state_f16))?;
         let mut snaps: Vec<SamplerSnapshot> = rows.iter().map(|r| r.sampler.clone()).collect();
         let mut cur: Vec<u32> = rows.iter().map(|r| r.first_token).collect();
         let mut produced = vec![0usize; rows.len()];
@@ -703,9 +701,7 @@ impl CudaBackend {
             self.check_tokens(s, &[t])?;
         }
         let kv_bf16 = seqs[0].state::<CudaSequence>().kv_bf16;
-        if seqs.iter().any(|s| s.state::<CudaSequence>().gdn_state_f16 != self.opts.gdn_state_f16) {
-            bail!("the rows of a batched step must keep their GDN states in the backend's element type");
-        }
+        seqs.iter().try_for_each(|s| s.state::<CudaSequence>().check_gdn_state(self.opts.gdn_state_f16))?;
         let reach = seqs.iter().map(|s| s.len() + 1).max().unwrap_or(1);
         self.fit_batch(n)?;
         let states: Vec<&CudaSequence> = seqs.iter().map(|s| s.state::<CudaSequence>()).collect();

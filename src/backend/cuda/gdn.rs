@@ -559,6 +559,6 @@ mod tests {
         // Every stage starts 16-byte aligned (the cp.async copies into it), at both models' dims.
         let tiny16 = GdnDims::new(&ModelConfig::tiny()).with_state_f16(true);
         assert_eq!((f16s.persist_stage_words(), tiny16.persist_stage_words()), (9_860, 2_884));
-        assert!(f16s.persist_stage_words() % 4 == 0 && tiny16.persist_stage_words() % 4 == 0);
+        assert!(f16s.persist_stage_words().is_multiple_of(4) && tiny16.persist_stage_words().is_multiple_of(4));
     }
 }

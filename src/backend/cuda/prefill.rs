@@ -327,9 +327,7 @@ impl Prefill<'_> {
         if pieces.len() != 1 && wanted != LogitsWanted::None {
             bail!("a prefill of several sequences returns no logits");
         }
-        if pieces.iter().any(|p| p.seq.gdn_state_f16 != self.gdn_state_f16) {
-            bail!("a prefill's sequences must keep their GDN states in the backend's element type");
-        }
+        pieces.iter().try_for_each(|p| p.seq.check_gdn_state(self.gdn_state_f16))?;
         let (gpu, cfg) = (self.gpu, self.cfg);
         let lens: Vec<usize> = pieces.iter().map(|p| p.tokens.len()).collect();
         let plan = plan_chunks(&lens, self.chunk);

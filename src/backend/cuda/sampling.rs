@@ -7,7 +7,7 @@ use super::device::{ptr, Arg, Gpu};
 use super::registry::{Kernel, SAMPLE};
 use crate::engine::sampling::{SamplerSnapshot, SamplingParams};
 use crate::backend::mask_words;
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use cudarc::driver::CudaSlice;
 
 const ARGMAX_NEXT: Kernel = Kernel::dependent(&SAMPLE, "argmax_next");
@@ -160,7 +160,7 @@ impl SampleScratch {
     /// write the counts of no other row).
     pub fn load(&mut self, gpu: &Gpu, snaps: &[&SamplerSnapshot]) -> Result<()> {
         if snaps.len() > self.rows {
-            anyhow::bail!("{} sampling rows for a scratch of {}", snaps.len(), self.rows);
+            bail!("{} sampling rows for a scratch of {}", snaps.len(), self.rows);
         }
         let st = &gpu.stream;
         let vocab = self.counts.len() / self.rows;
@@ -187,7 +187,7 @@ impl SampleScratch {
     pub fn load_masks(&mut self, gpu: &Gpu, flags: &[i32], masks: Option<&[u32]>) -> Result<()> {
         let st = &gpu.stream;
         if flags.len() > self.rows || masks.is_some_and(|m| m.len() > self.mask.len()) {
-            anyhow::bail!("{} masked sampling rows for a scratch of {}", flags.len(), self.rows);
+            bail!("{} masked sampling rows for a scratch of {}", flags.len(), self.rows);
         }
         let mut dst = self.masked.slice_mut(0..flags.len());
         st.memcpy_htod(flags, &mut dst).map_err(|e| anyhow!("token mask upload: {e:?}"))?;
@@ -215,7 +215,7 @@ pub fn sample_next(gpu: &Gpu, logits: u64, n: usize, step: u64, s: &SampleScratc
     let head = [Arg::P(logits), ni.clone(), Arg::P(prm), Arg::P(counts), Arg::P(masked), Arg::P(mask), Arg::I(mask_words(n) as i32), Arg::P(z), Arg::P(row)];
     if small {
         if s.hist.len() < rows * SMALL_WORDS {
-            anyhow::bail!("sampling scratch for {} rows, {rows} asked", s.rows);
+            bail!("sampling scratch for {} rows, {rows} asked", s.rows);
         }
         let args: Vec<Arg> = head.into_iter().chain([Arg::P(hist), Arg::P(step)]).collect();
         return gpu.launch(SAMPLE_SMALL_K, grid, 1024, 0, &args);

@@ -122,6 +122,16 @@ impl CudaSequence {
         self.layers[li]
     }
 
+    /// Refuses this sequence where the backend keeps GDN states in the other element type
+    /// (`f16`): a batched step or a prefill launches the backend's instances of the GDN kernels.
+    pub fn check_gdn_state(&self, f16: bool) -> Result<()> {
+        let name = |f16: bool| if f16 { "f16" } else { "f32" };
+        if self.gdn_state_f16 != f16 {
+            bail!("a sequence with {} GDN states given to a backend that keeps them in {}", name(self.gdn_state_f16), name(f16));
+        }
+        Ok(())
+    }
+
     /// What a captured decode step bakes in of this sequence: its step buffer's and every layer's
     /// state addresses, the KV and GDN state element types and max-seq (the split count). Decode
     /// graphs are keyed by it, so a sequence that takes over a finished one's slot, KV address
