@@ -821,8 +821,16 @@ extern "C" __global__ void __launch_bounds__(256) stage_wg(const float* __restri
 #define WG_AROWS 256                 // A rows per CTA: 16 per warp
 #define WG_CODES (WG_AROWS * 32)     // one group's codes of the A rows
 #define WG_SCALES (WG_AROWS * 2 * 16)  // 8 groups' scales and biases of the A rows
-#define WG_STAGE (WG_N * 128 + WG_CODES)
-// moe::WG_SMEM: WG_STAGES * WG_STAGE + 2 * WG_SCALES + 2 * WG_N * 4 bytes.
+// A stage of tiles of NS slots (WG_N, or WG_NARROW for the narrow kernels).
+#define WG_STAGE(NS) ((NS) * 128 + WG_CODES)
+// moe::wg_smem: WG_STAGES * WG_STAGE(NS) + 2 * WG_SCALES + 2 * NS * 4 bytes.
+// The narrow kernels (pf_moe_wg_glu_n, pf_moe_wg_down_res_n): tiles of WG_NARROW slots staged as
+// such, for short chunks (a few dozen slots per expert, every expert's weights read once per
+// layer at ~1.5 TB/s by one CTA per SM): their stages are a quarter of the wide kernels' inputs,
+// so two CTAs share an SM (64 registers) and each one's step chain and ring fill run beside the
+// other's. Each A fragment is built in the step that multiplies it (one buffer: at 32 slots the
+// products are short, and the second buffer's 16 registers would spill).
+#define WG_NARROW 32
 
 // One thread's A operands of one group before dequantisation: its two rows' codes (lane t's 16
 // columns each) and their scales and biases as bf16 pairs.
@@ -842,7 +850,7 @@ __device__ __forceinline__ void wg_read_scales(u32 ss, int ka, int kb, WgGroup& 
     c.sa = sa * 0x10001u; c.ba = ba * 0x10001u; c.sb = sb * 0x10001u; c.bb = bb * 0x10001u;
 }
 
-template <bool FRAG, int NW>
+template <bool FRAG, int NW, int NS = WG_N>
 __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                const u16* __restrict__ b, const u32* __restrict__ w2,
                                                const u16* __restrict__ s2, const u16* __restrict__ b2,
@@ -850,7 +858,8 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                                                const u32* __restrict__ x, int xdiv, const int* __restrict__ counts,
                                                const int* __restrict__ offsets, const int* __restrict__ list,
                                                const int* __restrict__ tiles) {
-    constexpr int N = WG_N;
+    constexpr int N = NS;
+    constexpr bool NARROW = NS < WG_N;
     extern __shared__ uint4 wg_sm4[];  // 16-byte aligned: cp.async pieces, descriptor addresses
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
     if ((int)blockIdx.y >= tiles[0]) return;
@@ -859,7 +868,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     const int* lst = list + offsets[e] + f0;
     const int gpr = cols >> 6, xwords = cols >> 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    constexpr int STAGE = WG_STAGE, SCALES = WG_STAGES * STAGE;
+    constexpr int STAGE = WG_STAGE(NS), SCALES = WG_STAGES * STAGE;
     int* slot = reinterpret_cast<int*>(wg_sm + SCALES + 2 * WG_SCALES);
     int* xrow = slot + N;
     if (tid < N) {
@@ -946,11 +955,12 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // of each slot's row (one core-matrix row each) at p * (N * 16) + n * 16, so step i's B is two
     // core matrices along K (LBO N * 16 bytes) by N / 8 along N (SBO 128 bytes). A warp copies 8
     // slots x 4 pieces: whole 64-byte runs of each row into conflict-free 128-byte rows of shared
-    // memory. Each thread copies the same WG_CP pieces of every group.
+    // memory. The first N / 8 warps copy two pieces each of every group (all 16 warps at WG_N).
     // Thread tid's first piece: slot n, piece p; its other is piece p + 4 of the same slot.
-    constexpr int WG_CP = N * 8 / WG_THREADS, NG = N / 8;
+    constexpr int WG_CP = 2, NG = N / 8;
+    static_assert(NG * 32 * WG_CP == N * 8 && NG <= WG_THREADS / 32, "two input pieces per copying thread");
     const int n_in = (lane & 7) + 8 * ((tid >> 5) & (NG - 1)), p_in = lane >> 3;
-    const int r_in = xrow[n_in];
+    const int r_in = (NG * 32 >= WG_THREADS || (tid >> 5) < NG) ? xrow[n_in] : -1;
     const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = sm0 + p_in * (N * 16) + n_in * 16;
     auto copy_inputs = [&](int G) {
         if (G < gpr && r_in >= 0) {
@@ -969,6 +979,47 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
     // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
     static_assert(WG_STAGES == 4, "the commit accounting below");
+    auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
+    };
+    if constexpr (NARROW) {
+        // Every copy three groups ahead: P0 = inputs(0), codes(0), scales(0); P1 = inputs(1),
+        // codes(1); P2 = inputs(2), codes(2); step G: inputs(G + 3), codes(G + 3) and, when
+        // G % 8 == 0, scales(G / 8 + 1), into the stage of group G - 1, which every thread read
+        // (codes) and multiplied (inputs, waited for) before step G's barrier. Step G waits for
+        // all but the two latest commits: group G's.
+        copy_inputs(0);
+        copy_codes(0);
+        copy_scales(0);
+        cp_commit();
+        for (int G = 1; G < 3; ++G) {
+            copy_inputs(G);
+            copy_codes(G);
+            cp_commit();
+        }
+        for (int G = 0; G < gpr; ++G) {
+            cp_wait<2>();
+            fence_proxy_async_smem();
+            __syncthreads();
+            u32 a[4][4];
+            {
+                WgGroup c;
+                read(G, c);
+                build(c, a);
+            }
+            const u32 st = sm0 + (G % WG_STAGES) * STAGE;
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
+            wgmma_commit();
+            copy_inputs(G + 3);
+            copy_codes(G + 3);
+            if ((G & 7) == 0) copy_scales((G >> 3) + 1);
+            cp_commit();
+            wgmma_wait<0>();
+        }
+    } else {
     copy_inputs(0);
     copy_codes(0);
     copy_codes(1);
@@ -981,10 +1032,6 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     copy_codes(3);
     cp_commit();
     u32 a0[4][4], a1[4][4];
-    auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
-    };
     cp_wait<2>();
     __syncthreads();
     {
@@ -1020,6 +1067,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     for (int G = 0; G < gpr; G += 2) {
         step(G, a0, a1);
         if (G + 1 < gpr) step(G + 1, a1, a0);
+    }
     }
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
@@ -1066,6 +1114,14 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
     pf_moe_wg_tile<true>(PF_MOE_WG_PASS);
 }
+// Narrow: tiles of WG_NARROW slots (lists built with that tile), two CTAs per SM; shared memory
+// moe::wg_smem(WG_NARROW).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<false, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF_MOE_WG_ARGS) {
+    pf_moe_wg_body<true, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
+}
 
 // ---- down over a tile's whole K with its inputs resident ----
 // pf_moe_wg_down_res: the down products of one tile over `rbs` consecutive 256-row blocks per CTA
@@ -1091,14 +1147,14 @@ struct WgResCursor {
     bool valid;
 };
 
-template <bool FRAG, int NW>
+template <bool FRAG, int NW, int NS = WG_N, int S = WG_RES_STAGES>
 __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                         const u16* __restrict__ b, u16* __restrict__ y, int rows,
                                                         int cols, const u32* __restrict__ x, int xdiv,
                                                         const int* __restrict__ counts, const int* __restrict__ offsets,
                                                         const int* __restrict__ list, const int* __restrict__ tiles,
                                                         int rbs) {
-    constexpr int N = WG_N, S = WG_RES_STAGES;
+    constexpr int N = NS;
     extern __shared__ uint4 wg_sm4[];
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
     const int gpr = cols >> 6, xwords = cols >> 1, nb = (S - 2) / gpr + 2;
@@ -1181,15 +1237,85 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         wg_read_scales(sb + 2 * G, ka, kb, q);
     };
     __syncthreads();  // slot and xrow
-    // Every group's inputs (pf_moe_wg_body's layout, group G at G * N * 128 bytes).
-    constexpr int WG_CP = N * 8 / WG_THREADS, NG = N / 8;
+    // Every group's inputs (pf_moe_wg_body's layout, group G at G * N * 128 bytes; the first N / 8
+    // warps copy).
+    constexpr int WG_CP = 2, NG = N / 8;
     const int n_in = (lane & 7) + 8 * ((tid >> 5) & (NG - 1)), p_in = lane >> 3;
-    const int r_in = xrow[n_in];
+    const int r_in = (NG * 32 >= WG_THREADS || (tid >> 5) < NG) ? xrow[n_in] : -1;
     const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = sm0 + p_in * (N * 16) + n_in * 16;
     if (r_in >= 0)
         for (int G = 0; G < gpr; ++G)
 #pragma unroll
             for (int k = 0; k < WG_CP; ++k) cp_async16(xdst + G * (N * 128) + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
+    float acc[NW / 2];
+    auto build = [&](const WgGroup& q, u32 (&a)[4][4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) affine_a_frag(q.qa, q.qb, i, q.sa, q.ba, q.sb, q.bb, a[i]);
+    };
+    // The step being multiplied: group G of local row block rb, its scales in buffer buf.
+    int G = 0, rb = 0, buf = 0;
+    // After a row block's last group: its outputs, then its accumulators cleared for the next
+    // row block. Rows in pairs, one 4-byte store per lane: lane g (even) stores rows R, R + 1 (its
+    // own row and its neighbour g + 1's, lane + 4), lane g + 1 rows R + 7, R + 8 (the
+    // neighbour's R + 8 and its own). rows is even, so a pair is whole or past the end.
+    auto store_block = [&]() {
+#pragma unroll
+        for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
+        const int R = (rb0 + rb) * WG_DOWN_ROWS + warp * 16 + g;
+        const bool lo = (g & 1) == 0;
+        const int r0 = lo ? R : R + 7;
+#pragma unroll
+        for (int j = 0; j < NW / 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float va = acc[4 * j + q], vb = acc[4 * j + 2 + q];
+                const float pa = __shfl_xor_sync(0xffffffffu, va, 4), pb = __shfl_xor_sync(0xffffffffu, vb, 4);
+                const int n = 8 * j + 2 * t + q;
+                if (n >= cnt || r0 >= rows) continue;
+                *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(va, pa) : pack_bf16(pb, vb);
+            }
+#pragma unroll
+        for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+        G = 0;
+        ++rb;
+        buf = buf + 1 == nb ? 0 : buf + 1;
+    };
+    if constexpr (NS < WG_N) {
+        // Narrow (one A buffer, built in the step that multiplies it): each copy S - 1 steps
+        // ahead. P0 = the inputs and step 0's copies; P1 .. P(S-2) = step j's; step s: step
+        // s + S - 1's, into the code stage of step s - 1, which every thread read before step s's
+        // barrier. Step s waits for all but the S - 2 latest commits: its own copies.
+        copy_step();
+        cp_commit();
+#pragma unroll
+        for (int j = 1; j < S - 1; ++j) {
+            copy_step();
+            cp_commit();
+        }
+#pragma unroll
+        for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+        for (int st = 0; st < steps; ++st) {
+            cp_wait<S - 2>();
+            fence_proxy_async_smem();
+            __syncthreads();
+            u32 a[4][4];
+            {
+                WgGroup q;
+                read(codes0 + (st % S) * WG_CODES, scales0 + buf * WG_SCALES, G, q);
+                build(q, a);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], wgmma_desc(sm0 + G * (N * 128) + i * 2 * (N * 16), N * 16, 128));
+            wgmma_commit();
+            copy_step();
+            cp_commit();
+            wgmma_wait<0>();
+            if (G + 1 == gpr) store_block();
+            else ++G;
+        }
+        return;
+    }
     // Commits (one per step, some empty, so the count is uniform): P0 = the inputs, step 0's and
     // step 1's copies; P1 .. P(S-2) = step j + 1's; step s: step s + S's. Step s waits for all but
     // the S - 2 latest (everything up to step s - S + 1's: the codes of step s + 1 and, copied with
@@ -1203,14 +1329,9 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         copy_step();
         cp_commit();
     }
-    float acc[NW / 2];
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
     u32 a0[4][4], a1[4][4];
-    auto build = [&](const WgGroup& q, u32 (&a)[4][4]) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) affine_a_frag(q.qa, q.qb, i, q.sa, q.ba, q.sb, q.bb, a[i]);
-    };
     cp_wait<S - 2>();
     __syncthreads();
     {
@@ -1218,8 +1339,6 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         read(codes0, scales0, 0, q);
         build(q, a0);
     }
-    // The step being multiplied: group G of local row block rb, its scales in buffer buf.
-    int G = 0, rb = 0, buf = 0;
     auto step = [&](int st, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         cp_wait<S - 2>();
         fence_proxy_async_smem();
@@ -1238,34 +1357,8 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
             build(q, nxt);
         }
         wgmma_wait<0>();
-        if (last) {
-            // The row block's outputs, then its accumulators cleared for the next row block. Rows
-            // in pairs, one 4-byte store per lane: lane g (even) stores rows R, R + 1 (its own row
-            // and its neighbour g + 1's, lane + 4), lane g + 1 rows R + 7, R + 8 (the neighbour's
-            // R + 8 and its own). rows is even, so a pair is whole or past the end.
-#pragma unroll
-            for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
-            const int R = (rb0 + rb) * WG_DOWN_ROWS + warp * 16 + g;
-            const bool lo = (g & 1) == 0;
-            const int r0 = lo ? R : R + 7;
-#pragma unroll
-            for (int j = 0; j < NW / 8; ++j)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const float va = acc[4 * j + q], vb = acc[4 * j + 2 + q];
-                    const float pa = __shfl_xor_sync(0xffffffffu, va, 4), pb = __shfl_xor_sync(0xffffffffu, vb, 4);
-                    const int n = 8 * j + 2 * t + q;
-                    if (n >= cnt || r0 >= rows) continue;
-                    *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(va, pa) : pack_bf16(pb, vb);
-                }
-#pragma unroll
-            for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
-            G = 0;
-            ++rb;
-            buf = buf + 1 == nb ? 0 : buf + 1;
-        } else {
-            ++G;
-        }
+        if (last) store_block();
+        else ++G;
     };
     for (int st = 0; st < steps; st += 2) {
         step(st, a0, a1);
@@ -1291,6 +1384,19 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_res(P
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_down_res_f(PF_MOE_WG_ARGS, int rbs) {
     pf_moe_wg_down_res_tile<true>(PF_MOE_WG_PASS, rbs);
+}
+// Narrow (pf_moe_wg_glu_n's tiles): WG_NARROW_RES_STAGES code stages, two CTAs per SM; shared
+// memory moe::wg_res_smem(cols, WG_NARROW, WG_NARROW_RES_STAGES).
+#define WG_NARROW_RES_STAGES 4
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_down_res_n(PF_MOE_WG_ARGS, int rbs) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    pf_moe_wg_down_res_body<false, WG_NARROW, WG_NARROW, WG_NARROW_RES_STAGES>(w, s, b, reinterpret_cast<u16*>(out), rows, cols, x, xdiv,
+                                                                          counts, offsets, list, tiles, rbs);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_down_res_n_f(PF_MOE_WG_ARGS, int rbs) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    pf_moe_wg_down_res_body<true, WG_NARROW, WG_NARROW, WG_NARROW_RES_STAGES>(w, s, b, reinterpret_cast<u16*>(out), rows, cols, x, xdiv,
+                                                                         counts, offsets, list, tiles, rbs);
 }
 
 // Block-wide exclusive prefix sums of two per-thread values (counts and tile counts): a warp scan

@@ -150,11 +150,13 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
         GroupedRoute::F32,
         GroupedRoute::TensorCore,
         GroupedRoute::Wgmma,
+        GroupedRoute::WgmmaNarrow,
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
         GroupedRoute::F32Frag,
         GroupedRoute::WgmmaFrag,
+        GroupedRoute::WgmmaNarrowFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
@@ -178,7 +180,8 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
 /// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
 /// 512): 300 tokens, 4 of 8 experts each, with uneven counts per expert (300, 220, 150, 60, 100,
 /// 10, 128, 232 slots), so the wgmma kernels' 128-slot tiles include full ones and remainders for
-/// each of their widths (32, 64, 96, 128 slots) and `moe_tcb`'s 16-slot tiles part-full ones; the
+/// each of their widths (32, 64, 96, 128 slots), the narrow kernels' 32-slot tiles and
+/// `moe_tcb`'s 16-slot tiles full and part-full ones; the
 /// 32 groups of a 2,048-column row stream through the wgmma kernel's stages and through
 /// `moe_tcb`'s four 512-column items per row.
 #[test]
@@ -189,10 +192,12 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
     let (gate, up, down) = (random_quant(ne * 512, 2048, 4, 21), random_quant(ne * 512, 2048, 4, 22), random_quant(ne * 2048, 512, 4, 23));
     let routes = [
         GroupedRoute::Wgmma,
+        GroupedRoute::WgmmaNarrow,
         GroupedRoute::Tcb,
         GroupedRoute::Tcp,
         GroupedRoute::Tcr,
         GroupedRoute::WgmmaFrag,
+        GroupedRoute::WgmmaNarrowFrag,
         GroupedRoute::TcbFrag,
         GroupedRoute::TcpFrag,
         GroupedRoute::TcrFrag,
@@ -204,14 +209,14 @@ fn cuda_prefill_expert_kernels_at_35b_widths() {
 /// The wgmma down kernel's pipeline across row blocks where the 35B's shapes do not take it: 3
 /// groups per row (fewer groups than code stages, so a row block's scales are copied into one of
 /// four buffers several row blocks ahead) and 2,304 rows per expert (nine 256-row blocks: one CTA
-/// takes eight, the next one).
+/// takes eight, the next one; the narrow kernel's CTAs two each, the last one).
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_prefill_wgmma_down_across_row_blocks() {
     let b = cuda();
     let (ne, k, t, ids) = uneven_routes();
     let down = random_quant(ne * 2304, 192, 4, 24);
-    grouped_case(&b, "down (2,304 x 192)", &down, None, ne, k, t, &ids, &[GroupedRoute::Wgmma, GroupedRoute::WgmmaFrag]);
+    grouped_case(&b, "down (2,304 x 192)", &down, None, ne, k, t, &ids, &[GroupedRoute::Wgmma, GroupedRoute::WgmmaFrag, GroupedRoute::WgmmaNarrow, GroupedRoute::WgmmaNarrowFrag]);
 }
 
 /// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (300, 220, 150, 60, 100,

@@ -136,7 +136,8 @@ pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
 /// The batched step's kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepBatchKernel {
-    /// `gdn_step_batch`: a block per (row, head) item, three blocks per SM at the 35B's dims.
+    /// `gdn_step_batch`: a block per (row, head) item, three blocks per SM at the 35B's dims (four
+    /// with the f16 state).
     PerItem,
     /// `gdn_step_persist` on `blocks` blocks, each taking every `blocks`-th item and copying
     /// everything an item reads into shared memory two items ahead (one block per SM).

@@ -37,6 +37,10 @@ const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
 const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
 const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
+const PF_MOE_WG_GLU_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_n");
+const PF_MOE_WG_GLU_N_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_n_f");
+const PF_MOE_WG_DOWN_RES_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_n");
+const PF_MOE_WG_DOWN_RES_N_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_n_f");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::dependent(&MOE, "moe_route_batch_4");
 
@@ -225,6 +229,9 @@ pub enum PrefillExperts {
     Tcb,
     /// `stage_wg` + `pf_moe_wg_glu` / `_down`: wgmma over [`WG_TILE`]-slot tiles (longer chunks).
     Wg,
+    /// The same on the narrow kernels (`pf_moe_wg_glu_n` / `_down_res_n`): [`WG_NARROW_TILE`]-slot
+    /// tiles, two CTAs per SM (chunks of a few dozen slots per expert).
+    WgNarrow,
     /// The grouped GEMMs: `pf_gemm` in the exact f32 mode, `pf_gemm_tc` for matrices the staged
     /// kernels do not take.
     Gemm,
@@ -236,8 +243,14 @@ impl PrefillExperts {
         match self {
             PrefillExperts::Tcb => BATCH_TILE,
             PrefillExperts::Wg => WG_TILE,
+            PrefillExperts::WgNarrow => WG_NARROW_TILE,
             PrefillExperts::Gemm => GEMM_TILE,
         }
+    }
+
+    /// Whether the route runs the wgmma kernels (bf16 down outputs).
+    pub fn wgmma(self) -> bool {
+        matches!(self, PrefillExperts::Wg | PrefillExperts::WgNarrow)
     }
 }
 
@@ -251,12 +264,15 @@ pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
 }
 
 /// The route of a prefill chunk of `n` tokens: in the bf16 mode, the staged kernels where they
-/// fit (`moe_tcb` up to `tcb_tokens` tokens, see [`TCB_PREFILL_TOKENS`]), else the grouped GEMMs.
-pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, staged_fit: bool) -> PrefillExperts {
+/// fit (`moe_tcb` up to `tcb_tokens` tokens, see [`TCB_PREFILL_TOKENS`]; the narrow wgmma kernels
+/// up to `narrow_tokens`, see [`WG_NARROW_TOKENS`]), else the grouped GEMMs.
+pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, narrow_tokens: usize, staged_fit: bool) -> PrefillExperts {
     if exact || !staged_fit {
         PrefillExperts::Gemm
     } else if n <= tcb_tokens {
         PrefillExperts::Tcb
+    } else if n <= narrow_tokens {
+        PrefillExperts::WgNarrow
     } else {
         PrefillExperts::Wg
     }
@@ -266,6 +282,11 @@ pub fn prefill_experts(n: usize, exact: bool, tcb_tokens: usize, staged_fit: boo
 /// chunks take the wgmma kernels. Measured on one H200 (docs/cuda-prefill.md): `moe_tcb` 3% faster
 /// at 512 tokens (~16 slots per expert), the wgmma kernels 1% faster at 700 and 13% at 1,024.
 pub const TCB_PREFILL_TOKENS: usize = 640;
+
+/// Most prefill tokens whose routed experts run on the narrow wgmma kernels (tiles of
+/// [`WG_NARROW_TILE`] slots): at the 35B's 8 of 256 experts, 768 tokens are 24 slots per expert
+/// on average, and a tile per expert with few split in two.
+pub const WG_NARROW_TOKENS: usize = 768;
 
 /// Routing scratch of a prefill chunk.
 pub struct RouteLists {
@@ -655,11 +676,16 @@ const WG_GLU_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
 const WG_STAGES: usize = 4;
 const WG_AROWS: usize = 256;
-const WG_SMEM: u32 = (WG_STAGES * (WG_TILE * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32;
+/// Gate|up's dynamic shared memory over tiles of `tile` slots.
+const fn wg_smem(tile: usize) -> u32 {
+    (WG_STAGES * (tile * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
+}
 
 /// Slots per tile of the wgmma expert kernels (WG_N in kernels/moe.cu): each dequantised weight
 /// serves this many slots.
 pub const WG_TILE: usize = 128;
+/// Slots per tile of the narrow wgmma expert kernels (WG_NARROW in kernels/moe.cu).
+pub const WG_NARROW_TILE: usize = 32;
 
 /// Index (in bf16 units) of column `c` within a row staged for the wgmma kernels (`stage_wg` and
 /// the gate|up kernel's output; `wg_pos` in kernels/moe.cu): word 32G + 8i + 4reg + t holds the
@@ -687,51 +713,81 @@ fn wg_takes(mats: &[&DevQ]) -> bool {
 }
 
 /// The routed experts' gate|up products of a prefill chunk on wgmma: per slot of the lists'
-/// [`WG_TILE`]-slot tiles, `h[slot] = silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x`
-/// and `h` in the wgmma order (`stage_wg`); `rows` per expert.
-pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped) -> Result<()> {
+/// `tile`-slot tiles ([`WG_TILE`], or [`WG_NARROW_TILE`] on the narrow kernel), `h[slot] =
+/// silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x` and `h` in the wgmma
+/// order (`stage_wg`); `rows` per expert.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped, tile: usize) -> Result<()> {
     if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
         bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups and outputs of whole groups");
     }
     if gate.frag != up.frag {
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
     }
-    let k = if gate.frag { PF_MOE_WG_GLU_F } else { PF_MOE_WG_GLU };
+    let k = match (wg_narrow(tile)?, gate.frag) {
+        (false, false) => PF_MOE_WG_GLU,
+        (false, true) => PF_MOE_WG_GLU_F,
+        (true, false) => PF_MOE_WG_GLU_N,
+        (true, true) => PF_MOE_WG_GLU_N_F,
+    };
     let args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
-    gpu.launch(k, (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1), WG_THREADS, WG_SMEM, &args)
+    gpu.launch(k, (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1), WG_THREADS, wg_smem(tile), &args)
+}
+
+/// Whether lists of `tile`-slot tiles take the narrow wgmma kernels (else the wide ones).
+fn wg_narrow(tile: usize) -> Result<bool> {
+    match tile {
+        WG_TILE => Ok(false),
+        WG_NARROW_TILE => Ok(true),
+        _ => bail!("the wgmma expert kernels take tiles of {WG_TILE} or {WG_NARROW_TILE} slots, not {tile}"),
+    }
 }
 
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
-/// [`combine_bf16_down`]'s input; `h` in the wgmma order). Each CTA keeps its tile's inputs in
-/// shared memory for [`WG_RES_ROW_BLOCKS`] row blocks of 256 (`pf_moe_wg_down_res`).
-pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped) -> Result<()> {
+/// [`combine_bf16_down`]'s input; `h` in the wgmma order), over `tile`-slot tiles as
+/// [`moe_wg_glu`]. Each CTA keeps its tile's inputs in shared memory for [`WG_RES_ROW_BLOCKS`]
+/// row blocks of 256 (`pf_moe_wg_down_res`; the narrow kernel [`WG_NARROW_RES_ROW_BLOCKS`]).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Grouped, tile: usize) -> Result<()> {
     if !wg_takes(&[down]) || !rows.is_multiple_of(2) || down.cols > WG_RES_COLS {
         bail!("the wgmma down kernel takes 4-bit matrices of at most {WG_RES_COLS} columns in whole 64-column groups and an even number of rows");
     }
-    let k = if down.frag { PF_MOE_WG_DOWN_RES_F } else { PF_MOE_WG_DOWN_RES };
+    let narrow = wg_narrow(tile)?;
+    let k = match (narrow, down.frag) {
+        (false, false) => PF_MOE_WG_DOWN_RES,
+        (false, true) => PF_MOE_WG_DOWN_RES_F,
+        (true, false) => PF_MOE_WG_DOWN_RES_N,
+        (true, true) => PF_MOE_WG_DOWN_RES_N_F,
+    };
+    let (row_blocks, stages) = if narrow { (WG_NARROW_RES_ROW_BLOCKS, WG_NARROW_RES_STAGES) } else { (WG_RES_ROW_BLOCKS, WG_RES_STAGES) };
     let mut args = wg_args(matrix_pair_args(gpu, down, None, CodeOrder::of(down.frag)), rows, down.cols, h, y, g);
-    args.push(Arg::I(WG_RES_ROW_BLOCKS as i32));
-    let grid = (rows.div_ceil(WG_RES_ROW_BLOCKS * WG_DOWN_ROWS) as u32, g.max_tiles as u32, 1);
-    gpu.launch(k, grid, WG_THREADS, wg_res_smem(down.cols), &args)
+    args.push(Arg::I(row_blocks as i32));
+    let grid = (rows.div_ceil(row_blocks * WG_DOWN_ROWS) as u32, g.max_tiles as u32, 1);
+    gpu.launch(k, grid, WG_THREADS, wg_res_smem(down.cols, tile, stages), &args)
 }
 
 /// The down kernel takes matrices of at most this many columns (8 groups, the 35B's experts' 512):
 /// a tile's inputs over all of them stay in shared memory.
 pub const WG_RES_COLS: usize = 8 * 64;
-/// Its code ring's stages (WG_RES_STAGES in kernels/moe.cu).
+/// Its code ring's stages (WG_RES_STAGES in kernels/moe.cu); the narrow kernel's
+/// (WG_NARROW_RES_STAGES), fewer so that two CTAs share an SM.
 const WG_RES_STAGES: usize = 8;
+const WG_NARROW_RES_STAGES: usize = 4;
 /// 256-row blocks per CTA of the down kernel: each CTA copies its tile's inputs once for these
 /// row blocks and runs their steps as one pipeline. At the 35B's 2,048 rows a CTA takes all 8
 /// (one H200, 2026-12-04: down at 4K 10.9 -> 9.9 ms with 8 or 4, 11.0 with 2; docs/cuda-prefill.md).
 const WG_RES_ROW_BLOCKS: usize = 8;
+/// The narrow kernel's: its tiles are many and short, and a CTA per tile would leave the second
+/// wave of two CTAs per SM nearly empty (at 700 tokens ~260 tiles for 264 CTA places).
+const WG_NARROW_RES_ROW_BLOCKS: usize = 2;
 
-/// Dynamic shared memory of `pf_moe_wg_down_res` over `cols` columns: every group's inputs of a
-/// tile, the code ring, the row blocks' scale buffers (as many as the ring needs, see there), the
-/// slot and input-row indices.
-fn wg_res_smem(cols: usize) -> u32 {
+/// Dynamic shared memory of `pf_moe_wg_down_res` over `cols` columns, tiles of `tile` slots and a
+/// ring of `stages`: every group's inputs of a tile, the code ring, the row blocks' scale buffers
+/// (as many as the ring needs, see there), the slot and input-row indices.
+fn wg_res_smem(cols: usize, tile: usize, stages: usize) -> u32 {
     let gpr = cols / 64;
-    let buffers = (WG_RES_STAGES - 2) / gpr + 2;
-    (gpr * WG_TILE * 128 + WG_RES_STAGES * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * WG_TILE * 4) as u32
+    let buffers = (stages - 2) / gpr + 2;
+    (gpr * tile * 128 + stages * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
 }
 
 /// The wgmma expert kernels' arguments (PF_MOE_WG_ARGS in kernels/moe.cu).
@@ -793,8 +849,12 @@ mod tests {
 
     #[test]
     fn wgmma_blocks_fit_hoppers_shared_memory() {
-        // One block per SM, within what a block may opt into.
-        const { assert!(super::WG_SMEM <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT) };
+        // One block per SM, within what a block may opt into; the narrow kernels two per SM
+        // (228 KB of shared memory, 1 KB of it reserved per block).
+        use super::{wg_res_smem, wg_smem, WG_NARROW_RES_STAGES as NS, WG_NARROW_TILE as NT, WG_RES_STAGES as S, WG_TILE as T};
+        const { assert!(wg_smem(T) <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT) };
+        let two_per_sm = |smem: u32| 2 * (smem + 1024) <= 228 * 1024;
+        assert!(two_per_sm(wg_smem(NT)), "{}", wg_smem(NT));
         // The block's copies: one 16-byte piece of codes per thread per group, 8 groups' scales or
         // biases per thread, two pieces of the slots' inputs per thread.
         assert_eq!(super::WG_AROWS * 2, super::WG_THREADS as usize);
@@ -802,11 +862,14 @@ mod tests {
         // The down kernel with resident inputs at every width it takes: the 35B's 512 columns
         // (8 groups, two scale buffers) and the tiny model's 64 (one group, eight buffers).
         for gpr in 1..=super::WG_RES_COLS / 64 {
-            let smem = super::wg_res_smem(64 * gpr);
+            let smem = wg_res_smem(64 * gpr, T, S);
             assert!(smem <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT, "{gpr} groups: {smem} bytes");
+            let narrow = wg_res_smem(64 * gpr, NT, NS);
+            assert!(two_per_sm(narrow), "narrow, {gpr} groups: {narrow} bytes");
         }
-        assert_eq!(super::wg_res_smem(512), (8 * 16384 + 8 * 8192 + 2 * 8192 + 1024) as u32);
-        assert_eq!(super::wg_res_smem(64), (16384 + 8 * 8192 + 8 * 8192 + 1024) as u32);
+        assert_eq!(wg_res_smem(512, T, S), (8 * 16384 + 8 * 8192 + 2 * 8192 + 1024) as u32);
+        assert_eq!(wg_res_smem(64, T, S), (16384 + 8 * 8192 + 8 * 8192 + 1024) as u32);
+        assert_eq!(wg_res_smem(512, NT, NS), (8 * 4096 + 4 * 8192 + 2 * 8192 + 256) as u32);
     }
 
     #[test]
@@ -823,19 +886,23 @@ mod tests {
 
     #[test]
     fn prefill_chunks_pick_their_expert_kernels() {
-        use super::{prefill_experts, PrefillExperts::*, TCB_PREFILL_TOKENS as T};
-        assert_eq!(prefill_experts(512, false, T, true), Tcb);
-        assert_eq!(prefill_experts(700, false, T, true), Wg);
-        assert_eq!(prefill_experts(T, false, T, true), Tcb);
-        assert_eq!(prefill_experts(T + 1, false, T, true), Wg);
-        assert_eq!(prefill_experts(4096, false, T, true), Wg);
-        assert_eq!(prefill_experts(4096, false, 0, true), Wg);
-        assert_eq!(prefill_experts(1, false, 0, true), Wg);
+        use super::{prefill_experts, PrefillExperts::*, TCB_PREFILL_TOKENS as T, WG_NARROW_TOKENS as W};
+        assert_eq!(prefill_experts(512, false, T, W, true), Tcb);
+        assert_eq!(prefill_experts(700, false, T, W, true), WgNarrow);
+        assert_eq!(prefill_experts(T, false, T, W, true), Tcb);
+        assert_eq!(prefill_experts(T + 1, false, T, W, true), WgNarrow);
+        assert_eq!(prefill_experts(W, false, T, W, true), WgNarrow);
+        assert_eq!(prefill_experts(W + 1, false, T, W, true), Wg);
+        assert_eq!(prefill_experts(700, false, T, 0, true), Wg);
+        assert_eq!(prefill_experts(4096, false, T, W, true), Wg);
+        assert_eq!(prefill_experts(4096, false, 0, W, true), Wg);
+        assert_eq!(prefill_experts(512, false, 0, W, true), WgNarrow);
+        assert_eq!(prefill_experts(1, false, 0, 0, true), Wg);
         // The exact f32 mode and shapes the staged kernels do not take: the grouped GEMMs.
-        assert_eq!(prefill_experts(4096, true, T, true), Gemm);
-        assert_eq!(prefill_experts(700, true, T, true), Gemm);
-        assert_eq!(prefill_experts(4096, false, T, false), Gemm);
-        assert_eq!(prefill_experts(700, false, T, false), Gemm);
+        assert_eq!(prefill_experts(4096, true, T, W, true), Gemm);
+        assert_eq!(prefill_experts(700, true, T, W, true), Gemm);
+        assert_eq!(prefill_experts(4096, false, T, W, false), Gemm);
+        assert_eq!(prefill_experts(700, false, T, W, false), Gemm);
     }
 
     #[test]

@@ -92,6 +92,7 @@ struct ChunkPass<'a> {
     segments: &'a [Segment<'a>],
     exact: bool,
     tcb_prefill_tokens: usize,
+    wg_narrow_tokens: usize,
     fuse_combine_norm: bool,
     dims: LayerDims,
     /// The last MoE layer's output, added into the residual by the next layer's input norm
@@ -198,7 +199,7 @@ impl Pass for ChunkPass<'_> {
         let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
-        let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::staged_experts_fit(m, &d));
+        let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, self.wg_narrow_tokens, moe::staged_experts_fit(m, &d));
         let tile = route.tile();
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
@@ -217,14 +218,14 @@ impl Pass for ChunkPass<'_> {
                 moe::moe_tcp(self.gpu, &m.down_exps, None, &none(&m.shared_down, None), h, &s.tcb_slots, ed, grouped(1))?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
-            PrefillExperts::Wg => {
+            PrefillExperts::Wg | PrefillExperts::WgNarrow => {
                 // The slots' inputs and the gate|up outputs in bf16, wgmma order, in the staging
                 // buffers of the short chunks' route.
                 let (xw, hw) = (self.p(&s.tcb_tokens.frag), self.p(&s.tcb_slots.frag));
                 moe::stage_wg(self.gpu, u, h, n, xw)?;
-                moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k))?;
+                moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k), tile)?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
-                moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1))?;
+                moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1), tile)?;
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Gemm => {
@@ -239,13 +240,13 @@ impl Pass for ChunkPass<'_> {
         self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
         self.point(probe, Point::Phase("shared"))?;
         let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, sgl: self.p(&a.sgl) };
-        if route == PrefillExperts::Wg && self.fuse_combine_norm && li + 1 < self.w.layers.len() && moe::combine_norm_fits(h) && probe.trace.is_none() {
+        if route.wgmma() && self.fuse_combine_norm && li + 1 < self.w.layers.len() && moe::combine_norm_fits(h) && probe.trace.is_none() {
             // Added into x by the next layer's input norm, in the same launch (a trace reads x
             // at each layer's end: then it is added here).
             self.pending = Some(out);
             return Ok(());
         }
-        if route == PrefillExperts::Wg {
+        if route.wgmma() {
             moe::combine_bf16_down(self.gpu, &d, &out, self.p(&a.x), n)?;
         } else {
             moe::combine(self.gpu, &d, &out, self.p(&a.x), n)?;
@@ -277,6 +278,7 @@ pub struct Prefill<'a> {
     pub blas: Option<&'a Blas>,
     pub cublas_min_tokens: usize,
     pub tcb_prefill_tokens: usize,
+    pub wg_narrow_tokens: usize,
     /// The long chunks' MoE output added into the residual by the next layer's input norm.
     pub fuse_combine_norm: bool,
     pub chunk: usize,
@@ -375,6 +377,7 @@ impl Prefill<'_> {
             segments,
             exact: self.exact,
             tcb_prefill_tokens: self.tcb_prefill_tokens,
+            wg_narrow_tokens: self.wg_narrow_tokens,
             fuse_combine_norm: self.fuse_combine_norm,
             // Each segment's attention reads its own sequence's KV type.
             dims: LayerDims::new(self.cfg, false, self.gdn_state_f16),

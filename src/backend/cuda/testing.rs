@@ -222,6 +222,8 @@ pub enum GroupedRoute {
     /// gate|up output is bf16 in the wgmma order, the down output bf16 `[slot][row]`, both read
     /// back here as f32 `[slot][row]`.
     Wgmma,
+    /// The same on the narrow kernels (`pf_moe_wg_glu_n` / `_down_res_n`, 32-slot tiles).
+    WgmmaNarrow,
     /// `stage_tcb` + `moe_tcb` (the gate|up kernel of the batched decode and of short prefill
     /// chunks, 16-slot tiles).
     Tcb,
@@ -237,6 +239,7 @@ pub enum GroupedRoute {
     TcpFrag,
     TcrFrag,
     WgmmaFrag,
+    WgmmaNarrowFrag,
     F32Frag,
 }
 
@@ -248,6 +251,7 @@ impl GroupedRoute {
             GroupedRoute::TcpFrag => GroupedRoute::Tcp,
             GroupedRoute::TcrFrag => GroupedRoute::Tcr,
             GroupedRoute::WgmmaFrag => GroupedRoute::Wgmma,
+            GroupedRoute::WgmmaNarrowFrag => GroupedRoute::WgmmaNarrow,
             GroupedRoute::F32Frag => GroupedRoute::F32,
             r => r,
         }
@@ -272,6 +276,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let route = route.row_order();
     let tile = match route {
         GroupedRoute::Wgmma => moe::PrefillExperts::Wg,
+        GroupedRoute::WgmmaNarrow => moe::PrefillExperts::WgNarrow,
         GroupedRoute::Tcb | GroupedRoute::Tcp | GroupedRoute::Tcr => moe::PrefillExperts::Tcb,
         GroupedRoute::F32 | GroupedRoute::TensorCore => moe::PrefillExperts::Gemm,
         _ => unreachable!("row_order above"),
@@ -282,7 +287,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
     let g = |xdiv| lists.grouped(xdiv);
-    if route == GroupedRoute::Wgmma {
+    if matches!(route, GroupedRoute::Wgmma | GroupedRoute::WgmmaNarrow) {
         let xs = gpu.zeros::<u32>(tokens * q.cols / 2)?;
         let xsp = ptr(&xs, &gpu.stream);
         moe::stage_wg(gpu, xp, q.cols, tokens, xsp)?;
@@ -290,11 +295,11 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         let Some(u) = &du else {
             // bf16 out, read back as f32.
             let yb = gpu.zeros::<u16>(tokens * k * rows)?;
-            moe::moe_wg_down(gpu, &dq, rows, xsp, ptr(&yb, &gpu.stream), g(k))?;
+            moe::moe_wg_down(gpu, &dq, rows, xsp, ptr(&yb, &gpu.stream), g(k), tile)?;
             return Ok(read(gpu, &yb)?.into_iter().map(bf16).collect());
         };
         let h = gpu.zeros::<u16>(tokens * k * rows)?;
-        moe::moe_wg_glu(gpu, &dq, u, rows, xsp, ptr(&h, &gpu.stream), g(k))?;
+        moe::moe_wg_glu(gpu, &dq, u, rows, xsp, ptr(&h, &gpu.stream), g(k), tile)?;
         let h = read(gpu, &h)?;
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
