@@ -1,5 +1,10 @@
-# Summarise `lily serve --trace-turns` lines: gaps (idle between turns), prefill forwards per
-# window, decode rows. Usage: turns.py serve.log [t0 t1]
+#!/usr/bin/env python3
+"""The turns of a `lily serve --trace-turns` log, one line each: the gap since the previous turn
+ended (the worker idle, e.g. waiting for clients), admissions, the prefill's tokens / prompts / ms
+with the snapshots' part, the decode's rows / tokens / ms, retirements.
+
+    python3 scripts/turn_summary.py serve.log [FROM_S TO_S]     # seconds since the server started
+"""
 import re, sys
 rows = []
 for line in open(sys.argv[1], errors="replace"):
