@@ -75,10 +75,10 @@ pub struct CudaOptions {
     /// Test-only: run the CUDA-core MoE decode kernels even where the tensor-core ones apply.
     pub force_cuda_core_moe: bool,
     /// Test-only: see [`super::moe::TCB_PREFILL_TOKENS`] (0 sends every prefill chunk's routed
-    /// experts to the wgmma kernels; `LILY_CUDA_TCB_PREFILL_TOKENS`).
+    /// experts to the wgmma kernels).
     pub tcb_prefill_tokens: usize,
     /// Test-only: see [`super::moe::WG_NARROW_TOKENS`] (0: no chunk takes the narrow wgmma
-    /// kernels; `LILY_CUDA_WG_NARROW_TOKENS`).
+    /// kernels).
     pub wg_narrow_tokens: usize,
     /// Test-only: the batched GDN step on this many persistent blocks whatever the batch (0:
     /// `gdn_step_batch`, a block per item), instead of [`super::gdn::select_step_batch`]'s choice.
@@ -152,8 +152,6 @@ impl CudaOptions {
             graphs: flag("LILY_CUDA_GRAPH", d.graphs),
             pdl: flag("LILY_CUDA_PDL", d.pdl),
             exact_prefill: flag("LILY_PREFILL_F32", d.exact_prefill),
-            tcb_prefill_tokens: get("LILY_CUDA_TCB_PREFILL_TOKENS").and_then(|v| v.parse().ok()).unwrap_or(d.tcb_prefill_tokens),
-            wg_narrow_tokens: get("LILY_CUDA_WG_NARROW_TOKENS").and_then(|v| v.parse().ok()).unwrap_or(d.wg_narrow_tokens),
             ..d
         }
     }
