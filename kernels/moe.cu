@@ -1020,54 +1020,54 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             wgmma_wait<0>();
         }
     } else {
-    copy_inputs(0);
-    copy_codes(0);
-    copy_codes(1);
-    copy_scales(0);
-    cp_commit();
-    copy_inputs(1);
-    copy_codes(2);
-    cp_commit();
-    copy_inputs(2);
-    copy_codes(3);
-    cp_commit();
-    u32 a0[4][4], a1[4][4];
-    cp_wait<2>();
-    __syncthreads();
-    {
-        WgGroup c;
-        read(0, c);
-        build(c, a0);
-    }
-    // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
-    // The products go first, so the tensor cores start right after the barrier; then the copies
-    // into the stage of group G - 1 (free once every thread passed the barrier) and the codes'
-    // part of group G's stage (read into registers during step G - 1).
-    auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
-        cp_wait<2>();
-        fence_proxy_async_smem();
-        __syncthreads();
-        const bool more = G + 1 < gpr;
-        const u32 st = sm0 + (G % WG_STAGES) * STAGE;
-        wgmma_fence();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
-        wgmma_commit();
-        copy_inputs(G + 3);
-        copy_codes(G + 4);
-        if ((G & 7) == 0) copy_scales((G >> 3) + 1);
+        copy_inputs(0);
+        copy_codes(0);
+        copy_codes(1);
+        copy_scales(0);
         cp_commit();
-        if (more) {
+        copy_inputs(1);
+        copy_codes(2);
+        cp_commit();
+        copy_inputs(2);
+        copy_codes(3);
+        cp_commit();
+        u32 a0[4][4], a1[4][4];
+        cp_wait<2>();
+        __syncthreads();
+        {
             WgGroup c;
-            read(G + 1, c);
-            build(c, nxt);
+            read(0, c);
+            build(c, a0);
         }
-        wgmma_wait<0>();
-    };
-    for (int G = 0; G < gpr; G += 2) {
-        step(G, a0, a1);
-        if (G + 1 < gpr) step(G + 1, a1, a0);
-    }
+        // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
+        // The products go first, so the tensor cores start right after the barrier; then the copies
+        // into the stage of group G - 1 (free once every thread passed the barrier) and the codes'
+        // part of group G's stage (read into registers during step G - 1).
+        auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+            cp_wait<2>();
+            fence_proxy_async_smem();
+            __syncthreads();
+            const bool more = G + 1 < gpr;
+            const u32 st = sm0 + (G % WG_STAGES) * STAGE;
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
+            wgmma_commit();
+            copy_inputs(G + 3);
+            copy_codes(G + 4);
+            if ((G & 7) == 0) copy_scales((G >> 3) + 1);
+            cp_commit();
+            if (more) {
+                WgGroup c;
+                read(G + 1, c);
+                build(c, nxt);
+            }
+            wgmma_wait<0>();
+        };
+        for (int G = 0; G < gpr; G += 2) {
+            step(G, a0, a1);
+            if (G + 1 < gpr) step(G + 1, a1, a0);
+        }
     }
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
