@@ -1280,20 +1280,27 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         ++rb;
         buf = buf + 1 == nb ? 0 : buf + 1;
     };
-    if constexpr (NS < WG_N) {
-        // Narrow (one A buffer, built in the step that multiplies it): each copy S - 1 steps
-        // ahead. P0 = the inputs and step 0's copies; P1 .. P(S-2) = step j's; step s: step
-        // s + S - 1's, into the code stage of step s - 1, which every thread read before step s's
-        // barrier. Step s waits for all but the S - 2 latest commits: its own copies.
+    // Commits (one per step, some empty, so the count is uniform). Wide: P0 = the inputs, step 0's
+    // and step 1's copies; P1 .. P(S-2) = step j + 1's; step s: step s + S's. Step s waits for all
+    // but the S - 2 latest (everything up to step s - S + 1's: the codes of step s + 1 and, copied
+    // with its row block's first codes, its scales), then the barrier: every thread is done with
+    // step s - 1, whose code stage takes step s + S's. Narrow (one A buffer, built in the step
+    // that multiplies it): each copy S - 1 steps ahead. P0 = the inputs and step 0's copies;
+    // P1 .. P(S-2) = step j's; step s: step s + S - 1's, into the code stage of step s - 1, which
+    // every thread read before step s's barrier; step s waits for all but the S - 2 latest
+    // commits: its own copies.
+    constexpr bool NARROW = NS < WG_N;
+    copy_step();
+    if constexpr (!NARROW) copy_step();
+    cp_commit();
+#pragma unroll
+    for (int j = 1; j < S - 1; ++j) {
         copy_step();
         cp_commit();
+    }
 #pragma unroll
-        for (int j = 1; j < S - 1; ++j) {
-            copy_step();
-            cp_commit();
-        }
-#pragma unroll
-        for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+    for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+    if constexpr (NARROW) {
         for (int st = 0; st < steps; ++st) {
             cp_wait<S - 2>();
             fence_proxy_async_smem();
@@ -1316,21 +1323,6 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         }
         return;
     }
-    // Commits (one per step, some empty, so the count is uniform): P0 = the inputs, step 0's and
-    // step 1's copies; P1 .. P(S-2) = step j + 1's; step s: step s + S's. Step s waits for all but
-    // the S - 2 latest (everything up to step s - S + 1's: the codes of step s + 1 and, copied with
-    // its row block's first codes, its scales), then the barrier: every thread is done with step
-    // s - 1, whose code stage takes step s + S's.
-    copy_step();
-    copy_step();
-    cp_commit();
-#pragma unroll
-    for (int j = 1; j < S - 1; ++j) {
-        copy_step();
-        cp_commit();
-    }
-#pragma unroll
-    for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
     u32 a0[4][4], a1[4][4];
     cp_wait<S - 2>();
     __syncthreads();

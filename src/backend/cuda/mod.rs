@@ -414,7 +414,6 @@ impl CudaBackend {
             blas: self.blas.as_ref(),
             cublas_min_tokens: self.opts.cublas_min_tokens,
             tcb_prefill_tokens: self.opts.tcb_prefill_tokens,
-            wg_narrow_tokens: self.opts.wg_narrow_tokens,
             fuse_combine_norm: self.opts.fuse_combine_norm,
             chunk: self.opts.prefill_chunk,
             exact: self.opts.exact_prefill,

@@ -77,9 +77,6 @@ pub struct CudaOptions {
     /// Test-only: see [`super::moe::TCB_PREFILL_TOKENS`] (0 sends every prefill chunk's routed
     /// experts to the wgmma kernels).
     pub tcb_prefill_tokens: usize,
-    /// Test-only: see [`super::moe::WG_NARROW_TOKENS`] (0: no chunk takes the narrow wgmma
-    /// kernels).
-    pub wg_narrow_tokens: usize,
     /// Test-only: the batched GDN step on this many persistent blocks whatever the batch (0:
     /// `gdn_step_batch`, a block per item), instead of [`super::gdn::select_step_batch`]'s choice.
     pub gdn_step_blocks: Option<usize>,
@@ -109,7 +106,6 @@ impl Default for CudaOptions {
             cublas_min_tokens: CUBLAS_MIN_TOKENS,
             force_cuda_core_moe: false,
             tcb_prefill_tokens: super::moe::TCB_PREFILL_TOKENS,
-            wg_narrow_tokens: super::moe::WG_NARROW_TOKENS,
             gdn_step_blocks: None,
             attn_split_cuda_core: false,
         }

@@ -92,7 +92,6 @@ struct ChunkPass<'a> {
     segments: &'a [Segment<'a>],
     exact: bool,
     tcb_prefill_tokens: usize,
-    wg_narrow_tokens: usize,
     fuse_combine_norm: bool,
     dims: LayerDims,
     /// The last MoE layer's output, added into the residual by the next layer's input norm
@@ -199,7 +198,7 @@ impl Pass for ChunkPass<'_> {
         let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
         self.norm(&lw.post_norm, probe)?;
-        let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, self.wg_narrow_tokens, moe::staged_experts_fit(m, &d));
+        let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::WG_NARROW_TOKENS, moe::staged_experts_fit(m, &d));
         let tile = route.tile();
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
@@ -278,7 +277,6 @@ pub struct Prefill<'a> {
     pub blas: Option<&'a Blas>,
     pub cublas_min_tokens: usize,
     pub tcb_prefill_tokens: usize,
-    pub wg_narrow_tokens: usize,
     /// The long chunks' MoE output added into the residual by the next layer's input norm.
     pub fuse_combine_norm: bool,
     pub chunk: usize,
@@ -377,7 +375,6 @@ impl Prefill<'_> {
             segments,
             exact: self.exact,
             tcb_prefill_tokens: self.tcb_prefill_tokens,
-            wg_narrow_tokens: self.wg_narrow_tokens,
             fuse_combine_norm: self.fuse_combine_norm,
             // Each segment's attention reads its own sequence's KV type.
             dims: LayerDims::new(self.cfg, false, self.gdn_state_f16),
