@@ -214,6 +214,15 @@ impl Active {
         self.decoding && !self.finished()
     }
 
+    /// A running stream whose inter-token latency a turn's prefill adds to: it decodes and has
+    /// more than [`BURST_ROW_TOKENS`] tokens out. A row whose prompt went in on one of the last
+    /// turns came with the prompts still waiting (a burst whose requests arrived a few ms apart,
+    /// as a round of clients does): its client waited for the whole prompt and has its first
+    /// tokens, so it does not hold the rest of the burst to `--prefill-chunk` ([`turn_tokens`]).
+    fn streaming(&self) -> bool {
+        self.stepping() && past_burst_tokens(self.reply.generated.len())
+    }
+
     /// Still being prefilled: its prompt is not all in and it has not finished.
     fn prefilling(&self) -> bool {
         !self.decoding && !self.finished()
@@ -455,9 +464,9 @@ impl Worker {
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
     /// (see the module comment).
     fn prefill(&mut self) -> PrefillTurn {
-        let decoding = self.active.iter().filter(|a| a.stepping()).count();
+        let streaming = self.active.iter().filter(|a| a.streaming()).count();
         let waiting = self.active.iter().filter(|a| a.prefilling()).count();
-        let chunk = turn_tokens(self.cfg.prefill_chunk, decoding, waiting);
+        let chunk = turn_tokens(self.cfg.prefill_chunk, streaming, waiting);
         let mut budget = chunk;
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
@@ -683,16 +692,28 @@ impl Worker {
     }
 }
 
+/// Tokens a decoding row draws before it counts as a running stream ([`Active::streaming`]): a
+/// burst's prompts go in over a few turns (the first arrivals, then one or two forwards of the
+/// rest), each followed by one decode step of the rows in, so the burst's earlier rows have one
+/// or two tokens out while its later prompts wait.
+const BURST_ROW_TOKENS: usize = 2;
+
+/// Whether a decoding row with `tokens_out` tokens generated is a running stream.
+fn past_burst_tokens(tokens_out: usize) -> bool {
+    tokens_out > BURST_ROW_TOKENS
+}
+
 /// Prompt tokens one turn prefills, and the most one forward of it takes: `--prefill-chunk` while
-/// at least as many rows decode as prompts wait, since the turn adds to those rows' inter-token
-/// latency; [`BURST_PREFILL_CHUNK`] while more prompts wait than rows decode (none decoding
-/// included). Then most of the batch waits on the prompts, and one forward takes them together at
-/// the prefill's full speed where chunks would take a few of them per turn, each turn followed by
-/// a decode step of the part of the batch that is in (a burst of requests arriving together, as
-/// when a batch's streams end at the same step and their clients send the next ones).
-fn turn_tokens(chunk: usize, decoding: usize, waiting: usize) -> usize {
+/// at least as many streams run as prompts wait, since the turn adds to those streams'
+/// inter-token latency; [`BURST_PREFILL_CHUNK`] while more prompts wait than streams run (none
+/// running included). Then most of the batch waits on the prompts, and one forward takes them
+/// together at the prefill's full speed where chunks would take a few of them per turn, each turn
+/// followed by a decode step of the part of the batch that is in (a burst of requests arriving
+/// together, as when a batch's streams end at the same step and their clients send the next
+/// ones; the rows of the burst already in are not streams yet: [`Active::streaming`]).
+fn turn_tokens(chunk: usize, streaming: usize, waiting: usize) -> usize {
     let chunk = chunk.max(1);
-    if waiting > decoding {
+    if waiting > streaming {
         chunk.max(BURST_PREFILL_CHUNK)
     } else {
         chunk
@@ -1067,5 +1088,21 @@ mod tests {
         // A chunk above the burst size is kept; a zero chunk still feeds a token.
         assert_eq!(turn_tokens(65536, 0, 3), 65536);
         assert_eq!(turn_tokens(0, 2, 1), 1);
+    }
+
+    #[test]
+    fn rows_with_only_their_first_tokens_out_are_not_running_streams() {
+        assert!(!past_burst_tokens(0));
+        assert!(!past_burst_tokens(BURST_ROW_TOKENS));
+        assert!(past_burst_tokens(BURST_ROW_TOKENS + 1));
+        let streams = |out: &[usize]| out.iter().filter(|&&n| past_burst_tokens(n)).count();
+        // 8 prompts went in on the last turn and drew a token each: the 8 behind them are the
+        // rest of their burst, one forward.
+        assert_eq!(turn_tokens(4096, streams(&[1; 8]), 8), BURST_PREFILL_CHUNK);
+        // 64 clients: 8 rows in three turns ago, 23 two, 23 one; 10 prompts left of the burst.
+        let out: Vec<usize> = [3; 8].iter().chain(&[2; 23]).chain(&[1; 23]).copied().collect();
+        assert_eq!(turn_tokens(4096, streams(&out), 10), BURST_PREFILL_CHUNK);
+        // Rows that have streamed on are held to the chunk by as many prompts.
+        assert_eq!(turn_tokens(4096, streams(&[3; 8]), 8), 4096);
     }
 }
