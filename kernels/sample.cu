@@ -27,10 +27,9 @@ __device__ __forceinline__ bool last_block(u32* ticket) {
     return last;
 }
 
-// The grid's (value desc, index asc) maximum of every thread's candidate: true in one thread
-// (lane 0 of warp 0 of the last block to finish), which then holds it in best / idx; the ticket
-// is zero again. part: 2 x gridDim.x words.
-__device__ __forceinline__ bool argmax_grid(float& best, int& idx, float* part, u32* ticket) {
+// The block's (value desc, index asc) maximum of every thread's candidate: thread 0 (lane 0 of
+// warp 0) gets it.
+__device__ __forceinline__ void sample_block_argmax(float& best, int& idx) {
     __shared__ float bv[32];
     __shared__ int bi[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -41,10 +40,18 @@ __device__ __forceinline__ bool argmax_grid(float& best, int& idx, float* part, 
         best = lane < nw ? bv[lane] : NEG_INF;
         idx = lane < nw ? bi[lane] : 0x7fffffff;
         argmax_warp(best, idx);
-        if (lane == 0) {
-            part[2 * blockIdx.x] = best;
-            part[2 * blockIdx.x + 1] = __int_as_float(idx);
-        }
+    }
+}
+
+// The grid's (value desc, index asc) maximum of every thread's candidate: true in one thread
+// (lane 0 of warp 0 of the last block to finish), which then holds it in best / idx; the ticket
+// is zero again. part: 2 x gridDim.x words.
+__device__ __forceinline__ bool argmax_grid(float& best, int& idx, float* part, u32* ticket) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    sample_block_argmax(best, idx);
+    if (warp == 0 && lane == 0) {
+        part[2 * blockIdx.x] = best;
+        part[2 * blockIdx.x + 1] = __int_as_float(idx);
     }
     if (!last_block(ticket) || warp != 0) return false;
     best = NEG_INF;
@@ -538,22 +545,6 @@ __device__ bool sample_block_search(Visit visit, T need, T* h, u32* result) {
     }
     *result = prefix;
     return true;
-}
-
-// The block's (value desc, index asc) maximum of every thread's candidate: thread 0 (lane 0 of
-// warp 0) gets it.
-__device__ __forceinline__ void sample_block_argmax(float& best, int& idx) {
-    __shared__ float bv[32];
-    __shared__ int bi[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    argmax_warp(best, idx);
-    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < nw ? bv[lane] : NEG_INF;
-        idx = lane < nw ? bi[lane] : 0x7fffffff;
-        argmax_warp(best, idx);
-    }
 }
 
 template <typename T>

@@ -1,9 +1,10 @@
 //! Sequence memory on the CUDA backend (src/backend/cuda/seqmem.rs) on the tiny synthetic
 //! checkpoint: KV pages mapped as a sequence grows (decode across a page boundary against the CPU
-//! reference), clones sharing their full pages and copying the last one (interleaved with their
-//! source, bit-identical to sequences that share nothing), snapshots holding their pages unmapped
-//! until a copy continues, copies in pinned host memory restored exactly, and the budget
-//! refusing work that does not fit with a `MemoryFull` error that leaves every sequence intact.
+//! reference), clones sharing every page and copying the partly filled last one only when they
+//! continue (interleaved with their source, bit-identical to sequences that share nothing),
+//! snapshots holding their pages unmapped until a copy continues, copies in pinned host memory
+//! restored exactly, and the budget refusing work that does not fit with a `MemoryFull` error
+//! that leaves every sequence intact (a reservation covering a copy's own last pages).
 //! These need an H100/H200 (`bash .device/run test cuda_memory`); they are ignored elsewhere.
 //!
 //! The tiny model has one attention layer (2 caches, K and V) of kv_dim 128: with an f32 cache a
@@ -95,7 +96,7 @@ fn cuda_kv_pages_are_mapped_as_the_sequence_grows_and_decode_crosses_them() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes() {
+fn cuda_clones_share_pages_copy_the_last_on_write_and_never_see_each_others_writes() {
     let mut gpu = cuda(None);
     let z = sizes(&gpu);
     let vocab = gpu.config().vocab_size;
@@ -108,9 +109,9 @@ fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes()
     prefill(&mut gpu, &mut a_ref, &toks);
     let before = in_use(&gpu);
     let mut b = a.try_clone().unwrap();
-    assert_eq!(in_use(&gpu) - before, z.slot + 2 * z.page, "the clone copies the partly filled page of each cache, not the full one");
-    // Each holds half of the full pages they share, so their figures add up to what they hold.
-    assert_eq!((a.memory_bytes(), b.memory_bytes()), (z.slot + 3 * z.page + 8, z.slot + 3 * z.page + 8));
+    assert_eq!(in_use(&gpu) - before, z.slot, "the clone shares every page, the partly filled last one included");
+    // Each holds half of the pages they share, so their figures add up to what they hold.
+    assert_eq!((a.memory_bytes(), b.memory_bytes()), (z.slot + 2 * z.page + 8, z.slot + 2 * z.page + 8));
     let mut b_ref = gpu.new_sequence(2 * z.rows_per_page).unwrap();
     prefill(&mut gpu, &mut b_ref, &toks);
     // Source and clone step in turn with different tokens, each into its own last page; each
@@ -122,6 +123,8 @@ fn cuda_clones_share_full_pages_copy_the_last_and_never_see_each_others_writes()
         assert_eq!(la, gpu.forward(&mut a_ref, &[x], LogitsWanted::Last).unwrap(), "source diverged at step {i}");
         assert_eq!(lb, gpu.forward(&mut b_ref, &[y], LogitsWanted::Last).unwrap(), "clone diverged at step {i}");
     }
+    // The clone's first step took a last page of its own for each cache; the full ones stay shared.
+    assert_eq!((a.memory_bytes(), b.memory_bytes()), (z.slot + 3 * z.page + 8, z.slot + 3 * z.page + 8));
     // The clone keeps the shared pages alive once its source is gone.
     drop(a);
     drop(a_ref);
@@ -147,7 +150,7 @@ fn cuda_snapshots_hold_pages_unmapped_and_their_copies_continue_exactly() {
     let before = in_use(&gpu);
     let s = a.try_clone().unwrap();
     let mut s2 = s.try_clone().unwrap();
-    assert_eq!(in_use(&gpu) - before, 2 * (z.slot + 2 * z.page), "each copy owns a state slot and a copied last page per cache");
+    assert_eq!(in_use(&gpu) - before, 2 * z.slot, "each copy owns a state slot and shares every page");
     drop(a);
     let mut s = s;
     let mut twin = fresh(&mut gpu, n);
@@ -236,6 +239,19 @@ fn cuda_budget_refuses_work_that_does_not_fit_and_loses_nothing() {
     assert_eq!(s2.len(), 100);
     let got = gpu.forward(&mut s2, &toks[100..101], LogitsWanted::Last).unwrap();
     assert!(max_abs_diff(&got, &want) <= 1e-5, "a refused sequence continues as if never refused");
+    drop(s2);
+
+    // A snapshot of 100 rows shares s1's partly filled pages; its reservation covers the pages of
+    // its own its first step takes (the two pages s2 held), so that step cannot run out of memory.
+    let mut snap = s1.try_clone().unwrap();
+    snap.reserve(101).unwrap();
+    let e = s1.reserve(z.rows_per_page + 10).unwrap_err();
+    assert!(is_memory_full(&e), "the snapshot's reservation is not s1's to take: {e:#}");
+    let got = gpu.forward(&mut snap, &toks[100..101], LogitsWanted::Last).unwrap();
+    assert!(max_abs_diff(&got, &want) <= 1e-5, "the snapshot continues as its source would");
+    drop(snap);
+    let mut s2 = gpu.new_sequence(max).unwrap();
+    prefill(&mut gpu, &mut s2, &toks[..100]);
 
     // A reservation holds room for its sequence alone.
     assert!(is_memory_full(&s1.reserve(2 * z.rows_per_page).unwrap_err()));

@@ -4,9 +4,9 @@
 //! address range of its max-seq up front (address space, not memory), so its KV layout stays the
 //! contiguous `[position][kv_dim]` the kernels and captured graphs read.
 //!
-//! Pages below a sequence's length are never written again (KV rows are appended), so a copy
-//! shares the same physical pages and copies only the partly filled last one; it maps the shared
-//! pages only once it continues (see [`KvSpace`]).
+//! Rows below a sequence's length are never written again (KV rows are appended), so a copy
+//! shares the same physical pages, the partly filled last one included; it maps them only once it
+//! continues, and then takes a page of its own for that last one (see [`KvSpace`]).
 
 use super::budget::Ledger;
 use super::device::{ptr, DeviceCopy};
@@ -176,10 +176,12 @@ impl Drop for StateSlot {
 /// `region_bytes` each, each region's pages in order (every region holds the same number).
 ///
 /// A space that runs maps them into one reserved range as the sequence grows. A copy (a
-/// prefix-cache snapshot, a fork) is *held*: it shares the full pages and owns a copy of each
-/// region's partly filled last page, and maps nothing but those last pages (so later copies can
-/// read them). Mapping hundreds of shared pages costs time in proportion to the context, so a
-/// held space maps them only on its first growth, i.e. when a copy actually continues.
+/// prefix-cache snapshot, a fork) is *held*: it shares every page that holds its rows, the
+/// partly filled last one included (its source may go on appending rows there, past the copy's),
+/// and maps nothing, so a snapshot costs no mapping, no copy and no page of its own. A held space
+/// maps the pages on its first growth, i.e. when a copy actually continues: then each region's
+/// partly filled last page is copied into a page of its own first (copy on write), since the
+/// copy's next rows go where its source's (or another copy's) may already be.
 pub struct KvSpace {
     mem: Arc<SequenceMemory>,
     mapping: Mapping,
@@ -196,9 +198,9 @@ pub struct KvSpace {
 enum Mapping {
     /// Region r's pages back to back from `r * region_bytes` of the range (`None`: no regions).
     Whole(Option<AddressRange>),
-    /// A copy of `rows` rows, nothing mapped but each region's partly filled last page (when
-    /// `rows` fill no page whole), region r's at `r * page_bytes` of `tail`.
-    Held { rows: usize, tail: Option<AddressRange> },
+    /// A copy of `rows` rows, nothing mapped; each region's last page is shared with the source
+    /// (partly filled unless `rows` fill it).
+    Held { rows: usize },
 }
 
 impl KvSpace {
@@ -252,7 +254,9 @@ impl KvSpace {
     /// budget cannot hold them).
     pub fn reserve(&mut self, rows: usize) -> Result<()> {
         let want = self.pages_for(rows) * self.regions;
-        let have = self.pages.iter().map(Vec::len).sum::<usize>() + self.promised_pages;
+        // A held space's partly filled last pages are shared, and its first growth takes a page
+        // of its own for each.
+        let have = self.pages.iter().map(Vec::len).sum::<usize>() - self.shared_tail_pages() + self.promised_pages;
         if want > have {
             self.mem.promise((want - have) * self.page_bytes)?;
             self.promised_pages += want - have;
@@ -290,20 +294,89 @@ impl KvSpace {
         Ok(())
     }
 
-    /// Turns a held space into one that runs: its pages mapped in order into a range of their
-    /// own (the copied last pages in place, so nothing is copied again); a no-op otherwise.
+    /// Bytes of each region's last page that a held space's rows fill, when they fill it only in
+    /// part (0 for a space that runs, or whose rows end on a page boundary).
+    fn held_partial_bytes(&self) -> usize {
+        match self.mapping {
+            Mapping::Held { rows } if self.mapped_per_region() > 0 => (rows * self.row_bytes) % self.page_bytes,
+            _ => 0,
+        }
+    }
+
+    /// The shared, partly filled last pages a held space replaces on its first growth.
+    fn shared_tail_pages(&self) -> usize {
+        if self.held_partial_bytes() > 0 {
+            self.regions
+        } else {
+            0
+        }
+    }
+
+    /// Turns a held space into one that runs: a page of its own for each region's partly filled
+    /// last page (drawn from the reservation first, its rows copied from the shared page), then
+    /// every page mapped in order into a range of its own; a no-op otherwise. All or nothing:
+    /// on an error the space is still held.
     fn map_held(&mut self) -> Result<()> {
         if !self.is_held() {
             return Ok(());
         }
+        let partial = self.held_partial_bytes();
+        if partial > 0 {
+            self.own_tail_pages(partial)?;
+        }
         let range = self.map_all()?;
-        let Mapping::Held { tail, .. } = std::mem::replace(&mut self.mapping, Mapping::Whole(range)) else { unreachable!("checked above") };
-        if let Some(tail) = tail {
-            // The copies into the tail pages may still be queued.
+        self.mapping = Mapping::Whole(range);
+        Ok(())
+    }
+
+    /// Copy on write: replaces each region's shared last page by a fresh one holding its first
+    /// `partial` bytes. The shared pages are mapped for the copy in a small range of their own
+    /// and the fresh ones in another, both unmapped once the copies are done.
+    fn own_tail_pages(&mut self, partial: usize) -> Result<()> {
+        let from_promise = self.regions.min(self.promised_pages);
+        let fresh = self.mem.take_pages(self.regions, from_promise * self.page_bytes)?;
+        let give_back = |fresh: Vec<PhysPage>| {
+            let mut l = self.mem.ledger();
+            fresh.into_iter().for_each(|p| l.give_page(p));
+        };
+        let shared: Vec<&PhysPage> = self.pages.iter().map(|p| p.last().expect("a held space with a partial page holds it").as_ref()).collect();
+        let copied = (|| -> Result<()> {
+            let src = self.page_run(&shared)?;
+            let dst = match self.page_run(&fresh.iter().collect::<Vec<_>>()) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.unmap_tail(&src);
+                    return Err(e);
+                }
+            };
+            let r = (0..self.regions).try_for_each(|r| self.mem.dcopy.copy(dst.base() + (r * self.page_bytes) as u64, src.base() + (r * self.page_bytes) as u64, partial));
+            // The copies must be done before either range is unmapped.
             let _ = self.mem.stream.synchronize();
-            self.unmap_tail(&tail);
+            self.unmap_tail(&src);
+            self.unmap_tail(&dst);
+            r
+        })();
+        if let Err(e) = copied {
+            give_back(fresh);
+            return Err(e);
+        }
+        self.promised_pages -= from_promise;
+        let mut l = self.mem.ledger();
+        for (region, page) in self.pages.iter_mut().zip(fresh) {
+            let shared = std::mem::replace(region.last_mut().expect("checked above"), Arc::new(page));
+            // The last holder of a page gives it back (the copies reading it are done).
+            if let Some(p) = Arc::into_inner(shared) {
+                l.give_page(p);
+            }
         }
         Ok(())
+    }
+
+    /// A range with `pages` (one per region) mapped back to back; nothing stays mapped on failure.
+    fn page_run(&self, pages: &[&PhysPage]) -> Result<AddressRange> {
+        let range = AddressRange::reserve(&self.mem.ctx, pages.len() * self.page_bytes, self.page_bytes)?;
+        range.map_run(0, pages, self.page_bytes)?;
+        Ok(range)
     }
 
     /// A range of this space's own with every page it holds mapped in order (`None` when there
@@ -347,7 +420,7 @@ impl KvSpace {
         self.row_bytes
     }
 
-    /// Unmaps the one page per region of a held space's `tail` (after the stream is done with it).
+    /// Unmaps the one page per region of `tail` (after the stream is done with it).
     fn unmap_tail(&self, tail: &AddressRange) {
         (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
     }
@@ -359,69 +432,33 @@ impl KvSpace {
         }
     }
 
-    /// A held copy of the first `rows` rows of this space: full pages shared, the partly filled
-    /// last page of each region copied (into a page mapped in the copy's small tail range).
-    /// A held space can only be copied whole.
+    /// A held copy of the first `rows` rows of this space: every page holding them shared, none
+    /// mapped, nothing copied. A held space can only be copied whole.
     pub fn try_clone(&self, rows: usize) -> Result<Self> {
-        let used = rows * self.row_bytes;
-        let (full, src_tail) = match &self.mapping {
-            Mapping::Whole(None) => (0, 0),
-            Mapping::Whole(Some(_)) => ((used / self.page_bytes).min(self.mapped_per_region()), self.region(0)),
-            Mapping::Held { rows: held, tail } => {
-                if rows != *held {
+        let keep = match self.mapping {
+            Mapping::Whole(None) => 0,
+            Mapping::Whole(Some(_)) => {
+                let need = self.pages_for(rows);
+                if need > self.mapped_per_region() {
+                    anyhow::bail!("a KV space of {} pages per region copied at {rows} rows", self.mapped_per_region());
+                }
+                need
+            }
+            Mapping::Held { rows: held } => {
+                if rows != held {
                     anyhow::bail!("a held KV space of {held} rows copied at {rows}");
                 }
-                (self.mapped_per_region() - usize::from(tail.is_some()), tail.as_ref().map_or(0, |t| t.base()))
+                self.mapped_per_region()
             }
-        };
-        let partial = if self.regions == 0 { 0 } else { used.saturating_sub(full * self.page_bytes) };
-        let mut pages: Vec<Vec<Arc<PhysPage>>> = self.pages.iter().map(|p| p[..full.min(p.len())].to_vec()).collect();
-        let tail = if partial > 0 {
-            let fresh = self.mem.take_pages(self.regions, 0)?;
-            let give_back = |fresh: Vec<PhysPage>| {
-                let mut l = self.mem.ledger();
-                fresh.into_iter().for_each(|p| l.give_page(p));
-            };
-            let tail = match AddressRange::reserve(&self.mem.ctx, self.regions * self.page_bytes, self.page_bytes) {
-                Ok(t) => t,
-                Err(e) => {
-                    give_back(fresh);
-                    return Err(e);
-                }
-            };
-            if let Err(e) = tail.map_run(0, &fresh.iter().collect::<Vec<_>>(), self.page_bytes) {
-                give_back(fresh);
-                return Err(e);
-            }
-            for r in 0..self.regions {
-                // A space that runs has region r's partly filled page at `full` pages into the
-                // region; a held one at r pages into its tail.
-                let src = match self.mapping {
-                    Mapping::Whole(_) => src_tail + (r * self.region_bytes + full * self.page_bytes) as u64,
-                    Mapping::Held { .. } => src_tail + (r * self.page_bytes) as u64,
-                };
-                // Both are mapped over these `partial` bytes (the source holds `rows` rows; the
-                // tail page was just mapped).
-                if let Err(e) = self.mem.dcopy.copy(tail.base() + (r * self.page_bytes) as u64, src, partial) {
-                    let _ = self.mem.stream.synchronize();
-                    self.unmap_tail(&tail);
-                    give_back(fresh);
-                    return Err(e);
-                }
-            }
-            fresh.into_iter().zip(pages.iter_mut()).for_each(|(p, region)| region.push(Arc::new(p)));
-            Some(tail)
-        } else {
-            None
         };
         Ok(KvSpace {
             mem: self.mem.clone(),
-            mapping: Mapping::Held { rows, tail },
+            mapping: Mapping::Held { rows },
             regions: self.regions,
             region_bytes: self.region_bytes,
             row_bytes: self.row_bytes,
             page_bytes: self.page_bytes,
-            pages,
+            pages: self.pages.iter().map(|p| p[..keep.min(p.len())].to_vec()).collect(),
             promised_pages: 0,
         })
     }
@@ -439,7 +476,6 @@ impl Drop for KvSpace {
         let _ = self.mem.stream.synchronize();
         match std::mem::replace(&mut self.mapping, Mapping::Whole(None)) {
             Mapping::Whole(Some(range)) => self.unmap_regions(&range, self.regions),
-            Mapping::Held { tail: Some(tail), .. } => self.unmap_tail(&tail),
             _ => {}
         }
         let freed: Vec<PhysPage> = self.pages.iter_mut().flat_map(|p| p.drain(..)).filter_map(Arc::into_inner).collect();

@@ -1,5 +1,6 @@
 set -u
-# Call M: main with the CoW snapshot patch (.device-m: lily, lily-bench, the cuda_memory /
+# Call M: main with the CoW snapshot patch and argmax_grid on sample_block_argmax (.device-m:
+# lily, lily-bench, the cuda_memory /
 # cuda_gpu / cuda_batch tests) and the same with the burst rule for rows with their first tokens
 # out (.device-n: lily). GPU tests first (cuda_memory decides whether the patch lands), then
 # lily-bench's headline arms, then issue 15's load test with --trace-turns: the burst rule's
@@ -21,7 +22,7 @@ for suite in cuda_memory cuda_gpu cuda_batch; do
   echo "[+$(( $(date +%s) - t0 ))s] $suite"; grep -E "^test result|FAILED|panicked|rc=" "$OUT/tests-$suite.log" | tail -4
 done
 wait $synth
-OUT=$root SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-h200-cow/arms-m.txt 2>&1 | tail -8
+OUT=$root SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-cow-landed/arms-m.txt 2>&1 | tail -8
 echo "[+$(( $(date +%s) - t0 ))s] arms"
 for arm in n m; do
   levels=1,4,16,64; [ $arm = m ] && levels=16,64
