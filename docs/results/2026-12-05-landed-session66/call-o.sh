@@ -13,7 +13,7 @@ bash scripts/device_unpack.sh .device-o
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
 [ -f "$LILY_CK/config.json" ] || ./.device-o/bin/lily synth --preset 35b-a3b --out "$LILY_CK" > /tmp/synth.log 2>&1
-OUT=$root SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-landed-h200/arms-o.txt 2>&1 | tail -9
+OUT=$root SKIP_TESTS=1 bash scripts/device_check.sh docs/results/2026-12-05-landed-session66/arms-o.txt 2>&1 | tail -9
 echo "[+$(( $(date +%s) - t0 ))s] arms"
 mkdir -p "$root/serve"
 OUT=$root/serve LILY=.device-o/bin/lily CK=$LILY_CK ROUNDS=2 SERVE_ARGS="--trace-turns" \
