@@ -214,13 +214,11 @@ impl Active {
         self.decoding && !self.finished()
     }
 
-    /// A running stream whose inter-token latency a turn's prefill adds to: it decodes and has
-    /// more than [`BURST_ROW_TOKENS`] tokens out. A row whose prompt went in on one of the last
-    /// turns came with the prompts still waiting (a burst whose requests arrived a few ms apart,
-    /// as a round of clients does): its client waited for the whole prompt and has its first
-    /// tokens, so it does not hold the rest of the burst to `--prefill-chunk` ([`turn_tokens`]).
-    fn streaming(&self) -> bool {
-        self.stepping() && past_burst_tokens(self.reply.generated.len())
+    /// A row with its first tokens out ([`BURST_ROW_TOKENS`] or fewer): it decodes, and its
+    /// prompt went in on one of the last turns, so it may belong to the burst the waiting
+    /// prompts are the rest of ([`turn_tokens`]).
+    fn fresh(&self) -> bool {
+        self.stepping() && self.reply.generated.len() <= BURST_ROW_TOKENS
     }
 
     /// Still being prefilled: its prompt is not all in and it has not finished.
@@ -464,9 +462,13 @@ impl Worker {
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
     /// (see the module comment).
     fn prefill(&mut self) -> PrefillTurn {
-        let streaming = self.active.iter().filter(|a| a.streaming()).count();
-        let waiting = self.active.iter().filter(|a| a.prefilling()).count();
-        let chunk = turn_tokens(self.cfg.prefill_chunk, streaming, waiting);
+        let load = TurnLoad {
+            streams: self.active.iter().filter(|a| a.stepping() && !a.fresh()).count(),
+            fresh: self.active.iter().filter(|a| a.fresh()).count(),
+            waiting: self.active.iter().filter(|a| a.prefilling()).count(),
+            longest_waiting: self.active.iter().filter(|a| a.prefilling()).map(|a| a.reply.job.prompt.len().saturating_sub(a.seq.len())).max().unwrap_or(0),
+        };
+        let chunk = turn_tokens(self.cfg.prefill_chunk, &load);
         let mut budget = chunk;
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
@@ -692,28 +694,38 @@ impl Worker {
     }
 }
 
-/// Tokens a decoding row draws before it counts as a running stream ([`Active::streaming`]): a
-/// burst's prompts go in over a few turns (the first arrivals, then one or two forwards of the
-/// rest), each followed by one decode step of the rows in, so the burst's earlier rows have one
-/// or two tokens out while its later prompts wait.
+/// Tokens a decoding row has drawn at most to count as fresh ([`Active::fresh`]): a burst's
+/// prompts go in over a few turns (the first arrivals, then one or two forwards of the rest),
+/// each followed by one decode step of the rows in, so the burst's earlier rows have one or two
+/// tokens out while its later prompts wait.
 const BURST_ROW_TOKENS: usize = 2;
 
-/// Whether a decoding row with `tokens_out` tokens generated is a running stream.
-fn past_burst_tokens(tokens_out: usize) -> bool {
-    tokens_out > BURST_ROW_TOKENS
+/// The rows that decide a turn's prefill size: running streams, fresh rows (their first tokens
+/// out), the prompts waiting and the most tokens one of them has still to feed.
+struct TurnLoad {
+    streams: usize,
+    fresh: usize,
+    waiting: usize,
+    longest_waiting: usize,
 }
 
-/// Prompt tokens one turn prefills, and the most one forward of it takes: `--prefill-chunk` while
-/// at least as many streams run as prompts wait, since the turn adds to those streams'
-/// inter-token latency; [`BURST_PREFILL_CHUNK`] while more prompts wait than streams run (none
-/// running included). Then most of the batch waits on the prompts, and one forward takes them
-/// together at the prefill's full speed where chunks would take a few of them per turn, each turn
-/// followed by a decode step of the part of the batch that is in (a burst of requests arriving
-/// together, as when a batch's streams end at the same step and their clients send the next
-/// ones; the rows of the burst already in are not streams yet: [`Active::streaming`]).
-fn turn_tokens(chunk: usize, streaming: usize, waiting: usize) -> usize {
+/// Prompt tokens one turn prefills, and the most one forward of it takes: `chunk`
+/// (`--prefill-chunk`) while at least as many rows decode as prompts wait, since the turn adds
+/// to those rows' inter-token latency; [`BURST_PREFILL_CHUNK`] while more prompts wait than rows
+/// decode (none decoding included). Then most of the batch waits on the prompts, and one forward
+/// takes them together at the prefill's full speed where chunks would take a few of them per
+/// turn, each turn followed by a decode step of the part of the batch that is in (a burst of
+/// requests arriving together, as when a batch's streams end at the same step and their clients
+/// send the next ones). Fresh rows count as the burst's own, not as decoding rows, while every
+/// waiting prompt's rest fits in a chunk: the burst's requests arrive a few ms apart, so its
+/// first ones are in and have drawn a token or two when the rest come (a fresh row then waits
+/// for at most [`BURST_ROW_TOKENS`] burst forwards); a long prompt arriving just after short
+/// ones still goes in by chunks between their steps.
+fn turn_tokens(chunk: usize, load: &TurnLoad) -> usize {
     let chunk = chunk.max(1);
-    if waiting > streaming {
+    let joins = load.longest_waiting <= chunk;
+    let decoding = load.streams + if joins { 0 } else { load.fresh };
+    if load.waiting > decoding {
         chunk.max(BURST_PREFILL_CHUNK)
     } else {
         chunk
@@ -1076,33 +1088,40 @@ mod tests {
         assert_eq!(consumed_tokens(&p, &g, Some(9), 7), None);
     }
 
-    #[test]
-    fn a_turn_takes_a_chunk_unless_more_prompts_wait_than_rows_decode() {
-        // Rows decoding and no more prompts than rows: one chunk per turn bounds their stall.
-        assert_eq!(turn_tokens(4096, 15, 1), 4096);
-        assert_eq!(turn_tokens(4096, 1, 1), 4096);
-        assert_eq!(turn_tokens(4096, 3, 0), 4096);
-        // A burst (15 prompts behind one decoding row) or nobody decoding: one large forward.
-        assert_eq!(turn_tokens(4096, 1, 15), BURST_PREFILL_CHUNK);
-        assert_eq!(turn_tokens(4096, 0, 1), BURST_PREFILL_CHUNK);
-        // A chunk above the burst size is kept; a zero chunk still feeds a token.
-        assert_eq!(turn_tokens(65536, 0, 3), 65536);
-        assert_eq!(turn_tokens(0, 2, 1), 1);
+    /// A turn's load without fresh rows: `streams` rows decoding, `waiting` prompts of 700 tokens.
+    fn load(streams: usize, waiting: usize) -> TurnLoad {
+        TurnLoad { streams, fresh: 0, waiting, longest_waiting: 700 }
     }
 
     #[test]
-    fn rows_with_only_their_first_tokens_out_are_not_running_streams() {
-        assert!(!past_burst_tokens(0));
-        assert!(!past_burst_tokens(BURST_ROW_TOKENS));
-        assert!(past_burst_tokens(BURST_ROW_TOKENS + 1));
-        let streams = |out: &[usize]| out.iter().filter(|&&n| past_burst_tokens(n)).count();
-        // 8 prompts went in on the last turn and drew a token each: the 8 behind them are the
-        // rest of their burst, one forward.
-        assert_eq!(turn_tokens(4096, streams(&[1; 8]), 8), BURST_PREFILL_CHUNK);
-        // 64 clients: 8 rows in three turns ago, 23 two, 23 one; 10 prompts left of the burst.
-        let out: Vec<usize> = [3; 8].iter().chain(&[2; 23]).chain(&[1; 23]).copied().collect();
-        assert_eq!(turn_tokens(4096, streams(&out), 10), BURST_PREFILL_CHUNK);
-        // Rows that have streamed on are held to the chunk by as many prompts.
-        assert_eq!(turn_tokens(4096, streams(&[3; 8]), 8), 4096);
+    fn a_turn_takes_a_chunk_unless_more_prompts_wait_than_rows_decode() {
+        // Rows decoding and no more prompts than rows: one chunk per turn bounds their stall.
+        assert_eq!(turn_tokens(4096, &load(15, 1)), 4096);
+        assert_eq!(turn_tokens(4096, &load(1, 1)), 4096);
+        assert_eq!(turn_tokens(4096, &load(3, 0)), 4096);
+        // A burst (15 prompts behind one decoding row) or nobody decoding: one large forward.
+        assert_eq!(turn_tokens(4096, &load(1, 15)), BURST_PREFILL_CHUNK);
+        assert_eq!(turn_tokens(4096, &load(0, 1)), BURST_PREFILL_CHUNK);
+        // A chunk above the burst size is kept; a zero chunk still feeds a token.
+        assert_eq!(turn_tokens(65536, &load(0, 3)), 65536);
+        assert_eq!(turn_tokens(0, &load(2, 1)), 1);
+    }
+
+    #[test]
+    fn fresh_rows_wait_for_the_rest_of_their_burst_but_not_for_a_long_prompt() {
+        // 8 of 16 clients' prompts went in on the last turn and drew a token each; the other 8
+        // 700-token prompts are the rest of their burst: one forward.
+        let rest = TurnLoad { streams: 0, fresh: 8, waiting: 8, longest_waiting: 700 };
+        assert_eq!(turn_tokens(4096, &rest), BURST_PREFILL_CHUNK);
+        // 64 clients: 2 rows with three tokens out are streams, 41 fresh; the round's other 21
+        // prompts go in together.
+        let tail = TurnLoad { streams: 2, fresh: 41, waiting: 21, longest_waiting: 700 };
+        assert_eq!(turn_tokens(4096, &tail), BURST_PREFILL_CHUNK);
+        // A long prompt arriving while three streams have their first token: chunks, so those
+        // streams wait at most a chunk per turn.
+        let long = TurnLoad { streams: 0, fresh: 3, waiting: 1, longest_waiting: 32_000 };
+        assert_eq!(turn_tokens(4096, &long), 4096);
+        // Rows that have streamed on hold the turn to the chunk as before.
+        assert_eq!(turn_tokens(4096, &TurnLoad { streams: 8, fresh: 0, waiting: 8, longest_waiting: 700 }), 4096);
     }
 }
