@@ -462,13 +462,7 @@ impl Worker {
     /// call over several prompts' pieces ([`prefill_round`]). A prompt that is in ends the turn
     /// (see the module comment).
     fn prefill(&mut self) -> PrefillTurn {
-        let load = TurnLoad {
-            streams: self.active.iter().filter(|a| a.stepping() && !a.fresh()).count(),
-            fresh: self.active.iter().filter(|a| a.fresh()).count(),
-            waiting: self.active.iter().filter(|a| a.prefilling()).count(),
-            longest_waiting: self.active.iter().filter(|a| a.prefilling()).map(|a| a.reply.job.prompt.len().saturating_sub(a.seq.len())).max().unwrap_or(0),
-        };
-        let chunk = turn_tokens(self.cfg.prefill_chunk, &load);
+        let chunk = turn_tokens(self.cfg.prefill_chunk, &TurnLoad::of(&self.active));
         let mut budget = chunk;
         let Worker { backend, tokenizer, metrics, cfg, cache, active, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
@@ -707,6 +701,18 @@ struct TurnLoad {
     fresh: usize,
     waiting: usize,
     longest_waiting: usize,
+}
+
+impl TurnLoad {
+    fn of(active: &[Active]) -> Self {
+        let waiting = || active.iter().filter(|a| a.prefilling());
+        TurnLoad {
+            streams: active.iter().filter(|a| a.stepping() && !a.fresh()).count(),
+            fresh: active.iter().filter(|a| a.fresh()).count(),
+            waiting: waiting().count(),
+            longest_waiting: waiting().map(|a| a.reply.job.prompt.len().saturating_sub(a.seq.len())).max().unwrap_or(0),
+        }
+    }
 }
 
 /// Prompt tokens one turn prefills, and the most one forward of it takes: `chunk`

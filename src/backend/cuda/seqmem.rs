@@ -474,9 +474,9 @@ impl Drop for KvSpace {
         }
         // Unmapping needs the stream done with these addresses.
         let _ = self.mem.stream.synchronize();
-        match std::mem::replace(&mut self.mapping, Mapping::Whole(None)) {
-            Mapping::Whole(Some(range)) => self.unmap_regions(&range, self.regions),
-            _ => {}
+        // A held space maps nothing.
+        if let Mapping::Whole(Some(range)) = std::mem::replace(&mut self.mapping, Mapping::Whole(None)) {
+            self.unmap_regions(&range, self.regions);
         }
         let freed: Vec<PhysPage> = self.pages.iter_mut().flat_map(|p| p.drain(..)).filter_map(Arc::into_inner).collect();
         let mut l = self.mem.ledger();
