@@ -16,7 +16,9 @@ client. Every process starts its clients at the same instant.
 Per level it prints one JSON line: aggregate completion tok/s over the level's wall time (first
 request sent to last stream ended), time to first token p50 / p95 (request sent to first text
 chunk), inter-token latency p50 / p95 (gaps between consecutive text chunks of a stream; a
-chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character), and where
+chunk carries one token unless text is held back, e.g. an incomplete UTF-8 character), the
+clients' own time (`client_secs`: building a request until the HTTP client puts it on the wire,
+and between a stream's end and the same client's next request on the wire), and where
 a Lily server's model worker spent the level (`worker_secs`: idle, admit, prefill, snapshot, decode, retire,
 from `lily_worker_microseconds_total` just before the clients start and after the last stream
 ended; absent for other servers).
@@ -65,17 +67,23 @@ def prompt_ids(level, client, n, vocab):
     return out
 
 
-async def one_stream(client, model, prompt, max_tokens, params):
+# Each request carries an id in this header; the HTTP client's request hook notes when it goes on
+# the wire (after the openai client built it).
+WIRE_ID = "x-serve-load-request"
+
+
+async def one_stream(client, model, prompt, max_tokens, params, on_wire, rid):
     sent = time.monotonic()
     chunks = []
     usage = None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, **params)
+    extra = {**params, "extra_headers": {WIRE_ID: rid}}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, **extra)
     async for ev in stream:
         if ev.choices and ev.choices[0].text:
             chunks.append(time.monotonic())
         if ev.usage is not None:
             usage = ev.usage
-    return {"sent": sent, "chunks": chunks, "ended": time.monotonic(), "completion_tokens": usage.completion_tokens if usage else 0}
+    return {"sent": sent, "wire": on_wire.pop(rid, None), "chunks": chunks, "ended": time.monotonic(), "completion_tokens": usage.completion_tokens if usage else 0}
 
 
 async def run_clients(url, api_key, model, level, clients, prompt_len, max_tokens, params, vocab, rounds, start_at):
@@ -84,13 +92,25 @@ async def run_clients(url, api_key, model, level, clients, prompt_len, max_token
     requests arrive while others decode, as they do in service), from `start_at` (time.monotonic)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=600)
+    on_wire = {}
+
+    async def note_wire(request):
+        rid = request.headers.get(WIRE_ID)
+        if rid is not None:
+            on_wire[rid] = time.monotonic()
+
+    # The openai client's own HTTP client (its connection limits), with the hook.
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [note_wire]})
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=600, http_client=http)
 
     async def client_loop(c):
         out = []
         for r in range(rounds):
             prompt = prompt_ids(level, c + r * 100_003, prompt_len, vocab)
-            out.append(await one_stream(client, model, prompt, max_tokens, params))
+            out.append(await one_stream(client, model, prompt, max_tokens, params, on_wire, f"{c}.{r}"))
+            if r > 0 and out[-1]["wire"] is not None:
+                # The client's turnaround: its last stream's end to its next request on the wire.
+                out[-1]["turnaround"] = out[-1]["wire"] - out[-2]["ended"]
         return out
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
@@ -136,6 +156,8 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
     tokens = sum(r["completion_tokens"] for r in results)
     ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
     itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    build = [r["wire"] - r["sent"] for r in results if r["wire"] is not None]
+    turnaround = [r["turnaround"] for r in results if "turnaround" in r]
     wall = end - start
     return {
         "requests": len(results),
@@ -146,6 +168,13 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
         "per_stream_tok_s_p50": round(percentile([r["completion_tokens"] / (r["ended"] - r["chunks"][0]) for r in results if len(r["chunks"]) > 1], 0.5) or 0, 2),
         "ttft_secs": {"p50": round(percentile(ttft, 0.5), 4), "p95": round(percentile(ttft, 0.95), 4)},
         "itl_secs": {"p50": round(percentile(itl, 0.5) or 0, 5), "p95": round(percentile(itl, 0.95) or 0, 5)},
+        # The client's own time: building a request until it goes on the wire (part of TTFT), and
+        # with rounds > 1 a client's last stream's end to its next request on the wire.
+        "client_secs": {
+            "build_p50": round(percentile(build, 0.5) or 0, 5),
+            "build_p95": round(percentile(build, 0.95) or 0, 5),
+            **({"turnaround_p50": round(percentile(turnaround, 0.5), 5), "turnaround_p95": round(percentile(turnaround, 0.95), 5)} if turnaround else {}),
+        },
         **({"worker_secs": {k: round((after[k] - before.get(k, 0)) / 1e6, 3) for k in after}} if before and after else {}),
     }
 

@@ -31,6 +31,11 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
         assert r["decode"]["aggregate_tok_s"] > 0, r
         assert 0 < r["ttft_secs"]["p50"] <= r["ttft_secs"]["p95"], r
         assert 0 <= r["itl_secs"]["p50"] <= r["itl_secs"]["p95"], r
+        # The clients' own time: every request was seen going on the wire, and with two rounds
+        # each client's second request left after its first stream ended.
+        c = r["client_secs"]
+        assert 0 < c["build_p50"] <= c["build_p95"] < r["ttft_secs"]["p95"], r
+        assert 0 < c["turnaround_p50"] <= c["turnaround_p95"] < r["wall_secs"], r
         # The worker's time over the level, by phase: it prefilled and decoded.
         w = r["worker_secs"]
         assert set(w) == {"idle", "admit", "prefill", "snapshot", "decode", "retire"}, r
