@@ -10,7 +10,8 @@
 # --platform manylinux2014_x86_64 --platform any -d .whl/openai openai`). Run from the
 # repository root:  bash bench/h200_serve.sh [load|turns|interleave|all]
 # LEVELS (default "1,4,16,64") and MODES (default "greedy,sampled") pick the load test's levels and
-# modes. ONE_PROCESS_LEVELS (e.g. "16,64") repeats those levels of the load test, greedy, with the
+# modes; CLIENT_PROCS the client processes per level (default 0: serve_load.py's one per 8
+# clients). ONE_PROCESS_LEVELS (e.g. "16,64") repeats those levels of the load test, greedy, with the
 # single-process client. SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
 # host tier only); DOCS sets the turns' document sizes (default "30000 90000"); TAG labels rows.
 set -uo pipefail
@@ -52,7 +53,7 @@ sleep "${SETTLE:-0}"
 case $WHAT in load | all)
   # Four requests per client back to back: a steady load, new prompts prefilled while others decode.
   log "load test"
-  python3 bench/serve_load.py --url "$URL" --concurrency "${LEVELS:-1,4,16,64}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --out "$OUT/serve_load.jsonl"
+  python3 bench/serve_load.py --url "$URL" --concurrency "${LEVELS:-1,4,16,64}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --procs "${CLIENT_PROCS:-0}" --out "$OUT/serve_load.jsonl"
   # The same levels with every client in one process (serve_load.py --procs 1), for comparison.
   if [ -n "${ONE_PROCESS_LEVELS:-}" ]; then
     log "load test, one client process"
