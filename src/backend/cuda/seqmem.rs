@@ -345,15 +345,15 @@ impl KvSpace {
             let dst = match self.page_run(&fresh.iter().collect::<Vec<_>>()) {
                 Ok(d) => d,
                 Err(e) => {
-                    self.unmap_tail(&src);
+                    self.unmap_page_run(&src);
                     return Err(e);
                 }
             };
             let r = (0..self.regions).try_for_each(|r| self.mem.dcopy.copy(dst.base() + (r * self.page_bytes) as u64, src.base() + (r * self.page_bytes) as u64, partial));
             // The copies must be done before either range is unmapped.
             let _ = self.mem.stream.synchronize();
-            self.unmap_tail(&src);
-            self.unmap_tail(&dst);
+            self.unmap_page_run(&src);
+            self.unmap_page_run(&dst);
             r
         })();
         if let Err(e) = copied {
@@ -420,9 +420,9 @@ impl KvSpace {
         self.row_bytes
     }
 
-    /// Unmaps the one page per region of `tail` (after the stream is done with it).
-    fn unmap_tail(&self, tail: &AddressRange) {
-        (0..self.regions).for_each(|r| tail.unmap(r * self.page_bytes, self.page_bytes));
+    /// Unmaps a [`Self::page_run`] (after the stream is done with its pages).
+    fn unmap_page_run(&self, run: &AddressRange) {
+        (0..self.regions).for_each(|r| run.unmap(r * self.page_bytes, self.page_bytes));
     }
 
     /// Unmaps the pages of regions `0..regions` from `range` (after the stream is done with them).
