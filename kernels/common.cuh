@@ -897,41 +897,68 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
 // banks (2 wavefronts per read); then per row the stage's scales and biases (TCR_GROUPS bf16 each).
 #define TCR_ROW_BYTES (TCR_GROUPS * 32 + 16)
 #define TCR_STAGE_BYTES (16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4)
-static_assert(TCR_GROUPS == 2, "tcr_issue copies a row's stage scales (and biases) as one 4-byte piece");
 
-// Issues the copies of groups [G, G + TCR_GROUPS) of rows r0..r0 + 15 (zeros from r_end on) into
-// the stage at shared address `dst`, and commits them as one group.
+// One warp's copies of one matrix for the ring (tcr_issue): each lane's source addresses at group
+// 0 of rows r0..r0 + 15 (rows from r_end on read row 0 and copy zeros), so that a stage's copies
+// add the stage's group offset instead of forming the row products again.
 // FRAG: the codes of a tile in fragment order (tc_load), whole tiles: the stage's groups are
-// TCR_GROUPS * 512 contiguous bytes, copied as they lie; and `s` holds the scales and biases in
-// stage order (`b` is not read): per 16-row tile and stage, each row's [scales | biases] of the
-// stage's groups as the stage lays them out, 128 contiguous bytes (weights.rs
-// `stage_order_scales`), where a row-order row's are 4 bytes in each of 16 rows' 64 (one sector
-// apiece).
-template <bool FRAG = false>
-__device__ __forceinline__ void tcr_issue(unsigned dst, const u32* __restrict__ w, const u16* __restrict__ s,
-                                          const u16* __restrict__ b, int r0, int r_end, int cols, int G) {
-    const int lane = threadIdx.x & 31, gpr = cols >> 6, parts = TCR_GROUPS * 2;
-    const size_t wpr = (size_t)cols >> 3;
-    if constexpr (FRAG) {
-        const bool on = r0 < r_end;
-        const char* src = reinterpret_cast<const char*>(w + (size_t)(on ? r0 : 0) * wpr) + (size_t)G * 512;
-#pragma unroll
-        for (int u = lane; u < TCR_GROUPS * 32; u += 32) cp_async16z(dst + u * 16, src + u * 16, on);
-        // Lanes 0-7: 16 bytes (two rows) each of the stage's 128.
-        const char* sb = reinterpret_cast<const char*>(s) + (((size_t)(on ? r0 : 0) >> 4) * (gpr / TCR_GROUPS) + G / TCR_GROUPS) * (16 * TCR_GROUPS * 4);
-        if (lane < 8) cp_async16z(dst + 16 * TCR_ROW_BYTES + lane * 16, sb + lane * 16, on);
-    } else {
-#pragma unroll
-        for (int u = lane; u < 16 * parts; u += 32) {
-            const int row = u / parts, part = u % parts;
-            const bool on = r0 + row < r_end;
-            cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, w + (size_t)(on ? r0 + row : 0) * wpr + 8 * G + 4 * part, on);
+// TCR_GROUPS * 512 contiguous bytes, copied as they lie (lane u's 16 bytes and u + 32's); and `s`
+// holds the scales and biases in stage order (`b` is not read): per 16-row tile and stage, each
+// row's [scales | biases] of the stage's groups as the stage lays them out, 128 contiguous bytes
+// (weights.rs `stage_order_scales`), lanes 0-7 copying 16 bytes each, where a row-order row's
+// are 4 bytes in each of 16 rows' 64 (one sector apiece). Else (row-order codes) lane u copies
+// 16 bytes of row u / 4 (and u / 4 + 8), part u % 4 of the stage's 64, and lanes 0-15 the scales
+// of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
+template <bool FRAG>
+struct TcrSrc {
+    const char* c0;  // the lane's first 16 bytes of codes
+    const char* c1;  // its second
+    const char* sb;  // its scales / biases
+    bool on0, on1, ons;
+    __device__ __forceinline__ TcrSrc(const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
+                                      int r0, int r_end, int cols) {
+        const int lane = threadIdx.x & 31, gpr = cols >> 6;
+        const size_t wpr = (size_t)cols >> 3;
+        if constexpr (FRAG) {
+            on0 = on1 = ons = r0 < r_end;
+            c0 = reinterpret_cast<const char*>(w + (size_t)(on0 ? r0 : 0) * wpr) + lane * 16;
+            c1 = c0 + 512;
+            sb = reinterpret_cast<const char*>(s) + ((size_t)(on0 ? r0 : 0) >> 4) * (gpr / TCR_GROUPS) * (16 * TCR_GROUPS * 4) + lane * 16;
+        } else {
+            const int row = lane >> 2, part = lane & 3, srow = lane & 15;
+            on0 = r0 + row < r_end;
+            on1 = r0 + row + 8 < r_end;
+            ons = r0 + srow < r_end;
+            c0 = reinterpret_cast<const char*>(w + (size_t)(on0 ? r0 + row : 0) * wpr + 4 * part);
+            c1 = reinterpret_cast<const char*>(w + (size_t)(on1 ? r0 + row + 8 : 0) * wpr + 4 * part);
+            sb = reinterpret_cast<const char*>((lane < 16 ? s : b) + (size_t)(ons ? r0 + srow : 0) * gpr);
         }
-        // Lanes 0-15 the scales of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
-        const int row = lane & 15;
-        const bool on = r0 + row < r_end;
-        const u16* src = (lane < 16 ? s : b) + (size_t)(on ? r0 + row : 0) * gpr + G;
-        cp_async4z(dst + 16 * TCR_ROW_BYTES + row * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src, on);
+    }
+};
+static_assert(TCR_GROUPS == 2, "TcrSrc copies a row's stage scales (and biases) as one 4-byte piece");
+
+// Issues the copies of groups [G, G + TCR_GROUPS) of the warp's rows (`a`, or `b` where
+// `second`: chosen field by field, so neither needs an address) into the stage at shared address
+// `dst`, and commits them as one group.
+template <bool FRAG>
+__device__ __forceinline__ void tcr_issue(unsigned dst, const TcrSrc<FRAG>& a, const TcrSrc<FRAG>& b, bool second, int G) {
+    const int lane = threadIdx.x & 31;
+    struct {
+        const char *c0, *c1, *sb;
+        bool on0, on1, ons;
+    } src = {second ? b.c0 : a.c0, second ? b.c1 : a.c1, second ? b.sb : a.sb,
+             second ? b.on0 : a.on0, second ? b.on1 : a.on1, second ? b.ons : a.ons};
+    if constexpr (FRAG) {
+        const size_t c = (size_t)G * 512;
+        cp_async16z(dst + lane * 16, src.c0 + c, src.on0);
+        cp_async16z(dst + lane * 16 + 512, src.c1 + c, src.on1);
+        if (lane < 8) cp_async16z(dst + 16 * TCR_ROW_BYTES + lane * 16, src.sb + (size_t)G * (16 * 4), src.ons);
+    } else {
+        const int row = lane >> 2, part = lane & 3, srow = lane & 15;
+        const size_t c = (size_t)G * 32;
+        cp_async16z(dst + row * TCR_ROW_BYTES + part * 16, src.c0 + c, src.on0);
+        cp_async16z(dst + (row + 8) * TCR_ROW_BYTES + part * 16, src.c1 + c, src.on1);
+        cp_async4z(dst + 16 * TCR_ROW_BYTES + srow * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src.sb + (size_t)G * 2, src.ons);
     }
     cp_commit();
 }

@@ -109,10 +109,14 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     auto chan = [&](int idx) { return gdn_head_channel(kh, n, idx, dk, dv, key_dim); };
     float pre = 0.f, tap_last = 0.f;
     const int ch0 = tid < nch ? chan(tid) : 0;
+    // Position p = pos - (KC - 1) + jj sits in ring slot p % KC = (slot + 1 + jj) % KC: the slots
+    // are counted on from `slot`, not divided out per tap (a division by the run-time KC is some
+    // 25 instructions).
     if (tid < nch) {
-        for (int jj = 0; jj < KC - 1; ++jj) {
+        for (int jj = 0, sl = slot; jj < KC - 1; ++jj) {
+            if (++sl == KC) sl = 0;
             int p = pos - (KC - 1) + jj;
-            float in = p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch0];
+            float in = p < 0 ? 0.f : ring[(size_t)sl * conv_dim + ch0];
             pre += taps[(size_t)jj * conv_dim + ch0] * in;
         }
         tap_last = taps[(size_t)(KC - 1) * conv_dim + ch0];
@@ -132,9 +136,10 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
             acc = pre + tap_last * cur;
         } else {
             acc = 0.f;
-            for (int jj = 0; jj < KC; ++jj) {
+            for (int jj = 0, sl = slot; jj < KC; ++jj) {
+                if (++sl == KC) sl = 0;
                 int p = pos - (KC - 1) + jj;
-                float in = (jj == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)(p % KC) * conv_dim + ch]);
+                float in = (jj == KC - 1) ? cur : (p < 0 ? 0.f : ring[(size_t)sl * conv_dim + ch]);
                 acc += taps[(size_t)jj * conv_dim + ch] * in;
             }
         }
@@ -182,6 +187,18 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
     for (int w = 0; w < kw; ++w) { sq += red[w]; sk += red[kw + w]; }
     const float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
     const float qscale = 1.f / sqrtf((float)dk);
+    // The batched step (SMEM_STATE) runs several blocks per SM, where the instruction streams,
+    // not one block's latency, set the pace: q and k are scaled once, in place, behind one more
+    // barrier, instead of in every thread's both passes (the same products either way).
+    if constexpr (SMEM_STATE) {
+        if (tid < dk) {
+            qs[tid] = qs[tid] * iq * qscale;
+            ks[tid] = ks[tid] * ik;
+        }
+        __syncthreads();
+    }
+    auto qn = [&](int i) { return SMEM_STATE ? qs[i] : qs[i] * iq * qscale; };
+    auto kn = [&](int i) { return SMEM_STATE ? ks[i] : ks[i] * ik; };
 
     const float beta = sigmoid_f(bn);
     const float g = nega * softplus_f(an + dtb);
@@ -193,7 +210,7 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
             if constexpr (!SMEM_STATE) s[ii] = s[ii] * alpha;
-            kv = fmaf(decayed(ii), ks[i0 + ii] * ik, kv);
+            kv = fmaf(decayed(ii), kn(i0 + ii), kv);
         }
         part[r * dv + j] = kv;
     }
@@ -207,8 +224,8 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
         float o = 0.f;
 #pragma unroll
         for (int ii = 0; ii < GDN_SL; ++ii) {
-            const float sn = fmaf(ks[i0 + ii] * ik, delta, decayed(ii));
-            o = fmaf(sn, qs[i0 + ii] * iq * qscale, o);
+            const float sn = fmaf(kn(i0 + ii), delta, decayed(ii));
+            o = fmaf(sn, qn(i0 + ii), o);
             gdn_st_st(S + (size_t)(i0 + ii) * dv + j, sn);
         }
         part_o[r * dv + j] = o;

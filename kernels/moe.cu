@@ -676,22 +676,31 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcp_f(MOE_TILE_ARGS) { 
 // A warp's 16-row tile through its ring: the first matrix's stages (and the second's, GLU), the
 // first TCR_DEPTH - 1 already issued; then SwiGLU and the store as moe_tcb's.
 template <int NTG, bool FRAG>
-__device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restrict__ w, const u16* __restrict__ s,
-                                         const u16* __restrict__ b, const u32* __restrict__ w2, const u16* __restrict__ s2,
-                                         const u16* __restrict__ b2, float* __restrict__ y, int rows, int cols, int r0,
-                                         int r_end, const int* slots, int nt, const u32* xf, const float* gsum,
-                                         u32* __restrict__ sfrag, float* red) {
-    const int gpr = cols >> 6, half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
+__device__ __forceinline__ void tcr_tile(unsigned char* ring, const TcrSrc<FRAG>& src, const TcrSrc<FRAG>& src2, bool glu,
+                                         float* __restrict__ y, int rows, int cols, int r0, int r_end, const int* slots,
+                                         int nt, const u32* xf, const float* gsum, u32* __restrict__ sfrag, float* red) {
+    const int gpr = cols >> 6, half = gpr / TCR_GROUPS, nst = (glu ? 2 : 1) * half;
     float acc[NTG][4], up[NTG][4];
 #pragma unroll
     for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = up[tg][0] = up[tg][1] = up[tg][2] = up[tg][3] = 0.f;
+    const unsigned ring_s = smem_u32(ring);
+    // Stage n = k + TCR_DEPTH - 1 to issue is group TCR_GROUPS * nh of the first matrix
+    // (second == 0) or of the second: counted along, not divided out per stage (a division by
+    // the run-time `half` is some 25 instructions on the issue path every stage waits behind).
+    int nh = TCR_DEPTH - 1, second = 0;
+    while (nh >= half) {
+        nh -= half;
+        ++second;
+    }
     for (int k = 0; k < nst; ++k) {
         __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
         const int n = k + TCR_DEPTH - 1;
         if (n < nst) {
-            const bool second = n >= half;
-            tcr_issue<FRAG>(smem_u32(ring + (n % TCR_DEPTH) * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b,
-                      r0, r_end, cols, TCR_GROUPS * (n % half));
+            tcr_issue<FRAG>(ring_s + (n % TCR_DEPTH) * TCR_STAGE_BYTES, src, src2, second, TCR_GROUPS * nh);
+            if (++nh == half) {
+                nh = 0;
+                ++second;
+            }
         } else {
             cp_commit();  // an empty group keeps the count the wait below relies on
         }
@@ -701,7 +710,7 @@ __device__ __forceinline__ void tcr_tile(unsigned char* ring, const u32* __restr
         if (k < half) tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * k, xf, gsum, gpr, acc);
         else tcr_stage<NTG, FRAG>(cur, TCR_GROUPS * (k - half), xf, gsum, gpr, up);
     }
-    if (w2) tcb_swiglu<NTG>(acc, up);
+    if (glu) tcb_swiglu<NTG>(acc, up);
     if (sfrag) tcb_stage_words<NTG>(acc, sfrag, red, r0, rows >> 6, slots, nt);
     else tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
 }
@@ -736,12 +745,12 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sf
     }
     const int r0 = blockIdx.x * 128 + warp * 16, r_end = min(rows, (int)blockIdx.x * 128 + 128);
     const int half = gpr / TCR_GROUPS, nst = (w2 ? 2 : 1) * half;
+    const TcrSrc<FRAG> src(w, s, b, r0, r_end, cols), src2(w2 ? w2 : w, w2 ? s2 : s, w2 ? b2 : b, r0, r_end, cols);
     // The ring's first stages load while the block stages its tokens.
     if (r0 < r_end)
         for (int n = 0; n < TCR_DEPTH - 1 && n < nst; ++n) {
             const bool second = n >= half;
-            tcr_issue<FRAG>(smem_u32(ring + n * TCR_STAGE_BYTES), second ? w2 : w, second ? s2 : s, second ? b2 : b, r0, r_end,
-                      cols, TCR_GROUPS * (n % half));
+            tcr_issue<FRAG>(smem_u32(ring + n * TCR_STAGE_BYTES), src, src2, second, TCR_GROUPS * (n % half));
         }
     for (int n = nst; n < TCR_DEPTH - 1; ++n) cp_commit();
     const int nt = min(TCB_TOK, counts[e] - f0);
@@ -752,8 +761,8 @@ __device__ __forceinline__ void moe_tcr_body(MOE_TILE_ARGS, u32* __restrict__ sf
     load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
     __shared__ float red[8 * TCB_TOK * 2];
     if (r0 < r_end) {
-        if (nt > 8) tcr_tile<2, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
-        else tcr_tile<1, FRAG>(ring, w, s, b, w2, s2, b2, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+        if (nt > 8) tcr_tile<2, FRAG>(ring, src, src2, w2 != nullptr, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
+        else tcr_tile<1, FRAG>(ring, src, src2, w2 != nullptr, y, rows, cols, r0, r_end, slot, nt, xf, gsum, sfrag, red);
     }
     if (sfrag) {
         __syncthreads();
