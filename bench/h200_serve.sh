@@ -12,7 +12,9 @@
 # LEVELS (default "1,4,16,64") and MODES (default "greedy,sampled") pick the load test's levels and
 # modes; CLIENT_PROCS the client processes per level (default 0: serve_load.py's one per 8
 # clients). ONE_PROCESS_LEVELS (e.g. "16,64") repeats those levels of the load test, greedy, with the
-# single-process client. SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
+# single-process client. SPREAD_LEVELS (e.g. "16,64") repeats those levels, both modes, with
+# SPREAD_PROCS client processes (default 16: one client per process at 16 clients, four at 64),
+# so a level's requests are not built one after another by a few processes. SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
 # host tier only); DOCS sets the turns' document sizes (default "30000 90000"); TAG labels rows.
 set -uo pipefail
 CK=${CK:-/root/ck}
@@ -58,6 +60,10 @@ case $WHAT in load | all)
   if [ -n "${ONE_PROCESS_LEVELS:-}" ]; then
     log "load test, one client process"
     python3 bench/serve_load.py --url "$URL" --concurrency "$ONE_PROCESS_LEVELS" --procs 1 --modes greedy --rounds "${ROUNDS:-4}" --out "$OUT/serve_load_one_process.jsonl"
+  fi
+  if [ -n "${SPREAD_LEVELS:-}" ]; then
+    log "load test, ${SPREAD_PROCS:-16} client processes"
+    python3 bench/serve_load.py --url "$URL" --concurrency "$SPREAD_LEVELS" --procs "${SPREAD_PROCS:-16}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --out "$OUT/serve_load_spread.jsonl"
   fi ;;
 esac
 case $WHAT in turns | all)
