@@ -1599,8 +1599,10 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     // Exclusive scans of the counts and of the tiles (TCB_TOK slots each: a tile is one pass of
     // moe_tcb, so an expert with many slots is spread over blocks instead of looping in one) in
     // expert order: thread i takes experts 2i and 2i + 1 (E + with_shared <= 2 * RB_THREADS).
-    // With `with_shared` the shared expert is expert E, every token once, in slots n * K + t.
-    const int EA = E + with_shared;
+    // With `with_shared` the shared expert is expert E, every token once, in slots n * K + t; its
+    // tiles (full ones, where most routed experts have a slot or two) are listed first, so the
+    // expert kernels' heaviest blocks start in the first wave instead of ending the last.
+    const int EA = E + with_shared, ts = with_shared ? (n + TCB_TOK - 1) / TCB_TOK : 0;
     {
         __shared__ int wc[RB_THREADS / 32], wt[RB_THREADS / 32];
         int c[2], tl[2];
@@ -1621,8 +1623,9 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
                 offsets[e] = oc;
                 fill[e] = c[q];
                 for (int k = 0; k < tl[q]; ++k, ++ot) {
-                    tiles[1 + 2 * ot] = e;
-                    tiles[2 + 2 * ot] = k * TCB_TOK;
+                    const int at = e < E ? ts + ot : k;
+                    tiles[1 + 2 * at] = e;
+                    tiles[2 + 2 * at] = k * TCB_TOK;
                 }
                 oc += c[q];
             }
