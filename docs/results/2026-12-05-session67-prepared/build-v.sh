@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Builds what call V carries (README.md), from a clean main: .device-base, -p, -q, -q3, -g.
+# Builds what call V carries (README.md), from a clean main: .device-base, -p, -q, -q3, -g, -d
+# (lily-bench with one patch each; base also lily) and -all (the four patches stacked: lily-bench
+# and the cuda_prefill / cuda_batch / cuda_gpu tests).
 # Run from the repository root on the development machine; leaves the working tree as it found it.
 set -euo pipefail
 P=docs/results/2026-12-05-session67-prepared
@@ -23,12 +25,19 @@ for l in sys.stdin:
     strip -o "$dir/tests/$t" "$f"; xz -9 -T2 -f "$dir/tests/$t"
   done
 }
-rm -rf .device-base .device-p .device-q .device-q3 .device-g
+rm -rf .device-base .device-p .device-q .device-q3 .device-g .device-d .device-all
 build --bin lily --bin lily-bench; pack .device-base lily lily-bench
-git apply $P/pf-scan-full-first.patch; build --bin lily-bench; pack .device-p lily-bench; tests .device-p cuda_prefill
-git checkout -q -- kernels src
-git apply $P/tcq-down-ring.patch; build --bin lily-bench; pack .device-q lily-bench; tests .device-q cuda_prefill cuda_batch
-git apply $P/tcq-three-blocks.patch; build --bin lily-bench; pack .device-q3 lily-bench
-git checkout -q -- kernels src
-git apply $P/gemv-sets-first-item.patch; build --bin lily-bench; pack .device-g lily-bench; tests .device-g cuda_batch
-du -sh .device-base .device-p .device-q .device-q3 .device-g
+one() {  # DIR PATCH...: lily-bench with the patches applied to main
+  local dir=$1; shift
+  git checkout -q -- kernels src
+  for p in "$@"; do git apply "$P/$p.patch"; done
+  build --bin lily-bench; pack "$dir" lily-bench
+}
+one .device-p pf-scan-full-first
+one .device-q tcq-down-ring
+one .device-q3 tcq-down-ring tcq-three-blocks
+one .device-g gemv-sets-first-item
+one .device-d gdn-step-pairs
+one .device-all pf-scan-full-first tcq-down-ring gemv-sets-first-item gdn-step-pairs
+tests .device-all cuda_prefill cuda_batch cuda_gpu
+du -sh .device-base .device-p .device-q .device-q3 .device-g .device-d .device-all
