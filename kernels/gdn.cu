@@ -174,8 +174,9 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
     const bool active = r < dk / GDN_SL;
     // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale: the first dk threads
     // (whole warps) reduce q*q and k*k, one barrier publishes the warp sums, and every thread
-    // forms the same factors. q and k are normalised where they are read (the same products,
-    // qs[i] * iq * qscale and ks[i] * ik, as a separate normalisation pass, without its barrier).
+    // forms the same factors. The single-sequence step normalises q and k where they are read
+    // (qs[i] * iq * qscale and ks[i] * ik: a separate pass's products without its barrier, which
+    // would sit on its latency path); the batched step scales them once below.
     const int lane = tid & 31, warp = tid >> 5, kw = dk >> 5;
     if (tid < dk) {
         const float q = qs[tid], k = ks[tid];
