@@ -909,7 +909,10 @@ __device__ __forceinline__ void tcb_mma(const TcItem& it, const u32* xf, const f
 // are 4 bytes in each of 16 rows' 64 (one sector apiece). Else (row-order codes) lane u copies
 // 16 bytes of row u / 4 (and u / 4 + 8), part u % 4 of the stage's 64, and lanes 0-15 the scales
 // of row `lane`, lanes 16-31 its biases (TCR_GROUPS = 2: 4 bytes each).
-template <bool FRAG>
+// SO (scales in stage order; FRAG only): false takes fragment-order codes with row-order scales
+// and biases, copied as the row-order codes' are (the down products, which have no stage-order
+// copy).
+template <bool FRAG, bool SO = FRAG>
 struct TcrSrc {
     const char* c0;  // the lane's first 16 bytes of codes
     const char* c1;  // its second
@@ -919,7 +922,14 @@ struct TcrSrc {
                                       int r0, int r_end, int cols) {
         const int lane = threadIdx.x & 31, gpr = cols >> 6;
         const size_t wpr = (size_t)cols >> 3;
-        if constexpr (FRAG) {
+        if constexpr (FRAG && !SO) {
+            const int srow = lane & 15;
+            on0 = on1 = r0 < r_end;
+            ons = r0 + srow < r_end;
+            c0 = reinterpret_cast<const char*>(w + (size_t)(on0 ? r0 : 0) * wpr) + lane * 16;
+            c1 = c0 + 512;
+            sb = reinterpret_cast<const char*>((lane < 16 ? s : b) + (size_t)(ons ? r0 + srow : 0) * gpr);
+        } else if constexpr (FRAG) {
             on0 = on1 = ons = r0 < r_end;
             c0 = reinterpret_cast<const char*>(w + (size_t)(on0 ? r0 : 0) * wpr) + lane * 16;
             c1 = c0 + 512;
@@ -940,15 +950,21 @@ static_assert(TCR_GROUPS == 2, "TcrSrc copies a row's stage scales (and biases) 
 // Issues the copies of groups [G, G + TCR_GROUPS) of the warp's rows (`a`, or `b` where
 // `second`: chosen field by field, so neither needs an address) into the stage at shared address
 // `dst`, and commits them as one group.
-template <bool FRAG>
-__device__ __forceinline__ void tcr_issue(unsigned dst, const TcrSrc<FRAG>& a, const TcrSrc<FRAG>& b, bool second, int G) {
+template <bool FRAG, bool SO = FRAG>
+__device__ __forceinline__ void tcr_issue(unsigned dst, const TcrSrc<FRAG, SO>& a, const TcrSrc<FRAG, SO>& b, bool second, int G) {
     const int lane = threadIdx.x & 31;
     struct {
         const char *c0, *c1, *sb;
         bool on0, on1, ons;
     } src = {second ? b.c0 : a.c0, second ? b.c1 : a.c1, second ? b.sb : a.sb,
              second ? b.on0 : a.on0, second ? b.on1 : a.on1, second ? b.ons : a.ons};
-    if constexpr (FRAG) {
+    if constexpr (FRAG && !SO) {
+        const size_t c = (size_t)G * 512;
+        cp_async16z(dst + lane * 16, src.c0 + c, src.on0);
+        cp_async16z(dst + lane * 16 + 512, src.c1 + c, src.on1);
+        const int srow = lane & 15;
+        cp_async4z(dst + 16 * TCR_ROW_BYTES + srow * (TCR_GROUPS * 4) + (lane >> 4) * (TCR_GROUPS * 2), src.sb + (size_t)G * 2, src.ons);
+    } else if constexpr (FRAG) {
         const size_t c = (size_t)G * 512;
         cp_async16z(dst + lane * 16, src.c0 + c, src.on0);
         cp_async16z(dst + lane * 16 + 512, src.c1 + c, src.on1);

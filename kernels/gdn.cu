@@ -51,6 +51,19 @@ __device__ __forceinline__ void gdn_st_st(u16* p, float x) {
     asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     *p = h;
 }
+// Two adjacent state entries (an even column and the next, 4- or 8-byte aligned) widened to f32,
+// and stored back (the f16 pair as one word, `a` at the lower address).
+__device__ __forceinline__ float2 gdn_st_ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 gdn_st_ld2(const u16* p) {
+    const u32 w = *reinterpret_cast<const u32*>(p);
+    return make_float2(gdn_st_widen((u16)(w & 0xffffu)), gdn_st_widen((u16)(w >> 16)));
+}
+__device__ __forceinline__ void gdn_st_st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void gdn_st_st2(u16* p, float a, float b) {
+    u32 w;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+    *reinterpret_cast<u32*>(p) = w;
+}
 // A state slice's size in f32 words (the shared-memory stages count in floats).
 template <typename ST>
 __device__ __forceinline__ int gdn_st_words(int n) { return sizeof(ST) == 4 ? n : n >> 1; }
@@ -204,34 +217,74 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
     const float beta = sigmoid_f(bn);
     const float g = nega * softplus_f(an + dtb);
     const float alpha = expf(g);
-    float kv = 0.f;
-    // The decayed state entry, S * alpha (one rounding, never fused with what follows).
-    auto decayed = [&](int ii) { return SMEM_STATE ? __fmul_rn(gdn_st_widen(Ssm[(i0 + ii) * dv + j]), alpha) : s[ii]; };
-    if (active) {
+    if constexpr (SMEM_STATE) {
+        float* part_o = part + (dk / GDN_SL) * dv;  // o's partial sums: no barrier before writing them
+        // Two adjacent columns per thread (one 4- or 8-byte access for both entries of a row, and
+        // one k / q read for both), the first (dv / 2) * (dk / 32) threads: each column's sums
+        // are the one-column form's, in the same order, so the same bits.
+        const int hv = dv >> 1, jp = 2 * (tid % hv), rp = tid / hv, ip0 = rp * GDN_SL;
+        if (rp < dk / GDN_SL) {
+            float kv0 = 0.f, kv1 = 0.f;
 #pragma unroll
-        for (int ii = 0; ii < GDN_SL; ++ii) {
-            if constexpr (!SMEM_STATE) s[ii] = s[ii] * alpha;
-            kv = fmaf(decayed(ii), kn(i0 + ii), kv);
+            for (int ii = 0; ii < GDN_SL; ++ii) {
+                const float2 e = gdn_st_ld2(Ssm + (ip0 + ii) * dv + jp);
+                const float k = kn(ip0 + ii);
+                kv0 = fmaf(__fmul_rn(e.x, alpha), k, kv0);
+                kv1 = fmaf(__fmul_rn(e.y, alpha), k, kv1);
+            }
+            part[rp * dv + jp] = kv0;
+            part[rp * dv + jp + 1] = kv1;
         }
-        part[r * dv + j] = kv;
+        __syncthreads();
+        if (rp < dk / GDN_SL) {
+            float kv0 = 0.f, kv1 = 0.f;
+            for (int rr = 0; rr < dk / GDN_SL; ++rr) {
+                kv0 += part[rr * dv + jp];
+                kv1 += part[rr * dv + jp + 1];
+            }
+            const float d0 = beta * (vs[jp] - kv0), d1 = beta * (vs[jp + 1] - kv1);
+            float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+            for (int ii = 0; ii < GDN_SL; ++ii) {
+                const float2 e = gdn_st_ld2(Ssm + (ip0 + ii) * dv + jp);
+                const float k = kn(ip0 + ii), q = qn(ip0 + ii);
+                const float sn0 = fmaf(k, d0, __fmul_rn(e.x, alpha)), sn1 = fmaf(k, d1, __fmul_rn(e.y, alpha));
+                o0 = fmaf(sn0, q, o0);
+                o1 = fmaf(sn1, q, o1);
+                gdn_st_st2(S + (size_t)(ip0 + ii) * dv + jp, sn0, sn1);
+            }
+            part_o[rp * dv + jp] = o0;
+            part_o[rp * dv + jp + 1] = o1;
+        }
+    } else {
+        float kv = 0.f;
+        if (active) {
+#pragma unroll
+            for (int ii = 0; ii < GDN_SL; ++ii) {
+                s[ii] = s[ii] * alpha;  // the decayed entry, S * alpha (one rounding, never fused)
+                kv = fmaf(s[ii], kn(i0 + ii), kv);
+            }
+            part[r * dv + j] = kv;
+        }
+        __syncthreads();
+        // o's partial sums go to a second buffer, so no barrier is needed before writing them.
+        float* part_o = part + (dk / GDN_SL) * dv;
+        if (active) {
+            kv = 0.f;
+            for (int rr = 0; rr < dk / GDN_SL; ++rr) kv += part[rr * dv + j];
+            const float delta = beta * (vs[j] - kv);
+            float o = 0.f;
+#pragma unroll
+            for (int ii = 0; ii < GDN_SL; ++ii) {
+                const float sn = fmaf(kn(i0 + ii), delta, s[ii]);
+                o = fmaf(sn, qn(i0 + ii), o);
+                gdn_st_st(S + (size_t)(i0 + ii) * dv + j, sn);
+            }
+            part_o[r * dv + j] = o;
+        }
     }
     __syncthreads();
-    // o's partial sums go to a second buffer, so no barrier is needed before writing them.
     float* part_o = part + (dk / GDN_SL) * dv;
-    if (active) {
-        kv = 0.f;
-        for (int rr = 0; rr < dk / GDN_SL; ++rr) kv += part[rr * dv + j];
-        const float delta = beta * (vs[j] - kv);
-        float o = 0.f;
-#pragma unroll
-        for (int ii = 0; ii < GDN_SL; ++ii) {
-            const float sn = fmaf(kn(i0 + ii), delta, decayed(ii));
-            o = fmaf(sn, qn(i0 + ii), o);
-            gdn_st_st(S + (size_t)(i0 + ii) * dv + j, sn);
-        }
-        part_o[r * dv + j] = o;
-    }
-    __syncthreads();
     // Gated RMSNorm over the head's dv outputs: threads r = 0 (the first dv threads, whole warps).
     float o = 0.f;
     if (r == 0) {
@@ -954,20 +1007,6 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
             }
         }
     }
-}
-
-// Two adjacent state entries (an even column and the next, 4- or 8-byte aligned) widened to f32,
-// and stored back (the f16 pair as one word, `a` at the lower address).
-__device__ __forceinline__ float2 gdn_st_ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
-__device__ __forceinline__ float2 gdn_st_ld2(const u16* p) {
-    const u32 w = *reinterpret_cast<const u32*>(p);
-    return make_float2(gdn_st_widen((u16)(w & 0xffffu)), gdn_st_widen((u16)(w >> 16)));
-}
-__device__ __forceinline__ void gdn_st_st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ void gdn_st_st2(u16* p, float a, float b) {
-    u32 w;
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
-    *reinterpret_cast<u32*>(p) = w;
 }
 
 // One (value head, GCV state columns) through all chunks of a segment: grid (nv, dv / GCV,

@@ -777,6 +777,102 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe
 // s2, ss and ss2 hold them (tcr_issue), b, b2, sb and sb2 are not read.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
 
+// moe_tcq: moe_tcp's persistent blocks with each warp's weights streamed through a ring as
+// moe_tcr's (the down products; no second matrix). Why: a moe_tcp warp loads a whole item (16 rows
+// x 512 columns) into registers and then multiplies it, so it waits on memory at every item with
+// nothing else in flight (Nsight Compute: long scoreboard the largest stall); here the ring runs
+// on across the warp's items of a tile, so the next item's stages load while the current one is
+// multiplied. A block's run of (tile, 16-row) items is moe_tcp's; per tile of the run the first
+// stages are issued before the block stages the tile's tokens. The same products per group in
+// group order (tcr_stage): bit-identical to moe_tcp. Fragment-order codes with row-order scales
+// and biases (TcrSrc<true, false>). grid: one wave (any count), block 256; moe_tcr's shared
+// memory. cols: a multiple of 64 * TCR_GROUPS.
+template <int NTG>
+__device__ __forceinline__ void tcq_run(unsigned char* ring, const u32* we, const u16* se, const u16* be, float* __restrict__ y,
+                                        int rows, int cols, int r_begin, int r_end, const int* slots, int nt, const u32* xf,
+                                        const float* gsum, int& ig, int& im, int nst, TcrSrc<true, false>& isrc) {
+    const int gpr = cols >> 6, spi = gpr / TCR_GROUPS, step = 16 * (blockDim.x >> 5);
+    const unsigned ring_s = smem_u32(ring);
+    float acc[NTG][4];
+#pragma unroll
+    for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+    int r0 = r_begin + 16 * (threadIdx.x >> 5), cg = 0;
+    for (int k = 0; k < nst; ++k) {
+        __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
+        if (k + TCR_DEPTH - 1 < nst) {
+            tcr_issue<true, false>(ring_s + ((k + TCR_DEPTH - 1) % TCR_DEPTH) * TCR_STAGE_BYTES, isrc, isrc, false, TCR_GROUPS * ig);
+            if (++ig == spi) {
+                ig = 0;
+                im += step;
+                isrc = TcrSrc<true, false>(we, se, be, im, r_end, cols);
+            }
+        } else {
+            cp_commit();  // an empty group keeps the count the wait below relies on
+        }
+        cp_wait<TCR_DEPTH - 1>();
+        __syncwarp();  // stage k's copies, made by every lane, are visible to all
+        tcr_stage<NTG, true>(ring + (k % TCR_DEPTH) * TCR_STAGE_BYTES, TCR_GROUPS * cg, xf, gsum, gpr, acc);
+        if (++cg == spi) {
+            tcb_store<NTG>(acc, y, rows, r_end, r0, slots, nt);
+#pragma unroll
+            for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+            cg = 0;
+            r0 += step;
+        }
+    }
+}
+
+__device__ __forceinline__ void moe_tcq_body(MOE_TILE_ARGS) {
+    extern __shared__ float smem[];
+    tl_stamp();  // launched in order, not as a dependent: the timeline's stamp at entry
+    const int rtiles = (rows + 15) >> 4, gpr = cols >> 6, spi = gpr / TCR_GROUPS;
+    const long long total = (long long)tiles[0] * rtiles;
+    const int i0 = (int)(total * blockIdx.x / gridDim.x), i1 = (int)(total * (blockIdx.x + 1) / gridDim.x);
+    const int warp = threadIdx.x >> 5, step = 16 * (blockDim.x >> 5);
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + 2 * gpr * TCB_WORDS;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(gsum + TCB_TOK * gpr) + warp * (TCR_DEPTH * TCR_STAGE_BYTES);
+    const size_t wpr = (size_t)cols >> 3;
+    __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
+    for (int lo = i0; lo < i1;) {
+        const int ti = lo / rtiles, hi = min(i1, (ti + 1) * rtiles);
+        const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];
+        const int nt = min(TCB_TOK, counts[e] - f0);
+        const int* lst = list + offsets[e] + f0;
+        const bool sh = e == shared_e;
+        const size_t erows = sh ? 0 : (size_t)e * rows;
+        const u32* we = (sh ? sw : w) + erows * wpr;
+        const u16 *se = (sh ? ss : s) + erows * gpr, *be = (sh ? sb : b) + erows * gpr;
+        const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
+        // The warp's items of the run: rows r_begin + 16 warp + k step, k < its count.
+        const int first = r_begin + 16 * warp;
+        const int items = first < r_end ? (r_end - first + step - 1) / step : 0, nst = items * spi;
+        __syncthreads();  // the previous tile's fragments, slots and ring stages are no longer read
+        // The ring's first stages load while the block stages the tile's tokens.
+        int ig = 0, im = first;
+        TcrSrc<true, false> isrc(we, se, be, first, r_end, cols);
+        for (int n = 0; n < TCR_DEPTH - 1; ++n) {
+            if (n < nst) {
+                tcr_issue<true, false>(smem_u32(ring + n * TCR_STAGE_BYTES), isrc, isrc, false, TCR_GROUPS * ig);
+                if (++ig == spi) {
+                    ig = 0;
+                    im += step;
+                    isrc = TcrSrc<true, false>(we, se, be, im, r_end, cols);
+                }
+            } else {
+                cp_commit();
+            }
+        }
+        TILE_SLOTS
+        __syncthreads();
+        load_tokens_tc(frag, gs_in, cols, 0, nt, xrow, xf, gsum);
+        if (nt > 8) tcq_run<2>(ring, we, se, be, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum, ig, im, nst, isrc);
+        else tcq_run<1>(ring, we, se, be, y, rows, cols, r_begin, r_end, slot, nt, xf, gsum, ig, im, nst, isrc);
+        lo = hi;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcq_f(MOE_TILE_ARGS) { moe_tcq_body(MOE_TILE_NAMES); }
+
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per
 // forward), and mma.sync made every warp load its B fragments from shared memory and build its A

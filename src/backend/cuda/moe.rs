@@ -32,6 +32,7 @@ const MOE_TCR: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr");
 const MOE_TCB_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr_f");
+const MOE_TCQ_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
@@ -558,11 +559,18 @@ pub fn moe_tcb(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
 /// contiguous run of the lists' (tile, 16-row) items and staging each tile it meets once
 /// (bit-identical results). The down products of the batched decode and of short prefill
 /// chunks: there each warp's share of a 128-row moe_tcb block is one 512-column item, so the
-/// block's staging was most of its time.
+/// block's staging was most of its time. Over fragment-order codes of whole ring stages and
+/// without a second matrix the blocks stream each warp's weights through a ring that runs on
+/// across its items (`moe_tcq_f`, the same products).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows: usize, st: &TcbStaging, y: u64, g: Grouped) -> Result<()> {
     let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, false)?;
-    let k = if frag { MOE_TCP_F } else { MOE_TCP };
+    let ring = frag && up.is_none() && q.cols.is_multiple_of(64 * TCR_GROUPS);
+    let (k, smem) = match (frag, ring) {
+        (true, true) => (MOE_TCQ_F, tcr_smem(q.cols)),
+        (true, false) => (MOE_TCP_F, smem),
+        _ => (MOE_TCP, smem),
+    };
     let per_sm = super::qmatmul::blocks_per_sm(gpu, k, smem, 2)?;
     let blocks = tcp_blocks(g.max_tiles * rows.div_ceil(16), gpu.sms as usize * per_sm);
     gpu.launch(k, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)

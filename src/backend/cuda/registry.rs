@@ -168,6 +168,7 @@ pub const MOE: Module = Module {
         "moe_tcb_f",
         "moe_tcp_f",
         "moe_tcr_f",
+        "moe_tcq_f",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_glu_f",
