@@ -20,7 +20,7 @@
 //!    output row's grammar masks its draws (`StepHooks::mask`); rows whose client wants logprobs,
 //!    and a structured-output row with no other row to batch with, step on the host with their
 //!    logits. Without prefill work, a call runs up to [`DECODE_HORIZON`] steps and ends early
-//!    when a new request can be admitted.
+//!    when a waiting request can be admitted, or could be once the call's finished rows retire.
 //! 4. **Retire** finished rows: the final event, usage and metrics, and the sequence into the
 //!    prefix cache.
 //!
@@ -84,9 +84,12 @@ struct Move {
 /// of the 248K vocabulary are 32 MB.
 const PROMPT_LOGPROB_CHUNK: usize = 32;
 
-/// Decode steps one backend call runs when no prompt waits for prefill: long enough to keep the
-/// pipelined single-sequence loop busy, short enough that a new request starts within it.
-pub const DECODE_HORIZON: usize = 16;
+/// Decode steps one backend call runs at most when no prompt waits for prefill. Each call ends
+/// with its pipeline drained and a turn of the worker before the next one starts (~1 ms of an
+/// idle GPU at one stream), so calls are long; a request that could join ends one early
+/// ([`Waiting`]), so this bounds only how long a finished row's sequence waits to be retired
+/// into the prefix cache while nothing else waits.
+pub const DECODE_HORIZON: usize = 64;
 
 /// Log-probability of one generated token (with its top alternatives).
 #[derive(Debug, Clone, PartialEq)]
@@ -500,9 +503,7 @@ impl Worker {
     /// Decodes the rows whose prompt is in (see the module comment).
     fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
         let prefill_waits = self.active.iter().any(Active::prefilling);
-        // A new request ends a decode call early only if it could be admitted now.
-        let room = self.held.is_none() && self.active.len() < self.max_batch;
-        let newcomer = || room && !rx.is_empty();
+        let waiting = Waiting { room: self.held.is_none() && self.active.len() < self.max_batch, held: self.held.is_some(), rx };
         let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
         let mut ctx = Ctx { backend: backend.as_mut(), tokenizer, metrics, cfg };
         // A row at max-seq cannot take another step.
@@ -523,13 +524,13 @@ impl Worker {
                 // before it.
                 while step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
-                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON, &newcomer);
+                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON, &waiting);
             }
             _ => {
                 let mut beside = || {
                     step_moves(cache, moving, to_move, moved_out);
                 };
-                batch_steps(&mut ctx, device, horizon, &newcomer, &mut beside)
+                batch_steps(&mut ctx, device, horizon, &waiting, &mut beside)
             }
         }
         for a in host {
@@ -887,17 +888,17 @@ fn steps_for(a: &Active, cap: usize) -> usize {
 }
 
 /// One row alone: the backend's pipelined single-sequence loop (the token stays on the device),
-/// up to `steps` steps; it pauses (to resume next turn) once `newcomer` says a request waits to
+/// up to `steps` steps; it pauses (to resume next turn) once `waiting` says a request could
 /// join, as a batch's rows do, so a stream running alone delays a newcomer by a step rather than
 /// by the rest of its call.
-fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, newcomer: &dyn Fn() -> bool) {
+fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, waiting: &Waiting) {
     let steps = steps_for(a, steps);
     let Active { seq, reply, .. } = a;
     let first = reply.next;
     let snap = reply.sampler.clone();
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
     let mut replies = [reply];
-    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, beside: &mut || {}, ahead: false };
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), waiting, ended: 0, beside: &mut || {}, ahead: false };
     let r = guarded(|| match snap.params.is_plain_greedy() {
         true => ctx.backend.decode_greedy(seq, first, steps, &mut hooks),
         false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut hooks),
@@ -948,9 +949,9 @@ fn step_moves(cache: &mut PrefixCache<Sequence, HostSequence>, moving: &mut Vec<
 }
 
 /// Several rows through `Backend::decode_batch`, up to `horizon` steps; every row stops (and
-/// resumes next turn) once `newcomer` says a request waits to join; `beside` runs once per step
+/// resumes next turn) once `waiting` says a request could join; `beside` runs once per step
 /// while the device has it queued.
-fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: &dyn Fn() -> bool, beside: &mut dyn FnMut()) {
+fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, waiting: &Waiting, beside: &mut dyn FnMut()) {
     let mut batch = Vec::with_capacity(rows.len());
     let mut replies = Vec::with_capacity(rows.len());
     for a in rows {
@@ -960,7 +961,7 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
         replies.push(reply);
     }
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
-    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), newcomer, beside, ahead: false };
+    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), waiting, ended: 0, beside, ahead: false };
     let r = guarded(|| ctx.backend.decode_batch(&mut batch, &mut hooks));
     if let Err(e) = r {
         // A failed step leaves every row of it in an unknown state: all of them fail.
@@ -971,13 +972,36 @@ fn batch_steps(ctx: &mut Ctx, rows: Vec<&mut Active>, horizon: usize, newcomer: 
     }
 }
 
+/// The requests waiting while a decode call runs: whether one could start if the call paused
+/// now, so that it ends early for them (the call's horizon bounds it otherwise).
+struct Waiting<'a> {
+    /// The batch has a free place and no request waits for memory.
+    room: bool,
+    /// A request waits for sequence memory that running rows hold.
+    held: bool,
+    rx: &'a mpsc::Receiver<Job>,
+}
+
+impl Waiting<'_> {
+    /// With `ended` rows of the call finished (retiring them frees their places in the batch and
+    /// their memory): a queued request could start, or the one waiting for memory try again.
+    fn could_join(&self, ended: usize) -> bool {
+        match ended {
+            0 => self.room && !self.rx.is_empty(),
+            _ => self.held || !self.rx.is_empty(),
+        }
+    }
+}
+
 /// A batched decode's view of its rows' replies: each token goes to its reply (`accept`: false
 /// ends the row), a reply's structured-output constraint masks its row's draws, and every row
-/// stops (to resume next turn) once `newcomer` says a request waits to join.
+/// stops (to resume next turn) once `waiting` says a request could join.
 struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
     replies: &'a mut [&'r mut Reply],
     accept: &'a mut F,
-    newcomer: &'a dyn Fn() -> bool,
+    waiting: &'a Waiting<'a>,
+    /// Rows of this call that ended (finished or their clients gone).
+    ended: usize,
     /// Host work beside the queued steps (the prefix cache's moves).
     beside: &'a mut dyn FnMut(),
     /// The backend queued the next step before this step's tokens: each row has been fed its
@@ -987,7 +1011,9 @@ struct RowHooks<'a, 'r, F: FnMut(&mut Reply, u32) -> bool> {
 
 impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
     fn token(&mut self, row: usize, token: u32) -> bool {
-        (self.accept)(self.replies[row], token) && (self.ahead || !(self.newcomer)())
+        let more = (self.accept)(self.replies[row], token);
+        self.ended += usize::from(!more);
+        more && (self.ahead || !self.waiting.could_join(self.ended))
     }
 
     fn mask(&mut self, row: usize, allowed: &mut [u32]) -> anyhow::Result<bool> {
@@ -997,7 +1023,7 @@ impl<F: FnMut(&mut Reply, u32) -> bool> StepHooks for RowHooks<'_, '_, F> {
     /// Ahead only while no request waits to join (the rows pause one step later than they
     /// would otherwise) and no row is constrained (a grammar's mask follows the last token).
     fn queue_ahead(&mut self) -> bool {
-        self.ahead = !(self.newcomer)() && self.replies.iter().all(|r| r.job.constraint.is_none());
+        self.ahead = !self.waiting.could_join(self.ended) && self.replies.iter().all(|r| r.job.constraint.is_none());
         self.ahead
     }
 

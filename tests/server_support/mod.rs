@@ -137,9 +137,14 @@ impl<F: Forward> lily::backend::Backend for Around<F> {
 
 /// A server on the tiny model whose forwards `around` runs (see [`Around`]).
 pub fn around_server<F: Forward + 'static>(around: F) -> ServerHandle {
+    around_server_with(args(), around)
+}
+
+/// [`around_server`] with other serve arguments.
+pub fn around_server_with<F: Forward + 'static>(args: lily::server::ServeArgs, around: F) -> ServerHandle {
     let ck = lily::checkpoint::Checkpoint::open(tiny_checkpoint()).unwrap();
     let inner: Box<dyn lily::backend::Backend> = Box::new(lily::backend::cpu::CpuBackend::new(&ck).unwrap());
-    spawn_with_backend(args(), Box::new(Around { inner, around })).unwrap()
+    spawn_with_backend(args, Box::new(Around { inner, around })).unwrap()
 }
 
 /// A server on the tiny model whose logits `steer(wanted, logits, vocab)` edits after every

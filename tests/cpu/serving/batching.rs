@@ -136,7 +136,7 @@ async fn concurrent_streams_interleave_and_each_gets_its_solo_output() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_ends_with_its_last_token_not_with_the_decode_call() {
-    // A short request joins a long one's decode; a decode call runs up to 16 steps, and the short
+    // A short request joins a long one's decode; a decode call runs up to 64 steps, and the short
     // one's last token comes at its third: its stream ends then, a few of the long one's tokens
     // later, not when the call returns.
     let s = spawn(uncached_args()).unwrap();
@@ -173,7 +173,7 @@ async fn a_stream_ends_with_its_last_token_not_with_the_decode_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_running_alone_lets_a_newcomer_in_within_a_step() {
-    // A stream decoding alone runs the single-sequence loop up to 16 steps per call; a request
+    // A stream decoding alone runs the single-sequence loop up to 64 steps per call; a request
     // that arrives meanwhile joins after the step under way, not after the call. Every forward
     // is logged (its end, and whether it was a decode step: the prefill's want no logits), and a
     // decode step takes 25 ms, so the HTTP path's latency is under a step or two even on a busy
@@ -318,6 +318,56 @@ async fn max_batch_bounds_the_decode_step_and_the_rest_wait_their_turn() {
     let worker_us = |phase: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("lily_worker_microseconds_total{{phase=\"{phase}\"}} "))).and_then(|v| v.parse::<u64>().ok());
     assert!(worker_us("prefill").is_some_and(|us| us > 0) && worker_us("decode").is_some_and(|us| us > 0), "{metrics}");
     assert!(["idle", "admit", "snapshot", "retire"].iter().all(|p| worker_us(p).is_some()), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_for_a_full_batch_starts_when_a_row_ends_not_with_the_call() {
+    // --max-batch 2: a long stream and a short one decode together while a third request waits.
+    // The short one ends at its third token; the decode call under way (up to 64 steps) ends
+    // then too, so the third starts within a step or two of the long one's, not after the call
+    // (which would outlast the long stream's 60 tokens). A decode step sleeps 20 ms per row, so
+    // the HTTP path's latency is small beside it.
+    use lily::backend::LogitsWanted;
+    let mut a = uncached_args();
+    a.max_batch = Some(2);
+    let s = around_server_with(a, move |b: &mut dyn lily::backend::Backend, seq: &mut lily::backend::Sequence, tokens: &[u32], w| {
+        if w == LogitsWanted::Last {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        b.forward(seq, tokens, w)
+    });
+    let url = format!("{}/v1/completions", s.url());
+    let (mut long, mut short) = (body(1, 60, false), body(0, 3, false));
+    long["ignore_eos"] = json!(true);
+    short["ignore_eos"] = json!(true);
+    let mut r = client().post(&url).json(&long).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut seen = 0;
+    while seen < 2 {
+        let bytes = r.chunk().await.unwrap().expect("the long stream goes on");
+        seen += std::str::from_utf8(&bytes).unwrap().matches("\"text\"").count();
+    }
+    let reader = tokio::spawn(async move {
+        let mut at = Vec::new();
+        while let Some(bytes) = r.chunk().await.unwrap() {
+            let n = std::str::from_utf8(&bytes).unwrap().matches("\"text\"").count();
+            at.extend(std::iter::repeat_n(Instant::now(), n));
+        }
+        at
+    });
+    let short = tokio::spawn(stream_owned(url.clone(), short));
+    // The short request is in the batch before the third one queues.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = body(2, 2, false);
+    third["ignore_eos"] = json!(true);
+    let third = stream(&url, third, None).await;
+    let (short, long_chunks) = (short.await.unwrap(), reader.await.unwrap());
+    assert_eq!((short.finish.as_deref(), third.finish.as_deref()), (Some("length"), Some("length")));
+    let short_end = short.ended.expect("the short stream ended");
+    let between = long_chunks.iter().filter(|&&t| t > short_end && t < third.chunks[0]).count();
+    let after = long_chunks.iter().filter(|&&t| t > third.chunks[0]).count();
+    assert!(between <= 4, "the long stream took {between} steps between the short one's end and the third's first token");
+    assert!(after >= 30, "the third request started near the long stream's end ({after} of its tokens after)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
