@@ -316,6 +316,61 @@ fn cuda_decode_graphs_follow_the_addresses_they_bake_in() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn cuda_decode_graphs_taken_over_by_new_sequences_decode_as_direct_launches() {
+    // With every graph place held by sequences still alive, each new sequence's step takes over
+    // the least recently used graph (its executable graph updated to the new addresses): every
+    // sequence's tokens, new ones and old ones continued afterwards, are those of direct
+    // launches.
+    let mut gpu = cuda();
+    let mut direct = cuda_with(CudaOptions { graphs: false, ..exact_options() });
+    let vocab = gpu.config().vocab_size;
+    let n = testing::MAX_DECODE_GRAPHS + 4;
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            let mut p = prompt(30 + i, vocab);
+            p.rotate_left(i);
+            p
+        })
+        .collect();
+    let run = |b: &mut CudaBackend| -> Vec<Vec<u32>> {
+        let mut seqs = Vec::new();
+        let mut out: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut seq = b.new_sequence(p.len() + 20).unwrap();
+                let (prefix, last) = p.split_at(p.len() - 1);
+                b.forward(&mut seq, prefix, LogitsWanted::None).unwrap();
+                let mut got = Vec::new();
+                b.decode_greedy(&mut seq, last[0], 12, &mut |t| {
+                    got.push(t);
+                    true
+                })
+                .unwrap();
+                seqs.push(seq);
+                got
+            })
+            .collect();
+        // The first sequences again: their graphs went to later ones.
+        for (seq, got) in seqs.iter_mut().zip(out.iter_mut()).take(4) {
+            let next = *got.last().unwrap();
+            b.decode_greedy(seq, next, 6, &mut |t| {
+                got.push(t);
+                true
+            })
+            .unwrap();
+        }
+        out
+    };
+    let (with_graphs, launched) = (run(&mut gpu), run(&mut direct));
+    let updates = testing::decode_graph_updates(&gpu);
+    eprintln!("{n} sequences, {updates} graph updates, {} graphs kept", testing::decode_graphs(&gpu));
+    assert_eq!(with_graphs, launched, "graph steps differ from direct launches");
+    assert!(updates >= 4, "new sequences took over old graphs ({updates} updates)");
+    assert!(testing::decode_graphs(&gpu) <= testing::MAX_DECODE_GRAPHS);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn cuda_greedy_matches_cpu_and_clone_continues() {
     let ck = ck();
     let mut cpu = CpuBackend::new(&ck).unwrap();

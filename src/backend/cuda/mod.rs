@@ -66,8 +66,11 @@ pub struct CudaBackend {
     chunk_buffers: Option<ChunkBuffers>,
     /// cuBLAS for long prefill chunks (when `opts.cublas` and libcublas loads).
     pub(crate) blas: Option<blas::Blas>,
-    /// Captured decode steps, keyed by what they bake in ([`step_key`]) and what they produce.
-    graphs: Vec<(Vec<u64>, StepOut, StepGraph)>,
+    /// Captured decode steps, keyed by what they bake in ([`step_key`]) and what they produce,
+    /// with their attention split count (the launch shapes a graph's update keeps).
+    graphs: Vec<(Vec<u64>, StepOut, usize, StepGraph)>,
+    /// Decode graphs made another sequence's by [`recapture`] (tests).
+    graph_updates: u64,
     /// Batched decode buffers and their captured steps, once a batch ran.
     batcher: Option<batch::Batcher>,
     /// Pinned host slots the greedy decode loop reads tokens back through (depth 2).
@@ -214,6 +217,49 @@ fn capture(gpu: &Gpu, enqueue: impl Fn() -> Result<()>) -> Result<StepGraph> {
     }
 }
 
+/// Captures what `enqueue` launches and updates `into`'s executable graph to it
+/// (`cuGraphExecUpdate`: the same kernels and launch shapes, other parameters), which costs the
+/// capture and the update but not an instantiation and upload. `Ok(false)` when the driver
+/// refuses the update (another topology); `into` is then left as the driver leaves it and must
+/// be dropped, as after an error.
+fn recapture(gpu: &Gpu, into: &mut StepGraph, enqueue: impl Fn() -> Result<()>) -> Result<bool> {
+    use cudarc::driver::result;
+    use cudarc::driver::sys::{CUresult, CUstreamCaptureMode};
+    let st = &gpu.stream;
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow!("begin capture: {e:?}"))?;
+    if let Some(t) = gpu.timeline() {
+        t.begin_capture();
+    }
+    let enq = enqueue();
+    // SAFETY: the stream is capturing: begun above on this thread (thread-local mode).
+    let graph = unsafe { result::stream::end_capture(st.cu_stream()) };
+    let timeline = gpu.timeline().map(|t| (t.clone(), t.end_capture()));
+    let graph = match (enq, graph) {
+        (Ok(()), Ok(g)) if !g.is_null() => g,
+        (enq, graph) => {
+            if let Ok(g) = &graph {
+                if !g.is_null() {
+                    // SAFETY: a graph this function ended and nothing else holds.
+                    let _ = unsafe { result::graph::destroy(*g) };
+                }
+            }
+            bail!("recapture: {:?} / {:?}", enq.err(), graph.err());
+        }
+    };
+    // SAFETY: zeroed is a valid CUgraphExecUpdateResultInfo (a result code and two null nodes),
+    // which the driver fills.
+    let mut info: cudarc::driver::sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `into` owns a live executable graph and `graph` is the complete capture above.
+    let r = unsafe { cudarc::driver::sys::cuGraphExecUpdate_v2(into.graph.cu_graph_exec(), graph, &mut info) };
+    // SAFETY: the executable graph does not refer to the graph it was updated from.
+    let _ = unsafe { result::graph::destroy(graph) };
+    if r != CUresult::CUDA_SUCCESS {
+        return Ok(false);
+    }
+    into.timeline = timeline;
+    Ok(true)
+}
+
 enum Capture {
     /// Ended by `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: something outside the capture broke it.
     Invalidated(anyhow::Error),
@@ -336,6 +382,7 @@ impl CudaBackend {
             chunk_buffers: None,
             blas,
             graphs: Vec::new(),
+            graph_updates: 0,
             batcher: None,
             readback: None,
             batch_readback: None,
@@ -373,12 +420,27 @@ impl CudaBackend {
             return self.enqueue_step(seq, splits, out, &mut Probe::default());
         }
         let key = step_key(seq, &self.opts);
-        if let Some(i) = self.graphs.iter().position(|(k, o, _)| *k == key && *o == out) {
+        if let Some(i) = self.graphs.iter().position(|(k, o, _, _)| *k == key && *o == out) {
             // The graph a steady stream of requests replays stays the last to be evicted.
             let hit = self.graphs.remove(i);
-            hit.2.launch()?;
+            hit.3.launch()?;
             self.graphs.push(hit);
             return Ok(());
+        }
+        // With every place taken, the least recently used graph of the same kernels and launch
+        // shapes becomes this sequence's: its executable graph takes the new capture's parameters
+        // (each new request of a server that keeps finished sequences as prefix-cache snapshots is
+        // a new set of addresses). Refused or failed, it goes, and the step is captured anew.
+        if self.graphs.len() >= MAX_GRAPHS {
+            if let Some(i) = self.graphs.iter().position(|(_, o, s, _)| *o == out && *s == splits) {
+                let (_, _, _, mut g) = self.graphs.remove(i);
+                if let Ok(true) = recapture(&self.gpu, &mut g, || self.enqueue_step(seq, splits, out, &mut Probe::default())) {
+                    g.launch()?;
+                    self.graphs.push((key, out, splits, g));
+                    self.graph_updates += 1;
+                    return Ok(());
+                }
+            }
         }
         match capture(&self.gpu, || self.enqueue_step(seq, splits, out, &mut Probe::default())) {
             Ok(g) => {
@@ -386,7 +448,7 @@ impl CudaBackend {
                     self.graphs.remove(0);
                 }
                 g.launch()?;
-                self.graphs.push((key, out, g));
+                self.graphs.push((key, out, splits, g));
                 Ok(())
             }
             Err(e) => {

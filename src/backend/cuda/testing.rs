@@ -692,6 +692,14 @@ pub fn decode_graphs(b: &CudaBackend) -> usize {
     b.graphs.len()
 }
 
+/// Decode graphs kept at once.
+pub const MAX_DECODE_GRAPHS: usize = super::MAX_GRAPHS;
+
+/// Decode graphs made another sequence's by updating them in place.
+pub fn decode_graph_updates(b: &CudaBackend) -> u64 {
+    b.graph_updates
+}
+
 /// What a decode graph of `seq` bakes in of it ([`CudaSequence::binding`]).
 pub fn binding(seq: &Sequence) -> Vec<u64> {
     seq.state::<CudaSequence>().binding()
