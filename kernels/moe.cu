@@ -627,6 +627,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcb_f(MOE_TCB_ARGS) { m
 // same order: bit-identical. grid: one wave (any count), block 256; moe_tcb's shared memory.
 #define MOE_TILE_NAMES \
     w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, rows, cols, frag, gs_in, xdiv, counts, offsets, list, tiles
+// In moe_tcp's and moe_tcq's persistent blocks: the tile of item `lo` (ti; the run's items of it
+// end at hi), its expert e's slots (nt of them from f0, listed at lst) and matrix rows (we, se, be:
+// the shared expert's own when e is shared_e). A macro over the kernels' parameters and locals, as
+// EXPERT_MATS.
+#define TCP_RUN_TILE                                                                   \
+    const int ti = lo / rtiles, hi = min(i1, (ti + 1) * rtiles);                      \
+    const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];                          \
+    const int nt = min(TCB_TOK, counts[e] - f0);                                      \
+    const int* lst = list + offsets[e] + f0;                                          \
+    const bool sh = e == shared_e;                                                    \
+    const size_t erows = sh ? 0 : (size_t)e * rows;                                   \
+    const u32* we = (sh ? sw : w) + erows * wpr;                                      \
+    const u16 *se = (sh ? ss : s) + erows * gpr, *be = (sh ? sb : b) + erows * gpr;
+
 template <bool FRAG>
 __device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     extern __shared__ float smem[];
@@ -639,14 +653,7 @@ __device__ __forceinline__ void moe_tcp_body(MOE_TILE_ARGS) {
     const size_t wpr = (size_t)cols >> 3;
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int lo = i0; lo < i1;) {
-        const int ti = lo / rtiles, hi = min(i1, (ti + 1) * rtiles);
-        const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];
-        const int nt = min(TCB_TOK, counts[e] - f0);
-        const int* lst = list + offsets[e] + f0;
-        const bool sh = e == shared_e;
-        const size_t erows = sh ? 0 : (size_t)e * rows;
-        const u32* we = (sh ? sw : w) + erows * wpr;
-        const u16 *se = (sh ? ss : s) + erows * gpr, *be = (sh ? sb : b) + erows * gpr;
+        TCP_RUN_TILE
         const u32* w2e = w2 ? (sh ? sw2 : w2) + erows * wpr : nullptr;
         const u16 *s2e = w2 ? (sh ? ss2 : s2) + erows * gpr : nullptr, *b2e = w2 ? (sh ? sb2 : b2) + erows * gpr : nullptr;
         __syncthreads();  // the previous tile's fragments and slots are no longer read
@@ -835,14 +842,7 @@ __device__ __forceinline__ void moe_tcq_body(MOE_TILE_ARGS) {
     const size_t wpr = (size_t)cols >> 3;
     __shared__ int slot[TCB_TOK], xrow[TCB_TOK];
     for (int lo = i0; lo < i1;) {
-        const int ti = lo / rtiles, hi = min(i1, (ti + 1) * rtiles);
-        const int e = tiles[1 + 2 * ti], f0 = tiles[2 + 2 * ti];
-        const int nt = min(TCB_TOK, counts[e] - f0);
-        const int* lst = list + offsets[e] + f0;
-        const bool sh = e == shared_e;
-        const size_t erows = sh ? 0 : (size_t)e * rows;
-        const u32* we = (sh ? sw : w) + erows * wpr;
-        const u16 *se = (sh ? ss : s) + erows * gpr, *be = (sh ? sb : b) + erows * gpr;
+        TCP_RUN_TILE
         const int r_begin = (lo - ti * rtiles) * 16, r_end = min(rows, (hi - ti * rtiles) * 16);
         // The warp's items of the run: rows r_begin + 16 warp + k step, k < its count.
         const int first = r_begin + 16 * warp;
