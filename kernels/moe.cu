@@ -794,6 +794,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { m
 // group order (tcr_stage): bit-identical to moe_tcp. Fragment-order codes with row-order scales
 // and biases (TcrSrc<true, false>). grid: one wave (any count), block 256; moe_tcr's shared
 // memory. cols: a multiple of 64 * TCR_GROUPS.
+// Issues stage `ig` (TCR_GROUPS groups) of the warp's item at row `im` into the ring slot at
+// `dst`, then moves (ig, im, isrc) on to the next stage: the next groups, or the warp's next item
+// (`step` rows on) once the item's `spi` stages are issued.
+__device__ __forceinline__ void tcq_issue_next(unsigned dst, TcrSrc<true, false>& isrc, int& ig, int& im, int spi, int step,
+                                               const u32* we, const u16* se, const u16* be, int r_end, int cols) {
+    tcr_issue<true, false>(dst, isrc, isrc, false, TCR_GROUPS * ig);
+    if (++ig == spi) {
+        ig = 0;
+        im += step;
+        isrc = TcrSrc<true, false>(we, se, be, im, r_end, cols);
+    }
+}
+
 template <int NTG>
 __device__ __forceinline__ void tcq_run(unsigned char* ring, const u32* we, const u16* se, const u16* be, float* __restrict__ y,
                                         int rows, int cols, int r_begin, int r_end, const int* slots, int nt, const u32* xf,
@@ -807,12 +820,7 @@ __device__ __forceinline__ void tcq_run(unsigned char* ring, const u32* we, cons
     for (int k = 0; k < nst; ++k) {
         __syncwarp();  // every lane is done with stage k - 1, whose slot the next copies overwrite
         if (k + TCR_DEPTH - 1 < nst) {
-            tcr_issue<true, false>(ring_s + ((k + TCR_DEPTH - 1) % TCR_DEPTH) * TCR_STAGE_BYTES, isrc, isrc, false, TCR_GROUPS * ig);
-            if (++ig == spi) {
-                ig = 0;
-                im += step;
-                isrc = TcrSrc<true, false>(we, se, be, im, r_end, cols);
-            }
+            tcq_issue_next(ring_s + ((k + TCR_DEPTH - 1) % TCR_DEPTH) * TCR_STAGE_BYTES, isrc, ig, im, spi, step, we, se, be, r_end, cols);
         } else {
             cp_commit();  // an empty group keeps the count the wait below relies on
         }
@@ -853,12 +861,7 @@ __device__ __forceinline__ void moe_tcq_body(MOE_TILE_ARGS) {
         TcrSrc<true, false> isrc(we, se, be, first, r_end, cols);
         for (int n = 0; n < TCR_DEPTH - 1; ++n) {
             if (n < nst) {
-                tcr_issue<true, false>(smem_u32(ring + n * TCR_STAGE_BYTES), isrc, isrc, false, TCR_GROUPS * ig);
-                if (++ig == spi) {
-                    ig = 0;
-                    im += step;
-                    isrc = TcrSrc<true, false>(we, se, be, im, r_end, cols);
-                }
+                tcq_issue_next(smem_u32(ring + n * TCR_STAGE_BYTES), isrc, ig, im, spi, step, we, se, be, r_end, cols);
             } else {
                 cp_commit();
             }
