@@ -68,15 +68,20 @@ def inner_loops(ins):
     return sorted(l for l in loops if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in loops))
 
 
+def division(text):
+    """Whether an instruction starts a division or modulo by a run-time value (I2F.RP)."""
+    return "I2F" in text and ".RP" in text
+
+
 def summary(ins):
     """One line per innermost loop and a total line."""
     out = [f"{len(ins)} instructions, {sum(opcode(t) in MMA for _, t in ins)} matrix, "
-           f"{sum('I2F' in t and '.RP' in t for _, t in ins)} divisions"]
+           f"{sum(division(t) for _, t in ins)} divisions"]
     for s, e in inner_loops(ins):
         body = [t for _, t in ins[s:e + 1]]
         ops = collections.Counter(map(opcode, body))
         mma = sum(ops[o] for o in MMA)
-        divs = sum("I2F" in t and ".RP" in t for t in body)
+        divs = sum(map(division, body))
         mix = ", ".join(f"{o} {n}" for o, n in ops.most_common(8))
         out.append(f"  loop {ins[s][0]:#06x}-{ins[e][0]:#06x}: {len(body)} instructions, {mma} matrix, {divs} divisions ({mix})")
     return out
