@@ -14,7 +14,10 @@
 # clients). ONE_PROCESS_LEVELS (e.g. "16,64") repeats those levels of the load test, greedy, with the
 # single-process client. SPREAD_LEVELS (e.g. "16,64") repeats those levels, both modes, with
 # SPREAD_PROCS client processes (default 16: one client per process at 16 clients, four at 64),
-# so a level's requests are not built one after another by a few processes. SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
+# so a level's requests are not built one after another by a few processes. PROMPT_FORM (default
+# "text") is how the load test's prompts go out (serve_load.py --prompt-form); IDS_LEVELS (e.g.
+# "1,64") repeats those levels, both modes, with prompts of token ids, the form of the tables
+# before 2026-12-05's session 70 (serve_load_ids.jsonl). SERVE_ARGS adds arguments to the main server (e.g. "--prefix-cache-mb 0": the prefix cache's
 # host tier only); DOCS sets the turns' document sizes (default "30000 90000"); TAG labels rows.
 set -uo pipefail
 CK=${CK:-/root/ck}
@@ -55,15 +58,19 @@ sleep "${SETTLE:-0}"
 case $WHAT in load | all)
   # Four requests per client back to back: a steady load, new prompts prefilled while others decode.
   log "load test"
-  python3 bench/serve_load.py --url "$URL" --concurrency "${LEVELS:-1,4,16,64}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --procs "${CLIENT_PROCS:-0}" --out "$OUT/serve_load.jsonl"
+  python3 bench/serve_load.py --url "$URL" --concurrency "${LEVELS:-1,4,16,64}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --procs "${CLIENT_PROCS:-0}" --prompt-form "${PROMPT_FORM:-text}" --out "$OUT/serve_load.jsonl"
   # The same levels with every client in one process (serve_load.py --procs 1), for comparison.
   if [ -n "${ONE_PROCESS_LEVELS:-}" ]; then
     log "load test, one client process"
-    python3 bench/serve_load.py --url "$URL" --concurrency "$ONE_PROCESS_LEVELS" --procs 1 --modes greedy --rounds "${ROUNDS:-4}" --out "$OUT/serve_load_one_process.jsonl"
+    python3 bench/serve_load.py --url "$URL" --concurrency "$ONE_PROCESS_LEVELS" --procs 1 --modes greedy --rounds "${ROUNDS:-4}" --prompt-form "${PROMPT_FORM:-text}" --out "$OUT/serve_load_one_process.jsonl"
   fi
   if [ -n "${SPREAD_LEVELS:-}" ]; then
     log "load test, ${SPREAD_PROCS:-16} client processes"
-    python3 bench/serve_load.py --url "$URL" --concurrency "$SPREAD_LEVELS" --procs "${SPREAD_PROCS:-16}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --out "$OUT/serve_load_spread.jsonl"
+    python3 bench/serve_load.py --url "$URL" --concurrency "$SPREAD_LEVELS" --procs "${SPREAD_PROCS:-16}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --prompt-form "${PROMPT_FORM:-text}" --out "$OUT/serve_load_spread.jsonl"
+  fi
+  if [ -n "${IDS_LEVELS:-}" ]; then
+    log "load test, prompts of token ids"
+    python3 bench/serve_load.py --url "$URL" --concurrency "$IDS_LEVELS" --procs "${CLIENT_PROCS:-0}" --modes "${MODES:-greedy,sampled}" --rounds "${ROUNDS:-4}" --prompt-form ids --out "$OUT/serve_load_ids.jsonl"
   fi ;;
 esac
 case $WHAT in turns | all)

@@ -1,8 +1,16 @@
 """Load test through the server with the official openai client: C concurrent streaming requests
-per level, each with its own prompt of token ids (no prefix-cache hits), `max_tokens` out with
+per level, each with its own prompt (no prefix-cache hits), `max_tokens` out with
 `ignore_eos` (every request generates exactly that many), greedy and sampled (temperature 0.7,
 top-p 0.8, top-k 20: what chat clients send), or sampled with `response_format` json_object
-(`--modes json`: structured output, every token drawn under the grammar's mask). With
+(`--modes json`: structured output, every token drawn under the grammar's mask).
+
+A prompt is text, as applications send it (`--prompt-form text`, the default): `--prompt-len`
+words drawn from the server's own vocabulary, each a word with its leading space that the
+tokenizer keeps as one token, so the server tokenizes exactly `--prompt-len` tokens (every
+request's `usage.prompt_tokens` is checked). `--prompt-form ids` sends the token ids themselves
+(the tables before 2026-12-05's session 70): the openai client then spends ~5 ms of Python per
+request building a 700-id prompt (~0.3 ms for the same prompt as text, measured on a 2-core
+machine), client time that a closed-loop level at few clients waits on. With
 `--rounds R` each client sends R requests back to back, so the level measures a steady load (new
 prompts prefilled while others decode) rather than one burst.
 
@@ -56,15 +64,66 @@ def percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def prompt_ids(level, client, n, vocab):
-    """A distinct deterministic prompt per (level, client): a 64-bit LCG over the vocabulary,
-    avoiding the lowest 1000 ids (special and byte tokens)."""
+def lcg_draws(level, client, n, bound):
+    """n deterministic draws below `bound`, distinct per (level, client): a 64-bit LCG."""
     x = (level * 1_000_003 + client * 7919 + 1) & ((1 << 64) - 1)
     out = []
     for _ in range(n):
         x = (x * 6364136223846793005 + 1442695040888963407) & ((1 << 64) - 1)
-        out.append(1000 + (x >> 33) % (vocab - 1000))
+        out.append((x >> 33) % bound)
     return out
+
+
+def prompt_ids(level, client, n, vocab):
+    """A distinct deterministic prompt of token ids per (level, client), avoiding the lowest 1000
+    ids (special and byte tokens)."""
+    return [1000 + d for d in lcg_draws(level, client, n, vocab - 1000)]
+
+
+def prompt_text(level, client, n, words):
+    """A distinct deterministic prompt of n words of `words` (each one token) per (level, client)."""
+    return "".join(words[d] for d in lcg_draws(level, client, n, len(words)))
+
+
+# A word the tokenizer keeps as one token wherever it stands among others: a space, then lowercase
+# ASCII letters (a pre-token of its own: the next word's space ends it).
+ONE_TOKEN_WORD = re.compile(r" [a-z]{3,12}")
+
+
+def server_post(url, api_key, path, body):
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def word_pool(url, api_key, vocab, size=4096):
+    """Up to `size` words of the server's vocabulary that tokenize as one token each, found through
+    its /detokenize and checked through its /tokenize (the prompts' token count depends on it)."""
+    [sep] = server_post(url, api_key, "/tokenize", {"prompt": "\x00"})["tokens"]
+
+    def spelled(ids):
+        # The ids' texts, one request for a range: each id followed by the separator byte. A range
+        # whose text splits into the wrong number of pieces (a token holding that byte) is halved.
+        text = server_post(url, api_key, "/detokenize", {"tokens": [t for i in ids for t in (i, sep)]})["prompt"]
+        pieces = text.split("\x00")
+        if len(pieces) == len(ids) + 1:
+            return list(zip(ids, pieces))
+        if len(ids) == 1:
+            return []
+        return spelled(ids[: len(ids) // 2]) + spelled(ids[len(ids) // 2 :])
+
+    words = []
+    for lo in range(1000, vocab, 8192):
+        words += [(i, w) for i, w in spelled(list(range(lo, min(vocab, lo + 8192)))) if ONE_TOKEN_WORD.fullmatch(w)]
+        if len(words) >= size:
+            break
+    words = words[:size]
+    got = server_post(url, api_key, "/tokenize", {"prompt": "".join(w for _, w in words)})["tokens"]
+    if len(words) < 64 or got != [i for i, _ in words]:
+        raise RuntimeError(f"the server's vocabulary gave {len(words)} one-token words that do not tokenize back one token each; use --prompt-form ids")
+    return [w for _, w in words]
 
 
 # Each request carries an id in this header; the HTTP client's request hook notes when it goes on
@@ -83,10 +142,15 @@ async def one_stream(client, model, prompt, max_tokens, params, on_wire, rid):
             chunks.append(time.monotonic())
         if ev.usage is not None:
             usage = ev.usage
-    return {"sent": sent, "wire": on_wire.pop(rid, None), "chunks": chunks, "ended": time.monotonic(), "completion_tokens": usage.completion_tokens if usage else 0}
+    return {"sent": sent, "wire": on_wire.pop(rid, None), "chunks": chunks, "ended": time.monotonic(), "completion_tokens": usage.completion_tokens if usage else 0, "prompt_tokens": usage.prompt_tokens if usage else None}
 
 
-async def run_clients(url, api_key, model, level, clients, prompt_len, max_tokens, params, vocab, rounds, start_at):
+def make_prompt(words, level, client, n, vocab):
+    """The request's prompt: text of n one-token words (`words`), or n token ids where None."""
+    return prompt_text(level, client, n, words) if words is not None else prompt_ids(level, client, n, vocab)
+
+
+async def run_clients(url, api_key, model, level, clients, prompt_len, max_tokens, params, vocab, words, rounds, start_at):
     """Clients `clients` of a level in this process, each sending `rounds` requests back to back (a
     closed loop: a client's next request leaves when its last one ended, so after the first round
     requests arrive while others decode, as they do in service), from `start_at` (time.monotonic)."""
@@ -106,7 +170,7 @@ async def run_clients(url, api_key, model, level, clients, prompt_len, max_token
     async def client_loop(c):
         out = []
         for r in range(rounds):
-            prompt = prompt_ids(level, c + r * 100_003, prompt_len, vocab)
+            prompt = make_prompt(words, level, c + r * 100_003, prompt_len, vocab)
             out.append(await one_stream(client, model, prompt, max_tokens, params, on_wire, f"{c}.{r}"))
             if r > 0 and out[-1]["wire"] is not None:
                 # The client's turnaround: its last stream's end to its next request on the wire.
@@ -127,14 +191,14 @@ def default_procs(concurrency):
     return max(1, min((concurrency + 7) // 8, (os.cpu_count() or 2) // 2))
 
 
-async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, max_tokens, params, vocab, rounds=1, procs=1):
+async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, max_tokens, params, vocab, words, rounds=1, procs=1):
     """One level: `concurrency` clients over `procs` processes of `pool` (the single-process client
     runs in this one's loop)."""
     procs = max(1, min(procs, concurrency))
     # A second for the processes to take their share before the common start.
     start_at = time.monotonic() + (1.0 if procs > 1 else 0.0)
     shares = [list(range(concurrency))[p::procs] for p in range(procs)]
-    args = [(url, api_key, model, level, share, prompt_len, max_tokens, params, vocab, rounds, start_at) for share in shares]
+    args = [(url, api_key, model, level, share, prompt_len, max_tokens, params, vocab, words, rounds, start_at) for share in shares]
 
     async def worker_at_start():
         # The worker's phases from just before the clients start, so that its idle time is the
@@ -154,6 +218,9 @@ async def run_level(pool, url, api_key, model, level, concurrency, prompt_len, m
     start = min(r["sent"] for r in results)
     end = max(r["ended"] for r in results)
     tokens = sum(r["completion_tokens"] for r in results)
+    wrong = sorted({r["prompt_tokens"] for r in results} - {prompt_len})
+    if wrong:
+        raise RuntimeError(f"the server counted prompts of {wrong} tokens, the level wants {prompt_len}")
     ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
     itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
     build = [r["wire"] - r["sent"] for r in results if r["wire"] is not None]
@@ -222,6 +289,7 @@ async def main_async(args, url):
     model = models.data[0].id
     await client.close()
     vocab = args.vocab
+    words = word_pool(url, args.api_key, vocab) if args.prompt_form == "text" else None
     levels = [int(x) for x in args.concurrency.split(",")]
     procs = lambda c: args.procs or default_procs(c)
     lines = []
@@ -230,11 +298,11 @@ async def main_async(args, url):
             params = {"greedy": GREEDY, "sampled": SAMPLED, "json": JSON}[mode]
             # Warm-up: graphs for the batch shapes of this mode, allocator pools, the client processes.
             for j, c in enumerate(sorted({1, max(levels)})):
-                await run_level(pool, url, args.api_key, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab, 1, procs(c))
+                await run_level(pool, url, args.api_key, model, 100 * m + 90 + j, c, args.prompt_len, 8, params, vocab, words, 1, procs(c))
             for i, c in enumerate(levels):
                 # Prompts differ across levels and modes: no request finds another's in the prefix cache.
-                r = await run_level(pool, url, args.api_key, model, 100 * m + i, c, args.prompt_len, args.max_tokens, params, vocab, args.rounds, procs(c))
-                rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
+                r = await run_level(pool, url, args.api_key, model, 100 * m + i, c, args.prompt_len, args.max_tokens, params, vocab, words, args.rounds, procs(c))
+                rec = {"engine": "lily-serve", "client": f"openai {openai.__version__}", "date": datetime.date.today().isoformat(), "mode": mode, "batch": c, "concurrency": c, "rounds": args.rounds, "prompt_form": args.prompt_form, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **r}
                 print(json.dumps(rec), flush=True)
                 lines.append(rec)
     if args.out:
@@ -257,7 +325,8 @@ def main(argv=None):
     ap.add_argument("--procs", type=int, default=0, help="client processes per level (0: one per 8 clients, at most half the cores)")
     ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=248320, help="prompt ids are drawn below this")
+    ap.add_argument("--prompt-form", choices=["text", "ids"], default="text", help="prompts as text of one-token words (what applications send) or as token ids")
+    ap.add_argument("--vocab", type=int, default=248320, help="prompt ids (and the words of text prompts) are drawn below this")
     ap.add_argument("--out", help="append the JSON lines here too")
     args = ap.parse_args(argv)
     proc = None

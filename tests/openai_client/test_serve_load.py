@@ -7,6 +7,7 @@ import re
 import sys
 
 import httpx
+import pytest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -43,6 +44,29 @@ def test_levels_report_tokens_and_latencies(tiny, model_dir, tmp_path):
     assert [json.loads(l) for l in out.read_text().splitlines()] == lines
     # Every request's prompt was new to the server: no level is helped by the prefix cache.
     assert hits() == before
+    assert {r["prompt_form"] for r in lines} == {"text"}
+
+
+def test_prompts_as_ids_or_text_hold_exactly_the_prompt_length(tiny, model_dir, monkeypatch):
+    vocab = json.loads((model_dir / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    for form in ("ids", "text"):
+        [r] = serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "2", "--modes", "greedy", "--prompt-form", form, "--prompt-len", "37", "--max-tokens", "3", "--vocab", str(vocab)])
+        assert r["prompt_form"] == form and r["requests"] == 2 and r["completion_tokens"] == 6, r
+    # The text prompts: distinct words of the server's vocabulary, each one token, so a prompt of
+    # n words is n tokens (the level above checked every request's usage.prompt_tokens).
+    words = serve_load.word_pool(tiny.url, API_KEY, vocab)
+    assert len(set(words)) == len(words) >= 1000
+    text = serve_load.prompt_text(5, 1, 300, words)
+    got = httpx.post(f"{tiny.url}/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
+    assert got["count"] == 300
+    assert serve_load.prompt_text(5, 1, 300, words) == text != serve_load.prompt_text(5, 2, 300, words)
+    # A level whose prompts the server counts otherwise stops with the counts, not a table.
+    one_more = lambda level, client, n, words: text_of(level, client, n, words) + words[0]
+    text_of = serve_load.prompt_text
+    monkeypatch.setattr(serve_load, "prompt_text", one_more)
+    with pytest.raises(RuntimeError, match=r"counted prompts of \[38\] tokens, the level wants 37"):
+        serve_load.main(["--url", tiny.url, "--api-key", API_KEY, "--concurrency", "1", "--modes", "greedy", "--prompt-len", "37", "--max-tokens", "2", "--vocab", str(vocab)])
 
 
 def test_clients_spread_over_processes(tiny, model_dir):
