@@ -1,11 +1,12 @@
 set -u
 # Call D (prepared in session 70; supersedes session 69's call C): the prefill's few-row products
 # on the tensor cores and its row norms a block per row (session 69's few-tc.patch, norms.patch),
-# and the batched GDN step's factors and gates formed once per block (gdn-step-once.patch).
+# the batched GDN step's factors and gates formed once per block (gdn-step-once.patch) and the GDN
+# decode steps at the 35B's head shapes as compile-time constants (gdn-step-35b.patch).
 # build-d.sh builds, from a clean main: .device-base (lily, lily-bench), .device-rn (lily-bench
 # with the two prefill patches), .device-rng (lily, lily-bench, cuda_prefill, cuda_gpu, cuda_batch
 # with all three). The tests on rng; lily-bench prefill at 700 / 4,096 / 8,192 / 32,768 base vs rn
-# and batched decode at 16 and 64 rows x 700 (128 steps) base vs rng, two rounds; the 700 and
+# and decode after 4,096 tokens and at 16 and 64 rows x 700 (128 steps) base vs rng, two rounds; the 700 and
 # 4,096 prefill profiles on rn; issue 15's load test at 1 and 64 clients (ROUNDS=2, 16 client
 # processes, greedy and sampled, text prompts) on base and rng, and on base with token-id
 # prompts too (the form of the tables before session 70).
@@ -34,7 +35,7 @@ for round in 1 2; do
       echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-d.txt
     done
   done
-  for a in "b16|--prompt-len 700 --decode-steps 128 --batch 16" "b64|--prompt-len 700 --decode-steps 128 --batch 64"; do
+  for a in "d4096|--prompt-len 4096 --decode-steps 128" "b16|--prompt-len 700 --decode-steps 128 --batch 16" "b64|--prompt-len 700 --decode-steps 128 --batch 64"; do
     for arm in base rng; do
       echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-d.txt
     done
