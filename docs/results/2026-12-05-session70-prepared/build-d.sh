@@ -2,7 +2,8 @@
 # Builds what call D carries, from a clean main (0f65465 or later with the same kernels and
 # backend): .device-base (lily, lily-bench on main), .device-rn (lily-bench with session 69's
 # few-tc.patch and norms.patch) and .device-rng (lily, lily-bench and the cuda_prefill / cuda_gpu /
-# cuda_batch tests with those two and this session's gdn-step-once.patch and gdn-step-35b.patch). Run from the
+# cuda_batch tests with those two and this session's gdn-step-once.patch, gdn-step-35b.patch,
+# route-35b.patch and gdn-persist-35b.patch). Run from the
 # repository root on the development machine (~3 min); leaves the working tree as it found it.
 set -euo pipefail
 P69=docs/results/2026-12-05-session69-prepared
@@ -15,7 +16,7 @@ rm -rf .device-base .device-rn .device-rng
 build --bin lily --bin lily-bench; arm_bins .device-base lily lily-bench
 git apply "$P69/few-tc.patch" "$P69/norms.patch"
 build --bin lily-bench; arm_bins .device-rn lily-bench
-git apply "$P/gdn-step-once.patch" "$P/gdn-step-35b.patch"
+git apply "$P/gdn-step-once.patch" "$P/gdn-step-35b.patch" "$P/route-35b.patch" "$P/gdn-persist-35b.patch"
 build --bin lily --bin lily-bench; arm_bins .device-rng lily lily-bench
 arm_test .device-rng cuda_prefill
 arm_test .device-rng cuda_gpu
