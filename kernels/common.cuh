@@ -74,6 +74,19 @@ __device__ __forceinline__ float inv_rms_from(float ss, int n, float eps) {
     return (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
 }
 
+// The prefill's row norms (pf_rmsnorm, pf_moe_combine_norm_bf16): a block of NORM_THREADS per
+// row, thread i the float4s i, i + NORM_THREADS, ..., the first NORM_V of them (rows of up to
+// 2,048 values) in registers between the two passes. A block rather than a warp per row, so the
+// few rows of a short prompt still keep enough loads in flight. Both kernels sum the squares in
+// this order and scale with this expression, so the fused one writes what the separate launches
+// would, bit for bit.
+#define NORM_THREADS 128
+#define NORM_V 4
+__device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+__device__ __forceinline__ float4 norm4(float4 v, float inv, float4 g) {
+    return make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+}
+
 // Activation vectors are staged in shared memory with a float4 swizzle: logical float4 f lives
 // at slot (f & ~7) | ((f + (f >> 3)) & 7). A lane reads the 8 float4s of its 32-column chunk
 // (4-bit: one uint4 of codes); without the swizzle the 8 lanes of a shared-memory phase would all
@@ -348,14 +361,17 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
 }
-// D += A B on the tensor cores: A 16x16 bf16 (4 registers of pairs), B 16x8 bf16 (2), f32 C/D.
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// D += A B on the tensor cores: A 16x16 bf16 (4 registers of pairs), B 16x8 bf16 (2), f32 C/D;
+// mma_f16 the same with f16 operands.
+#define MMA_M16N8K16(NAME, T)                                                                             \
+    __device__ __forceinline__ void NAME(float* c, const u32* a, u32 b0, u32 b1) {                        \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                     "{%8,%9}, {%0,%1,%2,%3};"                                                            \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                     \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                     \
+    }
+MMA_M16N8K16(mma_bf16, "bf16")
+MMA_M16N8K16(mma_f16, "f16")
 
 // ---- warpgroup MMA (wgmma, sm_90a): the prefill's routed experts (moe.cu) ----
 // A 64 x N x 16 product of one warpgroup (4 warps, 128 threads): A from registers (each warp its

@@ -73,7 +73,7 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
                                               ST* __restrict__ S, float bn, float an, float zj, float dtb,
                                               float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
                                               int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
-                                              int row);
+                                              int row, int threads = 0);
 
 // SMEM_STATE (the batched step): the state slice goes through shared memory by cp.async instead of
 // registers, so a thread holds no state and three blocks fit on an SM (two with the register
@@ -88,7 +88,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
                                               const float* __restrict__ norm_w, ST* __restrict__ state,
                                               float* __restrict__ y, const int* __restrict__ step, int nk, int nv,
                                               int dk, int dv, int KC, float eps, u32* __restrict__ frag = nullptr,
-                                              float* __restrict__ gsum = nullptr, int row = 0) {
+                                              float* __restrict__ gsum = nullptr, int row = 0, int threads = 0) {
     extern __shared__ float sm[];
     ST* Ssm = reinterpret_cast<ST*>(sm);                      // dk * dv (SMEM_STATE)
     float* qs = SMEM_STATE ? sm + gdn_st_words<ST>(dk * dv) : sm;  // dk
@@ -98,7 +98,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     const int n = blockIdx.x, group = nv / nk, kh = n / group;
     const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
     const int pos = step[1], slot = pos % KC;
-    const int tid = threadIdx.x, nt = blockDim.x;
+    const int tid = threadIdx.x, nt = threads ? threads : (int)blockDim.x;
     // The state slice does not depend on this step's inputs: its loads (the head's 64 KB, the
     // bulk of the kernel's traffic) are issued first and overlap the conv / norm prologue.
     const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
@@ -107,6 +107,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     float s[SMEM_STATE ? 1 : GDN_SL];
     if constexpr (SMEM_STATE) {
         constexpr int per16 = 16 / sizeof(ST);  // elements per 16-byte copy
+#pragma unroll 4
         for (int p = tid; p < gdn_st_words<ST>(dk * dv) >> 2; p += nt) cp_async16(Ssm + per16 * p, S + per16 * p);
         cp_commit();
     } else if (active) {
@@ -165,7 +166,7 @@ __device__ __forceinline__ void gdn_step_impl(const float* __restrict__ qkv, con
     }
     if constexpr (SMEM_STATE) cp_wait<0>();
     __syncthreads();
-    gdn_step_tail<SMEM_STATE, ST>(Ssm, s, qs, S, bn, an, zj, dtb, nega, nwj, y, n, nv, dk, dv, eps, frag, gsum, row);
+    gdn_step_tail<SMEM_STATE, ST>(Ssm, s, qs, S, bn, an, zj, dtb, nega, nwj, y, n, nv, dk, dv, eps, frag, gsum, row, threads);
 }
 
 // Everything after the conv: q, k (normalised here) and v of the head in qs | ks | vs (then the
@@ -177,12 +178,12 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
                                               ST* __restrict__ S, float bn, float an, float zj, float dtb,
                                               float nega, float nwj, float* __restrict__ y, int n, int nv, int dk,
                                               int dv, float eps, u32* __restrict__ frag, float* __restrict__ gsum,
-                                              int row) {
+                                              int row, int threads) {
     float* ks = qs + dk;
     float* vs = ks + dk;
     float* part = vs + dv;
     float* red = part + 2 * (dk / GDN_SL) * dv;
-    const int tid = threadIdx.x, nt = blockDim.x;
+    const int tid = threadIdx.x, nt = threads ? threads : (int)blockDim.x;
     const int j = tid % dv, r = tid / dv, i0 = r * GDN_SL;
     const bool active = r < dk / GDN_SL;
     // L2 norms (eps 1e-6, as HF's l2norm) and the 1/sqrt(dk) query scale: the first dk threads
@@ -197,26 +198,47 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
         if (lane == 0) { red[warp] = wq; red[kw + warp] = wk; }
     }
     __syncthreads();
-    float sq = 0.f, sk = 0.f;
-    for (int w = 0; w < kw; ++w) { sq += red[w]; sk += red[kw + w]; }
-    const float iq = (float)(1.0 / sqrt((double)sq + 1e-6)), ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    // The norms' factors and the gates: the same values in every thread that forms them.
+    auto factors = [&](float& iq, float& ik) {
+        float sq = 0.f, sk = 0.f;
+        for (int w = 0; w < kw; ++w) { sq += red[w]; sk += red[kw + w]; }
+        iq = (float)(1.0 / sqrt((double)sq + 1e-6));
+        ik = (float)(1.0 / sqrt((double)sk + 1e-6));
+    };
+    auto gates = [&](float& beta, float& alpha) {
+        beta = sigmoid_f(bn);
+        alpha = expf(nega * softplus_f(an + dtb));
+    };
+    float iq = 0.f, ik = 0.f, beta, alpha;
+    if constexpr (!SMEM_STATE) factors(iq, ik);
     const float qscale = 1.f / sqrtf((float)dk);
     // The batched step (SMEM_STATE) runs several blocks per SM, where the instruction streams,
     // not one block's latency, set the pace: q and k are scaled once, in place, behind one more
-    // barrier, instead of in every thread's both passes (the same products either way).
+    // barrier, instead of in every thread's both passes (the same products either way), and the
+    // factors and gates are formed by the dk threads that scale them (thread 0 leaving the gates
+    // in o's partial-sum buffer, which the passes write only after their first barrier) rather
+    // than by each of the block's threads.
     if constexpr (SMEM_STATE) {
+        float* gate_sm = part + (dk / GDN_SL) * dv;
         if (tid < dk) {
+            factors(iq, ik);
             qs[tid] = qs[tid] * iq * qscale;
             ks[tid] = ks[tid] * ik;
+            if (tid == 0) {
+                gates(beta, alpha);
+                gate_sm[0] = beta;
+                gate_sm[1] = alpha;
+            }
         }
         __syncthreads();
+        beta = gate_sm[0];
+        alpha = gate_sm[1];
+    } else {
+        gates(beta, alpha);
     }
     auto qn = [&](int i) { return SMEM_STATE ? qs[i] : qs[i] * iq * qscale; };
     auto kn = [&](int i) { return SMEM_STATE ? ks[i] : ks[i] * ik; };
 
-    const float beta = sigmoid_f(bn);
-    const float g = nega * softplus_f(an + dtb);
-    const float alpha = expf(g);
     if constexpr (SMEM_STATE) {
         float* part_o = part + (dk / GDN_SL) * dv;  // o's partial sums: no barrier before writing them
         // Two adjacent columns per thread (one 4- or 8-byte access for both entries of a row, and
@@ -329,6 +351,15 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
 #define GDN_STEP_CALL qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps
 extern "C" __global__ void gdn_step(GDN_STEP_ARGS(float)) { gdn_step_impl<false, float>(GDN_STEP_CALL); }
 extern "C" __global__ void gdn_step_f16(GDN_STEP_ARGS(u16)) { gdn_step_impl<false, u16>(GDN_STEP_CALL); }
+// gdn_step at the 35B's head shapes as compile-time constants (see gdn_step_batch_35b below):
+// the index arithmetic ahead of the state loads folds. The host launches it only at those dims.
+#define GDN_STEP_35B(NAME, ST)                                                                                 \
+    extern "C" __global__ void NAME(GDN_STEP_ARGS(ST)) {                                                      \
+        gdn_step_impl<false, ST>(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, 16, 32, \
+                                 128, 128, 4, eps, nullptr, nullptr, 0, 512);                                  \
+    }
+GDN_STEP_35B(gdn_step_35b, float)
+GDN_STEP_35B(gdn_step_35b_f16, u16)
 
 // The step of a batch of sequences (batched decode): blockIdx.y = row b, one token of sequence b,
 // its projections at row b of the token-major activations, its conv ring and state from the
@@ -343,12 +374,12 @@ extern "C" __global__ void gdn_step_f16(GDN_STEP_ARGS(u16)) { gdn_step_impl<fals
 #define GDN_STEP_BATCH_CALL \
     qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, nk, nv, dk, dv, KC, eps, frag, gsum
 template <typename ST>
-__device__ __forceinline__ void gdn_step_batch_impl(GDN_STEP_BATCH_ARGS(ST)) {
+__device__ __forceinline__ void gdn_step_batch_impl(GDN_STEP_BATCH_ARGS(ST), int threads = 0) {
     const int b = blockIdx.y;
     const size_t conv_dim = 2 * (size_t)nk * dk + (size_t)nv * dv, vd = (size_t)nv * dv;
     gdn_step_impl<true, ST>(qkv + b * conv_dim, z + b * vd, braw + (size_t)b * nv, araw + (size_t)b * nv, rings[b],
                             taps, dt_bias, neg_a, norm_w, states[b], y + b * vd, steps + 2 * b, nk, nv, dk, dv, KC, eps,
-                            frag, gsum, b);
+                            frag, gsum, b, threads);
 }
 extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BATCH_ARGS(float)) {
     gdn_step_batch_impl<float>(GDN_STEP_BATCH_CALL);
@@ -358,6 +389,18 @@ extern "C" __global__ void __launch_bounds__(512, 3) gdn_step_batch(GDN_STEP_BAT
 extern "C" __global__ void __launch_bounds__(512, 4) gdn_step_batch_f16(GDN_STEP_BATCH_ARGS(u16)) {
     gdn_step_batch_impl<u16>(GDN_STEP_BATCH_CALL);
 }
+// gdn_step_batch at the 35B's head shapes (16 key and 32 value heads of 128 x 128, 4 conv taps,
+// 512 threads) as compile-time constants, so its index arithmetic folds (a division or modulo by
+// a kernel parameter is some 25 instructions, and every warp of an item ran several) and its
+// loops have known trip counts. The same operations on the same values as gdn_step_batch; the
+// host launches it only at those dims (the dims in its argument list are not read).
+#define GDN_STEP_BATCH_35B(NAME, ST, MINB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(512, MINB) NAME(GDN_STEP_BATCH_ARGS(ST)) {                   \
+        gdn_step_batch_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, 16,  \
+                                32, 128, 128, 4, eps, frag, gsum, 512);                                        \
+    }
+GDN_STEP_BATCH_35B(gdn_step_batch_35b, float, 3)
+GDN_STEP_BATCH_35B(gdn_step_batch_35b_f16, u16, 4)
 
 // The batched step on one wave of persistent blocks: block i takes the (row, head) items i,
 // i + gridDim.x, ... (item = row * nv + head) and copies what an item reads (its state slice,
@@ -382,9 +425,9 @@ __device__ __forceinline__ void cp_async4(unsigned s, const void* g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(g) : "memory");
 }
 template <typename ST>
-__device__ __forceinline__ void gdn_step_persist_impl(GDN_STEP_BATCH_ARGS(ST), int rows) {
+__device__ __forceinline__ void gdn_step_persist_impl(GDN_STEP_BATCH_ARGS(ST), int rows, int threads = 0) {
     extern __shared__ __align__(16) float gps_sm[];
-    const int tid = threadIdx.x, nt = blockDim.x, items = rows * nv;
+    const int tid = threadIdx.x, nt = threads ? threads : (int)blockDim.x, items = rows * nv;
     const int nch = 2 * dk + dv, key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv, group = nv / nk;
     const int stage = gdn_ps_stage<ST>(dk, dv, KC);
     float** sring = reinterpret_cast<float**>(gps_sm + GDN_PS_STAGES * stage);
@@ -482,7 +525,7 @@ __device__ __forceinline__ void gdn_step_persist_impl(GDN_STEP_BATCH_ARGS(ST), i
         __syncthreads();
         float unused[1];
         gdn_step_tail<true, ST>(Ssm, unused, scratch, sstate[b] + (size_t)n * dk * dv, zs[dv], zs[dv + 1], zs[tid % dv],
-                            zs[dv + 2], zs[dv + 3], nwj, y + (size_t)b * nv * dv, n, nv, dk, dv, eps, frag, gsum, b);
+                            zs[dv + 2], zs[dv + 3], nwj, y + (size_t)b * nv * dv, n, nv, dk, dv, eps, frag, gsum, b, threads);
         __syncthreads();  // the stage and the scratch are free for the next items
     }
 }
@@ -492,6 +535,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist(GDN_STEP_B
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist_f16(GDN_STEP_BATCH_ARGS(u16), int rows) {
     gdn_step_persist_impl<u16>(GDN_STEP_BATCH_CALL, rows);
 }
+// gdn_step_persist at the 35B's head shapes as compile-time constants (see gdn_step_batch_35b);
+// the host launches it only at those dims.
+#define GDN_STEP_PERSIST_35B(NAME, ST)                                                                            \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(GDN_STEP_BATCH_ARGS(ST), int rows) {               \
+        gdn_step_persist_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, 16,  \
+                                  32, 128, 128, 4, eps, frag, gsum, rows, 512);                                  \
+    }
+GDN_STEP_PERSIST_35B(gdn_step_persist_35b, float)
+GDN_STEP_PERSIST_35B(gdn_step_persist_35b_f16, u16)
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).

@@ -1832,58 +1832,58 @@ extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const 
     x[(size_t)t * h + c + 1] += a1;
 }
 // pf_moe_combine_bf16 of row t fused with the next layer's input norm (pf_rmsnorm of the updated
-// row, its bf16 staging included): one warp per row, lane l the float4s c = l, l + 32, ... of it.
-// Each column's sum is pf_moe_combine_bf16's (the K products in order, then the shared expert's,
-// then added into x) and the norm's pf_rmsnorm's, on the same values in the same order, so x, out
-// and staged come out bit for bit as the two launches wrote them; the norm's second pass reads
-// the row back as pf_rmsnorm does (this thread's own writes). grid (ceil(T / 8)), block 256; h a
-// multiple of 4, at most 32 * 4 * PF_CN_F4.
-#define PF_CN_F4 16  // float4s of a row per lane (h <= 2,048)
-extern "C" __global__ void pf_moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ top_w, int K,
-                                                    const float4* __restrict__ SH, const float* __restrict__ sgl,
-                                                    float4* __restrict__ x, const float4* __restrict__ gain,
-                                                    float4* __restrict__ out, uint2* __restrict__ staged, int rows, int h,
-                                                    float eps) {
-    const int lane = threadIdx.x & 31, t = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (t >= rows) return;
-    const int n4 = h / 4;
+// row, its bf16 staging included): one block per row, thread i the float4s c = i, i + NORM_THREADS,
+// ... of it (common.cuh). Each column's sum is pf_moe_combine_bf16's (the K products in order,
+// then the shared expert's, then added into x) and the norm's pf_rmsnorm's, on the same values in
+// the same order, so x, out and staged come out bit for bit as the two launches wrote them.
+// grid (T), block NORM_THREADS; h a multiple of 4, at most NORM_THREADS * 4 * NORM_V.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+pf_moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ top_w, int K,
+                         const float4* __restrict__ SH, const float* __restrict__ sgl, float4* __restrict__ x,
+                         const float4* __restrict__ gain, float4* __restrict__ out, uint2* __restrict__ staged,
+                         int rows, int h, float eps) {
+    __shared__ float red[33];
+    const int t = blockIdx.x, tid = threadIdx.x, n4 = h / 4;
     const float g = sigmoid_f(sgl[t]);
+    float4 v[NORM_V];
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < PF_CN_F4; ++j) {
-        const int c = lane + 32 * j;
-        if (c >= n4) break;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        // Unrolled so that several experts' loads are in flight at once (the sums stay in order).
+    for (int i = 0; i < NORM_V; ++i) {
+        const int c = tid + NORM_THREADS * i;
+        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < n4) {
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+            // Unrolled so that several experts' loads are in flight at once (the sums stay in order).
 #pragma unroll 4
-        for (int k = 0; k < K; ++k) {
-            const float w = top_w[(size_t)t * K + k];
-            const uint2 d = D[((size_t)t * K + k) * n4 + c];
-            a0 += w * __uint_as_float(d.x << 16);
-            a1 += w * __uint_as_float(d.x & 0xffff0000u);
-            a2 += w * __uint_as_float(d.y << 16);
-            a3 += w * __uint_as_float(d.y & 0xffff0000u);
+            for (int k = 0; k < K; ++k) {
+                const float w = top_w[(size_t)t * K + k];
+                const uint2 d = D[((size_t)t * K + k) * n4 + c];
+                a0 += w * __uint_as_float(d.x << 16);
+                a1 += w * __uint_as_float(d.x & 0xffff0000u);
+                a2 += w * __uint_as_float(d.y << 16);
+                a3 += w * __uint_as_float(d.y & 0xffff0000u);
+            }
+            const float4 s = SH[(size_t)t * n4 + c];
+            a0 += g * s.x;
+            a1 += g * s.y;
+            a2 += g * s.z;
+            a3 += g * s.w;
+            float4 xv = x[(size_t)t * n4 + c];
+            xv.x += a0;
+            xv.y += a1;
+            xv.z += a2;
+            xv.w += a3;
+            x[(size_t)t * n4 + c] = xv;
+            v[i] = xv;
         }
-        const float4 s = SH[(size_t)t * n4 + c];
-        a0 += g * s.x;
-        a1 += g * s.y;
-        a2 += g * s.z;
-        a3 += g * s.w;
-        float4 xv = x[(size_t)t * n4 + c];
-        xv.x += a0;
-        xv.y += a1;
-        xv.z += a2;
-        xv.w += a3;
-        x[(size_t)t * n4 + c] = xv;
-        ss += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+        ss += sq4(v[i]);
     }
-    const float inv = inv_rms_from(warp_sum(ss), h, eps);
+    const float inv = inv_rms_from(block_sum(ss, red), h, eps);
 #pragma unroll
-    for (int j = 0; j < PF_CN_F4; ++j) {
-        const int c = lane + 32 * j;
+    for (int i = 0; i < NORM_V; ++i) {
+        const int c = tid + NORM_THREADS * i;
         if (c >= n4) break;
-        const float4 gv = gain[c], xv = x[(size_t)t * n4 + c];
-        const float4 o = make_float4(xv.x * inv * gv.x, xv.y * inv * gv.y, xv.z * inv * gv.z, xv.w * inv * gv.w);
+        const float4 o = norm4(v[i], inv, gain[c]);
         out[(size_t)t * n4 + c] = o;
         if (staged) staged[(size_t)t * n4 + c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
     }

@@ -5,31 +5,41 @@
 // (In decode every RMSNorm is fused into the kernel that consumes it: the GEMV prologues,
 // attn_prep, gdn_step.)
 
-// RMSNorm of each row (x * inv * gain, as ops::rms_norm), one warp per row in float4s (n a
-// multiple of 4): the second pass re-reads the row from L1. With `staged` (not null) the outputs
-// also go there in bf16, as pf_to_bf16 would stage `out` for the cuBLAS GEMMs (the same words:
-// round to nearest even of the same values), without a second kernel reading `out` back.
-// grid (ceil(rows / 8)), block 256.
-extern "C" __global__ void pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* __restrict__ out,
-                                      int rows, int n, float eps, uint2* __restrict__ staged) {
-    const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= rows) return;
+// RMSNorm of each row (x * inv * gain, as ops::rms_norm), one block per row in float4s (n a
+// multiple of 4; common.cuh NORM_THREADS): float4s past the NORM_V a thread keeps are read again
+// for the second pass. With `staged` (not null) the outputs also go there in bf16, as pf_to_bf16
+// would stage `out` for the cuBLAS GEMMs (the same words: round to nearest even of the same
+// values), without a second kernel reading `out` back. grid (rows), block NORM_THREADS.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* __restrict__ out, int rows, int n,
+           float eps, uint2* __restrict__ staged) {
+    __shared__ float red[33];
+    const int row = blockIdx.x, tid = threadIdx.x, n4 = n / 4;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * n);
     const float4* gr = reinterpret_cast<const float4*>(gain);
     float4* orow = reinterpret_cast<float4*>(out + (size_t)row * n);
+    uint2* srow = staged ? staged + (size_t)row * n4 : nullptr;
+    float4 v[NORM_V];
     float ss = 0.f;
-    for (int c = lane; c < n / 4; c += 32) {
-        const float4 v = xr[c];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+    for (int i = 0; i < NORM_V; ++i) {
+        const int c = tid + NORM_THREADS * i;
+        v[i] = c < n4 ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += sq4(v[i]);
     }
-    const float inv = inv_rms_from(warp_sum(ss), n, eps);
-    uint2* srow = staged ? staged + (size_t)row * (n / 4) : nullptr;
-    for (int c = lane; c < n / 4; c += 32) {
-        const float4 v = xr[c], g = gr[c];
-        const float4 o = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+    for (int c = tid + NORM_THREADS * NORM_V; c < n4; c += NORM_THREADS) ss += sq4(xr[c]);
+    const float inv = inv_rms_from(block_sum(ss, red), n, eps);
+    auto put = [&](int c, float4 u) {
+        const float4 o = norm4(u, inv, gr[c]);
         orow[c] = o;
         if (srow) srow[c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+    };
+#pragma unroll
+    for (int i = 0; i < NORM_V; ++i) {
+        const int c = tid + NORM_THREADS * i;
+        if (c < n4) put(c, v[i]);
     }
+    for (int c = tid + NORM_THREADS * NORM_V; c < n4; c += NORM_THREADS) put(c, xr[c]);
 }
 
 // g = silu(g) * u, elementwise.

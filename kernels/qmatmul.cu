@@ -2,7 +2,7 @@
 // embedding gather. Same math as src/backend/cpu/qmatmul.rs.
 //   decode (T = 1):     gemv_q, gemv_tc(_f), embed_q
 //   batched decode:     stage_tcb, gemv_tcb (B tokens, bf16 activations)
-//   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_dequant_bf16, pf_dequant_f32,
+//   prefill (T tokens): pf_gemm, pf_gemm_tc, pf_gemm_skinny, pf_few_tc_{4,8}_{4,8}, pf_dequant_bf16,
 //                       pf_to_bf16, pf_embed
 
 // ================================ decode (T = 1) ================================
@@ -817,15 +817,6 @@ extern "C" __global__ void pf_dequant_bf16(const u32* __restrict__ w, const u16*
     if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
     out[i] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
 }
-extern "C" __global__ void pf_dequant_f32(const u32* __restrict__ w, const u16* __restrict__ s,
-                                          const u16* __restrict__ b, int bits, int rows, int cols, int group,
-                                          float4* __restrict__ out) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    float v[8];
-    if (!deq_item(w, s, b, bits, rows, cols, group, i, v)) return;
-    out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
-    out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
-}
 // f32 activations to bf16 (round to nearest even, as pf_gemm_tc stages them), 4 per thread.
 extern "C" __global__ void pf_to_bf16(const float4* __restrict__ x, uint2* __restrict__ y, int n4) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1106,6 +1097,252 @@ pf_gemm_skinny(const u32* __restrict__ w, const u16* __restrict__ s, const u16* 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Few-row GEMMs on the tensor cores, f32-accurate (outside the exact mode): up to two matrices
+// of the same codes plus a one-row third against T tokens of x, one launch (router + shared-expert
+// gate, GDN b + a). Why: these products pick experts and gates, so they stay f32; on the CUDA
+// cores (cuBLAS's pedantic f32 GEMM on weights dequantised per call, or pf_gemm_skinny) they were
+// most of the prefill's routing phase.
+//
+// Exactness: a code q becomes the f16 FEW_OFF + q (exact; 1024 + q for 8 bits, one byte permute
+// makes two; 16 + q for 4 bits), x the sum of two f16 terms x = hi + lo (hi = f16(x), lo = f16(x -
+// hi): 22 significant bits, or 2^-25 absolute below f16's normal range), the tensor cores multiply
+// exactly and sum in f32, so per 64-column group C = sum (FEW_OFF + q) x, and with X = sum x (a
+// ones tile) the row gets s (C - FEW_OFF X) + b X = s C + (b - FEW_OFF s) X: the math of
+// qrow_part to f32 rounding. f16 holds |x| < 65504: the caller passes only inputs it bounds (an RMSNorm's output
+// is at most sqrt(cols) times its largest gain; `DevWeights::few_inputs_f16`).
+//
+// Layout: a warp takes 16 tokens (mma rows: lane g = lane/4 holds tokens g and g + 8) against one
+// chunk of NT n-tiles of one matrix (lane g's B column in tile j is row 8j + g of the chunk) over
+// a run of groups. Of each group lane t = lane%4 takes the 16 columns 16t..16t+15 (one 16- or
+// 8-byte load of codes per row, four float4 of x per token). mma step s puts four of them in k
+// slots (2t, 2t + 1) and (2t + 8, 2t + 9) of both operands (the sum over k does not care which
+// column sits in which slot): 8-bit, columns 4s + (0, 1) and (2, 3) (word s's bytes); 4-bit,
+// columns 8h + j + (0, 4) and (1, 5) with h = s / 2, j = 2 (s & 1) (nibble pairs 16 bits apart
+// in word h). C columns 2t, 2t + 1 of tile j are rows 8j + 2t, + 1 of the chunk. The first
+// matrix's chunks come first, then the second's. The one-row matrix (`aux`: the shared-expert
+// gate) rides in the ones tile's odd columns (chunk 0's warps): C columns 2t + 1 there are its
+// sums, columns 2t the group sums of x.
+//
+// Block: cpb x ks warps (at most FEW_WARPS) = `cpb` chunks x `ks` parts of the groups; warp w
+// takes chunk blockIdx.y * cpb + w % cpb and part w / cpb. The parts' sums meet in shared memory
+// and part 0 adds them in part order. grid (ceil(T / 16), ceil(chunks / cpb)). Chunks are NT
+// n-tiles (8, or 4 where no matrix has more than 32 rows: GDN b and a), every tile multiplied
+// (rows past the matrix read zero codes), so each term's NT + 1 products are independent mma.sync
+// in a row.
+#define FEW_WARPS 8
+#define FEW_TILES 8
+
+// Two floats as f16 pairs hi + lo (`a` in the low half); the difference is exact in f32.
+__device__ __forceinline__ void split2_f16(float a, float b, u32& hi, u32& lo) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(b), "f"(a));
+    float ha, hb;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(ha), "=f"(hb) : "r"(hi));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(b - hb), "f"(a - ha));
+}
+
+// The A fragments (hi, lo) of one mma step from the x pairs of tokens g (a0: k slots 2t, 2t + 1;
+// a2: 2t + 8, 2t + 9) and g + 8 (b0, b2).
+__device__ __forceinline__ void few_a_frags(float2 a0, float2 a2, float2 b0, float2 b2, u32 (&a)[2][4]) {
+    split2_f16(a0.x, a0.y, a[0][0], a[1][0]);
+    split2_f16(b0.x, b0.y, a[0][1], a[1][1]);
+    split2_f16(a2.x, a2.y, a[0][2], a[1][2]);
+    split2_f16(b2.x, b2.y, a[0][3], a[1][3]);
+}
+
+// The offset a code carries as an f16 (FEW_OFF + q, exact): 1024 for 8-bit codes (f16's spacing
+// is 1 from 1024 to 2047), 16 for 4-bit ones (1/64 from 16 to 31: the nibble lands in mantissa
+// bits 6..9). The small offset keeps C = FEW_OFF X + sum q x from cancelling more than it must.
+template <int BITS>
+__device__ constexpr float few_off() { return BITS == 8 ? 1024.f : 16.f; }
+
+// A nibble pair (j, j + 4) of w as the f16 pair (16 + q): shifted to mantissa bits 6..9.
+template <int J>
+__device__ __forceinline__ u32 few_nib_pair(u32 w) {
+    const u32 v = J * 4 >= 6 ? (w >> (J * 4 - 6)) : (w << (6 - J * 4));
+    return (v & 0x03C003C0u) | 0x4C004C00u;
+}
+
+// The B fragment of mma step s as f16 pairs (FEW_OFF + q): from lane t's 16 codes of a group in
+// `w` (8-bit: word s; 4-bit: word s / 2).
+template <int BITS>
+__device__ __forceinline__ void few_b_frag(u32 w, int s, u32 (&b)[2]) {
+    if constexpr (BITS == 8) {
+        b[0] = __byte_perm(w, 0x64646464u, 0x4140);
+        b[1] = __byte_perm(w, 0x64646464u, 0x4342);
+    } else if (s & 1) {
+        b[0] = few_nib_pair<2>(w);
+        b[1] = few_nib_pair<3>(w);
+    } else {
+        b[0] = few_nib_pair<0>(w);
+        b[1] = few_nib_pair<1>(w);
+    }
+}
+
+// Step s's x pairs from lane t's 16 columns of a group (f[i]: columns 4i .. 4i + 3): 8-bit,
+// (4s, 4s + 1) and (4s + 2, 4s + 3); 4-bit, (8h + j, 8h + j + 4) and (8h + j + 1, 8h + j + 5).
+template <int BITS>
+__device__ __forceinline__ void few_x_pairs(const float4 (&f)[4], int s, float2& lo, float2& hi) {
+    if constexpr (BITS == 8) {
+        lo = make_float2(f[s].x, f[s].y);
+        hi = make_float2(f[s].z, f[s].w);
+    } else {
+        const float4 u = f[2 * (s >> 1)], v = f[2 * (s >> 1) + 1];
+        lo = (s & 1) ? make_float2(u.z, v.z) : make_float2(u.x, v.x);
+        hi = (s & 1) ? make_float2(u.w, v.w) : make_float2(u.y, v.y);
+    }
+}
+
+// One matrix of a launch: codes, scales, biases, output, rows, output stride.
+struct FewMat {
+    const u32* w;
+    const u16* s;
+    const u16* b;
+    float* y;
+    int rows;
+    int ldy;
+};
+
+template <int BITS, int NT>
+__device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int T, int cols, const FewMat& m0,
+                                               const FewMat& m1, const FewMat& aux, int cpb, int ks) {
+    __shared__ float part_sums[FEW_WARPS][4 * FEW_TILES + 2][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int chunk = blockIdx.y * cpb + warp % cpb, part = warp / cpb;
+    const int gpr = cols >> 6, G0 = part * gpr / ks, G1 = (part + 1) * gpr / ks;
+    // The chunk's matrix (its fields in registers), first row and rows (none past the last chunk).
+    const int chunks0 = (m0.rows + 8 * NT - 1) / (8 * NT);
+    const bool second = chunk >= chunks0;
+    const u32* mw = second ? m1.w : m0.w;
+    const u16* ms = second ? m1.s : m0.s;
+    const u16* mb = second ? m1.b : m0.b;
+    const int mrows = second ? m1.rows : m0.rows;
+    const int lr0 = 8 * NT * (second ? chunk - chunks0 : chunk), nrows = min(8 * NT, max(0, mrows - lr0));
+    const int tok0 = 16 * blockIdx.x + g, tok1 = tok0 + 8;
+    const bool v0 = tok0 < T, v1 = tok1 < T;
+    const bool with_aux = aux.w != nullptr && chunk == 0, aux_col = with_aux && (g & 1);
+    // Words of codes per row and per group (GW); lane t's codes of group 0 in this lane's B row
+    // of tile 0 (tile j: 8j rows on, tw words each) and in the aux row.
+    constexpr int GW = 64 * BITS / 32;
+    const int wpr = cols * BITS / 32, tw = 8 * wpr;
+    const u32* wq = mw + (size_t)(lr0 + g) * wpr + t * (GW / 4);
+    const u32* wa = aux.w + t * (GW / 4);
+    // This lane's scales / biases of its C rows (8j + 2t, + 1) at group 0: rows past the matrix
+    // read its last row's (their sums are never written), so the loads need no predicate.
+    const int last = max(nrows - 1, 0);
+    const u16* sp = ms + (size_t)(lr0 + min(2 * t, last)) * gpr;
+    const u16* bp = mb + (size_t)(lr0 + min(2 * t, last)) * gpr;
+    const float4* xa = reinterpret_cast<const float4*>(x + (size_t)min(tok0, T - 1) * cols) + 4 * t;
+    const float4* xb = reinterpret_cast<const float4*>(x + (size_t)min(tok1, T - 1) * cols) + 4 * t;
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float tot[NT][4], atot[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.f;
+    // A chunk past the last rows (the grid's last block) reads nothing and only meets the barrier.
+    const int Gend = nrows > 0 ? G1 : G0;
+    for (int G = G0; G < Gend; ++G) {
+        float acc[NT][4], one[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        float4 fa[4], fb[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
+            fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
+        }
+        const u32* wg = wq + G * GW;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            u32 a[2][4], b[NT][2], o[2] = {0x3C003C00u, 0x3C003C00u};  // o: f16 pairs (1, 1)
+            float2 a0, a2, b0, b2;
+            few_x_pairs<BITS>(fa, s, a0, a2);
+            few_x_pairs<BITS>(fb, s, b0, b2);
+            few_a_frags(a0, a2, b0, b2, a);
+            const int wi = BITS == 8 ? s : s >> 1;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) few_b_frag<BITS>(8 * j + g < nrows ? __ldg(wg + j * tw + wi) : 0u, s, b[j]);
+            if (aux_col) few_b_frag<BITS>(__ldg(wa + G * GW + wi), s, o);
+            // The small term first; each term's NT + 1 products are independent.
+#pragma unroll
+            for (int n = 1; n >= 0; --n) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j) mma_f16(acc[j], a[n], b[j][0], b[j][1]);
+                mma_f16(one, a[n], o[0], o[1]);
+            }
+        }
+        // The group's scales: C holds sum (FEW_OFF + q) x, so a row adds s C + (b - FEW_OFF s) X,
+        // with X = one[0] (token g) and one[2] (token g + 8).
+        constexpr float off = few_off<BITS>();
+        const u16 *sg = sp + G, *bg = bp + G;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            // Row 8j + 2t and the next (each clamped to the last row).
+            const int ra = min(8 * j + 2 * t, last) - min(2 * t, last), rb = min(8 * j + 2 * t + 1, last) - min(2 * t, last);
+            const float sa = bf16f(__ldg(sg + ra * gpr)), ba = bf16f(__ldg(bg + ra * gpr));
+            const float sb = bf16f(__ldg(sg + rb * gpr)), bb = bf16f(__ldg(bg + rb * gpr));
+            const float ca = fmaf(-off, sa, ba), cb = fmaf(-off, sb, bb);
+            tot[j][0] = fmaf(ca, one[0], fmaf(sa, acc[j][0], tot[j][0]));
+            tot[j][1] = fmaf(cb, one[0], fmaf(sb, acc[j][1], tot[j][1]));
+            tot[j][2] = fmaf(ca, one[2], fmaf(sa, acc[j][2], tot[j][2]));
+            tot[j][3] = fmaf(cb, one[2], fmaf(sb, acc[j][3], tot[j][3]));
+        }
+        if (with_aux) {
+            const float sx = bf16f(__ldg(aux.s + G)), cx = fmaf(-off, sx, bf16f(__ldg(aux.b + G)));
+            atot[0] = fmaf(cx, one[0], fmaf(sx, one[1], atot[0]));
+            atot[1] = fmaf(cx, one[2], fmaf(sx, one[3], atot[1]));
+        }
+    }
+    if (ks > 1) {
+        // Part 0 of each chunk adds the other parts' sums in part order.
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part_sums[warp][4 * j + c][lane] = tot[j][c];
+        part_sums[warp][4 * FEW_TILES][lane] = atot[0];
+        part_sums[warp][4 * FEW_TILES + 1][lane] = atot[1];
+        __syncthreads();
+        if (part != 0) return;
+        for (int p = 1; p < ks; ++p) {
+            const int w = p * cpb + warp;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) tot[j][c] += part_sums[w][4 * j + c][lane];
+            atot[0] += part_sums[w][4 * FEW_TILES][lane];
+            atot[1] += part_sums[w][4 * FEW_TILES + 1][lane];
+        }
+    }
+    float* y = (second ? m1.y : m0.y) + lr0 + 2 * t;
+    const int ldy = second ? m1.ldy : m0.ldy;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int r = 8 * j + 2 * t;
+        if (r < nrows) {
+            if (v0) y[(size_t)tok0 * ldy + 8 * j] = tot[j][0];
+            if (v1) y[(size_t)tok1 * ldy + 8 * j] = tot[j][2];
+        }
+        if (r + 1 < nrows) {
+            if (v0) y[(size_t)tok0 * ldy + 8 * j + 1] = tot[j][1];
+            if (v1) y[(size_t)tok1 * ldy + 8 * j + 1] = tot[j][3];
+        }
+    }
+    if (with_aux && t == 0) {
+        if (v0) aux.y[(size_t)tok0 * aux.ldy] = atot[0];
+        if (v1) aux.y[(size_t)tok1 * aux.ldy] = atot[1];
+    }
+}
+
+#define PF_FEW_TC(BITS, NT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * FEW_WARPS, 1)                                          \
+        pf_few_tc_##BITS##_##NT(const float* __restrict__ x, int T, int cols, FewMat m0, FewMat m1, FewMat aux, \
+                                int cpb, int ks) {                                                           \
+        pf_few_tc_body<BITS, NT>(x, T, cols, m0, m1, aux, cpb, ks);                                          \
+    }
+PF_FEW_TC(4, 4)
+PF_FEW_TC(4, 8)
+PF_FEW_TC(8, 4)
+PF_FEW_TC(8, 8)
 
 // ---------------------------------------------------------------------------------------------
 // Embedding gather for T tokens: grid (ceil(cols/256), T). Token t's id is tokens[t * ld] (ld 2:

@@ -560,3 +560,77 @@ fn cuda_batch_attention_kernels_match_an_exact_reference() {
         }
     }
 }
+
+/// Random inputs of a batched GDN step at `d`'s dims: rows at positions from 0 (no conv history
+/// yet) to past 4K, states of moderate size, negative decay rates, norm weights near 1.
+fn gdn_step_inputs(d: &lily::backend::cuda::gdn::GdnDims, rows: usize, seed: u64) -> testing::GdnStepInput {
+    let (c, vd) = (d.conv_dim, d.nv * d.dv);
+    let scaled = |s: u64, n: usize, k: f32| rnd(seed + s, n).into_iter().map(|x| k * x).collect::<Vec<f32>>();
+    testing::GdnStepInput {
+        qkv: rnd(seed + 1, rows * c),
+        z: rnd(seed + 2, rows * vd),
+        braw: rnd(seed + 3, rows * d.nv),
+        araw: rnd(seed + 4, rows * d.nv),
+        rings: (0..rows as u64).map(|r| rnd(seed + 100 + r, d.kc * c)).collect(),
+        states: (0..rows as u64).map(|r| scaled(1000 + r, d.nv * d.dk * d.dv, 0.5)).collect(),
+        positions: (0..rows).map(|r| [0, 1, 2, 3, 7, 100, 4095][r % 7] + r as i32).collect(),
+        taps: scaled(5, d.kc * c, 0.5),
+        dt_bias: rnd(seed + 6, d.nv),
+        neg_a: rnd(seed + 7, d.nv).into_iter().map(|x| -(1.0 + x.abs())).collect(),
+        norm_w: scaled(8, d.dv, 0.1).into_iter().map(|x| 1.0 + x).collect(),
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_gdn_steps_at_the_35b_shapes_equal_the_general_kernels() {
+    // The _35b GDN steps (the 35B's head shapes as compile-time constants) against the general
+    // ones at those dims, bit for bit: the outputs, the batched steps' staged out-projection
+    // inputs, the states and the conv rings; gdn_step_batch over 20 rows (positions from 0 on),
+    // gdn_step_persist over 3 rows on a block per item and on 5 blocks (its shared-memory ring
+    // wrapping), one sequence's gdn_step at three positions; f32 and f16 states.
+    use lily::backend::cuda::gdn::{GdnDims, StepBatchKernel};
+    use testing::GdnStepKernel::{Batch, One};
+    let batch = |kernel, shaped| Batch { kernel, shaped };
+    let b = cuda(false);
+    let big = GdnDims::new(&lily::checkpoint::ModelConfig::qwen36_35b_a3b());
+    for f16 in [false, true] {
+        let d = big.with_state_f16(f16);
+        let mut cases = vec![(gdn_step_inputs(&d, 20, 11), batch(StepBatchKernel::PerItem, false), batch(StepBatchKernel::PerItem, true))];
+        for blocks in [3 * d.nv, 5] {
+            let persist = StepBatchKernel::Persist { blocks };
+            cases.push((gdn_step_inputs(&d, 3, 20 + blocks as u64), batch(persist, false), batch(persist, true)));
+        }
+        for (i, pos) in [0, 2, 4099].into_iter().enumerate() {
+            let mut inp = gdn_step_inputs(&d, 1, 50 + i as u64);
+            inp.positions = vec![pos];
+            cases.push((inp, One { shaped: false }, One { shaped: true }));
+        }
+        for (inp, general_kernel, shaped_kernel) in cases {
+            let what = format!("f16 {f16}, {general_kernel:?} at positions {:?}", &inp.positions[..inp.positions.len().min(3)]);
+            let general = testing::gdn_step(&b, &d, &inp, general_kernel).unwrap();
+            let shaped = testing::gdn_step(&b, &d, &inp, shaped_kernel).unwrap();
+            // The harness ran a step: finite outputs, every state rewritten, and the ring slot of
+            // each row's position now holds its q|k|v (the first value head of each key head
+            // writes q and k).
+            assert!(general.y.iter().all(|v| v.is_finite()) && general.y.iter().any(|&v| v != 0.0), "{what}");
+            let c = d.conv_dim;
+            for r in 0..inp.positions.len() {
+                assert_ne!(general.states[r], inp.states[r], "{what}: row {r}'s state");
+                let slot = inp.positions[r] as usize % d.kc;
+                assert_eq!(general.rings[r][slot * c..(slot + 1) * c], inp.qkv[r * c..(r + 1) * c], "{what}: row {r}'s ring");
+            }
+            assert_eq!(shaped.y, general.y, "{what}: outputs");
+            assert_eq!(shaped.frag, general.frag, "{what}: staged words");
+            assert_eq!(shaped.gsum, general.gsum, "{what}: staged group sums");
+            assert_eq!(shaped.states, general.states, "{what}: states");
+            assert_eq!(shaped.rings, general.rings, "{what}: rings");
+        }
+    }
+    // Other dims cannot take the shaped kernels.
+    let other = GdnDims { nv: 16, ..big };
+    for kernel in [batch(StepBatchKernel::PerItem, true), batch(StepBatchKernel::Persist { blocks: 5 }, true), One { shaped: true }] {
+        let err = testing::gdn_step(&b, &other, &gdn_step_inputs(&other, 1, 3), kernel).unwrap_err();
+        assert!(format!("{err:#}").contains("head shapes"), "{err:#}");
+    }
+}

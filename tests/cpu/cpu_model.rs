@@ -211,3 +211,20 @@ fn bf16_kv_cache_rounds_keys_and_values_only() {
     assert_eq!(b.forward(&mut again, &p, LogitsWanted::All).unwrap(), want);
     assert!(b.forward(&mut bf16_seq, &[7], LogitsWanted::Last).unwrap().iter().all(|x| x.is_finite()));
 }
+
+/// The CUDA prefill's few-row products run on the tensor cores only where every norm feeding them
+/// keeps its outputs within f16's range (`weights::norm_outputs_fit_f16`): true for the tiny
+/// checkpoint's gains, false once one gain times sqrt(hidden) passes the bound.
+#[test]
+fn few_row_inputs_fit_f16_by_the_norm_gains() {
+    use lily::backend::cuda::weights::{norm_outputs_fit_f16, FEW_INPUT_MAX};
+    let ck = Checkpoint::open(tiny_checkpoint()).unwrap();
+    let mut mw = lily::model::ModelWeights::from_checkpoint(&ck).unwrap();
+    assert!(norm_outputs_fit_f16(&mw));
+    let root = (mw.config.hidden_size as f32).sqrt();
+    let last = mw.layers.len() - 1;
+    mw.layers[last].post_norm[3] = -FEW_INPUT_MAX / root * 0.99;
+    assert!(norm_outputs_fit_f16(&mw));
+    mw.layers[last].post_norm[3] = -FEW_INPUT_MAX / root * 1.01;
+    assert!(!norm_outputs_fit_f16(&mw));
+}

@@ -168,8 +168,7 @@ impl ChunkScratch {
         let (vd, inner, sinter) = (cfg.gdn_value_dim(), cfg.attn_inner(), cfg.shared_expert_intermediate_size);
         let blas = if blas {
             let dense = [cfg.gdn_conv_dim(), vd, cfg.q_proj_rows(), cfg.kv_dim(), inner, sinter].into_iter().max().unwrap_or(0) * h;
-            let few = e.max(cfg.linear_num_value_heads).max(1) * h;
-            Some(BlasScratch::new(gpu, dense, few, n * h, n * vd.max(inner).max(sinter).max(h))?)
+            Some(BlasScratch::new(gpu, dense, n * h, n * vd.max(inner).max(sinter).max(h))?)
         } else {
             None
         };

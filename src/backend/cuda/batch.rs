@@ -2,8 +2,9 @@
 //! batch (`Backend::decode_batch`), the layer loop of forward.rs with [`BatchPass`]:
 //! - each input staged once (`stage_tcb`: the RMSNorm, bf16 tensor-core fragments), then the
 //!   dense projections and the lm_head as GEMV sets over the batch's tokens (`gemv_tcb`: the
-//!   decode GEMV's weight streaming with the tokens as tensor-core columns), the router and gates
-//!   in f32 (`pf_gemm_skinny`);
+//!   decode GEMV's weight streaming with the tokens as tensor-core columns; GDN b and a ride in
+//!   the in-projection's set), the router and shared-expert gate in f32 with the routing in one
+//!   launch (`moe_route_batch`);
 //! - the MoE over the union of the routed experts: the prefill's GPU routing into per-expert
 //!   slot lists, then `moe_tcb` reads each active expert's rows once for all its tokens (gate|up
 //!   with SwiGLU fused, then down), the shared expert as a GEMV set, the weighted combine;

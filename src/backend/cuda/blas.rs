@@ -56,29 +56,19 @@ impl Blas {
     }
 
     /// `y[t][0..rows] (+)= W · x[t]` for `t < ntok`: W `[rows][cols]` and x `[ntok][cols]` in
-    /// `prec`'s element type, y f32 with row stride `ldy`.
+    /// bf16 (on the tensor cores, f32 accumulation), y f32 with row stride `ldy`.
     ///
     /// Row-major `y[ntok][ldy] = x[ntok][cols] · W[rows][cols]ᵀ` is column-major
     /// `y'[rows][ntok] = Wᵀ' · x'` with W read transposed: m = rows, n = ntok, k = cols.
     pub fn gemm(
         &self,
-        prec: Precision,
         w: u64,
         x: u64,
         y: u64,
         (rows, cols, ntok, ldy): (usize, usize, usize, usize),
         accumulate: bool,
     ) -> Result<()> {
-        let (ab_type, compute) = match prec {
-            Precision::Bf16 => (
-                sys::cudaDataType::CUDA_R_16BF,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            Precision::F32 => (
-                sys::cudaDataType::CUDA_R_32F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-            ),
-        };
+        let (ab_type, compute) = (sys::cudaDataType::CUDA_R_16BF, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F);
         let int = |v: usize| i32::try_from(v).map_err(|_| anyhow!("GEMM dimension {v} too large"));
         let (m, n, k, ldc) = (int(rows)?, int(ntok)?, int(cols)?, int(ldy)?);
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
@@ -111,16 +101,6 @@ impl Blas {
         }
         .map_err(|e| anyhow!("cublasGemmEx ({rows}x{cols} by {ntok} tokens): {e:?}"))
     }
-}
-
-/// Operand precision of [`Blas::gemm`] (f32 accumulation either way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Precision {
-    /// bf16 operands on tensor cores: the dense projections.
-    Bf16,
-    /// f32 operands, pedantic (no TF32 even under NVIDIA_TF32_OVERRIDE): the few-row GEMMs whose
-    /// outputs pick experts and gates.
-    F32,
 }
 
 impl Drop for Blas {

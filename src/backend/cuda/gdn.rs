@@ -13,6 +13,30 @@ use anyhow::{bail, Result};
 const GDN_STEP: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step"), Kernel::dependent(&GDN, "gdn_step_f16")];
 const GDN_STEP_BATCH: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_batch"), Kernel::dependent(&GDN, "gdn_step_batch_f16")];
 const GDN_STEP_PERSIST: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_persist"), Kernel::dependent(&GDN, "gdn_step_persist_f16")];
+/// `gdn_step`, `gdn_step_batch` and `gdn_step_persist` compiled for [`SHAPED_STEP_DIMS`].
+const GDN_STEP_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_35b"), Kernel::dependent(&GDN, "gdn_step_35b_f16")];
+const GDN_STEP_BATCH_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_batch_35b"), Kernel::dependent(&GDN, "gdn_step_batch_35b_f16")];
+const GDN_STEP_PERSIST_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_persist_35b"), Kernel::dependent(&GDN, "gdn_step_persist_35b_f16")];
+/// The head shapes the `_35b` GDN steps have as constants (the 35B's): key heads, value heads,
+/// key dim, value dim, conv taps.
+const SHAPED_STEP_DIMS: [usize; 5] = [16, 32, 128, 128, 4];
+
+/// The decode steps' kernels: one sequence's, the batched per-item and persistent ones.
+struct StepKernels {
+    one: [Kernel; 2],
+    per_item: [Kernel; 2],
+    persist: [Kernel; 2],
+}
+
+/// The general steps, or (`shaped`) the ones compiled for [`SHAPED_STEP_DIMS`]: the same values
+/// either way.
+fn step_kernels(shaped: bool) -> StepKernels {
+    if shaped {
+        StepKernels { one: GDN_STEP_35B, per_item: GDN_STEP_BATCH_35B, persist: GDN_STEP_PERSIST_35B }
+    } else {
+        StepKernels { one: GDN_STEP, per_item: GDN_STEP_BATCH, persist: GDN_STEP_PERSIST }
+    }
+}
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
@@ -63,6 +87,10 @@ impl GdnDims {
     /// Which instance of a state-reading kernel these dims launch.
     fn instance(&self, kernels: [Kernel; 2]) -> Kernel {
         kernels[self.state_f16 as usize]
+    }
+    /// Whether these are the head shapes the `_35b` GDN steps are compiled for.
+    fn shaped_step(&self) -> bool {
+        [self.nk, self.nv, self.dk, self.dv, self.kc] == SHAPED_STEP_DIMS
     }
     /// Threads of `gdn_step`: one per (value column, 32-key slice).
     fn step_threads(&self) -> u32 {
@@ -130,7 +158,27 @@ pub struct GdnPtrs {
 
 /// One token (decode): token and position in the step buffer.
 pub fn step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64) -> Result<()> {
-    gpu.launch(d.instance(GDN_STEP), (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
+    launch_step(gpu, d, p, step, d.shaped_step())
+}
+
+fn launch_step(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64, shaped: bool) -> Result<()> {
+    gpu.launch(d.instance(step_kernels(shaped).one), (d.nv as u32, 1, 1), d.step_threads(), d.step_smem(), &step_args(d, p, step))
+}
+
+/// The one-sequence step on the general instance or (`shaped`) on the one compiled for the 35B's
+/// head shapes, which these dims must then be: the two side by side in tests.
+#[cfg(feature = "cuda-testing")]
+pub fn step_with(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, step: u64, shaped: bool) -> Result<()> {
+    check_shaped(d, shaped)?;
+    launch_step(gpu, d, p, step, shaped)
+}
+
+#[cfg(feature = "cuda-testing")]
+fn check_shaped(d: &GdnDims, shaped: bool) -> Result<()> {
+    if shaped && !d.shaped_step() {
+        bail!("the _35b GDN steps are compiled for head shapes {SHAPED_STEP_DIMS:?}, not these dims");
+    }
+    Ok(())
 }
 
 /// The batched step's kernel.
@@ -163,6 +211,25 @@ pub fn select_step_batch(items: usize, sms: usize) -> StepBatchKernel {
 /// out-projection's batched GEMV, as `stage_tcb` without a gain would (see [`stages_output`]).
 #[allow(clippy::too_many_arguments)]
 pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>, kernel: StepBatchKernel) -> Result<()> {
+    launch_batch(gpu, d, p, steps, rows, staged, kernel, d.shaped_step())
+}
+
+/// [`step_batch`] on the general instances or (`shaped`) the ones compiled for the 35B's head
+/// shapes.
+#[allow(clippy::too_many_arguments)]
+fn launch_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>, kernel: StepBatchKernel, shaped: bool) -> Result<()> {
+    let mut args = batch_args(gpu, d, p, steps, rows, staged)?;
+    if let StepBatchKernel::Persist { blocks } = kernel {
+        if persist_fits(d, rows) {
+            args.push(Arg::I(rows as i32));
+            return gpu.launch(d.instance(step_kernels(shaped).persist), (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
+        }
+    }
+    launch_per_item(gpu, d, step_kernels(shaped).per_item, rows, &args)
+}
+
+/// The batched steps' arguments: [`step_args`], then where the outputs are staged (null without).
+fn batch_args(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>) -> Result<Vec<Arg>> {
     let mut args = step_args(d, p, steps);
     let s = &gpu.stream;
     match staged {
@@ -174,17 +241,25 @@ pub fn step_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, 
         }
         None => args.extend([Arg::P(0), Arg::P(0)]),
     }
-    if let StepBatchKernel::Persist { blocks } = kernel {
-        if persist_fits(d, rows) {
-            args.push(Arg::I(rows as i32));
-            return gpu.launch(d.instance(GDN_STEP_PERSIST), (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
-        }
-    }
+    Ok(args)
+}
+
+/// `kernels` (`gdn_step_batch` or its shaped instance) over `rows` rows with `args`.
+fn launch_per_item(gpu: &Gpu, d: &GdnDims, kernels: [Kernel; 2], rows: usize, args: &[Arg]) -> Result<()> {
     let smem = d.step_batch_smem();
     if smem > SMEM_OPTIN_LIMIT {
         bail!("the batched GDN step keeps a {} x {} state slice in shared memory: {smem} bytes do not fit", d.dk, d.dv);
     }
-    gpu.launch(d.instance(GDN_STEP_BATCH), (d.nv as u32, rows as u32, 1), d.step_threads(), smem, &args)
+    gpu.launch(d.instance(kernels), (d.nv as u32, rows as u32, 1), d.step_threads(), smem, args)
+}
+
+/// The batched step on `kernel`'s general instance or (`shaped`) on the one compiled for the
+/// 35B's head shapes, which these dims must then be: the two side by side in tests.
+#[cfg(feature = "cuda-testing")]
+#[allow(clippy::too_many_arguments)]
+pub fn step_batch_with(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, staged: Option<&TcbStaging>, kernel: StepBatchKernel, shaped: bool) -> Result<()> {
+    check_shaped(d, shaped)?;
+    launch_batch(gpu, d, p, steps, rows, staged, kernel, shaped)
 }
 
 /// Whether the batched step can stage its outputs itself: each head's outputs are whole 64-column
@@ -537,6 +612,23 @@ mod tests {
     }
 
     #[test]
+    fn the_35b_head_shapes_take_the_shaped_steps() {
+        let big = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
+        assert!(big.shaped_step());
+        // The constants are the 512 threads' shapes: one per (value column, 32-key slice).
+        assert_eq!(big.step_threads(), 512);
+        let (shaped, general) = (step_kernels(true), step_kernels(false));
+        let f16 = big.with_state_f16(true);
+        assert_eq!([shaped.one, shaped.per_item, shaped.persist].map(|k| f16.instance(k).name), ["gdn_step_35b_f16", "gdn_step_batch_35b_f16", "gdn_step_persist_35b_f16"]);
+        assert_eq!([general.one, general.per_item, general.persist].map(|k| big.instance(k).name), ["gdn_step", "gdn_step_batch", "gdn_step_persist"]);
+        // Any other shape takes the general kernels.
+        assert!(!GdnDims::new(&ModelConfig::tiny()).shaped_step());
+        for other in [GdnDims { kc: 3, ..big }, GdnDims { nv: 16, ..big }, GdnDims { nk: 32, ..big }, GdnDims { dv: 64, ..big }, GdnDims { dk: 64, ..big }] {
+            assert!(!other.shaped_step(), "{other:?}");
+        }
+    }
+
+    #[test]
     fn an_f16_state_launches_the_f16_instances_with_half_the_state_bytes() {
         let f32s = GdnDims::new(&ModelConfig::qwen36_35b_a3b());
         let f16s = f32s.with_state_f16(true);
@@ -550,7 +642,7 @@ mod tests {
         assert_eq!((p32.name, w32.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128"));
         assert_eq!((p16.name, w16.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128_f16"));
         // Every instance is in the module the backend compiles.
-        for k in [GDN_STEP, GDN_STEP_BATCH, GDN_STEP_PERSIST].concat().into_iter().chain([w16, select_scan(&f16s).unwrap()]) {
+        for k in [GDN_STEP, GDN_STEP_35B, GDN_STEP_BATCH, GDN_STEP_BATCH_35B, GDN_STEP_PERSIST, GDN_STEP_PERSIST_35B].concat().into_iter().chain([w16, select_scan(&f16s).unwrap()]) {
             assert!(GDN.kernels.contains(&k.name), "{}", k.name);
         }
         // The batched steps' shared memory: the 128 x 128 slice is 64 KB in f32, 32 KB in f16;

@@ -7,7 +7,8 @@
 
 use super::activations::{Activations, ChunkScratch};
 use super::device::{ptr, Arg, Gpu};
-use super::qmatmul::{tc_smem, Gemm, Grouped, PendingCombine, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
+use super::ops;
+use super::qmatmul::{tc_smem, FewRows, Gemm, Grouped, PendingCombine, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
 use super::weights::{DevMoe, DevQ};
 use super::registry::{Kernel, MOE};
 use crate::checkpoint::ModelConfig;
@@ -335,8 +336,9 @@ impl RouteLists {
 #[allow(clippy::too_many_arguments)]
 pub fn gate_and_route(gpu: &Gpu, gemm: &Gemm, m: &DevMoe, d: &MoeDims, a: &Activations, s: &ChunkScratch, n: usize, tile: usize) -> Result<RouteLists> {
     let (u, p) = (ptr(&a.u, &gpu.stream), |x: &CudaSlice<f32>| ptr(x, &gpu.stream));
-    gemm.few_rows(&m.router, d.e, u, n, p(&a.router), d.e)?;
-    gemm.few_rows(&m.shared_expert_gate, 1, u, n, p(&a.sgl), 1)?;
+    let router = FewRows { q: &m.router, rows: d.e, y: p(&a.router), ldy: d.e };
+    let gate = FewRows { q: &m.shared_expert_gate, rows: 1, y: p(&a.sgl), ldy: 1 };
+    gemm.few_rows(&[router, gate], u, n)?;
     let r = RouteLists::over(gpu, a, s);
     gpu.zero(r.counts, d.e * 4)?;
     route(gpu, d, &r, n)?;
@@ -383,12 +385,9 @@ pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n
     gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
 }
 
-/// Float4s of a row per lane of `pf_moe_combine_norm_bf16` (PF_CN_F4 in kernels/moe.cu).
-const COMBINE_NORM_F4: usize = 16;
-
-/// Whether [`combine_norm_bf16`] takes rows of `hidden` values (one warp's registers hold a row).
+/// Whether [`combine_norm_bf16`] takes rows of `hidden` values (one block's registers hold a row).
 pub fn combine_norm_fits(hidden: usize) -> bool {
-    hidden.is_multiple_of(4) && hidden <= 32 * 4 * COMBINE_NORM_F4
+    hidden.is_multiple_of(4) && hidden <= ops::NORM_THREADS as usize * 4 * ops::NORM_V
 }
 
 /// [`combine_bf16_down`] fused with the next layer's input norm over `n` rows: `x += ...`, then
@@ -397,11 +396,11 @@ pub fn combine_norm_fits(hidden: usize) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub fn combine_norm_bf16(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, gain: u64, u: u64, staged: Option<u64>, n: usize, eps: f32) -> Result<()> {
     if !combine_norm_fits(d.hidden) {
-        bail!("the fused combine and norm take rows of whole float4s of at most {} values, not {}", 128 * COMBINE_NORM_F4, d.hidden);
+        bail!("the fused combine and norm take rows of whole float4s of at most {} values, not {}", ops::NORM_THREADS as usize * 4 * ops::NORM_V, d.hidden);
     }
     let norm = [Arg::P(gain), Arg::P(u), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.hidden as i32), Arg::F(eps)];
     let args = [&combine_head(out, x)[..], &norm].concat();
-    gpu.launch(PF_MOE_COMBINE_NORM_BF16, (n.div_ceil(8) as u32, 1, 1), 256, 0, &args)
+    gpu.launch(PF_MOE_COMBINE_NORM_BF16, (n as u32, 1, 1), ops::NORM_THREADS, 0, &args)
 }
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per

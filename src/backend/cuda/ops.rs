@@ -8,6 +8,11 @@ use anyhow::{bail, Result};
 const PF_RMSNORM: Kernel = Kernel::ordered(&OPS, "pf_rmsnorm");
 const PF_SWIGLU: Kernel = Kernel::ordered(&OPS, "pf_swiglu");
 
+/// Threads of the prefill's row norms, one block per row (NORM_THREADS in kernels/common.cuh), and
+/// the float4s each keeps in registers (NORM_V).
+pub const NORM_THREADS: u32 = 128;
+pub const NORM_V: usize = 4;
+
 /// `out[r] = x[r] / rms(x[r]) * gain` for `rows` rows of `n` values (a multiple of 4); with
 /// `staged`, the same values in bf16 there too ([`super::qmatmul::Gemm::stage_target`]).
 #[allow(clippy::too_many_arguments)]
@@ -16,7 +21,7 @@ pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, e
         bail!("the prefill RMSNorm takes rows of whole float4s, not {n} values");
     }
     let args = [Arg::P(x), Arg::P(gain), Arg::P(out), Arg::I(rows as i32), Arg::I(n as i32), Arg::F(eps), Arg::P(staged.unwrap_or(0))];
-    gpu.launch(PF_RMSNORM, (rows.div_ceil(8) as u32, 1, 1), 256, 0, &args)
+    gpu.launch(PF_RMSNORM, (rows as u32, 1, 1), NORM_THREADS, 0, &args)
 }
 
 /// `g = silu(g) * u` over `n` values.

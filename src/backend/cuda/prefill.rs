@@ -18,7 +18,7 @@ use super::gdn::{self, ConvSegment, GdnChunkScratch, GdnDims, ScanSegment};
 use super::moe::PrefillExperts;
 use super::moe;
 use super::ops;
-use super::qmatmul::{self, Gemm, Grouped, PendingCombine};
+use super::qmatmul::{self, FewRows, Gemm, Grouped, PendingCombine};
 use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
@@ -139,8 +139,9 @@ impl Pass for ChunkPass<'_> {
         let (cdim, vd, nv) = (d.conv_dim, d.nv * d.dv, d.nv);
         self.gemm.run(&g.in_qkv, cdim, u, n, self.p(&a.qkv), cdim, false, None)?;
         self.gemm.run(&g.in_z, vd, u, n, self.p(&a.z), vd, false, None)?;
-        self.gemm.few_rows(&g.in_b, nv, u, n, self.p(&a.b), nv)?;
-        self.gemm.few_rows(&g.in_a, nv, u, n, self.p(&a.a), nv)?;
+        let b = FewRows { q: &g.in_b, rows: nv, y: self.p(&a.b), ldy: nv };
+        let gate_a = FewRows { q: &g.in_a, rows: nv, y: self.p(&a.a), ldy: nv };
+        self.gemm.few_rows(&[b, gate_a], u, n)?;
         self.point(probe, Point::Phase("gdn.proj"))?;
         // The segments' convs (each its own ring) into their rows of the scratch, then one scan
         // over all segments side by side (each its own state), then the norm over all rows.
@@ -370,7 +371,7 @@ impl Prefill<'_> {
             w: self.w,
             act: &b.act,
             s: &b.scratch,
-            gemm: Gemm::new(self.gpu, self.cfg.quant.group_size, self.exact, blas),
+            gemm: Gemm::new(self.gpu, self.cfg.quant.group_size, self.exact, blas).few_inputs_f16(self.w.few_inputs_f16),
             rows,
             segments,
             exact: self.exact,

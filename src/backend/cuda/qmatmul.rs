@@ -3,7 +3,7 @@
 //! (T tokens: f32 tiles, bf16 tensor cores, or cuBLAS on dequantised weights; dense or grouped
 //! per expert), and embedding rows.
 
-use super::blas::{Blas, Precision};
+use super::blas::Blas;
 use super::device::{ptr, Arg, Gpu};
 use super::ops;
 use super::registry::{Kernel, QMATMUL};
@@ -27,8 +27,12 @@ const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
 const PF_GEMM_TC: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_tc");
 const PF_GEMM_SKINNY: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_skinny");
+/// `pf_few_tc_<bits>_<n-tiles per chunk>`.
+const PF_FEW_TC: [[Kernel; 2]; 2] = [
+    [Kernel::ordered(&QMATMUL, "pf_few_tc_4_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_4_8")],
+    [Kernel::ordered(&QMATMUL, "pf_few_tc_8_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_8_8")],
+];
 const PF_DEQUANT_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_dequant_bf16");
-const PF_DEQUANT_F32: Kernel = Kernel::ordered(&QMATMUL, "pf_dequant_f32");
 const PF_TO_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_to_bf16");
 const PF_EMBED: Kernel = Kernel::ordered(&QMATMUL, "pf_embed");
 
@@ -365,11 +369,12 @@ pub fn select_gemm(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> Gemm
 }
 
 /// Kernels of a few-row GEMM whose outputs pick experts and gates (router, shared-expert gate,
-/// GDN b/a): f32 whatever the mode.
+/// GDN b/a): f32-accurate whatever the mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FewRowRoute {
-    /// f32 weights and a pedantic f32 cuBLAS GEMM (many tokens).
-    CublasF32,
+    /// `pf_few_tc_*`: the tensor cores with the activations split into three bf16 terms (exact
+    /// products, f32 sums), the products sharing an input in one launch (outside the exact mode).
+    TensorCore,
     /// `pf_gemm_skinny`: one block per 8 tokens (the 128-row tiles of `pf_gemm` would leave most
     /// of the GPU idle).
     Skinny,
@@ -392,14 +397,107 @@ pub fn skinny_rows_per_block(rows: usize, token_blocks: usize, sms: usize) -> us
     (rows.div_ceil(row_blocks).div_ceil(8) * 8).clamp(8, 256)
 }
 
-pub fn select_few_row(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> FewRowRoute {
-    if !exact && cublas_takes(s, blas) {
-        FewRowRoute::CublasF32
+/// `pf_few_tc` takes whole 64-column groups of 4- or 8-bit codes.
+fn few_tc_takes(s: &GemmShape) -> bool {
+    s.group == 64 && s.cols.is_multiple_of(64) && (s.bits == 4 || s.bits == 8)
+}
+
+/// `inputs_f16`: the inputs are bounded within f16's range (`weights::norm_outputs_fit_f16`).
+pub fn select_few_row(s: &GemmShape, exact: bool, inputs_f16: bool) -> FewRowRoute {
+    if !exact && inputs_f16 && few_tc_takes(s) {
+        FewRowRoute::TensorCore
     } else if skinny_smem(s.cols, s.group) <= SKINNY_SMEM_MAX && s.cols.is_multiple_of(32) && s.group.is_multiple_of(32) {
         FewRowRoute::Skinny
     } else {
         FewRowRoute::F32Tiles
     }
+}
+
+/// One few-row product: the first `rows` rows of `q` times the shared input into `y` (`ldy`
+/// floats per token).
+#[derive(Clone, Copy)]
+pub struct FewRows<'q> {
+    pub q: &'q DevQ,
+    pub rows: usize,
+    pub y: u64,
+    pub ldy: usize,
+}
+
+/// Warps of a `pf_few_tc` block (FEW_WARPS in kernels/qmatmul.cu).
+const FEW_WARPS: usize = 8;
+
+/// The n-tiles of 8 rows in a `pf_few_tc` chunk: 4 when no product has more than 32 rows (GDN b
+/// and a), else 8.
+pub fn few_tc_tiles(rows: &[usize]) -> usize {
+    if rows.iter().all(|&r| r <= 32) {
+        4
+    } else {
+        8
+    }
+}
+
+/// The `pf_few_tc` launches of products sharing one input, as indices into the list: (first,
+/// second, one-row aux). One launch takes two products (each in its own 64-row chunks) and a
+/// one-row product in the ones tile: router + shared-expert gate, GDN b + a; products of other
+/// codes or widths run one per launch.
+pub fn few_tc_launches(rows: &[usize], same_codes: bool) -> Vec<(usize, Option<usize>, Option<usize>)> {
+    match rows {
+        [_, 1] if same_codes => vec![(0, None, Some(1))],
+        [_, _] if same_codes => vec![(0, Some(1), None)],
+        _ => (0..rows.len()).map(|i| (i, None, None)).collect(),
+    }
+}
+
+/// `pf_few_tc`'s block: (chunks per block, parts of the groups), a warp each, at most `FEW_WARPS`. With a
+/// wave of token tiles a block takes every 64-row chunk of its 16 tokens (the tokens are read
+/// from L2 once) and splits the groups in the warps left; with fewer tiles each block takes one
+/// chunk and splits its groups over all its warps, so short prompts still fill the GPU.
+pub fn few_tc_shape(chunks: usize, groups: usize, token_tiles: usize, sms: usize) -> (usize, usize) {
+    let cpb = if token_tiles >= sms { chunks.clamp(1, FEW_WARPS) } else { 1 };
+    (cpb, (FEW_WARPS / cpb).clamp(1, groups.max(1)))
+}
+
+/// A `FewMat` argument of `pf_few_tc` (codes, scales, biases, output, rows, output stride); zeros
+/// for an absent one.
+fn few_mat_arg(gpu: &Gpu, f: Option<&FewRows>) -> Arg {
+    let mut w = [0u64; super::device::ARG_STRUCT_WORDS];
+    if let Some(f) = f {
+        let (c, s, b) = f.q.ptrs(gpu);
+        w[..5].copy_from_slice(&[c, s, b, f.y, f.rows as u32 as u64 | (f.ldy as u32 as u64) << 32]);
+    }
+    Arg::S(Box::new(w))
+}
+
+/// One `pf_few_tc` launch over `ntok` tokens of `x`: `m0`'s chunks, then `m1`'s, `aux` (one row)
+/// in the ones tile. The caller checks the shapes ([`few_tc_takes`], [`few_tc_launches`]).
+fn few_tc(gpu: &Gpu, m0: &FewRows, m1: Option<&FewRows>, aux: Option<&FewRows>, x: u64, ntok: usize) -> Result<()> {
+    row_order(m0.q)?;
+    for f in m1.iter().chain(aux.iter()) {
+        row_order(f.q)?;
+        if f.q.bits != m0.q.bits || f.q.cols != m0.q.cols {
+            bail!("products stacked in one few-row launch take the same codes and width");
+        }
+    }
+    if aux.is_some_and(|a| a.rows != 1) {
+        bail!("the few-row aux product is one row");
+    }
+    let cols = m0.q.cols;
+    let nt = few_tc_tiles(&[m0.rows, m1.map_or(0, |m| m.rows)]);
+    let chunks = m0.rows.div_ceil(8 * nt) + m1.map_or(0, |m| m.rows.div_ceil(8 * nt));
+    let tiles = ntok.div_ceil(16);
+    let (cpb, ks) = few_tc_shape(chunks, cols / 64, tiles, gpu.sms as usize);
+    let k = PF_FEW_TC[(m0.q.bits == 8) as usize][(nt == 8) as usize];
+    let args = [
+        Arg::P(x),
+        Arg::I(ntok as i32),
+        Arg::I(cols as i32),
+        few_mat_arg(gpu, Some(m0)),
+        few_mat_arg(gpu, m1),
+        few_mat_arg(gpu, aux),
+        Arg::I(cpb as i32),
+        Arg::I(ks as i32),
+    ];
+    gpu.launch(k, (tiles as u32, chunks.div_ceil(cpb) as u32, 1), (32 * cpb * ks) as u32, 0, &args)
 }
 
 /// Kernels of `silu(gate·x) * (up·x)`.
@@ -443,17 +541,15 @@ const GEMM_TC_SMEM: usize = 2 * (128 + 64) * 72 * 2;
 pub struct BlasScratch {
     /// bf16 weights, room for the largest dense matrix.
     pub wb: CudaSlice<u16>,
-    /// f32 weights, room for the largest few-row matrix.
-    pub wf: CudaSlice<f32>,
     /// bf16 copy of the normed hidden states (staged once per norm) and of any other input.
     pub ub: CudaSlice<u16>,
     pub xb: CudaSlice<u16>,
 }
 
 impl BlasScratch {
-    /// Room for `dense` / `few` weight elements and `staged` / `input` activations.
-    pub fn new(gpu: &Gpu, dense: usize, few: usize, staged: usize, input: usize) -> Result<Self> {
-        Ok(BlasScratch { wb: gpu.zeros(dense)?, wf: gpu.zeros(few)?, ub: gpu.zeros(staged)?, xb: gpu.zeros(input)? })
+    /// Room for `dense` weight elements and `staged` / `input` activations.
+    pub fn new(gpu: &Gpu, dense: usize, staged: usize, input: usize) -> Result<Self> {
+        Ok(BlasScratch { wb: gpu.zeros(dense)?, ub: gpu.zeros(staged)?, xb: gpu.zeros(input)? })
     }
 }
 
@@ -462,7 +558,6 @@ struct BlasRoute<'a> {
     blas: &'a Blas,
     min_tokens: usize,
     wb: (u64, usize),
-    wf: (u64, usize),
     ub: (u64, usize),
     xb: (u64, usize),
     /// The f32 input (pointer, values) whose bf16 copy is in `ub` (see [`Gemm::stage`]).
@@ -489,6 +584,8 @@ pub struct Gemm<'a> {
     group: usize,
     exact: bool,
     blas: Option<BlasRoute<'a>>,
+    /// The few-row products' inputs fit f16 ([`Gemm::few_inputs_f16`]).
+    few_f16: bool,
 }
 
 impl<'a> Gemm<'a> {
@@ -500,12 +597,17 @@ impl<'a> Gemm<'a> {
             blas,
             min_tokens,
             wb: (ptr(&s.wb, st), s.wb.len()),
-            wf: (ptr(&s.wf, st), s.wf.len()),
             ub: (ptr(&s.ub, st), s.ub.len()),
             xb: (ptr(&s.xb, st), s.xb.len()),
             staged: Cell::new(None),
         });
-        Gemm { gpu, group, exact, blas }
+        Gemm { gpu, group, exact, blas, few_f16: false }
+    }
+
+    /// Declares the few-row products' inputs bounded within f16's range
+    /// (`weights::norm_outputs_fit_f16`), which the tensor-core route needs.
+    pub fn few_inputs_f16(self, fit: bool) -> Self {
+        Gemm { few_f16: fit, ..self }
     }
 
     fn shape(&self, q: &DevQ, rows: usize, tokens: usize, grouped: bool) -> GemmShape {
@@ -550,22 +652,35 @@ impl<'a> Gemm<'a> {
                         r.wb.0
                     }
                 };
-                r.blas.gemm(Precision::Bf16, wb, xb, y, (rows, q.cols, ntok, ldy), accumulate)
+                r.blas.gemm(wb, xb, y, (rows, q.cols, ntok, ldy), accumulate)
             }
             GemmRoute::TensorCore => gemm_tc(self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
             GemmRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
         }
     }
 
-    /// `y = W · x` in f32 whatever the mode, for the few-row GEMMs (router, gates).
-    pub fn few_rows(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<()> {
-        let shape = self.shape(q, rows, ntok, false);
-        match select_few_row(&shape, self.exact, self.limits(|r| r.wf.1)) {
-            FewRowRoute::CublasF32 => {
-                let r = self.blas.as_ref().expect("selected only with cuBLAS");
-                self.dequant(q, rows, PF_DEQUANT_F32, r.wf.0)?;
-                r.blas.gemm(Precision::F32, r.wf.0, x, y, (rows, q.cols, ntok, ldy), false)
+    /// `y = W · x` f32-accurate whatever the mode for each few-row product of `outs` (router and
+    /// shared-expert gate, GDN b and a), all of the same input `x` of `ntok` tokens.
+    pub fn few_rows(&self, outs: &[FewRows], x: u64, ntok: usize) -> Result<()> {
+        let tc = |f: &FewRows| select_few_row(&self.shape(f.q, f.rows, ntok, false), self.exact, self.few_f16) == FewRowRoute::TensorCore;
+        if !outs.is_empty() && outs.iter().all(tc) {
+            let rows: Vec<usize> = outs.iter().map(|f| f.rows).collect();
+            let same = outs.iter().all(|f| f.q.bits == outs[0].q.bits && f.q.cols == outs[0].q.cols);
+            for (a, b, aux) in few_tc_launches(&rows, same) {
+                few_tc(self.gpu, &outs[a], b.map(|i| &outs[i]), aux.map(|i| &outs[i]), x, ntok)?;
             }
+            return Ok(());
+        }
+        for f in outs {
+            self.few_rows_cuda_cores(f, x, ntok)?;
+        }
+        Ok(())
+    }
+
+    /// One few-row product on the CUDA cores (the exact mode, shapes the tensor cores do not take).
+    fn few_rows_cuda_cores(&self, f: &FewRows, x: u64, ntok: usize) -> Result<()> {
+        let (q, rows, y, ldy) = (f.q, f.rows, f.y, f.ldy);
+        match select_few_row(&self.shape(q, rows, ntok, false), true, false) {
             FewRowRoute::Skinny => {
                 row_order(q)?;
                 let rpb = skinny_rows_per_block(rows, ntok.div_ceil(SKINNY_T), self.gpu.sms as usize);
@@ -574,7 +689,7 @@ impl<'a> Gemm<'a> {
                 let grid = (ntok.div_ceil(SKINNY_T) as u32, rows.div_ceil(rpb) as u32, 1);
                 self.gpu.launch(PF_GEMM_SKINNY, grid, 256, skinny_smem(q.cols, self.group) as u32, &args)
             }
-            FewRowRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None),
+            _ => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, false, None),
         }
     }
 
@@ -898,17 +1013,52 @@ mod tests {
         assert_eq!(select_gemm(&shape(64, 96, 4096, false), false, None), GemmRoute::F32Tiles);
         // The lm_head never fits the scratch.
         assert_eq!(select_gemm(&shape(248_320, 2048, 4096, false), false, blas), GemmRoute::TensorCore);
-        let few = shape(256, 2048, 4096, false);
-        let fblas = Some(BlasLimits { min_tokens: 128, scratch: 256 * 2048 });
-        assert_eq!(select_few_row(&few, false, fblas), FewRowRoute::CublasF32);
-        assert_eq!(select_few_row(&few, true, fblas), FewRowRoute::Skinny);
-        assert_eq!(select_few_row(&shape(256, 8192, 16, false), false, None), FewRowRoute::F32Tiles);
+        let few = GemmShape { bits: 8, ..shape(256, 2048, 4096, false) };
+        assert_eq!(select_few_row(&few, false, true), FewRowRoute::TensorCore);
+        assert_eq!(select_few_row(&shape(32, 2048, 7, false), false, true), FewRowRoute::TensorCore);
+        assert_eq!(select_few_row(&few, true, true), FewRowRoute::Skinny);
+        // Inputs that may leave f16's range, odd widths or codes: the CUDA cores.
+        assert_eq!(select_few_row(&few, false, false), FewRowRoute::Skinny);
+        assert_eq!(select_few_row(&shape(256, 96, 16, false), false, true), FewRowRoute::Skinny);
+        assert_eq!(select_few_row(&GemmShape { bits: 6, ..few }, false, true), FewRowRoute::Skinny);
+        assert_eq!(select_few_row(&shape(256, 8192 + 64, 16, false), true, true), FewRowRoute::F32Tiles);
         let (g, u) = (shape(512, 2048, 4096, false), shape(512, 2048, 4096, false));
         assert_eq!(select_glu(&g, &u, false, blas), GluRoute::Cublas);
         assert_eq!(select_glu(&g, &u, false, None), GluRoute::FusedTensorCore);
         assert_eq!(select_glu(&g, &u, true, blas), GluRoute::F32Split);
         let grouped = shape(512, 2048, 4096, true);
         assert_eq!(select_glu(&grouped, &grouped, false, blas), GluRoute::FusedTensorCore);
+    }
+
+    #[test]
+    fn few_row_products_share_launches_where_the_stack_allows() {
+        // Router (256 rows) + shared-expert gate (1): one launch, the gate in the ones tile.
+        assert_eq!(few_tc_launches(&[256, 1], true), vec![(0, None, Some(1))]);
+        // GDN b + a (32 + 32): each in its own chunk of one launch.
+        assert_eq!(few_tc_launches(&[32, 32], true), vec![(0, Some(1), None)]);
+        assert_eq!(few_tc_launches(&[12, 70], true), vec![(0, Some(1), None)]);
+        // Other codes, or more products: one launch each.
+        assert_eq!(few_tc_launches(&[32, 32], false), vec![(0, None, None), (1, None, None)]);
+        assert_eq!(few_tc_launches(&[8, 8, 8], true).len(), 3);
+        assert_eq!(few_tc_launches(&[5], true), vec![(0, None, None)]);
+        // Chunks of 64 rows for the router, 32 for GDN b and a.
+        assert_eq!(few_tc_tiles(&[256, 0]), 8);
+        assert_eq!(few_tc_tiles(&[32, 32]), 4);
+        assert_eq!(few_tc_tiles(&[8, 0]), 4);
+    }
+
+    #[test]
+    fn few_row_blocks_fill_the_gpu_for_short_prompts() {
+        // 35B router (4 chunks of 64 rows, 32 groups) at 4,096 tokens (256 tiles on 132 SMs): a
+        // block per 16 tokens with all chunks, the groups in two parts.
+        assert_eq!(few_tc_shape(4, 32, 256, 132), (4, 2));
+        // At 700 tokens (44 tiles): one chunk per block, the groups in eight parts.
+        assert_eq!(few_tc_shape(4, 32, 44, 132), (1, 8));
+        // GDN b|a (one chunk): eight parts either way; the tiny model's two groups: two parts.
+        assert_eq!(few_tc_shape(1, 32, 256, 132), (1, 8));
+        assert_eq!(few_tc_shape(1, 2, 3, 132), (1, 2));
+        // More chunks than warps: eight per block, no split.
+        assert_eq!(few_tc_shape(20, 32, 500, 132), (8, 1));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use super::forward::Probe;
 use super::gdn::{self, GdnChunkScratch, GdnDims, GdnPtrs};
 pub use super::gdn::ScanPath;
 use super::moe::{self, MoeDims, RouteLists};
-use super::qmatmul::{self, BlasScratch, FewRowRoute, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
+use super::qmatmul::{self, BlasScratch, FewRowRoute, FewRows, Gemm, GemmRoute, GemvInput, GemvSets, Grouped, TcbStaging};
 use super::sampling;
 use super::state::CudaSequence;
 use super::weights::DevQ;
@@ -163,35 +163,55 @@ fn blas_scratch(b: &CudaBackend, q: &QuantTensor, tokens: usize, needed: bool) -
         bail!("cuBLAS is not loaded (libcublas missing or LILY_CUDA_CUBLAS=0)");
     }
     let (w, a) = (q.rows * q.cols, tokens * q.cols);
-    Ok(Some(BlasScratch::new(&b.gpu, w, w, a, a)?))
+    Ok(Some(BlasScratch::new(&b.gpu, w, a, a)?))
 }
 
 /// `x` is `[tokens][q.cols]`; returns `[tokens][q.rows]` through the prefill GEMM `route`.
 pub fn gemm(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: GemmRoute) -> Result<Vec<f32>> {
-    product(b, q, x, tokens, Route::Dense(route))
+    product(b, q, x, tokens, route)
 }
 
 /// Like [`gemm`] through a few-row route (router, gates).
 pub fn few_rows(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: FewRowRoute) -> Result<Vec<f32>> {
-    product(b, q, x, tokens, Route::FewRows(route))
+    Ok(few_rows_set(b, &[q], x, tokens, route)?.remove(0))
 }
 
-/// A prefill product's route: a dense GEMM's or a few-row GEMM's.
-#[derive(Clone, Copy)]
-enum Route {
-    Dense(GemmRoute),
-    FewRows(FewRowRoute),
+/// The few-row products of `qs` (one input `x`, `[tokens][cols]`) in one `Gemm::few_rows` call on
+/// `route` (the tensor cores stack them in shared launches); each `[tokens][q.rows]`.
+pub fn few_rows_set(b: &CudaBackend, qs: &[&QuantTensor], x: &[f32], tokens: usize, route: FewRowRoute) -> Result<Vec<Vec<f32>>> {
+    let gpu = &b.gpu;
+    let Some(cols) = qs.first().map(|q| q.cols) else { bail!("no products") };
+    if qs.iter().any(|q| q.cols != cols || q.group != qs[0].group) || x.len() != tokens * cols {
+        bail!("few rows: the products take {tokens}x{cols} inputs of one width and group");
+    }
+    let dqs = qs.iter().map(|q| DevQ::upload(gpu, q)).collect::<Result<Vec<_>>>()?;
+    let xd = gpu.upload(x)?;
+    let ys = qs.iter().map(|q| gpu.zeros::<f32>(tokens * q.rows)).collect::<Result<Vec<_>>>()?;
+    let outs: Vec<FewRows> = dqs.iter().zip(qs).zip(&ys).map(|((dq, q), y)| FewRows { q: dq, rows: q.rows, y: ptr(y, &gpu.stream), ldy: q.rows }).collect();
+    let xp = ptr(&xd, &gpu.stream);
+    match route {
+        // The exact mode's kernels: pf_gemm_skinny where it takes the width.
+        FewRowRoute::Skinny => Gemm::new(gpu, qs[0].group, true, None).few_rows(&outs, xp, tokens)?,
+        // The callers' inputs are within f16's range (the kernel tests': |x| <= 1).
+        FewRowRoute::TensorCore => Gemm::new(gpu, qs[0].group, false, None).few_inputs_f16(true).few_rows(&outs, xp, tokens)?,
+        // The kernel the few-row route falls back to when the skinny one cannot take the width.
+        FewRowRoute::F32Tiles => {
+            for f in &outs {
+                Gemm::new(gpu, qs[0].group, true, None).run(f.q, f.rows, xp, tokens, f.y, f.ldy, false, None)?;
+            }
+        }
+    }
+    ys.iter().map(|y| read(gpu, y)).collect()
 }
 
-fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: Route) -> Result<Vec<f32>> {
+fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: GemmRoute) -> Result<Vec<f32>> {
     let gpu = &b.gpu;
     if x.len() != tokens * q.cols {
         bail!("gemm: x has {} values, want {tokens}x{}", x.len(), q.cols);
     }
-    let cublas = matches!(route, Route::FewRows(FewRowRoute::CublasF32) | Route::Dense(GemmRoute::Cublas));
-    // The exact mode selects the f32 tiles; cuBLAS is offered (from 0 tokens) only to its routes.
-    let exact = matches!(route, Route::Dense(GemmRoute::F32Tiles) | Route::FewRows(FewRowRoute::F32Tiles));
-    let scratch = blas_scratch(b, q, tokens, cublas)?;
+    // The exact mode selects the f32 tiles; cuBLAS is offered (from 0 tokens) only to its route.
+    let exact = route == GemmRoute::F32Tiles;
+    let scratch = blas_scratch(b, q, tokens, route == GemmRoute::Cublas)?;
     let blas = match (&scratch, b.blas.as_ref()) {
         (Some(s), Some(l)) => Some((l, s, 0)),
         _ => None,
@@ -199,15 +219,7 @@ fn product(b: &CudaBackend, q: &QuantTensor, x: &[f32], tokens: usize, route: Ro
     let dq = DevQ::upload(gpu, q)?;
     let (xd, y) = (gpu.upload(x)?, gpu.zeros::<f32>(tokens * q.rows)?);
     let (xp, yp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream));
-    let mm = Gemm::new(gpu, q.group, exact, blas);
-    match route {
-        Route::Dense(_) => mm.run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?,
-        Route::FewRows(FewRowRoute::F32Tiles) => {
-            // The kernel the few-row route falls back to when the skinny one cannot take the width.
-            Gemm::new(gpu, q.group, true, None).run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?
-        }
-        Route::FewRows(_) => mm.few_rows(&dq, q.rows, xp, tokens, yp, q.rows)?,
-    }
+    Gemm::new(gpu, q.group, exact, blas).run(&dq, q.rows, xp, tokens, yp, q.rows, false, None)?;
     read(gpu, &y)
 }
 
@@ -703,4 +715,113 @@ pub fn decode_graph_updates(b: &CudaBackend) -> u64 {
 /// What a decode graph of `seq` bakes in of it ([`CudaSequence::binding`]).
 pub fn binding(seq: &Sequence) -> Vec<u64> {
     seq.state::<CudaSequence>().binding()
+}
+
+/// One batched GDN step's inputs at some dims, for [`gdn_step_batch`]: per row the in-projection's
+/// q|k|v `[conv_dim]`, z `[nv * dv]`, raw gates b, a `[nv]`, the conv ring `[kc][conv_dim]`, the
+/// state `[nv][dk][dv]` and the position; the layer's taps `[kc][conv_dim]`, dt_bias and
+/// neg_a `[nv]`, norm weights `[dv]`.
+pub struct GdnStepInput {
+    pub qkv: Vec<f32>,
+    pub z: Vec<f32>,
+    pub braw: Vec<f32>,
+    pub araw: Vec<f32>,
+    pub rings: Vec<Vec<f32>>,
+    pub states: Vec<Vec<f32>>,
+    pub positions: Vec<i32>,
+    pub taps: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    pub neg_a: Vec<f32>,
+    pub norm_w: Vec<f32>,
+}
+
+/// What a GDN step wrote: the gated-norm outputs `[rows][nv * dv]`, the staged out-projection
+/// inputs of a batched step (bf16 pair words, group sums; empty for one sequence's), and each
+/// row's state (widened to f32) and conv ring.
+#[derive(Debug, PartialEq)]
+pub struct GdnStepOutput {
+    pub y: Vec<f32>,
+    pub frag: Vec<u32>,
+    pub gsum: Vec<f32>,
+    pub states: Vec<Vec<f32>>,
+    pub rings: Vec<Vec<f32>>,
+}
+
+/// Which GDN decode step [`gdn_step`] runs: one sequence's (`gdn_step`; one row) or a batched
+/// one (`kernel`: a block per item or persistent blocks) with its outputs staged for the
+/// out-projection as the decode does; each the general instance or (`shaped`) the one compiled
+/// for the 35B's head shapes.
+#[derive(Clone, Copy, Debug)]
+pub enum GdnStepKernel {
+    One { shaped: bool },
+    Batch { kernel: gdn::StepBatchKernel, shaped: bool },
+}
+
+/// One GDN decode step of `inp`'s rows at `d`'s dims on `kernel`. The states are stored as
+/// `d.state_f16` says (rounded to f16 on upload).
+pub fn gdn_step(b: &CudaBackend, d: &GdnDims, inp: &GdnStepInput, kernel: GdnStepKernel) -> Result<GdnStepOutput> {
+    let gpu = &b.gpu;
+    let rows = inp.positions.len();
+    let (vd, c) = (d.nv * d.dv, d.conv_dim);
+    let shapes_ok = inp.qkv.len() == rows * c
+        && inp.z.len() == rows * vd
+        && inp.braw.len() == rows * d.nv
+        && inp.araw.len() == rows * d.nv
+        && inp.rings.iter().all(|r| r.len() == d.kc * c)
+        && inp.states.iter().all(|s| s.len() == d.nv * d.dk * d.dv)
+        && inp.rings.len() == rows
+        && inp.states.len() == rows
+        && inp.taps.len() == d.kc * c
+        && inp.dt_bias.len() == d.nv
+        && inp.neg_a.len() == d.nv
+        && inp.norm_w.len() == d.dv;
+    if !shapes_ok || (matches!(kernel, GdnStepKernel::One { .. }) && rows != 1) {
+        bail!("gdn_step: bad shapes");
+    }
+    let up = |v: &[f32]| gpu.upload(v);
+    let rings = inp.rings.iter().map(|r| up(r)).collect::<Result<Vec<_>>>()?;
+    let states = inp.states.iter().map(|s| ScanState::upload(gpu, s, d.state_f16)).collect::<Result<Vec<_>>>()?;
+    // The batched step reads the rows' rings and states through tables, one sequence's directly.
+    let ring_tab = gpu.upload(&rings.iter().map(|r| ptr(r, &gpu.stream)).collect::<Vec<u64>>())?;
+    let state_tab = gpu.upload(&states.iter().map(|s| s.ptr(gpu)).collect::<Vec<u64>>())?;
+    let (ring, state) = match kernel {
+        GdnStepKernel::One { .. } => (ptr(&rings[0], &gpu.stream), states[0].ptr(gpu)),
+        GdnStepKernel::Batch { .. } => (ptr(&ring_tab, &gpu.stream), ptr(&state_tab, &gpu.stream)),
+    };
+    let steps = gpu.upload(&inp.positions.iter().flat_map(|&p| [0, p]).collect::<Vec<i32>>())?;
+    let (qkv, z, bd, ad) = (up(&inp.qkv)?, up(&inp.z)?, up(&inp.braw)?, up(&inp.araw)?);
+    let (taps, dtb, nga, nw) = (up(&inp.taps)?, up(&inp.dt_bias)?, up(&inp.neg_a)?, up(&inp.norm_w)?);
+    let y = gpu.zeros::<f32>(rows * vd)?;
+    let staged = TcbStaging::new(gpu, rows, vd)?;
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    let ptrs = GdnPtrs {
+        qkv: p(&qkv),
+        z: p(&z),
+        b: p(&bd),
+        a: p(&ad),
+        ring,
+        taps: p(&taps),
+        dt_bias: p(&dtb),
+        neg_a: p(&nga),
+        norm: p(&nw),
+        state,
+        y: p(&y),
+    };
+    let (frag, gsum) = match kernel {
+        GdnStepKernel::One { shaped } => {
+            gdn::step_with(gpu, d, &ptrs, ptr(&steps, &gpu.stream), shaped)?;
+            (Vec::new(), Vec::new())
+        }
+        GdnStepKernel::Batch { kernel, shaped } => {
+            gdn::step_batch_with(gpu, d, &ptrs, ptr(&steps, &gpu.stream), rows, Some(&staged), kernel, shaped)?;
+            (read(gpu, &staged.frag)?, read(gpu, &staged.gsum)?)
+        }
+    };
+    Ok(GdnStepOutput {
+        y: read(gpu, &y)?,
+        frag,
+        gsum,
+        states: states.iter().map(|s| s.read(gpu)).collect::<Result<_>>()?,
+        rings: rings.iter().map(|r| read(gpu, r)).collect::<Result<_>>()?,
+    })
 }

@@ -245,6 +245,23 @@ pub struct DevWeights {
     pub lm_head: DevQ,
     /// RoPE inverse frequencies (f64, as the CPU reference computes them).
     pub inv_freq: CudaSlice<f64>,
+    /// Every few-row product's input fits f16 (what `pf_few_tc` multiplies): see
+    /// [`norm_outputs_fit_f16`].
+    pub few_inputs_f16: bool,
+}
+
+/// Largest |x| the few-row tensor-core products take: half f16's largest finite value, so that
+/// rounding x to f16 never overflows.
+pub const FEW_INPUT_MAX: f32 = 32768.0;
+
+/// Whether every RMSNorm that feeds a few-row product (each layer's input and post-attention
+/// norm: GDN b and a, router and shared-expert gate) stays within [`FEW_INPUT_MAX`]: an output
+/// `x_i / rms(x) * g_i` is at most `sqrt(hidden) * |g_i|` in magnitude, since no element of a
+/// vector exceeds `sqrt(n)` times its root mean square.
+pub fn norm_outputs_fit_f16(mw: &ModelWeights) -> bool {
+    let bound = (mw.config.hidden_size as f32).sqrt();
+    let largest = |g: &[f32]| g.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    mw.layers.iter().all(|l| [&l.input_norm, &l.post_norm].into_iter().all(|g| largest(g) * bound <= FEW_INPUT_MAX))
 }
 
 impl DevWeights {
@@ -395,6 +412,7 @@ impl DevWeights {
                 mw.config.rotary_dim(),
                 mw.config.rope_theta,
             ))?,
+            few_inputs_f16: norm_outputs_fit_f16(mw),
         })
     }
 }
