@@ -37,6 +37,7 @@ fn step_kernels(shaped: bool) -> StepKernels {
         StepKernels { one: GDN_STEP, per_item: GDN_STEP_BATCH, persist: GDN_STEP_PERSIST }
     }
 }
+
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
