@@ -1753,6 +1753,23 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
     }
 MOE_ROUTE_BATCH(1)
 MOE_ROUTE_BATCH(4)
+// moe_route_batch at the 35B's router shapes (hidden 2,048 in groups of 64, 8-bit router and
+// shared-expert gate rows, 256 experts, top 8, the shared expert listed) as compile-time
+// constants: the dequantisation keeps only its 8-bit path, the index arithmetic folds and the
+// top-k's loops over the experts have known trip counts. The same operations on the same values
+// as moe_route_batch; the host launches these only at those shapes (the shape arguments are not
+// read).
+#define MOE_ROUTE_BATCH_35B(R)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(RB_THREADS) moe_route_batch_##R##_35b(                            \
+        const float* u, int n, int H, int group, const u32* rw, const u16* rs, const u16* rbias, int rbits,       \
+        const u32* gw, const u16* gs, const u16* gbias, int gbits, int E, int K, float* logits, float* sgl,       \
+        int* top_ids, float* top_w, int* counts, int* offsets, int* fill, int* list, int* tiles, int with_shared, \
+        unsigned* done) {                                                                                         \
+        moe_route_batch<R>(u, n, 2048, 64, rw, rs, rbias, 8, gw, gs, gbias, 8, 256, 8, logits, sgl, top_ids,      \
+                           top_w, counts, offsets, fill, list, tiles, 1, done);                                   \
+    }
+MOE_ROUTE_BATCH_35B(1)
+MOE_ROUTE_BATCH_35B(4)
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).

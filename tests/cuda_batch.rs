@@ -634,3 +634,39 @@ fn cuda_gdn_steps_at_the_35b_shapes_equal_the_general_kernels() {
         assert!(format!("{err:#}").contains("head shapes"), "{err:#}");
     }
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_batch_routing_at_the_35b_shapes_equals_the_general_kernel() {
+    // moe_route_batch_1_35b / _4_35b (the 35B's routing shapes as compile-time constants) against
+    // moe_route_batch_1 / _4 on a random 8-bit router and shared-expert gate of the 35B's shapes
+    // (2,048 columns, 256 experts, top 8), bit for bit: logits, gate logits, top-k ids and
+    // weights, counts, offsets, slot lists (each expert's slots sorted) and tiles; one token
+    // block (a router row per block) and several (four rows per block).
+    use lily::backend::cuda::moe::MoeDims;
+    let b = cuda(false);
+    let d = MoeDims::new(&lily::checkpoint::ModelConfig::qwen36_35b_a3b());
+    let (router, gate) = (random_quant(d.e, d.hidden, 8, 21), random_quant(1, d.hidden, 8, 22));
+    for n in [1, 16, 40, 64] {
+        let u = rnd(30 + n as u64, n * d.hidden);
+        // The order of the slots inside an expert's list is the shared-memory atomics' (as in the
+        // test above): compared with every expert's slots sorted.
+        let sorted = |mut r: testing::BatchRouting| {
+            for (ex, &c) in r.counts.iter().enumerate() {
+                let o = r.offsets[ex] as usize;
+                r.list[o..o + c as usize].sort();
+            }
+            r
+        };
+        let general = sorted(testing::route_batch_at(&b, &router, &gate, &d, 64, &u, n, false).unwrap());
+        let shaped = sorted(testing::route_batch_at(&b, &router, &gate, &d, 64, &u, n, true).unwrap());
+        // A routing happened: every token's k slots counted, the shared expert's n.
+        assert_eq!(general.counts[..d.e].iter().sum::<i32>() as usize, n * d.k, "{n} tokens");
+        assert_eq!(general.counts[d.e] as usize, n, "{n} tokens");
+        assert_eq!(shaped, general, "{n} tokens");
+    }
+    // Other shapes (a 4-bit router) cannot take the shaped kernels.
+    let r4 = random_quant(d.e, d.hidden, 4, 23);
+    let err = testing::route_batch_at(&b, &r4, &gate, &d, 64, &rnd(1, d.hidden), 1, true).unwrap_err();
+    assert!(format!("{err:#}").contains("routing shapes"), "{err:#}");
+}

@@ -309,7 +309,7 @@ impl Pass for BatchPass<'_> {
             list: self.p(&mb.list),
             tiles: self.p(&mb.tiles),
         };
-        moe::route_batch(self.gpu, m, &d, self.dims.group, u, n, self.p(&a.sgl), &r, self.p(&mb.done))?;
+        moe::route_batch(self.gpu, &m.router, &m.shared_expert_gate, &d, self.dims.group, u, n, self.p(&a.sgl), &r, self.p(&mb.done))?;
         self.point(probe, Point::Phase("moe.route"))?;
         let grouped = |xdiv| Grouped { max_tiles: moe::batch_max_tiles(n, &d), ..r.grouped(&d, n, xdiv) };
         let (gate, down, st) = (self.p(&mb.gate), self.p(&mb.down), &self.b.staged);

@@ -45,6 +45,12 @@ const PF_MOE_WG_DOWN_RES_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_n
 const PF_MOE_WG_DOWN_RES_N_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_n_f");
 const MOE_ROUTE_BATCH_1: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1");
 const MOE_ROUTE_BATCH_4: Kernel = Kernel::dependent(&MOE, "moe_route_batch_4");
+/// The two compiled for [`SHAPED_ROUTE`].
+const MOE_ROUTE_BATCH_1_35B: Kernel = Kernel::dependent(&MOE, "moe_route_batch_1_35b");
+const MOE_ROUTE_BATCH_4_35B: Kernel = Kernel::dependent(&MOE, "moe_route_batch_4_35b");
+/// The routing shapes `moe_route_batch_*_35b` have as constants (the 35B's): hidden size, group,
+/// router bits, shared-expert gate bits, experts, top k.
+const SHAPED_ROUTE: [usize; 6] = [2048, 64, 8, 8, 256, 8];
 
 #[derive(Clone, Copy, Debug)]
 pub struct MoeDims {
@@ -439,8 +445,24 @@ pub fn batch_max_tiles(n: usize, d: &MoeDims) -> usize {
 /// its per-expert counts, offsets, slot lists and tiles, the shared expert as expert E over slots
 /// n * k + t (`done`: [`ROUTE_DONE_LEN`] zeroed words the kernel leaves zeroed).
 #[allow(clippy::too_many_arguments)]
-pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64) -> Result<()> {
-    let ((rw, rs, rb), (gw, gs, gb)) = (m.router.ptrs(gpu), m.shared_expert_gate.ptrs(gpu));
+pub fn route_batch(gpu: &Gpu, router: &DevQ, gate: &DevQ, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64) -> Result<()> {
+    route_batch_on(gpu, router, gate, d, group, u, n, sgl, r, done, route_shaped(router.bits, gate.bits, d, group))
+}
+
+/// Whether the routing shapes (the router's and gate's bits, `d`, the group size) are the ones
+/// `moe_route_batch_*_35b` are compiled for.
+fn route_shaped(router_bits: usize, gate_bits: usize, d: &MoeDims, group: usize) -> bool {
+    [d.hidden, group, router_bits, gate_bits, d.e, d.k] == SHAPED_ROUTE
+}
+
+/// [`route_batch`] on the general kernels or (`shaped`) on the ones compiled for the 35B's
+/// routing shapes, which these must then be: the two side by side in tests.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_batch_on(gpu: &Gpu, router: &DevQ, gate: &DevQ, d: &MoeDims, group: usize, u: u64, n: usize, sgl: u64, r: &RouteLists, done: u64, shaped: bool) -> Result<()> {
+    if shaped && !route_shaped(router.bits, gate.bits, d, group) {
+        bail!("moe_route_batch_*_35b are compiled for routing shapes {SHAPED_ROUTE:?}, not these");
+    }
+    let ((rw, rs, rb), (gw, gs, gb)) = (router.ptrs(gpu), gate.ptrs(gpu));
     let args = [
         Arg::P(u),
         Arg::I(n as i32),
@@ -449,11 +471,11 @@ pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: 
         Arg::P(rw),
         Arg::P(rs),
         Arg::P(rb),
-        Arg::I(m.router.bits as i32),
+        Arg::I(router.bits as i32),
         Arg::P(gw),
         Arg::P(gs),
         Arg::P(gb),
-        Arg::I(m.shared_expert_gate.bits as i32),
+        Arg::I(gate.bits as i32),
         Arg::I(d.e as i32),
         Arg::I(d.k as i32),
         Arg::P(r.logits),
@@ -469,9 +491,19 @@ pub fn route_batch(gpu: &Gpu, m: &DevMoe, d: &MoeDims, group: usize, u: u64, n: 
         Arg::P(done),
     ];
     let rows = route_rows_per_block(n);
-    let kernel = if rows == 1 { MOE_ROUTE_BATCH_1 } else { MOE_ROUTE_BATCH_4 };
+    let kernel = route_kernel(rows, shaped);
     let grid = ((d.e + 1).div_ceil(rows) as u32, n.div_ceil(RB_TOK) as u32, 1);
     gpu.launch(kernel, grid, RB_THREADS as u32, route_batch_smem(d, n, rows) as u32, &args)
+}
+
+/// The routing kernel of `rows` router rows per block, general or shaped.
+fn route_kernel(rows: usize, shaped: bool) -> Kernel {
+    match (rows, shaped) {
+        (1, false) => MOE_ROUTE_BATCH_1,
+        (_, false) => MOE_ROUTE_BATCH_4,
+        (1, true) => MOE_ROUTE_BATCH_1_35B,
+        (_, true) => MOE_ROUTE_BATCH_4_35B,
+    }
 }
 
 /// Router rows per `moe_route_batch` block for a step of `n` tokens: one while a single token
@@ -817,6 +849,23 @@ fn wg_args(mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Groupe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_35b_routing_shapes_take_the_shaped_kernels() {
+        let cfg = ModelConfig::qwen36_35b_a3b();
+        let (d, group) = (MoeDims::new(&cfg), cfg.quant.group_size);
+        assert!(route_shaped(8, 8, &d, group));
+        assert_eq!((route_kernel(1, true).name, route_kernel(4, true).name), ("moe_route_batch_1_35b", "moe_route_batch_4_35b"));
+        assert_eq!((route_kernel(1, false).name, route_kernel(4, false).name), ("moe_route_batch_1", "moe_route_batch_4"));
+        // Any other shape takes the general kernels.
+        let tiny = ModelConfig::tiny();
+        assert!(!route_shaped(8, 8, &MoeDims::new(&tiny), tiny.quant.group_size));
+        assert!(!route_shaped(4, 8, &d, group) && !route_shaped(8, 4, &d, group) && !route_shaped(8, 8, &d, 32));
+        assert!(!route_shaped(8, 8, &MoeDims { k: 4, ..d }, group) && !route_shaped(8, 8, &MoeDims { e: 128, ..d }, group));
+        for k in [MOE_ROUTE_BATCH_1_35B, MOE_ROUTE_BATCH_4_35B] {
+            assert!(MOE.kernels.contains(&k.name), "{}", k.name);
+        }
+    }
 
     #[test]
     fn routing_spreads_few_tokens_over_more_blocks() {

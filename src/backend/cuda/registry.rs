@@ -185,6 +185,8 @@ pub const MOE: Module = Module {
         "pf_moe_wg_down_res_f",
         "moe_route_batch_1",
         "moe_route_batch_4",
+        "moe_route_batch_1_35b",
+        "moe_route_batch_4_35b",
         "pf_route",
         "pf_scan",
         "pf_scatter",

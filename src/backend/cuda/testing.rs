@@ -461,13 +461,31 @@ pub struct BatchRouting {
 /// for the `n` rows of `u`, launched `runs` times on the same buffers (the kernel must leave its
 /// block counter as it found it); the outputs of each run.
 pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usize) -> Result<Vec<BatchRouting>> {
-    let gpu = &b.gpu;
     let d = MoeDims::new(&b.cfg);
     let m = &b.w.layers[layer].moe;
-    if u.len() != n * d.hidden || !moe::batch_supported(m, &d, b.cfg.quant.group_size) {
+    if !moe::batch_supported(m, &d, b.cfg.quant.group_size) {
         bail!("route_batch: bad shapes");
     }
-    let mt = moe::batch_max_tiles(n, &d);
+    route_runs(b, &m.router, &m.shared_expert_gate, &d, b.cfg.quant.group_size, u, n, runs, None)
+}
+
+/// The routing kernel at any shapes `d` (router `[e][hidden]` and shared-expert gate
+/// `[1][hidden]`, groups of `group` columns) for the `n` rows of `u`: on the general kernels, or
+/// (`shaped`) on the ones compiled for the 35B's routing shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn route_batch_at(b: &CudaBackend, router: &QuantTensor, gate: &QuantTensor, d: &MoeDims, group: usize, u: &[f32], n: usize, shaped: bool) -> Result<BatchRouting> {
+    let (r, g) = (DevQ::upload(&b.gpu, router)?, DevQ::upload(&b.gpu, gate)?);
+    Ok(route_runs(b, &r, &g, d, group, u, n, 1, Some(shaped))?.remove(0))
+}
+
+/// `runs` launches of the routing kernel (`shaped`: which one; None: the backend's choice).
+#[allow(clippy::too_many_arguments)]
+fn route_runs(b: &CudaBackend, router: &DevQ, gate: &DevQ, d: &MoeDims, group: usize, u: &[f32], n: usize, runs: usize, shaped: Option<bool>) -> Result<Vec<BatchRouting>> {
+    let gpu = &b.gpu;
+    if u.len() != n * d.hidden || router.rows != d.e || router.cols != d.hidden || gate.cols != d.hidden {
+        bail!("route_batch: bad shapes");
+    }
+    let mt = moe::batch_max_tiles(n, d);
     let ud = gpu.upload(u)?;
     let (logits, sgl, top_w) = (gpu.zeros::<f32>(n * d.e)?, gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n * d.k)?);
     let (top_ids, counts, offsets, fill) = (gpu.zeros::<i32>(n * d.k)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?, gpu.zeros::<i32>(d.e + 1)?);
@@ -477,7 +495,11 @@ pub fn route_batch(b: &CudaBackend, layer: usize, u: &[f32], n: usize, runs: usi
     let r = RouteLists { logits: f(&logits), top_ids: p(&top_ids), top_w: f(&top_w), counts: p(&counts), offsets: p(&offsets), fill: p(&fill), list: p(&list), tiles: p(&tiles) };
     let mut out = Vec::new();
     for _ in 0..runs {
-        moe::route_batch(gpu, m, &d, b.cfg.quant.group_size, f(&ud), n, f(&sgl), &r, ptr(&done, &gpu.stream))?;
+        let done = ptr(&done, &gpu.stream);
+        match shaped {
+            None => moe::route_batch(gpu, router, gate, d, group, f(&ud), n, f(&sgl), &r, done)?,
+            Some(shaped) => moe::route_batch_on(gpu, router, gate, d, group, f(&ud), n, f(&sgl), &r, done, shaped)?,
+        }
         gpu.sync()?;
         let mut t = read(gpu, &tiles)?;
         t.truncate(1 + 2 * t[0].max(0) as usize);
