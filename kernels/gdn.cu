@@ -351,12 +351,17 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
 #define GDN_STEP_CALL qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, nk, nv, dk, dv, KC, eps
 extern "C" __global__ void gdn_step(GDN_STEP_ARGS(float)) { gdn_step_impl<false, float>(GDN_STEP_CALL); }
 extern "C" __global__ void gdn_step_f16(GDN_STEP_ARGS(u16)) { gdn_step_impl<false, u16>(GDN_STEP_CALL); }
+// The 35B's GDN head shapes as the step bodies' (nk, nv, dk, dv, KC) arguments, and the block
+// size at those shapes (dv * dk / 32 threads): the _35b instances' constants (gdn.rs
+// SHAPED_STEP_DIMS on the host).
+#define GDN_35B_DIMS 16, 32, 128, 128, 4
+#define GDN_35B_THREADS 512
 // gdn_step at the 35B's head shapes as compile-time constants (see gdn_step_batch_35b below):
 // the index arithmetic ahead of the state loads folds. The host launches it only at those dims.
 #define GDN_STEP_35B(NAME, ST)                                                                                 \
     extern "C" __global__ void NAME(GDN_STEP_ARGS(ST)) {                                                      \
-        gdn_step_impl<false, ST>(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step, 16, 32, \
-                                 128, 128, 4, eps, nullptr, nullptr, 0, 512);                                  \
+        gdn_step_impl<false, ST>(qkv, z, braw, araw, ring, taps, dt_bias, neg_a, norm_w, state, y, step,      \
+                                 GDN_35B_DIMS, eps, nullptr, nullptr, 0, GDN_35B_THREADS);                    \
     }
 GDN_STEP_35B(gdn_step_35b, float)
 GDN_STEP_35B(gdn_step_35b_f16, u16)
@@ -395,9 +400,9 @@ extern "C" __global__ void __launch_bounds__(512, 4) gdn_step_batch_f16(GDN_STEP
 // loops have known trip counts. The same operations on the same values as gdn_step_batch; the
 // host launches it only at those dims (the dims in its argument list are not read).
 #define GDN_STEP_BATCH_35B(NAME, ST, MINB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(512, MINB) NAME(GDN_STEP_BATCH_ARGS(ST)) {                   \
-        gdn_step_batch_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, 16,  \
-                                32, 128, 128, 4, eps, frag, gsum, 512);                                        \
+    extern "C" __global__ void __launch_bounds__(GDN_35B_THREADS, MINB) NAME(GDN_STEP_BATCH_ARGS(ST)) {       \
+        gdn_step_batch_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps,      \
+                                GDN_35B_DIMS, eps, frag, gsum, GDN_35B_THREADS);                               \
     }
 GDN_STEP_BATCH_35B(gdn_step_batch_35b, float, 3)
 GDN_STEP_BATCH_35B(gdn_step_batch_35b_f16, u16, 4)
@@ -538,9 +543,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_persist_f16(GDN_ST
 // gdn_step_persist at the 35B's head shapes as compile-time constants (see gdn_step_batch_35b);
 // the host launches it only at those dims.
 #define GDN_STEP_PERSIST_35B(NAME, ST)                                                                            \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(GDN_STEP_BATCH_ARGS(ST), int rows) {               \
-        gdn_step_persist_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps, 16,  \
-                                  32, 128, 128, 4, eps, frag, gsum, rows, 512);                                  \
+    extern "C" __global__ void __launch_bounds__(GDN_35B_THREADS, 1) NAME(GDN_STEP_BATCH_ARGS(ST), int rows) {   \
+        gdn_step_persist_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps,      \
+                                  GDN_35B_DIMS, eps, frag, gsum, rows, GDN_35B_THREADS);                        \
     }
 GDN_STEP_PERSIST_35B(gdn_step_persist_35b, float)
 GDN_STEP_PERSIST_35B(gdn_step_persist_35b_f16, u16)

@@ -17,8 +17,8 @@ const GDN_STEP_PERSIST: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_persist
 const GDN_STEP_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_35b"), Kernel::dependent(&GDN, "gdn_step_35b_f16")];
 const GDN_STEP_BATCH_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_batch_35b"), Kernel::dependent(&GDN, "gdn_step_batch_35b_f16")];
 const GDN_STEP_PERSIST_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_persist_35b"), Kernel::dependent(&GDN, "gdn_step_persist_35b_f16")];
-/// The head shapes the `_35b` GDN steps have as constants (the 35B's): key heads, value heads,
-/// key dim, value dim, conv taps.
+/// The head shapes the `_35b` GDN steps have as constants (the 35B's; GDN_35B_DIMS in
+/// kernels/gdn.cu): key heads, value heads, key dim, value dim, conv taps.
 const SHAPED_STEP_DIMS: [usize; 5] = [16, 32, 128, 128, 4];
 
 /// The decode steps' kernels: one sequence's, the batched per-item and persistent ones.

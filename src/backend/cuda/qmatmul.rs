@@ -372,8 +372,9 @@ pub fn select_gemm(s: &GemmShape, exact: bool, blas: Option<BlasLimits>) -> Gemm
 /// GDN b/a): f32-accurate whatever the mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FewRowRoute {
-    /// `pf_few_tc_*`: the tensor cores with the activations split into three bf16 terms (exact
-    /// products, f32 sums), the products sharing an input in one launch (outside the exact mode).
+    /// `pf_few_tc_*`: the tensor cores with the codes as f16 offset + q and the activations split
+    /// into two f16 terms (exact products, f32 sums), the products sharing an input in one launch
+    /// (outside the exact mode, for inputs within f16's range).
     TensorCore,
     /// `pf_gemm_skinny`: one block per 8 tokens (the 128-row tiles of `pf_gemm` would leave most
     /// of the GPU idle).

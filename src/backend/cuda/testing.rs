@@ -739,7 +739,7 @@ pub fn binding(seq: &Sequence) -> Vec<u64> {
     seq.state::<CudaSequence>().binding()
 }
 
-/// One batched GDN step's inputs at some dims, for [`gdn_step_batch`]: per row the in-projection's
+/// A GDN decode step's inputs at some dims, for [`gdn_step`]: per row the in-projection's
 /// q|k|v `[conv_dim]`, z `[nv * dv]`, raw gates b, a `[nv]`, the conv ring `[kc][conv_dim]`, the
 /// state `[nv][dk][dv]` and the position; the layer's taps `[kc][conv_dim]`, dt_bias and
 /// neg_a `[nv]`, norm weights `[dv]`.
