@@ -178,6 +178,7 @@ pub const MOE: Module = Module {
         "moe_tcp_f",
         "moe_tcr_f",
         "moe_tcq_f",
+        "moe_tcq_f_35b",
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_glu_f",
