@@ -34,6 +34,8 @@ const MOE_TCB_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr_f");
 const MOE_TCQ_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f");
+/// `moe_tcr_f` compiled for the 35B's gate|up shapes (512 rows of 2,048 columns per expert).
+const MOE_TCR_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr_f_35b");
 /// `moe_tcq_f` compiled for the 35B's down shapes (2,048 rows of 512 columns per expert).
 const MOE_TCQ_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f_35b");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
@@ -663,7 +665,18 @@ pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Some(o) => bail!("moe_tcr cannot stage {rows}-column outputs into {}-column rows", o.cols),
     };
     args.extend([Arg::P(sfrag), Arg::P(sgsum)]);
-    gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
+    gpu.launch(tcr_kernel(frag, rows, q.cols), (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
+}
+
+/// The ring kernel for expert matrices of `rows` x `cols` (`frag`: codes in fragment order): over
+/// fragment-order codes, the instance with the 35B's gate|up shapes as constants where they are
+/// those (the same products), else the general one.
+fn tcr_kernel(frag: bool, rows: usize, cols: usize) -> Kernel {
+    match (frag, (rows, cols) == (512, 2048)) {
+        (true, true) => MOE_TCR_F_35B,
+        (true, false) => MOE_TCR_F,
+        (false, _) => MOE_TCR,
+    }
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the
@@ -863,7 +876,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_35b_down_shapes_take_the_shaped_ring_kernel() {
+    fn the_35b_expert_shapes_take_the_shaped_ring_kernels() {
         let cfg = ModelConfig::qwen36_35b_a3b();
         let d = MoeDims::new(&cfg);
         assert_eq!(tcq_kernel(d.hidden, d.inter).name, "moe_tcq_f_35b");
@@ -871,6 +884,11 @@ mod tests {
         assert_eq!(tcq_kernel(tiny.hidden, tiny.inter).name, "moe_tcq_f");
         assert_eq!(tcq_kernel(d.inter, d.hidden).name, "moe_tcq_f");
         assert!(MOE.kernels.contains(&"moe_tcq_f_35b"));
+        assert_eq!(tcr_kernel(true, d.inter, d.hidden).name, "moe_tcr_f_35b");
+        assert_eq!(tcr_kernel(false, d.inter, d.hidden).name, "moe_tcr");
+        assert_eq!(tcr_kernel(true, tiny.inter, tiny.hidden).name, "moe_tcr_f");
+        assert_eq!(tcr_kernel(true, d.hidden, d.inter).name, "moe_tcr_f");
+        assert!(MOE.kernels.contains(&"moe_tcr_f_35b"));
     }
 
     #[test]

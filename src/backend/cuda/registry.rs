@@ -177,6 +177,7 @@ pub const MOE: Module = Module {
         "moe_tcb_f",
         "moe_tcp_f",
         "moe_tcr_f",
+        "moe_tcr_f_35b",
         "moe_tcq_f",
         "moe_tcq_f_35b",
         "stage_wg",
