@@ -1,0 +1,45 @@
+set -u
+# Call A (session 71): the batched GDN step at the 35B's shapes on 256-thread blocks with k / q
+# four rows at a time (`g`), and with the expert ring kernels at the 35B's shapes too
+# (moe_tcq_f_35b, moe_tcr_f_35b: `all`), against main a6fbf5d (`base`). Carry [".device-base",
+# ".device-g", ".device-all", ".whl/openai"]. The GPU suites cuda_batch and cuda_prefill on all;
+# lily-bench two rounds (64 and 16 rows x 700 on the three, one sequence after 4K and 4 rows on
+# base and all; every change is bit-identical, so the digests must repeat); one round of sampled
+# 64 rows (chat settings) on base and all; the decode timeline of all at 64 rows greedy and
+# sampled; the load test's 64-client level (greedy and sampled, ROUNDS=2) on base and all.
+export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
+mkdir -p "$OUT"
+t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+for a in base g all; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+[ -f "$LILY_CK/config.json" ] || (./.device-base/bin/lily synth --preset 35b-a3b --out "$LILY_CK" > /tmp/synth.log 2>&1) &
+synth=$!
+for t in cuda_batch cuda_prefill; do
+  timeout 200 ./.device-all/tests/$t --include-ignored --test-threads 2 > "$OUT/tests-$t.log" 2>&1
+  echo "rc=$?" >> "$OUT/tests-$t.log"
+  el $t; grep -E "^test result|FAILED|panicked|rc=" "$OUT/tests-$t.log" | tail -4
+done
+wait $synth
+el synth
+S="--temperature 1 --top-p 0.95 --top-k 20 --seed 7"
+: > /tmp/arms-a.txt
+for round in 1 2; do
+  for a in "b64|--prompt-len 700 --decode-steps 128 --batch 64" "b16|--prompt-len 700 --decode-steps 128 --batch 16"; do
+    for arm in base g all; do echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-a.txt; done
+  done
+  for a in "d4096|--prompt-len 4096 --decode-steps 128" "b4|--prompt-len 700 --decode-steps 128 --batch 4"; do
+    for arm in base all; do echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-a.txt; done
+  done
+done
+for arm in base all; do echo "$arm b64s | BENCH=./.device-$arm/bin/lily-bench | --prompt-len 700 --decode-steps 128 --batch 64 $S" >> /tmp/arms-a.txt; done
+echo "all b64 timeline | BENCH=./.device-all/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 700 --decode-steps 64 --batch 64" >> /tmp/arms-a.txt
+echo "all b64s timeline | BENCH=./.device-all/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 700 --decode-steps 64 --batch 64 $S" >> /tmp/arms-a.txt
+SKIP_TESTS=1 timeout 330 bash scripts/device_check.sh /tmp/arms-a.txt 2>&1 | grep -v "cannot access" | tail -30
+el arms
+for arm in base all; do
+  mkdir -p "$OUT/load-$arm"
+  OUT=$OUT/load-$arm LILY=.device-$arm/bin/lily CK=$LILY_CK ROUNDS=2 CLIENT_PROCS=16 LEVELS=64 SERVE_ARGS="--trace-turns" timeout 100 bash bench/h200_serve.sh load 2>&1 | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - -
+  el load-$arm
+done
+bash scripts/out_bundle.sh
