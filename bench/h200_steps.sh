@@ -14,7 +14,8 @@
 #   bash bench/h200_steps.sh matrix ... run_all.py with every arm found, extra arguments passed on
 #   bash bench/h200_steps.sh out        copy results + doc to $OUT
 #   bash bench/h200_steps.sh batched-start / batched-gguf / batched [SECONDS]   llama-batched-bench, the
-#                                       batched-decode peer (carry .whl/llama-src.tar.xz)
+#                                       batched-decode peer (carry .whl/llama-src.tar.xz); batched-prebuilt
+#                                       in place of batched-start takes a binary built beforehand
 set -uo pipefail
 W=/root/pb
 CK=/root/ck
@@ -110,6 +111,16 @@ batched-start)
   detach llama-batched-build "cd $W/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc $LLAMA_CMAKE && cmake --build build -j16 --target llama-batched-bench"
   log "batched-start: build detached"
+  ;;
+batched-prebuilt)
+  # The batched-decode peer built beforehand on a machine without a GPU (bench/build_llama_batched.sh;
+  # carry .whl/llama-src.tar.xz for gguf-py and .whl/llama-bin.tar.xz): no build on this machine, so
+  # `batched` finds the binary and the build's status at once.
+  mkdir -p "$W/llama" && tar -C "$W/llama" -xJf .whl/llama-src.tar.xz || exit 1
+  mkdir -p "$W/llama/llama.cpp/build" && tar -C "$W/llama/llama.cpp/build" -xJf .whl/llama-bin.tar.xz --strip-components=1 || exit 1
+  "$W/llama/llama.cpp/build/bin/llama-batched-bench" --version 2>&1 | tail -2
+  echo 0 > "$W/llama-batched-build.rc"
+  log "batched-prebuilt: unpacked"
   ;;
 batched-gguf)
   # The Q4_0 GGUF of the synthetic 35B at $CK (written by scripts/device_check.sh or `setup`).

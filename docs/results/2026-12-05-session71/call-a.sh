@@ -2,18 +2,22 @@ set -u
 # Call A (session 71): the batched GDN step at the 35B's shapes on 256-thread blocks with k / q
 # four rows at a time (`g`), and with the expert ring kernels at the 35B's shapes too
 # (moe_tcq_f_35b, moe_tcr_f_35b: `all`), against main a6fbf5d (`base`). Carry [".device-base",
-# ".device-g", ".device-all", ".whl/openai"]. The GPU suites cuda_batch and cuda_prefill on all;
+# ".device-g", ".device-all", ".whl/openai", ".whl/llama-src.tar.xz"] (lily-bench in each, the two
+# suites in all; the servers' lily binaries come with call B). The GPU suites cuda_batch and cuda_prefill on all;
 # lily-bench two rounds (64 and 16 rows x 700 on the three, one sequence after 4K and 4 rows on
 # base and all; every change is bit-identical, so the digests must repeat); one round of sampled
 # 64 rows (chat settings) on base and all; the decode timeline of all at 64 rows greedy and
-# sampled; the load test's 64-client level (greedy and sampled, ROUNDS=2) on base and all.
+# sampled. The Q4_0 GGUF for llama-batched-bench is written in the background (detached, on into
+# call B, which runs the peer and the load test back to back on the same warm machine; the
+# call's lily-bench results and test logs are left in /root/pb for call B to pick its build).
 export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT"
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 for a in base g all; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-[ -f "$LILY_CK/config.json" ] || (./.device-base/bin/lily synth --preset 35b-a3b --out "$LILY_CK" > /tmp/synth.log 2>&1) &
+python3 -c "import openai" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/openai openai  # for call B
+[ -f "$LILY_CK/config.json" ] || (./.device-base/bin/lily-bench --model "$LILY_CK" --synth-preset 35b-a3b > /tmp/synth.log 2>&1) &
 synth=$!
 for t in cuda_batch cuda_prefill; do
   timeout 200 ./.device-all/tests/$t --include-ignored --test-threads 2 > "$OUT/tests-$t.log" 2>&1
@@ -22,6 +26,8 @@ for t in cuda_batch cuda_prefill; do
 done
 wait $synth
 el synth
+mkdir -p /root/pb/llama && tar -C /root/pb/llama -xJf .whl/llama-src.tar.xz
+setsid nohup nice -n 10 bash -c "bash bench/h200_steps.sh batched-gguf; echo \$? > /root/pb/gguf.rc" > /root/pb/gguf.log 2>&1 < /dev/null &
 S="--temperature 1 --top-p 0.95 --top-k 20 --seed 7"
 : > /tmp/arms-a.txt
 for round in 1 2; do
@@ -37,9 +43,6 @@ echo "all b64 timeline | BENCH=./.device-all/bin/lily-bench LILY_CUDA_TIMELINE=1
 echo "all b64s timeline | BENCH=./.device-all/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 700 --decode-steps 64 --batch 64 $S" >> /tmp/arms-a.txt
 SKIP_TESTS=1 timeout 330 bash scripts/device_check.sh /tmp/arms-a.txt 2>&1 | grep -v "cannot access" | tail -30
 el arms
-for arm in base all; do
-  mkdir -p "$OUT/load-$arm"
-  OUT=$OUT/load-$arm LILY=.device-$arm/bin/lily CK=$LILY_CK ROUNDS=2 CLIENT_PROCS=16 LEVELS=64 SERVE_ARGS="--trace-turns" timeout 100 bash bench/h200_serve.sh load 2>&1 | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - -
-  el load-$arm
-done
+cp "$OUT"/ab.jsonl "$OUT"/tests-*.log /root/pb/
+cat /root/pb/gguf.log 2>/dev/null | tail -2
 bash scripts/out_bundle.sh
