@@ -1,11 +1,11 @@
 set -u
 # Call A (session 71): the batched GDN step at the 35B's shapes on 256-thread blocks with k / q
-# four rows at a time (`g`), and with the expert ring kernels at the 35B's shapes too
-# (moe_tcq_f_35b, moe_tcr_f_35b: `all`), against main a6fbf5d (`base`). Carry [".device-base",
-# ".device-g", ".device-all", ".whl/openai", ".whl/llama-src.tar.xz"] (lily-bench in each, the two
-# suites in all; the servers' lily binaries come with call B). The GPU suites cuda_batch and cuda_prefill on all;
-# lily-bench two rounds (64 and 16 rows x 700 on the three, one sequence after 4K and 4 rows on
-# base and all; every change is bit-identical, so the digests must repeat); one round of sampled
+# four rows at a time, and the expert ring kernels at the 35B's shapes (moe_tcq_f_35b,
+# moe_tcr_f_35b): `all`, against main a6fbf5d (`base`). Carry [".device-base", ".device-all",
+# ".whl/openai", ".whl/llama-src.tar.xz"] (lily-bench in each, the two suites in all; the servers'
+# lily binaries come with call B). The GPU suites cuda_batch and cuda_prefill on all; lily-bench
+# two rounds (64, 16 and 4 rows x 700, 128 steps; every change is bit-identical, so the digests
+# must repeat; one sequence's decode runs none of the changed kernels); one round of sampled
 # 64 rows (chat settings) on base and all; the decode timeline of all at 64 rows greedy and
 # sampled. The Q4_0 GGUF for llama-batched-bench is written in the background (detached, on into
 # call B, which runs the peer and the load test back to back on the same warm machine; the
@@ -14,7 +14,7 @@ export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHO
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT"
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-for a in base g all; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
+for a in base all; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/openai openai  # for call B
 [ -f "$LILY_CK/config.json" ] || (./.device-base/bin/lily-bench --model "$LILY_CK" --synth-preset 35b-a3b > /tmp/synth.log 2>&1) &
@@ -31,10 +31,7 @@ setsid nohup nice -n 10 bash -c "bash bench/h200_steps.sh batched-gguf; echo \$?
 S="--temperature 1 --top-p 0.95 --top-k 20 --seed 7"
 : > /tmp/arms-a.txt
 for round in 1 2; do
-  for a in "b64|--prompt-len 700 --decode-steps 128 --batch 64" "b16|--prompt-len 700 --decode-steps 128 --batch 16"; do
-    for arm in base g all; do echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-a.txt; done
-  done
-  for a in "d4096|--prompt-len 4096 --decode-steps 128" "b4|--prompt-len 700 --decode-steps 128 --batch 4"; do
+  for a in "b64|--prompt-len 700 --decode-steps 128 --batch 64" "b16|--prompt-len 700 --decode-steps 128 --batch 16" "b4|--prompt-len 700 --decode-steps 128 --batch 4"; do
     for arm in base all; do echo "$arm ${a%%|*} r$round | BENCH=./.device-$arm/bin/lily-bench | ${a#*|}" >> /tmp/arms-a.txt; done
   done
 done
