@@ -114,9 +114,12 @@ batched-start)
   ;;
 batched-prebuilt)
   # The batched-decode peer built beforehand on a machine without a GPU (bench/build_llama_batched.sh;
-  # carry .whl/llama-src.tar.xz for gguf-py and .whl/llama-bin.tar.xz): no build on this machine, so
-  # `batched` finds the binary and the build's status at once.
-  mkdir -p "$W/llama" && tar -C "$W/llama" -xJf .whl/llama-src.tar.xz || exit 1
+  # carry .whl/llama-bin.tar.xz, and .whl/llama-src.tar.xz or just its gguf-py in .whl/gguf-py.tar.xz
+  # for batched-gguf): no build on this machine, so `batched` finds the binary and the build's
+  # status at once.
+  mkdir -p "$W/llama"
+  if [ -f .whl/llama-src.tar.xz ]; then tar -C "$W/llama" -xJf .whl/llama-src.tar.xz || exit 1
+  else tar -C "$W/llama" -xJf .whl/gguf-py.tar.xz || exit 1; fi
   mkdir -p "$W/llama/llama.cpp/build" && tar -C "$W/llama/llama.cpp/build" -xJf .whl/llama-bin.tar.xz --strip-components=1 || exit 1
   "$W/llama/llama.cpp/build/bin/llama-batched-bench" --version 2>&1 | tail -2
   echo 0 > "$W/llama-batched-build.rc"
