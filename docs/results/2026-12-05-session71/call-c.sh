@@ -14,22 +14,25 @@ export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHO
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 mkdir -p "$OUT"
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-# Seconds left of the call's 480 (the tool's limit is set a little above), less `reserve`.
-left() { local l=$(( 480 - ($(date +%s) - t0) - ${1:-0} )); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
+# Seconds left of the call's DEADLINE (default 480; the tool's limit is set a little above), less
+# `reserve`. PEER=0 leaves out llama.cpp (its GGUF and run) where the device time left is short.
+DEADLINE=${DEADLINE:-480} PEER=${PEER:-1}
+left() { local l=$(( DEADLINE - ($(date +%s) - t0) - ${1:-0} )); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
 for a in all lilyall; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
 mv .device-lilyall/bin/lily .device-all/bin/lily
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-bash bench/h200_steps.sh batched-prebuilt 2>&1 | tail -3
+[ "$PEER" = 1 ] && bash bench/h200_steps.sh batched-prebuilt 2>&1 | tail -3
+mkdir -p /root/pb
 # The checkpoint, then its Q4_0 GGUF, in the background of the suites (not of the timed runs).
 setsid nohup bash -c "./.device-all/bin/lily synth --preset 35b-a3b --out $LILY_CK > /tmp/synth.log 2>&1; echo \$? > /tmp/synth.rc; \
-  nice -n 10 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; echo \$? > /root/pb/gguf.rc" < /dev/null > /dev/null 2>&1 &
+  [ $PEER = 1 ] && nice -n 10 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; echo \$? > /root/pb/gguf.rc" < /dev/null > /dev/null 2>&1 &
 for t in cuda_batch cuda_prefill; do
   timeout "$(left 300)" ./.device-all/tests/$t --include-ignored --test-threads 2 > "$OUT/tests-$t.log" 2>&1
   echo "rc=$?" >> "$OUT/tests-$t.log"
   el $t; grep -E "^test result|FAILED|panicked|rc=" "$OUT/tests-$t.log" | tail -4
 done
 ok=1; for t in cuda_batch cuda_prefill; do grep -q "rc=0" "$OUT/tests-$t.log" || ok=0; done
-while [ ! -f /tmp/synth.rc ] && [ "$(left 280)" -gt 5 ]; do sleep 2; done
+while [ ! -f /tmp/synth.rc ] && [ "$(left 230)" -gt 5 ]; do sleep 2; done
 el "synth rc=$(cat /tmp/synth.rc 2>/dev/null)"
 while [ ! -f /root/pb/gguf.rc ] && [ "$(left 270)" -gt 5 ]; do sleep 2; done
 el "gguf rc=$(cat /root/pb/gguf.rc 2>/dev/null)"; tail -2 /root/pb/gguf.log
@@ -48,7 +51,9 @@ if [ "$ok" = 1 ]; then
 else
   echo "a suite failed: no load test on this build"
 fi
-mkdir -p "$OUT/llama"
-OUT=$OUT/llama timeout "$(left 8)" bash bench/h200_steps.sh batched 5 2>&1 | tail -8
-el llama-batched-bench
+if [ "$PEER" = 1 ]; then
+  mkdir -p "$OUT/llama"
+  OUT=$OUT/llama timeout "$(left 8)" bash bench/h200_steps.sh batched 5 2>&1 | tail -8
+  el llama-batched-bench
+fi
 bash scripts/out_bundle.sh
