@@ -18,6 +18,7 @@ t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 # `reserve`. PEER=0 leaves out llama.cpp (its GGUF and run) where the device time left is short.
 DEADLINE=${DEADLINE:-480} PEER=${PEER:-1}
 left() { local l=$(( DEADLINE - ($(date +%s) - t0) - ${1:-0} )); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
+P=$(( PEER * 75 ))  # the peer's reserve at the end
 for a in all lilyall; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
 mv .device-lilyall/bin/lily .device-all/bin/lily
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -27,26 +28,26 @@ mkdir -p /root/pb
 setsid nohup bash -c "./.device-all/bin/lily synth --preset 35b-a3b --out $LILY_CK > /tmp/synth.log 2>&1; echo \$? > /tmp/synth.rc; \
   [ $PEER = 1 ] && nice -n 10 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; echo \$? > /root/pb/gguf.rc" < /dev/null > /dev/null 2>&1 &
 for t in cuda_batch cuda_prefill; do
-  timeout "$(left 300)" ./.device-all/tests/$t --include-ignored --test-threads 2 > "$OUT/tests-$t.log" 2>&1
+  timeout "$(left $((220 + P)))" ./.device-all/tests/$t --include-ignored --test-threads 2 > "$OUT/tests-$t.log" 2>&1
   echo "rc=$?" >> "$OUT/tests-$t.log"
   el $t; grep -E "^test result|FAILED|panicked|rc=" "$OUT/tests-$t.log" | tail -4
 done
 ok=1; for t in cuda_batch cuda_prefill; do grep -q "rc=0" "$OUT/tests-$t.log" || ok=0; done
-while [ ! -f /tmp/synth.rc ] && [ "$(left 230)" -gt 5 ]; do sleep 2; done
+while [ ! -f /tmp/synth.rc ] && [ "$(left $((175 + P)))" -gt 5 ]; do sleep 2; done
 el "synth rc=$(cat /tmp/synth.rc 2>/dev/null)"
-while [ ! -f /root/pb/gguf.rc ] && [ "$(left 270)" -gt 5 ]; do sleep 2; done
+while [ ! -f /root/pb/gguf.rc ] && [ "$(left $((195 + P)))" -gt 5 ]; do sleep 2; done
 el "gguf rc=$(cat /root/pb/gguf.rc 2>/dev/null)"; tail -2 /root/pb/gguf.log
 : > /tmp/arms-c.txt
 for a in "b64 r1|--batch 64" "b16 r1|--batch 16"; do
   echo "all ${a%%|*} | BENCH=./.device-all/bin/lily-bench | --prompt-len 700 --decode-steps 128 ${a#*|}" >> /tmp/arms-c.txt
 done
 echo "all b64 timeline | BENCH=./.device-all/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 700 --decode-steps 64 --batch 64" >> /tmp/arms-c.txt
-SKIP_TESTS=1 timeout "$(left 240)" bash scripts/device_check.sh /tmp/arms-c.txt 2>&1 | grep -v "cannot access" | tail -8
+SKIP_TESTS=1 timeout "$(left $((165 + P)))" bash scripts/device_check.sh /tmp/arms-c.txt 2>&1 | grep -v "cannot access" | tail -8
 el arms
 if [ "$ok" = 1 ]; then
   mkdir -p "$OUT/load"
   OUT=$OUT/load LILY=.device-all/bin/lily CK=$LILY_CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" \
-    timeout "$(left 75)" bash bench/h200_serve.sh load 2>&1 | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - -
+    timeout "$(left $((5 + P)))" bash bench/h200_serve.sh load 2>&1 | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - -
   el load
 else
   echo "a suite failed: no load test on this build"
