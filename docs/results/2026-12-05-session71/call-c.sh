@@ -46,7 +46,7 @@ SKIP_TESTS=1 timeout "$(left $((165 + P)))" bash scripts/device_check.sh /tmp/ar
 el arms
 if [ "$ok" = 1 ]; then
   mkdir -p "$OUT/load"
-  OUT=$OUT/load LILY=.device-all/bin/lily CK=$LILY_CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" \
+  OUT=$OUT/load LILY=.device-all/bin/lily CK=$LILY_CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" LEVELS=${LOAD_LEVELS:-1,4,16,64} \
     timeout "$(left $((5 + P)))" bash bench/h200_serve.sh load 2>&1 | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - -
   el load
 else
