@@ -1,5 +1,5 @@
 set -u
-# Call C (session 71; calls A and B folded into one after ten device starts failed): on `all`
+# Call C (prepared in session 71, not run: no device could be started; build-c.sh builds its carry): on `all`
 # (main with the batched GDN step at the 35B's shapes on 256-thread blocks, k / q four rows at a
 # time, and the expert ring kernels at the 35B's shapes, moe_tcq_f_35b / moe_tcr_f_35b) the GPU
 # suites cuda_batch and cuda_prefill; lily-bench at 64 and 16 rows x 700 (one round),

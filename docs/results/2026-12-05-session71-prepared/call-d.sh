@@ -1,5 +1,5 @@
 set -u
-# Call D (session 71, what fits the device time left after sixteen failed starts): on `all` (as
+# Call D (prepared in session 71, not run; the short form of call-c.sh for a small device budget): on `all` (as
 # call C) the GPU suites cuda_batch and cuda_prefill, lily-bench at 64 rows x 700 (greedy; its
 # digest must equal main's), and the load test's 64-client level (ROUNDS=2, 16 client processes,
 # greedy and sampled) if both suites passed. Carry [".device-all", ".device-lilyall", ".whl/openai"].
