@@ -121,9 +121,15 @@ batched-prebuilt)
   if [ -f .whl/llama-src.tar.xz ]; then tar -C "$W/llama" -xJf .whl/llama-src.tar.xz || exit 1
   else tar -C "$W/llama" -xJf .whl/gguf-py.tar.xz || exit 1; fi
   mkdir -p "$W/llama/llama.cpp/build" && tar -C "$W/llama/llama.cpp/build" -xJf .whl/llama-bin.tar.xz --strip-components=1 || exit 1
-  "$W/llama/llama.cpp/build/bin/llama-batched-bench" --version 2>&1 | tail -2
-  echo 0 > "$W/llama-batched-build.rc"
-  log "batched-prebuilt: unpacked"
+  # The build's status is whether the binary starts here (it needs this machine's glibc and
+  # CUDA libraries): `batched` then reports the loader's message from the build log.
+  if "$W/llama/llama.cpp/build/bin/llama-batched-bench" --version > "$W/llama-batched-build.log" 2>&1; then
+    echo 0 > "$W/llama-batched-build.rc"
+  else
+    echo 1 > "$W/llama-batched-build.rc"
+  fi
+  tail -2 "$W/llama-batched-build.log"
+  log "batched-prebuilt: unpacked, rc=$(cat "$W/llama-batched-build.rc")"
   ;;
 batched-gguf)
   # The Q4_0 GGUF of the synthetic 35B at $CK (written by scripts/device_check.sh or `setup`).

@@ -391,9 +391,12 @@ pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n
     gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
 }
 
+/// The longest row [`combine_norm_bf16`] takes: what one norm block keeps in registers.
+const COMBINE_NORM_MAX: usize = ops::NORM_THREADS as usize * 4 * ops::NORM_V;
+
 /// Whether [`combine_norm_bf16`] takes rows of `hidden` values (one block's registers hold a row).
 pub fn combine_norm_fits(hidden: usize) -> bool {
-    hidden.is_multiple_of(4) && hidden <= ops::NORM_THREADS as usize * 4 * ops::NORM_V
+    hidden.is_multiple_of(4) && hidden <= COMBINE_NORM_MAX
 }
 
 /// [`combine_bf16_down`] fused with the next layer's input norm over `n` rows: `x += ...`, then
@@ -402,7 +405,7 @@ pub fn combine_norm_fits(hidden: usize) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub fn combine_norm_bf16(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, gain: u64, u: u64, staged: Option<u64>, n: usize, eps: f32) -> Result<()> {
     if !combine_norm_fits(d.hidden) {
-        bail!("the fused combine and norm take rows of whole float4s of at most {} values, not {}", ops::NORM_THREADS as usize * 4 * ops::NORM_V, d.hidden);
+        bail!("the fused combine and norm take rows of whole float4s of at most {COMBINE_NORM_MAX} values, not {}", d.hidden);
     }
     let norm = [Arg::P(gain), Arg::P(u), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.hidden as i32), Arg::F(eps)];
     let args = [&combine_head(out, x)[..], &norm].concat();
