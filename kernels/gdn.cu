@@ -266,14 +266,23 @@ __device__ __forceinline__ void gdn_step_tail(const ST* Ssm, float (&s)[SMEM_STA
             }
             const float d0 = beta * (vs[jp] - kv0), d1 = beta * (vs[jp + 1] - kv1);
             float o0 = 0.f, o1 = 0.f;
+            // k and q four rows at a time (one 16-byte load each: the compiler does not move
+            // shared loads past the state's stores, which it cannot tell apart from them).
 #pragma unroll
-            for (int ii = 0; ii < GDN_SL; ++ii) {
-                const float2 e = gdn_st_ld2(Ssm + (ip0 + ii) * dv + jp);
-                const float k = kn(ip0 + ii), q = qn(ip0 + ii);
-                const float sn0 = fmaf(k, d0, __fmul_rn(e.x, alpha)), sn1 = fmaf(k, d1, __fmul_rn(e.y, alpha));
-                o0 = fmaf(sn0, q, o0);
-                o1 = fmaf(sn1, q, o1);
-                gdn_st_st2(S + (size_t)(ip0 + ii) * dv + jp, sn0, sn1);
+            for (int i4 = 0; i4 < GDN_SL; i4 += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(ks + ip0 + i4);
+                const float4 q4 = *reinterpret_cast<const float4*>(qs + ip0 + i4);
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int ii = i4 + u;
+                    const float2 e = gdn_st_ld2(Ssm + (ip0 + ii) * dv + jp);
+                    const float k = kk[u], q = qq[u];
+                    const float sn0 = fmaf(k, d0, __fmul_rn(e.x, alpha)), sn1 = fmaf(k, d1, __fmul_rn(e.y, alpha));
+                    o0 = fmaf(sn0, q, o0);
+                    o1 = fmaf(sn1, q, o1);
+                    gdn_st_st2(S + (size_t)(ip0 + ii) * dv + jp, sn0, sn1);
+                }
             }
             part_o[rp * dv + jp] = o0;
             part_o[rp * dv + jp + 1] = o1;
@@ -399,13 +408,22 @@ extern "C" __global__ void __launch_bounds__(512, 4) gdn_step_batch_f16(GDN_STEP
 // a kernel parameter is some 25 instructions, and every warp of an item ran several) and its
 // loops have known trip counts. The same operations on the same values as gdn_step_batch; the
 // host launches it only at those dims (the dims in its argument list are not read).
+//
+// Its block is 256 threads, not 512: the batched step's two passes take two adjacent columns per
+// thread, (dv / 2) * (dk / 32) threads, and everything else of the step is written for any block
+// size (the conv's channels, the copies and the norms in strides of the block), so in a block of
+// 512 the other 256 threads ran only the prologue and the barriers. Half the block runs the
+// same values (each channel, entry and sum as before), leaves the per-item prologue to half the
+// warps, and fits five blocks per SM with the f16 slice (38.5 KB each) where four fitted: more
+// items' state loads in flight.
+#define GDN_35B_BATCH_THREADS 256
 #define GDN_STEP_BATCH_35B(NAME, ST, MINB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GDN_35B_THREADS, MINB) NAME(GDN_STEP_BATCH_ARGS(ST)) {       \
+    extern "C" __global__ void __launch_bounds__(GDN_35B_BATCH_THREADS, MINB) NAME(GDN_STEP_BATCH_ARGS(ST)) { \
         gdn_step_batch_impl<ST>(qkv, z, braw, araw, rings, taps, dt_bias, neg_a, norm_w, states, y, steps,      \
-                                GDN_35B_DIMS, eps, frag, gsum, GDN_35B_THREADS);                               \
+                                GDN_35B_DIMS, eps, frag, gsum, GDN_35B_BATCH_THREADS);                         \
     }
 GDN_STEP_BATCH_35B(gdn_step_batch_35b, float, 3)
-GDN_STEP_BATCH_35B(gdn_step_batch_35b_f16, u16, 4)
+GDN_STEP_BATCH_35B(gdn_step_batch_35b_f16, u16, 5)
 
 // The batched step on one wave of persistent blocks: block i takes the (row, head) items i,
 // i + gridDim.x, ... (item = row * nv + head) and copies what an item reads (its state slice,

@@ -783,6 +783,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr(MOE_TCR_ARGS) { moe
 // moe_tcr over codes in fragment order (tc_load) with the scales and biases in stage order: s,
 // s2, ss and ss2 hold them (tcr_issue), b, b2, sb and sb2 are not read.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f(MOE_TCR_ARGS) { moe_tcr_body<true>(MOE_TILE_NAMES, sfrag, sgsum); }
+// moe_tcr_f at the 35B's gate|up shapes (512 rows of 2,048 columns per expert matrix) as
+// compile-time constants, so its ring's and tiles' index arithmetic folds (as moe_tcq_f_35b).
+// The same products in the same order; the host launches it only at those shapes (the rows and
+// cols arguments are not read).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcr_f_35b(MOE_TCR_ARGS) {
+    moe_tcr_body<true>(w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, 512, 2048, frag, gs_in,
+                       xdiv, counts, offsets, list, tiles, sfrag, sgsum);
+}
 
 // moe_tcq: moe_tcp's persistent blocks with each warp's weights streamed through a ring as
 // moe_tcr's (the down products; no second matrix). Why: a moe_tcp warp loads a whole item (16 rows
@@ -875,6 +883,14 @@ __device__ __forceinline__ void moe_tcq_body(MOE_TILE_ARGS) {
     }
 }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_tcq_f(MOE_TILE_ARGS) { moe_tcq_body(MOE_TILE_NAMES); }
+// moe_tcq_f at the 35B's down shapes (2,048 rows of 512 columns per expert) as compile-time
+// constants, so its ring's and tiles' index arithmetic folds (as the GDN steps' _35b instances).
+// The same products in the same order; the host launches it only at those shapes (the rows and
+// cols arguments are not read).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_tcq_f_35b(MOE_TILE_ARGS) {
+    moe_tcq_body(w, s, b, w2, s2, b2, sw, ss, sb, sw2, ss2, sb2, shared_e, shared_base, y, 2048, 512, frag, gs_in, xdiv,
+                 counts, offsets, list, tiles);
+}
 
 // ============ the routed experts of long prefill chunks on warpgroup MMA (wgmma) ============
 // Why: with ~128 slots per expert a 4K chunk's expert products are compute work (8.2 TFLOP per

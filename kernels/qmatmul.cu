@@ -487,13 +487,14 @@ stage_tcb(float* x, int cols, int nrows, const float* __restrict__ gain, float e
 // dequantised weight fragment, and the blocks of the same rows (consecutive blockIdx.x) run
 // together, so larger batches read the weights from L2.
 // Dynamic shared memory: tok_blk / 8 * gpr * TCB_WORDS + tok_blk * gpr + warps * 16 * tok_blk words.
-template <int NTG, bool FRAG>
-__device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int cols, int t0, int nt,
-                                               int slices, int kc, const u32* xf, const float* gsum,
-                                               float* part) {
+// The tiles walk of gemv_tcb and gemv_tcq: `product(m, r0, acc)` sets acc to the warp's K slice
+// of the tile at row r0 of matrix m against the block's tokens.
+template <int NTG, class Product>
+__device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, int nmats, int t0, int nt, int slices,
+                                               float* part, Product product) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int tpb = warps / slices, my_tile = warp / slices, my_slice = warp % slices;
+    const int tpb = warps / slices, my_tile = warp / slices;
     constexpr int tok_blk = NTG * 8;
     const int tiles = set_tiles(mats, nmats);
     auto locate = [&](int tile, int& m, int& r0) { set_locate(mats, tiles, tile, m, r0); };
@@ -509,8 +510,7 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
         locate(bt + my_tile, m, r0);
         float acc[NTG][4];
         if (m >= 0) {
-            const QMat& M = mats[m];
-            tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, my_slice * kc * TC_NG, kc, xf, gsum, acc);
+            product(m, r0, acc);
         } else {
 #pragma unroll
             for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
@@ -549,6 +549,20 @@ __device__ __forceinline__ void gemv_tcb_tiles(const QMat* __restrict__ mats, in
     }
 }
 
+// gemv_tcb's product: the warp's item loaded whole into registers, chunk by chunk (tcb_tile).
+template <bool FRAG>
+struct TcbProduct {
+    const QMat* __restrict__ mats;
+    int cols, G0, kc;
+    const u32* xf;
+    const float* gsum;
+    template <int NTG>
+    __device__ __forceinline__ void operator()(int m, int r0, float (&acc)[NTG][4]) const {
+        const QMat& M = mats[m];
+        tcb_tile<NTG, FRAG>(M.w, M.s, M.b, M.rows, r0, cols, G0, kc, xf, gsum, acc);
+    }
+};
+
 template <bool FRAG>
 __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,
                                               const float* __restrict__ gs_in, int cols, int ntok, int tok_blk,
@@ -561,10 +575,11 @@ __device__ __forceinline__ void gemv_tcb_body(const QMat* __restrict__ mats, int
     const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
     pdl_wait_trigger();
     load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
+    const TcbProduct<FRAG> product{mats, cols, (int)(threadIdx.x >> 5) % slices * kc * TC_NG, kc, xf, gsum};
     if (nt > 8)
-        gemv_tcb_tiles<2, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<2>(mats, nmats, t0, nt, slices, part, product);
     else
-        gemv_tcb_tiles<1, FRAG>(mats, nmats, cols, t0, nt, slices, kc, xf, gsum, part);
+        gemv_tcb_tiles<1>(mats, nmats, t0, nt, slices, part, product);
 }
 // The entry points: THREADS per block, at least MINB blocks per SM, codes in row order or
 // (FRAG) in fragment order (common.cuh tc_load; the descriptors point at the matrices'
@@ -583,6 +598,118 @@ GEMV_TCB_ENTRY(gemv_tcb_f, 256, 2, true)
 // output is bit-identical.
 GEMV_TCB_ENTRY(gemv_tcb_w, 512, 1, false)
 GEMV_TCB_ENTRY(gemv_tcb_wf, 512, 1, true)
+
+// gemv_tcb_f with each warp's weights streamed through a ring of GEMV_RING_DEPTH stages
+// (tcr_issue / tcr_stage in common.cuh, as moe_tcq's). Why: a gemv_tcb warp loads a whole item
+// (16 rows x its K slice) into registers and then multiplies it, so it waits on memory at every
+// item with nothing else of its own in flight; here the warp's next stages, across its items and
+// the block's barriers, load while the current one is multiplied. The same tiles, K slices and
+// products per group in group order as gemv_tcb_f: bit-identical. The host takes it for steps of
+// at most 16 tokens (qmatmul.rs `tcb_ring`: at 64 rows, where four token blocks read each weight
+// from L2, it lost). Three stages where moe_tcr has four: two blocks of 16 tokens over 2,048
+// columns (or of 8 over 4,096) then still fit an SM with their staged tokens.
+// Dynamic shared memory: gemv_tcb's, then warps * GEMV_RING_DEPTH * TCR_STAGE_BYTES bytes.
+// cols: a multiple of 64 * TCR_GROUPS. Codes in fragment order, scales and biases row order.
+#define GEMV_RING_DEPTH 3
+
+// A warp's side of the ring: the producer walks the warp's items (tile `tile`, then `step`
+// tiles on, while below `tiles`; the warp's K slice from group g0, `spi` stages each) one stage
+// per issue; the consumer takes the stages in the same order.
+struct GemvRing {
+    const QMat* __restrict__ mats;
+    int tiles, cols, g0, spi, step;
+    int tile, k;     // the producer's item and its next stage
+    int issued, used;  // stages issued, stages consumed
+    unsigned base;   // the warp's ring (shared address)
+    TcrSrc<true, false> src;
+
+    __device__ __forceinline__ static TcrSrc<true, false> source(const QMat* mats, int tiles, int tile, int cols) {
+        int m, r0;
+        set_locate(mats, tiles, tile, m, r0);
+        const QMat& M = mats[m < 0 ? 0 : m];
+        return TcrSrc<true, false>(M.w, M.s, M.b, m < 0 ? 0 : r0, m < 0 ? 0 : M.rows, cols);
+    }
+    __device__ __forceinline__ GemvRing(const QMat* __restrict__ mats_, int tiles_, int cols_, int g0_, int spi_, int tile0,
+                                        int step_, unsigned base_)
+        : mats(mats_), tiles(tiles_), cols(cols_), g0(g0_), spi(spi_), step(step_), tile(tile0), k(0), issued(0), used(0),
+          base(base_), src(source(mats_, tiles_, tile0, cols_)) {}
+
+    // One commit group: the producer's next stage into its slot, or nothing past the warp's items.
+    __device__ __forceinline__ void issue() {
+        if (tile >= tiles) {
+            cp_commit();
+            return;
+        }
+        tcr_issue<true, false>(base + (issued % GEMV_RING_DEPTH) * TCR_STAGE_BYTES, src, src, false, g0 + TCR_GROUPS * k);
+        ++issued;
+        if (++k == spi) {
+            k = 0;
+            tile += step;
+            if (tile < tiles) src = source(mats, tiles, tile, cols);
+        }
+    }
+
+    // The consumer's item: its spi stages into acc (set), issuing one stage ahead per stage.
+    template <int NTG>
+    __device__ __forceinline__ void product(const unsigned char* ring, const u32* xf, const float* gsum,
+                                            float (&acc)[NTG][4]) {
+        const int gpr = cols >> 6;
+#pragma unroll
+        for (int tg = 0; tg < NTG; ++tg) acc[tg][0] = acc[tg][1] = acc[tg][2] = acc[tg][3] = 0.f;
+        for (int j = 0; j < spi; ++j) {
+            __syncwarp();  // every lane is done with the slot the next copies overwrite
+            issue();
+            cp_wait<GEMV_RING_DEPTH - 1>();
+            __syncwarp();  // the stage's copies, made by every lane, are visible to all
+            tcr_stage<NTG, true>(ring + (used % GEMV_RING_DEPTH) * TCR_STAGE_BYTES, g0 + TCR_GROUPS * j, xf, gsum, gpr, acc);
+            ++used;
+        }
+    }
+};
+
+// gemv_tcq's product: the ring's next item (the tiles walk asks for the warp's items in the
+// order the ring issues them).
+struct GemvRingProduct {
+    GemvRing* rg;
+    const unsigned char* ring;
+    const u32* xf;
+    const float* gsum;
+    template <int NTG>
+    __device__ __forceinline__ void operator()(int, int, float (&acc)[NTG][4]) const { rg->product(ring, xf, gsum, acc); }
+};
+
+template <int THREADS>
+__device__ __forceinline__ void gemv_tcq_body(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag,
+                                              const float* __restrict__ gs_in, int cols, int ntok, int tok_blk,
+                                              int slices, int kc) {
+    extern __shared__ float smem[];
+    constexpr int warps = THREADS / 32;
+    const int gpr = cols >> 6, warp = threadIdx.x >> 5, tpb = warps / slices;
+    u32* xf = reinterpret_cast<u32*>(smem);
+    float* gsum = smem + (tok_blk >> 3) * gpr * TCB_WORDS;
+    float* part = gsum + tok_blk * gpr;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(part + warps * 16 * tok_blk) +
+                          warp * (GEMV_RING_DEPTH * TCR_STAGE_BYTES);
+    const int t0 = blockIdx.x * tok_blk, nt = min(tok_blk, ntok - t0);
+    const int g0 = warp % slices * kc * TC_NG, spi = (min(gpr, g0 + kc * TC_NG) - g0) / TCR_GROUPS;
+    GemvRing rg(mats, set_tiles(mats, nmats), cols, g0, spi, blockIdx.y * tpb + warp / slices, gridDim.y * tpb,
+                smem_u32(ring));
+    // The weights do not depend on the previous kernel: the ring's first stages load before
+    // its outputs are waited for, and while the block copies its tokens.
+    for (int n = 0; n < GEMV_RING_DEPTH - 1; ++n) rg.issue();
+    pdl_wait_trigger();
+    load_token_block_tc(frag, gs_in, cols, t0, nt, xf, gsum);
+    const GemvRingProduct product{&rg, ring, xf, gsum};
+    if (nt > 8)
+        gemv_tcb_tiles<2>(mats, nmats, t0, nt, slices, part, product);
+    else
+        gemv_tcb_tiles<1>(mats, nmats, t0, nt, slices, part, product);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    gemv_tcq(const QMat* __restrict__ mats, int nmats, const u32* __restrict__ frag, const float* __restrict__ gs_in,
+             int cols, int ntok, int tok_blk, int slices, int kc) {
+    gemv_tcq_body<256>(mats, nmats, frag, gs_in, cols, ntok, tok_blk, slices, kc);
+}
 
 // ============================== prefill (T tokens) ==============================
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).

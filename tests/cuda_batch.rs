@@ -288,13 +288,14 @@ fn cuda_batch_steps_queued_ahead_leave_each_row_as_alone() {
 /// The batched GEMV set at every blocking of a step's tokens: 16 or 8 tokens per 256-thread
 /// block, 16 per 512-thread block over 4,096 columns in steps of more than 16 (`gemv_tcb_w`).
 /// Each token's outputs are bit-identical whatever the step's token count, and near the CPU's
-/// f32 product (bf16 inputs on the tensor cores); at the 35B's hidden width (2,048 columns) and
-/// GDN value width (4,096).
+/// f32 product (bf16 inputs on the tensor cores); at the 35B's hidden width (2,048 columns), GDN
+/// value width (4,096) and shared-expert width (512). The fragment-order codes of steps of up to
+/// 16 tokens go through the weight-ring kernel (`gemv_tcq`): bit-identical to the row-order ones.
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_batch_gemv_set_does_not_depend_on_the_token_count() {
     let gpu = cuda(true);
-    for (rows, cols) in [(1000usize, 2048usize), (2048, 4096)] {
+    for (rows, cols) in [(1000usize, 2048usize), (2048, 4096), (300, 512)] {
         let q = random_quant(rows, cols, 4, 7 + cols as u64);
         let n = 100;
         let x = rnd(11, n * cols);
@@ -304,7 +305,7 @@ fn cuda_batch_gemv_set_does_not_depend_on_the_token_count() {
             assert_eq!(max_abs_diff(&part, &all[..ntok * rows]), 0.0, "{rows}x{cols}: {ntok} tokens against {n}");
         }
         // The fragment-order codes (the model's matrices): the same outputs.
-        for ntok in [16usize, 17, n] {
+        for ntok in [1usize, 16, 17, 64, n] {
             let f = testing::gemv_batch(&gpu, &q, &x[..ntok * cols], ntok, true).unwrap();
             assert_eq!(max_abs_diff(&f, &all[..ntok * rows]), 0.0, "{rows}x{cols}: {ntok} tokens, fragment order");
         }

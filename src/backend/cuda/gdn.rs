@@ -20,21 +20,26 @@ const GDN_STEP_PERSIST_35B: [Kernel; 2] = [Kernel::dependent(&GDN, "gdn_step_per
 /// The head shapes the `_35b` GDN steps have as constants (the 35B's; GDN_35B_DIMS in
 /// kernels/gdn.cu): key heads, value heads, key dim, value dim, conv taps.
 const SHAPED_STEP_DIMS: [usize; 5] = [16, 32, 128, 128, 4];
+/// The block of `gdn_step_batch_35b(_f16)` (GDN_35B_BATCH_THREADS in kernels/gdn.cu): its passes'
+/// threads, two value columns each, (dv / 2) * (dk / 32) at [`SHAPED_STEP_DIMS`].
+const SHAPED_BATCH_THREADS: u32 = 256;
 
 /// The decode steps' kernels: one sequence's, the batched per-item and persistent ones.
 struct StepKernels {
     one: [Kernel; 2],
     per_item: [Kernel; 2],
     persist: [Kernel; 2],
+    /// The per-item kernel's block (`None`: [`GdnDims::step_threads`], as the other two).
+    per_item_threads: Option<u32>,
 }
 
 /// The general steps, or (`shaped`) the ones compiled for [`SHAPED_STEP_DIMS`]: the same values
 /// either way.
 fn step_kernels(shaped: bool) -> StepKernels {
     if shaped {
-        StepKernels { one: GDN_STEP_35B, per_item: GDN_STEP_BATCH_35B, persist: GDN_STEP_PERSIST_35B }
+        StepKernels { one: GDN_STEP_35B, per_item: GDN_STEP_BATCH_35B, persist: GDN_STEP_PERSIST_35B, per_item_threads: Some(SHAPED_BATCH_THREADS) }
     } else {
-        StepKernels { one: GDN_STEP, per_item: GDN_STEP_BATCH, persist: GDN_STEP_PERSIST }
+        StepKernels { one: GDN_STEP, per_item: GDN_STEP_BATCH, persist: GDN_STEP_PERSIST, per_item_threads: None }
     }
 }
 
@@ -226,7 +231,7 @@ fn launch_batch(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, st
             return gpu.launch(d.instance(step_kernels(shaped).persist), (blocks.clamp(1, rows * d.nv) as u32, 1, 1), d.step_threads(), d.step_persist_smem(rows), &args);
         }
     }
-    launch_per_item(gpu, d, step_kernels(shaped).per_item, rows, &args)
+    launch_per_item(gpu, d, &step_kernels(shaped), rows, &args)
 }
 
 /// The batched steps' arguments: [`step_args`], then where the outputs are staged (null without).
@@ -246,12 +251,13 @@ fn batch_args(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, steps: u64, rows: usize, stag
 }
 
 /// `kernels` (`gdn_step_batch` or its shaped instance) over `rows` rows with `args`.
-fn launch_per_item(gpu: &Gpu, d: &GdnDims, kernels: [Kernel; 2], rows: usize, args: &[Arg]) -> Result<()> {
+fn launch_per_item(gpu: &Gpu, d: &GdnDims, kernels: &StepKernels, rows: usize, args: &[Arg]) -> Result<()> {
     let smem = d.step_batch_smem();
     if smem > SMEM_OPTIN_LIMIT {
         bail!("the batched GDN step keeps a {} x {} state slice in shared memory: {smem} bytes do not fit", d.dk, d.dv);
     }
-    gpu.launch(d.instance(kernels), (d.nv as u32, rows as u32, 1), d.step_threads(), smem, args)
+    let threads = kernels.per_item_threads.unwrap_or_else(|| d.step_threads());
+    gpu.launch(d.instance(kernels.per_item), (d.nv as u32, rows as u32, 1), threads, smem, args)
 }
 
 /// The batched step on `kernel`'s general instance or (`shaped`) on the one compiled for the
@@ -622,6 +628,11 @@ mod tests {
         let f16 = big.with_state_f16(true);
         assert_eq!([shaped.one, shaped.per_item, shaped.persist].map(|k| f16.instance(k).name), ["gdn_step_35b_f16", "gdn_step_batch_35b_f16", "gdn_step_persist_35b_f16"]);
         assert_eq!([general.one, general.per_item, general.persist].map(|k| big.instance(k).name), ["gdn_step", "gdn_step_batch", "gdn_step_persist"]);
+        // The shaped per-item step's block is its passes' threads, two value columns each; five
+        // blocks of it fit an SM with the f16 slice (228 KiB, 1 KiB reserved per block).
+        assert_eq!(shaped.per_item_threads, Some((big.dv / 2 * (big.dk / 32)) as u32));
+        assert_eq!(general.per_item_threads, None);
+        assert!(5 * (f16.step_batch_smem() + 1024) <= 228 * 1024, "{}", f16.step_batch_smem());
         // Any other shape takes the general kernels.
         assert!(!GdnDims::new(&ModelConfig::tiny()).shaped_step());
         for other in [GdnDims { kc: 3, ..big }, GdnDims { nv: 16, ..big }, GdnDims { nk: 32, ..big }, GdnDims { dv: 64, ..big }, GdnDims { dk: 64, ..big }] {

@@ -34,6 +34,10 @@ const MOE_TCB_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcb_f");
 const MOE_TCP_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcp_f");
 const MOE_TCR_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr_f");
 const MOE_TCQ_F: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f");
+/// `moe_tcr_f` compiled for the 35B's gate|up shapes (512 rows of 2,048 columns per expert).
+const MOE_TCR_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr_f_35b");
+/// `moe_tcq_f` compiled for the 35B's down shapes (2,048 rows of 512 columns per expert).
+const MOE_TCQ_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f_35b");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
@@ -601,7 +605,7 @@ pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     let (args, smem, frag) = tcb_args(gpu, q, up, shared, rows, st, y, &g, None, false)?;
     let ring = frag && up.is_none() && q.cols.is_multiple_of(64 * TCR_GROUPS);
     let (k, smem) = match (frag, ring) {
-        (true, true) => (MOE_TCQ_F, tcr_smem(q.cols)),
+        (true, true) => (tcq_kernel(rows, q.cols), tcr_smem(q.cols)),
         (true, false) => (MOE_TCP_F, smem),
         _ => (MOE_TCP, smem),
     };
@@ -610,12 +614,22 @@ pub fn moe_tcp(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
     gpu.launch(k, (blocks as u32, 1, 1), GEMV_THREADS, smem, &args)
 }
 
+/// The down ring kernel for experts of `rows` x `cols`: the instance with the 35B's shapes as
+/// constants where they are those (the same products), else the general one.
+fn tcq_kernel(rows: usize, cols: usize) -> Kernel {
+    if (rows, cols) == (2048, 512) {
+        MOE_TCQ_F_35B
+    } else {
+        MOE_TCQ_F
+    }
+}
+
 /// `moe_tcr`'s ring: stages of `TCR_GROUPS` 64-column groups, `TCR_DEPTH` per warp, each 16 rows
 /// of codes padded to `TCR_ROW_BYTES` plus their scales and biases (kernels/moe.cu).
-const TCR_GROUPS: usize = 2;
+pub(super) const TCR_GROUPS: usize = 2;
 const TCR_DEPTH: usize = 4;
 const TCR_ROW_BYTES: usize = TCR_GROUPS * 32 + 16;
-const TCR_STAGE_BYTES: usize = 16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4;
+pub(super) const TCR_STAGE_BYTES: usize = 16 * TCR_ROW_BYTES + 16 * TCR_GROUPS * 4;
 
 /// Whether `moe_tcr` takes matrices of `cols` columns (whole stages) and two of its blocks fit an
 /// SM beside their staged tokens (what its speed relies on).
@@ -654,7 +668,18 @@ pub fn moe_tcr(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, ro
         Some(o) => bail!("moe_tcr cannot stage {rows}-column outputs into {}-column rows", o.cols),
     };
     args.extend([Arg::P(sfrag), Arg::P(sgsum)]);
-    gpu.launch(if frag { MOE_TCR_F } else { MOE_TCR }, (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
+    gpu.launch(tcr_kernel(frag, rows, q.cols), (rows.div_ceil(MOE_TCB_ROWS) as u32, g.max_tiles as u32, 1), GEMV_THREADS, tcr_smem(q.cols), &args)
+}
+
+/// The ring kernel for expert matrices of `rows` x `cols` (`frag`: codes in fragment order): over
+/// fragment-order codes, the instance with the 35B's gate|up shapes as constants where they are
+/// those (the same products), else the general one.
+fn tcr_kernel(frag: bool, rows: usize, cols: usize) -> Kernel {
+    match (frag, (rows, cols) == (512, 2048)) {
+        (true, true) => MOE_TCR_F_35B,
+        (true, false) => MOE_TCR_F,
+        (false, _) => MOE_TCR,
+    }
 }
 
 /// `moe_tcp`'s grid: one wave of blocks, but no more than give each block's warps one of the
@@ -852,6 +877,22 @@ fn wg_args(mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Groupe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_35b_expert_shapes_take_the_shaped_ring_kernels() {
+        let cfg = ModelConfig::qwen36_35b_a3b();
+        let d = MoeDims::new(&cfg);
+        assert_eq!(tcq_kernel(d.hidden, d.inter).name, "moe_tcq_f_35b");
+        let tiny = MoeDims::new(&ModelConfig::tiny());
+        assert_eq!(tcq_kernel(tiny.hidden, tiny.inter).name, "moe_tcq_f");
+        assert_eq!(tcq_kernel(d.inter, d.hidden).name, "moe_tcq_f");
+        assert!(MOE.kernels.contains(&"moe_tcq_f_35b"));
+        assert_eq!(tcr_kernel(true, d.inter, d.hidden).name, "moe_tcr_f_35b");
+        assert_eq!(tcr_kernel(false, d.inter, d.hidden).name, "moe_tcr");
+        assert_eq!(tcr_kernel(true, tiny.inter, tiny.hidden).name, "moe_tcr_f");
+        assert_eq!(tcr_kernel(true, d.hidden, d.inter).name, "moe_tcr_f");
+        assert!(MOE.kernels.contains(&"moe_tcr_f_35b"));
+    }
 
     #[test]
     fn the_35b_routing_shapes_take_the_shaped_kernels() {

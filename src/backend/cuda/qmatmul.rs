@@ -7,6 +7,7 @@ use super::blas::Blas;
 use super::device::{ptr, Arg, Gpu};
 use super::ops;
 use super::registry::{Kernel, QMATMUL};
+use super::moe::TCR_GROUPS;
 use super::weights::DevQ;
 use anyhow::{bail, Result};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -20,6 +21,7 @@ const GEMV_TCB: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb");
 const GEMV_TCB_F: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_f");
 const GEMV_TCB_W: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_w");
 const GEMV_TCB_WF: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcb_wf");
+const GEMV_TCQ: Kernel = Kernel::dependent(&QMATMUL, "gemv_tcq");
 /// Threads of `gemv_tcb_w` (one block per SM).
 const GEMV_TCB_W_THREADS: u32 = 512;
 const STAGE_TCB: Kernel = Kernel::dependent(&QMATMUL, "stage_tcb");
@@ -894,6 +896,23 @@ fn gemv_tcb_smem(cols: usize, tok: usize, threads: u32) -> u32 {
     ((tok / 8 * gpr * TCB_WORDS + tok * gpr + warps * 16 * tok) * 4) as u32
 }
 
+/// Whether a step of `ntok` tokens runs its fragment-order GEMV sets over `cols` columns on
+/// `gemv_tcq` (each warp's weights streamed through a ring) rather than `gemv_tcb_f`: at most
+/// `TCB_TOK` tokens (16 rows: +2.1% aggregate on an H200; 64 rows lost 1.3%, docs/cuda.md), and
+/// whole ring stages of columns. Steps of more than 16 tokens run 4,096-column sets on the wide
+/// kernel, which has no ring form.
+fn tcb_ring(cols: usize, ntok: usize) -> bool {
+    ntok <= TCB_TOK && cols.is_multiple_of(64 * TCR_GROUPS)
+}
+
+/// Shared memory of `gemv_tcq`'s weight rings (`threads` / 32 warps), beside `gemv_tcb_smem`'s.
+fn gemv_ring_smem(threads: u32) -> u32 {
+    (threads / 32) * (GEMV_RING_DEPTH * super::moe::TCR_STAGE_BYTES) as u32
+}
+
+/// Stages per warp of `gemv_tcq`'s ring (GEMV_RING_DEPTH in kernels/qmatmul.cu).
+const GEMV_RING_DEPTH: usize = 3;
+
 /// `gemv_tcb`: `y_m[t] (+)= W_m · x[t]` for every matrix of `set` (4-bit, group 64) and the `ntok`
 /// staged rows of `st` (`cols` values each); each output token-major with the matrix's rows
 /// (batched decode).
@@ -902,20 +921,23 @@ pub fn gemv_tcb(gpu: &Gpu, set: GemvSet, st: &TcbStaging, cols: usize, ntok: usi
         bail!("the batched GEMV takes 4-bit matrices of whole 64-column groups");
     }
     // The tiles and K slices are the 256-thread kernel's at every token count (bit-identical
-    // outputs whatever the batch); the wide kernel's warps take them two blocks' worth at a time.
+    // outputs whatever the batch); the wide kernel's warps take them two blocks' worth at a time,
+    // and the ring kernel (`gemv_tcq`) the same tiles.
     let narrow_smem = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
     let per_sm = blocks_per_sm(gpu, if set.frag { GEMV_TCB_F } else { GEMV_TCB }, narrow_smem, 1)?;
     let (blocks, slices, kc) = tc_geometry(set.tiles, cols, gpu.sms as usize, per_sm);
     let (tok, wide) = tcb_blocking(cols, ntok);
     // A wide step has several token blocks (more than 16 tokens), so one block per SM here too.
     let blocks = tcb_row_blocks(blocks, gpu.sms as usize, ntok, tok);
+    let ring = set.frag && tcb_ring(cols, ntok);
     let (k, threads) = match (wide, set.frag) {
         (false, false) => (GEMV_TCB, GEMV_THREADS),
+        (false, true) if ring => (GEMV_TCQ, GEMV_THREADS),
         (false, true) => (GEMV_TCB_F, GEMV_THREADS),
         (true, false) => (GEMV_TCB_W, GEMV_TCB_W_THREADS),
         (true, true) => (GEMV_TCB_WF, GEMV_TCB_W_THREADS),
     };
-    let smem = gemv_tcb_smem(cols, tok, threads);
+    let smem = gemv_tcb_smem(cols, tok, threads) + if ring { gemv_ring_smem(threads) } else { 0 };
     let s = &gpu.stream;
     let args = [
         Arg::P(set.descs),
@@ -1066,8 +1088,9 @@ mod tests {
     fn batched_gemv_blocks_fit_two_per_sm_and_wide_ones_one() {
         // 35B inputs: hidden 2,048 (16 tokens per block), GDN value / attention inner 4,096 (8),
         // expert and shared-expert widths 512; the wide kernel's blocks 16 tokens.
+        // The narrow blocks with the weight rings of `gemv_tcq` too.
         for cols in [2048, 4096, 512] {
-            let narrow = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS);
+            let narrow = gemv_tcb_smem(cols, tcb_tokens(cols), GEMV_THREADS) + gemv_ring_smem(GEMV_THREADS);
             assert!(narrow <= 113 * 1024, "{cols}: {narrow}");
             let wide = gemv_tcb_smem(cols, TCB_TOK, GEMV_TCB_W_THREADS);
             assert!(wide <= super::super::registry::SMEM_OPTIN_LIMIT, "{cols}: {wide}");
@@ -1083,6 +1106,14 @@ mod tests {
         assert_eq!(tcb_blocking(4096, 16), (8, false));
         assert_eq!(tcb_blocking(4096, 17), (16, true));
         assert_eq!(tcb_blocking(4096, 128), (16, true));
+        // The ring up to 16 tokens (never a wide step), over whole stages of columns.
+        for ntok in 1..=128 {
+            assert_eq!(tcb_ring(2048, ntok), ntok <= 16, "{ntok}");
+            if tcb_ring(4096, ntok) {
+                assert_eq!(tcb_blocking(4096, ntok).1, false, "{ntok}");
+            }
+        }
+        assert!(tcb_ring(128, 16) && !tcb_ring(64, 1) && !tcb_ring(192, 1));
         // Wide steps have several token blocks: one block per SM by `tcb_row_blocks`.
         for ntok in 1..=128 {
             if let (tok, true) = tcb_blocking(4096, ntok) {
