@@ -7,7 +7,7 @@ use super::blas::Blas;
 use super::device::{ptr, Arg, Gpu};
 use super::ops;
 use super::registry::{Kernel, QMATMUL};
-use super::moe::TCR_GROUPS;
+use super::moe::{TCR_GROUPS, TCR_STAGE_BYTES};
 use super::weights::DevQ;
 use anyhow::{bail, Result};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -907,7 +907,7 @@ fn tcb_ring(cols: usize, ntok: usize) -> bool {
 
 /// Shared memory of `gemv_tcq`'s weight rings (`threads` / 32 warps), beside `gemv_tcb_smem`'s.
 fn gemv_ring_smem(threads: u32) -> u32 {
-    (threads / 32) * (GEMV_RING_DEPTH * super::moe::TCR_STAGE_BYTES) as u32
+    (threads / 32) * (GEMV_RING_DEPTH * TCR_STAGE_BYTES) as u32
 }
 
 /// Stages per warp of `gemv_tcq`'s ring (GEMV_RING_DEPTH in kernels/qmatmul.cu).
