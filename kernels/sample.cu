@@ -583,6 +583,21 @@ struct SampleSliceKeys {
         }
     }
 };
+// One value per thread (its share's largest finite z, or none): the prefilter's keys.
+struct SampleThreadKey {
+    float v;
+    template <typename F>
+    __device__ void operator()(F f) const { f(sample_key(v), sample_finite(v), 1u); }
+};
+// The keys gathered in shared memory (all finite).
+struct SampleSharedKeys {
+    const u32* key;
+    int n;
+    template <typename F>
+    __device__ void operator()(F f) const {
+        for (int j = threadIdx.x; j < n; j += blockDim.x) f(key[j], true, 1u);
+    }
+};
 // This thread's share of a row's candidates, f(token, z): the lists gathered in shared memory,
 // or the whole row (read through L2: other blocks wrote it).
 struct SampleSource {
@@ -645,7 +660,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ unsigned long long h64[SAMPLE_BINS];
     __shared__ float redf[32];
     __shared__ unsigned long long redu[32];
-    __shared__ u32 s_count, s_overflow;
+    __shared__ u32 s_count, s_overflow, s_ncand;
+    // The block's candidates (keys and tokens), then the last block's merged lists.
+    __shared__ u32 ckey[SAMPLE_SMALL_LIST];
+    __shared__ int cidx[SAMPLE_SMALL_LIST];
 
     // z of the slice (sample_prep's arithmetic), its maximum and finite count.
     int lo, hi;
@@ -653,9 +671,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     float m = NEG_INF;
     unsigned long long fin = 0;
     sample_z(logits, p, counts, allowed, z, lo, hi, m, fin);
+    const float thread_max = m;
     m = sample_block_max(m, redf);
     fin = sample_block_sum(fin, redu);
-    if (threadIdx.x == 0) { s_count = 0; s_overflow = 0; }
+    if (threadIdx.x == 0) { s_count = 0; s_overflow = 0; s_ncand = 0; }
     __syncthreads();  // the slice's z (global, this block's own writes) and the counters
 
     // The slice's list: every finite value above its K-th largest, then the values equal to it
@@ -663,20 +682,57 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     SampleCand* mine = lists + (size_t)blockIdx.x * K;
     float tb = NEG_INF;
     if (fin >= (unsigned long long)K) {
+        // The K-th largest of the threads' maxima, t, is at most the slice's K-th largest (K
+        // threads hold a value at or above it), so the values at or above t hold every value the
+        // list takes: gathered into shared memory (usually a few times K), the K-th largest and
+        // the list come from them alone. Past SAMPLE_SMALL_LIST of them (many equal values), or
+        // fewer than K threads with a finite value, the slice itself is searched.
+        bool gathered = false;
         u32 key = 0;
-        sample_block_search<u32>(SampleSliceKeys{z, lo, hi}, (u32)K, h32, &key);
-        tb = sample_key_float(key);
-        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float v = z[i];
-            if (sample_finite(v) && v > tb) mine[atomicAdd(&s_count, 1u)] = SampleCand{i, v};
+        if (sample_block_search<u32>(SampleThreadKey{thread_max}, (u32)K, h32, &key)) {
+            const float t = sample_key_float(key);
+            for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+                const float v = z[i];
+                if (sample_finite(v) && v >= t) {
+                    const u32 c = atomicAdd(&s_ncand, 1u);
+                    if (c < SAMPLE_SMALL_LIST) { ckey[c] = sample_key(v); cidx[c] = i; }
+                }
+            }
+            __syncthreads();
+            gathered = s_ncand <= SAMPLE_SMALL_LIST;
         }
-        __syncthreads();
-        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float v = z[i];
-            if (v == tb) {
-                const u32 c = atomicAdd(&s_count, 1u);
-                if (c < (u32)K) mine[c] = SampleCand{i, v};
-                else s_overflow = 1;
+        if (gathered) {
+            const int nc = (int)s_ncand;
+            sample_block_search<u32>(SampleSharedKeys{ckey, nc}, (u32)K, h32, &key);
+            tb = sample_key_float(key);
+            for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+                const float v = sample_key_float(ckey[j]);
+                if (v > tb) mine[atomicAdd(&s_count, 1u)] = SampleCand{cidx[j], v};
+            }
+            __syncthreads();
+            for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+                const float v = sample_key_float(ckey[j]);
+                if (v == tb) {
+                    const u32 c = atomicAdd(&s_count, 1u);
+                    if (c < (u32)K) mine[c] = SampleCand{cidx[j], v};
+                    else s_overflow = 1;
+                }
+            }
+        } else {
+            sample_block_search<u32>(SampleSliceKeys{z, lo, hi}, (u32)K, h32, &key);
+            tb = sample_key_float(key);
+            for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+                const float v = z[i];
+                if (sample_finite(v) && v > tb) mine[atomicAdd(&s_count, 1u)] = SampleCand{i, v};
+            }
+            __syncthreads();
+            for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+                const float v = z[i];
+                if (v == tb) {
+                    const u32 c = atomicAdd(&s_count, 1u);
+                    if (c < (u32)K) mine[c] = SampleCand{i, v};
+                    else s_overflow = 1;
+                }
             }
         }
     } else {
@@ -691,8 +747,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (!last_block(&row->ticket)) return;
 
     // ---- the row's last block: the blocks' lists (or the row) to the token ----
-    __shared__ u32 ckey[SAMPLE_SMALL_LIST];
-    __shared__ int cidx[SAMPLE_SMALL_LIST];
     __shared__ u32 s_total;
     float zmax = NEG_INF;
     unsigned long long finite = 0;

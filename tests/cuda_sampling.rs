@@ -165,6 +165,19 @@ fn cuda_small_k_sampler_draws_the_general_kernels_tokens() {
             }
         }
     }
+    // A batched step's rows: 64 rows take 8 blocks each, so each block lists the k largest of a
+    // slice of ~31,000 values (one row: 64 blocks of ~3,900); every row draws the same token as
+    // one row through the general kernels.
+    for (ri, l) in rows.iter().enumerate() {
+        for (si, params) in settings.iter().enumerate() {
+            let s = snap(params.clone(), 5);
+            let general = testing::sample_general(&b, l, &s, 1).unwrap()[0];
+            for n_rows in [8usize, 64] {
+                let batch = testing::sample_rows(&b, l, &s, n_rows, true).unwrap();
+                assert!(batch.iter().all(|&t| t == general), "logits row {ri}, setting {si}, {n_rows} rows: {batch:?} against {general}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -138,6 +138,19 @@ pub fn sample_general(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, d
     sample_with(b, logits, snap, draws, false)
 }
 
+/// One draw for each of `rows` rows holding the same `logits` and `snap` (so the same token), in
+/// one launch as a batched decode step makes it (fewer blocks per row, each over a longer slice):
+/// through `sample_small_k` when `small`, else the general kernels.
+pub fn sample_rows(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, rows: usize, small: bool) -> Result<Vec<u32>> {
+    let gpu = &b.gpu;
+    let mut scratch = sampling::SampleScratch::new(gpu, logits.len(), rows)?;
+    scratch.load(gpu, &vec![snap; rows])?;
+    let l = gpu.upload(&logits.repeat(rows))?;
+    let step = gpu.upload(&vec![0i32; 2 * rows])?;
+    sampling::sample_next(gpu, ptr(&l, &gpu.stream), logits.len(), ptr(&step, &gpu.stream), &scratch, rows, small)?;
+    Ok(read(gpu, &step)?.chunks(2).map(|s| s[0] as u32).collect())
+}
+
 fn sample_with(b: &CudaBackend, logits: &[f32], snap: &SamplerSnapshot, draws: usize, small: bool) -> Result<Vec<u32>> {
     let gpu = &b.gpu;
     let mut scratch = sampling::SampleScratch::new(gpu, logits.len(), 1)?;
