@@ -23,6 +23,12 @@ pub trait SequenceState: Any + Send + Sync {
     /// among them (each of k holders counts 1/k), so the states' figures add up to what they
     /// hold together; a figure can grow when a sharer goes.
     fn memory_bytes(&self) -> usize;
+    /// The most [`SequenceState::memory_bytes`] can report for this state while it does not
+    /// grow: what it holds with nothing shared (the prefix cache's cheap check that an entry
+    /// fits). States that share nothing: their memory_bytes.
+    fn memory_bound(&self) -> usize {
+        self.memory_bytes()
+    }
     /// Makes sure the state can grow to `tokens` tokens later without running out of memory
     /// (a reservation against the backend's budget; [`MemoryFull`] when it does not fit).
     /// Backends whose sequences draw on no budget accept any reservation.
@@ -94,6 +100,9 @@ impl Sequence {
     }
     pub fn memory_bytes(&self) -> usize {
         self.state.memory_bytes()
+    }
+    pub fn memory_bound(&self) -> usize {
+        self.state.memory_bound()
     }
     /// Reserves room for the sequence to reach `tokens` tokens (at most max-seq), so growing to
     /// that length cannot fail for memory; [`MemoryFull`] when the budget cannot hold it now.

@@ -32,6 +32,9 @@ struct Entry<T, H> {
     item: Stored<T, H>,
     key: Option<String>,
     last_used: u64,
+    /// The most device memory the item can come to hold ([`PrefixCache::with_bound`]), read
+    /// when it was stored; 0 in the host tier or without a bound.
+    bound: usize,
 }
 
 /// The host tier: where entries the device budget pushes out go, while they fit its budget.
@@ -52,6 +55,8 @@ pub struct PrefixCache<T, H = ()> {
     budget: usize,
     /// What an item holds now, in bytes.
     size: fn(&T) -> usize,
+    /// The most an item can come to hold ([`PrefixCache::with_bound`]).
+    bound: Option<fn(&T) -> usize>,
     host: Option<HostTier<T, H>>,
     clock: u64,
     pub lookups: u64,
@@ -77,7 +82,16 @@ pub struct Leaving<T> {
 
 impl<T, H> PrefixCache<T, H> {
     pub fn new(budget_bytes: usize, size: fn(&T) -> usize) -> Self {
-        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0, spill_ms: 0, moving_bytes: 0 }
+        PrefixCache { entries: Vec::new(), budget: budget_bytes, size, bound: None, host: None, clock: 0, lookups: 0, hits: 0, host_hits: 0, spills: 0, spill_ms: 0, moving_bytes: 0 }
+    }
+
+    /// `bound(item)`: the most `size(item)` can ever report for an item once stored (what it
+    /// holds with nothing shared). Reading every entry's size walks what each shares (on the GPU,
+    /// every KV page), so with hundreds of entries each insert would pay for it; with a bound,
+    /// an insert whose entries' bounds leave room for it reads no size.
+    pub fn with_bound(mut self, bound: fn(&T) -> usize) -> Self {
+        self.bound = Some(bound);
+        self
     }
 
     /// Entries the device budget pushes out move to `tier` instead of being dropped.
@@ -158,19 +172,24 @@ impl<T, H> PrefixCache<T, H> {
             self.clock += 1;
             if let Some(host) = self.spill(&item, self.clock) {
                 self.spills += 1;
-                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used: self.clock });
+                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used: self.clock, bound: 0 });
             }
             return;
         }
-        let mut used = self.memory_bytes();
-        while used + bytes > self.budget {
-            match self.evict_lru() {
-                Some(freed) => used = used.saturating_sub(freed),
-                None => break,
+        // Without room by the bounds, the sizes as they are now (sharers may have gone).
+        let bounded: Option<usize> = self.bound.map(|_| self.entries.iter().map(|e| e.bound).sum());
+        if !bounded.is_some_and(|b| b + bytes <= self.budget) {
+            let mut used = self.memory_bytes();
+            while used + bytes > self.budget {
+                match self.evict_lru() {
+                    Some(freed) => used = used.saturating_sub(freed),
+                    None => break,
+                }
             }
         }
         self.clock += 1;
-        self.entries.push(Entry { tokens, item: Stored::Device(item), key, last_used: self.clock });
+        let bound = self.bound.map_or(0, |f| f(&item).max(bytes));
+        self.entries.push(Entry { tokens, item: Stored::Device(item), key, last_used: self.clock, bound });
     }
 
     /// A copy (`copy`) of the item of the longest cached prefix of `prompt`, and that prefix's
@@ -205,7 +224,7 @@ impl<T, H> PrefixCache<T, H> {
         let Stored::Device(item) = e.item else { unreachable!("chosen among device entries") };
         if let Some(host) = self.spill(&item, e.last_used) {
             self.spills += 1;
-            self.entries.push(Entry { tokens: e.tokens, item: Stored::Host(host), key: e.key, last_used: e.last_used });
+            self.entries.push(Entry { tokens: e.tokens, item: Stored::Host(host), key: e.key, last_used: e.last_used, bound: 0 });
         }
         Some(freed)
     }
@@ -284,7 +303,7 @@ impl<T, H> PrefixCache<T, H> {
             self.spills += 1;
             // An entry inserted meanwhile with the same tokens is newer.
             if !self.entries.iter().any(|e| e.tokens == tokens) {
-                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used });
+                self.entries.push(Entry { tokens, item: Stored::Host(host), key, last_used, bound: 0 });
             }
         }
         item
@@ -441,6 +460,32 @@ mod tests {
         assert_eq!(c.memory_bytes(), 90);
         c.insert(vec![3], Rc::new(Cell::new(20)), None);
         assert_eq!((c.len(), c.contains(&[1])), (2, false));
+    }
+
+    #[test]
+    fn an_insert_within_the_bounds_reads_no_size() {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        static READS: AtomicUsize = AtomicUsize::new(0);
+        // Items (size now, the most it can come to): sizes are counted as they are read.
+        let mut c: PrefixCache<(usize, usize)> = PrefixCache::new(100, |t: &(usize, usize)| {
+            READS.fetch_add(1, Relaxed);
+            t.0
+        })
+        .with_bound(|t: &(usize, usize)| t.1);
+        c.insert(vec![1], (20, 30), None);
+        c.insert(vec![2], (20, 30), None);
+        c.insert(vec![3], (20, 30), None);
+        // Bounds 90 + 10: room; only the new items' own sizes were read.
+        c.insert(vec![4], (10, 10), None);
+        assert_eq!((READS.load(Relaxed), c.len()), (4, 4));
+        // Bounds 100 + 20 are over the budget, the sizes (70 + 20) are not: nothing is evicted.
+        c.insert(vec![5], (20, 20), None);
+        assert_eq!(c.len(), 5);
+        assert!(READS.load(Relaxed) > 5, "the sizes were read");
+        // Sizes 90 + 20: the least recently used goes, as without a bound.
+        c.insert(vec![6], (20, 20), None);
+        assert_eq!((c.len(), c.contains(&[1]), c.contains(&[6])), (5, false, true));
+        assert!(c.memory_bytes() <= 100);
     }
 
     #[test]

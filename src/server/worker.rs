@@ -55,7 +55,7 @@ pub const PREFILL_CHUNK: usize = 4096;
 /// Prompt tokens per turn while more prompts wait than rows decode ([`turn_tokens`]): large
 /// enough that prompts go in at the prefill's full speed, small enough that a newcomer is admitted
 /// and a departed client noticed within a second or so.
-const BURST_PREFILL_CHUNK: usize = 16384;
+const BURST_PREFILL_CHUNK: usize = 32768;
 
 /// The prefix cache's budget on a backend without a sequence memory budget of its own (CPU).
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 2048 << 20;
@@ -283,7 +283,7 @@ impl Worker {
         let cache_bytes = cfg.prefix_cache_bytes.unwrap_or_else(|| backend.sequence_memory().map_or(DEFAULT_PREFIX_CACHE_BYTES, |r| r.budget_bytes as usize));
         let host_bytes = cfg.prefix_cache_host_bytes.unwrap_or_else(|| backend.default_host_tier_bytes());
         let host = HostTier { budget: host_bytes, spill: Sequence::to_host, spill_bytes: Sequence::host_bytes, size: HostSequence::bytes };
-        let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes).with_host_tier(host);
+        let cache = PrefixCache::new(cache_bytes, Sequence::memory_bytes).with_bound(Sequence::memory_bound).with_host_tier(host);
         if host_bytes > 0 {
             backend.prepare_host_copies(host_bytes);
         }

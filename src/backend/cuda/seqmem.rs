@@ -250,6 +250,12 @@ impl KvSpace {
         self.pages.iter().flatten().map(|p| self.page_bytes / Arc::strong_count(p)).sum()
     }
 
+    /// The most [`KvSpace::held_bytes`] can come to while the space does not grow: every page
+    /// it holds, shared or not.
+    pub fn bound_bytes(&self) -> usize {
+        self.pages.iter().map(Vec::len).sum::<usize>() * self.page_bytes
+    }
+
     /// Reserves pages for `rows` rows in every region ([`crate::backend::MemoryFull`] when the
     /// budget cannot hold them).
     pub fn reserve(&mut self, rows: usize) -> Result<()> {

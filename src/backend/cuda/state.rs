@@ -282,6 +282,9 @@ impl SequenceState for CudaSequence {
     fn memory_bytes(&self) -> usize {
         self.slot.bytes() + self.kv.held_bytes() + 8
     }
+    fn memory_bound(&self) -> usize {
+        self.slot.bytes() + self.kv.bound_bytes() + 8
+    }
     fn to_host(&self, len: usize) -> Result<Box<dyn Any + Send + Sync>> {
         Ok(Box::new(self.copy_to_host(len)?))
     }
