@@ -3,7 +3,8 @@ set -eu
 # patches in P): .device-t32 (lily-bench with gemv-32-tokens.patch), .device-mainb (main's
 # lily-bench), .device-lilymain (main's lily), .device-t32s (lily-bench, lily, cuda_batch and
 # cuda_sampling with gemv-32-tokens + burst-32k + sampler-prefilter), then takes the patches out.
-# .whl/openai as bench/h200_serve.sh says.
+# .whl/openai as bench/h200_serve.sh says. gemv-32-tokens.patch and sampler-prefilter.patch are
+# in git history at c1cb755 (the first lost, the second landed in f2370cc).
 P=docs/results/2026-12-06-session72-prepared
 S=docs/results/2026-12-06-session73
 . scripts/arm_pack.sh
