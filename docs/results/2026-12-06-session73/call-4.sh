@@ -1,0 +1,41 @@
+set -u
+# Call 4 (session 73; one H200, ~330 s): call 3 ran on an H100 (asked for an H200, given an H100);
+# issue 15's table on the H200 with fin = main at ffe18ac (the sampler's prefilter, burst turns of
+# 32,768, the prefix cache's bounded inserts).
+# 1. issue 15's table on fin at 1 / 4 / 16 / 64 clients (ROUNDS=2, 16 client processes,
+#    700-token text prompts, 128 out, greedy and sampled);
+# 2. the 64-client level on fin twice more;
+# 3. with .whl/llama-bin.tar.xz carried: llama-batched-bench (prebuilt, Q4_0 GGUF of the same
+#    checkpoint) at 1 / 4 / 16 / 32 / 64 sequences.
+# Carry [".device-fin", ".whl/openai", ".whl/gguf-py.tar.xz", ".whl/llama-bin.tar.xz"].
+export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
+mkdir -p "$OUT" /root/pb
+t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+DEADLINE=${DEADLINE:-580}
+left() { local l=$(( DEADLINE - ($(date +%s) - t0) - ${1:-0} )); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
+CK=$LILY_CK
+for a in fin; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+PEER=0; [ -f .whl/llama-bin.tar.xz ] && PEER=1
+[ "$PEER" = 1 ] && bash bench/h200_steps.sh batched-prebuilt 2>&1 | tail -1
+[ -f $CK/config.json ] || ./.device-fin/bin/lily synth --preset 35b-a3b --out $CK > /tmp/synth.log 2>&1
+el "synth rc=$?"
+load() {  # label lily levels
+  mkdir -p "$OUT/$1"
+  OUT=$OUT/$1 LILY=$2 CK=$CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" LEVELS=$3 timeout "$(left $((PEER * 90)))" bash bench/h200_serve.sh load 2>&1 \
+    | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - - | sed "s/^/$1 /"
+}
+load fin-all .device-fin/bin/lily 1,4,16,64
+el "table"
+load fin-64-r2 .device-fin/bin/lily 64
+load fin-64-r3 .device-fin/bin/lily 64
+el "64 clients, two more"
+if [ "$PEER" = 1 ]; then
+  # The GGUF after the timed runs (it loads the GPU), then the peer.
+  timeout 150 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; el "gguf rc=$?"
+  mkdir -p "$OUT/llama"
+  OUT=$OUT/llama timeout 120 bash bench/h200_steps.sh batched 5 2>&1 | tail -6
+  el llama-batched-bench
+fi
+bash scripts/out_bundle.sh
