@@ -4,9 +4,9 @@ set -u
 # 32,768, the prefix cache's bounded inserts).
 # 1. issue 15's table on fin at 1 / 4 / 16 / 64 clients (ROUNDS=2, 16 client processes,
 #    700-token text prompts, 128 out, greedy and sampled);
-# 2. the 64-client level on fin twice more;
-# 3. with .whl/llama-bin.tar.xz carried: llama-batched-bench (prebuilt, Q4_0 GGUF of the same
-#    checkpoint) at 1 / 4 / 16 / 32 / 64 sequences.
+# 2. with .whl/llama-bin.tar.xz carried: llama-batched-bench (prebuilt, Q4_0 GGUF of the same
+#    checkpoint) at 1 / 4 / 16 / 32 / 64 sequences;
+# 3. the 64-client level once more while the deadline (DEADLINE seconds) allows.
 # Carry [".device-fin", ".whl/openai", ".whl/gguf-py.tar.xz", ".whl/llama-bin.tar.xz"].
 export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
@@ -23,14 +23,11 @@ PEER=0; [ -f .whl/llama-bin.tar.xz ] && PEER=1
 el "synth rc=$?"
 load() {  # label lily levels
   mkdir -p "$OUT/$1"
-  OUT=$OUT/$1 LILY=$2 CK=$CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" LEVELS=$3 timeout "$(left $((PEER * 90)))" bash bench/h200_serve.sh load 2>&1 \
+  OUT=$OUT/$1 LILY=$2 CK=$CK ROUNDS=2 CLIENT_PROCS=16 SERVE_ARGS="--trace-turns" LEVELS=$3 timeout "$(left 5)" bash bench/h200_serve.sh load 2>&1 \
     | grep -o '"mode": "[a-z]*"\|"concurrency": [0-9]*\|"aggregate_tok_s": [0-9.]*' | paste - - - | sed "s/^/$1 /"
 }
 load fin-all .device-fin/bin/lily 1,4,16,64
 el "table"
-load fin-64-r2 .device-fin/bin/lily 64
-load fin-64-r3 .device-fin/bin/lily 64
-el "64 clients, two more"
 if [ "$PEER" = 1 ]; then
   # The GGUF after the timed runs (it loads the GPU), then the peer.
   timeout 150 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; el "gguf rc=$?"
@@ -38,4 +35,6 @@ if [ "$PEER" = 1 ]; then
   OUT=$OUT/llama timeout 120 bash bench/h200_steps.sh batched 5 2>&1 | tail -6
   el llama-batched-bench
 fi
+# Then, while the deadline allows, the 64-client level once more.
+[ "$(left 45)" -gt 5 ] && load fin-64-r2 .device-fin/bin/lily 64 && el "64 clients, once more"
 bash scripts/out_bundle.sh
