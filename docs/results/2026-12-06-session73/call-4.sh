@@ -30,9 +30,9 @@ load fin-all .device-fin/bin/lily 1,4,16,64
 el "table"
 if [ "$PEER" = 1 ]; then
   # The GGUF after the timed runs (it loads the GPU), then the peer.
-  timeout 150 bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; el "gguf rc=$?"
+  timeout "$(left 40)" bash bench/h200_steps.sh batched-gguf > /root/pb/gguf.log 2>&1; el "gguf rc=$?"
   mkdir -p "$OUT/llama"
-  OUT=$OUT/llama timeout 120 bash bench/h200_steps.sh batched 5 2>&1 | tail -6
+  OUT=$OUT/llama timeout "$(left 3)" bash bench/h200_steps.sh batched 5 2>&1 | tail -6
   el llama-batched-bench
 fi
 # Then, while the deadline allows, the 64-client level once more.
