@@ -6,7 +6,7 @@ set -u
 #    700-token text prompts, 128 out, greedy and sampled);
 # 2. with .whl/llama-bin.tar.xz carried: llama-batched-bench (prebuilt, Q4_0 GGUF of the same
 #    checkpoint) at 1 / 4 / 16 / 32 / 64 sequences;
-# 3. the 64-client level once more while the deadline (DEADLINE seconds) allows.
+# 3. the 64-client level once more while the deadline (DEADLINE seconds) allows;
 # Carry [".device-base", ".whl/openai", ".whl/gguf-py.tar.xz", ".whl/llama-bin.tar.xz"].
 export OUT=${OUT:-/tmp/out} LILY_CK=/root/ck LILY_CACHE_DIR=/tmp/lilycache PYTHONUNBUFFERED=1 CARGO_MANIFEST_DIR=$PWD
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
@@ -37,4 +37,8 @@ if [ "$PEER" = 1 ]; then
 fi
 # Then, while the deadline allows, the 64-client level once more.
 [ "$(left 45)" -gt 5 ] && load fin-64-r2 .device-base/bin/lily 64 && el "64 clients, once more"
+# 4. While time is left: the phase profile (direct launches, an event per phase) of a 64 x 700
+#    prefill, the load test's burst rounds in one forward, and of its 64-row decode steps.
+[ "$(left 50)" -gt 5 ] && LILY_CUDA_PROFILE=1 timeout "$(left 3)" ./.device-base/bin/lily-bench --model "$CK" --backend cuda \
+  --prompt-len 700 --batch 64 --decode-steps 8 > /dev/null 2> "$OUT/profile-b64-700.txt" && el profile && grep -A18 "prefill profile" "$OUT/profile-b64-700.txt" | head -20
 bash scripts/out_bundle.sh
