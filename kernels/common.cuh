@@ -15,6 +15,41 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// warp_sum of each of a lane's C values (C a power of two) at once, each sum left on the lanes
+// that return it: a reduce-scatter by recursive halving, where at each xor distance of
+// warp_sum's order a lane keeps one half of its values and sends the other, so C = 64 takes
+// 62 shuffles instead of 320. Every sum pairs the same lanes in the same order as warp_sum (each
+// step adds the lane's own value and its partner's), so the bits are warp_sum's. On return
+// v[0 .. n) hold the sums of values base .. base + n - 1, with n = max(C / 32, 1) and base the
+// return value; for C < 32 the lanes that share a base hold the same sums.
+// One step of warp_sum_scatter at xor distance O over the lane's first C values.
+template <int C, int O>
+__device__ __forceinline__ void warp_sum_scatter_step(float* v, int& base) {
+    if constexpr (C > 1) {
+        constexpr int H = C / 2;
+        const bool up = threadIdx.x & O;
+#pragma unroll
+        for (int i = 0; i < H; ++i) {
+            const float send = up ? v[i] : v[i + H], keep = up ? v[i + H] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+        }
+        base += up ? H : 0;
+    } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+    }
+}
+template <int C>
+__device__ __forceinline__ int warp_sum_scatter(float (&v)[C]) {
+    static_assert(C >= 1 && C <= 1024 && (C & (C - 1)) == 0, "a power of two");
+    int base = 0;
+    warp_sum_scatter_step<C, 16>(v, base);
+    warp_sum_scatter_step<(C > 1 ? C / 2 : 1), 8>(v, base);
+    warp_sum_scatter_step<(C > 3 ? C / 4 : 1), 4>(v, base);
+    warp_sum_scatter_step<(C > 7 ? C / 8 : 1), 2>(v, base);
+    warp_sum_scatter_step<(C > 15 ? C / 16 : 1), 1>(v, base);
+    return base;
+}
+
 // Sum over the whole block; every thread gets the total. `red` holds >= 33 floats of shared
 // memory. Safe to call repeatedly (it synchronises before reusing `red`).
 __device__ float block_sum(float v, float* red) {

@@ -1619,20 +1619,26 @@ moe_route_batch(const float* __restrict__ u, int n, int H, int group, const u32*
             }
         }
     }
-    // Block sums: per warp by shuffles, then across the warps in shared memory.
-    float* red = rb_sm;  // [nwarps][RB_ROWS * RB_TOK]
+    // Block sums: per warp by shuffles (warp_sum's bits, scattered over the lanes), then across
+    // the warps in shared memory.
+    constexpr int NV = RB_ROWS * RB_TOK, PER = NV >= 32 ? NV / 32 : 1;
+    float* red = rb_sm;  // [nwarps][NV]
+    {
+        float v[NV];
 #pragma unroll
-    for (int i = 0; i < RB_ROWS; ++i)
+        for (int i = 0; i < RB_ROWS; ++i)
 #pragma unroll
-        for (int j = 0; j < RB_TOK; ++j) {
-            const float v = warp_sum(acc[i][j]);
-            if (lane == 0) red[warp * RB_ROWS * RB_TOK + i * RB_TOK + j] = v;
-        }
+            for (int j = 0; j < RB_TOK; ++j) v[i * RB_TOK + j] = acc[i][j];
+        const int base = warp_sum_scatter<NV>(v);
+        if (NV >= 32 || (lane & (32 / NV - 1)) == 0)
+#pragma unroll
+            for (int k = 0; k < PER; ++k) red[warp * NV + base + k] = v[k];
+    }
     __syncthreads();
-    if (tid < RB_ROWS * RB_TOK) {
+    if (tid < NV) {
         const int i = tid / RB_TOK, j = tid % RB_TOK;
         float v = 0.f;
-        for (int w = 0; w < nwarps; ++w) v += red[w * RB_ROWS * RB_TOK + tid];
+        for (int w = 0; w < nwarps; ++w) v += red[w * NV + tid];
         if (i < nr && j < nt) {
             const int r = r0 + i;
             if (r < E) logits[(size_t)(c0 + j) * E + r] = v;
