@@ -199,19 +199,6 @@ __device__ __forceinline__ void attn_store_partial(const float (&o)[HD / 32], fl
 #define ATTN_TP 16
 #define ATTN_NS 3
 
-// One recursive-halving step over xor distance MSK: the lane keeps values [0, H) or [H, 2H)
-// (by its MSK bit) in slots [0, H), each plus the partner's copy.
-template <int H, int MSK>
-__device__ __forceinline__ void halve_scores(float (&sc)[ATTN_TP], int lane) {
-    const bool up = lane & MSK;
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-        const float send = up ? sc[j] : sc[j + H];
-        const float keep = up ? sc[j + H] : sc[j];
-        sc[j] = keep + __shfl_xor_sync(0xffffffffu, send, MSK);
-    }
-}
-
 template <int HD, typename KV>
 __device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ kcache,
                            const KV* __restrict__ vcache, const int* __restrict__ step, int nh, int nkv,
@@ -276,17 +263,13 @@ __device__ void attn_split(const float* __restrict__ q, const KV* __restrict__ k
                 for (int i = 0; i < P; ++i) d += qr[i] * kr[i];
                 sc[u] = d;
             }
-            // The TP = 16 scores reduced together by recursive halving: at each xor distance a
-            // lane keeps half of its values and adds its partner's copy of them (8 + 4 + 2 + 1 + 1
-            // shuffles instead of 16 x 5); lanes 2u and 2u+1 end with score u. Max and sum then
-            // run over 16 distinct lanes' values, one exp per lane, and P V fetches each
-            // probability from lane 2u.
+            // The TP = 16 scores reduced together by recursive halving (warp_sum_scatter: 8 + 4
+            // + 2 + 1 + 1 shuffles instead of 16 x 5); lanes 2u and 2u+1 end with score u (the
+            // base it returns, computed here from the lane). Max and sum then run over 16
+            // distinct lanes' values, one exp per lane, and P V fetches each probability from
+            // lane 2u.
             static_assert(TP == 16, "the recursive halving reduces 16 scores");
-            halve_scores<8, 16>(sc, lane);
-            halve_scores<4, 8>(sc, lane);
-            halve_scores<2, 4>(sc, lane);
-            halve_scores<1, 2>(sc, lane);
-            sc[0] += __shfl_xor_sync(0xffffffffu, sc[0], 1);
+            warp_sum_scatter<TP>(sc);
             const int my_u = (lane >> 1) & 15;
             const float su = my_u < nr ? sc[0] * scale : NEG_INF;
             float tmx = su;
