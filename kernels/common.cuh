@@ -15,13 +15,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// warp_sum of each of a lane's C values (C a power of two) at once, each sum left on the lanes
-// that return it: a reduce-scatter by recursive halving, where at each xor distance of
-// warp_sum's order a lane keeps one half of its values and sends the other, so C = 64 takes
-// 62 shuffles instead of 320. Every sum pairs the same lanes in the same order as warp_sum (each
-// step adds the lane's own value and its partner's), so the bits are warp_sum's. On return
-// v[0 .. n) hold the sums of values base .. base + n - 1, with n = max(C / 32, 1) and base the
-// return value; for C < 32 the lanes that share a base hold the same sums.
 // One step of warp_sum_scatter at xor distance O over the lane's first C values.
 template <int C, int O>
 __device__ __forceinline__ void warp_sum_scatter_step(float* v, int& base) {
@@ -38,6 +31,14 @@ __device__ __forceinline__ void warp_sum_scatter_step(float* v, int& base) {
         v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
     }
 }
+
+// warp_sum of each of a lane's C values (C a power of two) at once, each sum left on the lanes
+// that return it: a reduce-scatter by recursive halving, where at each xor distance of
+// warp_sum's order a lane keeps one half of its values and sends the other, so C = 64 takes
+// 62 shuffles instead of 320. Every sum pairs the same lanes in the same order as warp_sum (each
+// step adds the lane's own value and its partner's), so the bits are warp_sum's. On return
+// v[0 .. n) hold the sums of values base .. base + n - 1, with n = max(C / 32, 1) and base the
+// return value; for C < 32 the lanes that share a base hold the same sums.
 template <int C>
 __device__ __forceinline__ int warp_sum_scatter(float (&v)[C]) {
     static_assert(C >= 1 && C <= 1024 && (C & (C - 1)) == 0, "a power of two");
