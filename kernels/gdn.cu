@@ -843,21 +843,25 @@ PF_GDN_SCAN(128, pf_gdn_scan_128_f16, u16)
 // the recurrence above (S = aS; d = b(v - S^T k); S += k d^T; o = S^T q) gives
 //   (I + A) D = diag(b) V - diag(b e^G) K S0,   A[t][s] = b_t e^(G_t - G_s) k_t.k_s (s < t)
 //   O = diag(e^G) Q S0 + M D,                    M[t][s] = e^(G_t - G_s) q_t.k_s  (s <= t)
-//   S = e^(G_last) S0 + Kd^T D,                  Kd[s]   = e^(G_last - G_s) k_s
+//   S = e^(G_last) S0 + K^T diag(e^(G_last - G)) D
 // so with T = (I + A)^-1, U = T diag(b) V and W = T diag(b e^G) K: D = U - W S0. Everything but
 // the products with S0 is local to the chunk: pf_gdn_chunk_prep computes it for every (chunk,
 // value head) at once, pf_gdn_chunk_walk then carries the state through the chunks in order per
 // (value head, GCV state columns), four mma products per chunk. Operands are bf16 with f32
-// accumulation (T by forward substitution in f32; U, the state and the outputs stay f32): within
+// accumulation (T by forward substitution in f32; the state and the outputs stay f32): within
 // 1.5x of the error the bf16 rounding of q, k and v alone gives (scripts/gdn_chunk_accuracy.py).
+// The walk applies the decays of Q and K to the products' rows (the rows of Q S, and of D before
+// the state update), so q and k go to the scratch as they are, once per key head, and every
+// (chunk, value head) adds only U, W, M (bf16) and G: the scratch is written once and read once
+// from DRAM at long chunks (~56 KB per chunk and value head at the 35B's heads), and its bytes
+// are much of the scan's time there.
 // Padding past a segment's last token has b = 0, k = q = 0 and no decay, so it changes nothing.
-// Scratch per chunk index ch = (chunk of the launch) * nv + h, the chunks of a launch's segments
-// one after the other (gdn.rs ChunkedScratch).
+// Scratch per chunk index ch = (chunk of the launch) * nv + h (q and k: * nk + key head), the
+// chunks of a launch's segments one after the other (gdn.rs ChunkedScratch).
 #define GC 64      // tokens per chunk
 #define GCV 32     // state columns per walk block
 #define GC_LDM 72  // row stride (bf16) of the 64 x 64 tiles (T, M)
 #define GC_LDC 40  // row stride (bf16) of the 32-column tiles (S, D)
-#define GC_LDU 36  // row stride (f32) of the walk's U columns
 
 __device__ __forceinline__ u16 bf16_rn(float x) { return (u16)(pack_bf16(x, 0.f) & 0xffffu); }
 __device__ __forceinline__ void st_bf16x4(u16* p, float4 v) {
@@ -900,8 +904,8 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
                                const float* __restrict__ conv, const float* __restrict__ braw,
                                const float* __restrict__ araw, const float* __restrict__ dt_bias,
                                const float* __restrict__ neg_a, int T, int cg0, int nk, int nv, int dv, int C,
-                               float* __restrict__ u_out, u16* __restrict__ w_out, u16* __restrict__ qg_out,
-                               u16* __restrict__ kd_out, u16* __restrict__ m_out, float* __restrict__ eg_out) {
+                               u16* __restrict__ u_out, u16* __restrict__ w_out, u16* __restrict__ q_out,
+                               u16* __restrict__ k_out, u16* __restrict__ m_out, float* __restrict__ g_out) {
     constexpr int LDK = DK + 8, LDA = 68;
     constexpr int REGION = (2 * GC * LDK * 2 > GC * LDA * 4 + GC * GC_LDM * 2) ? 2 * GC * LDK * 2 : GC * LDA * 4 + GC * GC_LDM * 2;
     extern __shared__ __align__(16) unsigned char gcp_sm[];
@@ -943,8 +947,10 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         Gs[32 + lane] = hi;
     }
     __syncthreads();
-    const float glast = Gs[GC - 1];
-    const size_t ch = (size_t)(cg0 + c) * nv + h;
+    const size_t ch = (size_t)(cg0 + c) * nv + h, chk = (size_t)(cg0 + c) * nk + kh;
+    if (tid < GC) g_out[ch * GC + tid] = Gs[tid];
+    // q and k as they are, once per key head: its first value head writes them.
+    const bool writes_qk = h % (nv / nk) == 0;
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
     // Unrolled so that each thread's loads are in flight together.
 #pragma unroll 4
@@ -960,8 +966,10 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         st_bf16x4(Kb + t * LDK + i, k4);
         st_bf16x4(Qb + t * LDK + i, q4);
         st_bf16x4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
-        st_bf16x4(qg_out + (ch * GC + t) * DK + i, scale4(eg, q4));
-        st_bf16x4(kd_out + (ch * GC + t) * DK + i, scale4(expf(glast - Gs[t]), k4));
+        if (writes_qk) {
+            st_bf16x4(q_out + (chk * GC + t) * DK + i, q4);
+            st_bf16x4(k_out + (chk * GC + t) * DK + i, k4);
+        }
     }
 #pragma unroll 4
     for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
@@ -970,7 +978,6 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         if (t < nt) v4 = *reinterpret_cast<const float4*>(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
         st_bf16x4(Xv + t * ldv + j, scale4(bs[t], v4));
     }
-    if (tid == 0) eg_out[ch] = expf(glast);
     __syncthreads();
     const int g = lane >> 2, q = lane & 3;
     {  // k.k and q.k for this warp's 16 rows and the columns up to them
@@ -1073,39 +1080,40 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         for (int n8 = 0; n8 < 4; ++n8) {
             const int col = col0 + n8 * 8 + 2 * q;
             const size_t r0 = ch * GC + row, r1 = r0 + 8;
-            if (is_u) {
-                *reinterpret_cast<float2*>(u_out + r0 * dv + col) = make_float2(acc[n8][0], acc[n8][1]);
-                *reinterpret_cast<float2*>(u_out + r1 * dv + col) = make_float2(acc[n8][2], acc[n8][3]);
-            } else {
-                *reinterpret_cast<u32*>(w_out + r0 * DK + col) = pack_bf16(acc[n8][0], acc[n8][1]);
-                *reinterpret_cast<u32*>(w_out + r1 * DK + col) = pack_bf16(acc[n8][2], acc[n8][3]);
-            }
+            u16* out = is_u ? u_out : w_out;
+            const int ldo = is_u ? dv : DK;
+            *reinterpret_cast<u32*>(out + r0 * ldo + col) = pack_bf16(acc[n8][0], acc[n8][1]);
+            *reinterpret_cast<u32*>(out + r1 * ldo + col) = pack_bf16(acc[n8][2], acc[n8][3]);
         }
     }
 }
 
 // One (value head, GCV state columns) through all chunks of a segment: grid (nv, dv / GCV,
 // segments), block 256. Warps 0-3 own the state columns in f32 mma accumulators (warp w: key
-// rows w DK/4 ..) and per chunk make D = U - W S and then the new state; warps 4-7 make
-// P = (e^G Q) S and then O = P + M D beside them. The state, rounded to bf16, is the products'
+// rows w DK/4 ..) and per chunk make D = U - W S (and D with its rows decayed to the chunk's end,
+// the state update's operand) and then the new state; warps 4-7 make Q S, decay its rows (e^G Q S)
+// and then add M D for the outputs beside them. The state, rounded to bf16, is the products'
 // operand in shared memory; each chunk's tiles are copied in with cp.async one chunk ahead.
-// Dynamic shared memory: 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + GC) GC_LDC bf16, 2 GC GC_LDU f32.
+// Dynamic shared memory: 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + 4 GC) GC_LDC bf16, 2 GC f32.
 template <int DK, typename ST>
-__device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __restrict__ w_in,
-                               const u16* __restrict__ qg_in, const u16* __restrict__ kd_in,
-                               const u16* __restrict__ m_in, const float* __restrict__ eg_in,
-                               ST* __restrict__ state, float* __restrict__ o, int T, int cg0, int nv, int dv) {
+__device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restrict__ w_in,
+                               const u16* __restrict__ q_in, const u16* __restrict__ k_in,
+                               const u16* __restrict__ m_in, const float* __restrict__ g_in,
+                               ST* __restrict__ state, float* __restrict__ o, int T, int cg0, int nk, int nv,
+                               int dv) {
     constexpr int LDK = DK + 8, MT = DK / 64, RW = DK / 4;
     extern __shared__ __align__(16) unsigned char gcw_sm[];
     u16* Wb = reinterpret_cast<u16*>(gcw_sm);  // W          [2][GC][LDK]
-    u16* Qb = Wb + 2 * GC * LDK;                // e^G q      [2][GC][LDK]
-    u16* Kb = Qb + 2 * GC * LDK;                // Kd         [2][GC][LDK]
+    u16* Qb = Wb + 2 * GC * LDK;                // q          [2][GC][LDK]
+    u16* Kb = Qb + 2 * GC * LDK;                // k          [2][GC][LDK]
     u16* Mb = Kb + 2 * GC * LDK;                // M          [2][GC][GC_LDM]
     u16* Sb = Mb + 2 * GC * GC_LDM;             // S (bf16)   [DK][GC_LDC]
-    u16* Db = Sb + DK * GC_LDC;                 // D (bf16)   [GC][GC_LDC]
-    float* Ub = reinterpret_cast<float*>(Db + GC * GC_LDC);  // U columns [2][GC][GC_LDU]
+    u16* Db = Sb + DK * GC_LDC;                 // D          [GC][GC_LDC]
+    u16* Dd = Db + GC * GC_LDC;                 // e^(G_last - G) D   [GC][GC_LDC]
+    u16* Ub = Dd + GC * GC_LDC;                 // U columns  [2][GC][GC_LDC]
+    float* Gb = reinterpret_cast<float*>(Ub + 2 * GC * GC_LDC);  // G  [2][GC]
     const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x, lane = tid & 31;
-    const int warp = (tid >> 5) & 3;
+    const int warp = (tid >> 5) & 3, kh = h / (nv / nk);
     const bool owns_state = tid < 128;
     const int g = lane >> 2, q = lane & 3;
     ST* S = state + (size_t)h * DK * dv + c0;
@@ -1128,32 +1136,34 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
     }
     const int nch = (T + GC - 1) / GC;
     auto issue = [&](int c, int bf) {
-        const size_t ch = (size_t)(cg0 + c) * nv + h;
+        const size_t ch = (size_t)(cg0 + c) * nv + h, chk = (size_t)(cg0 + c) * nk + kh;
         const u16* w = w_in + ch * GC * DK;
-        const u16* qg = qg_in + ch * GC * DK;
-        const u16* kd = kd_in + ch * GC * DK;
+        const u16* qc = q_in + chk * GC * DK;
+        const u16* kc = k_in + chk * GC * DK;
         for (int idx = tid; idx < GC * (DK / 8); idx += 256) {
             const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
             const int so = (bf * GC + t) * LDK + i;
             cp_async16(Wb + so, w + t * DK + i);
-            cp_async16(Qb + so, qg + t * DK + i);
-            cp_async16(Kb + so, kd + t * DK + i);
+            cp_async16(Qb + so, qc + t * DK + i);
+            cp_async16(Kb + so, kc + t * DK + i);
         }
         const u16* m = m_in + ch * GC * GC;
         for (int idx = tid; idx < GC * (GC / 8); idx += 256) {
             const int t = idx / (GC / 8), s = (idx % (GC / 8)) * 8;
             cp_async16(Mb + (bf * GC + t) * GC_LDM + s, m + t * GC + s);
         }
-        const float* u = u_in + ch * GC * dv + c0;
-        for (int idx = tid; idx < GC * (GCV / 4); idx += 256) {
-            const int t = idx / (GCV / 4), j = (idx % (GCV / 4)) * 4;
-            cp_async16(Ub + (bf * GC + t) * GC_LDU + j, u + (size_t)t * dv + j);
+        const u16* u = u_in + ch * GC * dv + c0;
+        for (int idx = tid; idx < GC * (GCV / 8); idx += 256) {
+            const int t = idx / (GCV / 8), j = (idx % (GCV / 8)) * 8;
+            cp_async16(Ub + (bf * GC + t) * GC_LDC + j, u + (size_t)t * dv + j);
         }
+        if (tid < GC / 4) cp_async16(Gb + bf * GC + 4 * tid, g_in + ch * GC + 4 * tid);
         cp_commit();
     };
     const int xoff = ((lane & 7) + (((lane >> 3) & 1) << 3)), yoff = ((lane >> 4) << 3);
     const u32 sB = smem_u32(Sb) + (xoff * GC_LDC + yoff) * 2;
     const u32 dB = smem_u32(Db) + (xoff * GC_LDC + yoff) * 2;
+    const u32 ddB = smem_u32(Dd) + (xoff * GC_LDC + yoff) * 2;
     const int row = warp * 16 + g;
     if (nch > 0) issue(0, 0);
     for (int c = 0; c < nch; ++c) {
@@ -1165,26 +1175,42 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
             cp_wait<0>();
         }
         __syncthreads();
-        // This warp's 16 token rows of D = U - W S (warps 0-3) or P = (e^G Q) S (warps 4-7).
+        const float* G = Gb + bf * GC;
+        const float glast = G[GC - 1];
+        // This warp's 16 token rows of D = U - W S (warps 0-3) or Q S (warps 4-7).
         float acc[4][4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
         const u32 aA = smem_u32(owns_state ? Wb : Qb) + ((bf * GC + warp * 16 + (lane & 15)) * LDK + ((lane >> 4) << 3)) * 2;
         mma_rows16_cols32<DK / 16>(acc, aA, sB, GC_LDC, DK / 16);
         if (owns_state) {
-            const float* U = Ub + bf * GC * GC_LDU;
+            const u16* U = Ub + bf * GC * GC_LDC;
+            const float d0 = expf(glast - G[row]), d1 = expf(glast - G[row + 8]);
 #pragma unroll
             for (int n8 = 0; n8 < 4; ++n8) {
                 const int col = n8 * 8 + 2 * q;
-                const float2 u0 = *reinterpret_cast<const float2*>(U + row * GC_LDU + col);
-                const float2 u1 = *reinterpret_cast<const float2*>(U + (row + 8) * GC_LDU + col);
-                *reinterpret_cast<u32*>(Db + row * GC_LDC + col) = pack_bf16(u0.x - acc[n8][0], u0.y - acc[n8][1]);
-                *reinterpret_cast<u32*>(Db + (row + 8) * GC_LDC + col) = pack_bf16(u1.x - acc[n8][2], u1.y - acc[n8][3]);
+                const u32 u0 = *reinterpret_cast<const u32*>(U + row * GC_LDC + col);
+                const u32 u1 = *reinterpret_cast<const u32*>(U + (row + 8) * GC_LDC + col);
+                const float a0 = __uint_as_float(u0 << 16) - acc[n8][0], a1 = __uint_as_float(u0 & 0xffff0000u) - acc[n8][1];
+                const float b0 = __uint_as_float(u1 << 16) - acc[n8][2], b1 = __uint_as_float(u1 & 0xffff0000u) - acc[n8][3];
+                *reinterpret_cast<u32*>(Db + row * GC_LDC + col) = pack_bf16(a0, a1);
+                *reinterpret_cast<u32*>(Db + (row + 8) * GC_LDC + col) = pack_bf16(b0, b1);
+                *reinterpret_cast<u32*>(Dd + row * GC_LDC + col) = pack_bf16(d0 * a0, d0 * a1);
+                *reinterpret_cast<u32*>(Dd + (row + 8) * GC_LDC + col) = pack_bf16(d1 * b0, d1 * b1);
+            }
+        } else {
+            const float e0 = expf(G[row]), e1 = expf(G[row + 8]);
+#pragma unroll
+            for (int n8 = 0; n8 < 4; ++n8) {
+                acc[n8][0] *= e0;
+                acc[n8][1] *= e0;
+                acc[n8][2] *= e1;
+                acc[n8][3] *= e1;
             }
         }
         __syncthreads();  // D complete; every warp is done reading S
         if (!owns_state) {
-            // O = P + M D (M is lower triangular: the k-steps up to this warp's rows).
+            // O = e^G Q S + M D (M is lower triangular: the k-steps up to this warp's rows).
             const u32 mA = smem_u32(Mb) + ((bf * GC + warp * 16 + (lane & 15)) * GC_LDM + ((lane >> 4) << 3)) * 2;
             mma_rows16_cols32<4>(acc, mA, dB, GC_LDC, warp + 1);
             float* orow = o + (size_t)h * dv + c0;
@@ -1196,8 +1222,9 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
                 if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(acc[n8][2], acc[n8][3]);
             }
         } else {
-            // S = e^(G_last) S + Kd^T D for this warp's key rows (Kd^T through transposed loads).
-            const float eg = eg_in[(size_t)(cg0 + c) * nv + h];
+            // S = e^(G_last) S + K^T (e^(G_last - G) D) for this warp's key rows (K^T through
+            // transposed loads).
+            const float eg = expf(glast);
 #pragma unroll
             for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -1209,7 +1236,7 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
             for (int ks = 0; ks < 4; ++ks) {
                 u32 bd[2][4];
 #pragma unroll
-                for (int cp = 0; cp < 2; ++cp) ldsm_x4_t(dB + (ks * 16 * GC_LDC + cp * 16) * 2, bd[cp][0], bd[cp][1], bd[cp][2], bd[cp][3]);
+                for (int cp = 0; cp < 2; ++cp) ldsm_x4_t(ddB + (ks * 16 * GC_LDC + cp * 16) * 2, bd[cp][0], bd[cp][1], bd[cp][2], bd[cp][3]);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     u32 a[4];
@@ -1247,22 +1274,22 @@ __device__ void gdn_chunk_walk(const float* __restrict__ u_in, const u16* __rest
 #define PF_GDN_CHUNK(DK)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) pf_gdn_chunk_prep_##DK(                                      \
         const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
-        const float* dt_bias, const float* neg_a, const ScanSegs segs, float* u, u16* w, u16* qg, u16* kd, u16* m, \
-        float* eg, int nk, int nv, int dv, int C) {                                                                \
+        const float* dt_bias, const float* neg_a, const ScanSegs segs, u16* u, u16* w, u16* q, u16* k, u16* m,    \
+        float* g, int nk, int nv, int dv, int C) {                                                                 \
         const int z = blockIdx.z;                                                                                  \
         const size_t r0 = segs.r0[z], kd_ = (size_t)nk * DK;                                                       \
         gdn_chunk_prep<DK>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,   \
-                           neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, qg, kd, m, eg);         \
+                           neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, q, k, m, g);            \
     }                                                                                                              \
     PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK, float)                                                          \
     PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK##_f16, u16)
 #define PF_GDN_CHUNK_WALK(DK, NAME, ST)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
-        const float* u, const u16* w, const u16* qg, const u16* kd, const u16* m, const float* eg,                 \
-        const ScanSegs segs, float* o, int nv, int dv) {                                                           \
+        const u16* u, const u16* w, const u16* q, const u16* k, const u16* m, const float* g,                      \
+        const ScanSegs segs, float* o, int nk, int nv, int dv) {                                                   \
         const int z = blockIdx.z;                                                                                  \
-        gdn_chunk_walk<DK, ST>(u, w, qg, kd, m, eg, reinterpret_cast<ST*>(segs.state[z]),                          \
-                               o + (size_t)segs.r0[z] * nv * dv, segs.n[z], seg_chunk_base(segs, z), nv, dv);      \
+        gdn_chunk_walk<DK, ST>(u, w, q, k, m, g, reinterpret_cast<ST*>(segs.state[z]),                             \
+                               o + (size_t)segs.r0[z] * nv * dv, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv);  \
     }
 PF_GDN_CHUNK(64)
 PF_GDN_CHUNK(128)

@@ -134,28 +134,27 @@ pub struct ChunkScratch {
     pub blas: Option<BlasScratch>,
 }
 
-/// Buffers of [`gdn::ChunkedScratch`]: U and e^G_last in f32, W, e^G q, Kd and M in bf16.
+/// Buffers of [`gdn::ChunkedScratch`]: U, W, q, k and M in bf16, G in f32.
 pub struct GdnChunked {
     pub chunks: usize,
-    pub f32s: [CudaSlice<f32>; 2],
-    pub bf16s: [CudaSlice<u16>; 4],
+    pub g: CudaSlice<f32>,
+    pub bf16s: [CudaSlice<u16>; 5],
 }
 
 impl GdnChunked {
     /// For prefill chunks of up to `n` tokens.
     pub fn new(gpu: &Gpu, d: &GdnDims, n: usize) -> Result<Self> {
         let chunks = if gdn::chunked_supported(d) { ChunkedScratch::chunks_for(n) } else { 0 };
-        let [u, w, qg, kd, m, eg] = ChunkedScratch::sizes(d, chunks);
-        Ok(GdnChunked { chunks, f32s: [gpu.zeros(u)?, gpu.zeros(eg)?], bf16s: [gpu.zeros(w)?, gpu.zeros(qg)?, gpu.zeros(kd)?, gpu.zeros(m)?] })
+        let [u, w, q, k, m, g] = ChunkedScratch::sizes(d, chunks);
+        Ok(GdnChunked { chunks, g: gpu.zeros(g)?, bf16s: [gpu.zeros(u)?, gpu.zeros(w)?, gpu.zeros(q)?, gpu.zeros(k)?, gpu.zeros(m)?] })
     }
 
     /// The device pointers the scan takes.
     pub fn ptrs(&self, gpu: &Gpu) -> ChunkedScratch {
         let f = |s: &CudaSlice<f32>| super::device::ptr(s, &gpu.stream);
         let h = |s: &CudaSlice<u16>| super::device::ptr(s, &gpu.stream);
-        let [u, eg] = &self.f32s;
-        let [w, qg, kd, m] = &self.bf16s;
-        ChunkedScratch { u: f(u), w: h(w), qg: h(qg), kd: h(kd), m: h(m), eg: f(eg), chunks: self.chunks }
+        let [u, w, q, k, m] = &self.bf16s;
+        ChunkedScratch { u: h(u), w: h(w), q: h(q), k: h(k), m: h(m), g: f(&self.g), chunks: self.chunks }
     }
 }
 

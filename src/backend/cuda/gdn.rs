@@ -301,15 +301,16 @@ const SCAN_COLUMNS: usize = 32;
 pub const CHUNKED_MIN_TOKENS: usize = 64;
 
 /// Device pointers of the chunked scan's scratch for `chunks` chunks of every value head (one
-/// launch's segments, chunk after chunk): U (f32), W, e^G q, Kd and M (bf16), e^G_last (f32).
+/// launch's segments, chunk after chunk): U, W and M (bf16) and the decays' prefix sums G (f32)
+/// per value head, q and k (bf16) per key head.
 #[derive(Clone, Copy, Default)]
 pub struct ChunkedScratch {
     pub u: u64,
     pub w: u64,
-    pub qg: u64,
-    pub kd: u64,
+    pub q: u64,
+    pub k: u64,
     pub m: u64,
-    pub eg: u64,
+    pub g: u64,
     pub chunks: usize,
 }
 
@@ -320,10 +321,11 @@ impl ChunkedScratch {
         tokens.div_ceil(SCAN_CHUNK) + SCAN_SEGS
     }
 
-    /// Elements of u, w, qg, kd, m, eg for `chunks` chunks (u16 for the bf16 ones).
+    /// Elements of u, w, q, k, m (u16) and g (f32) for `chunks` chunks.
     pub fn sizes(d: &GdnDims, chunks: usize) -> [usize; 6] {
         let rows = chunks * d.nv * SCAN_CHUNK;
-        [rows * d.dv, rows * d.dk, rows * d.dk, rows * d.dk, rows * SCAN_CHUNK, chunks * d.nv]
+        let key_rows = chunks * d.nk * SCAN_CHUNK;
+        [rows * d.dv, rows * d.dk, key_rows * d.dk, key_rows * d.dk, rows * SCAN_CHUNK, rows]
     }
 }
 
@@ -473,11 +475,12 @@ fn chunked_kernels(d: &GdnDims) -> Option<(Kernel, Kernel)> {
 /// Dynamic shared memory of pf_gdn_chunk_prep and pf_gdn_chunk_walk (gdn.cu).
 fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
     let c = SCAN_CHUNK;
-    let (ldk, ldm, ldc, ldu) = (dk + 8, 72, 40, 36);
+    let (ldk, ldm, ldc) = (dk + 8, 72, 40);
     // q and k for the k.k / q.k products, then A (f32) and T in their place; b e^G k, b v; b, G.
     let region = (2 * 2 * c * ldk).max(4 * c * 68 + 2 * c * ldm);
     let prep = region + 2 * (c * ldk + c * (dv + 8)) + 4 * 2 * c;
-    let walk = 2 * (2 * (3 * c * ldk + c * ldm) + (dk + c) * ldc) + 4 * (2 * c * ldu);
+    // Two chunks of W, q, k and M; S, D and the decayed D; two chunks of U's columns and of G.
+    let walk = 2 * (2 * (3 * c * ldk + c * ldm) + (dk + 4 * c) * ldc) + 4 * 2 * c;
     (prep as u32, walk as u32)
 }
 
@@ -494,7 +497,7 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     }
     let longest = group.iter().map(|g| g.n).max().unwrap_or(0);
     let (prep_smem, walk_smem) = chunked_smem(d.dk, d.dv);
-    let outs = [c.u, c.w, c.qg, c.kd, c.m, c.eg].map(Arg::P);
+    let outs = [c.u, c.w, c.q, c.k, c.m, c.g].map(Arg::P);
     let mut args: Vec<Arg> = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a].into_iter().map(Arg::P).collect();
     args.push(scan_segs_arg(group));
     args.extend(outs.iter().cloned());
@@ -502,7 +505,8 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     let grid = (longest.div_ceil(SCAN_CHUNK) as u32, d.nv as u32, group.len() as u32);
     gpu.launch(prep, grid, 128, prep_smem, &args)?;
     let mut args: Vec<Arg> = outs.into_iter().collect();
-    args.extend([scan_segs_arg(group), Arg::P(s.o), Arg::I(d.nv as i32), Arg::I(d.dv as i32)]);
+    args.extend([scan_segs_arg(group), Arg::P(s.o)]);
+    args.extend([d.nk, d.nv, d.dv].map(|v| Arg::I(v as i32)));
     let grid = (d.nv as u32, (d.dv / SCAN_COLUMNS) as u32, group.len() as u32);
     gpu.launch(walk, grid, 256, walk_smem, &args)
 }
@@ -576,11 +580,11 @@ mod tests {
         // 16 segments of 4,096 tokens in all: at most one partial chunk each.
         assert_eq!(ChunkedScratch::chunks_for(4096), 64 + 16);
         let sizes = ChunkedScratch::sizes(&big, 80);
-        assert_eq!(sizes, [80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 32 * 64 * 64, 80 * 32]);
-        // Shared memory within what a block may take (227 KB): the 35B's walk 156,672 bytes (one
+        assert_eq!(sizes, [80 * 32 * 64 * 128, 80 * 32 * 64 * 128, 80 * 16 * 64 * 128, 80 * 16 * 64 * 128, 80 * 32 * 64 * 64, 80 * 32 * 64]);
+        // Shared memory within what a block may take (227 KB): the 35B's walk 154,112 bytes (one
         // block per SM), its prep 70,144 (three).
         let (prep, walk) = chunked_smem(128, 128);
-        assert_eq!((prep, walk), (70_144, 156_672));
+        assert_eq!((prep, walk), (70_144, 154_112));
         assert!(prep <= SMEM_OPTIN_LIMIT && walk <= SMEM_OPTIN_LIMIT, "{prep} {walk}");
         assert!(chunked_smem(128, 256).0 <= SMEM_OPTIN_LIMIT);
     }
