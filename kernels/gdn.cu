@@ -1295,10 +1295,12 @@ PF_GDN_CHUNK(64)
 PF_GDN_CHUNK(128)
 
 // Gated RMSNorm per (token, value head): norm(o) * w * silu(z), one warp per head row in float4s
-// (lane l: channels 4l..4l + 3, dv <= 128). grid (ceil(T * nv / 8)), block 256.
+// (lane l: channels 4l..4l + 3, dv <= 128), into y, or, where the out-projection runs on cuBLAS
+// (`staged` set), only as the bf16 copy that GEMM reads (pf_to_bf16's rounding of the same
+// values), so y is neither written nor read back. grid (ceil(T * nv / 8)), block 256.
 extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
-                                       const float* __restrict__ norm_w, float* __restrict__ y, int T, int nv, int dv,
-                                       float eps) {
+                                       const float* __restrict__ norm_w, float* __restrict__ y,
+                                       uint2* __restrict__ staged, int T, int nv, int dv, float eps) {
     const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), j = 4 * lane;
     if (row >= T * nv) return;
     const bool on = j < dv;
@@ -1308,6 +1310,8 @@ extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float*
     const float inv = inv_rms_from(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w), dv, eps);
     if (!on) return;
     const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = *reinterpret_cast<const float4*>(z + idx);
-    *reinterpret_cast<float4*>(y + idx) = make_float4(v.x * inv * w.x * silu_f(g.x), v.y * inv * w.y * silu_f(g.y),
-                                                      v.z * inv * w.z * silu_f(g.z), v.w * inv * w.w * silu_f(g.w));
+    const float4 r = make_float4(v.x * inv * w.x * silu_f(g.x), v.y * inv * w.y * silu_f(g.y),
+                                 v.z * inv * w.z * silu_f(g.z), v.w * inv * w.w * silu_f(g.w));
+    if (staged) staged[idx / 4] = make_uint2(pack_bf16(r.x, r.y), pack_bf16(r.z, r.w));
+    else *reinterpret_cast<float4*>(y + idx) = r;
 }

@@ -511,12 +511,13 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     gpu.launch(walk, grid, 256, walk_smem, &args)
 }
 
-/// Gated RMSNorm of the scan outputs with z into `y`.
-pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize) -> Result<()> {
+/// Gated RMSNorm of the scan outputs with z into `y`, or only into its bf16 copy at `staged`
+/// (`Gemm::stage_input`: the out-projection's cuBLAS operand).
+pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, staged: Option<u64>) -> Result<()> {
     if d.dv > 128 || !d.dv.is_multiple_of(4) {
         bail!("the prefill gated norm takes value heads of at most 128 channels in fours, not {}", d.dv);
     }
-    let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::I(n as i32), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
+    let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
     gpu.launch(PF_GDN_NORM, ((n * d.nv).div_ceil(8) as u32, 1, 1), 256, 0, &args)
 }
 

@@ -158,7 +158,10 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("gdn.conv"))?;
         gdn::scan(self.gpu, &d, &all, &s, &scans, self.exact)?;
         self.point(probe, Point::Phase("gdn.scan"))?;
-        gdn::gated_norm(self.gpu, &d, &all, &s, n)?;
+        // Where the out-projection runs on cuBLAS the norm writes only its bf16 operand, so no
+        // other GEMM may run between the two.
+        let staged = self.gemm.stage_input(&g.out, h, self.p(&a.y), n);
+        gdn::gated_norm(self.gpu, &d, &all, &s, n, staged)?;
         self.point(probe, Point::Phase("gdn.norm"))?;
         self.gemm.run(&g.out, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;
         self.point(probe, Point::Phase("gdn.out"))

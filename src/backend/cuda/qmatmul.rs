@@ -563,8 +563,11 @@ struct BlasRoute<'a> {
     wb: (u64, usize),
     ub: (u64, usize),
     xb: (u64, usize),
-    /// The f32 input (pointer, values) whose bf16 copy is in `ub` (see [`Gemm::stage`]).
+    /// The f32 input (pointer, values) whose bf16 copy is in `ub` (see [`Gemm::stage_target`]).
     staged: Cell<Option<(u64, usize)>>,
+    /// The f32 input whose bf16 copy its producer wrote into `xb` instead of the f32 values
+    /// (see [`Gemm::stage_input`]), for the next GEMM that reads it.
+    staged_input: Cell<Option<(u64, usize)>>,
 }
 
 impl BlasRoute<'_> {
@@ -572,6 +575,9 @@ impl BlasRoute<'_> {
     fn bf16_input(&self, gpu: &Gpu, x: u64, len: usize) -> Result<u64> {
         if self.staged.get() == Some((x, len)) {
             return Ok(self.ub.0);
+        }
+        if self.staged_input.take() == Some((x, len)) {
+            return Ok(self.xb.0);
         }
         if len > self.xb.1 {
             bail!("cuBLAS input scratch too small ({len} > {})", self.xb.1);
@@ -603,6 +609,7 @@ impl<'a> Gemm<'a> {
             ub: (ptr(&s.ub, st), s.ub.len()),
             xb: (ptr(&s.xb, st), s.xb.len()),
             staged: Cell::new(None),
+            staged_input: Cell::new(None),
         });
         Gemm { gpu, group, exact, blas, few_f16: false }
     }
@@ -619,6 +626,24 @@ impl<'a> Gemm<'a> {
 
     fn limits(&self, scratch: fn(&BlasRoute) -> usize) -> Option<BlasLimits> {
         self.blas.as_ref().map(|r| BlasLimits { min_tokens: r.min_tokens, scratch: scratch(r) })
+    }
+
+    /// The kernels `run` takes for this product.
+    fn route(&self, q: &DevQ, rows: usize, ntok: usize, grouped: bool) -> GemmRoute {
+        select_gemm(&self.shape(q, rows, ntok, grouped), self.exact, self.limits(|r| r.wb.1))
+    }
+
+    /// Where the producer of the input `x` (`ntok` x `q.cols`) of the next ungrouped `run` of `q`
+    /// writes its bf16 copy instead of `x` itself, when that product runs on cuBLAS (which reads
+    /// only the copy); `None`: `x` is needed in f32. The copy stands for `x` in the next GEMM
+    /// that reads `x` only (any other input is converted into the same scratch).
+    pub fn stage_input(&self, q: &DevQ, rows: usize, x: u64, ntok: usize) -> Option<u64> {
+        let r = self.blas.as_ref()?;
+        let len = ntok * q.cols;
+        (self.route(q, rows, ntok, false) == GemmRoute::Cublas && len <= r.xb.1).then(|| {
+            r.staged_input.set(Some((x, len)));
+            r.xb.0
+        })
     }
 
     /// Where the norm writing the hidden states `u` (`ntok` x `cols`) also writes their bf16
@@ -642,8 +667,7 @@ impl<'a> Gemm<'a> {
     /// `y[t][0..rows] (+)= W · x[t]` for `ntok` tokens (grouped: per-expert slot lists).
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
-        let shape = self.shape(q, rows, ntok, grouped.is_some());
-        match select_gemm(&shape, self.exact, self.limits(|r| r.wb.1)) {
+        match self.route(q, rows, ntok, grouped.is_some()) {
             GemmRoute::Cublas => {
                 let r = self.blas.as_ref().expect("selected only with cuBLAS");
                 let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
