@@ -576,7 +576,7 @@ impl BlasRoute<'_> {
         if self.staged.get() == Some((x, len)) {
             return Ok(self.ub.0);
         }
-        if self.staged_input.take() == Some((x, len)) {
+        if takes_staged_input(self.staged_input.take(), x, len)? {
             return Ok(self.xb.0);
         }
         if len > self.xb.1 {
@@ -584,6 +584,17 @@ impl BlasRoute<'_> {
         }
         to_bf16(gpu, x, self.xb.0, len)?;
         Ok(self.xb.0)
+    }
+}
+
+/// Whether the bf16 copy staged in the input scratch (`staged`, see [`Gemm::stage_input`]) is that
+/// of `x` (`len` values). Its f32 values were never written, so another input converted into the
+/// same scratch first would leave its GEMM nothing to read: that is an error, not a reconversion.
+fn takes_staged_input(staged: Option<(u64, usize)>, x: u64, len: usize) -> Result<bool> {
+    match staged {
+        None => Ok(false),
+        Some(s) if s == (x, len) => Ok(true),
+        Some((p, n)) => bail!("the bf16 copy staged for a GEMM input ({n} values at {p:#x}) would be overwritten by another input before its GEMM ran"),
     }
 }
 
@@ -635,8 +646,8 @@ impl<'a> Gemm<'a> {
 
     /// Where the producer of the input `x` (`ntok` x `q.cols`) of the next ungrouped `run` of `q`
     /// writes its bf16 copy instead of `x` itself, when that product runs on cuBLAS (which reads
-    /// only the copy); `None`: `x` is needed in f32. The copy stands for `x` in the next GEMM
-    /// that reads `x` only (any other input is converted into the same scratch).
+    /// only the copy); `None`: `x` is needed in f32. That `run` must be the next cuBLAS GEMM with
+    /// an input to convert (any other input would go into the same scratch: an error).
     pub fn stage_input(&self, q: &DevQ, rows: usize, x: u64, ntok: usize) -> Option<u64> {
         let r = self.blas.as_ref()?;
         let len = ntok * q.cols;
@@ -987,6 +998,15 @@ fn to_bf16(gpu: &Gpu, x: u64, y: u64, len: usize) -> Result<()> {
 mod tests {
     use super::*;
     use crate::checkpoint::ModelConfig;
+
+    #[test]
+    fn a_staged_input_serves_its_own_gemm_and_no_other() {
+        assert!(!takes_staged_input(None, 0x1000, 64).unwrap());
+        assert!(takes_staged_input(Some((0x1000, 64)), 0x1000, 64).unwrap());
+        let err = takes_staged_input(Some((0x1000, 64)), 0x2000, 64).unwrap_err().to_string();
+        assert!(err.contains("would be overwritten"), "{err}");
+        assert!(takes_staged_input(Some((0x1000, 64)), 0x1000, 32).is_err());
+    }
 
     #[test]
     fn batched_gemv_blocks_drop_to_one_per_sm_only_with_several_token_blocks() {
