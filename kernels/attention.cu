@@ -33,6 +33,17 @@ __device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
     return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 __device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
+// Two adjacent outputs of the prefill attention (idx even) into out, or, where its out-projection
+// runs on cuBLAS (`staged` set), only as that GEMM's bf16 operand (pf_to_bf16's rounding).
+__device__ __forceinline__ void attn_out2(float* __restrict__ out, u32* __restrict__ staged, size_t idx, float v0,
+                                          float v1) {
+    if (staged) {
+        staged[idx / 2] = pack_bf16(v0, v1);
+    } else {
+        out[idx] = v0;
+        out[idx + 1] = v1;
+    }
+}
 __device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
 // Every attention entry point exists for each head dim and cache element; the `_bf16` suffix is
 // the one the host appends for bf16-KV sequences (kernels::kv_suffix). M(HD, KV, SUFFIX).
@@ -852,7 +863,7 @@ template <int HD, typename KV>
 __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict__ gate, const KV* __restrict__ kc,
                            const KV* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                            float* __restrict__ out, int kchunk, float* __restrict__ part_o,
-                           float* __restrict__ part_ml, int tile) {
+                           float* __restrict__ part_ml, int tile, u32* __restrict__ staged) {
     constexpr int LD = PFA_LD(HD), NT = HD / 8, F4 = HD / 4;
     extern __shared__ __align__(16) u16 pfa_tc_sm[];
     u16* Qs = pfa_tc_sm;
@@ -1040,12 +1051,11 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
         const float il = 1.f / l[hv];
         const size_t rb = ((size_t)t * nh + h) * HD;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
-                out[idx] = (o[nt][hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
-            }
+        for (int nt = 0; nt < NT; ++nt) {
+            const size_t idx = rb + nt * 8 + 2 * (lane & 3);
+            attn_out2(out, staged, idx, (o[nt][hv * 2] * il) * sigmoid_f(gate[idx]),
+                      (o[nt][hv * 2 + 1] * il) * sigmoid_f(gate[idx + 1]));
+        }
     }
 }
 
@@ -1054,14 +1064,14 @@ __device__ void pf_attn_tc(const float* __restrict__ q, const float* __restrict_
 #define PF_ATTN_TC(HD, KV, SUFFIX)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) pf_attn_tc_##HD##SUFFIX(                                    \
         const AttnSegs segs, int nseg, const float* q, const float* gate, int nh, int nkv, float scale, float* out, \
-        int kchunk, float* part_o, float* part_ml) {                                                               \
+        int kchunk, float* part_o, float* part_ml, u32* staged) {                                                  \
         const int qt = 64 / (nh / nkv);                                                                            \
         int x = blockIdx.x;                                                                                        \
         const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
         const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
         pf_attn_tc<HD, KV>(q + off, gate + off, static_cast<const KV*>(segs.kc[z]),                                \
                            static_cast<const KV*>(segs.vc[z]), segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, \
-                           kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x);                            \
+                           kchunk, part_o, part_ml, (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr); \
     }
 FOR_EACH_ATTN_INSTANCE(PF_ATTN_TC)
 
@@ -1119,7 +1129,7 @@ template <int HD>
 __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
                            const u16* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                            float* __restrict__ out, int kchunk, float* __restrict__ part_o,
-                           float* __restrict__ part_ml, int tile) {
+                           float* __restrict__ part_ml, int tile, u32* __restrict__ staged) {
     constexpr int TILE = 64 * HD * 2, NO = HD / 2;
     extern __shared__ __align__(128) u16 pfw_sm[];
     const u32 qs = (smem_u32(pfw_sm) + 1023u) & ~1023u, ks0 = qs + 128 * HD * 2, vs0 = ks0 + 2 * TILE;
@@ -1291,12 +1301,11 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
         const float il = 1.f / l[hv];
         const size_t rb = ((size_t)t * nh + h) * HD;
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; ++nt)
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-                const size_t idx = rb + nt * 8 + 2 * (lane & 3) + cc;
-                out[idx] = (o[4 * nt + hv * 2 + cc] * il) * sigmoid_f(gate[idx]);
-            }
+        for (int nt = 0; nt < HD / 8; ++nt) {
+            const size_t idx = rb + nt * 8 + 2 * (lane & 3);
+            attn_out2(out, staged, idx, (o[4 * nt + hv * 2] * il) * sigmoid_f(gate[idx]),
+                      (o[4 * nt + hv * 2 + 1] * il) * sigmoid_f(gate[idx + 1]));
+        }
     }
 }
 
@@ -1305,14 +1314,14 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
 #define PF_ATTN_WG(HD)                                                                                             \
     extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) pf_attn_wg_##HD(                                  \
         const AttnSegs segs, int nseg, const float* q, const float* gate, int nh, int nkv, float scale, float* out, \
-        int kchunk, float* part_o, float* part_ml) {                                                               \
+        int kchunk, float* part_o, float* part_ml, u32* staged) {                                                  \
         const int qt = 128 / (nh / nkv);                                                                           \
         int x = blockIdx.x;                                                                                        \
         const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
         const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
         pf_attn_wg<HD>(q + off, gate + off, static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), \
                        segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                 \
-                       (segs.n[z] + qt - 1) / qt - 1 - x);                                                          \
+                       (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr);                     \
     }
 PF_ATTN_WG(64)
 PF_ATTN_WG(128)

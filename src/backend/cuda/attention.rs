@@ -342,6 +342,17 @@ const MIN_SPLIT_KEYS: usize = 512;
 /// last query, so a few tokens over a long cache (a conversation's next turn) make a handful of
 /// blocks that each read the whole cache. Split so the blocks fill the SMs about twice; 1 when
 /// the query tiles fill them already.
+/// The key splits of a segment of `n` rows from position `pos0` (1 in the exact mode).
+fn segment_splits(gpu: &Gpu, d: &AttnDims, n: usize, pos0: usize, exact: bool) -> usize {
+    if exact { 1 } else { chunk_splits(n, d.nh, d.nkv, pos0 + n, gpu.sms as usize) }
+}
+
+/// Whether any of the segments `(rows, first position)` splits its keys (their outputs then come
+/// from the split combine, in f32).
+pub fn chunk_splits_keys(gpu: &Gpu, d: &AttnDims, segs: impl IntoIterator<Item = (usize, usize)>, exact: bool) -> bool {
+    segs.into_iter().any(|(n, pos0)| segment_splits(gpu, d, n, pos0, exact) > 1)
+}
+
 pub fn chunk_splits(n: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
     let blocks = n.div_ceil(64 / (nh / nkv)) * nkv;
     if blocks >= sms {
@@ -364,9 +375,14 @@ pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
 /// leave most SMs idle over a long cache ([`chunk_splits`] > 1) runs alone on `pf_attn_tc` with
 /// its keys split over blocks, partials in `part` (room for [`chunk_split_rows`] rows) merged by
 /// the decode's combine kernel.
-pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool) -> Result<()> {
+/// `staged`: where the outputs go instead of `p.out`, as their out-projection's bf16 operand
+/// (`Gemm::stage_input`); only where no segment splits its keys ([`chunk_splits_keys`]).
+pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool, staged: Option<u64>) -> Result<()> {
     let select = |split| select_chunk(d.hd, d.kv_bf16, exact, split).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd));
-    let splits_of = |s: &AttnSegment| if exact { 1 } else { chunk_splits(s.n, d.nh, d.nkv, s.pos0 + s.n, gpu.sms as usize) };
+    let splits_of = |s: &AttnSegment| segment_splits(gpu, d, s.n, s.pos0, exact);
+    if staged.is_some() && (exact || segs.iter().any(|s| splits_of(s) > 1)) {
+        bail!("the prefill attention stages its outputs in bf16 only on unsplit launches");
+    }
     let launch = |group: &[AttnSegment], splits: usize| {
         let ck = select(splits > 1)?;
         let qt = ck.rows / (d.nh / d.nkv);
@@ -383,7 +399,7 @@ pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: 
         ];
         if !exact {
             let keys = group[0].pos0 + group[0].n;
-            args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml)]);
+            args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml), Arg::P(staged.unwrap_or(0))]);
         }
         gpu.launch(ck.kernel, (blocks as u32, d.nkv as u32, splits as u32), ck.threads, ck.smem, &args)
     };

@@ -178,6 +178,10 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("attn.proj"))?;
         let part = attention::SplitPartials { o: self.p(&self.s.attn_part_o), ml: self.p(&self.s.attn_part_ml) };
         let p = forward::attn_ptrs(self.gpu, a, at, self.w, 0, 0);
+        // Where the out-projection runs on cuBLAS and no segment splits its keys, the core writes
+        // only the projection's bf16 operand, so no other GEMM may run between the two.
+        let unsplit = !attention::chunk_splits_keys(self.gpu, &self.dims.attn, self.segments.iter().map(|s| (s.n, s.pos0)), self.exact);
+        let staged = if unsplit { self.gemm.stage_input(&at.o, h, self.p(&a.y), n) } else { None };
         // The segments in runs of one KV element type (a launch reads one), each run's prep and
         // core over all its segments.
         for run in self.segments.chunk_by(|x, y| x.seq.kv_bf16 == y.seq.kv_bf16) {
@@ -191,7 +195,7 @@ impl Pass for ChunkPass<'_> {
                 .collect();
             attention::prep_chunk(self.gpu, &d, &p, &segs)?;
             self.point(probe, Point::Phase("attn.prep"))?;
-            attention::chunk(self.gpu, &d, &p, &part, &segs, self.exact)?;
+            attention::chunk(self.gpu, &d, &p, &part, &segs, self.exact, staged)?;
             self.point(probe, Point::Phase("attn.core"))?;
         }
         self.gemm.run(&at.o, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;

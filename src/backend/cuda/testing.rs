@@ -594,8 +594,20 @@ pub fn chunk_attention_segments(b: &CudaBackend, segs: &[AttnSegmentInput], nh: 
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
     let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16 };
     let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: 0, vcache: 0, out: p(&od) };
-    attention::chunk(gpu, &d, &ptrs, &attention::SplitPartials { o: p(&po), ml: p(&pml) }, &table, exact)?;
+    let part = attention::SplitPartials { o: p(&po), ml: p(&pml) };
+    attention::chunk(gpu, &d, &ptrs, &part, &table, exact, None)?;
     let out = read(gpu, &od)?;
+    // Where the launches are unsplit the core can write its outputs only as the out-projection's
+    // bf16 operand instead: those must be the f32 outputs rounded to nearest even, bit for bit.
+    if !exact && !attention::chunk_splits_keys(gpu, &d, table.iter().map(|s| (s.n, s.pos0)), exact) {
+        let sd = gpu.zeros::<u16>(r0 * width)?;
+        attention::chunk(gpu, &d, &ptrs, &part, &table, exact, Some(ptr(&sd, &gpu.stream)))?;
+        let staged = read(gpu, &sd)?;
+        let differ = out.iter().zip(&staged).filter(|(v, b)| half::bf16::from_f32(**v).to_bits() != **b).count();
+        if differ > 0 {
+            bail!("chunk_attention: {differ} of {} bf16 outputs differ from the f32 ones rounded", out.len());
+        }
+    }
     Ok(table.iter().map(|s| out[s.r0 * width..(s.r0 + s.n) * width].to_vec()).collect())
 }
 
