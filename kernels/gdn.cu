@@ -1298,9 +1298,18 @@ PF_GDN_CHUNK(128)
 // (lane l: channels 4l..4l + 3, dv <= 128), into y, or, where the out-projection runs on cuBLAS
 // (`staged` set), only as the bf16 copy that GEMM reads (pf_to_bf16's rounding of the same
 // values), so y is neither written nor read back. grid (ceil(T * nv / 8)), block 256.
-extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
-                                       const float* __restrict__ norm_w, float* __restrict__ y,
-                                       uint2* __restrict__ staged, int T, int nv, int dv, float eps) {
+// z as four floats: f32, or bf16 (u16 bits) where the in-projection ran on cuBLAS with a bf16
+// output (half the bytes written and read back).
+__device__ __forceinline__ float4 z_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 z_ld4(const u16* p) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+template <typename ZT>
+__device__ __forceinline__ void gdn_norm(const float* __restrict__ o, const ZT* __restrict__ z,
+                                         const float* __restrict__ norm_w, float* __restrict__ y,
+                                         uint2* __restrict__ staged, int T, int nv, int dv, float eps) {
     const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5), j = 4 * lane;
     if (row >= T * nv) return;
     const bool on = j < dv;
@@ -1309,9 +1318,20 @@ extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float*
     if (on) v = *reinterpret_cast<const float4*>(o + idx);
     const float inv = inv_rms_from(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w), dv, eps);
     if (!on) return;
-    const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = *reinterpret_cast<const float4*>(z + idx);
+    const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = z_ld4(z + idx);
     const float4 r = make_float4(v.x * inv * w.x * silu_f(g.x), v.y * inv * w.y * silu_f(g.y),
                                  v.z * inv * w.z * silu_f(g.z), v.w * inv * w.w * silu_f(g.w));
     if (staged) staged[idx / 4] = make_uint2(pack_bf16(r.x, r.y), pack_bf16(r.z, r.w));
     else *reinterpret_cast<float4*>(y + idx) = r;
+}
+// z f32, or bf16 (`_bf16`: the in-projection on cuBLAS with a bf16 output).
+extern "C" __global__ void pf_gdn_norm(const float* __restrict__ o, const float* __restrict__ z,
+                                       const float* __restrict__ norm_w, float* __restrict__ y,
+                                       uint2* __restrict__ staged, int T, int nv, int dv, float eps) {
+    gdn_norm<float>(o, z, norm_w, y, staged, T, nv, dv, eps);
+}
+extern "C" __global__ void pf_gdn_norm_bf16(const float* __restrict__ o, const u16* __restrict__ z,
+                                            const float* __restrict__ norm_w, float* __restrict__ y,
+                                            uint2* __restrict__ staged, int T, int nv, int dv, float eps) {
+    gdn_norm<u16>(o, z, norm_w, y, staged, T, nv, dv, eps);
 }

@@ -56,7 +56,8 @@ impl Blas {
     }
 
     /// `y[t][0..rows] (+)= W · x[t]` for `t < ntok`: W `[rows][cols]` and x `[ntok][cols]` in
-    /// bf16 (on the tensor cores, f32 accumulation), y f32 with row stride `ldy`.
+    /// bf16 (on the tensor cores, f32 accumulation), y f32 with row stride `ldy`, or bf16 with
+    /// `y_bf16` (the f32 sums rounded once).
     ///
     /// Row-major `y[ntok][ldy] = x[ntok][cols] · W[rows][cols]ᵀ` is column-major
     /// `y'[rows][ntok] = Wᵀ' · x'` with W read transposed: m = rows, n = ntok, k = cols.
@@ -67,12 +68,14 @@ impl Blas {
         y: u64,
         (rows, cols, ntok, ldy): (usize, usize, usize, usize),
         accumulate: bool,
+        y_bf16: bool,
     ) -> Result<()> {
         let (ab_type, compute) = (sys::cudaDataType::CUDA_R_16BF, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F);
         let int = |v: usize| i32::try_from(v).map_err(|_| anyhow!("GEMM dimension {v} too large"));
         let (m, n, k, ldc) = (int(rows)?, int(ntok)?, int(cols)?, int(ldy)?);
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        let y_type = if y_bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
         // SAFETY: w, x, y are live device allocations of at least rows*cols, ntok*cols and
         // ntok*ldy elements (the callers size them so); alpha/beta are host scalars that outlive
         // the call (cuBLAS reads them before returning in host pointer mode).
@@ -93,7 +96,7 @@ impl Blas {
                 k,
                 &beta as *const f32 as *const c_void,
                 y as *mut c_void,
-                sys::cudaDataType::CUDA_R_32F,
+                y_type,
                 ldc,
                 compute,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -46,7 +46,8 @@ fn step_kernels(shaped: bool) -> StepKernels {
 const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
 const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
-const PF_GDN_NORM: Kernel = Kernel::ordered(&GDN, "pf_gdn_norm");
+/// The gated norm over z in f32 and in bf16 (the in-projection's z from cuBLAS).
+const PF_GDN_NORM: [Kernel; 2] = [Kernel::ordered(&GDN, "pf_gdn_norm"), Kernel::ordered(&GDN, "pf_gdn_norm_bf16")];
 
 /// Shape constants of a GDN layer.
 #[derive(Clone, Copy, Debug)]
@@ -511,14 +512,14 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     gpu.launch(walk, grid, 256, walk_smem, &args)
 }
 
-/// Gated RMSNorm of the scan outputs with z into `y`, or only into its bf16 copy at `staged`
-/// (`Gemm::stage_input`: the out-projection's cuBLAS operand).
-pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, staged: Option<u64>) -> Result<()> {
+/// Gated RMSNorm of the scan outputs with z (bf16 with `z_bf16`) into `y`, or only into its bf16
+/// copy at `staged` (`Gemm::stage_input`: the out-projection's cuBLAS operand).
+pub fn gated_norm(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, n: usize, z_bf16: bool, staged: Option<u64>) -> Result<()> {
     if d.dv > 128 || !d.dv.is_multiple_of(4) {
         bail!("the prefill gated norm takes value heads of at most 128 channels in fours, not {}", d.dv);
     }
     let args = [Arg::P(s.o), Arg::P(p.z), Arg::P(p.norm), Arg::P(p.y), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.nv as i32), Arg::I(d.dv as i32), Arg::F(d.eps)];
-    gpu.launch(PF_GDN_NORM, ((n * d.nv).div_ceil(8) as u32, 1, 1), 256, 0, &args)
+    gpu.launch(PF_GDN_NORM[z_bf16 as usize], ((n * d.nv).div_ceil(8) as u32, 1, 1), 256, 0, &args)
 }
 
 #[cfg(test)]

@@ -679,22 +679,39 @@ impl<'a> Gemm<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, grouped: Option<Grouped>) -> Result<()> {
         match self.route(q, rows, ntok, grouped.is_some()) {
-            GemmRoute::Cublas => {
-                let r = self.blas.as_ref().expect("selected only with cuBLAS");
-                let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
-                // The weights kept in bf16 since loading (`DevQ::dense_bf16`), else dequantised now.
-                let wb = match &q.dense_bf16 {
-                    Some(d) => ptr(d, &self.gpu.stream),
-                    None => {
-                        self.dequant(q, rows, PF_DEQUANT_BF16, r.wb.0)?;
-                        r.wb.0
-                    }
-                };
-                r.blas.gemm(wb, xb, y, (rows, q.cols, ntok, ldy), accumulate)
-            }
+            GemmRoute::Cublas => self.run_cublas(q, rows, x, ntok, y, ldy, accumulate, false),
             GemmRoute::TensorCore => gemm_tc(self.gpu, q, None, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
             GemmRoute::F32Tiles => gemm_f32(self.gpu, q, rows, self.group, x, ntok, y, ldy, accumulate, grouped),
         }
+    }
+
+    /// `y = W · x` (not accumulated) as `run` does, but where the product runs on cuBLAS, `y` in
+    /// bf16 (the f32 sums rounded once: half the bytes written, and read by the consumers);
+    /// returns whether it did, i.e. the element type `y` holds.
+    pub fn run_bf16_out(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize) -> Result<bool> {
+        if self.route(q, rows, ntok, false) != GemmRoute::Cublas {
+            self.run(q, rows, x, ntok, y, ldy, false, None)?;
+            return Ok(false);
+        }
+        self.run_cublas(q, rows, x, ntok, y, ldy, false, true)?;
+        Ok(true)
+    }
+
+    /// The product on cuBLAS: x staged or converted to bf16, W from its bf16 copy or dequantised
+    /// now; y f32, or bf16 with `y_bf16`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_cublas(&self, q: &DevQ, rows: usize, x: u64, ntok: usize, y: u64, ldy: usize, accumulate: bool, y_bf16: bool) -> Result<()> {
+        let r = self.blas.as_ref().expect("selected only with cuBLAS");
+        let xb = r.bf16_input(self.gpu, x, ntok * q.cols)?;
+        // The weights kept in bf16 since loading (`DevQ::dense_bf16`), else dequantised now.
+        let wb = match &q.dense_bf16 {
+            Some(d) => ptr(d, &self.gpu.stream),
+            None => {
+                self.dequant(q, rows, PF_DEQUANT_BF16, r.wb.0)?;
+                r.wb.0
+            }
+        };
+        r.blas.gemm(wb, xb, y, (rows, q.cols, ntok, ldy), accumulate, y_bf16)
     }
 
     /// `y = W · x` f32-accurate whatever the mode for each few-row product of `outs` (router and

@@ -112,6 +112,7 @@ pub const GDN: Module = Module {
         "pf_gdn_chunk_walk_128",
         "pf_gdn_chunk_walk_128_f16",
         "pf_gdn_norm",
+        "pf_gdn_norm_bf16",
     ],
 };
 
