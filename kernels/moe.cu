@@ -1850,11 +1850,27 @@ extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, c
     list[offsets[e] + i] = slot;
 }
 
+// The shared expert's outputs as floats: f32, or bf16 (u16 bits: its down product on cuBLAS with
+// a bf16 output, half the bytes written and read back).
+__device__ __forceinline__ float2 sh_ld2(const float* p) { return make_float2(p[0], p[1]); }
+__device__ __forceinline__ float2 sh_ld2(const u16* p) {
+    const u32 v = *reinterpret_cast<const u32*>(p);
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ float4 sh_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 sh_ld4(const u16* p) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+
 // pf_moe_combine over bf16 routed outputs D (the wgmma down kernel's): two columns per thread,
-// each summed in moe_combined's order. grid (ceil(h / 512), T), block 256; h even.
-extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
-                                               const float* __restrict__ SH, const float* __restrict__ sgl,
-                                               float* __restrict__ x, int h) {
+// each summed in moe_combined's order. grid (ceil(h / 512), T), block 256; h even. The shared
+// expert's outputs SH f32, or bf16 (`_sh16`).
+template <typename ST>
+__device__ __forceinline__ void moe_combine_bf16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
+                                                 const ST* __restrict__ SH, const float* __restrict__ sgl,
+                                                 float* __restrict__ x, int h) {
     const int t = blockIdx.y, c = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (c >= h) return;
     float a0 = 0.f, a1 = 0.f;
@@ -1865,22 +1881,35 @@ extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const 
         a1 += w * __uint_as_float(d & 0xffff0000u);
     }
     const float g = sigmoid_f(sgl[t]);
-    a0 += g * SH[(size_t)t * h + c];
-    a1 += g * SH[(size_t)t * h + c + 1];
+    const float2 sh = sh_ld2(SH + (size_t)t * h + c);
+    a0 += g * sh.x;
+    a1 += g * sh.y;
     x[(size_t)t * h + c] += a0;
     x[(size_t)t * h + c + 1] += a1;
+}
+extern "C" __global__ void pf_moe_combine_bf16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
+                                               const float* __restrict__ SH, const float* __restrict__ sgl,
+                                               float* __restrict__ x, int h) {
+    moe_combine_bf16(D, top_w, K, SH, sgl, x, h);
+}
+extern "C" __global__ void pf_moe_combine_bf16_sh16(const u32* __restrict__ D, const float* __restrict__ top_w, int K,
+                                                    const u16* __restrict__ SH, const float* __restrict__ sgl,
+                                                    float* __restrict__ x, int h) {
+    moe_combine_bf16(D, top_w, K, SH, sgl, x, h);
 }
 // pf_moe_combine_bf16 of row t fused with the next layer's input norm (pf_rmsnorm of the updated
 // row, its bf16 staging included): one block per row, thread i the float4s c = i, i + NORM_THREADS,
 // ... of it (common.cuh). Each column's sum is pf_moe_combine_bf16's (the K products in order,
 // then the shared expert's, then added into x) and the norm's pf_rmsnorm's, on the same values in
 // the same order, so x, out and staged come out bit for bit as the two launches wrote them.
-// grid (T), block NORM_THREADS; h a multiple of 4, at most NORM_THREADS * 4 * NORM_V.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-pf_moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ top_w, int K,
-                         const float4* __restrict__ SH, const float* __restrict__ sgl, float4* __restrict__ x,
-                         const float4* __restrict__ gain, float4* __restrict__ out, uint2* __restrict__ staged,
-                         int rows, int h, float eps) {
+// grid (T), block NORM_THREADS; h a multiple of 4, at most NORM_THREADS * 4 * NORM_V. SH f32, or
+// bf16 (`_sh16`).
+template <typename ST>
+__device__ __forceinline__ void moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ top_w, int K,
+                                                      const ST* __restrict__ SH, const float* __restrict__ sgl,
+                                                      float4* __restrict__ x, const float4* __restrict__ gain,
+                                                      float4* __restrict__ out, uint2* __restrict__ staged, int rows,
+                                                      int h, float eps) {
     __shared__ float red[33];
     const int t = blockIdx.x, tid = threadIdx.x, n4 = h / 4;
     const float g = sigmoid_f(sgl[t]);
@@ -1902,7 +1931,7 @@ pf_moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ 
                 a2 += w * __uint_as_float(d.y << 16);
                 a3 += w * __uint_as_float(d.y & 0xffff0000u);
             }
-            const float4 s = SH[(size_t)t * n4 + c];
+            const float4 s = sh_ld4(SH + ((size_t)t * n4 + c) * 4);
             a0 += g * s.x;
             a1 += g * s.y;
             a2 += g * s.z;
@@ -1927,6 +1956,15 @@ pf_moe_combine_norm_bf16(const uint2* __restrict__ D, const float* __restrict__ 
         if (staged) staged[(size_t)t * n4 + c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
     }
 }
+#define PF_MOE_COMBINE_NORM_BF16(NAME, ST)                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                                    \
+    NAME(const uint2* __restrict__ D, const float* __restrict__ top_w, int K, const ST* __restrict__ SH,           \
+         const float* __restrict__ sgl, float4* __restrict__ x, const float4* __restrict__ gain,                  \
+         float4* __restrict__ out, uint2* __restrict__ staged, int rows, int h, float eps) {                      \
+        moe_combine_norm_bf16(D, top_w, K, SH, sgl, x, gain, out, staged, rows, h, eps);                           \
+    }
+PF_MOE_COMBINE_NORM_BF16(pf_moe_combine_norm_bf16, float)
+PF_MOE_COMBINE_NORM_BF16(pf_moe_combine_norm_bf16_sh16, u16)
 // x[t] += sum_k w[t,k] * D[t*K + k] + sigmoid(sgl[t]) * SH[t]. grid (ceil(h/256), T).
 extern "C" __global__ void pf_moe_combine(const float* __restrict__ D, const float* __restrict__ top_w, int K,
                                           const float* __restrict__ SH, const float* __restrict__ sgl,

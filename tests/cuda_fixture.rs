@@ -49,6 +49,9 @@ fn cuda_paths_track_the_cpu_on_the_trained_fixture() {
         // with f32 states, so the two rows show what the rounding costs on the GPU.
         ("decode kernels token by token (bf16 KV, f16 GDN states)", CudaOptions { decode_forward: true, ..default.clone() }, 5e-4, 0.99),
         ("decode kernels token by token (bf16 KV, f32 GDN states)", CudaOptions { decode_forward: true, gdn_state_f16: false, ..default.clone() }, 5e-4, 0.99),
+        // These 512-token chunks through the long chunks' route (wgmma experts with bf16 down
+        // and shared-expert outputs, the combine fused into the next norm) instead of moe_tcb.
+        ("long chunks' expert route (bf16 prefill, bf16 KV, f16 GDN states)", CudaOptions { tcb_prefill_tokens: 0, ..default.clone() }, 1e-3, 0.99),
         ("exact (f32 prefill, f32 KV, f32 GDN states)", CudaOptions { exact_prefill: true, kv_bf16: false, gdn_state_f16: false, ..default.clone() }, 1e-5, 1.0),
     ];
     for (label, opts, max_kl, min_top1) in paths {

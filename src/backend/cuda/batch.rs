@@ -329,7 +329,7 @@ impl Pass for BatchPass<'_> {
         moe::moe_tcp(self.gpu, &m.down_exps, None, &shared_down, h, slots, down, grouped(1))?;
         self.point(probe, Point::Phase("moe.down"))?;
         let shared_out = down + (n * k * h * 4) as u64;
-        let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, sgl: self.p(&a.sgl) };
+        let combine = PendingCombine { down, top_w: r.top_w, k, shared: shared_out, shared_bf16: false, sgl: self.p(&a.sgl) };
         if probe.trace.is_some() {
             // The trace copies the residual after each layer: it must hold the layer's output.
             moe::combine(self.gpu, &d, &combine, self.p(&a.x), n)?;

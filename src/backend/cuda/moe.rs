@@ -25,8 +25,10 @@ const PF_ROUTE: Kernel = Kernel::ordered(&MOE, "pf_route");
 const PF_SCAN: Kernel = Kernel::ordered(&MOE, "pf_scan");
 const PF_SCATTER: Kernel = Kernel::ordered(&MOE, "pf_scatter");
 const PF_MOE_COMBINE: Kernel = Kernel::ordered(&MOE, "pf_moe_combine");
-const PF_MOE_COMBINE_BF16: Kernel = Kernel::ordered(&MOE, "pf_moe_combine_bf16");
-const PF_MOE_COMBINE_NORM_BF16: Kernel = Kernel::ordered(&MOE, "pf_moe_combine_norm_bf16");
+/// The combines over bf16 routed outputs: [the shared expert's outputs f32, bf16].
+const PF_MOE_COMBINE_BF16: [Kernel; 2] = [Kernel::ordered(&MOE, "pf_moe_combine_bf16"), Kernel::ordered(&MOE, "pf_moe_combine_bf16_sh16")];
+const PF_MOE_COMBINE_NORM_BF16: [Kernel; 2] =
+    [Kernel::ordered(&MOE, "pf_moe_combine_norm_bf16"), Kernel::ordered(&MOE, "pf_moe_combine_norm_bf16_sh16")];
 const MOE_TCB: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcb");
 const MOE_TCP: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcp");
 const MOE_TCR: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcr");
@@ -373,6 +375,9 @@ pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile:
 
 /// `x[t] += sum_k w[t,k] * down[t*k + j] + sigmoid(sgl[t]) * shared[t]` over `n` rows.
 pub fn combine(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n: usize) -> Result<()> {
+    if out.shared_bf16 {
+        bail!("the f32 combine takes the shared expert's outputs in f32");
+    }
     gpu.launch(PF_MOE_COMBINE, (d.hidden.div_ceil(256) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
 }
 
@@ -392,7 +397,7 @@ pub fn combine_bf16_down(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, n
     if !d.hidden.is_multiple_of(2) {
         bail!("the bf16 combine takes an even hidden size, not {}", d.hidden);
     }
-    gpu.launch(PF_MOE_COMBINE_BF16, (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
+    gpu.launch(PF_MOE_COMBINE_BF16[out.shared_bf16 as usize], (d.hidden.div_ceil(512) as u32, n as u32, 1), 256, 0, &combine_args(d, out, x))
 }
 
 /// The longest row [`combine_norm_bf16`] takes: what one norm block keeps in registers.
@@ -413,7 +418,7 @@ pub fn combine_norm_bf16(gpu: &Gpu, d: &MoeDims, out: &PendingCombine, x: u64, g
     }
     let norm = [Arg::P(gain), Arg::P(u), Arg::P(staged.unwrap_or(0)), Arg::I(n as i32), Arg::I(d.hidden as i32), Arg::F(eps)];
     let args = [&combine_head(out, x)[..], &norm].concat();
-    gpu.launch(PF_MOE_COMBINE_NORM_BF16, (n as u32, 1, 1), ops::NORM_THREADS, 0, &args)
+    gpu.launch(PF_MOE_COMBINE_NORM_BF16[out.shared_bf16 as usize], (n as u32, 1, 1), ops::NORM_THREADS, 0, &args)
 }
 
 /// `moe_route_batch`'s shape: tokens and threads per block (kernels/moe.cu); its router rows per

@@ -247,9 +247,16 @@ impl Pass for ChunkPass<'_> {
         }
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
         self.gemm.glu(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None)?;
-        self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
+        // The shared expert's outputs in bf16 where they come from cuBLAS and the combine takes
+        // them so (the one over the wgmma route's bf16 routed outputs).
+        let shared_bf16 = if route.wgmma() {
+            self.gemm.run_bf16_out(&m.shared_down, h, sg, n, sd, h)?
+        } else {
+            self.gemm.run(&m.shared_down, h, sg, n, sd, h, false, None)?;
+            false
+        };
         self.point(probe, Point::Phase("shared"))?;
-        let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, sgl: self.p(&a.sgl) };
+        let out = PendingCombine { down: ed, top_w: r.top_w, k: d.k, shared: sd, shared_bf16, sgl: self.p(&a.sgl) };
         if route.wgmma() && self.fuse_combine_norm && li + 1 < self.w.layers.len() && moe::combine_norm_fits(h) && probe.trace.is_none() {
             // Added into x by the next layer's input norm, in the same launch (a trace reads x
             // at each layer's end: then it is added here).

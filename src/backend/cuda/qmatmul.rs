@@ -866,6 +866,9 @@ pub struct PendingCombine {
     pub top_w: u64,
     pub k: usize,
     pub shared: u64,
+    /// `shared` holds bf16 (the shared expert's down product on cuBLAS with a bf16 output; only
+    /// the combines over bf16 routed outputs take it).
+    pub shared_bf16: bool,
     pub sgl: u64,
 }
 
@@ -877,7 +880,10 @@ pub fn stage_tcb_after(gpu: &Gpu, x: u64, cols: usize, nrows: usize, gain: u64, 
         bail!("staging of {nrows} x {cols} values does not fit {} x {} (or is not whole 64-column groups)", st.rows, st.cols);
     }
     let s = &gpu.stream;
-    let c = combine.copied().unwrap_or(PendingCombine { down: 0, top_w: 0, k: 0, shared: 0, sgl: 0 });
+    let c = combine.copied().unwrap_or(PendingCombine { down: 0, top_w: 0, k: 0, shared: 0, shared_bf16: false, sgl: 0 });
+    if c.shared_bf16 {
+        bail!("the staging combine takes the shared expert's outputs in f32");
+    }
     let args = [
         Arg::P(x),
         Arg::I(cols as i32),

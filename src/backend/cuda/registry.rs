@@ -196,7 +196,9 @@ pub const MOE: Module = Module {
         "pf_scatter",
         "pf_moe_combine",
         "pf_moe_combine_bf16",
+        "pf_moe_combine_bf16_sh16",
         "pf_moe_combine_norm_bf16",
+        "pf_moe_combine_norm_bf16_sh16",
     ],
 };
 

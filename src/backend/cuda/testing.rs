@@ -437,7 +437,7 @@ pub fn staged_after_combine(b: &CudaBackend, x: &[f32], down: &[f32], top_w: &[f
     }
     let (dd, dw, ds, dg, dgain) = (gpu.upload(down)?, gpu.upload(top_w)?, gpu.upload(shared)?, gpu.upload(sgl)?, gpu.upload(gain)?);
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
-    let combine = qmatmul::PendingCombine { down: p(&dd), top_w: p(&dw), k, shared: p(&ds), sgl: p(&dg) };
+    let combine = qmatmul::PendingCombine { down: p(&dd), top_w: p(&dw), k, shared: p(&ds), shared_bf16: false, sgl: p(&dg) };
     let dims = MoeDims { e: 0, k, inter: 0, sinter: 0, hidden: h, group: 64 };
     let mut out = Vec::new();
     for fused in [true, false] {
