@@ -253,6 +253,21 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 
+// Two or four consecutive prefill activations as floats: f32, or bf16 (u16 bits) where their
+// producer, a cuBLAS GEMM, wrote them so to halve the bytes written and read back (the GDN
+// in-projection's z, the shared expert's outputs).
+__device__ __forceinline__ float2 act_ld2(const float* p) { return make_float2(p[0], p[1]); }
+__device__ __forceinline__ float2 act_ld2(const u16* p) {
+    const u32 v = *reinterpret_cast<const u32*>(p);
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ float4 act_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 act_ld4(const u16* p) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+
 // ---- L2 prefetch (decode) ----
 // Starts pulling one 128-byte line into L2 (no registers, no completion wait). The decode kernels
 // issue their first weight rows this way before the activation prologue, since weights never

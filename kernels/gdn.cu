@@ -1298,14 +1298,6 @@ PF_GDN_CHUNK(128)
 // (lane l: channels 4l..4l + 3, dv <= 128), into y, or, where the out-projection runs on cuBLAS
 // (`staged` set), only as the bf16 copy that GEMM reads (pf_to_bf16's rounding of the same
 // values), so y is neither written nor read back. grid (ceil(T * nv / 8)), block 256.
-// z as four floats: f32, or bf16 (u16 bits) where the in-projection ran on cuBLAS with a bf16
-// output (half the bytes written and read back).
-__device__ __forceinline__ float4 z_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 z_ld4(const u16* p) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                       __uint_as_float(v.y & 0xffff0000u));
-}
 template <typename ZT>
 __device__ __forceinline__ void gdn_norm(const float* __restrict__ o, const ZT* __restrict__ z,
                                          const float* __restrict__ norm_w, float* __restrict__ y,
@@ -1318,7 +1310,7 @@ __device__ __forceinline__ void gdn_norm(const float* __restrict__ o, const ZT* 
     if (on) v = *reinterpret_cast<const float4*>(o + idx);
     const float inv = inv_rms_from(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w), dv, eps);
     if (!on) return;
-    const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = z_ld4(z + idx);
+    const float4 w = *reinterpret_cast<const float4*>(norm_w + j), g = act_ld4(z + idx);
     const float4 r = make_float4(v.x * inv * w.x * silu_f(g.x), v.y * inv * w.y * silu_f(g.y),
                                  v.z * inv * w.z * silu_f(g.z), v.w * inv * w.w * silu_f(g.w));
     if (staged) staged[idx / 4] = make_uint2(pack_bf16(r.x, r.y), pack_bf16(r.z, r.w));

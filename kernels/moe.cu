@@ -1850,20 +1850,6 @@ extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, c
     list[offsets[e] + i] = slot;
 }
 
-// The shared expert's outputs as floats: f32, or bf16 (u16 bits: its down product on cuBLAS with
-// a bf16 output, half the bytes written and read back).
-__device__ __forceinline__ float2 sh_ld2(const float* p) { return make_float2(p[0], p[1]); }
-__device__ __forceinline__ float2 sh_ld2(const u16* p) {
-    const u32 v = *reinterpret_cast<const u32*>(p);
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-}
-__device__ __forceinline__ float4 sh_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 sh_ld4(const u16* p) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                       __uint_as_float(v.y & 0xffff0000u));
-}
-
 // pf_moe_combine over bf16 routed outputs D (the wgmma down kernel's): two columns per thread,
 // each summed in moe_combined's order. grid (ceil(h / 512), T), block 256; h even. The shared
 // expert's outputs SH f32, or bf16 (`_sh16`).
@@ -1881,7 +1867,7 @@ __device__ __forceinline__ void moe_combine_bf16(const u32* __restrict__ D, cons
         a1 += w * __uint_as_float(d & 0xffff0000u);
     }
     const float g = sigmoid_f(sgl[t]);
-    const float2 sh = sh_ld2(SH + (size_t)t * h + c);
+    const float2 sh = act_ld2(SH + (size_t)t * h + c);
     a0 += g * sh.x;
     a1 += g * sh.y;
     x[(size_t)t * h + c] += a0;
@@ -1931,7 +1917,7 @@ __device__ __forceinline__ void moe_combine_norm_bf16(const uint2* __restrict__ 
                 a2 += w * __uint_as_float(d.y << 16);
                 a3 += w * __uint_as_float(d.y & 0xffff0000u);
             }
-            const float4 s = sh_ld4(SH + ((size_t)t * n4 + c) * 4);
+            const float4 s = act_ld4(SH + ((size_t)t * n4 + c) * 4);
             a0 += g * s.x;
             a1 += g * s.y;
             a2 += g * s.z;
