@@ -33,6 +33,7 @@ __device__ __forceinline__ float2 kv_ld2(const u16* p, bool global) {
     return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 __device__ __forceinline__ void kv_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
 // Two adjacent outputs of the prefill attention (idx even) into out, or, where its out-projection
 // runs on cuBLAS (`staged` set), only as that GEMM's bf16 operand (pf_to_bf16's rounding).
 __device__ __forceinline__ void attn_out2(float* __restrict__ out, u32* __restrict__ staged, size_t idx, float v0,
@@ -44,7 +45,6 @@ __device__ __forceinline__ void attn_out2(float* __restrict__ out, u32* __restri
         out[idx + 1] = v1;
     }
 }
-__device__ __forceinline__ void kv_st(u16* p, float v) { *p = (u16)(pack_bf16(v, 0.f) & 0xffffu); }
 // Every attention entry point exists for each head dim and cache element; the `_bf16` suffix is
 // the one the host appends for bf16-KV sequences (kernels::kv_suffix). M(HD, KV, SUFFIX).
 #define FOR_EACH_ATTN_INSTANCE(M) \

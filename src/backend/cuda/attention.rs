@@ -342,6 +342,14 @@ const MIN_SPLIT_KEYS: usize = 512;
 /// last query, so a few tokens over a long cache (a conversation's next turn) make a handful of
 /// blocks that each read the whole cache. Split so the blocks fill the SMs about twice; 1 when
 /// the query tiles fill them already.
+pub fn chunk_splits(n: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(64 / (nh / nkv)) * nkv;
+    if blocks >= sms {
+        return 1;
+    }
+    (2 * sms).div_ceil(blocks).min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_CHUNK_SPLITS)
+}
+
 /// The key splits of a segment of `n` rows from position `pos0` (1 in the exact mode).
 fn segment_splits(gpu: &Gpu, d: &AttnDims, n: usize, pos0: usize, exact: bool) -> usize {
     if exact { 1 } else { chunk_splits(n, d.nh, d.nkv, pos0 + n, gpu.sms as usize) }
@@ -351,14 +359,6 @@ fn segment_splits(gpu: &Gpu, d: &AttnDims, n: usize, pos0: usize, exact: bool) -
 /// from the split combine, in f32).
 pub fn chunk_splits_keys(gpu: &Gpu, d: &AttnDims, segs: impl IntoIterator<Item = (usize, usize)>, exact: bool) -> bool {
     segs.into_iter().any(|(n, pos0)| segment_splits(gpu, d, n, pos0, exact) > 1)
-}
-
-pub fn chunk_splits(n: usize, nh: usize, nkv: usize, keys: usize, sms: usize) -> usize {
-    let blocks = n.div_ceil(64 / (nh / nkv)) * nkv;
-    if blocks >= sms {
-        return 1;
-    }
-    (2 * sms).div_ceil(blocks).min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_CHUNK_SPLITS)
 }
 
 /// Partial rows (query token x split) [`chunk_splits`] can ask for at most, so one buffer of
@@ -380,7 +380,7 @@ pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
 pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool, staged: Option<u64>) -> Result<()> {
     let select = |split| select_chunk(d.hd, d.kv_bf16, exact, split).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd));
     let splits_of = |s: &AttnSegment| segment_splits(gpu, d, s.n, s.pos0, exact);
-    if staged.is_some() && (exact || segs.iter().any(|s| splits_of(s) > 1)) {
+    if staged.is_some() && (exact || chunk_splits_keys(gpu, d, segs.iter().map(|s| (s.n, s.pos0)), exact)) {
         bail!("the prefill attention stages its outputs in bf16 only on unsplit launches");
     }
     let launch = |group: &[AttnSegment], splits: usize| {
