@@ -9,10 +9,13 @@
 // multiple of 4; common.cuh NORM_THREADS): float4s past the NORM_V a thread keeps are read again
 // for the second pass. With `staged` (not null) the outputs also go there in bf16, as pf_to_bf16
 // would stage `out` for the cuBLAS GEMMs (the same words: round to nearest even of the same
-// values), without a second kernel reading `out` back. grid (rows), block NORM_THREADS.
+// values), without a second kernel reading `out` back. With `wg` (not null; n a multiple of 64)
+// they also go there as the wgmma expert kernels' staged input (stage_wg's words of the same
+// values, moe.cu), so the experts need no stage_wg launch reading `out` back.
+// grid (rows), block NORM_THREADS.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* __restrict__ out, int rows, int n,
-           float eps, uint2* __restrict__ staged) {
+           float eps, uint2* __restrict__ staged, u32* __restrict__ wg) {
     __shared__ float red[33];
     const int row = blockIdx.x, tid = threadIdx.x, n4 = n / 4;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * n);
@@ -29,17 +32,40 @@ pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* _
     }
     for (int c = tid + NORM_THREADS * NORM_V; c < n4; c += NORM_THREADS) ss += sq4(xr[c]);
     const float inv = inv_rms_from(block_sum(ss, red), n, eps);
-    auto put = [&](int c, float4 u) {
-        const float4 o = norm4(u, inv, gr[c]);
-        orow[c] = o;
-        if (srow) srow[c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+    u32* wrow = wg ? wg + (size_t)row * (n / 2) : nullptr;
+    // Called by every lane of the warp (the shuffles), `on` for float4s of the row. stage_wg's
+    // word of columns (col, col + 4) of an 8-column run: float4 c (even) holds the run's first
+    // four columns, c + 1 (lane ^ 1: NORM_THREADS and n4 are even) the next four; the even lane
+    // stores the words of columns 0 and 1 of the run, the odd one those of 2 and 3.
+    auto put = [&](int c, float4 u, bool on) {
+        const float4 o = norm4(u, inv, on ? gr[c] : make_float4(0.f, 0.f, 0.f, 0.f));
+        if (on) {
+            orow[c] = o;
+            if (srow) srow[c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+        }
+        if (!wrow) return;
+        const float4 p = make_float4(__shfl_xor_sync(0xffffffffu, o.x, 1), __shfl_xor_sync(0xffffffffu, o.y, 1),
+                                     __shfl_xor_sync(0xffffffffu, o.z, 1), __shfl_xor_sync(0xffffffffu, o.w, 1));
+        if (!on) return;
+        const int col = 8 * (c >> 1), G = col >> 6, cg = col & 63, t = cg >> 4, h = (cg >> 3) & 1;
+        const int w0 = 32 * G + 16 * h + t;
+        if ((c & 1) == 0) {
+            wrow[w0] = pack_bf16(o.x, p.x);
+            wrow[w0 + 4] = pack_bf16(o.y, p.y);
+        } else {
+            wrow[w0 + 8] = pack_bf16(p.z, o.z);
+            wrow[w0 + 12] = pack_bf16(p.w, o.w);
+        }
     };
 #pragma unroll
     for (int i = 0; i < NORM_V; ++i) {
         const int c = tid + NORM_THREADS * i;
-        if (c < n4) put(c, v[i]);
+        put(c, v[i], c < n4);
     }
-    for (int c = tid + NORM_THREADS * NORM_V; c < n4; c += NORM_THREADS) put(c, xr[c]);
+    for (int c0 = NORM_THREADS * NORM_V; c0 < n4; c0 += NORM_THREADS) {
+        const int c = c0 + tid;
+        put(c, c < n4 ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f), c < n4);
+    }
 }
 
 // g = silu(g) * u, elementwise.

@@ -217,6 +217,23 @@ fn cuda_prefill_grouped_gemm_matches_cpu() {
     }
 }
 
+/// The prefill RMSNorm staging its outputs for the wgmma expert kernels itself (the MoE input
+/// norm of the long chunks' route): the same words, bit for bit, as `stage_wg` of its f32
+/// outputs, at the 35B's width (2,048: the 512 float4s each row's threads keep in registers), at
+/// 8,192 (the loop past those) and at 192 (three groups: lanes of a warp past the row's end).
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_norm_stages_the_wgmma_input_as_stage_wg() {
+    let b = cuda();
+    for (rows, n) in [(3usize, 2048usize), (2, 8192), (5, 192)] {
+        let x = rnd(7 + n as u64, rows * n);
+        let gain = rnd(8 + n as u64, n);
+        let (by_norm, by_stage, out) = testing::norm_wg_staging(&b, &x, &gain, rows, n, 1e-6).unwrap();
+        assert!(out.iter().any(|&v| v != 0.0), "{n}: the norm wrote nothing");
+        assert_eq!(by_norm, by_stage, "{rows} x {n}: the norm's wgmma staging differs from stage_wg's");
+    }
+}
+
 /// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
 /// 512): 300 tokens, 4 of 8 experts each, with uneven counts per expert (300, 220, 150, 60, 100,
 /// 10, 128, 232 slots), so the wgmma kernels' 128-slot tiles include full ones and remainders for

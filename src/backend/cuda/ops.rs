@@ -14,13 +14,18 @@ pub const NORM_THREADS: u32 = 128;
 pub const NORM_V: usize = 4;
 
 /// `out[r] = x[r] / rms(x[r]) * gain` for `rows` rows of `n` values (a multiple of 4); with
-/// `staged`, the same values in bf16 there too ([`super::qmatmul::Gemm::stage_target`]).
+/// `staged`, the same values in bf16 there too ([`super::qmatmul::Gemm::stage_target`]); with
+/// `wg`, also as [`super::moe::stage_wg`] would stage them for the wgmma expert kernels.
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, eps: f32, staged: Option<u64>) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, eps: f32, staged: Option<u64>, wg: Option<u64>) -> Result<()> {
     if !n.is_multiple_of(4) {
         bail!("the prefill RMSNorm takes rows of whole float4s, not {n} values");
     }
-    let args = [Arg::P(x), Arg::P(gain), Arg::P(out), Arg::I(rows as i32), Arg::I(n as i32), Arg::F(eps), Arg::P(staged.unwrap_or(0))];
+    if wg.is_some() && !n.is_multiple_of(64) {
+        bail!("the wgmma staging takes whole 64-column groups, not {n} columns");
+    }
+    let args = [Arg::P(x), Arg::P(gain), Arg::P(out), Arg::I(rows as i32), Arg::I(n as i32), Arg::F(eps), Arg::P(staged.unwrap_or(0)), Arg::P(wg.unwrap_or(0))];
     gpu.launch(PF_RMSNORM, (rows as u32, 1, 1), NORM_THREADS, 0, &args)
 }
 

@@ -107,12 +107,23 @@ impl ChunkPass<'_> {
     /// `u = RMSNorm(x) * gain`, staged in bf16 for the cuBLAS GEMMs that read it, after adding
     /// the pending MoE output into `x`.
     fn norm(&mut self, gain: &CudaSlice<f32>, probe: &mut Probe) -> Result<()> {
+        self.norm_staging(gain, None, probe)
+    }
+
+    /// [`Self::norm`], its outputs also staged for the wgmma expert kernels at `wg`
+    /// ([`moe::stage_wg`]'s words) where given.
+    fn norm_staging(&mut self, gain: &CudaSlice<f32>, wg: Option<u64>, probe: &mut Probe) -> Result<()> {
         let (n, h) = (self.rows, self.w.embed.cols);
         let (x, g, u) = (self.p(&self.act.x), self.p(gain), self.p(&self.act.u));
         let staged = self.gemm.stage_target(u, n, h);
         match self.pending.take() {
-            Some(out) => moe::combine_norm_bf16(self.gpu, &self.dims.moe, &out, x, g, u, staged, n, self.dims.eps)?,
-            None => ops::rms_norm(self.gpu, x, g, u, n, h, self.dims.eps, staged)?,
+            Some(out) => {
+                moe::combine_norm_bf16(self.gpu, &self.dims.moe, &out, x, g, u, staged, n, self.dims.eps)?;
+                if let Some(wg) = wg {
+                    moe::stage_wg(self.gpu, u, h, n, wg)?;
+                }
+            }
+            None => ops::rms_norm(self.gpu, x, g, u, n, h, self.dims.eps, staged, wg)?,
         }
         self.point(probe, Point::Phase("norm"))
     }
@@ -208,8 +219,11 @@ impl Pass for ChunkPass<'_> {
     fn moe(&mut self, li: usize, lw: &DevLayer, m: &DevMoe, probe: &mut Probe) -> Result<()> {
         let (a, s, n, d) = (self.act, self.s, self.rows, self.dims.moe);
         let (u, h, k) = (self.p(&a.u), d.hidden, d.k);
-        self.norm(&lw.post_norm, probe)?;
         let route = moe::prefill_experts(n, self.exact, self.tcb_prefill_tokens, moe::WG_NARROW_TOKENS, moe::staged_experts_fit(m, &d));
+        // The wgmma route's slots' inputs in bf16, wgmma order, in the staging buffers of the
+        // short chunks' route: staged by the norm.
+        let (xw, hw) = (self.p(&s.tcb_tokens.frag), self.p(&s.tcb_slots.frag));
+        self.norm_staging(&lw.post_norm, route.wgmma().then_some(xw), probe)?;
         let tile = route.tile();
         let r = moe::gate_and_route(self.gpu, &self.gemm, m, &d, a, s, n, tile)?;
         self.point(probe, Point::Phase("moe.route"))?;
@@ -229,10 +243,6 @@ impl Pass for ChunkPass<'_> {
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Wg | PrefillExperts::WgNarrow => {
-                // The slots' inputs and the gate|up outputs in bf16, wgmma order, in the staging
-                // buffers of the short chunks' route.
-                let (xw, hw) = (self.p(&s.tcb_tokens.frag), self.p(&s.tcb_slots.frag));
-                moe::stage_wg(self.gpu, u, h, n, xw)?;
                 moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k), tile)?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
                 moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1), tile)?;
@@ -413,7 +423,7 @@ impl Prefill<'_> {
             let m = (r1 - r).min(b.act.logit_rows);
             let xr = ptr(&b.act.x, st) + (r * h * 4) as u64;
             let ur = ptr(&b.act.u, st);
-            ops::rms_norm(gpu, xr, ptr(&self.w.final_norm, st), ur, m, h, eps, None)?;
+            ops::rms_norm(gpu, xr, ptr(&self.w.final_norm, st), ur, m, h, eps, None, None)?;
             gemm.run(&self.w.lm_head, vocab, ur, m, ptr(&b.act.logits, st), vocab, false, None)?;
             probe.at(gpu, Point::Phase("head"), &b.act.x, 0)?;
             let mut host = vec![0.0f32; m * vocab];

@@ -117,6 +117,22 @@ pub fn gemv_batch(b: &CudaBackend, q: &QuantTensor, x: &[f32], ntok: usize, frag
 }
 
 /// The device argmax (ties -> lowest id) of `logits`.
+/// The prefill RMSNorm of `rows` rows of `x` (`n` values each) with its outputs staged for the
+/// wgmma expert kernels by the norm itself, and the same outputs staged by `stage_wg` from the
+/// f32 outputs: (the norm's words, stage_wg's words, the f32 outputs).
+pub fn norm_wg_staging(b: &CudaBackend, x: &[f32], gain: &[f32], rows: usize, n: usize, eps: f32) -> Result<(Vec<u32>, Vec<u32>, Vec<f32>)> {
+    let gpu = &b.gpu;
+    if x.len() != rows * n || gain.len() != n {
+        bail!("norm_wg_staging: bad shapes");
+    }
+    let (xd, gd, out) = (gpu.upload(x)?, gpu.upload(gain)?, gpu.zeros::<f32>(rows * n)?);
+    let (by_norm, by_stage) = (gpu.zeros::<u32>(rows * n / 2)?, gpu.zeros::<u32>(rows * n / 2)?);
+    let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
+    super::ops::rms_norm(gpu, p(&xd), p(&gd), p(&out), rows, n, eps, None, Some(ptr(&by_norm, &gpu.stream)))?;
+    moe::stage_wg(gpu, p(&out), n, rows, ptr(&by_stage, &gpu.stream))?;
+    Ok((read(gpu, &by_norm)?, read(gpu, &by_stage)?, read(gpu, &out)?))
+}
+
 pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
     let gpu = &b.gpu;
     let (l, step) = (gpu.upload(logits)?, gpu.upload(&[0i32, 0i32])?);
