@@ -68,10 +68,16 @@ pf_rmsnorm(const float* __restrict__ x, const float* __restrict__ gain, float* _
     }
 }
 
-// g = silu(g) * u, elementwise.
-extern "C" __global__ void pf_swiglu(float* __restrict__ g, const float* __restrict__ u, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) g[i] = silu_f(g[i]) * u[i];
+// g = silu(g) * u, elementwise; with `staged` (not null, n even) only as bf16 pairs there instead
+// (pf_to_bf16's words of the same values: the operand of the cuBLAS GEMM that reads g next,
+// Gemm::stage_input), so g is neither written nor read back. grid: n (or n / 2 staged) threads.
+extern "C" __global__ void pf_swiglu(float* __restrict__ g, const float* __restrict__ u, int n, u32* __restrict__ staged) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (staged) {
+        if (2 * i + 1 < n) staged[i] = pack_bf16(silu_f(g[2 * i]) * u[2 * i], silu_f(g[2 * i + 1]) * u[2 * i + 1]);
+    } else if (i < n) {
+        g[i] = silu_f(g[i]) * u[i];
+    }
 }
 
 // The tokens of a decode step into pinned host memory mapped into the device (the loops'

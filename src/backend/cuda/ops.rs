@@ -29,7 +29,12 @@ pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, e
     gpu.launch(PF_RMSNORM, (rows as u32, 1, 1), NORM_THREADS, 0, &args)
 }
 
-/// `g = silu(g) * u` over `n` values.
-pub fn swiglu(gpu: &Gpu, g: u64, u: u64, n: usize) -> Result<()> {
-    gpu.launch(PF_SWIGLU, (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::I(n as i32)])
+/// `g = silu(g) * u` over `n` values, or with `staged` those values only as bf16 there
+/// ([`super::qmatmul::Gemm::stage_input`]: the next cuBLAS GEMM's operand; `n` even).
+pub fn swiglu(gpu: &Gpu, g: u64, u: u64, n: usize, staged: Option<u64>) -> Result<()> {
+    if staged.is_some() && !n.is_multiple_of(2) {
+        bail!("the staged SwiGLU writes bf16 pairs: {n} values is odd");
+    }
+    let threads = if staged.is_some() { n / 2 } else { n };
+    gpu.launch(PF_SWIGLU, (threads.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::I(n as i32), Arg::P(staged.unwrap_or(0))])
 }

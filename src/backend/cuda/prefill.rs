@@ -256,7 +256,7 @@ impl Pass for ChunkPass<'_> {
             }
         }
         let (sg, su, sd) = (self.p(&s.shared_gate), self.p(&s.shared_up), self.p(&s.shared_down));
-        self.gemm.glu(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None)?;
+        self.gemm.glu_then(&m.shared_gate, &m.shared_up, d.sinter, u, n, sg, su, n, None, Some((&m.shared_down, h)))?;
         // The shared expert's outputs in bf16 where they come from cuBLAS and the combine takes
         // them so (the one over the wgmma route's bf16 routed outputs).
         let shared_bf16 = if route.wgmma() {

@@ -752,6 +752,14 @@ impl<'a> Gemm<'a> {
     /// on the split routes).
     #[allow(clippy::too_many_arguments)]
     pub fn glu(&self, gate: &DevQ, up: &DevQ, rows: usize, x: u64, ntok: usize, out: u64, tmp: u64, slots: usize, grouped: Option<Grouped>) -> Result<()> {
+        self.glu_then(gate, up, rows, x, ntok, out, tmp, slots, grouped, None)
+    }
+
+    /// [`Self::glu`] whose output the product `then` (its matrix and rows, over the same `ntok`
+    /// rows) reads next: where that runs on cuBLAS (and the GLU's two products apart), the
+    /// SwiGLU writes only its bf16 operand ([`Self::stage_input`]), not `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn glu_then(&self, gate: &DevQ, up: &DevQ, rows: usize, x: u64, ntok: usize, out: u64, tmp: u64, slots: usize, grouped: Option<Grouped>, then: Option<(&DevQ, usize)>) -> Result<()> {
         let g = self.shape(gate, rows, ntok, grouped.is_some());
         let u = self.shape(up, rows, ntok, grouped.is_some());
         match select_glu(&g, &u, self.exact, self.limits(|r| r.wb.1)) {
@@ -759,7 +767,13 @@ impl<'a> Gemm<'a> {
             GluRoute::Cublas | GluRoute::F32Split => {
                 self.run(gate, rows, x, ntok, out, rows, false, grouped)?;
                 self.run(up, rows, x, ntok, tmp, rows, false, grouped)?;
-                ops::swiglu(self.gpu, out, tmp, slots * rows)
+                // Staged only after both products took their inputs (the staging scratch is
+                // the one their own inputs may be converted into).
+                let staged = match then {
+                    Some((q, q_rows)) if grouped.is_none() && slots == ntok && q.cols == rows => self.stage_input(q, q_rows, out, ntok),
+                    _ => None,
+                };
+                ops::swiglu(self.gpu, out, tmp, slots * rows, staged)
             }
         }
     }
