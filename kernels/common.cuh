@@ -267,6 +267,12 @@ __device__ __forceinline__ float4 act_ld4(const u16* p) {
     return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
                        __uint_as_float(v.y & 0xffff0000u));
 }
+// Four consecutive activations stored as f32, or as bf16 pairs (round to nearest even) where
+// their reader takes them so.
+__device__ __forceinline__ void act_st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void act_st4(u16* p, float4 v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+}
 
 // ---- L2 prefetch (decode) ----
 // Starts pulling one 128-byte line into L2 (no registers, no completion wait). The decode kernels

@@ -612,15 +612,26 @@ __device__ __forceinline__ int conv_seg(const ConvSegs& s, int nseg, int t) {
 
 // The conv of the value channels [c0, C) of the T rows from segs.r0[0] into out (rows of the
 // chunk, same layout as qkv; the q and k channels go through pf_gdn_conv_qk): each thread 4
-// channels of one row. grid (ceil((C - c0) / 1024), T), block 256.
-extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
-                                       const float* __restrict__ taps, int T, int C, int KC, int c0,
-                                       float* __restrict__ out) {
+// channels of one row. grid (ceil((C - c0) / 1024), T), block 256. The outputs f32, or bf16
+// (`_bf16`) where every segment of the launch takes the chunked scan, whose prep rounds its
+// operands to bf16 anyway: half the bytes written and read back.
+template <typename OT>
+__device__ __forceinline__ void gdn_conv_v(const float* __restrict__ qkv, const ConvSegs& segs, int nseg,
+                                           const float* __restrict__ taps, int C, int KC, int c0, OT* __restrict__ out) {
     const int t = segs.r0[0] + blockIdx.y, ch = c0 + 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (ch >= C) return;
     const int z = conv_seg(segs, nseg, t), r0 = segs.r0[z];
-    *reinterpret_cast<float4*>(out + (size_t)t * C + ch) =
-        gdn_conv4(qkv + (size_t)r0 * C, segs.ring[z], taps, t - r0, ch, C, KC, segs.pos0[z]);
+    act_st4(out + (size_t)t * C + ch, gdn_conv4(qkv + (size_t)r0 * C, segs.ring[z], taps, t - r0, ch, C, KC, segs.pos0[z]));
+}
+extern "C" __global__ void pf_gdn_conv(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                       const float* __restrict__ taps, int T, int C, int KC, int c0,
+                                       float* __restrict__ out) {
+    gdn_conv_v(qkv, segs, nseg, taps, C, KC, c0, out);
+}
+extern "C" __global__ void pf_gdn_conv_bf16(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                            const float* __restrict__ taps, int T, int C, int KC, int c0,
+                                            u16* __restrict__ out) {
+    gdn_conv_v(qkv, segs, nseg, taps, C, KC, c0, out);
 }
 
 // After the conv: each segment's ring slots of its last min(n, KC) positions get their pre-conv
@@ -636,11 +647,12 @@ extern "C" __global__ void pf_gdn_ring(const float* __restrict__ qkv, const Conv
 
 // The conv of the q and k channels of one (row, key head) per warp, then their L2 norms (eps
 // 1e-6, the sum of squares in f64 like ops::l2_normalize), q scaled by dk^-1/2, into qn and kn
-// [rows][nk * dk] of the chunk: lane l holds channels 4l..4l + 3 of the head (dk <= 128). T rows
-// from segs.r0[0]; grid (ceil(T * nk / 8)), block 256.
-extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
-                                          const float* __restrict__ taps, int T, int C, int KC, int nk,
-                                          int dk, float* __restrict__ qn, float* __restrict__ kn) {
+// [rows][nk * dk] of the chunk (f32, or bf16 as pf_gdn_conv_bf16's): lane l holds channels
+// 4l..4l + 3 of the head (dk <= 128). T rows from segs.r0[0]; grid (ceil(T * nk / 8)), block 256.
+template <typename OT>
+__device__ __forceinline__ void gdn_conv_qk(const float* __restrict__ qkv, const ConvSegs& segs, int nseg,
+                                            const float* __restrict__ taps, int T, int C, int KC, int nk, int dk,
+                                            OT* __restrict__ qn, OT* __restrict__ kn) {
     const int lane = threadIdx.x & 31, pair = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (pair >= T * nk) return;
     const int t = segs.r0[0] + pair / nk, kh = pair % nk, key_dim = nk * dk, c = 4 * lane;
@@ -663,8 +675,18 @@ extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const C
     if (!on) return;
     const float iq = (float)(1.0 / sqrt(sqq + 1e-6)) * (1.f / sqrtf((float)dk)), ik = (float)(1.0 / sqrt(sqk + 1e-6));
     const size_t off = (size_t)t * key_dim + kh * dk + c;
-    *reinterpret_cast<float4*>(qn + off) = make_float4(q.x * iq, q.y * iq, q.z * iq, q.w * iq);
-    *reinterpret_cast<float4*>(kn + off) = make_float4(k.x * ik, k.y * ik, k.z * ik, k.w * ik);
+    act_st4(qn + off, make_float4(q.x * iq, q.y * iq, q.z * iq, q.w * iq));
+    act_st4(kn + off, make_float4(k.x * ik, k.y * ik, k.z * ik, k.w * ik));
+}
+extern "C" __global__ void pf_gdn_conv_qk(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                          const float* __restrict__ taps, int T, int C, int KC, int nk,
+                                          int dk, float* __restrict__ qn, float* __restrict__ kn) {
+    gdn_conv_qk(qkv, segs, nseg, taps, T, C, KC, nk, dk, qn, kn);
+}
+extern "C" __global__ void pf_gdn_conv_qk_bf16(const float* __restrict__ qkv, const ConvSegs segs, int nseg,
+                                               const float* __restrict__ taps, int T, int C, int KC, int nk,
+                                               int dk, u16* __restrict__ qn, u16* __restrict__ kn) {
+    gdn_conv_qk(qkv, segs, nseg, taps, T, C, KC, nk, dk, qn, kn);
 }
 
 // The delta-rule recurrence over T tokens (gdn::recurrent_step: S = aS; d = b(v - S^T k);
@@ -864,9 +886,6 @@ PF_GDN_SCAN(128, pf_gdn_scan_128_f16, u16)
 #define GC_LDC 40  // row stride (bf16) of the 32-column tiles (S, D)
 
 __device__ __forceinline__ u16 bf16_rn(float x) { return (u16)(pack_bf16(x, 0.f) & 0xffffu); }
-__device__ __forceinline__ void st_bf16x4(u16* p, float4 v) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
-}
 __device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
 
 // acc (this warp's 16 rows x 32 columns) += A B over the k-steps below ks_end (KMAX at most): A
@@ -899,9 +918,11 @@ __device__ __forceinline__ int seg_chunk_base(const ScanSegs& s, int z) {
 // One (chunk, value head): grid (chunks of the longest segment, nv, segments), block 128.
 // Dynamic shared memory (gdn.rs chunked_smem): a region that holds q and k (bf16) for the k.k and
 // q.k products, then A (f32) and T (bf16); b e^G k and b v (bf16); b and G (f32).
-template <int DK>
-__device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn,
-                               const float* __restrict__ conv, const float* __restrict__ braw,
+// q, k and v (IT) are f32, or bf16 where the conv wrote them so (pf_gdn_conv_qk_bf16,
+// pf_gdn_conv_bf16): the products take them rounded to bf16 either way.
+template <int DK, typename IT>
+__device__ void gdn_chunk_prep(const IT* __restrict__ qn, const IT* __restrict__ kn,
+                               const IT* __restrict__ conv, const float* __restrict__ braw,
                                const float* __restrict__ araw, const float* __restrict__ dt_bias,
                                const float* __restrict__ neg_a, int T, int cg0, int nk, int nv, int dv, int C,
                                u16* __restrict__ u_out, u16* __restrict__ w_out, u16* __restrict__ q_out,
@@ -959,24 +980,24 @@ __device__ void gdn_chunk_prep(const float* __restrict__ qn, const float* __rest
         float4 q4 = zero4, k4 = zero4;
         if (t < nt) {
             const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
-            q4 = *reinterpret_cast<const float4*>(qn + off);
-            k4 = *reinterpret_cast<const float4*>(kn + off);
+            q4 = act_ld4(qn + off);
+            k4 = act_ld4(kn + off);
         }
         const float eg = expf(Gs[t]);
-        st_bf16x4(Kb + t * LDK + i, k4);
-        st_bf16x4(Qb + t * LDK + i, q4);
-        st_bf16x4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
+        act_st4(Kb + t * LDK + i, k4);
+        act_st4(Qb + t * LDK + i, q4);
+        act_st4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
         if (writes_qk) {
-            st_bf16x4(q_out + (chk * GC + t) * DK + i, q4);
-            st_bf16x4(k_out + (chk * GC + t) * DK + i, k4);
+            act_st4(q_out + (chk * GC + t) * DK + i, q4);
+            act_st4(k_out + (chk * GC + t) * DK + i, k4);
         }
     }
 #pragma unroll 4
     for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
         const int t = idx / (dv / 4), j = (idx % (dv / 4)) * 4;
         float4 v4 = zero4;
-        if (t < nt) v4 = *reinterpret_cast<const float4*>(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
-        st_bf16x4(Xv + t * ldv + j, scale4(bs[t], v4));
+        if (t < nt) v4 = act_ld4(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
+        act_st4(Xv + t * ldv + j, scale4(bs[t], v4));
     }
     __syncthreads();
     const int g = lane >> 2, q = lane & 3;
@@ -1272,17 +1293,21 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
 }
 
 #define PF_GDN_CHUNK(DK)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) pf_gdn_chunk_prep_##DK(                                      \
-        const float* qn, const float* kn, const float* conv, const float* braw, const float* araw,                 \
+    PF_GDN_CHUNK_PREP(DK, pf_gdn_chunk_prep_##DK, float)                                                          \
+    PF_GDN_CHUNK_PREP(DK, pf_gdn_chunk_prep_##DK##_bf16, u16)                                                     \
+    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK, float)                                                          \
+    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK##_f16, u16)
+#define PF_GDN_CHUNK_PREP(DK, NAME, IT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                        \
+        const IT* qn, const IT* kn, const IT* conv, const float* braw, const float* araw,                          \
         const float* dt_bias, const float* neg_a, const ScanSegs segs, u16* u, u16* w, u16* q, u16* k, u16* m,    \
         float* g, int nk, int nv, int dv, int C) {                                                                 \
         const int z = blockIdx.z;                                                                                  \
         const size_t r0 = segs.r0[z], kd_ = (size_t)nk * DK;                                                       \
-        gdn_chunk_prep<DK>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv, dt_bias,   \
-                           neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, q, k, m, g);            \
-    }                                                                                                              \
-    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK, float)                                                          \
-    PF_GDN_CHUNK_WALK(DK, pf_gdn_chunk_walk_##DK##_f16, u16)
+        gdn_chunk_prep<DK, IT>(qn + r0 * kd_, kn + r0 * kd_, conv + r0 * C, braw + r0 * nv, araw + r0 * nv,        \
+                               dt_bias, neg_a, segs.n[z], seg_chunk_base(segs, z), nk, nv, dv, C, u, w, q, k, m,   \
+                               g);                                                                                 \
+    }
 #define PF_GDN_CHUNK_WALK(DK, NAME, ST)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
         const u16* u, const u16* w, const u16* q, const u16* k, const u16* m, const float* g,                      \

@@ -418,6 +418,73 @@ fn cuda_prefill_gdn_scan_segments_equal_each_alone() {
     }
 }
 
+/// The chunked scan's bf16-input instance over q, k and v that are bf16 values (as the conv's
+/// bf16 instances write them) gives the f32-input instance's outputs and states bit for bit: the
+/// prep widens them and then runs the same operations.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_gdn_chunked_scan_over_bf16_inputs_equals_the_f32_one() {
+    let b = cuda();
+    let bf16 = |x: Vec<f32>| x.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect::<Vec<f32>>();
+    for &(dk, dv) in &[(64usize, 64usize), (128, 128)] {
+        let lens = [64usize, 200, 1100, 65, 130];
+        let inputs: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let s = 100 * i as u64;
+                let unit = |x: Vec<f32>| {
+                    let mut x = x;
+                    x.chunks_exact_mut(dk).for_each(|r| ops::l2_normalize(r, 1e-6));
+                    bf16(x)
+                };
+                (unit(rnd(s + 1, t * dk)), unit(rnd(s + 2, t * dk)), bf16(rnd(s + 3, t * dv)), rnd(s + 4, t), rnd(s + 5, t), rnd(s + 6, dk * dv))
+            })
+            .collect();
+        let segs: Vec<testing::ScanInput> = inputs
+            .iter()
+            .map(|(q, k, v, b, a, s0)| testing::ScanInput { q, k, v, braw: b, araw: a, s0 })
+            .collect();
+        let run = |bf16_in| testing::gdn_scan_segments_with(&b, &segs, 0.3, -0.7, dk, dv, testing::ScanPath::Chunked, bf16_in).unwrap();
+        let (f32_in, bf16_in) = (run(false), run(true));
+        for (i, (x, y)) in f32_in.iter().zip(&bf16_in).enumerate() {
+            assert_eq!(x.0, y.0, "dk={dk} segment {i} (T={}): outputs", lens[i]);
+            assert_eq!(x.1, y.1, "dk={dk} segment {i} (T={}): state", lens[i]);
+        }
+        eprintln!("gdn chunked scan dk={dk} dv={dv}: bf16 inputs equal f32 inputs of bf16 values over {} segments", lens.len());
+    }
+}
+
+/// The prefill conv's bf16 instances (the chunked scan's inputs) write the f32 instances' values
+/// rounded to bf16, bit for bit, and advance the rings alike: several sequences in one launch,
+/// at the 35B's head shapes and a small one.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
+    let b = cuda();
+    let shapes = [
+        testing::GdnConvShape { nk: 16, dk: 128, nv: 32, dv: 128, kc: 4 },
+        testing::GdnConvShape { nk: 2, dk: 64, nv: 4, dv: 64, kc: 4 },
+    ];
+    for shape in shapes {
+        let c = 2 * shape.nk * shape.dk + shape.nv * shape.dv;
+        let taps = rnd(7, shape.kc * c);
+        let rows = [300usize, 64, 5];
+        let pos0 = [0usize, 7, 2];
+        let data: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().enumerate().map(|(i, &n)| (rnd(10 + i as u64, n * c), rnd(20 + i as u64, shape.kc * c))).collect();
+        let segs: Vec<testing::ConvInput> = data.iter().zip(pos0).map(|((qkv, ring), pos0)| testing::ConvInput { qkv, ring, pos0 }).collect();
+        let (q32, k32, v32, r32) = testing::gdn_conv(&b, shape, &segs, &taps, false).unwrap();
+        let (q16, k16, v16, r16) = testing::gdn_conv(&b, shape, &segs, &taps, true).unwrap();
+        let rounded = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect::<Vec<f32>>();
+        for (name, x, y) in [("q", &q32, &q16), ("k", &k32, &k16), ("v", &v32, &v16)] {
+            assert!(x.iter().any(|&v| v != 0.0), "{shape:?} {name}: the f32 conv wrote nothing");
+            assert_eq!(rounded(x), *y, "{shape:?} {name}");
+        }
+        assert_eq!(r32, r16, "{shape:?}: the rings");
+        eprintln!("gdn conv {shape:?}: bf16 outputs are the f32 ones rounded ({} rows in {} sequences)", rows.iter().sum::<usize>(), rows.len());
+    }
+}
+
 /// Several sequences' attention in one call (a chunk of several prompts: up to 16 segments per
 /// launch, a segment over a long cache alone with its keys split) gives each sequence exactly its
 /// outputs alone, on both kernels and both cache types: 19 segments, so two launches, one split.
@@ -635,6 +702,15 @@ fn cuda_prefill_gdn_scan_matches_cpu() {
                     testing::ScanPath::Exact => assert!(eo < 1e-4 && es < 1e-4 && eoc < 1e-4 && esc < 1e-4),
                     testing::ScanPath::Chunked => assert!(ro < 1e-2 && rs < 1e-2, "{path:?} dk={dk} T={t}"),
                 }
+            }
+            // The chunked path over q, k and v in bf16, as the conv writes them where every
+            // segment of a chunk takes that path: the same bound.
+            if scan_paths(dk).contains(&testing::ScanPath::Chunked) {
+                let seg = testing::ScanInput { q: &q, k: &k, v: &v, braw: &braw, araw: &araw, s0: &s0 };
+                let (o, s) = testing::gdn_scan_segments_with(&b, &[seg], dt_bias, neg_a, dk, dv, testing::ScanPath::Chunked, true).unwrap().remove(0);
+                let (ro, rs) = (rel_rms(&o, &o_rec), rel_rms(&s, &s_rec));
+                eprintln!("gdn scan (Chunked, bf16 inputs) dk={dk} dv={dv} T={t}: vs recurrent relative RMS out {ro:.2e} state {rs:.2e}");
+                assert!(ro < 1e-2 && rs < 1e-2, "bf16 inputs dk={dk} T={t}");
             }
         }
     }

@@ -43,9 +43,11 @@ fn step_kernels(shaped: bool) -> StepKernels {
     }
 }
 
-const PF_GDN_CONV: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv");
+/// The prefill conv's value channels and its q and k (with their L2 norms), writing f32 and
+/// bf16 ([`GdnChunkScratch::inputs_bf16`]).
+const PF_GDN_CONV: [Kernel; 2] = [Kernel::ordered(&GDN, "pf_gdn_conv"), Kernel::ordered(&GDN, "pf_gdn_conv_bf16")];
 const PF_GDN_RING: Kernel = Kernel::ordered(&GDN, "pf_gdn_ring");
-const PF_GDN_CONV_QK: Kernel = Kernel::ordered(&GDN, "pf_gdn_conv_qk");
+const PF_GDN_CONV_QK: [Kernel; 2] = [Kernel::ordered(&GDN, "pf_gdn_conv_qk"), Kernel::ordered(&GDN, "pf_gdn_conv_qk_bf16")];
 /// The gated norm over z in f32 and in bf16 (the in-projection's z from cuBLAS).
 const PF_GDN_NORM: [Kernel; 2] = [Kernel::ordered(&GDN, "pf_gdn_norm"), Kernel::ordered(&GDN, "pf_gdn_norm_bf16")];
 
@@ -292,6 +294,9 @@ pub struct GdnChunkScratch {
     pub kn: u64,
     pub o: u64,
     pub chunked: ChunkedScratch,
+    /// The conv's outputs (the scan's q, k and v) as bf16 rather than f32: only where every
+    /// segment takes the chunked scan ([`scan_inputs_bf16`]).
+    pub inputs_bf16: bool,
 }
 
 /// Tokens per chunk of the chunked scan (GC in gdn.cu) and state columns per walk block (GCV).
@@ -359,15 +364,15 @@ pub fn conv(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[Co
     if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
         bail!("the prefill conv takes non-empty segments back to back");
     }
-    let (ci, kci) = (Arg::I(c as i32), Arg::I(d.kc as i32));
+    let (ci, kci, io) = (Arg::I(c as i32), Arg::I(d.kc as i32), s.inputs_bf16 as usize);
     let v_blocks = (c - 2 * key_dim).div_ceil(4 * 256) as u32;
     for group in segs.chunks(CONV_SEGS) {
         let rows = group.iter().map(|g| g.n).sum::<usize>();
         let (segs_arg, nseg, ti) = (conv_segs_arg(group), Arg::I(group.len() as i32), Arg::I(rows as i32));
         let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(2 * key_dim as i32), Arg::P(s.conv)];
-        gpu.launch(PF_GDN_CONV, (v_blocks, rows as u32, 1), 256, 0, &args)?;
+        gpu.launch(PF_GDN_CONV[io], (v_blocks, rows as u32, 1), 256, 0, &args)?;
         let args = [Arg::P(p.qkv), segs_arg.clone(), nseg.clone(), Arg::P(p.taps), ti.clone(), ci.clone(), kci.clone(), Arg::I(d.nk as i32), Arg::I(d.dk as i32), Arg::P(s.qn), Arg::P(s.kn)];
-        gpu.launch(PF_GDN_CONV_QK, ((rows * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
+        gpu.launch(PF_GDN_CONV_QK[io], ((rows * d.nk).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
         let args = [Arg::P(p.qkv), segs_arg, nseg, ti, ci.clone(), kci.clone()];
         gpu.launch(PF_GDN_RING, (c.div_ceil(256) as u32, d.kc as u32, group.len() as u32), 256, 0, &args)?;
     }
@@ -433,6 +438,14 @@ pub fn select_scan_path(d: &GdnDims, n: usize, exact: bool) -> ScanPath {
     }
 }
 
+/// Whether the scan of `segs` takes its inputs in bf16: where every segment runs the chunked
+/// form, whose products take q, k and v rounded to bf16 (the products' other operands, b e^G k
+/// and b v, are then rounded from the bf16 values; the trained fixture bounds the difference,
+/// docs/correctness.md). The exact recurrence keeps them f32.
+pub fn scan_inputs_bf16(d: &GdnDims, segs: &[ScanSegment], exact: bool) -> bool {
+    !segs.is_empty() && segs.iter().all(|g| select_scan_path(d, g.n, exact) == ScanPath::Chunked)
+}
+
 /// The recurrence over each segment's tokens for every value head, the segments side by side
 /// ([`SCAN_SEGS`] per launch), each on the path `select_scan_path` picks for its length alone (so
 /// a sequence's outputs do not depend on the segments beside it): reads q/k (normalised), v from
@@ -441,6 +454,9 @@ pub fn select_scan_path(d: &GdnDims, n: usize, exact: bool) -> ScanPath {
 pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ScanSegment], exact: bool) -> Result<()> {
     let (chunked, short): (Vec<ScanSegment>, Vec<ScanSegment>) =
         segs.iter().partition(|g| select_scan_path(d, g.n, exact) == ScanPath::Chunked);
+    if s.inputs_bf16 && !short.is_empty() {
+        bail!("the exact GDN scan takes f32 inputs, not the bf16 ones of the chunked scan");
+    }
     for group in chunked.chunks(SCAN_SEGS) {
         scan_chunked(gpu, d, p, s, group)?;
     }
@@ -455,6 +471,9 @@ pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, grou
     let Some(k) = select_scan(d) else {
         bail!("GDN key head dim {} not supported by the prefill scan", d.dk);
     };
+    if s.inputs_bf16 {
+        bail!("the exact GDN scan takes f32 inputs");
+    }
     let ptrs = [s.qn, s.kn, s.conv, p.b, p.a, p.dt_bias, p.neg_a];
     let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
     args.extend([scan_segs_arg(group), Arg::P(s.o)]);
@@ -463,14 +482,15 @@ pub fn scan_exact(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, grou
     gpu.launch(k, grid, 128, 0, &args)
 }
 
-/// The chunked scan's prep (no state) and the walk instance for the state element.
-fn chunked_kernels(d: &GdnDims) -> Option<(Kernel, Kernel)> {
-    let (prep, walks) = match d.dk {
-        64 => ("pf_gdn_chunk_prep_64", ["pf_gdn_chunk_walk_64", "pf_gdn_chunk_walk_64_f16"]),
-        128 => ("pf_gdn_chunk_prep_128", ["pf_gdn_chunk_walk_128", "pf_gdn_chunk_walk_128_f16"]),
+/// The chunked scan's prep instance for its inputs' element (no state) and the walk instance for
+/// the state element.
+fn chunked_kernels(d: &GdnDims, inputs_bf16: bool) -> Option<(Kernel, Kernel)> {
+    let (preps, walks) = match d.dk {
+        64 => (["pf_gdn_chunk_prep_64", "pf_gdn_chunk_prep_64_bf16"], ["pf_gdn_chunk_walk_64", "pf_gdn_chunk_walk_64_f16"]),
+        128 => (["pf_gdn_chunk_prep_128", "pf_gdn_chunk_prep_128_bf16"], ["pf_gdn_chunk_walk_128", "pf_gdn_chunk_walk_128_f16"]),
         _ => return None,
     };
-    Some((Kernel::ordered(&GDN, prep), d.instance(walks.map(|n| Kernel::ordered(&GDN, n)))))
+    Some((Kernel::ordered(&GDN, preps[inputs_bf16 as usize]), d.instance(walks.map(|n| Kernel::ordered(&GDN, n)))))
 }
 
 /// Dynamic shared memory of pf_gdn_chunk_prep and pf_gdn_chunk_walk (gdn.cu).
@@ -488,7 +508,7 @@ fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
 /// The chunked scan (see gdn.cu) over up to [`SCAN_SEGS`] segments: every chunk's products at
 /// once, then the walk through each segment's chunks that carries its state.
 pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
-    let Some((prep, walk)) = chunked_kernels(d).filter(|_| chunked_supported(d)) else {
+    let Some((prep, walk)) = chunked_kernels(d, s.inputs_bf16).filter(|_| chunked_supported(d)) else {
         bail!("GDN heads (key dim {}, value dim {}) not supported by the chunked scan", d.dk, d.dv);
     };
     let c = &s.chunked;
@@ -575,6 +595,19 @@ mod tests {
             assert_eq!(select_scan_path(&d, CHUNKED_MIN_TOKENS - 1, false), ScanPath::Exact);
             assert_eq!(select_scan_path(&d, 4096, true), ScanPath::Exact);
         }
+        // The scan's inputs in bf16 only where every segment is chunked (never in the exact mode),
+        // with the prep's bf16 instance and the convs' bf16 outputs.
+        let seg = |n| ScanSegment { state: 0, r0: 0, n };
+        let segs = [seg(4096), seg(CHUNKED_MIN_TOKENS)];
+        assert!(scan_inputs_bf16(&big, &segs, false));
+        assert!(!scan_inputs_bf16(&big, &segs, true));
+        assert!(!scan_inputs_bf16(&big, &[seg(4096), seg(CHUNKED_MIN_TOKENS - 1)], false));
+        assert!(!scan_inputs_bf16(&big, &[], false));
+        let (p64, p128) = (chunked_kernels(&tiny, true).unwrap().0, chunked_kernels(&big, true).unwrap().0);
+        assert_eq!((p64.name, p128.name), ("pf_gdn_chunk_prep_64_bf16", "pf_gdn_chunk_prep_128_bf16"));
+        for k in [PF_GDN_CONV, PF_GDN_CONV_QK].concat().into_iter().chain([p64, p128]) {
+            assert!(GDN.kernels.contains(&k.name), "{}", k.name);
+        }
         // Key dims without an instance, too many value columns for the prep's shared memory.
         assert_eq!(select_scan_path(&GdnDims { dk: 32, ..tiny }, 4096, false), ScanPath::Exact);
         assert_eq!(select_scan_path(&GdnDims { dk: 128, dv: 512, ..tiny }, 4096, false), ScanPath::Exact);
@@ -656,7 +689,7 @@ mod tests {
             assert_eq!(f16s.instance(k).name, format!("{name}_f16"));
         }
         assert_eq!(select_scan(&f16s).unwrap().name, "pf_gdn_scan_128_f16");
-        let ((p32, w32), (p16, w16)) = (chunked_kernels(&f32s).unwrap(), chunked_kernels(&f16s).unwrap());
+        let ((p32, w32), (p16, w16)) = (chunked_kernels(&f32s, false).unwrap(), chunked_kernels(&f16s, false).unwrap());
         assert_eq!((p32.name, w32.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128"));
         assert_eq!((p16.name, w16.name), ("pf_gdn_chunk_prep_128", "pf_gdn_chunk_walk_128_f16"));
         // Every instance is in the module the backend compiles.

@@ -159,14 +159,15 @@ impl Pass for ChunkPass<'_> {
         self.point(probe, Point::Phase("gdn.proj"))?;
         // The segments' convs (each its own ring) into their rows of the scratch, then one scan
         // over all segments side by side (each its own state), then the norm over all rows.
-        let chunked = self.s.gdn_chunked.ptrs(self.gpu);
-        let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o), chunked };
         let (mut convs, mut scans) = (Vec::with_capacity(self.segments.len()), Vec::with_capacity(self.segments.len()));
         for seg in self.segments {
             let (ring, state) = seg.seq.layer_ptrs(li);
             convs.push(ConvSegment { ring, r0: seg.r0, n: seg.n, pos0: seg.pos0 });
             scans.push(ScanSegment { state, r0: seg.r0, n: seg.n });
         }
+        let chunked = self.s.gdn_chunked.ptrs(self.gpu);
+        let inputs_bf16 = gdn::scan_inputs_bf16(&d, &scans, self.exact);
+        let s = GdnChunkScratch { conv: self.p(&self.s.conv), qn: self.p(&self.s.qn), kn: self.p(&self.s.kn), o: self.p(&self.s.o), chunked, inputs_bf16 };
         let all = forward::gdn_ptrs(self.gpu, a, g, 0, 0);
         gdn::conv(self.gpu, &d, &all, &s, &convs)?;
         self.point(probe, Point::Phase("gdn.conv"))?;

@@ -693,6 +693,13 @@ pub struct ScanInput<'a> {
 /// Returns each segment's (outputs, final state).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize, path: gdn::ScanPath) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    gdn_scan_segments_with(b, segs, dt_bias, neg_a, dk, dv, path, false)
+}
+
+/// [`gdn_scan_segments`] with q, k and v uploaded as the conv writes them for the scan:
+/// rounded to bf16 with `inputs_bf16` (the chunked path's bf16 instance reads them so).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_scan_segments_with(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_a: f32, dk: usize, dv: usize, path: gdn::ScanPath, inputs_bf16: bool) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
     let gpu = &b.gpu;
     let c = 2 * dk + dv;
     let total: usize = segs.iter().map(|s| s.braw.len()).sum();
@@ -715,7 +722,8 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
         r0 += t;
     }
     let up = |v: &[f32]| gpu.upload(v);
-    let (qd, kd, cd, bd, ad) = (up(&q)?, up(&k)?, up(&conv)?, up(&braw)?, up(&araw)?);
+    let up_in = |v: &[f32]| Activation::upload(gpu, v, inputs_bf16);
+    let (qd, kd, cd, bd, ad) = (up_in(&q)?, up_in(&k)?, up_in(&conv)?, up(&braw)?, up(&araw)?);
     let (dtb, nga) = (up(&[dt_bias])?, up(&[neg_a])?);
     let od = gpu.zeros::<f32>(total * dv)?;
     let p = |s: &CudaSlice<f32>| ptr(s, &gpu.stream);
@@ -723,7 +731,7 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     let ptrs = GdnPtrs { qkv: 0, z: 0, b: p(&bd), a: p(&ad), ring: 0, taps: 0, dt_bias: p(&dtb), neg_a: p(&nga), norm: 0, state: 0, y: 0 };
     // The chunked scan's scratch as the prefill sizes it for a chunk of these tokens.
     let chunked = GdnChunked::new(gpu, &d, total)?;
-    let s = GdnChunkScratch { conv: p(&cd), qn: p(&qd), kn: p(&kd), o: p(&od), chunked: chunked.ptrs(gpu) };
+    let s = GdnChunkScratch { conv: cd.ptr(gpu), qn: qd.ptr(gpu), kn: kd.ptr(gpu), o: p(&od), chunked: chunked.ptrs(gpu), inputs_bf16 };
     for group in scans.chunks(gdn::SCAN_SEGS) {
         match path {
             gdn::ScanPath::Exact => gdn::scan_exact(gpu, &d, &ptrs, &s, group)?,
@@ -732,6 +740,85 @@ pub fn gdn_scan_segments(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32, neg_
     }
     let o = read(gpu, &od)?;
     scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), sd.read(gpu)?))).collect()
+}
+
+/// Prefill activations on the device as f32, or rounded to bf16 (u16 bits).
+enum Activation {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl Activation {
+    fn upload(gpu: &Gpu, v: &[f32], bf16: bool) -> Result<Self> {
+        Ok(if bf16 { Activation::Bf16(gpu.upload(&v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>())?) } else { Activation::F32(gpu.upload(v)?) })
+    }
+    fn zeros(gpu: &Gpu, n: usize, bf16: bool) -> Result<Self> {
+        Ok(if bf16 { Activation::Bf16(gpu.zeros::<u16>(n)?) } else { Activation::F32(gpu.zeros::<f32>(n)?) })
+    }
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            Activation::F32(s) => ptr(s, &gpu.stream),
+            Activation::Bf16(s) => ptr(s, &gpu.stream),
+        }
+    }
+    /// The values as f32 (bf16 widened exactly).
+    fn read(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+        Ok(match self {
+            Activation::F32(s) => read(gpu, s)?,
+            Activation::Bf16(s) => read(gpu, s)?.into_iter().map(|h| half::bf16::from_bits(h).to_f32()).collect(),
+        })
+    }
+}
+
+/// The shape of a GDN layer's prefill conv: key heads (q and k) and value heads, their dims, taps.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnConvShape {
+    pub nk: usize,
+    pub dk: usize,
+    pub nv: usize,
+    pub dv: usize,
+    pub kc: usize,
+}
+
+/// One sequence's rows of a [`gdn_conv`] chunk: its q|k|v inputs `[n][conv_dim]` at positions
+/// `pos0..`, its conv ring `[kc][conv_dim]` (the inputs before them).
+pub struct ConvInput<'a> {
+    pub qkv: &'a [f32],
+    pub ring: &'a [f32],
+    pub pos0: usize,
+}
+
+/// The prefill conv (`gdn::conv`) of several sequences' rows back to back with the layer's taps
+/// `[kc][conv_dim]`, writing f32 or (`bf16`) bf16 as the chunked scan's inputs: the normalised q
+/// and k `[rows][nk * dk]`, the value channels `[rows][nv * dv]` (widened to f32), and each
+/// sequence's ring after it.
+pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: &[f32], bf16: bool) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<Vec<f32>>)> {
+    let gpu = &b.gpu;
+    let GdnConvShape { nk, dk, nv, dv, kc } = shape;
+    let (key_dim, c) = (nk * dk, 2 * nk * dk + nv * dv);
+    if segs.iter().any(|g| g.qkv.len() % c != 0 || g.ring.len() != kc * c) || taps.len() != kc * c {
+        bail!("gdn conv: q|k|v rows of {c} channels, rings and taps of {kc} rows");
+    }
+    let rows: usize = segs.iter().map(|g| g.qkv.len() / c).sum();
+    let qkv: Vec<f32> = segs.iter().flat_map(|g| g.qkv.iter().copied()).collect();
+    let rings = segs.iter().map(|g| gpu.upload(g.ring)).collect::<Result<Vec<_>>>()?;
+    let (qkvd, tapsd) = (gpu.upload(&qkv)?, gpu.upload(taps)?);
+    let (qn, kn, conv) = (Activation::zeros(gpu, rows * key_dim, bf16)?, Activation::zeros(gpu, rows * key_dim, bf16)?, Activation::zeros(gpu, rows * c, bf16)?);
+    let mut r0 = 0;
+    let mut convs = Vec::with_capacity(segs.len());
+    for (g, ring) in segs.iter().zip(&rings) {
+        let n = g.qkv.len() / c;
+        convs.push(gdn::ConvSegment { ring: ptr(ring, &gpu.stream), r0, n, pos0: g.pos0 });
+        r0 += n;
+    }
+    let d = GdnDims { nk, nv, dk, dv, kc, conv_dim: c, eps: 0.0, state_f16: false };
+    let ptrs = GdnPtrs { qkv: ptr(&qkvd, &gpu.stream), z: 0, b: 0, a: 0, ring: 0, taps: ptr(&tapsd, &gpu.stream), dt_bias: 0, neg_a: 0, norm: 0, state: 0, y: 0 };
+    let s = GdnChunkScratch { conv: conv.ptr(gpu), qn: qn.ptr(gpu), kn: kn.ptr(gpu), o: 0, chunked: gdn::ChunkedScratch::default(), inputs_bf16: bf16 };
+    gdn::conv(gpu, &d, &ptrs, &s, &convs)?;
+    let conv = conv.read(gpu)?;
+    let v = conv.chunks_exact(c).flat_map(|r| r[2 * key_dim..].iter().copied()).collect();
+    let rings = rings.iter().map(|r| read(gpu, r)).collect::<Result<Vec<_>>>()?;
+    Ok((qn.read(gpu)?, kn.read(gpu)?, v, rings))
 }
 
 /// A test scan's state on the device in the element type the kernels read.
