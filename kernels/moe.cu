@@ -1840,14 +1840,33 @@ extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* _
 }
 
 // Per-expert slot lists (order inside an expert is arbitrary; every slot's result is computed
-// on its own, so the output does not depend on it).
-extern "C" __global__ void pf_scatter(const int* __restrict__ top_ids, int TK, const int* __restrict__ offsets,
-                                      int* __restrict__ fill, int* __restrict__ list) {
-    int slot = blockIdx.x * blockDim.x + threadIdx.x;
-    if (slot >= TK) return;
-    int e = top_ids[slot];
-    int i = atomicAdd(&fill[e], 1);
-    list[offsets[e] + i] = slot;
+// on its own, so the output does not depend on it). A block takes SCATTER_SLOTS consecutive
+// slots: their places within their experts' runs come from shared-memory counters, and each
+// expert present reserves its run with one global atomic per block, not one per slot (at 4K
+// tokens an expert's ~128 slots waited on one address in turn). grid ceil(TK / SCATTER_SLOTS),
+// block SCATTER_THREADS; E <= 512.
+#define SCATTER_THREADS 1024
+#define SCATTER_PER_THREAD 4
+#define SCATTER_SLOTS (SCATTER_THREADS * SCATTER_PER_THREAD)
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) pf_scatter(const int* __restrict__ top_ids, int TK,
+                                                                        const int* __restrict__ offsets,
+                                                                        int* __restrict__ fill, int* __restrict__ list,
+                                                                        int E) {
+    __shared__ int cnt[512], base[512];
+    const int tid = threadIdx.x, s0 = blockIdx.x * SCATTER_SLOTS + tid;
+    for (int e = tid; e < E; e += SCATTER_THREADS) cnt[e] = 0;
+    __syncthreads();
+    int ids[SCATTER_PER_THREAD], place[SCATTER_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < SCATTER_PER_THREAD; ++i) ids[i] = s0 + i * SCATTER_THREADS < TK ? top_ids[s0 + i * SCATTER_THREADS] : -1;
+#pragma unroll
+    for (int i = 0; i < SCATTER_PER_THREAD; ++i) place[i] = ids[i] >= 0 ? atomicAdd(&cnt[ids[i]], 1) : 0;
+    __syncthreads();
+    for (int e = tid; e < E; e += SCATTER_THREADS) base[e] = cnt[e] ? offsets[e] + atomicAdd(&fill[e], cnt[e]) : 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < SCATTER_PER_THREAD; ++i)
+        if (ids[i] >= 0) list[base[ids[i]] + place[i]] = s0 + i * SCATTER_THREADS;
 }
 
 // pf_moe_combine over bf16 routed outputs D (the wgmma down kernel's): two columns per thread,

@@ -370,6 +370,32 @@ fn grouped_case(b: &CudaBackend, name: &str, q: &QuantTensor, up: Option<&QuantT
     }
 }
 
+/// The prefill's per-expert slot lists hold exactly each expert's slots, whatever the order
+/// within an expert: at 4K tokens' slots (eight of pf_scatter's blocks sharing each expert's run),
+/// a chunk of one block, experts left empty and experts taking most slots.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_slot_lists_hold_each_experts_slots() {
+    let b = cuda();
+    let (experts, k) = (256usize, 8usize);
+    for &(tokens, spread) in &[(4096usize, 256u64), (300, 256), (4096, 4), (5000, 1)] {
+        // Distinct experts per token, its first among `spread`: below 32, most experts get none
+        // and a few many (at 1, every token the same eight, 5,000 slots each).
+        let ids: Vec<u32> = (0..tokens as u64)
+            .flat_map(|t| (0..k as u64).map(move |j| ((t * 2_654_435_761 % 1_000_003 % spread + j * (experts / k) as u64) % experts as u64) as u32))
+            .collect();
+        let lists = testing::slot_lists(&b, &ids, experts, k).unwrap();
+        for (e, got) in lists.iter().enumerate() {
+            let mut got = got.clone();
+            got.sort_unstable();
+            let want: Vec<usize> = (0..ids.len()).filter(|&s| ids[s] as usize == e).collect();
+            assert_eq!(got, want, "T={tokens} spread={spread}: expert {e}");
+        }
+        let busiest = lists.iter().map(Vec::len).max().unwrap();
+        eprintln!("slot lists T={tokens} spread={spread}: {} slots, busiest expert {busiest}, {} experts empty", ids.len(), lists.iter().filter(|l| l.is_empty()).count());
+    }
+}
+
 /// The scan paths a key head dim has: the exact recurrence, and the chunked form where it takes
 /// the head (gdn::chunked_supported).
 fn scan_paths(dk: usize) -> Vec<testing::ScanPath> {

@@ -323,7 +323,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
         _ => unreachable!("row_order above"),
     }
     .tile();
-    let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, tile)?;
+    let lists = SlotLists::new(gpu, experts, tokens, ids, k, tile)?;
     let xd = gpu.upload(x)?;
     let (y, tmp) = (gpu.zeros::<f32>(tokens * k * rows)?, gpu.zeros::<f32>(tokens * k * rows)?);
     let (xp, yp, tp) = (ptr(&xd, &gpu.stream), ptr(&y, &gpu.stream), ptr(&tmp, &gpu.stream));
@@ -366,8 +366,8 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
     read(gpu, &y)
 }
 
-/// The routing lists of `tokens` tokens' `k` slots each (`ids[t*k + j]`) over `experts` experts
-/// of `q`'s shape, in tiles of `tile` slots, built by the MoE kernels.
+/// The routing lists of `tokens` tokens' `k` slots each (`ids[t*k + j]`) over `experts` experts,
+/// in tiles of `tile` slots, built by the MoE kernels.
 struct SlotLists {
     _bufs: [CudaSlice<i32>; 6],
     r: RouteLists,
@@ -376,13 +376,12 @@ struct SlotLists {
 }
 
 impl SlotLists {
-    fn new(gpu: &Gpu, q: &QuantTensor, experts: usize, tokens: usize, ids: &[u32], k: usize, tile: usize) -> Result<Self> {
-        let rows = q.rows / experts;
+    fn new(gpu: &Gpu, experts: usize, tokens: usize, ids: &[u32], k: usize, tile: usize) -> Result<Self> {
         let mut counts = vec![0i32; experts];
         for &e in ids {
             counts[e as usize] += 1;
         }
-        let d = MoeDims { e: experts, k, inter: rows, sinter: rows, hidden: q.cols, group: q.group };
+        let d = MoeDims { e: experts, k, inter: 0, sinter: 0, hidden: 0, group: 0 };
         let max_tiles = moe::tiles_of(tokens, &d, tile);
         let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
         let bufs = [gpu.upload(&counts)?, gpu.upload(&idv)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(experts)?, gpu.zeros::<i32>(tokens * k)?, gpu.zeros::<i32>(1 + 2 * max_tiles)?];
@@ -390,6 +389,12 @@ impl SlotLists {
         let r = RouteLists { logits: 0, top_ids: p(1), top_w: 0, counts: p(0), offsets: p(2), fill: p(3), list: p(4), tiles: p(5) };
         moe::slot_lists(gpu, experts, &r, tokens * k, tile)?;
         Ok(SlotLists { _bufs: bufs, r, experts, max_tiles })
+    }
+
+    /// Each expert's count, first slot and its run of the list.
+    fn read(&self, gpu: &Gpu) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let [counts, _, offsets, _, list, _] = &self._bufs;
+        Ok((read(gpu, counts)?, read(gpu, offsets)?, read(gpu, list)?))
     }
 
     fn grouped(&self, xdiv: usize) -> Grouped {
@@ -423,7 +428,7 @@ pub fn tcr_staged_outputs(b: &CudaBackend, q: &QuantTensor, up: &QuantTensor, ex
     }
     let upload = |m: &QuantTensor| if frag { upload_frag_staged(gpu, m) } else { DevQ::upload(gpu, m) };
     let (dq, du) = (upload(q)?, upload(up)?);
-    let lists = SlotLists::new(gpu, q, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
+    let lists = SlotLists::new(gpu, experts, tokens, ids, k, moe::PrefillExperts::Tcb.tile())?;
     let g = lists.grouped(k);
     let xd = gpu.upload(x)?;
     let st = TcbStaging::new(gpu, tokens, q.cols)?;
@@ -819,6 +824,14 @@ pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: 
     let v = conv.chunks_exact(c).flat_map(|r| r[2 * key_dim..].iter().copied()).collect();
     let rings = rings.iter().map(|r| read(gpu, r)).collect::<Result<Vec<_>>>()?;
     Ok((qn.read(gpu)?, kn.read(gpu)?, v, rings))
+}
+
+/// The prefill's per-expert slot lists (`moe::slot_lists`: `pf_scan`, `pf_scatter`) of top-k ids
+/// `ids` (`[tokens][k]`, experts below `experts`): each expert's slots, in the order listed.
+pub fn slot_lists(b: &CudaBackend, ids: &[u32], experts: usize, k: usize) -> Result<Vec<Vec<usize>>> {
+    let lists = SlotLists::new(&b.gpu, experts, ids.len() / k, ids, k, 128)?;
+    let (counts, offsets, list) = lists.read(&b.gpu)?;
+    Ok((0..experts).map(|e| list[offsets[e] as usize..(offsets[e] + counts[e]) as usize].iter().map(|&s| s as usize).collect()).collect())
 }
 
 /// A test scan's state on the device in the element type the kernels read.
