@@ -406,6 +406,23 @@ fn scan_paths(dk: usize) -> Vec<testing::ScanPath> {
     paths
 }
 
+/// Random scan inputs of segments of `lens` tokens: q and k (unit rows), v, raw gates b and a, the
+/// initial state; q, k and v passed through `round`.
+#[allow(clippy::type_complexity)]
+fn scan_segment_inputs(lens: &[usize], dk: usize, dv: usize, round: impl Fn(Vec<f32>) -> Vec<f32>) -> Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let unit = |mut x: Vec<f32>| {
+        x.chunks_exact_mut(dk).for_each(|r| ops::l2_normalize(r, 1e-6));
+        round(x)
+    };
+    lens.iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let s = 100 * i as u64;
+            (unit(rnd(s + 1, t * dk)), unit(rnd(s + 2, t * dk)), round(rnd(s + 3, t * dv)), rnd(s + 4, t), rnd(s + 5, t), rnd(s + 6, dk * dv))
+        })
+        .collect()
+}
+
 /// The scan of several sequences side by side (a prefill chunk of several segments, more than one
 /// launch's worth) equals each sequence's scan alone, bit for bit, on both paths.
 #[test]
@@ -415,19 +432,7 @@ fn cuda_prefill_gdn_scan_segments_equal_each_alone() {
     for &(dk, dv) in &[(64usize, 64usize), (128, 128), (32, 96)] {
         // 18 segments: two launches (16 per launch), lengths 1..200.
         let lens: Vec<usize> = (0..18).map(|i| [1usize, 9, 64, 200, 3, 17][i % 6] + i).collect();
-        let inputs: Vec<_> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                let s = 100 * i as u64;
-                let unit = |x: Vec<f32>| {
-                    let mut x = x;
-                    x.chunks_exact_mut(dk).for_each(|r| ops::l2_normalize(r, 1e-6));
-                    x
-                };
-                (unit(rnd(s + 1, t * dk)), unit(rnd(s + 2, t * dk)), rnd(s + 3, t * dv), rnd(s + 4, t), rnd(s + 5, t), rnd(s + 6, dk * dv))
-            })
-            .collect();
+        let inputs = scan_segment_inputs(&lens, dk, dv, |x| x);
         let segs: Vec<testing::ScanInput> = inputs
             .iter()
             .map(|(q, k, v, b, a, s0)| testing::ScanInput { q, k, v, braw: b, araw: a, s0 })
@@ -454,19 +459,7 @@ fn cuda_prefill_gdn_chunked_scan_over_bf16_inputs_equals_the_f32_one() {
     let bf16 = |x: Vec<f32>| x.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect::<Vec<f32>>();
     for &(dk, dv) in &[(64usize, 64usize), (128, 128)] {
         let lens = [64usize, 200, 1100, 65, 130];
-        let inputs: Vec<_> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                let s = 100 * i as u64;
-                let unit = |x: Vec<f32>| {
-                    let mut x = x;
-                    x.chunks_exact_mut(dk).for_each(|r| ops::l2_normalize(r, 1e-6));
-                    bf16(x)
-                };
-                (unit(rnd(s + 1, t * dk)), unit(rnd(s + 2, t * dk)), bf16(rnd(s + 3, t * dv)), rnd(s + 4, t), rnd(s + 5, t), rnd(s + 6, dk * dv))
-            })
-            .collect();
+        let inputs = scan_segment_inputs(&lens, dk, dv, bf16);
         let segs: Vec<testing::ScanInput> = inputs
             .iter()
             .map(|(q, k, v, b, a, s0)| testing::ScanInput { q, k, v, braw: b, araw: a, s0 })

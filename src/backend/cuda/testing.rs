@@ -721,13 +721,13 @@ pub fn gdn_scan_segments_with(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32,
         for i in 0..t {
             conv[(r0 + i) * c + 2 * dk..(r0 + i + 1) * c].copy_from_slice(&s.v[i * dv..(i + 1) * dv]);
         }
-        let sd = ScanState::upload(gpu, s.s0, b.opts.gdn_state_f16)?;
+        let sd = DevValues::upload(gpu, s.s0, Elem::f16_if(b.opts.gdn_state_f16))?;
         scans.push(gdn::ScanSegment { state: sd.ptr(gpu), r0, n: t });
         states.push(sd);
         r0 += t;
     }
     let up = |v: &[f32]| gpu.upload(v);
-    let up_in = |v: &[f32]| Activation::upload(gpu, v, inputs_bf16);
+    let up_in = |v: &[f32]| DevValues::upload(gpu, v, Elem::bf16_if(inputs_bf16));
     let (qd, kd, cd, bd, ad) = (up_in(&q)?, up_in(&k)?, up_in(&conv)?, up(&braw)?, up(&araw)?);
     let (dtb, nga) = (up(&[dt_bias])?, up(&[neg_a])?);
     let od = gpu.zeros::<f32>(total * dv)?;
@@ -747,30 +747,60 @@ pub fn gdn_scan_segments_with(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32,
     scans.iter().zip(&states).map(|(sc, sd)| Ok((o[sc.r0 * dv..(sc.r0 + sc.n) * dv].to_vec(), sd.read(gpu)?))).collect()
 }
 
-/// Prefill activations on the device as f32, or rounded to bf16 (u16 bits).
-enum Activation {
+/// f32 values on the device, or their roundings to f16 or bf16 (u16 bits): a scan's state as the
+/// backend stores it, prefill activations as a kernel reads them.
+enum DevValues {
     F32(CudaSlice<f32>),
+    F16(CudaSlice<u16>),
     Bf16(CudaSlice<u16>),
 }
 
-impl Activation {
-    fn upload(gpu: &Gpu, v: &[f32], bf16: bool) -> Result<Self> {
-        Ok(if bf16 { Activation::Bf16(gpu.upload(&v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>())?) } else { Activation::F32(gpu.upload(v)?) })
+/// The element type of [`DevValues`].
+#[derive(Clone, Copy)]
+enum Elem {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Elem {
+    /// f16 where `f16` is set, else f32 (a scan state's element).
+    fn f16_if(f16: bool) -> Self {
+        if f16 { Elem::F16 } else { Elem::F32 }
     }
-    fn zeros(gpu: &Gpu, n: usize, bf16: bool) -> Result<Self> {
-        Ok(if bf16 { Activation::Bf16(gpu.zeros::<u16>(n)?) } else { Activation::F32(gpu.zeros::<f32>(n)?) })
+    /// bf16 where `bf16` is set, else f32 (a prefill activation's element).
+    fn bf16_if(bf16: bool) -> Self {
+        if bf16 { Elem::Bf16 } else { Elem::F32 }
+    }
+}
+
+impl DevValues {
+    fn upload(gpu: &Gpu, v: &[f32], elem: Elem) -> Result<Self> {
+        Ok(match elem {
+            Elem::F32 => DevValues::F32(gpu.upload(v)?),
+            Elem::F16 => DevValues::F16(gpu.upload(&v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>())?),
+            Elem::Bf16 => DevValues::Bf16(gpu.upload(&v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>())?),
+        })
+    }
+    fn zeros(gpu: &Gpu, n: usize, elem: Elem) -> Result<Self> {
+        Ok(match elem {
+            Elem::F32 => DevValues::F32(gpu.zeros::<f32>(n)?),
+            Elem::F16 => DevValues::F16(gpu.zeros::<u16>(n)?),
+            Elem::Bf16 => DevValues::Bf16(gpu.zeros::<u16>(n)?),
+        })
     }
     fn ptr(&self, gpu: &Gpu) -> u64 {
         match self {
-            Activation::F32(s) => ptr(s, &gpu.stream),
-            Activation::Bf16(s) => ptr(s, &gpu.stream),
+            DevValues::F32(s) => ptr(s, &gpu.stream),
+            DevValues::F16(s) | DevValues::Bf16(s) => ptr(s, &gpu.stream),
         }
     }
-    /// The values as f32 (bf16 widened exactly).
+    /// The values as f32 (16-bit ones widened exactly).
     fn read(&self, gpu: &Gpu) -> Result<Vec<f32>> {
         Ok(match self {
-            Activation::F32(s) => read(gpu, s)?,
-            Activation::Bf16(s) => read(gpu, s)?.into_iter().map(|h| half::bf16::from_bits(h).to_f32()).collect(),
+            DevValues::F32(s) => read(gpu, s)?,
+            DevValues::F16(s) => read(gpu, s)?.into_iter().map(|h| half::f16::from_bits(h).to_f32()).collect(),
+            DevValues::Bf16(s) => read(gpu, s)?.into_iter().map(|h| half::bf16::from_bits(h).to_f32()).collect(),
         })
     }
 }
@@ -808,7 +838,7 @@ pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: 
     let qkv: Vec<f32> = segs.iter().flat_map(|g| g.qkv.iter().copied()).collect();
     let rings = segs.iter().map(|g| gpu.upload(g.ring)).collect::<Result<Vec<_>>>()?;
     let (qkvd, tapsd) = (gpu.upload(&qkv)?, gpu.upload(taps)?);
-    let (qn, kn, conv) = (Activation::zeros(gpu, rows * key_dim, bf16)?, Activation::zeros(gpu, rows * key_dim, bf16)?, Activation::zeros(gpu, rows * c, bf16)?);
+    let (qn, kn, conv) = (DevValues::zeros(gpu, rows * key_dim, Elem::bf16_if(bf16))?, DevValues::zeros(gpu, rows * key_dim, Elem::bf16_if(bf16))?, DevValues::zeros(gpu, rows * c, Elem::bf16_if(bf16))?);
     let mut r0 = 0;
     let mut convs = Vec::with_capacity(segs.len());
     for (g, ring) in segs.iter().zip(&rings) {
@@ -832,34 +862,6 @@ pub fn slot_lists(b: &CudaBackend, ids: &[u32], experts: usize, k: usize) -> Res
     let lists = SlotLists::new(&b.gpu, experts, ids.len() / k, ids, k, 128)?;
     let (counts, offsets, list) = lists.read(&b.gpu)?;
     Ok((0..experts).map(|e| list[offsets[e] as usize..(offsets[e] + counts[e]) as usize].iter().map(|&s| s as usize).collect()).collect())
-}
-
-/// A test scan's state on the device in the element type the kernels read.
-enum ScanState {
-    F32(CudaSlice<f32>),
-    F16(CudaSlice<u16>),
-}
-
-impl ScanState {
-    fn upload(gpu: &Gpu, s0: &[f32], f16: bool) -> Result<Self> {
-        Ok(if f16 {
-            ScanState::F16(gpu.upload(&s0.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>())?)
-        } else {
-            ScanState::F32(gpu.upload(s0)?)
-        })
-    }
-    fn ptr(&self, gpu: &Gpu) -> u64 {
-        match self {
-            ScanState::F32(s) => ptr(s, &gpu.stream),
-            ScanState::F16(s) => ptr(s, &gpu.stream),
-        }
-    }
-    fn read(&self, gpu: &Gpu) -> Result<Vec<f32>> {
-        Ok(match self {
-            ScanState::F32(s) => read(gpu, s)?,
-            ScanState::F16(s) => read(gpu, s)?.into_iter().map(|h| half::f16::from_bits(h).to_f32()).collect(),
-        })
-    }
 }
 
 /// The decode graphs `b` holds.
@@ -943,7 +945,7 @@ pub fn gdn_step(b: &CudaBackend, d: &GdnDims, inp: &GdnStepInput, kernel: GdnSte
     }
     let up = |v: &[f32]| gpu.upload(v);
     let rings = inp.rings.iter().map(|r| up(r)).collect::<Result<Vec<_>>>()?;
-    let states = inp.states.iter().map(|s| ScanState::upload(gpu, s, d.state_f16)).collect::<Result<Vec<_>>>()?;
+    let states = inp.states.iter().map(|s| DevValues::upload(gpu, s, Elem::f16_if(d.state_f16))).collect::<Result<Vec<_>>>()?;
     // The batched step reads the rows' rings and states through tables, one sequence's directly.
     let ring_tab = gpu.upload(&rings.iter().map(|r| ptr(r, &gpu.stream)).collect::<Vec<u64>>())?;
     let state_tab = gpu.upload(&states.iter().map(|s| s.ptr(gpu)).collect::<Vec<u64>>())?;
