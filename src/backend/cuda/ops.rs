@@ -17,7 +17,6 @@ pub const NORM_V: usize = 4;
 /// `staged`, the same values in bf16 there too ([`super::qmatmul::Gemm::stage_target`]); with
 /// `wg`, also as [`super::moe::stage_wg`] would stage them for the wgmma expert kernels.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 pub fn rms_norm(gpu: &Gpu, x: u64, gain: u64, out: u64, rows: usize, n: usize, eps: f32, staged: Option<u64>, wg: Option<u64>) -> Result<()> {
     if !n.is_multiple_of(4) {
         bail!("the prefill RMSNorm takes rows of whole float4s, not {n} values");

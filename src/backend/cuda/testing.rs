@@ -116,14 +116,13 @@ pub fn gemv_batch(b: &CudaBackend, q: &QuantTensor, x: &[f32], ntok: usize, frag
     read(gpu, &y)
 }
 
-/// The device argmax (ties -> lowest id) of `logits`.
 /// The prefill RMSNorm of `rows` rows of `x` (`n` values each) with its outputs staged for the
 /// wgmma expert kernels by the norm itself, and the same outputs staged by `stage_wg` from the
 /// f32 outputs: (the norm's words, stage_wg's words, the f32 outputs).
 pub fn norm_wg_staging(b: &CudaBackend, x: &[f32], gain: &[f32], rows: usize, n: usize, eps: f32) -> Result<(Vec<u32>, Vec<u32>, Vec<f32>)> {
     let gpu = &b.gpu;
     if x.len() != rows * n || gain.len() != n {
-        bail!("norm_wg_staging: bad shapes");
+        bail!("norm_wg_staging: {} inputs and {} gains for {rows} rows of {n}", x.len(), gain.len());
     }
     let (xd, gd, out) = (gpu.upload(x)?, gpu.upload(gain)?, gpu.zeros::<f32>(rows * n)?);
     let (by_norm, by_stage) = (gpu.zeros::<u32>(rows * n / 2)?, gpu.zeros::<u32>(rows * n / 2)?);
@@ -133,6 +132,7 @@ pub fn norm_wg_staging(b: &CudaBackend, x: &[f32], gain: &[f32], rows: usize, n:
     Ok((read(gpu, &by_norm)?, read(gpu, &by_stage)?, read(gpu, &out)?))
 }
 
+/// The device argmax (ties -> lowest id) of `logits`.
 pub fn argmax(b: &CudaBackend, logits: &[f32]) -> Result<u32> {
     let gpu = &b.gpu;
     let (l, step) = (gpu.upload(logits)?, gpu.upload(&[0i32, 0i32])?);
@@ -838,7 +838,8 @@ pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: 
     let qkv: Vec<f32> = segs.iter().flat_map(|g| g.qkv.iter().copied()).collect();
     let rings = segs.iter().map(|g| gpu.upload(g.ring)).collect::<Result<Vec<_>>>()?;
     let (qkvd, tapsd) = (gpu.upload(&qkv)?, gpu.upload(taps)?);
-    let (qn, kn, conv) = (DevValues::zeros(gpu, rows * key_dim, Elem::bf16_if(bf16))?, DevValues::zeros(gpu, rows * key_dim, Elem::bf16_if(bf16))?, DevValues::zeros(gpu, rows * c, Elem::bf16_if(bf16))?);
+    let elem = Elem::bf16_if(bf16);
+    let (qn, kn, conv) = (DevValues::zeros(gpu, rows * key_dim, elem)?, DevValues::zeros(gpu, rows * key_dim, elem)?, DevValues::zeros(gpu, rows * c, elem)?);
     let mut r0 = 0;
     let mut convs = Vec::with_capacity(segs.len());
     for (g, ring) in segs.iter().zip(&rings) {
