@@ -1321,6 +1321,18 @@ __device__ __forceinline__ void few_x_pairs(const float4 (&f)[4], int s, float2&
     }
 }
 
+// A lane's LW consecutive code words at p (16- or 8-byte aligned) in one load; zeros for no row.
+template <int LW>
+__device__ __forceinline__ void few_code_words(const u32* p, u32 (&w)[LW]) {
+    if constexpr (LW == 4) {
+        const uint4 v = p ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else {
+        const uint2 v = p ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+        w[0] = v.x, w[1] = v.y;
+    }
+}
+
 // One matrix of a launch: codes, scales, biases, output, rows, output stride.
 struct FewMat {
     const u32* w;
@@ -1331,10 +1343,18 @@ struct FewMat {
     int ldy;
 };
 
-template <int BITS, int NT>
+// STAGED: the block's warps first split the token tile's inputs of every group into the A
+// fragments (hi, lo) once, into dynamic shared memory (FEW_FRAG_BYTES per group, in the order
+// the steps read them: (group, step, term) x lane, 16 bytes each), and every warp then reads
+// them there. Where a block holds several chunks of the same tokens (cpb > 1) each chunk's warp
+// otherwise loaded and split the same inputs again; the fragments, and so every product and
+// sum, are the same bits either way.
+#define FEW_FRAG_BYTES (4 * 2 * 32 * 16)
+template <int BITS, int NT, bool STAGED>
 __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int T, int cols, const FewMat& m0,
                                                const FewMat& m1, const FewMat& aux, int cpb, int ks) {
     __shared__ float part_sums[FEW_WARPS][4 * FEW_TILES + 2][32];
+    extern __shared__ uint4 few_frag[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int chunk = blockIdx.y * cpb + warp % cpb, part = warp / cpb;
     const int gpr = cols >> 6, G0 = part * gpr / ks, G1 = (part + 1) * gpr / ks;
@@ -1363,6 +1383,29 @@ __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int 
     const float4* xa = reinterpret_cast<const float4*>(x + (size_t)min(tok0, T - 1) * cols) + 4 * t;
     const float4* xb = reinterpret_cast<const float4*>(x + (size_t)min(tok1, T - 1) * cols) + 4 * t;
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (STAGED) {
+        const int nw = cpb * ks;
+        for (int G = warp; G < gpr; G += nw) {
+            float4 fa[4], fb[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
+                fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
+            }
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                u32 a[2][4];
+                float2 a0, a2, b0, b2;
+                few_x_pairs<BITS>(fa, s, a0, a2);
+                few_x_pairs<BITS>(fb, s, b0, b2);
+                few_a_frags(a0, a2, b0, b2, a);
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+                    few_frag[((G * 4 + s) * 2 + n) * 32 + lane] = make_uint4(a[n][0], a[n][1], a[n][2], a[n][3]);
+            }
+        }
+        __syncthreads();
+    }
     float tot[NT][4], atot[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < NT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.f;
@@ -1373,23 +1416,40 @@ __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int 
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
         float4 fa[4], fb[4];
+        if constexpr (!STAGED) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
-            fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
+            for (int i = 0; i < 4; ++i) {
+                fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
+                fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
+            }
         }
+        // This lane's code words of the group for each tile's row (one 16- or 8-byte load) and
+        // the aux row: word s (8-bit) or s / 2 (4-bit) feeds step s.
+        constexpr int LW = BITS == 8 ? 4 : 2;
+        u32 cw[NT][LW], cx[LW];
         const u32* wg = wq + G * GW;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) few_code_words<LW>(8 * j + g < nrows ? wg + j * tw : nullptr, cw[j]);
+        if (aux_col) few_code_words<LW>(wa + G * GW, cx);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             u32 a[2][4], b[NT][2], o[2] = {0x3C003C00u, 0x3C003C00u};  // o: f16 pairs (1, 1)
-            float2 a0, a2, b0, b2;
-            few_x_pairs<BITS>(fa, s, a0, a2);
-            few_x_pairs<BITS>(fb, s, b0, b2);
-            few_a_frags(a0, a2, b0, b2, a);
+            if constexpr (STAGED) {
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const uint4 f = few_frag[((G * 4 + s) * 2 + n) * 32 + lane];
+                    a[n][0] = f.x, a[n][1] = f.y, a[n][2] = f.z, a[n][3] = f.w;
+                }
+            } else {
+                float2 a0, a2, b0, b2;
+                few_x_pairs<BITS>(fa, s, a0, a2);
+                few_x_pairs<BITS>(fb, s, b0, b2);
+                few_a_frags(a0, a2, b0, b2, a);
+            }
             const int wi = BITS == 8 ? s : s >> 1;
 #pragma unroll
-            for (int j = 0; j < NT; ++j) few_b_frag<BITS>(8 * j + g < nrows ? __ldg(wg + j * tw + wi) : 0u, s, b[j]);
-            if (aux_col) few_b_frag<BITS>(__ldg(wa + G * GW + wi), s, o);
+            for (int j = 0; j < NT; ++j) few_b_frag<BITS>(cw[j][wi], s, b[j]);
+            if (aux_col) few_b_frag<BITS>(cx[wi], s, o);
             // The small term first; each term's NT + 1 products are independent.
 #pragma unroll
             for (int n = 1; n >= 0; --n) {
@@ -1464,7 +1524,12 @@ __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int 
     extern "C" __global__ void __launch_bounds__(32 * FEW_WARPS, 1)                                          \
         pf_few_tc_##BITS##_##NT(const float* __restrict__ x, int T, int cols, FewMat m0, FewMat m1, FewMat aux, \
                                 int cpb, int ks) {                                                           \
-        pf_few_tc_body<BITS, NT>(x, T, cols, m0, m1, aux, cpb, ks);                                          \
+        pf_few_tc_body<BITS, NT, false>(x, T, cols, m0, m1, aux, cpb, ks);                                   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * FEW_WARPS, 1)                                          \
+        pf_few_tc_s_##BITS##_##NT(const float* __restrict__ x, int T, int cols, FewMat m0, FewMat m1,         \
+                                  FewMat aux, int cpb, int ks) {                                             \
+        pf_few_tc_body<BITS, NT, true>(x, T, cols, m0, m1, aux, cpb, ks);                                    \
     }
 PF_FEW_TC(4, 4)
 PF_FEW_TC(4, 8)

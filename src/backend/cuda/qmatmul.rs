@@ -29,10 +29,15 @@ const EMBED_Q: Kernel = Kernel::dependent(&QMATMUL, "embed_q");
 const PF_GEMM: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm");
 const PF_GEMM_TC: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_tc");
 const PF_GEMM_SKINNY: Kernel = Kernel::ordered(&QMATMUL, "pf_gemm_skinny");
-/// `pf_few_tc_<bits>_<n-tiles per chunk>`.
+/// `pf_few_tc_<bits>_<n-tiles per chunk>`, and the instances over A fragments staged once per
+/// block (`pf_few_tc_s_*`, [`few_tc_staged_smem`]).
 const PF_FEW_TC: [[Kernel; 2]; 2] = [
     [Kernel::ordered(&QMATMUL, "pf_few_tc_4_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_4_8")],
     [Kernel::ordered(&QMATMUL, "pf_few_tc_8_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_8_8")],
+];
+const PF_FEW_TC_S: [[Kernel; 2]; 2] = [
+    [Kernel::ordered(&QMATMUL, "pf_few_tc_s_4_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_s_4_8")],
+    [Kernel::ordered(&QMATMUL, "pf_few_tc_s_8_4"), Kernel::ordered(&QMATMUL, "pf_few_tc_s_8_8")],
 ];
 const PF_DEQUANT_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_dequant_bf16");
 const PF_TO_BF16: Kernel = Kernel::ordered(&QMATMUL, "pf_to_bf16");
@@ -460,6 +465,20 @@ pub fn few_tc_shape(chunks: usize, groups: usize, token_tiles: usize, sms: usize
     (cpb, (FEW_WARPS / cpb).clamp(1, groups.max(1)))
 }
 
+/// Bytes of one group's A fragments of a 16-token tile (FEW_FRAG_BYTES in kernels/qmatmul.cu:
+/// 4 steps x 2 terms x 32 lanes x 16 bytes) and of `pf_few_tc`'s static part sums.
+const FEW_FRAG_BYTES: usize = 4 * 2 * 32 * 16;
+const FEW_PART_SUMS_BYTES: usize = FEW_WARPS * (4 * 8 + 2) * 32 * 4;
+
+/// The dynamic shared memory of `pf_few_tc_s_*` for blocks of `cpb` chunks over `groups` groups:
+/// the token tile's A fragments of every group, split once for the block's chunks. `None` (the
+/// kernels that split them in each warp) for blocks of one chunk, where no other warp would read
+/// them, or more groups than an SM holds beside the part sums.
+pub fn few_tc_staged_smem(cpb: usize, groups: usize) -> Option<u32> {
+    let bytes = groups * FEW_FRAG_BYTES;
+    (cpb > 1 && bytes + FEW_PART_SUMS_BYTES <= super::registry::SMEM_OPTIN_LIMIT as usize).then_some(bytes as u32)
+}
+
 /// A `FewMat` argument of `pf_few_tc` (codes, scales, biases, output, rows, output stride); zeros
 /// for an absent one.
 fn few_mat_arg(gpu: &Gpu, f: Option<&FewRows>) -> Arg {
@@ -489,7 +508,8 @@ fn few_tc(gpu: &Gpu, m0: &FewRows, m1: Option<&FewRows>, aux: Option<&FewRows>, 
     let chunks = m0.rows.div_ceil(8 * nt) + m1.map_or(0, |m| m.rows.div_ceil(8 * nt));
     let tiles = ntok.div_ceil(16);
     let (cpb, ks) = few_tc_shape(chunks, cols / 64, tiles, gpu.sms as usize);
-    let k = PF_FEW_TC[(m0.q.bits == 8) as usize][(nt == 8) as usize];
+    let staged = few_tc_staged_smem(cpb, cols / 64);
+    let k = if staged.is_some() { PF_FEW_TC_S } else { PF_FEW_TC }[(m0.q.bits == 8) as usize][(nt == 8) as usize];
     let args = [
         Arg::P(x),
         Arg::I(ntok as i32),
@@ -500,7 +520,7 @@ fn few_tc(gpu: &Gpu, m0: &FewRows, m1: Option<&FewRows>, aux: Option<&FewRows>, 
         Arg::I(cpb as i32),
         Arg::I(ks as i32),
     ];
-    gpu.launch(k, (tiles as u32, chunks.div_ceil(cpb) as u32, 1), (32 * cpb * ks) as u32, 0, &args)
+    gpu.launch(k, (tiles as u32, chunks.div_ceil(cpb) as u32, 1), (32 * cpb * ks) as u32, staged.unwrap_or(0), &args)
 }
 
 /// Kernels of `silu(gate·x) * (up·x)`.
@@ -1163,6 +1183,15 @@ mod tests {
         assert_eq!(few_tc_shape(1, 2, 3, 132), (1, 2));
         // More chunks than warps: eight per block, no split.
         assert_eq!(few_tc_shape(20, 32, 500, 132), (8, 1));
+        // The A fragments staged once per block where several chunks read them: the 35B router's
+        // 32 groups in 128 KB; not for one chunk, nor past the SM's shared memory.
+        assert_eq!(few_tc_staged_smem(4, 32), Some(131_072));
+        assert_eq!(few_tc_staged_smem(1, 32), None);
+        assert_eq!(few_tc_staged_smem(2, 48), Some(196_608));
+        assert_eq!(few_tc_staged_smem(2, 49), None);
+        for k in PF_FEW_TC_S.concat() {
+            assert!(QMATMUL.kernels.contains(&k.name), "{}", k.name);
+        }
     }
 
     #[test]
