@@ -1383,15 +1383,19 @@ __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int 
     const float4* xa = reinterpret_cast<const float4*>(x + (size_t)min(tok0, T - 1) * cols) + 4 * t;
     const float4* xb = reinterpret_cast<const float4*>(x + (size_t)min(tok1, T - 1) * cols) + 4 * t;
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Group G's columns of this lane's two tokens (zeros past T).
+    auto load_x = [&](int G, float4 (&fa)[4], float4 (&fb)[4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
+            fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
+        }
+    };
     if constexpr (STAGED) {
         const int nw = cpb * ks;
         for (int G = warp; G < gpr; G += nw) {
             float4 fa[4], fb[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
-                fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
-            }
+            load_x(G, fa, fb);
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 u32 a[2][4];
@@ -1416,13 +1420,7 @@ __device__ __forceinline__ void pf_few_tc_body(const float* __restrict__ x, int 
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
         float4 fa[4], fb[4];
-        if constexpr (!STAGED) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                fa[i] = v0 ? __ldg(xa + 16 * G + i) : zero4;
-                fb[i] = v1 ? __ldg(xb + 16 * G + i) : zero4;
-            }
-        }
+        if constexpr (!STAGED) load_x(G, fa, fb);
         // This lane's code words of the group for each tile's row (one 16- or 8-byte load) and
         // the aux row: word s (8-bit) or s / 2 (4-bit) feeds step s.
         constexpr int LW = BITS == 8 ? 4 : 2;
