@@ -3,7 +3,9 @@ set -u
 # instructions per wgmma expert step (bit-identical): the B descriptors as one add on a fixed
 # descriptor (WgmmaDescs) instead of mask / shift / or per wgmma, and the scales and biases
 # loaded as bf16 pairs (v, v) straight from shared memory (the products read them as .H0_H0)
-# instead of an IMAD each: pf_moe_wg_glu_f's loop 370 -> 336 instructions per two steps.
+# instead of an IMAD each: pf_moe_wg_glu_f's loop 370 -> 336 instructions per two steps; and the
+# down kernel's row-block epilogue with one shuffle per row pair, 32-bit offsets and predicated
+# stores (its loop with the epilogue 1,868 -> 1,244).
 # 1. di's cuda_prefill; 2. lily-bench base / di alternating (4,096 x2, 8,192, 16 x 700);
 # 3. the 4K profiles. Carry [".device-base", ".device-di"]. Build: main's lily and lily-bench
 # into .device-base; with ../2026-12-06-session80-prepared/wg-step-diet.patch applied, lily-bench
