@@ -1844,15 +1844,16 @@ extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* _
 // slots: their places within their experts' runs come from shared-memory counters, and each
 // expert present reserves its run with one global atomic per block, not one per slot (at 4K
 // tokens an expert's ~128 slots waited on one address in turn). grid ceil(TK / SCATTER_SLOTS),
-// block SCATTER_THREADS; E <= 512.
+// block SCATTER_THREADS; E <= SCATTER_MAX_EXPERTS.
 #define SCATTER_THREADS 1024
+#define SCATTER_MAX_EXPERTS 512
 #define SCATTER_PER_THREAD 4
 #define SCATTER_SLOTS (SCATTER_THREADS * SCATTER_PER_THREAD)
 extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) pf_scatter(const int* __restrict__ top_ids, int TK,
                                                                         const int* __restrict__ offsets,
                                                                         int* __restrict__ fill, int* __restrict__ list,
                                                                         int E) {
-    __shared__ int cnt[512], base[512];
+    __shared__ int cnt[SCATTER_MAX_EXPERTS], base[SCATTER_MAX_EXPERTS];
     const int tid = threadIdx.x, s0 = blockIdx.x * SCATTER_SLOTS + tid;
     for (int e = tid; e < E; e += SCATTER_THREADS) cnt[e] = 0;
     __syncthreads();

@@ -492,14 +492,14 @@ fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
         let pos0 = [0usize, 7, 2];
         let data: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().enumerate().map(|(i, &n)| (rnd(10 + i as u64, n * c), rnd(20 + i as u64, shape.kc * c))).collect();
         let segs: Vec<testing::ConvInput> = data.iter().zip(pos0).map(|((qkv, ring), pos0)| testing::ConvInput { qkv, ring, pos0 }).collect();
-        let (q32, k32, v32, r32) = testing::gdn_conv(&b, shape, &segs, &taps, false).unwrap();
-        let (q16, k16, v16, r16) = testing::gdn_conv(&b, shape, &segs, &taps, true).unwrap();
+        let f32_out = testing::gdn_conv(&b, shape, &segs, &taps, false).unwrap();
+        let bf16_out = testing::gdn_conv(&b, shape, &segs, &taps, true).unwrap();
         let rounded = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect::<Vec<f32>>();
-        for (name, x, y) in [("q", &q32, &q16), ("k", &k32, &k16), ("v", &v32, &v16)] {
+        for (name, x, y) in [("q", &f32_out.q, &bf16_out.q), ("k", &f32_out.k, &bf16_out.k), ("v", &f32_out.v, &bf16_out.v)] {
             assert!(x.iter().any(|&v| v != 0.0), "{shape:?} {name}: the f32 conv wrote nothing");
             assert_eq!(rounded(x), *y, "{shape:?} {name}");
         }
-        assert_eq!(r32, r16, "{shape:?}: the rings");
+        assert_eq!(f32_out.rings, bf16_out.rings, "{shape:?}: the rings");
         eprintln!("gdn conv {shape:?}: bf16 outputs are the f32 ones rounded ({} rows in {} sequences)", rows.iter().sum::<usize>(), rows.len());
     }
 }

@@ -364,16 +364,17 @@ pub fn route(gpu: &Gpu, d: &MoeDims, r: &RouteLists, n: usize) -> Result<()> {
     gpu.launch(PF_ROUTE, (n.div_ceil(4) as u32, 1, 1), 128, 0, &args)
 }
 
-/// `pf_scatter`'s block and the slots each block lists (SCATTER_THREADS, SCATTER_SLOTS in
-/// kernels/moe.cu).
+/// `pf_scatter`'s block, the slots each block lists and the experts its shared-memory counters
+/// hold (SCATTER_THREADS, SCATTER_SLOTS, SCATTER_MAX_EXPERTS in kernels/moe.cu).
 const SCATTER_THREADS: u32 = 1024;
 const SCATTER_SLOTS: usize = 4 * SCATTER_THREADS as usize;
+const SCATTER_MAX_EXPERTS: usize = 512;
 
 /// Slot offsets and tiles of `tile` slots from the counts, then the per-expert slot lists of
 /// `slots` top-k slots.
 pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile: usize) -> Result<()> {
-    if experts > 512 {
-        bail!("the prefill slot lists take at most 512 experts, not {experts}");
+    if experts > SCATTER_MAX_EXPERTS {
+        bail!("the prefill slot lists take at most {SCATTER_MAX_EXPERTS} experts, not {experts}");
     }
     let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles), Arg::I(tile as i32)];
     gpu.launch(PF_SCAN, (1, 1, 1), 512, 0, &args)?;

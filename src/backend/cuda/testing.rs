@@ -369,7 +369,8 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
 /// The routing lists of `tokens` tokens' `k` slots each (`ids[t*k + j]`) over `experts` experts,
 /// in tiles of `tile` slots, built by the MoE kernels.
 struct SlotLists {
-    _bufs: [CudaSlice<i32>; 6],
+    /// counts, ids, offsets, fill, list, tiles (the device buffers `r` points into).
+    bufs: [CudaSlice<i32>; 6],
     r: RouteLists,
     experts: usize,
     max_tiles: usize,
@@ -388,12 +389,12 @@ impl SlotLists {
         let p = |i: usize| ptr(&bufs[i], &gpu.stream);
         let r = RouteLists { logits: 0, top_ids: p(1), top_w: 0, counts: p(0), offsets: p(2), fill: p(3), list: p(4), tiles: p(5) };
         moe::slot_lists(gpu, experts, &r, tokens * k, tile)?;
-        Ok(SlotLists { _bufs: bufs, r, experts, max_tiles })
+        Ok(SlotLists { bufs, r, experts, max_tiles })
     }
 
     /// Each expert's count, first slot and its run of the list.
     fn read(&self, gpu: &Gpu) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
-        let [counts, _, offsets, _, list, _] = &self._bufs;
+        let [counts, _, offsets, _, list, _] = &self.bufs;
         Ok((read(gpu, counts)?, read(gpu, offsets)?, read(gpu, list)?))
     }
 
@@ -823,11 +824,18 @@ pub struct ConvInput<'a> {
     pub pos0: usize,
 }
 
+/// What [`gdn_conv`] wrote, widened to f32: the normalised q and k `[rows][nk * dk]`, the value
+/// channels `[rows][nv * dv]`, and each sequence's ring after it.
+pub struct ConvOutputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub rings: Vec<Vec<f32>>,
+}
+
 /// The prefill conv (`gdn::conv`) of several sequences' rows back to back with the layer's taps
-/// `[kc][conv_dim]`, writing f32 or (`bf16`) bf16 as the chunked scan's inputs: the normalised q
-/// and k `[rows][nk * dk]`, the value channels `[rows][nv * dv]` (widened to f32), and each
-/// sequence's ring after it.
-pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: &[f32], bf16: bool) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<Vec<f32>>)> {
+/// `[kc][conv_dim]`, writing f32 or (`bf16`) bf16 as the chunked scan's inputs.
+pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: &[f32], bf16: bool) -> Result<ConvOutputs> {
     let gpu = &b.gpu;
     let GdnConvShape { nk, dk, nv, dv, kc } = shape;
     let (key_dim, c) = (nk * dk, 2 * nk * dk + nv * dv);
@@ -854,7 +862,7 @@ pub fn gdn_conv(b: &CudaBackend, shape: GdnConvShape, segs: &[ConvInput], taps: 
     let conv = conv.read(gpu)?;
     let v = conv.chunks_exact(c).flat_map(|r| r[2 * key_dim..].iter().copied()).collect();
     let rings = rings.iter().map(|r| read(gpu, r)).collect::<Result<Vec<_>>>()?;
-    Ok((qn.read(gpu)?, kn.read(gpu)?, v, rings))
+    Ok(ConvOutputs { q: qn.read(gpu)?, k: kn.read(gpu)?, v, rings })
 }
 
 /// The prefill's per-expert slot lists (`moe::slot_lists`: `pf_scan`, `pf_scatter`) of top-k ids
