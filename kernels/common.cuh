@@ -445,6 +445,48 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr, u32 lbo_
     return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo_bytes >> 4) << 16) |
            ((unsigned long long)(sbo_bytes >> 4) << 32);
 }
+// A predicated 4-byte global store: no branch (and no reconvergence block) around each store of
+// an unrolled epilogue.
+__device__ __forceinline__ void st_global_u32_if(void* p, u32 v, bool ok) {
+    asm volatile("{.reg .pred q; setp.ne.b32 q, %2, 0; @q st.global.b32 [%0], %1;}" ::"l"(p), "r"(v), "r"((int)ok) : "memory");
+}
+// The descriptors of B operands of one layout (fixed LBO and SBO) at many addresses: only the
+// start address field (bits 0-13, in 16-byte units) moves, so each costs one add on the low word
+// instead of wgmma_desc's mask, shift and or (the expert kernels' steps are bound by their
+// instruction stream). Shared-memory addresses are below 2^18, so the field never carries.
+struct WgmmaDescs {
+    u32 lo, hi;  // the descriptor of address 0
+    __device__ __forceinline__ WgmmaDescs(u32 lbo_bytes, u32 sbo_bytes) {
+        const unsigned long long d = wgmma_desc(0, lbo_bytes, sbo_bytes);
+        lo = (u32)d;
+        hi = (u32)(d >> 32);
+    }
+    // The descriptor of shared-memory address 16 * units.
+    __device__ __forceinline__ unsigned long long at(u32 units) const {
+        return ((unsigned long long)hi << 32) | (lo + units);
+    }
+};
+// ---- mbarriers (the wgmma experts' stages handed between warps) ----
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the asynchronous copies' arrivals.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed (acquire: the copies and writes it
+// covers are then visible).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }" ::"r"(bar), "r"(parity)
+        : "memory");
+}
+// An arrival on `bar` once all of this thread's cp.async copies issued so far have landed (the
+// barrier's expected count includes it: .noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>

@@ -967,11 +967,36 @@ struct WgGroup {
 // each row's 8 scales then 8 biases are 32 bytes), as bf16 pairs.
 __device__ __forceinline__ void wg_read_scales(u32 ss, int ka, int kb, WgGroup& c) {
     u32 sa, ba, sb, bb;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sa) : "r"(ss + ka * 32));
-    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(ba) : "r"(ss + ka * 32 + 16));
-    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(sb) : "r"(ss + kb * 32));
-    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(bb) : "r"(ss + kb * 32 + 16));
-    c.sa = sa * 0x10001u; c.ba = ba * 0x10001u; c.sb = sb * 0x10001u; c.bb = bb * 0x10001u;
+    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(sa) : "r"(ss + ka * 32));
+    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(ba) : "r"(ss + ka * 32 + 16));
+    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(sb) : "r"(ss + kb * 32));
+    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(bb) : "r"(ss + kb * 32 + 16));
+    c.sa = sa; c.ba = ba; c.sb = sb; c.bb = bb;
+}
+
+// The gate|up epilogue: thread (warp, g, t) holds output row R = 8 warp + g of the block (gate
+// accumulators acc[4j + q], up acc[4j + 2 + q] of column 8j + 2t + q); h = silu(gate) * up goes
+// out as bf16 in stage_wg's order to each of the tile's `cnt` slots.
+template <int NW>
+__device__ __forceinline__ void wg_glu_store(float (&acc)[NW / 2], const int* slot, int cnt, int rows, void* out, int warp, int g,
+                                             int t) {
+#pragma unroll
+    for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
+    const int R = blockIdx.x * WG_GLU_ROWS + warp * 8 + g;
+    if (R >= rows) return;
+    u16* h = reinterpret_cast<u16*>(out);
+    const int pos = wg_pos(R);
+#pragma unroll
+    for (int j = 0; j < NW / 8; ++j) {
+        const int2 sl = *reinterpret_cast<const int2*>(slot + 8 * j + 2 * t);  // columns 8j + 2t, + 1
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int n = 8 * j + 2 * t + q;
+            // A 32-bit element offset: moe::wg_outputs_fit bounds h below 2^32 elements.
+            const u32 off = (u32)(q ? sl.y : sl.x) * (u32)rows + (u32)pos;
+            if (n < cnt) h[off] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
+        }
+    }
 }
 
 template <bool FRAG, int NW, int NS = WG_N>
@@ -1103,6 +1128,9 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     // G + 1's codes and scales are in for every thread, and every thread is done with group G - 1,
     // whose stage takes inputs(G + 3) and codes(G + 4) (codes(G) were read during step G - 1).
     static_assert(WG_STAGES == 4, "the commit accounting below");
+    // Step i's B: two core matrices along K (LBO N * 16 bytes) by N / 8 along N (SBO 128 bytes).
+    const WgmmaDescs bdesc(N * 16, 128);
+    const u32 sm4 = sm0 >> 4;
     auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
@@ -1132,10 +1160,10 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                 read(G, c);
                 build(c, a);
             }
-            const u32 st = sm0 + (G % WG_STAGES) * STAGE;
+            const u32 st4 = sm4 + (G % WG_STAGES) * (STAGE >> 4);
             wgmma_fence();
 #pragma unroll
-            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], bdesc.at(st4 + i * 2 * N));
             wgmma_commit();
             copy_inputs(G + 3);
             copy_codes(G + 3);
@@ -1172,10 +1200,10 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             fence_proxy_async_smem();
             __syncthreads();
             const bool more = G + 1 < gpr;
-            const u32 st = sm0 + (G % WG_STAGES) * STAGE;
+            const u32 st4 = sm4 + (G % WG_STAGES) * (STAGE >> 4);
             wgmma_fence();
 #pragma unroll
-            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(st + i * 2 * (N * 16), N * 16, 128));
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + i * 2 * N));
             wgmma_commit();
             copy_inputs(G + 3);
             copy_codes(G + 4);
@@ -1193,19 +1221,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             if (G + 1 < gpr) step(G + 1, a1, a0);
         }
     }
-#pragma unroll
-    for (int q = 0; q < NW / 2; ++q) wgmma_keep(acc[q]);
-    const int R = blockIdx.x * WG_GLU_ROWS + warp * 8 + g;
-    if (R >= rows) return;
-    u16* h = reinterpret_cast<u16*>(out);
-    const int pos = wg_pos(R);
-#pragma unroll
-    for (int j = 0; j < NW / 8; ++j)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int n = 8 * j + 2 * t + q;
-            if (n < cnt) h[(size_t)slot[n] * rows + pos] = (u16)(pack_bf16(silu_f(acc[4 * j + q]) * acc[4 * j + 2 + q], 0.f) & 0xffffu);
-        }
+    wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
 }
 
 #define PF_MOE_WG_ARGS                                                                                          \
@@ -1247,6 +1263,166 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF
     pf_moe_wg_body<true, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
 }
 
+// pf_moe_wg_glu_mb: the wide gate|up over codes in fragment order with its stages handed over by
+// mbarriers instead of a block barrier per step. Each thread's copies of a group (its pieces of
+// the slots' inputs and of the codes, as pf_moe_wg_body's) arrive on the stage's full barrier as
+// they land (cp.async.mbarrier.arrive.noinc); each warp arrives on the stage's empty barrier once
+// its products from it are done, and the copies into a stage wait for every warp's arrival. The
+// warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1 groups, one's dequantisation under
+// another's products (the step is bound by its instruction stream: the block barrier held every
+// warp to the slowest). The rows' scales and biases of every group stay in shared memory (copied
+// once). Same products in the same order as pf_moe_wg_glu_f: the same bits.
+#define WGM_STAGES 6
+#define WGM_AHEAD 3                      // groups copied ahead of the one multiplied
+#define WGM_STAGE (WG_N * 128 + WG_CODES)  // the slots' inputs, then the codes
+// moe::wgm_smem: WGM_STAGES * WGM_STAGE + 4 * 128 * wgm_scale_row(cols / 64) + 16 * WGM_STAGES
+// (barriers) + 2 * WG_N * 4 (slot and input-row indices).
+// A scale row's stride in shared memory: 16 bytes past the groups' scales, so the 8 rows a warp
+// reads at once fall in distinct banks.
+__device__ __forceinline__ int wgm_scale_row(int gpr) { return 2 * gpr + 16; }
+
+template <int NW>
+__device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
+    constexpr int N = WG_N, S = WGM_STAGES, L = WGM_AHEAD;
+    static_assert(S > L + 1, "the warps drift apart by S - L - 1 groups");
+    extern __shared__ uint4 wg_sm4[];
+    unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
+    const u32 sm0 = smem_u32(wg_sm);
+    const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
+    const int cnt = min(N, counts[e] - f0);
+    const int* lst = list + offsets[e] + f0;
+    const int gpr = cols >> 6, srs = wgm_scale_row(gpr), xwords = cols >> 1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 scl = sm0 + S * WGM_STAGE;  // gate scales, gate biases, up scales, up biases: 128 rows each
+    const u32 bars = scl + 4 * 128 * srs;  // full[S], then empty[S]
+    int* xrow = reinterpret_cast<int*>(wg_sm + (bars + 16 * S - sm0));
+    int* slot = xrow + N;
+    if (tid < N) {
+        const int sl = tid < cnt ? lst[tid] : -1;
+        slot[tid] = sl;
+        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
+    }
+    auto full = [&](u32 st) { return bars + 8 * st; };
+    auto empty = [&](u32 st) { return bars + 8 * (S + st); };
+    if (tid == 0) {
+        for (int k = 0; k < S; ++k) {
+            mbar_init(full(k), WG_THREADS);
+            mbar_init(empty(k), WG_THREADS / 32);
+        }
+        mbar_init_fence();
+    }
+    // Every group's scales and biases of the block's rows (16 bytes at a time; a row past `rows`
+    // gets zeros, i.e. zero weights).
+    {
+        const int cpr = gpr >> 3, per_mat = 128 * cpr;
+        for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
+            const int m = c / per_mat, r = (c / cpr) & 127, k = c % cpr;
+            const int R = blockIdx.x * WG_GLU_ROWS + r;
+            const u16* src = m == 0 ? s : m == 1 ? b : m == 2 ? s2 : b2;
+            cp_async16z(scl + (m * 128 + r) * srs + 16 * k, src + (size_t)(e * rows + (R < rows ? R : 0)) * gpr + 8 * k, R < rows);
+        }
+        cp_commit();
+    }
+    __syncthreads();  // slot, xrow and the barriers
+    // This thread's copies of a group, as pf_moe_wg_body's: pieces p_in and p_in + 4 of slot n_in's
+    // inputs (stage layout: piece p of slot n at p * (N * 16) + n * 16), and 16 bytes of 16-row
+    // tile (tid >> 5) & 7's codes of the gate (tid < 256) or up rows (a tile past `rows` copies the
+    // expert's first: its scales are zeros).
+    const int n_in = (lane & 7) + 8 * warp, p_in = lane >> 3;
+    const int r_in = xrow[n_in];
+    const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = p_in * (N * 16) + n_in * 16;
+    const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
+    const unsigned char* csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
+                                (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1) + lane * 16;
+    auto issue = [&](int G, u32 st) {
+        const u32 base = sm0 + st * WGM_STAGE;
+        if (r_in >= 0) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) cp_async16(base + xdst + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
+        }
+        cp_async16(base + N * 128 + tid * 16, csrc + G * 512);
+        cp_async_arrive_noinc(full(st));
+    };
+    // This thread's operands of group G from stage st: its gate and up rows' codes (fragment
+    // order, as pf_moe_wg_body) and scales and biases (row 8 warp + g of each matrix).
+    const u32 sth = scl + (warp * 8 + g) * srs;
+    auto read = [&](u32 st, int G, WgGroup& c) {
+        const u32 fa = sm0 + st * WGM_STAGE + N * 128 + lane * 16 + (warp >> 1) * 512 + (warp & 1) * 8;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
+        const u32 ss = sth + 2 * G;
+        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.sa) : "r"(ss));
+        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.ba) : "r"(ss + 128 * srs));
+        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.sb) : "r"(ss + 256 * srs));
+        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.bb) : "r"(ss + 384 * srs));
+    };
+    auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
+    };
+    for (int G = 0; G < L && G < gpr; ++G) issue(G, G);
+    cp_wait<0>();  // the scales (the groups' copies are tracked by the full barriers)
+    __syncthreads();
+    float acc[NW / 2];
+#pragma unroll
+    for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+    // Step i's B: two core matrices along K (LBO N * 16 bytes) by N / 8 along N (SBO 128 bytes).
+    const WgmmaDescs bdesc(N * 16, 128);
+    u32 a0[4][4], a1[4][4];
+    mbar_wait(full(0), 0);
+    fence_proxy_async_smem();  // the other threads' copies, for this thread's wgmmas
+    {
+        WgGroup c;
+        read(0, 0, c);
+        build(c, a0);
+    }
+    // Step G (stage st = G % S, phase parity ph = (G / S) & 1, carried from step to step): group
+    // G's products (its stage waited for in step G - 1); the copies of group G + L into the stage
+    // of group G + L - S once every warp is done with that group; group G + 1's A built once its
+    // stage is in; then this warp's release of group G's stage.
+    u32 st = 0, ph = 0;
+    auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+        const bool wrap1 = st + 1 == S, wrapL = st + L >= S;
+        const u32 st1 = wrap1 ? 0 : st + 1, ph1 = ph ^ (u32)wrap1, stL = wrapL ? st + L - S : st + L;
+        const u32 st4 = (sm0 + st * WGM_STAGE) >> 4;
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + i * 2 * N));
+        wgmma_commit();
+        if (G + L < gpr) {
+            if (G + L >= S) mbar_wait(empty(stL), ph ^ (u32)wrapL ^ 1u);
+            issue(G + L, stL);
+        }
+        if (G + 1 < gpr) {
+            mbar_wait(full(st1), ph1);
+            fence_proxy_async_smem();
+            WgGroup c;
+            read(st1, G + 1, c);
+            build(c, nxt);
+        }
+        wgmma_wait<0>();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(st));
+        st = st1;
+        ph = ph1;
+    };
+    for (int G = 0; G < gpr; G += 2) {
+        step(G, a0, a1);
+        if (G + 1 < gpr) step(G + 1, a1, a0);
+    }
+    wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
+}
+// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::wgm_smem;
+// tiles of WG_N slots, each at the narrowest wgmma width that covers its slots (pf_moe_wg_tile).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mb(PF_MOE_WG_ARGS) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
+    if (cnt <= 32) pf_moe_wgm_body<32>(PF_MOE_WG_PASS);
+    else if (cnt <= 64) pf_moe_wgm_body<64>(PF_MOE_WG_PASS);
+    else if (cnt <= 96) pf_moe_wgm_body<96>(PF_MOE_WG_PASS);
+    else pf_moe_wgm_body<WG_N>(PF_MOE_WG_PASS);
+}
+
 // ---- down over a tile's whole K with its inputs resident ----
 // pf_moe_wg_down_res: the down products of one tile over `rbs` consecutive 256-row blocks per CTA
 // as one run of steps (K = cols of at most WG_RES_GROUPS groups: the 35B's 512). The tile's
@@ -1271,7 +1447,7 @@ struct WgResCursor {
     bool valid;
 };
 
-template <bool FRAG, int NW, int NS = WG_N, int S = WG_RES_STAGES>
+template <bool FRAG, int NW, int NS = WG_N, int S = WG_RES_STAGES, bool MB = false>
 __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ w, const u16* __restrict__ s,
                                                         const u16* __restrict__ b, u16* __restrict__ y, int rows,
                                                         int cols, const u32* __restrict__ x, int xdiv,
@@ -1279,6 +1455,7 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
                                                         const int* __restrict__ list, const int* __restrict__ tiles,
                                                         int rbs) {
     constexpr int N = NS;
+    static_assert((S & (S - 1)) == 0, "the code ring's stages are a power of two (its index is a mask)");
     extern __shared__ uint4 wg_sm4[];
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
     const int gpr = cols >> 6, xwords = cols >> 1, nb = (S - 2) / gpr + 2;
@@ -1296,6 +1473,19 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         const int sl = tid < cnt ? lst[tid] : -1;
         slot[tid] = sl;
         xrow[tid] = sl >= 0 ? sl / xdiv : -1;
+    }
+    // MB: the code stages' full and empty barriers after the indices (moe::wg_res_mb_smem).
+    const u32 bars = smem_u32(xrow + N);
+    auto full = [&](int st) { return bars + 8 * (st & (S - 1)); };
+    auto empty = [&](int st) { return bars + 8 * (S + (st & (S - 1))); };
+    if constexpr (MB) {
+        if (tid == 0) {
+            for (int k = 0; k < S; ++k) {
+                mbar_init(full(k), WG_THREADS);
+                mbar_init(empty(k), WG_THREADS / 32);
+            }
+            mbar_init_fence();
+        }
     }
     // The copies: thread tid copies half tid & 1 of block row tid >> 1's codes of each group (32
     // bytes a row) and, with a row block's first group, that row's scales (tid & 1 == 0) or
@@ -1318,7 +1508,7 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     }
     auto copy_step = [&]() {
         if (c.s < steps) {
-            cp_async16(cdst + (c.s % S) * WG_CODES, reinterpret_cast<const unsigned char*>(w) + c.coff + c.G * cstep);
+            cp_async16(cdst + (c.s & (S - 1)) * WG_CODES, reinterpret_cast<const unsigned char*>(w) + c.coff + c.G * cstep);
             if (c.G == 0) {
                 const u32 dst = sdst + c.buf * WG_SCALES;
                 const u16* src = ssrc + c.soff;
@@ -1388,16 +1578,22 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         const int R = (rb0 + rb) * WG_DOWN_ROWS + warp * 16 + g;
         const bool lo = (g & 1) == 0;
         const int r0 = lo ? R : R + 7;
+        const int cnt_ok = r0 < rows ? cnt : 0;  // columns this lane stores: none past the last row
 #pragma unroll
-        for (int j = 0; j < NW / 8; ++j)
+        for (int j = 0; j < NW / 8; ++j) {
+            const int2 sl = *reinterpret_cast<const int2*>(slot + 8 * j + 2 * t);  // columns 8j + 2t, + 1
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const float va = acc[4 * j + q], vb = acc[4 * j + 2 + q];
-                const float pa = __shfl_xor_sync(0xffffffffu, va, 4), pb = __shfl_xor_sync(0xffffffffu, vb, 4);
+                // Each lane sends what its neighbour stores: lane g's row R + 8 (vb) to lane g + 1,
+                // lane g + 1's row R + 1 (va) to lane g. One shuffle, not one per row.
+                const float nb_val = __shfl_xor_sync(0xffffffffu, lo ? vb : va, 4);
                 const int n = 8 * j + 2 * t + q;
-                if (n >= cnt || r0 >= rows) continue;
-                *reinterpret_cast<u32*>(y + (size_t)slot[n] * rows + r0) = lo ? pack_bf16(va, pa) : pack_bf16(pb, vb);
+                // A 32-bit element offset: moe::wg_outputs_fit bounds the outputs below 2^32.
+                const u32 off = (u32)(q ? sl.y : sl.x) * (u32)rows + (u32)r0;
+                st_global_u32_if(y + off, lo ? pack_bf16(va, nb_val) : pack_bf16(nb_val, vb), n < cnt_ok);
             }
+        }
 #pragma unroll
         for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
         G = 0;
@@ -1414,6 +1610,68 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     // every thread read before step s's barrier; step s waits for all but the S - 2 latest
     // commits: its own copies.
     constexpr bool NARROW = NS < WG_N;
+    // Group G's step i reads the resident inputs at G * N * 128 + i * 2 * (N * 16) bytes (layout as
+    // pf_moe_wg_body's stages).
+    const WgmmaDescs bdesc(N * 16, 128);
+    const u32 sm4 = sm0 >> 4;
+    if constexpr (MB) {
+        // The code stages handed over by mbarriers instead of a block barrier per step: each
+        // thread's copies of a step arrive on its stage's full barrier as they land (the first
+        // step's after the inputs, so its barrier covers them too); each warp arrives on the
+        // stage's empty barrier once it has read the codes; the copies of step s + L wait for
+        // every warp's read of step s + L - S. The warps drift apart by up to S - L - 1 steps
+        // (the scale buffers' count nb allows that: a buffer's refill still follows its last read).
+        static_assert(!NARROW, "the narrow kernels keep the block barrier");
+        constexpr int L = S - 3;
+        for (int j = 0; j < L; ++j) {
+            const int s0 = c.s;
+            copy_step();
+            if (s0 < steps) cp_async_arrive_noinc(full(s0));
+        }
+#pragma unroll
+        for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
+        u32 a0[4][4], a1[4][4];
+        mbar_wait(full(0), 0);
+        fence_proxy_async_smem();  // the resident inputs, for this thread's wgmmas
+        {
+            WgGroup q;
+            read(codes0, scales0, 0, q);
+            build(q, a0);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(0));
+        auto step = [&](int st, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(sm4 + G * (N * 8) + i * 2 * N));
+            wgmma_commit();
+            if (c.s < steps) {  // c.s == st + L
+                const int done = c.s - S;
+                if (done >= 0) mbar_wait(empty(done), (u32)(done / S) & 1u);
+                const int s0 = c.s;
+                copy_step();
+                cp_async_arrive_noinc(full(s0));
+            }
+            const bool last = G + 1 == gpr;
+            if (st + 1 < steps) {
+                const int nbuf = last ? (buf + 1 == nb ? 0 : buf + 1) : buf;
+                mbar_wait(full(st + 1), (u32)((st + 1) / S) & 1u);
+                WgGroup q;
+                read(codes0 + ((st + 1) & (S - 1)) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(st + 1));
+                build(q, nxt);
+            }
+            wgmma_wait<0>();
+            if (last) store_block();
+            else ++G;
+        };
+        for (int st = 0; st < steps; st += 2) {
+            step(st, a0, a1);
+            if (st + 1 < steps) step(st + 1, a1, a0);
+        }
+        return;
+    }
     copy_step();
     if constexpr (!NARROW) copy_step();
     cp_commit();
@@ -1432,12 +1690,12 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
             u32 a[4][4];
             {
                 WgGroup q;
-                read(codes0 + (st % S) * WG_CODES, scales0 + buf * WG_SCALES, G, q);
+                read(codes0 + (st & (S - 1)) * WG_CODES, scales0 + buf * WG_SCALES, G, q);
                 build(q, a);
             }
             wgmma_fence();
 #pragma unroll
-            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], wgmma_desc(sm0 + G * (N * 128) + i * 2 * (N * 16), N * 16, 128));
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], bdesc.at(sm4 + G * (N * 8) + i * 2 * N));
             wgmma_commit();
             copy_step();
             cp_commit();
@@ -1461,7 +1719,7 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         __syncthreads();
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], wgmma_desc(sm0 + G * (N * 128) + i * 2 * (N * 16), N * 16, 128));
+        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(sm4 + G * (N * 8) + i * 2 * N));
         wgmma_commit();
         copy_step();
         cp_commit();
@@ -1469,7 +1727,7 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         if (st + 1 < steps) {
             const int nbuf = last ? (buf + 1 == nb ? 0 : buf + 1) : buf;
             WgGroup q;
-            read(codes0 + ((st + 1) % S) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
+            read(codes0 + ((st + 1) & (S - 1)) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
             build(q, nxt);
         }
         wgmma_wait<0>();
@@ -1482,15 +1740,17 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     }
 }
 
+// Codes in fragment order (FRAG) take the mbarrier-handed ring (MB); row order the block barrier.
 template <bool FRAG>
 __device__ __forceinline__ void pf_moe_wg_down_res_tile(PF_MOE_WG_ARGS, int rbs) {
     if ((int)blockIdx.y >= tiles[0]) return;
     const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
     u16* y = reinterpret_cast<u16*>(out);
-    if (cnt <= 32) pf_moe_wg_down_res_body<FRAG, 32>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else if (cnt <= 64) pf_moe_wg_down_res_body<FRAG, 64>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else if (cnt <= 96) pf_moe_wg_down_res_body<FRAG, 96>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else pf_moe_wg_down_res_body<FRAG, WG_N>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    constexpr int S = WG_RES_STAGES;
+    if (cnt <= 32) pf_moe_wg_down_res_body<FRAG, 32, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else if (cnt <= 64) pf_moe_wg_down_res_body<FRAG, 64, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else if (cnt <= 96) pf_moe_wg_down_res_body<FRAG, 96, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    else pf_moe_wg_down_res_body<FRAG, WG_N, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
 }
 // Down with resident inputs into y (bf16 [slot][rows], as pf_moe_wg_down): grid
 // (ceil(rows / (rbs * WG_DOWN_ROWS)), tiles), block WG_THREADS, dynamic shared memory

@@ -43,6 +43,7 @@ const MOE_TCQ_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f_35b");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
+const PF_MOE_WG_GLU_MB: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_mb");
 const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
 const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
 const PF_MOE_WG_GLU_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_n");
@@ -750,8 +751,8 @@ fn tcb_args(gpu: &Gpu, q: &DevQ, up: Option<&DevQ>, shared: &SharedExpert, rows:
 /// The wgmma expert kernels (`pf_moe_wg_glu`, `pf_moe_wg_down_res`; WG_* in kernels/moe.cu): tiles
 /// of the lists' [`WG_TILE`] slots, four warpgroups per block, 128 gate|up or 256 down rows (256 A
 /// rows). Gate|up: `WG_STAGES` stages of one 64-column group's slot inputs and codes of the
-/// block's rows, and two buffers of 8 groups' scales and biases in shared memory (down:
-/// [`wg_res_smem`]).
+/// block's rows, and two buffers of 8 groups' scales and biases in shared memory (the 35B's
+/// shapes: [`wgm_smem`]; down: [`wg_res_smem`]).
 const WG_THREADS: u32 = 512;
 const WG_GLU_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
@@ -760,6 +761,22 @@ const WG_AROWS: usize = 256;
 /// Gate|up's dynamic shared memory over tiles of `tile` slots.
 const fn wg_smem(tile: usize) -> u32 {
     (WG_STAGES * (tile * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
+}
+
+/// `pf_moe_wg_glu_mb`'s stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
+const WGM_STAGES: usize = 6;
+const WGM_STAGE: usize = WG_TILE * 128 + WG_AROWS * 32;
+/// `pf_moe_wg_glu_mb`'s dynamic shared memory over rows of `cols` columns: the stages, every
+/// group's scales and biases of the block's 128 gate and 128 up rows (rows padded by 16 bytes),
+/// the stages' two barriers and the tile's slot and input-row indices.
+const fn wgm_smem(cols: usize) -> u32 {
+    (WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WG_TILE * 4) as u32
+}
+
+/// Whether gate|up over `cols` columns takes `pf_moe_wg_glu_mb` (codes in fragment order, wide
+/// tiles): its scales are copied 8 groups at a time and must fit in shared memory beside the stages.
+fn wgm_takes(cols: usize, frag: bool, narrow: bool) -> bool {
+    frag && !narrow && cols.is_multiple_of(512) && wgm_smem(cols) <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT
 }
 
 /// Slots per tile of the wgmma expert kernels (WG_N in kernels/moe.cu): each dequantised weight
@@ -805,6 +822,7 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
     if gate.frag != up.frag {
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
     }
+    wg_outputs_fit(g, tile, rows)?;
     let k = match (wg_narrow(tile)?, gate.frag) {
         (false, false) => PF_MOE_WG_GLU,
         (false, true) => PF_MOE_WG_GLU_F,
@@ -812,7 +830,11 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
         (true, true) => PF_MOE_WG_GLU_N_F,
     };
     let args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
-    gpu.launch(k, (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1), WG_THREADS, wg_smem(tile), &args)
+    let grid = (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1);
+    if wgm_takes(gate.cols, gate.frag, tile != WG_TILE) {
+        return gpu.launch(PF_MOE_WG_GLU_MB, grid, WG_THREADS, wgm_smem(gate.cols), &args);
+    }
+    gpu.launch(k, grid, WG_THREADS, wg_smem(tile), &args)
 }
 
 /// Whether lists of `tile`-slot tiles take the narrow wgmma kernels (else the wide ones).
@@ -824,6 +846,15 @@ fn wg_narrow(tile: usize) -> Result<bool> {
     }
 }
 
+/// The wgmma expert kernels address their outputs ([slot][rows]) with 32-bit element offsets; the
+/// tiles hold every slot, so `max_tiles * tile` bounds the slots.
+fn wg_outputs_fit(g: Grouped, tile: usize, rows: usize) -> Result<()> {
+    if g.max_tiles.saturating_mul(tile).saturating_mul(rows) > u32::MAX as usize {
+        bail!("the wgmma expert kernels' outputs ({} tiles of {tile} slots x {rows} rows) pass 2^32 elements", g.max_tiles);
+    }
+    Ok(())
+}
+
 /// The routed experts' down products on wgmma: `y[slot] = Down_e · h[slot / xdiv]` (bf16 out,
 /// [`combine_bf16_down`]'s input; `h` in the wgmma order), over `tile`-slot tiles as
 /// [`moe_wg_glu`]. Each CTA keeps its tile's inputs in shared memory for [`WG_RES_ROW_BLOCKS`]
@@ -833,6 +864,7 @@ pub fn moe_wg_down(gpu: &Gpu, down: &DevQ, rows: usize, h: u64, y: u64, g: Group
     if !wg_takes(&[down]) || !rows.is_multiple_of(2) || down.cols > WG_RES_COLS {
         bail!("the wgmma down kernel takes 4-bit matrices of at most {WG_RES_COLS} columns in whole 64-column groups and an even number of rows");
     }
+    wg_outputs_fit(g, tile, rows)?;
     let narrow = wg_narrow(tile)?;
     let k = match (narrow, down.frag) {
         (false, false) => PF_MOE_WG_DOWN_RES,
@@ -864,11 +896,12 @@ const WG_NARROW_RES_ROW_BLOCKS: usize = 2;
 
 /// Dynamic shared memory of `pf_moe_wg_down_res` over `cols` columns, tiles of `tile` slots and a
 /// ring of `stages`: every group's inputs of a tile, the code ring, the row blocks' scale buffers
-/// (as many as the ring needs, see there), the slot and input-row indices.
+/// (as many as the ring needs, see there), the slot and input-row indices, then the ring's full
+/// and empty barriers (read by the fragment-order kernels).
 fn wg_res_smem(cols: usize, tile: usize, stages: usize) -> u32 {
     let gpr = cols / 64;
     let buffers = (stages - 2) / gpr + 2;
-    (gpr * tile * 128 + stages * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
+    (gpr * tile * 128 + stages * WG_AROWS * 32 + buffers * WG_AROWS * 2 * 16 + 2 * tile * 4 + 16 * stages) as u32
 }
 
 /// The wgmma expert kernels' arguments (PF_MOE_WG_ARGS in kernels/moe.cu).
@@ -891,6 +924,16 @@ fn wg_args(mats: [Arg; 6], rows: usize, cols: usize, x: u64, out: u64, g: Groupe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wgmma_outputs_past_32_bit_offsets_are_refused() {
+        let d = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
+        let g = |n| Grouped { experts: d.e, counts: 0, offsets: 0, list: 0, xdiv: 1, tiles: 0, max_tiles: max_tiles(n, &d) };
+        // An 8,192-token chunk (the largest prefill chunk) at the down product's 2,048 rows fits.
+        assert!(wg_outputs_fit(g(8192), WG_TILE, d.hidden).is_ok());
+        // ~300K tokens in one chunk would not: refused before a launch, not wrapped.
+        assert!(wg_outputs_fit(g(300_000), WG_TILE, d.hidden).is_err());
+    }
 
     #[test]
     fn the_35b_expert_shapes_take_the_shaped_ring_kernels() {
@@ -981,9 +1024,23 @@ mod tests {
             let narrow = wg_res_smem(64 * gpr, NT, NS);
             assert!(two_per_sm(narrow), "narrow, {gpr} groups: {narrow} bytes");
         }
-        assert_eq!(wg_res_smem(512, T, S), (8 * 16384 + 8 * 8192 + 2 * 8192 + 1024) as u32);
-        assert_eq!(wg_res_smem(64, T, S), (16384 + 8 * 8192 + 8 * 8192 + 1024) as u32);
-        assert_eq!(wg_res_smem(512, NT, NS), (8 * 4096 + 4 * 8192 + 2 * 8192 + 256) as u32);
+        assert_eq!(wg_res_smem(512, T, S), (8 * 16384 + 8 * 8192 + 2 * 8192 + 1024 + 8 * 16) as u32);
+        assert_eq!(wg_res_smem(64, T, S), (16384 + 8 * 8192 + 8 * 8192 + 1024 + 8 * 16) as u32);
+        assert_eq!(wg_res_smem(512, NT, NS), (8 * 4096 + 4 * 8192 + 2 * 8192 + 256 + 4 * 16) as u32);
+    }
+
+    #[test]
+    fn the_35b_gate_up_takes_the_mbarrier_kernel() {
+        // Six stages of 24 KB, the 35B's 32 groups' scales and biases of 256 rows (80-byte rows)
+        // resident, the barriers and indices.
+        assert_eq!(wgm_smem(2048), (6 * 24576 + 4 * 128 * 80 + 6 * 16 + 1024) as u32);
+        assert!(wgm_takes(2048, true, false));
+        // Not the narrow tiles, not row-order codes, not the tiny model's two groups (its scales
+        // are not whole 16-byte runs), nor rows whose resident scales would not fit.
+        assert!(!wgm_takes(2048, true, true));
+        assert!(!wgm_takes(2048, false, false));
+        assert!(!wgm_takes(128, true, false));
+        assert!(!wgm_takes(64 * 128, true, false));
     }
 
     #[test]
