@@ -1614,71 +1614,29 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     // pf_moe_wg_body's stages).
     const WgmmaDescs bdesc(N * 16, 128);
     const u32 sm4 = sm0 >> 4;
+    // MB: the code stages handed over by mbarriers instead of a block barrier per step: each
+    // thread's copies of a step arrive on its stage's full barrier as they land (the first step's
+    // after the inputs, so its barrier covers them too); each warp arrives on the stage's empty
+    // barrier once it has read the codes; the copies of step s + L wait for every warp's read of
+    // step s + L - S. The warps drift apart by up to S - L - 1 steps (the scale buffers' count nb
+    // allows that: a buffer's refill still follows its last read).
+    static_assert(!(MB && NARROW), "the narrow kernels keep the block barrier");
+    constexpr int L = S - 3;
     if constexpr (MB) {
-        // The code stages handed over by mbarriers instead of a block barrier per step: each
-        // thread's copies of a step arrive on its stage's full barrier as they land (the first
-        // step's after the inputs, so its barrier covers them too); each warp arrives on the
-        // stage's empty barrier once it has read the codes; the copies of step s + L wait for
-        // every warp's read of step s + L - S. The warps drift apart by up to S - L - 1 steps
-        // (the scale buffers' count nb allows that: a buffer's refill still follows its last read).
-        static_assert(!NARROW, "the narrow kernels keep the block barrier");
-        constexpr int L = S - 3;
         for (int j = 0; j < L; ++j) {
             const int s0 = c.s;
             copy_step();
             if (s0 < steps) cp_async_arrive_noinc(full(s0));
         }
-#pragma unroll
-        for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
-        u32 a0[4][4], a1[4][4];
-        mbar_wait(full(0), 0);
-        fence_proxy_async_smem();  // the resident inputs, for this thread's wgmmas
-        {
-            WgGroup q;
-            read(codes0, scales0, 0, q);
-            build(q, a0);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(0));
-        auto step = [&](int st, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
-            wgmma_fence();
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(sm4 + G * (N * 8) + i * 2 * N));
-            wgmma_commit();
-            if (c.s < steps) {  // c.s == st + L
-                const int done = c.s - S;
-                if (done >= 0) mbar_wait(empty(done), (u32)(done / S) & 1u);
-                const int s0 = c.s;
-                copy_step();
-                cp_async_arrive_noinc(full(s0));
-            }
-            const bool last = G + 1 == gpr;
-            if (st + 1 < steps) {
-                const int nbuf = last ? (buf + 1 == nb ? 0 : buf + 1) : buf;
-                mbar_wait(full(st + 1), (u32)((st + 1) / S) & 1u);
-                WgGroup q;
-                read(codes0 + ((st + 1) & (S - 1)) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty(st + 1));
-                build(q, nxt);
-            }
-            wgmma_wait<0>();
-            if (last) store_block();
-            else ++G;
-        };
-        for (int st = 0; st < steps; st += 2) {
-            step(st, a0, a1);
-            if (st + 1 < steps) step(st + 1, a1, a0);
-        }
-        return;
-    }
-    copy_step();
-    if constexpr (!NARROW) copy_step();
-    cp_commit();
-#pragma unroll
-    for (int j = 1; j < S - 1; ++j) {
+    } else {
         copy_step();
+        if constexpr (!NARROW) copy_step();
         cp_commit();
+#pragma unroll
+        for (int j = 1; j < S - 1; ++j) {
+            copy_step();
+            cp_commit();
+        }
     }
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
@@ -1706,28 +1664,54 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         return;
     }
     u32 a0[4][4], a1[4][4];
-    cp_wait<S - 2>();
-    __syncthreads();
+    if constexpr (MB) {
+        mbar_wait(full(0), 0);
+        fence_proxy_async_smem();  // the resident inputs, for this thread's wgmmas
+    } else {
+        cp_wait<S - 2>();
+        __syncthreads();
+    }
     {
         WgGroup q;
         read(codes0, scales0, 0, q);
         build(q, a0);
     }
+    if constexpr (MB) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(0));
+    }
     auto step = [&](int st, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
-        cp_wait<S - 2>();
-        fence_proxy_async_smem();
-        __syncthreads();
+        if constexpr (!MB) {
+            cp_wait<S - 2>();
+            fence_proxy_async_smem();
+            __syncthreads();
+        }
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(sm4 + G * (N * 8) + i * 2 * N));
         wgmma_commit();
-        copy_step();
-        cp_commit();
+        if constexpr (MB) {
+            if (c.s < steps) {  // c.s == st + L
+                const int done = c.s - S;
+                if (done >= 0) mbar_wait(empty(done), (u32)(done / S) & 1u);
+                const int s0 = c.s;
+                copy_step();
+                cp_async_arrive_noinc(full(s0));
+            }
+        } else {
+            copy_step();
+            cp_commit();
+        }
         const bool last = G + 1 == gpr;
         if (st + 1 < steps) {
             const int nbuf = last ? (buf + 1 == nb ? 0 : buf + 1) : buf;
+            if constexpr (MB) mbar_wait(full(st + 1), (u32)((st + 1) / S) & 1u);
             WgGroup q;
             read(codes0 + ((st + 1) & (S - 1)) * WG_CODES, scales0 + nbuf * WG_SCALES, last ? 0 : G + 1, q);
+            if constexpr (MB) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(st + 1));
+            }
             build(q, nxt);
         }
         wgmma_wait<0>();
