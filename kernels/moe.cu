@@ -903,16 +903,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_tcq_f_35b(MOE_TILE_ARGS
 //
 // Per CTA (four warpgroups): one (expert, 128-slot) tile of pf_scan's lists and a block of 256 A
 // rows. Every 64-column group, the block copies the slots' bf16 inputs (stage_wg's order) and
-// its rows' codes into one of the stages of shared memory by cp.async (the narrow tiles' rows'
-// scales and biases 8 groups at a time, the wide tiles' all at once); each thread then reads its
-// two rows' operands from there. Whole 16-byte copies shared by the block, not each thread's own small loads: per-thread
+// its rows' codes into one of WG_STAGES stages of shared memory by cp.async, and the rows'
+// scales and biases 8 groups at a time; each thread then reads its two rows' operands from
+// there. Whole 16-byte copies shared by the block, not each thread's own small loads: per-thread
 // 4- and 8-byte copies of the same bytes queued so many requests that the gate|up kernel got
 // slower than with plain loads two groups ahead (docs/cuda-prefill.md). Gate|up with SwiGLU
 // (pf_moe_wg_glu): each warp's 16 A rows are 8 gate rows and the same 8 up rows (A rows g and
 // g + 8 of lane g), so the thread holding a slot's gate accumulator holds its up one too; the
 // result h = silu(gate) * up goes out as bf16 in stage_wg's order, the down product's input.
 // Down (pf_moe_wg_down_res, below): each warp 16 rows, bf16 out [slot][row].
-#define WG_N 128         // slots per tile, as staged (pf_moe_wgm_tile narrows each tile's wgmmas)
+#define WG_N 128         // slots per tile, as staged (pf_moe_wg_tile narrows each tile's wgmmas)
 #define WG_STAGES 4      // 64-column groups of the slots' inputs in shared memory
 #define WG_THREADS 512   // four warpgroups: the more rows share each staged input, the fewer L2 reads
 #define WG_GLU_ROWS 128  // output rows per CTA: 32 per warpgroup (gate and up interleaved)
@@ -1009,7 +1009,6 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
                                                const int* __restrict__ tiles) {
     constexpr int N = NS;
     constexpr bool NARROW = NS < WG_N;
-    static_assert(NARROW, "the wide tiles take pf_moe_wgm_body");
     extern __shared__ uint4 wg_sm4[];  // 16-byte aligned: cp.async pieces, descriptor addresses
     unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
     if ((int)blockIdx.y >= tiles[0]) return;
@@ -1172,6 +1171,55 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
             cp_commit();
             wgmma_wait<0>();
         }
+    } else {
+        copy_inputs(0);
+        copy_codes(0);
+        copy_codes(1);
+        copy_scales(0);
+        cp_commit();
+        copy_inputs(1);
+        copy_codes(2);
+        cp_commit();
+        copy_inputs(2);
+        copy_codes(3);
+        cp_commit();
+        u32 a0[4][4], a1[4][4];
+        cp_wait<2>();
+        __syncthreads();
+        {
+            WgGroup c;
+            read(0, c);
+            build(c, a0);
+        }
+        // Step G: the wgmmas of group G run while this thread builds group G + 1's A.
+        // The products go first, so the tensor cores start right after the barrier; then the copies
+        // into the stage of group G - 1 (free once every thread passed the barrier) and the codes'
+        // part of group G's stage (read into registers during step G - 1).
+        auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+            cp_wait<2>();
+            fence_proxy_async_smem();
+            __syncthreads();
+            const bool more = G + 1 < gpr;
+            const u32 st4 = sm4 + (G % WG_STAGES) * (STAGE >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + i * 2 * N));
+            wgmma_commit();
+            copy_inputs(G + 3);
+            copy_codes(G + 4);
+            if ((G & 7) == 0) copy_scales((G >> 3) + 1);
+            cp_commit();
+            if (more) {
+                WgGroup c;
+                read(G + 1, c);
+                build(c, nxt);
+            }
+            wgmma_wait<0>();
+        };
+        for (int G = 0; G < gpr; G += 2) {
+            step(G, a0, a1);
+            if (G + 1 < gpr) step(G + 1, a1, a0);
+        }
     }
     wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
 }
@@ -1187,10 +1235,27 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
 // work for them. The staging layout stays that of WG_N slots; columns past the tile's slots
 // multiply whatever the stage holds and are never stored.
-// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows], pf_moe_wg_down_res's input)
-// over tiles of WG_NARROW slots (lists built with that tile), two CTAs per SM: grid
-// (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, shared memory moe::wg_smem(WG_NARROW).
-// The wide tiles: pf_moe_wg_glu(_f) below.
+template <bool FRAG>
+__device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
+    if (cnt <= 32) pf_moe_wg_body<FRAG, 32>(PF_MOE_WG_PASS);
+    else if (cnt <= 64) pf_moe_wg_body<FRAG, 64>(PF_MOE_WG_PASS);
+    else if (cnt <= 96) pf_moe_wg_body<FRAG, 96>(PF_MOE_WG_PASS);
+    else pf_moe_wg_body<FRAG, WG_N>(PF_MOE_WG_PASS);
+}
+// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows], pf_moe_wg_down_res's input):
+// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::WG_SMEM;
+// tiles of WG_N slots.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
+    pf_moe_wg_tile<false>(PF_MOE_WG_PASS);
+}
+// The same over experts in fragment order (tc_load).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
+    pf_moe_wg_tile<true>(PF_MOE_WG_PASS);
+}
+// Narrow: tiles of WG_NARROW slots (lists built with that tile), two CTAs per SM; shared memory
+// moe::wg_smem(WG_NARROW).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n(PF_MOE_WG_ARGS) {
     pf_moe_wg_body<false, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
 }
@@ -1198,15 +1263,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF
     pf_moe_wg_body<true, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
 }
 
-// pf_moe_wg_glu, pf_moe_wg_glu_f: the wide gate|up (tiles of WG_N slots) with its stages handed
-// over by mbarriers instead of a block barrier per step. Each thread's copies of a group (its pieces of
+// pf_moe_wg_glu_mb: the wide gate|up over codes in fragment order with its stages handed over by
+// mbarriers instead of a block barrier per step. Each thread's copies of a group (its pieces of
 // the slots' inputs and of the codes, as pf_moe_wg_body's) arrive on the stage's full barrier as
 // they land (cp.async.mbarrier.arrive.noinc); each warp arrives on the stage's empty barrier once
 // its products from it are done, and the copies into a stage wait for every warp's arrival. The
 // warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1 groups, one's dequantisation under
 // another's products (the step is bound by its instruction stream: the block barrier held every
 // warp to the slowest). The rows' scales and biases of every group stay in shared memory (copied
-// once). The same products in the same order as with a block barrier: the same bits.
+// once). Same products in the same order as pf_moe_wg_glu_f: the same bits.
 #define WGM_STAGES 6
 #define WGM_AHEAD 3                      // groups copied ahead of the one multiplied
 #define WGM_STAGE (WG_N * 128 + WG_CODES)  // the slots' inputs, then the codes
@@ -1216,7 +1281,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF
 // reads at once fall in distinct banks.
 __device__ __forceinline__ int wgm_scale_row(int gpr) { return 2 * gpr + 16; }
 
-template <bool FRAG, int NW>
+template <int NW>
 __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
     constexpr int N = WG_N, S = WGM_STAGES, L = WGM_AHEAD;
     static_assert(S > L + 1, "the warps drift apart by S - L - 1 groups");
@@ -1246,9 +1311,9 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         }
         mbar_init_fence();
     }
-    // Every group's scales and biases of the block's rows (16 bytes at a time where the rows are
-    // whole 16-byte runs, else one by one; a row past `rows` gets zeros, i.e. zero weights).
-    if ((gpr & 7) == 0) {
+    // Every group's scales and biases of the block's rows (16 bytes at a time; a row past `rows`
+    // gets zeros, i.e. zero weights).
+    {
         const int cpr = gpr >> 3, per_mat = 128 * cpr;
         for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
             const int m = c / per_mat, r = (c / cpr) & 127, k = c % cpr;
@@ -1256,65 +1321,35 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
             const u16* src = m == 0 ? s : m == 1 ? b : m == 2 ? s2 : b2;
             cp_async16z(scl + (m * 128 + r) * srs + 16 * k, src + (size_t)(e * rows + (R < rows ? R : 0)) * gpr + 8 * k, R < rows);
         }
-    } else {
-        const int per_mat = 128 * gpr;
-        for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
-            const int m = c / per_mat, r = (c / gpr) & 127, G = c % gpr;
-            const int R = blockIdx.x * WG_GLU_ROWS + r;
-            const u16* src = m == 0 ? s : m == 1 ? b : m == 2 ? s2 : b2;
-            const u16 v = R < rows ? src[(size_t)(e * rows + R) * gpr + G] : (u16)0;
-            asm volatile("st.shared.u16 [%0], %1;" ::"r"(scl + (m * 128 + r) * srs + 2 * G), "h"(v) : "memory");
-        }
+        cp_commit();
     }
-    cp_commit();
     __syncthreads();  // slot, xrow and the barriers
     // This thread's copies of a group, as pf_moe_wg_body's: pieces p_in and p_in + 4 of slot n_in's
-    // inputs (stage layout: piece p of slot n at p * (N * 16) + n * 16), and 16 bytes of codes:
-    // in fragment order of 16-row tile (tid >> 5) & 7 of the gate (tid < 256) or up rows, else
-    // half tid & 1 of A row tid >> 1 (rows 16w .. 16w + 7 of warp w: gate rows 8w .. 8w + 7, the
-    // next 8 the same up rows). A tile or row past `rows` copies the expert's first (its scales
-    // are zeros).
+    // inputs (stage layout: piece p of slot n at p * (N * 16) + n * 16), and 16 bytes of 16-row
+    // tile (tid >> 5) & 7's codes of the gate (tid < 256) or up rows (a tile past `rows` copies the
+    // expert's first: its scales are zeros).
     const int n_in = (lane & 7) + 8 * warp, p_in = lane >> 3;
     const int r_in = xrow[n_in];
     const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = p_in * (N * 16) + n_in * 16;
-    const unsigned char* csrc;
-    u32 cdst, cstep;
-    if constexpr (FRAG) {
-        const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
-        csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
-               (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1) + lane * 16;
-        cdst = N * 128 + tid * 16;
-        cstep = 512;
-    } else {
-        const int crow = tid >> 1, chalf = tid & 1;
-        const int R = blockIdx.x * WG_GLU_ROWS + (crow >> 4) * 8 + (crow & 7);
-        csrc = reinterpret_cast<const unsigned char*>((crow >> 3) & 1 ? w2 : w) +
-               (size_t)(e * rows + (R < rows ? R : 0)) * (size_t)(cols >> 1) + chalf * 16;
-        cdst = N * 128 + crow * 32 + chalf * 16;
-        cstep = 32;
-    }
+    const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
+    const unsigned char* csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
+                                (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1) + lane * 16;
     auto issue = [&](int G, u32 st) {
         const u32 base = sm0 + st * WGM_STAGE;
         if (r_in >= 0) {
 #pragma unroll
             for (int k = 0; k < 2; ++k) cp_async16(base + xdst + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
         }
-        cp_async16(base + cdst, csrc + G * cstep);
+        cp_async16(base + N * 128 + tid * 16, csrc + G * 512);
         cp_async_arrive_noinc(full(st));
     };
-    // This thread's operands of group G from stage st: its gate and up rows' codes (as
-    // pf_moe_wg_body reads them) and scales and biases (row 8 warp + g of each matrix).
+    // This thread's operands of group G from stage st: its gate and up rows' codes (fragment
+    // order, as pf_moe_wg_body) and scales and biases (row 8 warp + g of each matrix).
     const u32 sth = scl + (warp * 8 + g) * srs;
     auto read = [&](u32 st, int G, WgGroup& c) {
-        if constexpr (FRAG) {
-            const u32 fa = sm0 + st * WGM_STAGE + N * 128 + lane * 16 + (warp >> 1) * 512 + (warp & 1) * 8;
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
-        } else {
-            const u32 cs = sm0 + st * WGM_STAGE + N * 128 + 8 * t + (warp * 16 + g) * 32;
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(cs));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(cs + 8 * 32));
-        }
+        const u32 fa = sm0 + st * WGM_STAGE + N * 128 + lane * 16 + (warp >> 1) * 512 + (warp & 1) * 8;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
         const u32 ss = sth + 2 * G;
         asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.sa) : "r"(ss));
         asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.ba) : "r"(ss + 128 * srs));
@@ -1377,29 +1412,15 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
     }
     wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
 }
-// A tile's products at the narrowest wgmma width NW that covers its slots: an expert's last tile
-// usually holds a remainder of its slots (at 4K tokens ~128 per expert, so about every other
-// expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
-// work for them. The staging layout stays that of WG_N slots; columns past the tile's slots
-// multiply whatever the stage holds and are never stored.
-template <bool FRAG>
-__device__ __forceinline__ void pf_moe_wgm_tile(PF_MOE_WG_ARGS) {
+// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::wgm_smem;
+// tiles of WG_N slots, each at the narrowest wgmma width that covers its slots (pf_moe_wg_tile).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mb(PF_MOE_WG_ARGS) {
     if ((int)blockIdx.y >= tiles[0]) return;
     const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
-    if (cnt <= 32) pf_moe_wgm_body<FRAG, 32>(PF_MOE_WG_PASS);
-    else if (cnt <= 64) pf_moe_wgm_body<FRAG, 64>(PF_MOE_WG_PASS);
-    else if (cnt <= 96) pf_moe_wgm_body<FRAG, 96>(PF_MOE_WG_PASS);
-    else pf_moe_wgm_body<FRAG, WG_N>(PF_MOE_WG_PASS);
-}
-// gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows], pf_moe_wg_down_res's input):
-// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::wgm_smem;
-// tiles of WG_N slots.
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu(PF_MOE_WG_ARGS) {
-    pf_moe_wgm_tile<false>(PF_MOE_WG_PASS);
-}
-// The same over experts in fragment order (tc_load).
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_f(PF_MOE_WG_ARGS) {
-    pf_moe_wgm_tile<true>(PF_MOE_WG_PASS);
+    if (cnt <= 32) pf_moe_wgm_body<32>(PF_MOE_WG_PASS);
+    else if (cnt <= 64) pf_moe_wgm_body<64>(PF_MOE_WG_PASS);
+    else if (cnt <= 96) pf_moe_wgm_body<96>(PF_MOE_WG_PASS);
+    else pf_moe_wgm_body<WG_N>(PF_MOE_WG_PASS);
 }
 
 // ---- down over a tile's whole K with its inputs resident ----

@@ -43,6 +43,7 @@ const MOE_TCQ_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f_35b");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
+const PF_MOE_WG_GLU_MB: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_mb");
 const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
 const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
 const PF_MOE_WG_GLU_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_n");
@@ -274,7 +275,7 @@ impl PrefillExperts {
 pub fn staged_experts_fit(m: &DevMoe, d: &MoeDims) -> bool {
     let q4 = |q: &DevQ| q.bits == 4 && q.cols.is_multiple_of(64);
     let mats = [&m.gate_exps, &m.up_exps, &m.down_exps, &m.shared_gate, &m.shared_up, &m.shared_down];
-    d.group == 64 && d.sinter == d.inter && d.inter.is_multiple_of(64) && d.inter <= WG_RES_COLS && wgm_fits(d.hidden) && mats.iter().all(|q| q4(q))
+    d.group == 64 && d.sinter == d.inter && d.inter.is_multiple_of(64) && d.inter <= WG_RES_COLS && mats.iter().all(|q| q4(q))
 }
 
 /// The route of a prefill chunk of `n` tokens: in the bf16 mode, the staged kernels where they
@@ -762,23 +763,21 @@ const fn wg_smem(tile: usize) -> u32 {
     (WG_STAGES * (tile * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
 }
 
-/// The wide gate|up kernels' stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
+/// `pf_moe_wg_glu_mb`'s stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
 const WGM_STAGES: usize = 6;
 const WGM_STAGE: usize = WG_TILE * 128 + WG_AROWS * 32;
-/// The wide gate|up kernels' dynamic shared memory over rows of `cols` columns: the stages, every
+/// `pf_moe_wg_glu_mb`'s dynamic shared memory over rows of `cols` columns: the stages, every
 /// group's scales and biases of the block's 128 gate and 128 up rows (rows padded by 16 bytes),
 /// the stages' two barriers and the tile's slot and input-row indices.
 const fn wgm_smem(cols: usize) -> u32 {
     (WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WG_TILE * 4) as u32
 }
 
-/// Whether the wide gate|up kernels fit rows of `cols` columns: their scales stay resident (up to
-/// ~4,600 columns; the 35B's experts have 2,048).
-const fn wgm_fits(cols: usize) -> bool {
-    wgm_smem(cols) <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT
+/// Whether gate|up over `cols` columns takes `pf_moe_wg_glu_mb` (codes in fragment order, wide
+/// tiles): its scales are copied 8 groups at a time and must fit in shared memory beside the stages.
+fn wgm_takes(cols: usize, frag: bool, narrow: bool) -> bool {
+    frag && !narrow && cols.is_multiple_of(512) && wgm_smem(cols) <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT
 }
-/// The most 64-column groups [`wgm_fits`] takes.
-const WGM_MAX_GROUPS: usize = 73;
 
 /// Slots per tile of the wgmma expert kernels (WG_N in kernels/moe.cu): each dequantised weight
 /// serves this many slots.
@@ -817,8 +816,8 @@ fn wg_takes(mats: &[&DevQ]) -> bool {
 /// order (`stage_wg`); `rows` per expert.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped, tile: usize) -> Result<()> {
-    if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) || (tile == WG_TILE && !wgm_fits(gate.cols)) {
-        bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups (their scales resident: at most {} groups) and outputs of whole groups", WGM_MAX_GROUPS);
+    if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
+        bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups and outputs of whole groups");
     }
     if gate.frag != up.frag {
         bail!("the wgmma gate|up kernel takes both matrices' codes in one order");
@@ -832,7 +831,10 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
     };
     let args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
     let grid = (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1);
-    gpu.launch(k, grid, WG_THREADS, if tile == WG_TILE { wgm_smem(gate.cols) } else { wg_smem(tile) }, &args)
+    if wgm_takes(gate.cols, gate.frag, tile != WG_TILE) {
+        return gpu.launch(PF_MOE_WG_GLU_MB, grid, WG_THREADS, wgm_smem(gate.cols), &args);
+    }
+    gpu.launch(k, grid, WG_THREADS, wg_smem(tile), &args)
 }
 
 /// Whether lists of `tile`-slot tiles take the narrow wgmma kernels (else the wide ones).
@@ -1028,12 +1030,17 @@ mod tests {
     }
 
     #[test]
-    fn the_wide_gate_up_keeps_every_groups_scales_resident() {
+    fn the_35b_gate_up_takes_the_mbarrier_kernel() {
         // Six stages of 24 KB, the 35B's 32 groups' scales and biases of 256 rows (80-byte rows)
         // resident, the barriers and indices.
         assert_eq!(wgm_smem(2048), (6 * 24576 + 4 * 128 * 80 + 6 * 16 + 1024) as u32);
-        assert!(wgm_fits(2048) && wgm_fits(128) && wgm_fits(64 * WGM_MAX_GROUPS));
-        assert!(!wgm_fits(64 * (WGM_MAX_GROUPS + 1)));
+        assert!(wgm_takes(2048, true, false));
+        // Not the narrow tiles, not row-order codes, not the tiny model's two groups (its scales
+        // are not whole 16-byte runs), nor rows whose resident scales would not fit.
+        assert!(!wgm_takes(2048, true, true));
+        assert!(!wgm_takes(2048, false, false));
+        assert!(!wgm_takes(128, true, false));
+        assert!(!wgm_takes(64 * 128, true, false));
     }
 
     #[test]
