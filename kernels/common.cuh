@@ -466,6 +466,13 @@ struct WgmmaDescs {
         return ((unsigned long long)hi << 32) | (lo + units);
     }
 };
+// A bf16 from shared memory as the pair (v, v) (the wgmma experts' scales and biases: the
+// products read it as an .H0_H0 operand, no separate broadcast).
+__device__ __forceinline__ u32 lds_bf16_pair(u32 addr) {
+    u32 v;
+    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(v) : "r"(addr));
+    return v;
+}
 // ---- mbarriers (the wgmma experts' stages handed between warps) ----
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

@@ -966,12 +966,33 @@ struct WgGroup {
 // The scales and biases of A rows ka and kb for one group (`ss`: the group's first row's scale;
 // each row's 8 scales then 8 biases are 32 bytes), as bf16 pairs.
 __device__ __forceinline__ void wg_read_scales(u32 ss, int ka, int kb, WgGroup& c) {
-    u32 sa, ba, sb, bb;
-    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(sa) : "r"(ss + ka * 32));
-    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(ba) : "r"(ss + ka * 32 + 16));
-    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(sb) : "r"(ss + kb * 32));
-    asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(bb) : "r"(ss + kb * 32 + 16));
-    c.sa = sa; c.ba = ba; c.sb = sb; c.bb = bb;
+    c.sa = lds_bf16_pair(ss + ka * 32);
+    c.ba = lds_bf16_pair(ss + ka * 32 + 16);
+    c.sb = lds_bf16_pair(ss + kb * 32);
+    c.bb = lds_bf16_pair(ss + kb * 32 + 16);
+}
+
+// The tile's slots (-1 past its `cnt`) and their input rows (slot / xdiv) into shared memory,
+// by the block's first N threads (`tid`: this one).
+template <int N>
+__device__ __forceinline__ void wg_tile_slots(int tid, int* slot, int* xrow, const int* lst, int cnt, int xdiv) {
+    if (tid < N) {
+        const int sl = tid < cnt ? lst[tid] : -1;
+        slot[tid] = sl;
+        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
+    }
+}
+
+// A stage ring's barriers at `bars`: `stages` full ones (every thread's copies arrive), then as
+// many empty ones (one arrival per warp).
+__device__ __forceinline__ void wg_ring_init(u32 bars, int stages) {
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < stages; ++k) {
+            mbar_init(bars + 8 * k, WG_THREADS);
+            mbar_init(bars + 8 * (stages + k), WG_THREADS / 32);
+        }
+        mbar_init_fence();
+    }
 }
 
 // The gate|up epilogue: thread (warp, g, t) holds output row R = 8 warp + g of the block (gate
@@ -1020,11 +1041,7 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
     constexpr int STAGE = WG_STAGE(NS), SCALES = WG_STAGES * STAGE;
     int* slot = reinterpret_cast<int*>(wg_sm + SCALES + 2 * WG_SCALES);
     int* xrow = slot + N;
-    if (tid < N) {
-        const int sl = tid < cnt ? lst[tid] : -1;
-        slot[tid] = sl;
-        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
-    }
+    wg_tile_slots<N>(tid, slot, xrow, lst, cnt, xdiv);
     // A row k (0..255) of the block: warp k / 16, lane group k % 8, the thread's row a (k & 8 == 0)
     // or b: a = gate row R, b = up row R (one output row R). A row past `rows` reads the expert's
     // row 0 with zero scales and biases, i.e. zero weights.
@@ -1297,20 +1314,10 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
     const u32 bars = scl + 4 * 128 * srs;  // full[S], then empty[S]
     int* xrow = reinterpret_cast<int*>(wg_sm + (bars + 16 * S - sm0));
     int* slot = xrow + N;
-    if (tid < N) {
-        const int sl = tid < cnt ? lst[tid] : -1;
-        slot[tid] = sl;
-        xrow[tid] = sl >= 0 ? sl / xdiv : -1;
-    }
+    wg_tile_slots<N>(tid, slot, xrow, lst, cnt, xdiv);
     auto full = [&](u32 st) { return bars + 8 * st; };
     auto empty = [&](u32 st) { return bars + 8 * (S + st); };
-    if (tid == 0) {
-        for (int k = 0; k < S; ++k) {
-            mbar_init(full(k), WG_THREADS);
-            mbar_init(empty(k), WG_THREADS / 32);
-        }
-        mbar_init_fence();
-    }
+    wg_ring_init(bars, S);
     // Every group's scales and biases of the block's rows (16 bytes at a time; a row past `rows`
     // gets zeros, i.e. zero weights).
     {
@@ -1351,10 +1358,10 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qa.x), "=r"(c.qa.y) : "r"(fa));
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(c.qb.x), "=r"(c.qb.y) : "r"(fa + 4096));
         const u32 ss = sth + 2 * G;
-        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.sa) : "r"(ss));
-        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.ba) : "r"(ss + 128 * srs));
-        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.sb) : "r"(ss + 256 * srs));
-        asm volatile("{.reg .b16 h; ld.shared.b16 h, [%1]; mov.b32 %0, {h, h};}" : "=r"(c.bb) : "r"(ss + 384 * srs));
+        c.sa = lds_bf16_pair(ss);
+        c.ba = lds_bf16_pair(ss + 128 * srs);
+        c.sb = lds_bf16_pair(ss + 256 * srs);
+        c.bb = lds_bf16_pair(ss + 384 * srs);
     };
     auto build = [&](const WgGroup& c, u32 (&a)[4][4]) {
 #pragma unroll
@@ -1474,19 +1481,11 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
         slot[tid] = sl;
         xrow[tid] = sl >= 0 ? sl / xdiv : -1;
     }
-    // MB: the code stages' full and empty barriers after the indices (moe::wg_res_mb_smem).
+    // MB: the code stages' full and empty barriers after the indices (moe::wg_res_smem).
     const u32 bars = smem_u32(xrow + N);
     auto full = [&](int st) { return bars + 8 * (st & (S - 1)); };
     auto empty = [&](int st) { return bars + 8 * (S + (st & (S - 1))); };
-    if constexpr (MB) {
-        if (tid == 0) {
-            for (int k = 0; k < S; ++k) {
-                mbar_init(full(k), WG_THREADS);
-                mbar_init(empty(k), WG_THREADS / 32);
-            }
-            mbar_init_fence();
-        }
-    }
+    if constexpr (MB) wg_ring_init(bars, S);
     // The copies: thread tid copies half tid & 1 of block row tid >> 1's codes of each group (32
     // bytes a row) and, with a row block's first group, that row's scales (tid & 1 == 0) or
     // biases; in fragment order (FRAG) lane tid & 31's 16 bytes of 16-row tile tid >> 5's group
