@@ -16,7 +16,7 @@ left() { local l=$(( DEADLINE - ($(date +%s) - t0) - ${1:-0} )); [ "$l" -gt 5 ] 
 for a in base d3 l4 u rc pr; do bash scripts/device_unpack.sh .device-$a >/dev/null 2>&1; done
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 [ -f $LILY_CK/config.json ] && echo 0 > /tmp/synth.rc || \
-  setsid nohup bash -c "./.device-base/bin/lily synth --preset 35b-a3b --out $LILY_CK > /tmp/synth.log 2>&1; echo \$? > /tmp/synth.rc" < /dev/null > /dev/null 2>&1 &
+  setsid nohup bash -c "./.device-base/bin/lily-bench --model $LILY_CK --synth-preset 35b-a3b > /tmp/synth.log 2>&1; echo \$? > /tmp/synth.rc" < /dev/null > /dev/null 2>&1 &
 pids=""
 for a in u rc pr; do
   ( timeout 150 ./.device-$a/tests/cuda_prefill --include-ignored --test-threads 2 --nocapture > "$OUT/tests-$a-cuda_prefill.log" 2>&1
