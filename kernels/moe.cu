@@ -2043,7 +2043,7 @@ MOE_ROUTE_BATCH_35B(4)
 // expert id (the CPU accumulates experts in ascending id order); counts[e] += 1 per slot.
 // grid (ceil(T/4)), block 128. E <= 512, K <= 16.
 extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ top_ids,
-                                    float* __restrict__ top_w, int* __restrict__ counts) {
+                                    float* __restrict__ top_w) {
     __shared__ int sids[4][MOE_MAXK];
     __shared__ float swts[4][MOE_MAXK];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -2055,23 +2055,38 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     if (lane < K) {
         top_ids[(size_t)t * K + lane] = ids[lane];
         top_w[(size_t)t * K + lane] = wts[lane];
-        atomicAdd(&counts[ids[lane]], 1);
     }
 }
 
-// Exclusive scan of the per-expert counts and of their 64-token tile counts (E <= 512, one
-// thread per expert: warp scans, then the warp totals); zeroes `fill`. When `tiles` is set it
-// also lists the (expert, first token) tiles of `tile` tokens in expert order (64 for the grouped
-// GEMMs, 16 for moe_tcb's passes): tiles[0] = count. block 512.
-extern "C" __global__ void pf_scan(const int* __restrict__ counts, int E, int* __restrict__ offsets,
-                                   int* __restrict__ fill, int* __restrict__ tiles, int tile) {
-    __shared__ int wc[16], wt[16];
+// The per-expert counts of TK top-k slots (shared-memory counters: every token's K picks
+// counted in one block, not by TK global atomics on E counters), their exclusive scan and that of
+// their tile counts (E <= 512, one thread per expert: warp scans, then the warp totals); zeroes
+// `fill`. When `tiles` is set it also lists the (expert, first token) tiles of `tile` tokens in
+// expert order (64 for the grouped GEMMs, 16 for moe_tcb's passes): tiles[0] = count. block 512.
+extern "C" __global__ void __launch_bounds__(512) pf_scan(const int* __restrict__ top_ids, int TK, int* __restrict__ counts,
+                                                          int E, int* __restrict__ offsets, int* __restrict__ fill,
+                                                          int* __restrict__ tiles, int tile) {
+    __shared__ int wc[16], wt[16], hist[512];
     const int e = threadIdx.x;
-    const int c = e < E ? counts[e] : 0;
+    hist[e] = 0;
+    __syncthreads();
+    // Four independent loads in flight per thread between the shared-memory increments.
+    int i = e;
+    for (; i + 3 * 512 < TK; i += 4 * 512) {
+        int id[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) id[u] = top_ids[i + u * 512];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) atomicAdd(&hist[id[u]], 1);
+    }
+    for (; i < TK; i += 512) atomicAdd(&hist[top_ids[i]], 1);
+    __syncthreads();
+    const int c = e < E ? hist[e] : 0;
     const int nt = tiles ? (c + tile - 1) / tile : 0;
     int oc, ot;
     block_excl_scan2(c, nt, wc, wt, oc, ot);
     if (e < E) {
+        counts[e] = c;
         offsets[e] = oc;
         fill[e] = 0;
         for (int k = 0, t = ot; k < nt; ++k, ++t) {

@@ -474,9 +474,11 @@ fn cuda_prefill_gdn_chunked_scan_over_bf16_inputs_equals_the_f32_one() {
     }
 }
 
-/// The prefill conv's bf16 instances (the chunked scan's inputs) write the f32 instances' values
-/// rounded to bf16, bit for bit, and advance the rings alike: several sequences in one launch,
-/// at the 35B's head shapes and a small one.
+/// The prefill conv against a plain f32 reference (`conv_reference`), and its bf16 instances
+/// (the chunked scan's inputs) writing the f32 instances' values rounded to bf16, bit for bit,
+/// advancing the rings alike: several sequences in one launch (segments shorter than the
+/// kernels' runs of rows, runs that cross a segment's start, history from the rings), at the
+/// 35B's head shapes and a small one.
 #[test]
 #[ignore = "needs a GPU"]
 fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
@@ -488,8 +490,8 @@ fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
     for shape in shapes {
         let c = 2 * shape.nk * shape.dk + shape.nv * shape.dv;
         let taps = rnd(7, shape.kc * c);
-        let rows = [300usize, 64, 5];
-        let pos0 = [0usize, 7, 2];
+        let rows = [300usize, 64, 5, 1, 2, 11];
+        let pos0 = [0usize, 7, 2, 0, 9, 1];
         let data: Vec<(Vec<f32>, Vec<f32>)> = rows.iter().enumerate().map(|(i, &n)| (rnd(10 + i as u64, n * c), rnd(20 + i as u64, shape.kc * c))).collect();
         let segs: Vec<testing::ConvInput> = data.iter().zip(pos0).map(|((qkv, ring), pos0)| testing::ConvInput { qkv, ring, pos0 }).collect();
         let f32_out = testing::gdn_conv(&b, shape, &segs, &taps, false).unwrap();
@@ -500,8 +502,59 @@ fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
             assert_eq!(rounded(x), *y, "{shape:?} {name}");
         }
         assert_eq!(f32_out.rings, bf16_out.rings, "{shape:?}: the rings");
-        eprintln!("gdn conv {shape:?}: bf16 outputs are the f32 ones rounded ({} rows in {} sequences)", rows.iter().sum::<usize>(), rows.len());
+        let want = conv_reference(shape, &segs, &taps);
+        let mut worst = 0f32;
+        for (name, got, want) in [("q", &f32_out.q, &want.q), ("k", &f32_out.k, &want.k), ("v", &f32_out.v, &want.v)] {
+            assert_eq!(got.len(), want.len(), "{shape:?} {name}: lengths");
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let err = (g - w).abs() / w.abs().max(1e-2);
+                worst = worst.max(err);
+                assert!(err < 1e-4, "{shape:?} {name}[{i}]: {g} against the reference's {w}");
+            }
+        }
+        eprintln!("gdn conv {shape:?}: within {worst:.1e} of the f32 reference, bf16 outputs the f32 ones rounded ({} rows in {} sequences)", rows.iter().sum::<usize>(), rows.len());
     }
+}
+
+/// The causal conv + SiLU of each sequence (its history before `pos0` from its ring: position p
+/// at slot p % kc), then q and k L2-normalised per key head (q also by dk^-1/2), as the CPU
+/// reference's GDN computes them; f64 sums.
+fn conv_reference(shape: testing::GdnConvShape, segs: &[testing::ConvInput], taps: &[f32]) -> testing::ConvOutputs {
+    let testing::GdnConvShape { nk, dk, nv, dv, kc } = shape;
+    let (key_dim, c) = (nk * dk, 2 * nk * dk + nv * dv);
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for seg in segs {
+        let n = seg.qkv.len() / c;
+        for t in 0..n {
+            let row: Vec<f32> = (0..c)
+                .map(|ch| {
+                    let acc: f64 = (0..kc)
+                        .map(|j| {
+                            let p = (seg.pos0 + t + j) as i64 - (kc as i64 - 1);
+                            let x = if p >= seg.pos0 as i64 {
+                                seg.qkv[(p as usize - seg.pos0) * c + ch]
+                            } else if p >= 0 {
+                                seg.ring[(p as usize % kc) * c + ch]
+                            } else {
+                                0.0
+                            };
+                            taps[j * c + ch] as f64 * x as f64
+                        })
+                        .sum();
+                    (acc / (1.0 + (-acc).exp())) as f32
+                })
+                .collect();
+            for (out, base, scale) in [(&mut q, 0, 1.0 / (dk as f64).sqrt()), (&mut k, key_dim, 1.0)] {
+                for h in 0..nk {
+                    let head = &row[base + h * dk..base + (h + 1) * dk];
+                    let inv = 1.0 / (head.iter().map(|&x| x as f64 * x as f64).sum::<f64>() + 1e-6).sqrt() * scale;
+                    out.extend(head.iter().map(|&x| (x as f64 * inv) as f32));
+                }
+            }
+            v.extend_from_slice(&row[2 * key_dim..]);
+        }
+    }
+    testing::ConvOutputs { q, k, v, rings: Vec::new() }
 }
 
 /// Several sequences' attention in one call (a chunk of several prompts: up to 16 segments per

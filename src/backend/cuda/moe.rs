@@ -353,15 +353,14 @@ pub fn gate_and_route(gpu: &Gpu, gemm: &Gemm, m: &DevMoe, d: &MoeDims, a: &Activ
     let gate = FewRows { q: &m.shared_expert_gate, rows: 1, y: p(&a.sgl), ldy: 1 };
     gemm.few_rows(&[router, gate], u, n)?;
     let r = RouteLists::over(gpu, a, s);
-    gpu.zero(r.counts, d.e * 4)?;
     route(gpu, d, &r, n)?;
     slot_lists(gpu, d.e, &r, n * d.k, tile)?;
     Ok(r)
 }
 
-/// Top-k per token with the expert counts (`counts` must be zero).
+/// Top-k ids and weights per token (counted per expert by [`slot_lists`]).
 pub fn route(gpu: &Gpu, d: &MoeDims, r: &RouteLists, n: usize) -> Result<()> {
-    let args = [Arg::P(r.logits), Arg::I(n as i32), Arg::I(d.e as i32), Arg::I(d.k as i32), Arg::P(r.top_ids), Arg::P(r.top_w), Arg::P(r.counts)];
+    let args = [Arg::P(r.logits), Arg::I(n as i32), Arg::I(d.e as i32), Arg::I(d.k as i32), Arg::P(r.top_ids), Arg::P(r.top_w)];
     gpu.launch(PF_ROUTE, (n.div_ceil(4) as u32, 1, 1), 128, 0, &args)
 }
 
@@ -371,13 +370,13 @@ const SCATTER_THREADS: u32 = 1024;
 const SCATTER_SLOTS: usize = 4 * SCATTER_THREADS as usize;
 const SCATTER_MAX_EXPERTS: usize = 512;
 
-/// Slot offsets and tiles of `tile` slots from the counts, then the per-expert slot lists of
-/// `slots` top-k slots.
+/// The per-expert counts of `slots` top-k slots, their offsets and tiles of `tile` slots, then
+/// the per-expert slot lists.
 pub fn slot_lists(gpu: &Gpu, experts: usize, r: &RouteLists, slots: usize, tile: usize) -> Result<()> {
     if experts > SCATTER_MAX_EXPERTS {
         bail!("the prefill slot lists take at most {SCATTER_MAX_EXPERTS} experts, not {experts}");
     }
-    let args = [Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles), Arg::I(tile as i32)];
+    let args = [Arg::P(r.top_ids), Arg::I(slots as i32), Arg::P(r.counts), Arg::I(experts as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.tiles), Arg::I(tile as i32)];
     gpu.launch(PF_SCAN, (1, 1, 1), 512, 0, &args)?;
     let args = [Arg::P(r.top_ids), Arg::I(slots as i32), Arg::P(r.offsets), Arg::P(r.fill), Arg::P(r.list), Arg::I(experts as i32)];
     gpu.launch(PF_SCATTER, (slots.div_ceil(SCATTER_SLOTS) as u32, 1, 1), SCATTER_THREADS, 0, &args)

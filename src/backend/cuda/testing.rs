@@ -378,10 +378,8 @@ struct SlotLists {
 
 impl SlotLists {
     fn new(gpu: &Gpu, experts: usize, tokens: usize, ids: &[u32], k: usize, tile: usize) -> Result<Self> {
-        let mut counts = vec![0i32; experts];
-        for &e in ids {
-            counts[e as usize] += 1;
-        }
+        // The counts are the lists' to write: start them wrong.
+        let counts = vec![-1i32; experts];
         let d = MoeDims { e: experts, k, inter: 0, sinter: 0, hidden: 0, group: 0 };
         let max_tiles = moe::tiles_of(tokens, &d, tile);
         let idv: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
