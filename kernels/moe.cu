@@ -2040,7 +2040,7 @@ MOE_ROUTE_BATCH_35B(4)
 // Activations are token-major f32 [T][dim] (docs/cuda-prefill.md, src/backend/cuda/prefill.rs).
 
 // Routing: one warp per token: softmax top-k (ties -> lower id), renormalised weights, sorted by
-// expert id (the CPU accumulates experts in ascending id order); counts[e] += 1 per slot.
+// expert id (the CPU accumulates experts in ascending id order); pf_scan counts them.
 // grid (ceil(T/4)), block 128. E <= 512, K <= 16.
 extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ top_ids,
                                     float* __restrict__ top_w) {
