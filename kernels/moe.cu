@@ -1252,14 +1252,28 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // expert has a second tile of a few slots), and at NW = 128 its block ran the full tile's tensor
 // work for them. The staging layout stays that of WG_N slots; columns past the tile's slots
 // multiply whatever the stage holds and are never stored.
+// WG_AT_TILE_WIDTH(call): in a kernel over the lists' tiles (blockIdx.y; blocks past the last
+// tile return), `call` with NW the narrowest width that covers the tile's slots. A macro: NVRTC
+// takes no generic lambda in device code, and every kernel over the tiles dispatches so.
+#define WG_AT_TILE_WIDTH(...)                                                             \
+    if ((int)blockIdx.y >= tiles[0]) return;                                              \
+    const int wg_cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];     \
+    if (wg_cnt <= 32) {                                                                   \
+        constexpr int NW = 32;                                                            \
+        __VA_ARGS__;                                                                      \
+    } else if (wg_cnt <= 64) {                                                            \
+        constexpr int NW = 64;                                                            \
+        __VA_ARGS__;                                                                      \
+    } else if (wg_cnt <= 96) {                                                            \
+        constexpr int NW = 96;                                                            \
+        __VA_ARGS__;                                                                      \
+    } else {                                                                              \
+        constexpr int NW = WG_N;                                                          \
+        __VA_ARGS__;                                                                      \
+    }
 template <bool FRAG>
 __device__ __forceinline__ void pf_moe_wg_tile(PF_MOE_WG_ARGS) {
-    if ((int)blockIdx.y >= tiles[0]) return;
-    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
-    if (cnt <= 32) pf_moe_wg_body<FRAG, 32>(PF_MOE_WG_PASS);
-    else if (cnt <= 64) pf_moe_wg_body<FRAG, 64>(PF_MOE_WG_PASS);
-    else if (cnt <= 96) pf_moe_wg_body<FRAG, 96>(PF_MOE_WG_PASS);
-    else pf_moe_wg_body<FRAG, WG_N>(PF_MOE_WG_PASS);
+    WG_AT_TILE_WIDTH(pf_moe_wg_body<FRAG, NW>(PF_MOE_WG_PASS))
 }
 // gate|up with SwiGLU into h (bf16, stage_wg's order, [slot][rows], pf_moe_wg_down_res's input):
 // grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::WG_SMEM;
@@ -1422,12 +1436,7 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
 // grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::wgm_smem;
 // tiles of WG_N slots, each at the narrowest wgmma width that covers its slots (pf_moe_wg_tile).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mb(PF_MOE_WG_ARGS) {
-    if ((int)blockIdx.y >= tiles[0]) return;
-    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
-    if (cnt <= 32) pf_moe_wgm_body<32>(PF_MOE_WG_PASS);
-    else if (cnt <= 64) pf_moe_wgm_body<64>(PF_MOE_WG_PASS);
-    else if (cnt <= 96) pf_moe_wgm_body<96>(PF_MOE_WG_PASS);
-    else pf_moe_wgm_body<WG_N>(PF_MOE_WG_PASS);
+    WG_AT_TILE_WIDTH(pf_moe_wgm_body<NW>(PF_MOE_WG_PASS))
 }
 
 // ---- down over a tile's whole K with its inputs resident ----
@@ -1726,14 +1735,9 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
 // Codes in fragment order (FRAG) take the mbarrier-handed ring (MB); row order the block barrier.
 template <bool FRAG>
 __device__ __forceinline__ void pf_moe_wg_down_res_tile(PF_MOE_WG_ARGS, int rbs) {
-    if ((int)blockIdx.y >= tiles[0]) return;
-    const int cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];
     u16* y = reinterpret_cast<u16*>(out);
     constexpr int S = WG_RES_STAGES;
-    if (cnt <= 32) pf_moe_wg_down_res_body<FRAG, 32, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else if (cnt <= 64) pf_moe_wg_down_res_body<FRAG, 64, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else if (cnt <= 96) pf_moe_wg_down_res_body<FRAG, 96, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
-    else pf_moe_wg_down_res_body<FRAG, WG_N, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs);
+    WG_AT_TILE_WIDTH(pf_moe_wg_down_res_body<FRAG, NW, WG_N, S, FRAG>(w, s, b, y, rows, cols, x, xdiv, counts, offsets, list, tiles, rbs))
 }
 // Down with resident inputs into y (bf16 [slot][rows], as pf_moe_wg_down): grid
 // (ceil(rows / (rbs * WG_DOWN_ROWS)), tiles), block WG_THREADS, dynamic shared memory
