@@ -516,39 +516,30 @@ fn cuda_prefill_gdn_conv_bf16_outputs_are_the_f32_ones_rounded() {
     }
 }
 
-/// The causal conv + SiLU of each sequence (its history before `pos0` from its ring: position p
-/// at slot p % kc), then q and k L2-normalised per key head (q also by dk^-1/2), as the CPU
-/// reference's GDN computes them; f64 sums.
+/// The CPU reference's conv (`gdn::causal_conv_silu`) of each sequence, its history before
+/// `pos0` from its ring (position p at slot p % kc; none before position 0), then q and k
+/// L2-normalised per key head as the CPU's GDN does (`ops::l2_normalize`, q also by dk^-1/2).
 fn conv_reference(shape: testing::GdnConvShape, segs: &[testing::ConvInput], taps: &[f32]) -> testing::ConvOutputs {
     let testing::GdnConvShape { nk, dk, nv, dv, kc } = shape;
     let (key_dim, c) = (nk * dk, 2 * nk * dk + nv * dv);
+    let q_scale = 1.0 / (dk as f32).sqrt();
     let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
     for seg in segs {
-        let n = seg.qkv.len() / c;
-        for t in 0..n {
-            let row: Vec<f32> = (0..c)
-                .map(|ch| {
-                    let acc: f64 = (0..kc)
-                        .map(|j| {
-                            let p = (seg.pos0 + t + j) as i64 - (kc as i64 - 1);
-                            let x = if p >= seg.pos0 as i64 {
-                                seg.qkv[(p as usize - seg.pos0) * c + ch]
-                            } else if p >= 0 {
-                                seg.ring[(p as usize % kc) * c + ch]
-                            } else {
-                                0.0
-                            };
-                            taps[j * c + ch] as f64 * x as f64
-                        })
-                        .sum();
-                    (acc / (1.0 + (-acc).exp())) as f32
-                })
-                .collect();
-            for (out, base, scale) in [(&mut q, 0, 1.0 / (dk as f64).sqrt()), (&mut k, key_dim, 1.0)] {
+        let mut padded = Vec::with_capacity(seg.qkv.len() + (kc - 1) * c);
+        for p in seg.pos0 as i64 - (kc as i64 - 1)..seg.pos0 as i64 {
+            if p >= 0 {
+                padded.extend_from_slice(&seg.ring[(p as usize % kc) * c..(p as usize % kc + 1) * c]);
+            } else {
+                padded.extend(std::iter::repeat_n(0.0f32, c));
+            }
+        }
+        padded.extend_from_slice(seg.qkv);
+        for row in gdn::causal_conv_silu(&padded, taps, c, kc).chunks_exact(c) {
+            for (out, base, scale) in [(&mut q, 0, q_scale), (&mut k, key_dim, 1.0)] {
                 for h in 0..nk {
-                    let head = &row[base + h * dk..base + (h + 1) * dk];
-                    let inv = 1.0 / (head.iter().map(|&x| x as f64 * x as f64).sum::<f64>() + 1e-6).sqrt() * scale;
-                    out.extend(head.iter().map(|&x| (x as f64 * inv) as f32));
+                    let mut head = row[base + h * dk..base + (h + 1) * dk].to_vec();
+                    ops::l2_normalize(&mut head, 1e-6);
+                    out.extend(head.iter().map(|&x| x * scale));
                 }
             }
             v.extend_from_slice(&row[2 * key_dim..]);

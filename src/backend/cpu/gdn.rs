@@ -170,6 +170,24 @@ pub fn chunked(s: &mut [f32], inp: &HeadInputs, dk: usize, dv: usize, out: &mut 
 }
 
 /// The whole GDN mixer for T tokens of normed input `u` (`[T][hidden]`). Returns `[T][hidden]`.
+/// The causal depthwise conv + SiLU of the rows after the first `kk - 1` of `padded`
+/// (`[kk - 1 history rows | new rows][conv_dim]`) with `taps` (`[kk][conv_dim]`): row t, channel
+/// c is silu(sum over taps j of taps[j][c] * padded[t + j][c]), summed in tap order.
+pub fn causal_conv_silu(padded: &[f32], taps: &[f32], conv_dim: usize, kk: usize) -> Vec<f32> {
+    let tokens = padded.len() / conv_dim - (kk - 1);
+    let mut out = vec![0.0f32; tokens * conv_dim];
+    out.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
+        for (ch, o) in row.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for j in 0..kk {
+                acc += taps[j * conv_dim + ch] * padded[(t + j) * conv_dim + ch];
+            }
+            *o = silu(acc);
+        }
+    });
+    out
+}
+
 pub fn forward(w: &GdnWeights, cfg: &ModelConfig, u: &[f32], tokens: usize, st: &mut GdnState) -> Vec<f32> {
     let (nk, nv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let conv_dim = cfg.gdn_conv_dim();
@@ -185,16 +203,7 @@ pub fn forward(w: &GdnWeights, cfg: &ModelConfig, u: &[f32], tokens: usize, st: 
     let mut padded = Vec::with_capacity((hist + tokens) * conv_dim);
     padded.extend_from_slice(&st.conv);
     padded.extend_from_slice(&mixed);
-    let mut conv_out = vec![0.0f32; tokens * conv_dim];
-    conv_out.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
-        for (ch, o) in row.iter_mut().enumerate() {
-            let mut acc = 0.0f32;
-            for j in 0..kk {
-                acc += w.conv_taps[j * conv_dim + ch] * padded[(t + j) * conv_dim + ch];
-            }
-            *o = silu(acc);
-        }
-    });
+    let conv_out = causal_conv_silu(&padded, &w.conv_taps, conv_dim, kk);
     st.conv.copy_from_slice(&padded[tokens * conv_dim..]);
 
     // Split, normalise, gather per head: q,k are [T][nk][dk] in conv_out; v is [T][nv][dv].
