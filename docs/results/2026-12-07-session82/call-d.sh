@@ -1,5 +1,6 @@
 set -u
-# Prepared in session 82 for a later one, call d (one GPU, ~300 s): call b's arms and z.
+# Prepared in session 82 for a later one, call d (one GPU, ~300 s): y (calls b and c, which
+# could not start) and z.
 # base = main (f182bca: the counts by pf_scan); y = the routing's count, scan and scatter in one
 # block (pf_slot_lists) and pf_route over two tokens per warp (y.patch); z = the router's
 # few-row product with two 16-token tiles per warp from 4,096 tokens (pf_few_tc_m2_8_4: 32-row
