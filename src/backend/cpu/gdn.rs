@@ -169,10 +169,9 @@ pub fn chunked(s: &mut [f32], inp: &HeadInputs, dk: usize, dv: usize, out: &mut 
     }
 }
 
-/// The whole GDN mixer for T tokens of normed input `u` (`[T][hidden]`). Returns `[T][hidden]`.
 /// The causal depthwise conv + SiLU of the rows after the first `kk - 1` of `padded`
 /// (`[kk - 1 history rows | new rows][conv_dim]`) with `taps` (`[kk][conv_dim]`): row t, channel
-/// c is silu(sum over taps j of taps[j][c] * padded[t + j][c]), summed in tap order.
+/// c is `silu(sum over taps j of taps[j][c] * padded[t + j][c])`, summed in tap order.
 pub fn causal_conv_silu(padded: &[f32], taps: &[f32], conv_dim: usize, kk: usize) -> Vec<f32> {
     let tokens = padded.len() / conv_dim - (kk - 1);
     let mut out = vec![0.0f32; tokens * conv_dim];
@@ -188,6 +187,7 @@ pub fn causal_conv_silu(padded: &[f32], taps: &[f32], conv_dim: usize, kk: usize
     out
 }
 
+/// The whole GDN mixer for T tokens of normed input `u` (`[T][hidden]`). Returns `[T][hidden]`.
 pub fn forward(w: &GdnWeights, cfg: &ModelConfig, u: &[f32], tokens: usize, st: &mut GdnState) -> Vec<f32> {
     let (nk, nv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let conv_dim = cfg.gdn_conv_dim();
