@@ -450,15 +450,24 @@ pub fn scan_inputs_bf16(d: &GdnDims, segs: &[ScanSegment], exact: bool) -> bool 
 /// ([`SCAN_SEGS`] per launch), each on the path `select_scan_path` picks for its length alone (so
 /// a sequence's outputs do not depend on the segments beside it): reads q/k (normalised), v from
 /// the conv output (row stride `conv_dim`), raw b/a at the segment's rows; updates its state;
-/// writes `o` at its rows. `p` and `s` point at the chunk's first row.
-pub fn scan(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, segs: &[ScanSegment], exact: bool) -> Result<()> {
+/// writes `o` at its rows. `p` and `s` point at the chunk's first row. `mark` is called with
+/// "gdn.prep" after each chunked group's prep launch (the profile's split of the scan phase).
+pub fn scan(
+    gpu: &Gpu,
+    d: &GdnDims,
+    p: &GdnPtrs,
+    s: &GdnChunkScratch,
+    segs: &[ScanSegment],
+    exact: bool,
+    mark: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<()> {
     let (chunked, short): (Vec<ScanSegment>, Vec<ScanSegment>) =
         segs.iter().partition(|g| select_scan_path(d, g.n, exact) == ScanPath::Chunked);
     if s.inputs_bf16 && !short.is_empty() {
         bail!("the exact GDN scan takes f32 inputs, not the bf16 ones of the chunked scan");
     }
     for group in chunked.chunks(SCAN_SEGS) {
-        scan_chunked(gpu, d, p, s, group)?;
+        scan_chunked(gpu, d, p, s, group, &mut *mark)?;
     }
     for group in short.chunks(SCAN_SEGS) {
         scan_exact(gpu, d, p, s, group)?;
@@ -506,8 +515,16 @@ fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
 }
 
 /// The chunked scan (see gdn.cu) over up to [`SCAN_SEGS`] segments: every chunk's products at
-/// once, then the walk through each segment's chunks that carries its state.
-pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, group: &[ScanSegment]) -> Result<()> {
+/// once, then the walk through each segment's chunks that carries its state; `mark("gdn.prep")`
+/// between the two.
+pub fn scan_chunked(
+    gpu: &Gpu,
+    d: &GdnDims,
+    p: &GdnPtrs,
+    s: &GdnChunkScratch,
+    group: &[ScanSegment],
+    mark: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<()> {
     let Some((prep, walk)) = chunked_kernels(d, s.inputs_bf16).filter(|_| chunked_supported(d)) else {
         bail!("GDN heads (key dim {}, value dim {}) not supported by the chunked scan", d.dk, d.dv);
     };
@@ -525,6 +542,7 @@ pub fn scan_chunked(gpu: &Gpu, d: &GdnDims, p: &GdnPtrs, s: &GdnChunkScratch, gr
     args.extend([d.nk, d.nv, d.dv, d.conv_dim].map(|v| Arg::I(v as i32)));
     let grid = (longest.div_ceil(SCAN_CHUNK) as u32, d.nv as u32, group.len() as u32);
     gpu.launch(prep, grid, 128, prep_smem, &args)?;
+    mark("gdn.prep")?;
     let mut args: Vec<Arg> = outs.into_iter().collect();
     args.extend([scan_segs_arg(group), Arg::P(s.o)]);
     args.extend([d.nk, d.nv, d.dv].map(|v| Arg::I(v as i32)));

@@ -171,7 +171,8 @@ impl Pass for ChunkPass<'_> {
         let all = forward::gdn_ptrs(self.gpu, a, g, 0, 0);
         gdn::conv(self.gpu, &d, &all, &s, &convs)?;
         self.point(probe, Point::Phase("gdn.conv"))?;
-        gdn::scan(self.gpu, &d, &all, &s, &scans, self.exact)?;
+        // The profile splits the chunked scan's prep from its walk.
+        gdn::scan(self.gpu, &d, &all, &s, &scans, self.exact, &mut |name| self.point(probe, Point::Phase(name)))?;
         self.point(probe, Point::Phase("gdn.scan"))?;
         // Where the out-projection runs on cuBLAS the norm writes only its bf16 operand, so no
         // other GEMM may run between the two.

@@ -739,7 +739,7 @@ pub fn gdn_scan_segments_with(b: &CudaBackend, segs: &[ScanInput], dt_bias: f32,
     for group in scans.chunks(gdn::SCAN_SEGS) {
         match path {
             gdn::ScanPath::Exact => gdn::scan_exact(gpu, &d, &ptrs, &s, group)?,
-            gdn::ScanPath::Chunked => gdn::scan_chunked(gpu, &d, &ptrs, &s, group)?,
+            gdn::ScanPath::Chunked => gdn::scan_chunked(gpu, &d, &ptrs, &s, group, &mut |_| Ok(()))?,
         }
     }
     let o = read(gpu, &od)?;
