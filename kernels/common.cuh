@@ -466,6 +466,14 @@ struct WgmmaDescs {
         return ((unsigned long long)hi << 32) | (lo + units);
     }
 };
+// The same for B operands in the 128-byte swizzle (K-major rows of 128 bytes, 8-row atoms of
+// 1,024 bytes, SBO the atoms' stride), the layout a tensor copy with CU_TENSOR_MAP_SWIZZLE_128B
+// writes: the layout field (bits 62-63) is 1 and LBO unused.
+__device__ __forceinline__ WgmmaDescs wgmma_descs_sw128(u32 sbo_bytes) {
+    WgmmaDescs d(16, sbo_bytes);
+    d.hi |= 1u << 30;
+    return d;
+}
 // A bf16 from shared memory as the pair (v, v) (the wgmma experts' scales and biases: the
 // products read it as an .H0_H0 operand, no separate broadcast).
 __device__ __forceinline__ u32 lds_bf16_pair(u32 addr) {
@@ -488,6 +496,65 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile(
         "{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }" ::"r"(bar), "r"(parity)
         : "memory");
+}
+// One arrival that also expects `bytes` more of asynchronous copies on this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- thread block clusters, tensor and bulk copies (the wgmma gate|up's shared inputs) ----
+// A launch without a cluster dimension is a cluster of one block.
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 cluster_blocks() {
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+// The cluster barrier in two halves, every thread of every block of the cluster: arrive (release)
+// and wait (acquire).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// The arrive half without release semantics: where the cluster barrier only has to order what
+// is fenced otherwise (mbarrier initialisation by fence.mbarrier_init), it spares every thread a
+// GPU-wide MEMBAR that would also wait for its copies in flight.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+// An arrival on the mbarrier at offset `bar` of block `rank` of the cluster. The default
+// semantics (release at CTA scope), as CUTLASS's cluster barriers use: the arrival only has to
+// follow this warp's reads of the stage (its wgmmas waited for), and release or acquire at
+// cluster scope cost a GPU-wide MEMBAR per arrival and an L1 invalidation per wait.
+__device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 rank) {
+    asm volatile("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, %0, %1; mbarrier.arrive.shared::cluster.b64 _, [ra]; }" ::"r"(bar), "r"(rank)
+                 : "memory");
+}
+// A CUtensorMap (cuTensorMapEncodeTiled's 128 opaque bytes), passed as a __grid_constant__
+// kernel parameter so that the tensor copies read it in place.
+struct __align__(64) TmaMap {
+    unsigned long long w[16];
+};
+// A 2-D box of `map` at element coordinates (c0, c1) into shared memory at `dst`, completing on
+// `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+// The same box into offset `dst` of every block of the cluster in `mask`, each completing on its
+// own mbarrier at offset `bar`.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TmaMap* map, int c0, int c1, u32 bar, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
+}
+// `bytes` (a multiple of 16) contiguous bytes global -> shared, completing on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
+                 "r"(bytes), "r"(bar)
+                 : "memory");
 }
 // An arrival on `bar` once all of this thread's cp.async copies issued so far have landed (the
 // barrier's expected count includes it: .noinc).

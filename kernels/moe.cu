@@ -1294,46 +1294,59 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF
     pf_moe_wg_body<true, WG_NARROW, WG_NARROW>(PF_MOE_WG_PASS);
 }
 
-// pf_moe_wg_glu_mb: the wide gate|up over codes in fragment order with its stages handed over by
-// mbarriers instead of a block barrier per step. Each thread's copies of a group (its pieces of
-// the slots' inputs and of the codes, as pf_moe_wg_body's) arrive on the stage's full barrier as
-// they land (cp.async.mbarrier.arrive.noinc); each warp arrives on the stage's empty barrier once
-// its products from it are done, and the copies into a stage wait for every warp's arrival. The
-// warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1 groups, one's dequantisation under
-// another's products (the step is bound by its instruction stream: the block barrier held every
-// warp to the slowest). The rows' scales and biases of every group stay in shared memory (copied
-// once). Same products in the same order as pf_moe_wg_glu_f: the same bits.
 #define WGM_STAGES 6
 #define WGM_AHEAD 3                      // groups copied ahead of the one multiplied
 #define WGM_STAGE (WG_N * 128 + WG_CODES)  // the slots' inputs, then the codes
-// moe::wgm_smem: WGM_STAGES * WGM_STAGE + 4 * 128 * wgm_scale_row(cols / 64) + 16 * WGM_STAGES
+// moe::wgm_smem: 1,024 (alignment) + WGM_STAGES * WGM_STAGE + 4 * 128 * wgm_scale_row(cols / 64) + 16 * WGM_STAGES
 // (barriers) + 2 * WG_N * 4 (slot and input-row indices).
 // A scale row's stride in shared memory: 16 bytes past the groups' scales, so the 8 rows a warp
 // reads at once fall in distinct banks.
 __device__ __forceinline__ int wgm_scale_row(int gpr) { return 2 * gpr + 16; }
 
+// pf_moe_wg_glu_mc: the wide gate|up over codes in fragment order, its stages handed between
+// warps by mbarriers instead of a block barrier per step, and the slots' inputs brought once per
+// thread block cluster of the tile's row blocks (the launch's clusters span x: the expert's
+// 128-row blocks of one tile read the same inputs, which were the most of the kernel's L2
+// reads). Each block of a cluster of C copies 8 / C of every warp's 8 slots per group by tensor
+// copies multicast to all C blocks (the map's 128-byte swizzle, so a stage holds the slots as
+// K-major rows the wgmma's B reads with SBO 1,024), and its own rows' codes by one 512-byte bulk
+// copy per warp; each warp arrives on its block's full barrier expecting its 8 slots' and its
+// codes' bytes, whoever copies them. Each warp arrives on the empty barrier of every block of the
+// cluster once its products from a stage are done (C x 16 arrivals per phase), and a stage is
+// refilled only after all of them. The warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1
+// groups, one's dequantisation under another's products (the step is bound by its instruction
+// stream: the block barrier held every warp to the slowest). The rows' scales and biases of every
+// group stay in shared memory (copied once). Same products in the same order as
+// pf_moe_wg_glu_f: the same bits.
 template <int NW>
-__device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
+__device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xmap) {
     constexpr int N = WG_N, S = WGM_STAGES, L = WGM_AHEAD;
     static_assert(S > L + 1, "the warps drift apart by S - L - 1 groups");
+    static_assert(WGM_STAGE % 1024 == 0, "every stage starts on a swizzle atom");
+    (void)x;
     extern __shared__ uint4 wg_sm4[];
-    unsigned char* wg_sm = reinterpret_cast<unsigned char*>(wg_sm4);
-    const u32 sm0 = smem_u32(wg_sm);
+    const u32 raw = smem_u32(wg_sm4);
+    const u32 sm0 = (raw + 1023u) & ~1023u;  // the swizzle's 8-row atoms sit on 1,024-byte boundaries
+    const u32 C = cluster_blocks(), rank = cluster_rank();
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
     const int cnt = min(N, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
-    const int gpr = cols >> 6, srs = wgm_scale_row(gpr), xwords = cols >> 1;
+    const int gpr = cols >> 6, srs = wgm_scale_row(gpr);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 scl = sm0 + S * WGM_STAGE;  // gate scales, gate biases, up scales, up biases: 128 rows each
     const u32 bars = scl + 4 * 128 * srs;  // full[S], then empty[S]
-    int* xrow = reinterpret_cast<int*>(wg_sm + (bars + 16 * S - sm0));
+    int* xrow = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(wg_sm4) + (bars + 16 * S - raw));
     int* slot = xrow + N;
     wg_tile_slots<N>(tid, slot, xrow, lst, cnt, xdiv);
     auto full = [&](u32 st) { return bars + 8 * st; };
     auto empty = [&](u32 st) { return bars + 8 * (S + st); };
-    wg_ring_init(bars, S);
-    // Every group's scales and biases of the block's rows (16 bytes at a time; a row past `rows`
-    // gets zeros, i.e. zero weights).
+    if (tid == 0) {
+        for (int k = 0; k < S; ++k) {
+            mbar_init(full(k), WG_THREADS / 32);
+            mbar_init(empty(k), C * (WG_THREADS / 32));
+        }
+        mbar_init_fence();
+    }
     {
         const int cpr = gpr >> 3, per_mat = 128 * cpr;
         for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
@@ -1344,28 +1357,31 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         }
         cp_commit();
     }
-    __syncthreads();  // slot, xrow and the barriers
-    // This thread's copies of a group, as pf_moe_wg_body's: pieces p_in and p_in + 4 of slot n_in's
-    // inputs (stage layout: piece p of slot n at p * (N * 16) + n * 16), and 16 bytes of 16-row
-    // tile (tid >> 5) & 7's codes of the gate (tid < 256) or up rows (a tile past `rows` copies the
-    // expert's first: its scales are zeros).
-    const int n_in = (lane & 7) + 8 * warp, p_in = lane >> 3;
-    const int r_in = xrow[n_in];
-    const u32 xoff = (u32)max(r_in, 0) * (u32)xwords + p_in * 4, xdst = p_in * (N * 16) + n_in * 16;
+    __syncthreads();  // slot and xrow
+    // Every block's barriers initialised (fenced above) before any block's copies land in another.
+    cluster_arrive_relaxed();
+    cluster_wait();
+    // This warp's slots are 8 warp .. 8 warp + 7; this block copies `per` of them (lanes < per),
+    // into every block of the cluster. A 16-row tile of codes past `rows` copies the expert's
+    // first (its scales are zeros).
+    const int per = 8 / (int)C;
+    const int n_in = 8 * warp + per * (int)rank + lane;
+    const int r_in = lane < per ? xrow[n_in] : -1;
+    const unsigned short mask = (unsigned short)((1u << C) - 1u);
+    const u32 wbytes = 512 + 128 * (u32)max(0, min(8, cnt - 8 * warp));
     const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
     const unsigned char* csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
-                                (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1) + lane * 16;
+                                (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1);
     auto issue = [&](int G, u32 st) {
-        const u32 base = sm0 + st * WGM_STAGE;
+        const u32 base = sm0 + st * WGM_STAGE, fb = full(st);
+        if (lane == 0) mbar_arrive_expect_tx(fb, wbytes);
+        __syncwarp();
         if (r_in >= 0) {
-#pragma unroll
-            for (int k = 0; k < 2; ++k) cp_async16(base + xdst + k * 4 * (N * 16), x + xoff + G * 32 + k * 16);
+            if (C > 1) tma_load_2d_multicast(base + n_in * 128, xmap, 64 * G, r_in, fb, mask);
+            else tma_load_2d(base + n_in * 128, xmap, 64 * G, r_in, fb);
         }
-        cp_async16(base + N * 128 + tid * 16, csrc + G * 512);
-        cp_async_arrive_noinc(full(st));
+        if (lane == 0) bulk_load(base + N * 128 + warp * 512, csrc + G * 512, 512, fb);
     };
-    // This thread's operands of group G from stage st: its gate and up rows' codes (fragment
-    // order, as pf_moe_wg_body) and scales and biases (row 8 warp + g of each matrix).
     const u32 sth = scl + (warp * 8 + g) * srs;
     auto read = [&](u32 st, int G, WgGroup& c) {
         const u32 fa = sm0 + st * WGM_STAGE + N * 128 + lane * 16 + (warp >> 1) * 512 + (warp & 1) * 8;
@@ -1382,16 +1398,16 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         for (int i = 0; i < 4; ++i) affine_a_frag(c.qa, c.qb, i, c.sa, c.ba, c.sb, c.bb, a[i]);
     };
     for (int G = 0; G < L && G < gpr; ++G) issue(G, G);
-    cp_wait<0>();  // the scales (the groups' copies are tracked by the full barriers)
+    cp_wait<0>();  // the scales
     __syncthreads();
     float acc[NW / 2];
 #pragma unroll
     for (int q = 0; q < NW / 2; ++q) acc[q] = 0.f;
-    // Step i's B: two core matrices along K (LBO N * 16 bytes) by N / 8 along N (SBO 128 bytes).
-    const WgmmaDescs bdesc(N * 16, 128);
+    // Step i's B: the slots' 128-byte rows of the group, 8-row atoms 1,024 bytes apart, k step i
+    // 32 bytes into each row.
+    const WgmmaDescs bdesc = wgmma_descs_sw128(1024);
     u32 a0[4][4], a1[4][4];
     mbar_wait(full(0), 0);
-    fence_proxy_async_smem();  // the other threads' copies, for this thread's wgmmas
     {
         WgGroup c;
         read(0, 0, c);
@@ -1399,8 +1415,8 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
     }
     // Step G (stage st = G % S, phase parity ph = (G / S) & 1, carried from step to step): group
     // G's products (its stage waited for in step G - 1); the copies of group G + L into the stage
-    // of group G + L - S once every warp is done with that group; group G + 1's A built once its
-    // stage is in; then this warp's release of group G's stage.
+    // of group G + L - S once every warp of the cluster is done with that group; group G + 1's A
+    // built once its stage is in; then this warp's release of group G's stage, to every block.
     u32 st = 0, ph = 0;
     auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         const bool wrap1 = st + 1 == S, wrapL = st + L >= S;
@@ -1408,7 +1424,7 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         const u32 st4 = (sm0 + st * WGM_STAGE) >> 4;
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + i * 2 * N));
+        for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + 2 * i));
         wgmma_commit();
         if (G + L < gpr) {
             if (G + L >= S) mbar_wait(empty(stL), ph ^ (u32)wrapL ^ 1u);
@@ -1416,14 +1432,13 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         }
         if (G + 1 < gpr) {
             mbar_wait(full(st1), ph1);
-            fence_proxy_async_smem();
             WgGroup c;
             read(st1, G + 1, c);
             build(c, nxt);
         }
         wgmma_wait<0>();
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(st));
+        if (lane < (int)C) mbar_arrive_in(empty(st), (u32)lane);
         st = st1;
         ph = ph1;
     };
@@ -1431,12 +1446,17 @@ __device__ __forceinline__ void pf_moe_wgm_body(PF_MOE_WG_ARGS) {
         step(G, a0, a1);
         if (G + 1 < gpr) step(G + 1, a1, a0);
     }
+    // No block leaves while another may still arrive on its barriers.
+    cluster_arrive();
+    cluster_wait();
     wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
 }
-// grid (ceil(rows / WG_GLU_ROWS), tiles), block WG_THREADS, dynamic shared memory moe::wgm_smem;
-// tiles of WG_N slots, each at the narrowest wgmma width that covers its slots (pf_moe_wg_tile).
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mb(PF_MOE_WG_ARGS) {
-    WG_AT_TILE_WIDTH(pf_moe_wgm_body<NW>(PF_MOE_WG_PASS))
+// grid (ceil(rows / WG_GLU_ROWS), tiles) in clusters along x of 1, 2 or 4 blocks, block
+// WG_THREADS, dynamic shared memory moe::wgc_smem; `xmap`: the staged inputs x as a 2-D bf16
+// tensor [x rows][cols], 64 x 1 boxes, 128-byte swizzle (x stays an argument, unread, so the
+// launch passes the other wgmma gate|up kernels' arguments and the map).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mc(PF_MOE_WG_ARGS, const __grid_constant__ TmaMap xmap) {
+    WG_AT_TILE_WIDTH(pf_moe_wgc_body<NW>(PF_MOE_WG_PASS, &xmap))
 }
 
 // ---- down over a tile's whole K with its inputs resident ----

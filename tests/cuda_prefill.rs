@@ -276,6 +276,21 @@ fn cuda_prefill_wgmma_down_across_row_blocks() {
     grouped_case(&b, "down (2,304 x 192)", &down, None, ne, k, t, &ids, &[GroupedRoute::Wgmma, GroupedRoute::WgmmaFrag, GroupedRoute::WgmmaNarrow, GroupedRoute::WgmmaNarrowFrag]);
 }
 
+/// The wide gate|up over fragment-order codes shares each tile's inputs across a cluster of its
+/// row blocks (pairs of the four at the 35B's 512 rows: the test above); where the row blocks are
+/// 2 or 3 per expert the clusters are of two blocks or of one: the same bits as the row-order
+/// kernel, which reads them alone.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_wide_gate_up_in_clusters_of_one_and_two() {
+    let b = cuda();
+    let (ne, k, t, ids) = uneven_routes();
+    for (rows, seed) in [(256usize, 25u64), (384, 27)] {
+        let (gate, up) = (random_quant(ne * rows, 2048, 4, seed), random_quant(ne * rows, 2048, 4, seed + 1));
+        grouped_case(&b, &format!("gate|up swiglu ({rows} rows)"), &gate, Some(&up), ne, k, t, &ids, &[GroupedRoute::Wgmma, GroupedRoute::WgmmaFrag]);
+    }
+}
+
 /// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (300, 220, 150, 60, 100,
 /// 10, 128, 232 slots): (experts, k, tokens, ids). Expert e takes the next counts[e] tokens,
 /// wrapping, so every token gets k distinct experts, in ascending order.

@@ -138,8 +138,17 @@ impl Gpu {
     /// Launches `k` on the stream (1-D blocks), as a programmatic dependent when PDL is on and the
     /// kernel waits for its predecessor.
     pub fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        self.launch_cluster(k, grid, block, smem, args, 1)
+    }
+
+    /// [`Gpu::launch`] in thread block clusters of `cluster` consecutive blocks along x (1: none;
+    /// the grid's x a multiple of it, at most 8).
+    pub fn launch_cluster(&self, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg], cluster: u32) -> Result<()> {
+        if cluster == 0 || cluster > 8 || !grid.0.is_multiple_of(cluster) {
+            bail!("{}: clusters of {cluster} blocks do not tile a grid of {} blocks along x", k.name, grid.0);
+        }
         let f = self.kernels.function(k, smem)?;
-        launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits)?;
+        launch_ex(&self.stream, &f, k.name, grid, block, smem, args, self.pdl && k.waits, cluster)?;
         if let Some(t) = &self.timeline {
             t.launched(k, grid);
         }
@@ -222,6 +231,7 @@ fn launch_ex(
     smem: u32,
     args: &[Arg],
     pdl: bool,
+    cluster: u32,
 ) -> Result<()> {
     use std::ffi::c_void;
     // Argument values at stable addresses for the duration of the call.
@@ -237,12 +247,19 @@ fn launch_ex(
         .collect();
     // SAFETY: an all-zero attribute is valid plain data; the union member we set is the one the
     // attribute id selects.
-    let mut attrs: [sys::CUlaunchAttribute; 1] = unsafe { std::mem::zeroed() };
+    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
     let mut n_attrs = 0usize;
     if pdl {
         attrs[n_attrs].id =
             sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+        n_attrs += 1;
+    }
+    if cluster > 1 {
+        attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n_attrs].value.clusterDim.x = cluster;
+        attrs[n_attrs].value.clusterDim.y = 1;
+        attrs[n_attrs].value.clusterDim.z = 1;
         n_attrs += 1;
     }
     let cfg = sys::CUlaunchConfig {
@@ -308,7 +325,7 @@ impl DeviceCopy {
         let blocks = words.div_ceil(256).min(self.sms as usize * 8) as u32;
         // The count is an 8-byte parameter, passed as P passes addresses.
         let args = [Arg::P(src), Arg::P(dst), Arg::P(words as u64)];
-        launch_ex(&self.stream, &self.f, COPY_WORDS16.name, (blocks, 1, 1), 256, 0, &args, false)
+        launch_ex(&self.stream, &self.f, COPY_WORDS16.name, (blocks, 1, 1), 256, 0, &args, false, 1)
     }
 }
 

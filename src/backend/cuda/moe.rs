@@ -6,7 +6,7 @@
 //! (qmatmul.rs) and the weighted combine.
 
 use super::activations::{Activations, ChunkScratch};
-use super::device::{ptr, Arg, Gpu};
+use super::device::{ptr, Arg, Gpu, ARG_STRUCT_WORDS};
 use super::ops;
 use super::qmatmul::{tc_smem, FewRows, Gemm, Grouped, PendingCombine, TcbStaging, GEMV_THREADS, TCB_WORDS, TC_NG};
 use super::weights::{DevMoe, DevQ};
@@ -43,7 +43,7 @@ const MOE_TCQ_F_35B: Kernel = Kernel::ordered_stamping(&MOE, "moe_tcq_f_35b");
 const STAGE_WG: Kernel = Kernel::ordered(&MOE, "stage_wg");
 const PF_MOE_WG_GLU: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu");
 const PF_MOE_WG_GLU_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_f");
-const PF_MOE_WG_GLU_MB: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_mb");
+const PF_MOE_WG_GLU_MC: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_mc");
 const PF_MOE_WG_DOWN_RES: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res");
 const PF_MOE_WG_DOWN_RES_F: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_down_res_f");
 const PF_MOE_WG_GLU_N: Kernel = Kernel::ordered(&MOE, "pf_moe_wg_glu_n");
@@ -762,20 +762,71 @@ const fn wg_smem(tile: usize) -> u32 {
     (WG_STAGES * (tile * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
 }
 
-/// `pf_moe_wg_glu_mb`'s stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
+/// `pf_moe_wg_glu_mc`'s stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
 const WGM_STAGES: usize = 6;
 const WGM_STAGE: usize = WG_TILE * 128 + WG_AROWS * 32;
-/// `pf_moe_wg_glu_mb`'s dynamic shared memory over rows of `cols` columns: the stages, every
-/// group's scales and biases of the block's 128 gate and 128 up rows (rows padded by 16 bytes),
-/// the stages' two barriers and the tile's slot and input-row indices.
+/// `pf_moe_wg_glu_mc`'s dynamic shared memory over rows of `cols` columns: 1,024 bytes of room
+/// to align the stages (the swizzle's atoms), the stages, every group's scales and biases of the
+/// block's 128 gate and 128 up rows (rows padded by 16 bytes), the stages' two barriers and the
+/// tile's slot and input-row indices.
 const fn wgm_smem(cols: usize) -> u32 {
-    (WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WG_TILE * 4) as u32
+    (1024 + WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WG_TILE * 4) as u32
 }
 
-/// Whether gate|up over `cols` columns takes `pf_moe_wg_glu_mb` (codes in fragment order, wide
-/// tiles): its scales are copied 8 groups at a time and must fit in shared memory beside the stages.
+/// Whether gate|up over `cols` columns takes `pf_moe_wg_glu_mc` (codes in fragment order, wide
+/// tiles): every group's scales stay in shared memory beside the stages, so they must fit.
 fn wgm_takes(cols: usize, frag: bool, narrow: bool) -> bool {
     frag && !narrow && cols.is_multiple_of(512) && wgm_smem(cols) <= crate::backend::cuda::registry::SMEM_OPTIN_LIMIT
+}
+
+/// The clusters `pf_moe_wg_glu_mc` runs in over `row_blocks` blocks of an expert's rows: pairs
+/// where they tile them, else single blocks (a cluster shares one copy of the tile's inputs; the
+/// kernel takes clusters of four too, which measured slower than pairs at the 35B:
+/// docs/cuda-prefill.md).
+fn wgm_cluster(row_blocks: usize) -> u32 {
+    [2, 1].into_iter().find(|c| row_blocks.is_multiple_of(*c as usize)).unwrap_or(1)
+}
+
+/// The tensor map `pf_moe_wg_glu_mc` reads its inputs through: `x` as a bf16 tensor of `x_rows`
+/// rows of `cols`, one 64-column group of one row per copy, in the 128-byte swizzle its wgmmas'
+/// B descriptors read.
+fn wg_input_map(x: u64, x_rows: usize, cols: usize) -> Result<Arg> {
+    use cudarc::driver::sys;
+    let dims = [cols as u64, x_rows.max(1) as u64];
+    let strides = [(cols * 2) as u64];
+    let boxes = [64u32, 1];
+    let elem = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: the arrays outlive the call and hold `rank` (2) entries (strides rank - 1); the
+    // driver writes the map into `map`.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            x as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("cuTensorMapEncodeTiled for the wgmma gate|up's inputs ({x_rows} x {cols}): {r:?}");
+    }
+    // SAFETY: written by the successful call above.
+    let map = unsafe { map.assume_init() };
+    const { assert!(std::mem::size_of::<sys::CUtensorMap>() <= ARG_STRUCT_WORDS * 8) };
+    let mut words = Box::new([0u64; ARG_STRUCT_WORDS]);
+    // SAFETY: CUtensorMap is 128 bytes of plain data, fewer than the words' 512.
+    unsafe {
+        std::ptr::copy_nonoverlapping(&map as *const sys::CUtensorMap as *const u8, words.as_mut_ptr() as *mut u8, std::mem::size_of::<sys::CUtensorMap>())
+    };
+    Ok(Arg::S(words))
 }
 
 /// Slots per tile of the wgmma expert kernels (WG_N in kernels/moe.cu): each dequantised weight
@@ -812,9 +863,9 @@ fn wg_takes(mats: &[&DevQ]) -> bool {
 /// The routed experts' gate|up products of a prefill chunk on wgmma: per slot of the lists'
 /// `tile`-slot tiles ([`WG_TILE`], or [`WG_NARROW_TILE`] on the narrow kernel), `h[slot] =
 /// silu(Gate_e · x[slot / xdiv]) * (Up_e · x[slot / xdiv])` in bf16, `x` and `h` in the wgmma
-/// order (`stage_wg`); `rows` per expert.
+/// order (`stage_wg`, `x_rows` rows); `rows` per expert.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64, g: Grouped, tile: usize) -> Result<()> {
+pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, x_rows: usize, h: u64, g: Grouped, tile: usize) -> Result<()> {
     if !wg_takes(&[gate, up]) || !rows.is_multiple_of(64) {
         bail!("the wgmma gate|up kernel takes 4-bit matrices of whole 64-column groups and outputs of whole groups");
     }
@@ -828,10 +879,11 @@ pub fn moe_wg_glu(gpu: &Gpu, gate: &DevQ, up: &DevQ, rows: usize, x: u64, h: u64
         (true, false) => PF_MOE_WG_GLU_N,
         (true, true) => PF_MOE_WG_GLU_N_F,
     };
-    let args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
+    let mut args = wg_args(matrix_pair_args(gpu, gate, Some(up), CodeOrder::of(gate.frag)), rows, gate.cols, x, h, g);
     let grid = (rows.div_ceil(WG_GLU_ROWS) as u32, g.max_tiles as u32, 1);
     if wgm_takes(gate.cols, gate.frag, tile != WG_TILE) {
-        return gpu.launch(PF_MOE_WG_GLU_MB, grid, WG_THREADS, wgm_smem(gate.cols), &args);
+        args.push(wg_input_map(x, x_rows, gate.cols)?);
+        return gpu.launch_cluster(PF_MOE_WG_GLU_MC, grid, WG_THREADS, wgm_smem(gate.cols), &args, wgm_cluster(grid.0 as usize));
     }
     gpu.launch(k, grid, WG_THREADS, wg_smem(tile), &args)
 }
@@ -951,6 +1003,14 @@ mod tests {
     }
 
     #[test]
+    fn the_wide_gate_up_shares_its_inputs_across_pairs_of_row_blocks() {
+        let d = MoeDims::new(&ModelConfig::qwen36_35b_a3b());
+        // The 35B: 512 rows per expert, four row blocks, two clusters of two per tile.
+        assert_eq!(wgm_cluster(d.inter.div_ceil(WG_GLU_ROWS)), 2);
+        assert_eq!([1, 2, 3, 6, 8, 12].map(wgm_cluster), [1, 2, 1, 2, 2, 2]);
+    }
+
+    #[test]
     fn the_35b_routing_shapes_take_the_shaped_kernels() {
         let cfg = ModelConfig::qwen36_35b_a3b();
         let (d, group) = (MoeDims::new(&cfg), cfg.quant.group_size);
@@ -1029,10 +1089,10 @@ mod tests {
     }
 
     #[test]
-    fn the_35b_gate_up_takes_the_mbarrier_kernel() {
-        // Six stages of 24 KB, the 35B's 32 groups' scales and biases of 256 rows (80-byte rows)
-        // resident, the barriers and indices.
-        assert_eq!(wgm_smem(2048), (6 * 24576 + 4 * 128 * 80 + 6 * 16 + 1024) as u32);
+    fn the_35b_gate_up_takes_the_cluster_kernel() {
+        // The stages' alignment slack, six stages of 24 KB, the 35B's 32 groups' scales and
+        // biases of 256 rows (80-byte rows) resident, the barriers and indices.
+        assert_eq!(wgm_smem(2048), (1024 + 6 * 24576 + 4 * 128 * 80 + 6 * 16 + 1024) as u32);
         assert!(wgm_takes(2048, true, false));
         // Not the narrow tiles, not row-order codes, not the tiny model's two groups (its scales
         // are not whole 16-byte runs), nor rows whose resident scales would not fit.

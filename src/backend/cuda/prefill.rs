@@ -245,7 +245,7 @@ impl Pass for ChunkPass<'_> {
                 self.point(probe, Point::Phase("moe.down"))?;
             }
             PrefillExperts::Wg | PrefillExperts::WgNarrow => {
-                moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, hw, grouped(k), tile)?;
+                moe::moe_wg_glu(self.gpu, &m.gate_exps, &m.up_exps, d.inter, xw, n, hw, grouped(k), tile)?;
                 self.point(probe, Point::Phase("moe.gate_up"))?;
                 moe::moe_wg_down(self.gpu, &m.down_exps, h, hw, ed, grouped(1), tile)?;
                 self.point(probe, Point::Phase("moe.down"))?;

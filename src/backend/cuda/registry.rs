@@ -193,7 +193,7 @@ pub const MOE: Module = Module {
         "stage_wg",
         "pf_moe_wg_glu",
         "pf_moe_wg_glu_f",
-        "pf_moe_wg_glu_mb",
+        "pf_moe_wg_glu_mc",
         "pf_moe_wg_down_res",
         "pf_moe_wg_down_res_f",
         "moe_route_batch_1",

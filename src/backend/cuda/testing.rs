@@ -340,7 +340,7 @@ pub fn grouped_gemm(b: &CudaBackend, q: &QuantTensor, up: Option<&QuantTensor>, 
             return Ok(read(gpu, &yb)?.into_iter().map(bf16).collect());
         };
         let h = gpu.zeros::<u16>(tokens * k * rows)?;
-        moe::moe_wg_glu(gpu, &dq, u, rows, xsp, ptr(&h, &gpu.stream), g(k), tile)?;
+        moe::moe_wg_glu(gpu, &dq, u, rows, xsp, tokens, ptr(&h, &gpu.stream), g(k), tile)?;
         let h = read(gpu, &h)?;
         return Ok((0..tokens * k * rows).map(|i| bf16(h[(i / rows) * rows + moe::wg_column_pos(i % rows)])).collect());
     }
