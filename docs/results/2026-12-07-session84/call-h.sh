@@ -1,5 +1,5 @@
 set -u
-# Call h (session 84, one GPU, ~200 s): base = main at 71c8cfc (gate|up in clusters of two; the
+# Call h (session 84, one GPU, ~150 s): base = main at 71c8cfc (gate|up in clusters of two; the
 # profile splits the GDN scan's prep, gdn.prep, from its walk, gdn.scan); pq = pq.patch (the bf16
 # chunk prep copies q, k and v into shared memory by cp.async, all in flight at once); w64 =
 # w64.patch (the chunked GDN walk over 64 state columns per block instead of 32: half the blocks,
@@ -8,7 +8,7 @@ set -u
 # . scripts/arm_pack.sh; arm_bins .device-ARM lily-bench; arm_test .device-ARM cuda_prefill.
 # Carry [".device-base", ".device-pq", ".device-w64", ".device-pqw"].
 . scripts/call_lib.sh
-call_init 330
+call_init 230
 call_unpack base pq w64 pqw
 call_synth_start base
 call_tests cuda_prefill pq w64 pqw
@@ -18,5 +18,5 @@ last=${arms##* }
 for r in r1 r2; do for a in $arms; do call_arm "$a p4096 $r" "$a" "--prompt-len 4096 --decode-steps 16"; done; done | call_bench
 call_profiles 4096 'gdn[.](prep|scan)|moe[.]gate_up' $arms
 for a in base $last; do call_arm "$a p8192" "$a" "--prompt-len 8192 --decode-steps 16"; done | call_bench
-for a in base $last; do call_arm "$a p32768" "$a" "--prompt-len 32768 --decode-steps 16"; done | call_bench
+
 call_end
