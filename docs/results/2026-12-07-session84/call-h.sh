@@ -3,10 +3,12 @@ set -u
 # profile splits the GDN scan's prep, gdn.prep, from its walk, gdn.scan); pq = pq.patch (the bf16
 # chunk prep copies q, k and v into shared memory by cp.async, all in flight at once); w64 =
 # w64.patch (the chunked GDN walk over 64 state columns per block instead of 32: half the blocks,
-# half the walk's L2 reads); pqw = both (pqw.patch). All bit-identical by construction. Built from
-# main: git apply PATCH; cargo build --release --features cuda-testing --bin lily-bench;
-# . scripts/arm_pack.sh; arm_bins .device-ARM lily-bench; arm_test .device-ARM cuda_prefill.
-# Carry [".device-base", ".device-pq", ".device-w64", ".device-pqw"].
+# half the walk's L2 reads); pqw = both (pqw.patch). All bit-identical by construction. Build
+# the arms from main (the patches apply to main at 71c8cfc and after, as long as gdn.cu's scan
+# is unchanged), S=docs/results/2026-12-07-session84:
+#   . scripts/arm_pack.sh; arm_build base -; arm_build pq cuda_prefill $S/pq.patch
+#   arm_build w64 cuda_prefill $S/w64.patch; arm_build pqw cuda_prefill $S/pqw.patch
+# Carry [".device-base", ".device-pq", ".device-w64", ".device-pqw"] (~22 MB).
 . scripts/call_lib.sh
 call_init 230
 call_unpack base pq w64 pqw
