@@ -983,13 +983,13 @@ __device__ __forceinline__ void wg_tile_slots(int tid, int* slot, int* xrow, con
     }
 }
 
-// A stage ring's barriers at `bars`: `stages` full ones (every thread's copies arrive), then as
-// many empty ones (one arrival per warp).
-__device__ __forceinline__ void wg_ring_init(u32 bars, int stages) {
+// A stage ring's barriers at `bars`: `stages` full ones expecting `fulls` arrivals per phase,
+// then as many empty ones expecting `empties`.
+__device__ __forceinline__ void wg_ring_init(u32 bars, int stages, u32 fulls, u32 empties) {
     if (threadIdx.x == 0) {
         for (int k = 0; k < stages; ++k) {
-            mbar_init(bars + 8 * k, WG_THREADS);
-            mbar_init(bars + 8 * (stages + k), WG_THREADS / 32);
+            mbar_init(bars + 8 * k, fulls);
+            mbar_init(bars + 8 * (stages + k), empties);
         }
         mbar_init_fence();
     }
@@ -1340,13 +1340,8 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     wg_tile_slots<N>(tid, slot, xrow, lst, cnt, xdiv);
     auto full = [&](u32 st) { return bars + 8 * st; };
     auto empty = [&](u32 st) { return bars + 8 * (S + st); };
-    if (tid == 0) {
-        for (int k = 0; k < S; ++k) {
-            mbar_init(full(k), WG_THREADS / 32);
-            mbar_init(empty(k), C * (WG_THREADS / 32));
-        }
-        mbar_init_fence();
-    }
+    // Full: one arrival per warp (with its expected bytes); empty: every warp of the cluster.
+    wg_ring_init(bars, S, WG_THREADS / 32, C * (WG_THREADS / 32));
     {
         const int cpr = gpr >> 3, per_mat = 128 * cpr;
         for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
@@ -1452,7 +1447,7 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
 }
 // grid (ceil(rows / WG_GLU_ROWS), tiles) in clusters along x of 1, 2 or 4 blocks, block
-// WG_THREADS, dynamic shared memory moe::wgc_smem; `xmap`: the staged inputs x as a 2-D bf16
+// WG_THREADS, dynamic shared memory moe::wgm_smem; `xmap`: the staged inputs x as a 2-D bf16
 // tensor [x rows][cols], 64 x 1 boxes, 128-byte swizzle (x stays an argument, unread, so the
 // launch passes the other wgmma gate|up kernels' arguments and the map).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mc(PF_MOE_WG_ARGS, const __grid_constant__ TmaMap xmap) {
@@ -1514,7 +1509,8 @@ __device__ __forceinline__ void pf_moe_wg_down_res_body(const u32* __restrict__ 
     const u32 bars = smem_u32(xrow + N);
     auto full = [&](int st) { return bars + 8 * (st & (S - 1)); };
     auto empty = [&](int st) { return bars + 8 * (S + (st & (S - 1))); };
-    if constexpr (MB) wg_ring_init(bars, S);
+    // Full: every thread's copies arrive; empty: one arrival per warp.
+    if constexpr (MB) wg_ring_init(bars, S, WG_THREADS, WG_THREADS / 32);
     // The copies: thread tid copies half tid & 1 of block row tid >> 1's codes of each group (32
     // bytes a row) and, with a row block's first group, that row's scales (tid & 1 == 0) or
     // biases; in fragment order (FRAG) lane tid & 31's 16 bytes of 16-row tile tid >> 5's group
