@@ -624,14 +624,16 @@ __device__ __forceinline__ int attn_seg_of_block(const AttnSegs& s, int nseg, in
 }
 
 // q/k RMSNorm + partial NeoX RoPE + KV append of chunk row t at position pos: block hd threads.
-// KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; kv_st above).
-template <typename KV>
+// KV: the cache element (float, or u16 = bf16 for bf16-KV sequences; kv_st above). With Q16 (for
+// pf_attn_wg_q16, which reads the gate from qg itself) q goes out as the wgmma core's operand,
+// bf16(q * qscale) in qout's memory, and the gate is not copied.
+template <typename KV, bool Q16 = false>
 __device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __restrict__ kraw,
                                   const float* __restrict__ vraw, const float* __restrict__ q_norm,
                                   const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
                                   float* __restrict__ qout, float* __restrict__ gate, KV* __restrict__ kcache,
                                   KV* __restrict__ vcache, int t, int pos, int nh, int nkv, int hd, int half_rot,
-                                  float eps) {
+                                  float eps, float qscale = 0.f) {
     extern __shared__ float sm[];
     float* xs = sm;
     float* red = sm + hd;
@@ -644,7 +646,9 @@ __device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __r
     float c, sn;
     rope_cos_sin(pos, inv_freq, j, half_rot, c, sn);
     const float out = head_norm_rope(v, is_q ? q_norm[j] : k_norm[j], c, sn, hd, half_rot, eps, xs, red);
-    if (is_q) {
+    if (is_q && Q16) {
+        reinterpret_cast<u16*>(qout)[((size_t)t * nh + h) * hd + j] = (u16)(pack_bf16(out * qscale, 0.f) & 0xffffu);
+    } else if (is_q) {
         qout[((size_t)t * nh + h) * hd + j] = out;
         gate[((size_t)t * nh + h) * hd + j] = qrow[(size_t)h * 2 * hd + hd + j];
     } else {
@@ -666,6 +670,16 @@ __device__ void pf_attn_prep_impl(const float* __restrict__ qg, const float* __r
     }
 PF_ATTN_PREP(pf_attn_prep, float)
 PF_ATTN_PREP(pf_attn_prep_bf16, u16)
+// The same for pf_attn_wg_q16 (bf16 cache): q as bf16(q * qscale) into q16, no gate copy.
+extern "C" __global__ void pf_attn_prep_q16(const AttnSegs segs, int nseg, const float* qg, const float* kraw,
+                                            const float* vraw, const float* q_norm, const float* k_norm,
+                                            const double* inv_freq, u16* q16, int nh, int nkv, int hd, int half_rot,
+                                            float eps, float qscale) {
+    const int r = segs.r0[0] + blockIdx.x, z = attn_seg_of_row(segs, nseg, r);
+    pf_attn_prep_impl<u16, true>(qg, kraw, vraw, q_norm, k_norm, inv_freq, reinterpret_cast<float*>(q16), nullptr,
+                                 static_cast<u16*>(segs.kc[z]), static_cast<u16*>(segs.vc[z]), r,
+                                 segs.pos0[z] + r - segs.r0[z], nh, nkv, hd, half_rot, eps, qscale);
+}
 
 // Causal attention over the cache (positions 0..=pos0+t), flash style: block = (64 / group query
 // tokens) x (the group's q heads) = 64 rows of one kv head; 8 warps, 8 rows each. K/V tiles of 32
@@ -1125,7 +1139,10 @@ __device__ __forceinline__ void pfw_tile_async(const u16* __restrict__ src, size
     }
 }
 
-template <int HD>
+// Q16 (pf_attn_wg_q16): q is already the operand, bf16(q * qscale) from pf_attn_prep_q16, and
+// `gate` is the q|gate projection itself (head h of row t at (t nh + h) 2 HD + HD), so the prep
+// neither writes q in f32 nor copies the gate. The same values either way.
+template <int HD, bool Q16 = false>
 __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
                            const u16* __restrict__ vc, int T, int pos0, int nh, int nkv, float scale,
                            float* __restrict__ out, int kchunk, float* __restrict__ part_o,
@@ -1142,11 +1159,15 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
     for (int idx = tid; idx < 128 * HD / 4; idx += PFW_THREADS) {
         const int r = idx / (HD / 4), f = idx % (HD / 4);
         const int t = tok0 + r / group, h = kvh * group + r % group;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
-        uint2 pk;
-        pk.x = pack_bf16(v.x * qscale, v.y * qscale);
-        pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        uint2 pk = make_uint2(0u, 0u);
+        if constexpr (Q16) {
+            if (t < T) pk = reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(q) + ((size_t)t * nh + h) * HD)[f];
+        } else {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t < T) v = reinterpret_cast<const float4*>(q + ((size_t)t * nh + h) * HD)[f];
+            pk.x = pack_bf16(v.x * qscale, v.y * qscale);
+            pk.y = pack_bf16(v.z * qscale, v.w * qscale);
+        }
         *reinterpret_cast<uint2*>(qp + pfw_off(r, f >> 1, 16) + ((f & 1) << 3)) = pk;
     }
     // This thread's rows (64 wg + 16 warp + g and + 8) and their query positions.
@@ -1302,9 +1323,9 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
         const size_t rb = ((size_t)t * nh + h) * HD;
 #pragma unroll
         for (int nt = 0; nt < HD / 8; ++nt) {
-            const size_t idx = rb + nt * 8 + 2 * (lane & 3);
-            attn_out2(out, staged, idx, (o[4 * nt + hv * 2] * il) * sigmoid_f(gate[idx]),
-                      (o[4 * nt + hv * 2 + 1] * il) * sigmoid_f(gate[idx + 1]));
+            const size_t idx = rb + nt * 8 + 2 * (lane & 3), gi = Q16 ? idx + rb + HD : idx;
+            attn_out2(out, staged, idx, (o[4 * nt + hv * 2] * il) * sigmoid_f(gate[gi]),
+                      (o[4 * nt + hv * 2 + 1] * il) * sigmoid_f(gate[gi + 1]));
         }
     }
 }
@@ -1326,3 +1347,21 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
 PF_ATTN_WG(64)
 PF_ATTN_WG(128)
 PF_ATTN_WG(256)
+// The same over pf_attn_prep_q16's q (bf16, scaled) with the gate read from the q|gate projection
+// qg; unsplit launches only (no partials).
+#define PF_ATTN_WG_Q16(HD)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) pf_attn_wg_q16_##HD(                              \
+        const AttnSegs segs, int nseg, const u16* q, const float* qg, int nh, int nkv, float scale, float* out,    \
+        int kchunk, float* part_o, float* part_ml, u32* staged) {                                                  \
+        const int qt = 128 / (nh / nkv);                                                                           \
+        int x = blockIdx.x;                                                                                        \
+        const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
+        const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
+        pf_attn_wg<HD, true>(reinterpret_cast<const float*>(q + off), qg + 2 * off,                                \
+                             static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), segs.n[z],  \
+                             segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                     \
+                             (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr);             \
+    }
+PF_ATTN_WG_Q16(64)
+PF_ATTN_WG_Q16(128)
+PF_ATTN_WG_Q16(256)

@@ -887,6 +887,13 @@ PF_GDN_SCAN(128, pf_gdn_scan_128_f16, u16)
 
 __device__ __forceinline__ u16 bf16_rn(float x) { return (u16)(pack_bf16(x, 0.f) & 0xffffu); }
 __device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
+// Eight bf16 values each times s, rounded back to bf16 (scale4 and act_st4 on their floats).
+__device__ __forceinline__ uint4 scale_bf16x8(float s, uint4 v) {
+    const auto sc = [s](u32 w) {
+        return pack_bf16(s * __uint_as_float(w << 16), s * __uint_as_float(w & 0xffff0000u));
+    };
+    return make_uint4(sc(v.x), sc(v.y), sc(v.z), sc(v.w));
+}
 
 // acc (this warp's 16 rows x 32 columns) += A B over the k-steps below ks_end (KMAX at most): A
 // row-major in shared memory at this lane's ldmatrix address aA of the rows (32 bytes per k-step),
@@ -943,6 +950,23 @@ __device__ void gdn_chunk_prep(const IT* __restrict__ qn, const IT* __restrict__
     float* bs = reinterpret_cast<float*>(Xv + GC * ldv);
     float* Gs = bs + GC;
     const int kh = h / (nv / nk), key_dim = nk * DK;
+    constexpr bool BF16_IN = sizeof(IT) == 2;
+    if constexpr (BF16_IN) {
+        // q, k and v are bf16 already, as the products take them: all of the chunk's rows copied
+        // in at once (zeros past the segment), in flight under the gates' loads and prefix sums.
+        for (int idx = tid; idx < GC * (DK / 8); idx += 128) {
+            const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
+            const size_t off = (size_t)(t0 + min(t, nt - 1)) * key_dim + kh * DK + i;
+            cp_async16z(smem_u32(Qb + t * LDK + i), qn + off, t < nt);
+            cp_async16z(smem_u32(Kb + t * LDK + i), kn + off, t < nt);
+        }
+        for (int idx = tid; idx < GC * (dv / 8); idx += 128) {
+            const int t = idx / (dv / 8), j = (idx % (dv / 8)) * 8;
+            const size_t off = (size_t)(t0 + min(t, nt - 1)) * C + 2 * key_dim + (size_t)h * dv + j;
+            cp_async16z(smem_u32(Xv + t * ldv + j), conv + off, t < nt);
+        }
+        cp_commit();
+    }
     if (tid < GC) {
         float b = 0.f, g = 0.f;
         if (tid < nt) {
@@ -972,32 +996,54 @@ __device__ void gdn_chunk_prep(const IT* __restrict__ qn, const IT* __restrict__
     if (tid < GC) g_out[ch * GC + tid] = Gs[tid];
     // q and k as they are, once per key head: its first value head writes them.
     const bool writes_qk = h % (nv / nk) == 0;
-    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-    // Unrolled so that each thread's loads are in flight together.
-#pragma unroll 4
-    for (int idx = tid; idx < GC * (DK / 4); idx += 128) {
-        const int t = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-        float4 q4 = zero4, k4 = zero4;
-        if (t < nt) {
-            const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
-            q4 = act_ld4(qn + off);
-            k4 = act_ld4(kn + off);
+    if constexpr (BF16_IN) {
+        cp_wait<0>();
+        __syncthreads();
+        // b e^G k beside k, and b v in place of v, each rounded once from the bf16 values (the
+        // f32 path's roundings of the same products).
+        for (int idx = tid; idx < GC * (DK / 8); idx += 128) {
+            const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
+            const uint4 kq = *reinterpret_cast<const uint4*>(Kb + t * LDK + i);
+            const float s = bs[t] * expf(Gs[t]);
+            *reinterpret_cast<uint4*>(Xk + t * LDK + i) = scale_bf16x8(s, kq);
+            if (writes_qk) {
+                *reinterpret_cast<uint4*>(q_out + (chk * GC + t) * DK + i) = *reinterpret_cast<const uint4*>(Qb + t * LDK + i);
+                *reinterpret_cast<uint4*>(k_out + (chk * GC + t) * DK + i) = kq;
+            }
         }
-        const float eg = expf(Gs[t]);
-        act_st4(Kb + t * LDK + i, k4);
-        act_st4(Qb + t * LDK + i, q4);
-        act_st4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
-        if (writes_qk) {
-            act_st4(q_out + (chk * GC + t) * DK + i, q4);
-            act_st4(k_out + (chk * GC + t) * DK + i, k4);
+        for (int idx = tid; idx < GC * (dv / 8); idx += 128) {
+            const int t = idx / (dv / 8), j = (idx % (dv / 8)) * 8;
+            uint4* xv = reinterpret_cast<uint4*>(Xv + t * ldv + j);
+            *xv = scale_bf16x8(bs[t], *xv);
         }
-    }
+    } else {
+        const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        // Unrolled so that each thread's loads are in flight together.
 #pragma unroll 4
-    for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
-        const int t = idx / (dv / 4), j = (idx % (dv / 4)) * 4;
-        float4 v4 = zero4;
-        if (t < nt) v4 = act_ld4(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
-        act_st4(Xv + t * ldv + j, scale4(bs[t], v4));
+        for (int idx = tid; idx < GC * (DK / 4); idx += 128) {
+            const int t = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            float4 q4 = zero4, k4 = zero4;
+            if (t < nt) {
+                const size_t off = (size_t)(t0 + t) * key_dim + kh * DK + i;
+                q4 = act_ld4(qn + off);
+                k4 = act_ld4(kn + off);
+            }
+            const float eg = expf(Gs[t]);
+            act_st4(Kb + t * LDK + i, k4);
+            act_st4(Qb + t * LDK + i, q4);
+            act_st4(Xk + t * LDK + i, scale4(bs[t] * eg, k4));
+            if (writes_qk) {
+                act_st4(q_out + (chk * GC + t) * DK + i, q4);
+                act_st4(k_out + (chk * GC + t) * DK + i, k4);
+            }
+        }
+#pragma unroll 4
+        for (int idx = tid; idx < GC * (dv / 4); idx += 128) {
+            const int t = idx / (dv / 4), j = (idx % (dv / 4)) * 4;
+            float4 v4 = zero4;
+            if (t < nt) v4 = act_ld4(conv + (size_t)(t0 + t) * C + 2 * key_dim + (size_t)h * dv + j);
+            act_st4(Xv + t * ldv + j, scale4(bs[t], v4));
+        }
     }
     __syncthreads();
     const int g = lane >> 2, q = lane & 3;

@@ -14,6 +14,7 @@ const ATTN_COMBINE: Kernel = Kernel::dependent(&ATTENTION, "attn_combine");
 const ATTN_PREP_BATCH: [Kernel; 2] = [Kernel::dependent(&ATTENTION, "attn_prep_batch"), Kernel::dependent(&ATTENTION, "attn_prep_batch_bf16")];
 const ATTN_COMBINE_BATCH: Kernel = Kernel::dependent(&ATTENTION, "attn_combine_batch");
 const PF_ATTN_PREP: [Kernel; 2] = [Kernel::ordered(&ATTENTION, "pf_attn_prep"), Kernel::ordered(&ATTENTION, "pf_attn_prep_bf16")];
+const PF_ATTN_PREP_Q16: Kernel = Kernel::ordered(&ATTENTION, "pf_attn_prep_q16");
 
 /// Most KV splits per head in decode: 2 KV heads x 128 splits x 96 KiB of shared memory is about
 /// one wave at two blocks per SM; each split streams its rows through the cp.async ring, so
@@ -53,6 +54,11 @@ impl AttnDims {
     }
     fn scale(&self) -> f32 {
         1.0 / (self.hd as f32).sqrt()
+    }
+    /// What the wgmma core multiplies q by before rounding it to bf16 (the scale in exp2 units,
+    /// as `pf_attn_wg` computes it): `pf_attn_prep_q16` applies it for the core.
+    pub fn q16_scale(&self) -> f32 {
+        self.scale() * std::f32::consts::LOG2_E
     }
     fn prep_smem(&self) -> u32 {
         ((self.hd + 33) * 4) as u32
@@ -112,6 +118,8 @@ const CHUNK_TC: Instances = [
 ];
 /// bf16 cache only (the f32 column is never selected).
 const CHUNK_WG: Instances = [["pf_attn_wg_64", "pf_attn_wg_64"], ["pf_attn_wg_128", "pf_attn_wg_128"], ["pf_attn_wg_256", "pf_attn_wg_256"]];
+/// `pf_attn_wg` over `pf_attn_prep_q16`'s q, the gate read from the q|gate projection.
+const CHUNK_WG_Q16: Instances = [["pf_attn_wg_q16_64", "pf_attn_wg_q16_64"], ["pf_attn_wg_q16_128", "pf_attn_wg_q16_128"], ["pf_attn_wg_q16_256", "pf_attn_wg_q16_256"]];
 
 /// The instance of `table` for a head dim and cache element type.
 fn instance(table: &Instances, hd: usize, kv_bf16: bool) -> Option<&'static str> {
@@ -266,18 +274,39 @@ fn segs_arg(segs: &[AttnSegment]) -> Arg {
 /// Prefill: norms + RoPE of the segments' tokens, K and V appended to each segment's cache. The
 /// segments lie back to back in row order and share the KV element type `d.kv_bf16`; `p`'s
 /// activations start at the chunk's first row (its caches are the segments').
-pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment]) -> Result<()> {
+///
+/// `q16` ([`chunk_takes_q16`]): q goes out as the wgmma core's bf16 operand (scaled) in `p.q`'s
+/// memory and the gate is not copied (the core reads it from `p.qg`).
+pub fn prep_chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, segs: &[AttnSegment], q16: bool) -> Result<()> {
     if segs.windows(2).any(|w| w[1].r0 != w[0].r0 + w[0].n) || segs.iter().any(|g| g.n == 0) {
         bail!("the prefill attention takes non-empty segments back to back");
+    }
+    if q16 && !d.kv_bf16 {
+        bail!("the prefill attention's bf16 q is for the bf16 cache's wgmma core");
     }
     for group in segs.chunks(PF_ATTN_SEGS) {
         let rows = group.iter().map(|g| g.n).sum::<usize>();
         let mut args = vec![segs_arg(group), Arg::I(group.len() as i32)];
-        args.extend(prep_activations(p));
-        args.extend(prep_dims(d));
-        gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], (rows as u32, (d.nh + d.nkv) as u32, 1), d.hd as u32, d.prep_smem(), &args)?;
+        let grid = (rows as u32, (d.nh + d.nkv) as u32, 1);
+        if q16 {
+            args.extend(prep_activations(p)[..7].iter().cloned());
+            args.extend(prep_dims(d));
+            args.push(Arg::F(d.q16_scale()));
+            gpu.launch(PF_ATTN_PREP_Q16, grid, d.hd as u32, d.prep_smem(), &args)?;
+        } else {
+            args.extend(prep_activations(p));
+            args.extend(prep_dims(d));
+            gpu.launch(PF_ATTN_PREP[kv_index(d.kv_bf16)], grid, d.hd as u32, d.prep_smem(), &args)?;
+        }
     }
     Ok(())
+}
+
+/// Whether a run of segments takes the prep's bf16 q and the gate read in place
+/// ([`prep_chunk`]'s `q16`): every launch on the wgmma core, i.e. the bf16 cache, not the exact
+/// mode, no segment splitting its keys.
+pub fn chunk_takes_q16(gpu: &Gpu, d: &AttnDims, segs: &[AttnSegment], exact: bool) -> bool {
+    d.kv_bf16 && !exact && !chunk_splits_keys(gpu, d, segs.iter().map(|s| (s.n, s.pos0)), exact) && select_chunk(d.hd, true, false, false).is_some_and(|k| k.q16.is_some())
 }
 
 /// Prefill attention kernels.
@@ -303,6 +332,8 @@ pub struct ChunkKernel {
     pub smem: u32,
     /// Query rows per block ((rows / group) tokens x the group's q heads of one KV head).
     pub rows: usize,
+    /// The instance over `pf_attn_prep_q16`'s q (the wgmma core's).
+    pub q16: Option<Kernel>,
 }
 
 /// The prefill attention kernel for a head dim, cache element type and mode, for a launch whose
@@ -321,7 +352,8 @@ pub fn select_chunk(hd: usize, kv_bf16: bool, exact: bool, split: bool) -> Optio
         ChunkAttn::Wgmma => (&CHUNK_WG, 256, 128, (128 + 4 * 64) * hd * 2 + 1024),
     };
     let name = instance(table, hd, kv_bf16)?;
-    Some(ChunkKernel { kernel: Kernel::ordered(&ATTENTION, name), threads, smem: smem as u32, rows })
+    let q16 = (variant == ChunkAttn::Wgmma).then(|| instance(&CHUNK_WG_Q16, hd, kv_bf16)).flatten().map(|n| Kernel::ordered(&ATTENTION, n));
+    Some(ChunkKernel { kernel: Kernel::ordered(&ATTENTION, name), threads, smem: smem as u32, rows, q16 })
 }
 
 /// Whether the prefill kernels take this head layout: each block (or warpgroup, in the 128-row
@@ -377,21 +409,30 @@ pub fn chunk_split_rows(nh: usize, nkv: usize, sms: usize) -> usize {
 /// the decode's combine kernel.
 /// `staged`: where the outputs go instead of `p.out`, as their out-projection's bf16 operand
 /// (`Gemm::stage_input`); only where no segment splits its keys ([`chunk_splits_keys`]).
-pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool, staged: Option<u64>) -> Result<()> {
+/// `q16`: q is `pf_attn_prep_q16`'s and the gate is read from `p.qg` ([`chunk_takes_q16`]).
+#[allow(clippy::too_many_arguments)]
+pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: &[AttnSegment], exact: bool, staged: Option<u64>, q16: bool) -> Result<()> {
     let select = |split| select_chunk(d.hd, d.kv_bf16, exact, split).ok_or_else(|| anyhow!("attention head_dim {} has no prefill kernel", d.hd));
     let splits_of = |s: &AttnSegment| segment_splits(gpu, d, s.n, s.pos0, exact);
     if staged.is_some() && (exact || chunk_splits_keys(gpu, d, segs.iter().map(|s| (s.n, s.pos0)), exact)) {
         bail!("the prefill attention stages its outputs in bf16 only on unsplit launches");
     }
+    if q16 && !chunk_takes_q16(gpu, d, segs, exact) {
+        bail!("the prefill attention reads a bf16 q only where every launch is on the wgmma core");
+    }
     let launch = |group: &[AttnSegment], splits: usize| {
         let ck = select(splits > 1)?;
+        let (kernel, q, gate) = match ck.q16.filter(|_| q16) {
+            Some(k) => (k, p.q, p.qg),
+            None => (ck.kernel, p.q, p.gate),
+        };
         let qt = ck.rows / (d.nh / d.nkv);
         let blocks = group.iter().map(|g| g.n.div_ceil(qt)).sum::<usize>();
         let mut args = vec![
             segs_arg(group),
             Arg::I(group.len() as i32),
-            Arg::P(p.q),
-            Arg::P(p.gate),
+            Arg::P(q),
+            Arg::P(gate),
             Arg::I(d.nh as i32),
             Arg::I(d.nkv as i32),
             Arg::F(d.scale()),
@@ -401,7 +442,7 @@ pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: 
             let keys = group[0].pos0 + group[0].n;
             args.extend([Arg::I((keys.div_ceil(64).div_ceil(splits) * 64) as i32), Arg::P(part.o), Arg::P(part.ml), Arg::P(staged.unwrap_or(0))]);
         }
-        gpu.launch(ck.kernel, (blocks as u32, d.nkv as u32, splits as u32), ck.threads, ck.smem, &args)
+        gpu.launch(kernel, (blocks as u32, d.nkv as u32, splits as u32), ck.threads, ck.smem, &args)
     };
     let (alone, together): (Vec<AttnSegment>, Vec<AttnSegment>) = segs.iter().partition(|s| splits_of(s) > 1);
     for group in together.chunks(PF_ATTN_SEGS) {

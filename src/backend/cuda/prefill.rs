@@ -209,9 +209,12 @@ impl Pass for ChunkPass<'_> {
                     AttnSegment { kcache, vcache, r0: seg.r0, n: seg.n, pos0: seg.pos0 }
                 })
                 .collect();
-            attention::prep_chunk(self.gpu, &d, &p, &segs)?;
+            // On the wgmma core the prep writes q as the core's operand and leaves the gate where
+            // the projection put it.
+            let q16 = attention::chunk_takes_q16(self.gpu, &d, &segs, self.exact);
+            attention::prep_chunk(self.gpu, &d, &p, &segs, q16)?;
             self.point(probe, Point::Phase("attn.prep"))?;
-            attention::chunk(self.gpu, &d, &p, &part, &segs, self.exact, staged)?;
+            attention::chunk(self.gpu, &d, &p, &part, &segs, self.exact, staged, q16)?;
             self.point(probe, Point::Phase("attn.core"))?;
         }
         self.gemm.run(&at.o, h, self.p(&a.y), n, self.p(&a.x), h, true, None)?;

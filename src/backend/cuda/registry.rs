@@ -152,6 +152,7 @@ pub const ATTENTION: Module = Module {
         "attn_combine_batch",
         "pf_attn_prep",
         "pf_attn_prep_bf16",
+        "pf_attn_prep_q16",
         "pf_attn_64",
         "pf_attn_128",
         "pf_attn_256",
@@ -167,6 +168,9 @@ pub const ATTENTION: Module = Module {
         "pf_attn_wg_64",
         "pf_attn_wg_128",
         "pf_attn_wg_256",
+        "pf_attn_wg_q16_64",
+        "pf_attn_wg_q16_128",
+        "pf_attn_wg_q16_256",
     ],
 };
 

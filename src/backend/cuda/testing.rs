@@ -615,17 +615,31 @@ pub fn chunk_attention_segments(b: &CudaBackend, segs: &[AttnSegmentInput], nh: 
     let d = AttnDims { nh, nkv, hd, half_rot: 0, eps: 0.0, kv_bf16 };
     let ptrs = AttnPtrs { qg: 0, kraw: 0, vraw: 0, q_norm: 0, k_norm: 0, inv_freq: 0, q: p(&qd), gate: p(&gd), kcache: 0, vcache: 0, out: p(&od) };
     let part = attention::SplitPartials { o: p(&po), ml: p(&pml) };
-    attention::chunk(gpu, &d, &ptrs, &part, &table, exact, None)?;
+    attention::chunk(gpu, &d, &ptrs, &part, &table, exact, None, false)?;
     let out = read(gpu, &od)?;
     // Where the launches are unsplit the core can write its outputs only as the out-projection's
     // bf16 operand instead: those must be the f32 outputs rounded to nearest even, bit for bit.
     if !exact && !attention::chunk_splits_keys(gpu, &d, table.iter().map(|s| (s.n, s.pos0)), exact) {
         let sd = gpu.zeros::<u16>(r0 * width)?;
-        attention::chunk(gpu, &d, &ptrs, &part, &table, exact, Some(ptr(&sd, &gpu.stream)))?;
+        attention::chunk(gpu, &d, &ptrs, &part, &table, exact, Some(ptr(&sd, &gpu.stream)), false)?;
         let staged = read(gpu, &sd)?;
         let differ = out.iter().zip(&staged).filter(|(v, b)| half::bf16::from_f32(**v).to_bits() != **b).count();
         if differ > 0 {
             bail!("chunk_attention: {differ} of {} bf16 outputs differ from the f32 ones rounded", out.len());
+        }
+    }
+    // Where the launches take the prep's bf16 q (pf_attn_prep_q16: q times the core's scale,
+    // rounded) and read the gate from the q|gate projection, the outputs must be the same bits.
+    if attention::chunk_takes_q16(gpu, &d, &table, exact) {
+        let qscale = d.q16_scale();
+        let q16: Vec<u16> = q.iter().map(|&v| half::bf16::from_f32(v * qscale).to_bits()).collect();
+        let qg: Vec<f32> = q.chunks(hd).zip(gate.chunks(hd)).flat_map(|(q, g)| q.iter().chain(g).copied()).collect();
+        let (q16d, qgd, o16) = (gpu.upload(&q16)?, gpu.upload(&qg)?, gpu.zeros::<f32>(r0 * width)?);
+        let ptrs16 = AttnPtrs { q: ptr(&q16d, &gpu.stream), qg: p(&qgd), out: p(&o16), ..ptrs };
+        attention::chunk(gpu, &d, &ptrs16, &part, &table, exact, None, true)?;
+        let differ = out.iter().zip(&read(gpu, &o16)?).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        if differ > 0 {
+            bail!("chunk_attention: {differ} of {} outputs over the bf16 q and the gate in place differ", out.len());
         }
     }
     Ok(table.iter().map(|s| out[s.r0 * width..(s.r0 + s.n) * width].to_vec()).collect())
