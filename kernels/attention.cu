@@ -1331,37 +1331,26 @@ __device__ void pf_attn_wg(const float* __restrict__ q, const float* __restrict_
 }
 
 // nseg segments' 128-row query blocks, each segment's longest rows first: grid (their blocks, nkv,
-// splits), block 256. With splits > 1 the launch holds one segment.
-#define PF_ATTN_WG(HD)                                                                                             \
-    extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) pf_attn_wg_##HD(                                  \
-        const AttnSegs segs, int nseg, const float* q, const float* gate, int nh, int nkv, float scale, float* out, \
+// splits), block 256. With splits > 1 the launch holds one segment. q is pf_attn_prep's (f32,
+// QT float) with its gate copy, or (Q16, QT u16) pf_attn_prep_q16's bf16 scaled q with the gate
+// read from the q|gate projection (rows of 2 nh HD); the Q16 instances take unsplit launches only
+// (no partials).
+#define PF_ATTN_WG_KERNEL(NAME, HD, Q16, QT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) NAME(                                             \
+        const AttnSegs segs, int nseg, const QT* q, const float* gate, int nh, int nkv, float scale, float* out,   \
         int kchunk, float* part_o, float* part_ml, u32* staged) {                                                  \
         const int qt = 128 / (nh / nkv);                                                                           \
         int x = blockIdx.x;                                                                                        \
         const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
         const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
-        pf_attn_wg<HD>(q + off, gate + off, static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), \
-                       segs.n[z], segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                 \
-                       (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr);                     \
+        pf_attn_wg<HD, Q16>(reinterpret_cast<const float*>(q + off), gate + (Q16 ? 2 : 1) * off,                   \
+                            static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), segs.n[z],   \
+                            segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                      \
+                            (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr);              \
     }
+#define PF_ATTN_WG(HD)                                              \
+    PF_ATTN_WG_KERNEL(pf_attn_wg_##HD, HD, false, float)            \
+    PF_ATTN_WG_KERNEL(pf_attn_wg_q16_##HD, HD, true, u16)
 PF_ATTN_WG(64)
 PF_ATTN_WG(128)
 PF_ATTN_WG(256)
-// The same over pf_attn_prep_q16's q (bf16, scaled) with the gate read from the q|gate projection
-// qg; unsplit launches only (no partials).
-#define PF_ATTN_WG_Q16(HD)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(PFW_THREADS, 1) pf_attn_wg_q16_##HD(                              \
-        const AttnSegs segs, int nseg, const u16* q, const float* qg, int nh, int nkv, float scale, float* out,    \
-        int kchunk, float* part_o, float* part_ml, u32* staged) {                                                  \
-        const int qt = 128 / (nh / nkv);                                                                           \
-        int x = blockIdx.x;                                                                                        \
-        const int z = attn_seg_of_block(segs, nseg, qt, x);                                                        \
-        const size_t off = (size_t)segs.r0[z] * nh * HD;                                                           \
-        pf_attn_wg<HD, true>(reinterpret_cast<const float*>(q + off), qg + 2 * off,                                \
-                             static_cast<const u16*>(segs.kc[z]), static_cast<const u16*>(segs.vc[z]), segs.n[z],  \
-                             segs.pos0[z], nh, nkv, scale, out + off, kchunk, part_o, part_ml,                     \
-                             (segs.n[z] + qt - 1) / qt - 1 - x, staged ? staged + off / 2 : nullptr);             \
-    }
-PF_ATTN_WG_Q16(64)
-PF_ATTN_WG_Q16(128)
-PF_ATTN_WG_Q16(256)
