@@ -489,6 +489,34 @@ fn cuda_prefill_gdn_chunked_scan_over_bf16_inputs_equals_the_f32_one() {
     }
 }
 
+/// The attention prep's q16 instance (q as the wgmma core's bf16 operand, no gate copy) writes
+/// bf16(q x the core's scale) of the f32-q prep's q, bit for bit, and the same caches: several
+/// sequences in one launch, some continuing a cache, at the 35B's heads (16 q heads over 2 KV
+/// heads of 256 channels, a quarter rotated) and a small shape.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_prefill_attention_prep_q16_is_the_f32_prep_scaled_and_rounded() {
+    let b = cuda();
+    for &(nh, nkv, hd, half_rot) in &[(16usize, 2usize, 256usize, 32usize), (4, 2, 64, 16)] {
+        let segs: Vec<testing::AttnPrepInput> = [(37usize, 0usize), (100, 5), (1, 200)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, pos0))| {
+                let s = 10 * i as u64;
+                testing::AttnPrepInput { qg: rnd(s + 1, n * nh * 2 * hd), kraw: rnd(s + 2, n * nkv * hd), vraw: rnd(s + 3, n * nkv * hd), n, pos0 }
+            })
+            .collect();
+        let gain = |seed| rnd(seed, hd).into_iter().map(|v| 1.0 + 0.1 * v).collect::<Vec<f32>>();
+        let r = testing::attention_prep_both_ways(&b, &segs, nh, nkv, hd, half_rot, &gain(91), &gain(92)).unwrap();
+        let scale = 1.0 / (hd as f32).sqrt() * std::f32::consts::LOG2_E;
+        assert!(r.q.iter().all(|v| v.is_finite()) && r.q.iter().any(|&v| v != 0.0), "nh={nh} hd={hd}: q");
+        let differ = r.q.iter().zip(&r.q16).filter(|(v, q16)| half::bf16::from_f32(**v * scale).to_bits() != **q16).count();
+        assert_eq!(differ, 0, "nh={nh} hd={hd}: {differ} of {} q16 values differ", r.q.len());
+        assert!(r.caches == r.caches16, "nh={nh} hd={hd}: caches differ");
+        eprintln!("attention prep q16 nh={nh} nkv={nkv} hd={hd}: {} q values and the caches of {} sequences equal", r.q.len(), segs.len());
+    }
+}
+
 /// The prefill conv against a plain f32 reference (`conv_reference`), and its bf16 instances
 /// (the chunked scan's inputs) writing the f32 instances' values rounded to bf16, bit for bit,
 /// advancing the rings alike: several sequences in one launch (segments shorter than the

@@ -576,6 +576,66 @@ pub struct AttnSegmentInput {
     pub pos0: usize,
 }
 
+/// One sequence's inputs to [`attention_prep_both_ways`]: `n` rows at positions `pos0..`, the
+/// q|gate projection `[n][nh][2 hd]`, raw k and v `[n][nkv hd]`.
+pub struct AttnPrepInput {
+    pub qg: Vec<f32>,
+    pub kraw: Vec<f32>,
+    pub vraw: Vec<f32>,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// What the prefill attention prep writes both ways over the same rows (several sequences in one
+/// launch, each with its own bf16 caches): `pf_attn_prep_bf16` (q and the gate in f32) and
+/// `pf_attn_prep_q16` (q as the wgmma core's bf16 operand, no gate).
+pub struct AttnPrepBothWays {
+    /// The f32 prep's q `[rows][nh hd]` and the q16 prep's bf16 bits.
+    pub q: Vec<f32>,
+    pub q16: Vec<u16>,
+    /// Each sequence's caches after either prep, bf16 bits `[pos0 + n][nkv hd]`.
+    pub caches: Vec<[Vec<u16>; 2]>,
+    pub caches16: Vec<[Vec<u16>; 2]>,
+}
+
+/// [`AttnPrepBothWays`] of `segs` with q/k norm weights `q_norm`, `k_norm` (`[hd]`) and RoPE over
+/// the first `2 half_rot` channels at base 10,000.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prep_both_ways(b: &CudaBackend, segs: &[AttnPrepInput], nh: usize, nkv: usize, hd: usize, half_rot: usize, q_norm: &[f32], k_norm: &[f32]) -> Result<AttnPrepBothWays> {
+    let gpu = &b.gpu;
+    let rows: usize = segs.iter().map(|s| s.n).sum();
+    let cat = |f: fn(&AttnPrepInput) -> &Vec<f32>| segs.iter().flat_map(|s| f(s).iter().copied()).collect::<Vec<f32>>();
+    let (qg, kraw, vraw) = (gpu.upload(&cat(|s| &s.qg))?, gpu.upload(&cat(|s| &s.kraw))?, gpu.upload(&cat(|s| &s.vraw))?);
+    let (qn, kn) = (gpu.upload(q_norm)?, gpu.upload(k_norm)?);
+    let inv: Vec<f64> = (0..half_rot.max(1)).map(|i| 10000f64.powf(-(i as f64) / half_rot as f64)).collect();
+    let inv_freq = gpu.upload(&inv)?;
+    let d = AttnDims { nh, nkv, hd, half_rot, eps: 1e-6, kv_bf16: true };
+    let p = |x: &CudaSlice<f32>| ptr(x, &gpu.stream);
+    let run = |q16: bool| -> Result<(Vec<f32>, Vec<u16>, Vec<[Vec<u16>; 2]>)> {
+        let (q, gate) = (gpu.zeros::<f32>(rows * nh * hd)?, gpu.zeros::<f32>(rows * nh * hd)?);
+        let caches: Vec<[CudaSlice<u16>; 2]> = segs.iter().map(|s| Ok([gpu.zeros::<u16>((s.pos0 + s.n) * nkv * hd)?, gpu.zeros::<u16>((s.pos0 + s.n) * nkv * hd)?])).collect::<Result<_>>()?;
+        let mut r0 = 0;
+        let table: Vec<attention::AttnSegment> = segs
+            .iter()
+            .zip(&caches)
+            .map(|(s, [kc, vc])| {
+                let seg = attention::AttnSegment { kcache: ptr(kc, &gpu.stream), vcache: ptr(vc, &gpu.stream), r0, n: s.n, pos0: s.pos0 };
+                r0 += s.n;
+                seg
+            })
+            .collect();
+        let ptrs = AttnPtrs { qg: p(&qg), kraw: p(&kraw), vraw: p(&vraw), q_norm: p(&qn), k_norm: p(&kn), inv_freq: ptr(&inv_freq, &gpu.stream), q: p(&q), gate: p(&gate), kcache: 0, vcache: 0, out: 0 };
+        attention::prep_chunk(gpu, &d, &ptrs, &table, q16)?;
+        let qv = read(gpu, &q)?;
+        let q16v = qv.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).take(rows * nh * hd).collect();
+        let caches = caches.iter().map(|[k, v]| Ok([gpu.stream.clone_dtoh(k)?, gpu.stream.clone_dtoh(v)?])).collect::<Result<_>>()?;
+        Ok((qv, q16v, caches))
+    };
+    let (q, _, caches) = run(false)?;
+    let (_, q16, caches16) = run(true)?;
+    Ok(AttnPrepBothWays { q, q16, caches, caches16 })
+}
+
 /// The prefill attention over several sequences in one call (their rows back to back, each with
 /// its own caches), as a chunk of several prompts runs it; returns each sequence's outputs.
 pub fn chunk_attention_segments(b: &CudaBackend, segs: &[AttnSegmentInput], nh: usize, nkv: usize, hd: usize, kv_bf16: bool, exact: bool) -> Result<Vec<Vec<f32>>> {
