@@ -884,6 +884,7 @@ PF_GDN_SCAN(128, pf_gdn_scan_128_f16, u16)
 #define GCV 32     // state columns per walk block
 #define GC_LDM 72  // row stride (bf16) of the 64 x 64 tiles (T, M)
 #define GC_LDC 40  // row stride (bf16) of the 32-column tiles (S, D)
+#define GCW_STAGES 3  // chunks of the walk's tiles in shared memory
 
 __device__ __forceinline__ u16 bf16_rn(float x) { return (u16)(pack_bf16(x, 0.f) & 0xffffu); }
 __device__ __forceinline__ float4 scale4(float s, float4 v) { return make_float4(s * v.x, s * v.y, s * v.z, s * v.w); }
@@ -1160,8 +1161,10 @@ __device__ void gdn_chunk_prep(const IT* __restrict__ qn, const IT* __restrict__
 // rows w DK/4 ..) and per chunk make D = U - W S (and D with its rows decayed to the chunk's end,
 // the state update's operand) and then the new state; warps 4-7 make Q S, decay its rows (e^G Q S)
 // and then add M D for the outputs beside them. The state, rounded to bf16, is the products'
-// operand in shared memory; each chunk's tiles are copied in with cp.async one chunk ahead.
-// Dynamic shared memory: 2 (3 GC (DK + 8) + GC GC_LDM) + (DK + 4 GC) GC_LDC bf16, 2 GC f32.
+// operand in shared memory; each chunk's tiles are copied in with cp.async two chunks ahead, by
+// the output warps only (GCW_STAGES stages).
+// Dynamic shared memory: NB (3 GC (DK + 8) + GC GC_LDM) + (DK + (2 + NB) GC) GC_LDC bf16, NB GC f32
+// (NB = GCW_STAGES).
 template <int DK, typename ST>
 __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restrict__ w_in,
                                const u16* __restrict__ q_in, const u16* __restrict__ k_in,
@@ -1170,15 +1173,16 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
                                int dv) {
     constexpr int LDK = DK + 8, MT = DK / 64, RW = DK / 4;
     extern __shared__ __align__(16) unsigned char gcw_sm[];
-    u16* Wb = reinterpret_cast<u16*>(gcw_sm);  // W          [2][GC][LDK]
-    u16* Qb = Wb + 2 * GC * LDK;                // q          [2][GC][LDK]
-    u16* Kb = Qb + 2 * GC * LDK;                // k          [2][GC][LDK]
-    u16* Mb = Kb + 2 * GC * LDK;                // M          [2][GC][GC_LDM]
-    u16* Sb = Mb + 2 * GC * GC_LDM;             // S (bf16)   [DK][GC_LDC]
+    constexpr int NB = GCW_STAGES;
+    u16* Wb = reinterpret_cast<u16*>(gcw_sm);  // W          [NB][GC][LDK]
+    u16* Qb = Wb + NB * GC * LDK;               // q          [NB][GC][LDK]
+    u16* Kb = Qb + NB * GC * LDK;               // k          [NB][GC][LDK]
+    u16* Mb = Kb + NB * GC * LDK;               // M          [NB][GC][GC_LDM]
+    u16* Sb = Mb + NB * GC * GC_LDM;            // S (bf16)   [DK][GC_LDC]
     u16* Db = Sb + DK * GC_LDC;                 // D          [GC][GC_LDC]
     u16* Dd = Db + GC * GC_LDC;                 // e^(G_last - G) D   [GC][GC_LDC]
-    u16* Ub = Dd + GC * GC_LDC;                 // U columns  [2][GC][GC_LDC]
-    float* Gb = reinterpret_cast<float*>(Ub + 2 * GC * GC_LDC);  // G  [2][GC]
+    u16* Ub = Dd + GC * GC_LDC;                 // U columns  [NB][GC][GC_LDC]
+    float* Gb = reinterpret_cast<float*>(Ub + NB * GC * GC_LDC);  // G  [NB][GC]
     const int h = blockIdx.x, c0 = blockIdx.y * GCV, tid = threadIdx.x, lane = tid & 31;
     const int warp = (tid >> 5) & 3, kh = h / (nv / nk);
     const bool owns_state = tid < 128;
@@ -1202,12 +1206,15 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
             }
     }
     const int nch = (T + GC - 1) / GC;
+    // The output warps (4-7) copy every chunk's tiles in, two chunks ahead, after their part of
+    // the chunk before: the state warps' chain of products issues no copies.
+    const int ct = tid - 128;
     auto issue = [&](int c, int bf) {
         const size_t ch = (size_t)(cg0 + c) * nv + h, chk = (size_t)(cg0 + c) * nk + kh;
         const u16* w = w_in + ch * GC * DK;
         const u16* qc = q_in + chk * GC * DK;
         const u16* kc = k_in + chk * GC * DK;
-        for (int idx = tid; idx < GC * (DK / 8); idx += 256) {
+        for (int idx = ct; idx < GC * (DK / 8); idx += 128) {
             const int t = idx / (DK / 8), i = (idx % (DK / 8)) * 8;
             const int so = (bf * GC + t) * LDK + i;
             cp_async16(Wb + so, w + t * DK + i);
@@ -1215,16 +1222,16 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
             cp_async16(Kb + so, kc + t * DK + i);
         }
         const u16* m = m_in + ch * GC * GC;
-        for (int idx = tid; idx < GC * (GC / 8); idx += 256) {
+        for (int idx = ct; idx < GC * (GC / 8); idx += 128) {
             const int t = idx / (GC / 8), s = (idx % (GC / 8)) * 8;
             cp_async16(Mb + (bf * GC + t) * GC_LDM + s, m + t * GC + s);
         }
         const u16* u = u_in + ch * GC * dv + c0;
-        for (int idx = tid; idx < GC * (GCV / 8); idx += 256) {
+        for (int idx = ct; idx < GC * (GCV / 8); idx += 128) {
             const int t = idx / (GCV / 8), j = (idx % (GCV / 8)) * 8;
             cp_async16(Ub + (bf * GC + t) * GC_LDC + j, u + (size_t)t * dv + j);
         }
-        if (tid < GC / 4) cp_async16(Gb + bf * GC + 4 * tid, g_in + ch * GC + 4 * tid);
+        if (ct < GC / 4) cp_async16(Gb + bf * GC + 4 * ct, g_in + ch * GC + 4 * ct);
         cp_commit();
     };
     const int xoff = ((lane & 7) + (((lane >> 3) & 1) << 3)), yoff = ((lane >> 4) << 3);
@@ -1232,14 +1239,15 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
     const u32 dB = smem_u32(Db) + (xoff * GC_LDC + yoff) * 2;
     const u32 ddB = smem_u32(Dd) + (xoff * GC_LDC + yoff) * 2;
     const int row = warp * 16 + g;
-    if (nch > 0) issue(0, 0);
+    if (!owns_state) {
+        if (nch > 0) issue(0, 0);
+        if (nch > 1) issue(1, 1);
+    }
     for (int c = 0; c < nch; ++c) {
-        const int bf = c & 1, t0 = c * GC, nt = min(GC, T - t0);
-        if (c + 1 < nch) {
-            issue(c + 1, bf ^ 1);
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
+        const int bf = c % NB, t0 = c * GC, nt = min(GC, T - t0);
+        if (!owns_state) {  // this chunk's copies landed (the next one's may be in flight)
+            if (c + 1 < nch) cp_wait<1>();
+            else cp_wait<0>();
         }
         __syncthreads();
         const float* G = Gb + bf * GC;
@@ -1288,6 +1296,8 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
                 if (row < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row) * ostride + col) = make_float2(acc[n8][0], acc[n8][1]);
                 if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(acc[n8][2], acc[n8][3]);
             }
+            // Chunk c + 2's tiles into the stage chunk c - 1 left (free since the last barrier).
+            if (c + 2 < nch) issue(c + 2, (c + 2) % NB);
         } else {
             // S = e^(G_last) S + K^T (e^(G_last - G) D) for this warp's key rows (K^T through
             // transposed loads).
