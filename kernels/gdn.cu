@@ -1206,8 +1206,9 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
             }
     }
     const int nch = (T + GC - 1) / GC;
-    // The output warps (4-7) copy every chunk's tiles in, two chunks ahead, after their part of
-    // the chunk before: the state warps' chain of products issues no copies.
+    // The output warps (4-7) copy every chunk's tiles in, two chunks ahead, after their Q S of the
+    // chunk before (shorter than the state warps' W S and D): the state warps' chain of products
+    // issues no copies.
     const int ct = tid - 128;
     auto issue = [&](int c, int bf) {
         const size_t ch = (size_t)(cg0 + c) * nv + h, chk = (size_t)(cg0 + c) * nk + kh;
@@ -1282,6 +1283,8 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
                 acc[n8][2] *= e1;
                 acc[n8][3] *= e1;
             }
+            // Chunk c + 2's tiles into the stage chunk c - 1 left (free since the last barrier).
+            if (c + 2 < nch) issue(c + 2, (c + 2) % NB);
         }
         __syncthreads();  // D complete; every warp is done reading S
         if (!owns_state) {
@@ -1296,8 +1299,6 @@ __device__ void gdn_chunk_walk(const u16* __restrict__ u_in, const u16* __restri
                 if (row < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row) * ostride + col) = make_float2(acc[n8][0], acc[n8][1]);
                 if (row + 8 < nt) *reinterpret_cast<float2*>(orow + (size_t)(t0 + row + 8) * ostride + col) = make_float2(acc[n8][2], acc[n8][3]);
             }
-            // Chunk c + 2's tiles into the stage chunk c - 1 left (free since the last barrier).
-            if (c + 2 < nch) issue(c + 2, (c + 2) % NB);
         } else {
             // S = e^(G_last) S + K^T (e^(G_last - G) D) for this warp's key rows (K^T through
             // transposed loads).
