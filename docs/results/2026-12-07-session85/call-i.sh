@@ -34,13 +34,5 @@ for e in base pk qd both; do
        grep -E '^ +(gdn[.](prep|scan)) ' | tr -s ' ' | tr '\n' ' ')"
 done
 { call_arm "main p8192" main "--prompt-len 8192 --decode-steps 16"; xarm "x-both p8192" both "--prompt-len 8192 --decode-steps 16"; } | call_bench
-ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-if [ "$(left 10)" -gt 45 ]; then
-  timeout "$(left 10)" "$ncu" --clock-control none --set full --csv --page raw \
-    -k 'regex:^(pf_gdn_chunk_walk_128_f16|pf_gdn_chunk_prep_128_bf16)$' --launch-count 2 \
-    ./.device-main/bin/lily-bench --model "$LILY_CK" --backend cuda --prompt-len 4096 --decode-steps 1 --no-warmup \
-    > "$OUT/ncu-gdn-4k.csv" 2> /tmp/ncu.err || tail -3 /tmp/ncu.err
-  python3 scripts/ncu_summary.py "$OUT/ncu-gdn-4k.csv" --stalls | tee "$OUT/ncu-gdn-4k-stalls.txt"
-  xz -9 "$OUT/ncu-gdn-4k.csv"
-fi
+call_ncu ncu-gdn-4k '^(pf_gdn_chunk_walk_128_f16|pf_gdn_chunk_prep_128_bf16)$' 2 main 4096
 call_end
