@@ -299,9 +299,11 @@ pub struct GdnChunkScratch {
     pub inputs_bf16: bool,
 }
 
-/// Tokens per chunk of the chunked scan (GC in gdn.cu) and state columns per walk block (GCV).
+/// Tokens per chunk of the chunked scan (GC in gdn.cu), state columns per walk block (GCV) and
+/// chunks of tiles in the walk's shared memory (GCW_STAGES).
 const SCAN_CHUNK: usize = 64;
 const SCAN_COLUMNS: usize = 32;
+const WALK_STAGES: usize = 3;
 /// Segments shorter than this run the exact scan also in the default mode: one chunk's setup
 /// costs about what its tokens' exact steps do.
 pub const CHUNKED_MIN_TOKENS: usize = 64;
@@ -509,9 +511,10 @@ fn chunked_smem(dk: usize, dv: usize) -> (u32, u32) {
     // q and k for the k.k / q.k products, then A (f32) and T in their place; b e^G k, b v; b, G.
     let region = (2 * 2 * c * ldk).max(4 * c * 68 + 2 * c * ldm);
     let prep = region + 2 * (c * ldk + c * (dv + 8)) + 4 * 2 * c;
-    // Three chunks (GCW_STAGES) of W, q, k and M; S, D and the decayed D; three chunks of U's
-    // columns and of G.
-    let walk = 2 * (3 * (3 * c * ldk + c * ldm) + (dk + 2 * c + 3 * c) * ldc) + 4 * 3 * c;
+    // WALK_STAGES chunks of W, q, k and M; S, D and the decayed D; as many chunks of U's columns
+    // and of G.
+    let st = WALK_STAGES;
+    let walk = 2 * (st * (3 * c * ldk + c * ldm) + (dk + 2 * c + st * c) * ldc) + 4 * st * c;
     (prep as u32, walk as u32)
 }
 

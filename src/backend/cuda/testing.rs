@@ -586,6 +586,9 @@ pub struct AttnPrepInput {
     pub pos0: usize,
 }
 
+/// Each sequence's K and V caches, bf16 bits `[positions][nkv hd]`.
+pub type CacheBits = Vec<[Vec<u16>; 2]>;
+
 /// What the prefill attention prep writes both ways over the same rows (several sequences in one
 /// launch, each with its own bf16 caches): `pf_attn_prep_bf16` (q and the gate in f32) and
 /// `pf_attn_prep_q16` (q as the wgmma core's bf16 operand, no gate).
@@ -594,8 +597,8 @@ pub struct AttnPrepBothWays {
     pub q: Vec<f32>,
     pub q16: Vec<u16>,
     /// Each sequence's caches after either prep, bf16 bits `[pos0 + n][nkv hd]`.
-    pub caches: Vec<[Vec<u16>; 2]>,
-    pub caches16: Vec<[Vec<u16>; 2]>,
+    pub caches: CacheBits,
+    pub caches16: CacheBits,
 }
 
 /// [`AttnPrepBothWays`] of `segs` with q/k norm weights `q_norm`, `k_norm` (`[hd]`) and RoPE over
@@ -611,7 +614,8 @@ pub fn attention_prep_both_ways(b: &CudaBackend, segs: &[AttnPrepInput], nh: usi
     let inv_freq = gpu.upload(&inv)?;
     let d = AttnDims { nh, nkv, hd, half_rot, eps: 1e-6, kv_bf16: true };
     let p = |x: &CudaSlice<f32>| ptr(x, &gpu.stream);
-    let run = |q16: bool| -> Result<(Vec<f32>, Vec<u16>, Vec<[Vec<u16>; 2]>)> {
+    // q's buffer and the caches after one prep (the q16 prep's bf16 values fill q's first half).
+    let run = |q16: bool| -> Result<(Vec<f32>, CacheBits)> {
         let (q, gate) = (gpu.zeros::<f32>(rows * nh * hd)?, gpu.zeros::<f32>(rows * nh * hd)?);
         let caches: Vec<[CudaSlice<u16>; 2]> = segs.iter().map(|s| Ok([gpu.zeros::<u16>((s.pos0 + s.n) * nkv * hd)?, gpu.zeros::<u16>((s.pos0 + s.n) * nkv * hd)?])).collect::<Result<_>>()?;
         let mut r0 = 0;
@@ -626,13 +630,12 @@ pub fn attention_prep_both_ways(b: &CudaBackend, segs: &[AttnPrepInput], nh: usi
             .collect();
         let ptrs = AttnPtrs { qg: p(&qg), kraw: p(&kraw), vraw: p(&vraw), q_norm: p(&qn), k_norm: p(&kn), inv_freq: ptr(&inv_freq, &gpu.stream), q: p(&q), gate: p(&gate), kcache: 0, vcache: 0, out: 0 };
         attention::prep_chunk(gpu, &d, &ptrs, &table, q16)?;
-        let qv = read(gpu, &q)?;
-        let q16v = qv.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).take(rows * nh * hd).collect();
         let caches = caches.iter().map(|[k, v]| Ok([gpu.stream.clone_dtoh(k)?, gpu.stream.clone_dtoh(v)?])).collect::<Result<_>>()?;
-        Ok((qv, q16v, caches))
+        Ok((read(gpu, &q)?, caches))
     };
-    let (q, _, caches) = run(false)?;
-    let (_, q16, caches16) = run(true)?;
+    let (q, caches) = run(false)?;
+    let (words, caches16) = run(true)?;
+    let q16 = words.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).take(rows * nh * hd).collect();
     Ok(AttnPrepBothWays { q, q16, caches, caches16 })
 }
 
