@@ -120,3 +120,25 @@ call_end() {
     el done
     bash scripts/out_bundle.sh
 }
+
+# call_ncu_source NAME REGEX ARM LEN: Nsight Compute's per-instruction view (source counters:
+# warp stall samples and executed instructions per SASS line) of the first launch of each kernel
+# matching REGEX in ARM's LEN-token prefill, if at least 60 s are left: $OUT/NAME-K.csv.xz per
+# kernel K (the source page as CSV) and the report itself ($OUT/NAME.ncu-rep.xz).
+call_ncu_source() {
+    local name=$1 regex=$2 arm=$3 len=$4 ncu k
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    [ "$(left 10)" -gt 60 ] || return 0
+    rm -f "/tmp/$name.ncu-rep"
+    timeout "$(left 10)" "$ncu" --clock-control none --section SourceCounters --section WarpStateStats \
+        --import-source no -k "regex:$regex" --launch-count "${NCU_LAUNCHES:-2}" -o "/tmp/$name" \
+        "./.device-$arm/bin/lily-bench" --model "$LILY_CK" --backend cuda --prompt-len "$len" --decode-steps 1 --no-warmup \
+        > /tmp/ncu-src.log 2>&1 || tail -3 /tmp/ncu-src.log
+    for k in $(echo "$regex" | tr -d '^$()' | tr '|' ' '); do
+        "$ncu" -i "/tmp/$name.ncu-rep" -k "$k" --page source --csv --print-source sass > "$OUT/$name-$k.csv" 2> /tmp/ncu-src.err ||
+            tail -3 /tmp/ncu-src.err
+        xz -9 "$OUT/$name-$k.csv"
+    done
+    [ -f "/tmp/$name.ncu-rep" ] && xz -9 -c "/tmp/$name.ncu-rep" > "$OUT/$name.ncu-rep.xz"
+    el "ncu source $name"
+}
