@@ -1295,32 +1295,46 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 2) pf_moe_wg_glu_n_f(PF
 }
 
 #define WGM_STAGES 6
-#define WGM_AHEAD 3                      // groups copied ahead of the one multiplied
-#define WGM_STAGE (WG_N * 128 + WG_CODES)  // the slots' inputs, then the codes
+#define WGM_AHEAD 3                        // groups copied ahead of the one multiplied
+#define WGM_SLACK 32                       // slots past WG_N an expert's last tile takes in
+#define WGM_N (WG_N + WGM_SLACK)           // slots a stage holds
+#define WGM_STAGE (WGM_N * 128 + WG_CODES)  // the slots' inputs, then the codes
 // moe::wgm_smem: 1,024 (alignment) + WGM_STAGES * WGM_STAGE + 4 * 128 * wgm_scale_row(cols / 64) + 16 * WGM_STAGES
-// (barriers) + 2 * WG_N * 4 (slot and input-row indices).
+// (barriers) + 2 * WGM_N * 4 (slot and input-row indices).
 // A scale row's stride in shared memory: 16 bytes past the groups' scales, so the 8 rows a warp
 // reads at once fall in distinct banks.
 __device__ __forceinline__ int wgm_scale_row(int gpr) { return 2 * gpr + 16; }
+// The slots pf_moe_wg_glu_mc takes at the WG_N-slot tile at slot f0 of an expert's `count`: all
+// the rest where at most WGM_N are left; none (its CTAs leave at once) at an expert's last tile
+// of up to WGM_SLACK slots past a full one, which the tile before took.
+__device__ __forceinline__ int wgm_tile_slots(int count, int f0) {
+    const int rest = count - f0;
+    if (f0 > 0 && rest <= WGM_SLACK) return 0;
+    return rest <= WGM_N ? rest : WG_N;
+}
 
 // pf_moe_wg_glu_mc: the wide gate|up over codes in fragment order, its stages handed between
 // warps by mbarriers instead of a block barrier per step, and the slots' inputs brought once per
 // thread block cluster of the tile's row blocks (the launch's clusters span x: the expert's
 // 128-row blocks of one tile read the same inputs, which were the most of the kernel's L2
-// reads). Each block of a cluster of C copies 8 / C of every warp's 8 slots per group by tensor
-// copies multicast to all C blocks (the map's 128-byte swizzle, so a stage holds the slots as
-// K-major rows the wgmma's B reads with SBO 1,024), and its own rows' codes by one 512-byte bulk
-// copy per warp; each warp arrives on its block's full barrier expecting its 8 slots' and its
-// codes' bytes, whoever copies them. Each warp arrives on the empty barrier of every block of the
+// reads). Each block of a cluster of C copies 1 / C of every warp's 10 slots per group by
+// tensor copies multicast to all C blocks (the map's 128-byte swizzle, so a stage holds the slots
+// as K-major rows the wgmma's B reads with SBO 1,024), and its own rows' codes by one 512-byte
+// bulk copy per warp; each warp arrives on its block's full barrier expecting its 10 slots' and
+// its codes' bytes, whoever copies them. Each warp arrives on the empty barrier of every block of the
 // cluster once its products from a stage are done (C x 16 arrivals per phase), and a stage is
 // refilled only after all of them. The warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1
 // groups, one's dequantisation under another's products (the step is bound by its instruction
 // stream: the block barrier held every warp to the slowest). The rows' scales and biases of every
-// group stay in shared memory (copied once). Same products in the same order as
+// group stay in shared memory (copied once). An expert's last tile takes in the up to WGM_SLACK
+// slots past it (wgm_tile_slots), so at ~128 slots per expert about every other expert makes one
+// tile of up to 160 slots instead of a full one and one of a few: the step's dequantisation and
+// copies, which set its pace, then serve all of them once (NW = 160 keeps one A buffer, built in
+// the step that multiplies it, for want of registers). Same products in the same order as
 // pf_moe_wg_glu_f: the same bits.
 template <int NW>
-__device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xmap) {
-    constexpr int N = WG_N, S = WGM_STAGES, L = WGM_AHEAD;
+__device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xmap, int cnt) {
+    constexpr int N = WGM_N, S = WGM_STAGES, L = WGM_AHEAD, SPW = N / 16;
     static_assert(S > L + 1, "the warps drift apart by S - L - 1 groups");
     static_assert(WGM_STAGE % 1024 == 0, "every stage starts on a swizzle atom");
     (void)x;
@@ -1329,7 +1343,6 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     const u32 sm0 = (raw + 1023u) & ~1023u;  // the swizzle's 8-row atoms sit on 1,024-byte boundaries
     const u32 C = cluster_blocks(), rank = cluster_rank();
     const int e = tiles[1 + 2 * blockIdx.y], f0 = tiles[2 + 2 * blockIdx.y];
-    const int cnt = min(N, counts[e] - f0);
     const int* lst = list + offsets[e] + f0;
     const int gpr = cols >> 6, srs = wgm_scale_row(gpr);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -1356,14 +1369,13 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // Every block's barriers initialised (fenced above) before any block's copies land in another.
     cluster_arrive_relaxed();
     cluster_wait();
-    // This warp's slots are 8 warp .. 8 warp + 7; this block copies `per` of them (lanes < per),
-    // into every block of the cluster. A 16-row tile of codes past `rows` copies the expert's
-    // first (its scales are zeros).
-    const int per = 8 / (int)C;
-    const int n_in = 8 * warp + per * (int)rank + lane;
-    const int r_in = lane < per ? xrow[n_in] : -1;
+    // This warp's slots are SPW warp .. SPW warp + SPW - 1; this block copies those of lanes
+    // rank, rank + C, ... (< SPW) into every block of the cluster. A 16-row tile of codes past
+    // `rows` copies the expert's first (its scales are zeros).
+    const int n_in = SPW * warp + lane;
+    const int r_in = lane < SPW && lane % (int)C == (int)rank ? xrow[n_in] : -1;
     const unsigned short mask = (unsigned short)((1u << C) - 1u);
-    const u32 wbytes = 512 + 128 * (u32)max(0, min(8, cnt - 8 * warp));
+    const u32 wbytes = 512 + 128 * (u32)max(0, min(SPW, cnt - SPW * warp));
     const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
     const unsigned char* csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
                                 (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1);
@@ -1401,6 +1413,43 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // Step i's B: the slots' 128-byte rows of the group, 8-row atoms 1,024 bytes apart, k step i
     // 32 bytes into each row.
     const WgmmaDescs bdesc = wgmma_descs_sw128(1024);
+    if constexpr (NW > WG_N) {
+        // One A buffer: group G's fragments built from its codes (read in step G - 1) right
+        // before its products; the copies of group G + L and the read of group G + 1's codes
+        // under them.
+        u32 a[4][4];
+        WgGroup c;
+        mbar_wait(full(0), 0);
+        read(0, 0, c);
+        u32 st = 0, ph = 0;
+        for (int G = 0; G < gpr; ++G) {
+            const bool wrap1 = st + 1 == S, wrapL = st + L >= S;
+            const u32 st1 = wrap1 ? 0 : st + 1, ph1 = ph ^ (u32)wrap1, stL = wrapL ? st + L - S : st + L;
+            const u32 st4 = (sm0 + st * WGM_STAGE) >> 4;
+            build(c, a);
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], bdesc.at(st4 + 2 * i));
+            wgmma_commit();
+            if (G + L < gpr) {
+                if (G + L >= S) mbar_wait(empty(stL), ph ^ (u32)wrapL ^ 1u);
+                issue(G + L, stL);
+            }
+            if (G + 1 < gpr) {
+                mbar_wait(full(st1), ph1);
+                read(st1, G + 1, c);
+            }
+            wgmma_wait<0>();
+            __syncwarp();
+            if (lane < (int)C) mbar_arrive_in(empty(st), (u32)lane);
+            st = st1;
+            ph = ph1;
+        }
+        cluster_arrive();
+        cluster_wait();
+        wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
+        return;
+    }
     u32 a0[4][4], a1[4][4];
     mbar_wait(full(0), 0);
     {
@@ -1451,7 +1500,14 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
 // tensor [x rows][cols], 64 x 1 boxes, 128-byte swizzle (x stays an argument, unread, so the
 // launch passes the other wgmma gate|up kernels' arguments and the map).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) pf_moe_wg_glu_mc(PF_MOE_WG_ARGS, const __grid_constant__ TmaMap xmap) {
-    WG_AT_TILE_WIDTH(pf_moe_wgc_body<NW>(PF_MOE_WG_PASS, &xmap))
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int cnt = wgm_tile_slots(counts[tiles[1 + 2 * blockIdx.y]], tiles[2 + 2 * blockIdx.y]);
+    if (cnt <= 0) return;
+    if (cnt <= 32) pf_moe_wgc_body<32>(PF_MOE_WG_PASS, &xmap, cnt);
+    else if (cnt <= 64) pf_moe_wgc_body<64>(PF_MOE_WG_PASS, &xmap, cnt);
+    else if (cnt <= 96) pf_moe_wgc_body<96>(PF_MOE_WG_PASS, &xmap, cnt);
+    else if (cnt <= WG_N) pf_moe_wgc_body<WG_N>(PF_MOE_WG_PASS, &xmap, cnt);
+    else pf_moe_wgc_body<WGM_N>(PF_MOE_WG_PASS, &xmap, cnt);
 }
 
 // ---- down over a tile's whole K with its inputs resident ----

@@ -235,9 +235,11 @@ fn cuda_prefill_norm_stages_the_wgmma_input_as_stage_wg() {
 }
 
 /// The routed experts' kernels at the 35B's widths (per expert gate|up 512 x 2,048, down 2,048 x
-/// 512): 300 tokens, 4 of 8 experts each, with uneven counts per expert (300, 220, 150, 60, 100,
-/// 10, 128, 232 slots), so the wgmma kernels' 128-slot tiles include full ones and remainders for
-/// each of their widths (32, 64, 96, 128 slots), the narrow kernels' 32-slot tiles and
+/// 512): 300 tokens, 4 of 8 experts each, with uneven counts per expert (280, 220, 150, 60, 100,
+/// 30, 128, 232 slots), so the wgmma kernels' 128-slot tiles include full ones and remainders for
+/// each of their widths (32, 64, 96, 128 slots), the cluster gate|up's last tiles that take in an
+/// expert's last few slots (150 in one tile of 150, 280 in 128 and 152), the narrow kernels'
+/// 32-slot tiles and
 /// `moe_tcb`'s 16-slot tiles full and part-full ones; the
 /// 32 groups of a 2,048-column row stream through the wgmma kernel's stages and through
 /// `moe_tcb`'s four 512-column items per row.
@@ -291,12 +293,12 @@ fn cuda_prefill_wide_gate_up_in_clusters_of_one_and_two() {
     }
 }
 
-/// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (300, 220, 150, 60, 100,
-/// 10, 128, 232 slots): (experts, k, tokens, ids). Expert e takes the next counts[e] tokens,
+/// 300 tokens routed to 4 of 8 experts each with uneven counts per expert (280, 220, 150, 60, 100,
+/// 30, 128, 232 slots): (experts, k, tokens, ids). Expert e takes the next counts[e] tokens,
 /// wrapping, so every token gets k distinct experts, in ascending order.
 fn uneven_routes() -> (usize, usize, usize, Vec<u32>) {
     let (ne, k, t) = (8usize, 4usize, 300usize);
-    let counts = [300usize, 220, 150, 60, 100, 10, 128, 232];
+    let counts = [280usize, 220, 150, 60, 100, 30, 128, 232];
     assert_eq!(counts.iter().sum::<usize>(), t * k);
     let mut per_token: Vec<Vec<u32>> = vec![Vec::with_capacity(k); t];
     let mut cursor = 0;

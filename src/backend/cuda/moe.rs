@@ -762,15 +762,17 @@ const fn wg_smem(tile: usize) -> u32 {
     (WG_STAGES * (tile * 128 + WG_AROWS * 32) + 2 * WG_AROWS * 2 * 16 + 2 * tile * 4) as u32
 }
 
-/// `pf_moe_wg_glu_mc`'s stages and their bytes (WGM_STAGES, WGM_STAGE in kernels/moe.cu).
+/// `pf_moe_wg_glu_mc`'s stages, the slots each holds (an expert's last tile takes up to 32 past
+/// [`WG_TILE`]) and their bytes (WGM_STAGES, WGM_N, WGM_STAGE in kernels/moe.cu).
 const WGM_STAGES: usize = 6;
-const WGM_STAGE: usize = WG_TILE * 128 + WG_AROWS * 32;
+const WGM_N: usize = WG_TILE + 32;
+const WGM_STAGE: usize = WGM_N * 128 + WG_AROWS * 32;
 /// `pf_moe_wg_glu_mc`'s dynamic shared memory over rows of `cols` columns: 1,024 bytes of room
 /// to align the stages (the swizzle's atoms), the stages, every group's scales and biases of the
 /// block's 128 gate and 128 up rows (rows padded by 16 bytes), the stages' two barriers and the
 /// tile's slot and input-row indices.
 const fn wgm_smem(cols: usize) -> u32 {
-    (1024 + WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WG_TILE * 4) as u32
+    (1024 + WGM_STAGES * WGM_STAGE + 4 * 128 * (2 * (cols / 64) + 16) + 16 * WGM_STAGES + 2 * WGM_N * 4) as u32
 }
 
 /// Whether gate|up over `cols` columns takes `pf_moe_wg_glu_mc` (codes in fragment order, wide
@@ -1090,9 +1092,9 @@ mod tests {
 
     #[test]
     fn the_35b_gate_up_takes_the_cluster_kernel() {
-        // The stages' alignment slack, six stages of 24 KB, the 35B's 32 groups' scales and
+        // The stages' alignment slack, six stages of 28 KB (160 slots), the 35B's 32 groups' scales and
         // biases of 256 rows (80-byte rows) resident, the barriers and indices.
-        assert_eq!(wgm_smem(2048), (1024 + 6 * 24576 + 4 * 128 * 80 + 6 * 16 + 1024) as u32);
+        assert_eq!(wgm_smem(2048), (1024 + 6 * 28672 + 4 * 128 * 80 + 6 * 16 + 1280) as u32);
         assert!(wgm_takes(2048, true, false));
         // Not the narrow tiles, not row-order codes, not the tiny model's two groups (its scales
         // are not whole 16-byte runs), nor rows whose resident scales would not fit.
