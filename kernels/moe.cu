@@ -1372,10 +1372,10 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // This warp's slots are SPW warp .. SPW warp + SPW - 1; this block copies those of lanes
     // rank, rank + C, ... (< SPW) into every block of the cluster. A 16-row tile of codes past
     // `rows` copies the expert's first (its scales are zeros).
-    const int n_in = SPW * warp + lane;
+    const int n_in = warp + 16 * lane;
     const int r_in = lane < SPW && lane % (int)C == (int)rank ? xrow[n_in] : -1;
     const unsigned short mask = (unsigned short)((1u << C) - 1u);
-    const u32 wbytes = 512 + 128 * (u32)max(0, min(SPW, cnt - SPW * warp));
+    const u32 wbytes = 512 + 128 * (u32)(cnt > warp ? min(SPW, (cnt - warp + 15) >> 4) : 0);
     const int fr = blockIdx.x * WG_GLU_ROWS + 16 * (warp & 7);
     const unsigned char* csrc = reinterpret_cast<const unsigned char*>(warp >= 8 ? w2 : w) +
                                 (size_t)(e * rows + (fr < rows ? fr : 0)) * (size_t)(cols >> 1);
