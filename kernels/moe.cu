@@ -1356,13 +1356,13 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // Full: one arrival per warp (with its expected bytes); empty: every warp of the cluster.
     wg_ring_init(bars, S, WG_THREADS / 32, C * (WG_THREADS / 32));
     {
-        const int cpr = gpr >> 3, per_mat = 128 * cpr;
-        for (int c = tid; c < 4 * per_mat; c += WG_THREADS) {
-            const int m = c / per_mat, r = (c / cpr) & 127, k = c % cpr;
-            const int R = blockIdx.x * WG_GLU_ROWS + r;
-            const u16* src = m == 0 ? s : m == 1 ? b : m == 2 ? s2 : b2;
-            cp_async16z(scl + (m * 128 + r) * srs + 16 * k, src + (size_t)(e * rows + (R < rows ? R : 0)) * gpr + 8 * k, R < rows);
-        }
+        // Thread tid copies row tid & 127 of matrix tid >> 7 (gate scales, gate biases, up
+        // scales, up biases: 4 x 128 rows, one per thread), its gpr / 8 16-byte runs.
+        static_assert(WG_THREADS == 4 * 128, "one scale or bias row per thread");
+        const int m = tid >> 7, r = tid & 127, R = blockIdx.x * WG_GLU_ROWS + r;
+        const u16* src = (m == 0 ? s : m == 1 ? b : m == 2 ? s2 : b2) + (size_t)(e * rows + (R < rows ? R : 0)) * gpr;
+        const u32 dst = scl + (m * 128 + r) * srs;
+        for (int k = 0; k < gpr >> 3; ++k) cp_async16z(dst + 16 * k, src + 8 * k, R < rows);
         cp_commit();
     }
     __syncthreads();  // slot and xrow
