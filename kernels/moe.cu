@@ -1254,7 +1254,8 @@ __device__ __forceinline__ void pf_moe_wg_body(const u32* __restrict__ w, const 
 // multiply whatever the stage holds and are never stored.
 // WG_AT_TILE_WIDTH(call): in a kernel over the lists' tiles (blockIdx.y; blocks past the last
 // tile return), `call` with NW the narrowest width that covers the tile's slots. A macro: NVRTC
-// takes no generic lambda in device code, and every kernel over the tiles dispatches so.
+// takes no generic lambda in device code, and every kernel over the tiles dispatches so but the
+// cluster gate|up, whose tiles' slots come from wgm_tile_slots.
 #define WG_AT_TILE_WIDTH(...)                                                             \
     if ((int)blockIdx.y >= tiles[0]) return;                                              \
     const int wg_cnt = counts[tiles[1 + 2 * blockIdx.y]] - tiles[2 + 2 * blockIdx.y];     \
@@ -1317,11 +1318,11 @@ __device__ __forceinline__ int wgm_tile_slots(int count, int f0) {
 // warps by mbarriers instead of a block barrier per step, and the slots' inputs brought once per
 // thread block cluster of the tile's row blocks (the launch's clusters span x: the expert's
 // 128-row blocks of one tile read the same inputs, which were the most of the kernel's L2
-// reads). Each block of a cluster of C copies 1 / C of every warp's 10 slots per group by
-// tensor copies multicast to all C blocks (the map's 128-byte swizzle, so a stage holds the slots
-// as K-major rows the wgmma's B reads with SBO 1,024), and its own rows' codes by one 512-byte
-// bulk copy per warp; each warp arrives on its block's full barrier expecting its 10 slots' and
-// its codes' bytes, whoever copies them. Each warp arrives on the empty barrier of every block of the
+// reads). Each block of a cluster of C copies 1 / C of every warp's slots (up to 10) per group
+// by tensor copies multicast to all C blocks (the map's 128-byte swizzle, so a stage holds the
+// slots as K-major rows the wgmma's B reads with SBO 1,024), and its own rows' codes by one
+// 512-byte bulk copy per warp; each warp arrives on its block's full barrier expecting its slots'
+// and its codes' bytes, whoever copies them. Each warp arrives on the empty barrier of every block of the
 // cluster once its products from a stage are done (C x 16 arrivals per phase), and a stage is
 // refilled only after all of them. The warps then drift apart by up to WGM_STAGES - WGM_AHEAD - 1
 // groups, one's dequantisation under another's products (the step is bound by its instruction
@@ -1369,9 +1370,10 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // Every block's barriers initialised (fenced above) before any block's copies land in another.
     cluster_arrive_relaxed();
     cluster_wait();
-    // This warp's slots are SPW warp .. SPW warp + SPW - 1; this block copies those of lanes
-    // rank, rank + C, ... (< SPW) into every block of the cluster. A 16-row tile of codes past
-    // `rows` copies the expert's first (its scales are zeros).
+    // This warp's slots are warp, warp + 16, ... (lane j < SPW: slot warp + 16 j), so the copies
+    // spread over all 16 warps whatever the tile's count; this block copies those of lanes rank,
+    // rank + C, ... into every block of the cluster. A 16-row tile of codes past `rows` copies
+    // the expert's first (its scales are zeros).
     const int n_in = warp + 16 * lane;
     const int r_in = lane < SPW && lane % (int)C == (int)rank ? xrow[n_in] : -1;
     const unsigned short mask = (unsigned short)((1u << C) - 1u);
