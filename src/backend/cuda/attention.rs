@@ -422,16 +422,16 @@ pub fn chunk(gpu: &Gpu, d: &AttnDims, p: &AttnPtrs, part: &SplitPartials, segs: 
     }
     let launch = |group: &[AttnSegment], splits: usize| {
         let ck = select(splits > 1)?;
-        let (kernel, q, gate) = match ck.q16.filter(|_| q16) {
-            Some(k) => (k, p.q, p.qg),
-            None => (ck.kernel, p.q, p.gate),
+        let (kernel, gate) = match ck.q16.filter(|_| q16) {
+            Some(k) => (k, p.qg),
+            None => (ck.kernel, p.gate),
         };
         let qt = ck.rows / (d.nh / d.nkv);
         let blocks = group.iter().map(|g| g.n.div_ceil(qt)).sum::<usize>();
         let mut args = vec![
             segs_arg(group),
             Arg::I(group.len() as i32),
-            Arg::P(q),
+            Arg::P(p.q),
             Arg::P(gate),
             Arg::I(d.nh as i32),
             Arg::I(d.nkv as i32),
