@@ -741,3 +741,56 @@ fn cuda_handover_chain_matches_host_every_way() {
         assert!(digests.windows(2).all(|w| w[0] == w[1]), "neighbour {neighbour}: digests differ {digests:x?}");
     }
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_decode_after_takes_the_first_token_from_the_prefills_last_row() {
+    // decode_after runs the prompt through the prefill and the decode step's head and argmax on
+    // its last row, then the pipelined steps: on the f32 prefill the tokens are the CPU's (whose
+    // default decode_after is forward + host argmax + decode_greedy) and the sequence ends at the
+    // same length; stopping at the first token leaves the prompt in.
+    let ck = ck();
+    let mut cpu = CpuBackend::new(&ck).unwrap();
+    let vocab = cpu.config().vocab_size;
+    let toks = prompt(70, vocab);
+    let n = 24;
+    let max_seq = toks.len() + n + 1;
+    let run = |b: &mut dyn Backend, stop_at: usize| -> (Vec<u32>, usize) {
+        let mut seq = b.new_sequence(max_seq).unwrap();
+        let mut got = Vec::new();
+        let k = b
+            .decode_after(&mut seq, &toks, n, None, &mut |t| {
+                got.push(t);
+                got.len() < stop_at
+            })
+            .unwrap();
+        assert_eq!(k, got.len());
+        (got, seq.len())
+    };
+    let want = run(&mut cpu, usize::MAX);
+    assert_eq!(want.1, toks.len() + n - 1);
+    let mut gpu = cuda();
+    let got = run(&mut gpu, usize::MAX);
+    eprintln!("decode_after gpu {:?}", got.0);
+    assert_eq!(got, want, "decode_after on the f32 prefill differs from the CPU's");
+    let (first, len) = run(&mut gpu, 1);
+    assert_eq!(first, want.0[..1]);
+    assert!(len == toks.len() || len == toks.len() + 1, "len {len}");
+
+    // The default (bf16) prefill: the first token is the argmax of the prefill's own last-row
+    // logits up to their rounding, and the steps after it are the decode steps' from that
+    // token on the same prefilled sequence.
+    let mut gpu = cuda_with(CudaOptions::default());
+    let (got, len) = run(&mut gpu, usize::MAX);
+    assert_eq!(len, toks.len() + n - 1);
+    let mut seq = gpu.new_sequence(max_seq).unwrap();
+    let l = gpu.forward(&mut seq, &toks, LogitsWanted::Last).unwrap();
+    let top = argmax(&l);
+    assert!(got[0] == top || l[top as usize] - l[got[0] as usize] < 1e-2, "first token {} vs prefill logits' {top} ({} vs {})", got[0], l[got[0] as usize], l[top as usize]);
+    let mut cur = got[0];
+    for (i, &t) in got[1..].iter().enumerate() {
+        let l = gpu.forward(&mut seq, &[cur], LogitsWanted::Last).unwrap();
+        cur = argmax(&l);
+        assert_eq!(t, cur, "token {} differs from the decode step's", i + 1);
+    }
+}

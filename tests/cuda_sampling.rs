@@ -227,3 +227,42 @@ fn cuda_sampled_decode_follows_the_snapshot() {
     let got = b.decode_sampled(&mut seq, prompt[prompt.len() - 1], 24, &chat, &mut |_| { seen += 1; seen < 5 }).unwrap();
     assert_eq!((got, seen), (5, 5));
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_sampled_decode_after_a_prompt_follows_the_snapshot() {
+    // decode_after draws the first token on the device from the prefill's last row with the
+    // snapshot's sampler, keyed by the last prompt position as a decode step's draw is: top-k 1
+    // gives the greedy tokens, a real snapshot the same tokens twice; a stop at the first token
+    // ends the call there.
+    let mut b = cuda();
+    let vocab = b.config().vocab_size;
+    let prompt = lily::engine::contract::contract_prompt(40, vocab);
+    let run = |b: &mut CudaBackend, snap: Option<&SamplerSnapshot>, steps: usize, stop_at: usize| -> (Vec<u32>, usize) {
+        let mut seq = b.new_sequence(prompt.len() + steps + 1).unwrap();
+        let mut toks = Vec::new();
+        let k = b
+            .decode_after(&mut seq, &prompt, steps, snap, &mut |t| {
+                toks.push(t);
+                toks.len() < stop_at
+            })
+            .unwrap();
+        assert_eq!(k, toks.len());
+        (toks, seq.len())
+    };
+    let greedy = run(&mut b, None, 24, usize::MAX);
+    assert_eq!(greedy.1, prompt.len() + 23);
+    let top1 = snap(SamplingParams { temperature: 0.8, top_k: 1, ..Default::default() }, 5);
+    assert_eq!(run(&mut b, Some(&top1), 24, usize::MAX), greedy);
+    for params in [
+        SamplingParams { temperature: 0.7, top_p: 0.8, top_k: 20, repetition_penalty: 1.05, ..Default::default() },
+        SamplingParams { temperature: 1.0, ..Default::default() },
+    ] {
+        let s = snap(params, 9);
+        let a = run(&mut b, Some(&s), 24, usize::MAX);
+        assert_eq!(a, run(&mut b, Some(&s), 24, usize::MAX), "same snapshot, same tokens");
+        assert!(a.0.iter().all(|&t| (t as usize) < vocab));
+        let (first, _) = run(&mut b, Some(&s), 24, 1);
+        assert_eq!(first, a.0[..1]);
+    }
+}

@@ -389,6 +389,22 @@ pub trait Backend: Send {
         Ok(steps)
     }
 
+    /// Feeds `feed` (one token or more: the rest of a prompt, or the sequence's last token) and
+    /// decodes after it: the first token is chosen from the last fed position's logits, then each
+    /// next one from the previous token's, up to `steps` in all, greedy (`snap` None: the argmax,
+    /// ties to the lowest id) or drawn as [`Backend::decode_sampled`] draws them; tokens go to
+    /// `on_token` with the same stopping and sequence-length rules as
+    /// [`Backend::decode_greedy`] (`steps` 0 feeds nothing). So a prompt's first token comes from
+    /// its prefill's last row instead of a decode step of its own (the whole step's weights
+    /// read for one token).
+    ///
+    /// The default is `forward` with the last row's logits and the host's choice, then
+    /// `decode_greedy` / `decode_sampled` ([`decode_after_forward`]); the CUDA backend chooses
+    /// the first token on the device from its prefill's last row and keeps the steps pipelined.
+    fn decode_after(&mut self, seq: &mut Sequence, feed: &[u32], steps: usize, snap: Option<&crate::engine::sampling::SamplerSnapshot>, on_token: &mut dyn TokenSink) -> Result<usize> {
+        decode_after_forward(self, seq, feed, steps, snap, on_token)
+    }
+
     /// Decodes several sequences together: each step feeds one token of every unfinished row
     /// (its `first_token`, then its previous output) and produces the row's next token with its
     /// own sampling, restricted to the tokens `hooks.mask` allows where it constrains the row,
@@ -436,6 +452,48 @@ pub trait Backend: Send {
         }
         Ok(produced)
     }
+}
+
+/// [`Backend::decode_after`] through `forward`: the feed with its last row's logits, the first
+/// token chosen on the host (the argmax, or `snap`'s draw keyed by the last fed position, as
+/// `decode_sampled` keys its draws), then `decode_greedy` / `decode_sampled` from that token.
+pub fn decode_after_forward<B: Backend + ?Sized>(
+    b: &mut B,
+    seq: &mut Sequence,
+    feed: &[u32],
+    steps: usize,
+    snap: Option<&crate::engine::sampling::SamplerSnapshot>,
+    on_token: &mut dyn TokenSink,
+) -> Result<usize> {
+    let Some((&last, rest)) = feed.split_last() else {
+        anyhow::bail!("decode_after called with no tokens");
+    };
+    if steps == 0 {
+        return Ok(0);
+    }
+    let decode = |b: &mut B, seq: &mut Sequence, first: u32, steps: usize, snap: Option<&crate::engine::sampling::SamplerSnapshot>, on_token: &mut dyn TokenSink| match snap {
+        None => b.decode_greedy(seq, first, steps, on_token),
+        Some(s) => b.decode_sampled(seq, first, steps, s, on_token),
+    };
+    if rest.is_empty() {
+        return decode(b, seq, last, steps, snap, on_token);
+    }
+    seq.check_room(rest.len() + steps)?;
+    let at = seq.len() + rest.len();
+    let mut logits = b.forward(seq, feed, LogitsWanted::Last)?;
+    let (first, snap) = match snap {
+        None => (crate::engine::sampling::argmax(&logits), None),
+        Some(s) => {
+            let mut s = s.clone();
+            let t = s.sample_at(&mut logits, at);
+            s.observe(t);
+            (t, Some(s))
+        }
+    };
+    if !on_token.token(first) || steps == 1 {
+        return Ok(1);
+    }
+    Ok(1 + decode(b, seq, first, steps - 1, snap.as_ref(), on_token)?)
 }
 
 /// What a batched decode ([`Backend::decode_batch`]) asks its caller between steps. A closure

@@ -13,7 +13,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lily::backend::cuda::CudaOptions;
-use lily::backend::{open_backend_with, Backend, BackendKind, KvCache, LogitsWanted, Sequence, TokenSink};
+use lily::backend::{open_backend_with, BackendKind, KvCache};
 use lily::engine::sampling::{Sampler, SamplingArgs, SamplingParams};
 use lily::checkpoint::Checkpoint;
 use lily::engine::contract::{contract_prompt, token_digest};
@@ -147,23 +147,14 @@ fn run(args: Args) -> Result<()> {
     }
     let prompt = contract_prompt(args.prompt_len(), vocab);
 
-    // The last prompt token goes through the decode path (Backend::decode_greedy or
-    // decode_sampled), so the first generated token comes out of the same pipelined loop as the
-    // decode tokens.
+    // The whole prompt goes through `Backend::decode_after`, as the server feeds a prompt that
+    // decodes alone: the first token is chosen from the prefill's last row, and the decode
+    // tokens come out of the same pipelined loop after it.
     let mut sampler = Sampler::new(params.clone());
     let snap = (!sampler.is_plain_greedy()).then(|| sampler.snapshot());
-    let decode = |backend: &mut dyn Backend, seq: &mut Sequence, first: u32, steps: usize, on_token: &mut dyn TokenSink| match &snap {
-        None => backend.decode_greedy(seq, first, steps, on_token),
-        Some(s) => backend.decode_sampled(seq, first, steps, s, on_token),
-    };
-    let (prefix, last_prompt) = prompt.split_at(args.prompt_len() - 1);
-    let last_prompt = last_prompt[0];
     if !args.no_warmup {
         let mut warm = backend.new_sequence(max_seq)?;
-        if !prefix.is_empty() {
-            backend.forward(&mut warm, prefix, LogitsWanted::None)?;
-        }
-        decode(backend.as_mut(), &mut warm, last_prompt, 3, &mut |_| true)?;
+        backend.decode_after(&mut warm, &prompt, 3, snap.as_ref(), &mut |_| true)?;
         mem_samples.extend(backend.device_memory());
     }
 
@@ -176,12 +167,9 @@ fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     let mut t1 = t0;
     let mut last = t0;
-    if !prefix.is_empty() {
-        backend.forward(&mut seq, prefix, LogitsWanted::None)?;
-    }
     // Token 0 ends the prefill (TTFT-style; step 1 is already queued then); tokens 1..=N are the
     // N measured decode steps.
-    let produced = decode(backend.as_mut(), &mut seq, last_prompt, args.decode_steps + 1, &mut |t| {
+    let produced = backend.decode_after(&mut seq, &prompt, args.decode_steps + 1, snap.as_ref(), &mut |t| {
         let now = Instant::now();
         if first.is_none() {
             first = Some(t);

@@ -127,7 +127,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub prefix_cache_host_mb: Option<usize>,
     /// A prompt's prefill also snapshots its sequence into the prefix cache every this many
-    /// tokens (0: only at chat message starts and before the last token), so prompts that share
+    /// tokens (0: only at chat message starts and, unless the prompt's rest goes in with its first
+    /// token, before the last token), so prompts that share
     /// a long prefix without a message boundary (a document, then different questions) resume
     /// within this many tokens of where they diverge.
     #[arg(long, default_value_t = 2048)]

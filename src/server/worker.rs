@@ -12,9 +12,13 @@
 //!    once for all of them); a prompt with all but its last token fed joins the decoding rows
 //!    and ends the turn, so the next step feeds that token and draws the first one as soon as
 //!    its prompt is in, with the running rows' next tokens. So a long prompt delays the running
-//!    streams by one chunk per turn, not by its whole prefill. The prefill snapshots its
-//!    sequence into the prefix cache at checkpoints: each chat message's start, every
-//!    `--prefix-checkpoint-tokens`, and before the prompt's last token.
+//!    streams by one chunk per turn, not by its whole prefill. A prompt that will decode alone
+//!    (an idle server) instead goes in with its first token: the decode call prefills the rest
+//!    after its last checkpoint and chooses the first token from the prefill's last row
+//!    (`rest_with_first_token`, `Backend::decode_after`), with no decode step of its own for
+//!    the last prompt token. The prefill snapshots its sequence into the prefix cache at
+//!    checkpoints: each chat message's start, every `--prefix-checkpoint-tokens`, and before the
+//!    prompt's last token (not where the rest goes in with the first token).
 //! 3. **Decode** one or more steps of every decoding row: one row alone runs the backend's
 //!    pipelined single-sequence loop; several run `Backend::decode_batch`, where a structured-
 //!    output row's grammar masks its draws (`StepHooks::mask`); rows whose client wants logprobs,
@@ -486,6 +490,15 @@ impl Worker {
                     Err(e) => a.reply.failed = Some(e),
                 }
             }
+            if !started {
+                if let Some(a) = rest_with_first_token(active, budget, cache.enabled(), cfg) {
+                    let prompt = &a.reply.job.prompt;
+                    done.tokens += prompt.len() - a.seq.len();
+                    done.prompts_in += 1;
+                    started = true;
+                    start_decoding(a, prompt[prompt.len() - 1]);
+                }
+            }
             if started || budget == 0 {
                 break;
             }
@@ -517,6 +530,12 @@ impl Worker {
             active.iter_mut().filter(|a| a.stepping()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
         ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
         let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
+        let (mut host, mut device) = (host, device);
+        if !(device.len() == 1 && host.is_empty() && !prefill_waits) {
+            host.iter_mut().chain(device.iter_mut()).for_each(|a| settle_rest(&mut ctx, a));
+            host.retain(|a| !a.finished());
+            device.retain(|a| !a.finished());
+        }
         match device.len() {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
@@ -849,6 +868,27 @@ fn prompt_logprob_piece(ctx: &mut Ctx, a: &mut Active, budget: usize) -> anyhow:
     Ok(k)
 }
 
+/// The row whose prompt's rest goes in with its first token: the one row of the batch, still
+/// prefilling, that decodes alone after it (no prompt logprobs or other choices, no logits on the
+/// host, no grammar, its client still there), whose rest (two tokens or more) fits the turn's
+/// `budget` and holds no prefix-cache checkpoint before its last token. Its decode feeds the rest
+/// through the prefill and takes the first token from the last row (`Backend::decode_after`),
+/// saving the decode step of the last token, which reads every weight for one token. The
+/// exact-repeat snapshot (all but the last token) is not taken: a repeat resumes from the last
+/// message start or every-N-tokens checkpoint instead.
+fn rest_with_first_token<'a>(active: &'a mut [Active], budget: usize, cache_enabled: bool, cfg: &WorkerConfig) -> Option<&'a mut Active> {
+    let mut live = active.iter_mut().filter(|a| !a.finished());
+    let a = live.next()?;
+    if live.next().is_some() || !a.prefilling() {
+        return None;
+    }
+    let (job, fed) = (&a.reply.job, a.seq.len());
+    let (len, rest) = (job.prompt.len(), job.prompt.len().saturating_sub(fed));
+    let plain = a.prompt_logprobs.is_none() && job.n == 1 && !a.reply.wants_logits() && job.constraint.is_none() && !a.reply.client_gone();
+    let no_checkpoint = !cache_enabled || next_checkpoint(&job.prompt, fed, len - 1, cfg.message_start, cfg.checkpoint_every) == len - 1;
+    (plain && no_checkpoint && (2..=budget).contains(&rest)).then_some(a)
+}
+
 /// All but the last prompt token are in: the row decodes, its first step feeding that token
 /// (so the first token comes from a decode step like every other, batched with the running
 /// rows, with no separate forward). Its prompt logprobs, if asked for, go out now; the job's
@@ -872,19 +912,46 @@ fn start_row(ctx: &mut Ctx, a: &mut Active, forks: &mut Vec<Active>) -> anyhow::
     Ok(())
 }
 
-/// The row decodes from `next`, the last prompt token (a request for no tokens ends here).
+/// The row decodes from `next`, the last prompt token (a request for no tokens ends here). Its
+/// prompt is in now unless its rest goes in with the first token (the decode marks it then).
 fn start_decoding(a: &mut Active, next: u32) {
     a.decoding = true;
-    a.reply.prompt_in.get_or_insert_with(Instant::now);
+    if a.seq.len() + 1 >= a.reply.job.prompt.len() {
+        a.reply.prompt_in.get_or_insert_with(Instant::now);
+    }
     a.reply.next = next;
     if a.reply.remaining() == 0 {
         a.reply.end = Some(End::Length);
     }
 }
 
-/// Steps the row's sequence can still take: its remaining tokens within max-seq, at most `cap`.
+/// Steps the row's sequence can still take: its remaining tokens within max-seq (counting the
+/// prompt's rest where it goes in with the first token), at most `cap`.
 fn steps_for(a: &Active, cap: usize) -> usize {
-    a.reply.remaining().min(a.seq.max_seq() - a.seq.len()).min(cap)
+    let held = a.seq.len().max(a.reply.job.prompt.len().saturating_sub(1));
+    a.reply.remaining().min(a.seq.max_seq().saturating_sub(held)).min(cap)
+}
+
+/// What a decoding row's next step feeds: the prompt's rest where it goes in with the first token
+/// ([`rest_with_first_token`]), else its next token.
+fn feed_of(a: &Active) -> &[u32] {
+    let prompt = &a.reply.job.prompt;
+    match a.seq.len() + 1 < prompt.len() {
+        true => &prompt[a.seq.len()..],
+        false => std::slice::from_ref(&a.reply.next),
+    }
+}
+
+/// Feeds all but the last token of a prompt's rest that was to go in with the first token, for a
+/// row that steps in a batch or on the host after all (those steps feed one token a row).
+fn settle_rest(ctx: &mut Ctx, a: &mut Active) {
+    let (prompt, fed) = (&a.reply.job.prompt, a.seq.len());
+    if fed + 1 >= prompt.len() {
+        return;
+    }
+    if let Err(e) = guarded(|| ctx.backend.forward(&mut a.seq, &prompt[fed..prompt.len() - 1], LogitsWanted::None)) {
+        a.reply.failed = Some(e);
+    }
 }
 
 /// One row alone: the backend's pipelined single-sequence loop (the token stays on the device),
@@ -893,16 +960,19 @@ fn steps_for(a: &Active, cap: usize) -> usize {
 /// by the rest of its call.
 fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, waiting: &Waiting) {
     let steps = steps_for(a, steps);
+    let feed = feed_of(a).to_vec();
     let Active { seq, reply, .. } = a;
-    let first = reply.next;
     let snap = reply.sampler.clone();
     let (tokenizer, metrics, stop_ids) = (ctx.tokenizer, ctx.metrics, &ctx.cfg.stop_ids);
     let mut replies = [reply];
-    let mut hooks = RowHooks { replies: &mut replies, accept: &mut |r: &mut Reply, t| r.accept(t, &[], stop_ids, tokenizer, metrics), waiting, ended: 0, beside: &mut || {}, ahead: false };
-    let r = guarded(|| match snap.params.is_plain_greedy() {
-        true => ctx.backend.decode_greedy(seq, first, steps, &mut hooks),
-        false => ctx.backend.decode_sampled(seq, first, steps, &snap, &mut hooks),
-    });
+    // A prompt's rest is in once its first token is out.
+    let accept = &mut |r: &mut Reply, t| {
+        r.prompt_in.get_or_insert_with(Instant::now);
+        r.accept(t, &[], stop_ids, tokenizer, metrics)
+    };
+    let mut hooks = RowHooks { replies: &mut replies, accept, waiting, ended: 0, beside: &mut || {}, ahead: false };
+    let sampled = (!snap.params.is_plain_greedy()).then_some(&snap);
+    let r = guarded(|| ctx.backend.decode_after(seq, &feed, steps, sampled, &mut hooks));
     if let Err(e) = r {
         replies[0].failed = Some(e);
     }

@@ -15,6 +15,7 @@ mod server_support;
 mod batch_decode;
 mod checkpoint_errors;
 mod cpu_model;
+mod decode_after;
 mod fixture_ppl;
 mod generate;
 mod lily_bench_cli;

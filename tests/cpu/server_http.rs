@@ -685,14 +685,16 @@ async fn full_sequence_memory_evicts_cached_snapshots_then_refuses_with_503() {
     let used = Arc::new(Mutex::new(0));
     let s = spawn_with_backend(args(), Box::new(Budgeted { cfg: ck.config.clone(), used: used.clone(), delay: Duration::ZERO })).unwrap();
     let url = format!("{}/v1/completions", s.url());
-    // 6 + 4 tokens: the request holds 20 units, and leaves two snapshots of 20 in the cache.
+    // 6 + 4 tokens: the request holds 20 units, and leaves a snapshot of 20 in the cache (the
+    // sequence it consumed; the prompt went in with its first token, so no exact-repeat one).
     let (st, v) = post(&url, json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 4, "temperature": 0})).await;
     assert_eq!(st, 200, "{v}");
-    assert_eq!(*used.lock().unwrap(), 40, "two cached snapshots");
-    // 70 tokens + 10 fit only once both snapshots are gone.
-    let (st, v) = post(&url, json!({"prompt": [9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "max_tokens": 60, "temperature": 0})).await;
+    let cached = *used.lock().unwrap();
+    assert_eq!(cached, 20, "one cached snapshot");
+    // 71 tokens + 10 fit only once the snapshot is gone.
+    let (st, v) = post(&url, json!({"prompt": [9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "max_tokens": 61, "temperature": 0})).await;
     assert_eq!(st, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 60, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 61, "{v}");
     // More than the whole budget: 503, with the reason.
     let (st, v) = post(&url, json!({"prompt": [3, 3, 3], "max_tokens": 200, "temperature": 0})).await;
     assert_eq!(st, 503, "{v}");
@@ -978,4 +980,52 @@ fn zero_sizes_are_refused_at_start_with_the_flag_named() {
         let e = spawn(a).err().expect("refused").to_string();
         assert!(e.contains(flag), "{flag}: {e}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_decoding_alone_takes_its_first_token_from_its_prefill() {
+    // A prompt with no other request beside it goes in whole with its first token: one forward
+    // with the last row's logits, no decode step of its own for the last prompt token. A chat
+    // prompt goes in up to its last message start (a prefix-cache snapshot) the old way, and its
+    // rest with the first token, so an exact repeat resumes there. A request that wants logits on
+    // the host (logprobs) keeps the old path: all but the last token, then a step on it.
+    use lily::backend::LogitsWanted;
+    use std::sync::{Arc, Mutex};
+    let calls = Arc::new(Mutex::new(Vec::<(usize, LogitsWanted)>::new()));
+    let log = calls.clone();
+    let s = around_server(move |b: &mut dyn lily::backend::Backend, seq: &mut lily::backend::Sequence, tokens: &[u32], w| {
+        log.lock().unwrap().push((tokens.len(), w));
+        b.forward(seq, tokens, w)
+    });
+    let url = format!("{}/v1/completions", s.url());
+    let run = |body: Value| {
+        let calls = calls.clone();
+        let url = url.clone();
+        async move {
+            calls.lock().unwrap().clear();
+            let (st, v) = post(&url, body).await;
+            assert_eq!(st, 200, "{v}");
+            let log = calls.lock().unwrap().clone();
+            (v, log)
+        }
+    };
+    let (v, log) = run(json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
+    assert_eq!(log[0], (6, LogitsWanted::Last), "{log:?}");
+    assert!(log[1..].iter().all(|&c| c == (1, LogitsWanted::Last)), "{log:?}");
+    assert_eq!(log.len(), v["usage"]["completion_tokens"].as_u64().unwrap() as usize, "one forward a token: {log:?}");
+    // No checkpoint before its last token: an exact repeat of a raw prompt this short resumes
+    // from nothing (a longer one from its last --prefix-checkpoint-tokens multiple).
+    let (v, _) = run(json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+
+    let im_start = 248045;
+    let chat = json!([im_start, 10, 11, 12, im_start, 20, 21]);
+    let (_, log) = run(json!({"prompt": chat, "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(log[..2], [(4, LogitsWanted::None), (3, LogitsWanted::Last)], "{log:?}");
+    let (v, log) = run(json!({"prompt": chat, "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 4, "{v}");
+    assert_eq!(log[0], (3, LogitsWanted::Last), "{log:?}");
+
+    let (_, log) = run(json!({"prompt": [1, 2, 3, 4, 5, 7], "max_tokens": 2, "temperature": 0, "logprobs": 1})).await;
+    assert_eq!(log[..2], [(5, LogitsWanted::None), (1, LogitsWanted::Last)], "{log:?}");
 }

@@ -17,7 +17,7 @@ use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMoe, DevQ, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 
 /// What a decode step produces after the layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +87,44 @@ struct DecodePass<'a> {
     dims: LayerDims,
     moe_kernels: MoeKernels,
     gemv_tc_min_tiles: usize,
+}
+
+impl<'a> DecodePass<'a> {
+    fn new(gpu: &'a Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &'a DevWeights, dec: &'a Decoder, seq: &CudaSequence, splits: usize) -> Self {
+        let dims = LayerDims::new(cfg, seq.kv_bf16, seq.gdn_state_f16);
+        DecodePass {
+            gpu,
+            dec,
+            w,
+            step: ptr(&seq.step, &gpu.stream),
+            splits,
+            dims,
+            moe_kernels: moe::select(&dims.moe, opts.force_cuda_core_moe),
+            gemv_tc_min_tiles: opts.gemv_tc_min_tiles,
+        }
+    }
+
+    /// After the layers: final norm + lm_head (unless `out` is None), then the token choice.
+    fn finish(&mut self, cfg: &ModelConfig, out: StepOut, probe: &mut Probe) -> Result<()> {
+        let (gpu, dec, st) = (self.gpu, self.dec, &self.gpu.stream);
+        if out != StepOut::None {
+            self.gemv(dec.head, ptr(&dec.act.x, st), cfg.hidden_size, ptr(&self.w.final_norm, st), 0)?;
+            self.point(probe, Point::Phase("lm_head"))?;
+        }
+        match out {
+            StepOut::Greedy => {
+                sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, self.step, ptr(&dec.scratch.argmax, st), 1)?;
+                self.point(probe, Point::Phase("argmax"))?;
+            }
+            StepOut::Sample | StepOut::SampleSmallK => {
+                let small = out == StepOut::SampleSmallK;
+                sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, self.step, &dec.scratch.sample, 1, small)?;
+                self.point(probe, Point::Phase("sample"))?;
+            }
+            StepOut::None | StepOut::Logits => {}
+        }
+        Ok(())
+    }
 }
 
 impl DecodePass<'_> {
@@ -181,36 +219,18 @@ impl Pass for DecodePass<'_> {
 /// device argmax for greedy steps.
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights, dec: &Decoder, seq: &CudaSequence, splits: usize, out: StepOut, probe: &mut Probe) -> Result<()> {
-    let st = &gpu.stream;
-    let step = ptr(&seq.step, st);
-    let dims = LayerDims::new(cfg, seq.kv_bf16, seq.gdn_state_f16);
-    let mut pass = DecodePass {
-        gpu,
-        dec,
-        w,
-        step,
-        splits,
-        dims,
-        moe_kernels: moe::select(&dims.moe, opts.force_cuda_core_moe),
-        gemv_tc_min_tiles: opts.gemv_tc_min_tiles,
-    };
+    let mut pass = DecodePass::new(gpu, cfg, opts, w, dec, seq, splits);
     forward::layers(&mut pass, w, seq, probe)?;
-    if out != StepOut::None {
-        let x = ptr(&dec.act.x, st);
-        pass.gemv(dec.head, x, cfg.hidden_size, ptr(&w.final_norm, st), 0)?;
-        pass.point(probe, Point::Phase("lm_head"))?;
-    }
-    match out {
-        StepOut::Greedy => {
-            sampling::argmax_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, ptr(&dec.scratch.argmax, st), 1)?;
-            pass.point(probe, Point::Phase("argmax"))?;
-        }
-        StepOut::Sample | StepOut::SampleSmallK => {
-            let small = out == StepOut::SampleSmallK;
-            sampling::sample_next(gpu, ptr(&dec.act.logits, st), cfg.vocab_size, step, &dec.scratch.sample, 1, small)?;
-            pass.point(probe, Point::Phase("sample"))?;
-        }
-        StepOut::None | StepOut::Logits => {}
-    }
-    Ok(())
+    pass.finish(cfg, out, probe)
+}
+
+/// A decode step's end on a residual row computed elsewhere (`row`: the prefill's last row, f32
+/// `hidden_size` values): the row goes into the decoder's residual, then the final norm, lm_head
+/// and token choice (`out`) run as at the end of [`enqueue`], into `seq`'s step buffer, which
+/// holds the token fed at that row and its position. So a prompt's first token comes from the
+/// decode step's own head and choice kernels, without the step's layers.
+pub fn finish_from_row(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights, dec: &mut Decoder, seq: &CudaSequence, row: &CudaView<f32>, out: StepOut) -> Result<()> {
+    let mut x = dec.act.x.slice_mut(0..cfg.hidden_size);
+    gpu.stream.memcpy_dtod(row, &mut x).map_err(|e| anyhow!("copying the prefill's last row: {e:?}"))?;
+    DecodePass::new(gpu, cfg, opts, w, dec, seq, 1).finish(cfg, out, &mut Probe::default())
 }

@@ -469,20 +469,27 @@ impl CudaBackend {
 
     /// One prefill call over `pieces` (validated by the caller; see `prefill::Prefill::run`).
     fn prefill_run(&mut self, pieces: &[prefill::Piece], wanted: LogitsWanted) -> Result<Vec<f32>> {
-        let run = prefill::Prefill {
-            gpu: &self.gpu,
-            cfg: &self.cfg,
-            w: &self.w,
-            blas: self.blas.as_ref(),
-            cublas_min_tokens: self.opts.cublas_min_tokens,
-            tcb_prefill_tokens: self.opts.tcb_prefill_tokens,
-            fuse_combine_norm: self.opts.fuse_combine_norm,
-            chunk: self.opts.prefill_chunk,
-            exact: self.opts.exact_prefill,
-            gdn_state_f16: self.opts.gdn_state_f16,
-            profile: self.opts.profile,
-        };
+        let run = prefill_call(&self.gpu, &self.cfg, &self.w, self.blas.as_ref(), &self.opts);
         run.run(&mut self.chunk_buffers, pieces, wanted)
+    }
+
+    /// Queues the prefill of `feed` (two tokens or more) and, on its last row, the decode step's
+    /// head and token choice (`out`), which write the first token and its position into the step
+    /// buffer as a step would. The sequence is left one short of the feed, as if its last token
+    /// were a step in flight: reading the token advances it.
+    fn prefill_and_choose(&mut self, seq: &mut Sequence, feed: &[u32], out: StepOut) -> Result<()> {
+        self.check_tokens(seq, feed)?;
+        let pos = seq.len();
+        let last = pos + feed.len() - 1;
+        let run = prefill_call(&self.gpu, &self.cfg, &self.w, self.blas.as_ref(), &self.opts);
+        let st = seq.state::<CudaSequence>();
+        let row = run.run_to_last_row(&mut self.chunk_buffers, &prefill::Piece { seq: st, pos, tokens: feed })?;
+        // The step buffer: the feed's last token and position, which the choice advances.
+        let st = seq.state_mut::<CudaSequence>();
+        decode::upload_step(&self.gpu, st, feed[feed.len() - 1], last)?;
+        decode::finish_from_row(&self.gpu, &self.cfg, &self.opts, &self.w, &mut self.decoder, st, &row, out)?;
+        seq.advance(feed.len() - 1);
+        Ok(())
     }
 
     /// Single tokens, and models whose shapes the prefill kernels do not cover (or
@@ -660,23 +667,29 @@ impl Backend for CudaBackend {
     /// `argmax_next`, which writes the next token and position into the step buffer (see
     /// [`CudaBackend::device_loop`]).
     fn decode_greedy(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, on_token: &mut dyn TokenSink) -> Result<usize> {
-        self.device_loop(seq, first_token, steps, StepOut::Greedy, on_token)
+        self.device_loop(seq, Start::Token(first_token), steps, StepOut::Greedy, on_token)
     }
 
     /// Sampled decode on the device: the snapshot's parameters, seed and counts are loaded once,
     /// then each step's graph ends with the device sampler (sampling.rs); plain greedy snapshots
     /// take the argmax path.
     fn decode_sampled(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, snap: &SamplerSnapshot, on_token: &mut dyn TokenSink) -> Result<usize> {
-        snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
-        let out = match sampling::select(snap) {
-            sampling::TokenChoice::Argmax => StepOut::Greedy,
-            sampling::TokenChoice::Sample => StepOut::Sample,
-            sampling::TokenChoice::SampleSmallK => StepOut::SampleSmallK,
-        };
-        if out != StepOut::Greedy {
-            self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
+        let out = self.load_sampler(snap)?;
+        self.device_loop(seq, Start::Token(first_token), steps, out, on_token)
+    }
+
+    /// A feed the prefill takes goes through it, and the decode step's head and token choice
+    /// run on its last row (`decode::finish_from_row`), queued behind it like a step: the first
+    /// token costs no decode step, and the steps after it stay pipelined.
+    fn decode_after(&mut self, seq: &mut Sequence, feed: &[u32], steps: usize, snap: Option<&SamplerSnapshot>, on_token: &mut dyn TokenSink) -> Result<usize> {
+        if !self.prefills(feed.len()) {
+            return super::decode_after_forward(self, seq, feed, steps, snap, on_token);
         }
-        self.device_loop(seq, first_token, steps, out, on_token)
+        let out = match snap {
+            None => StepOut::Greedy,
+            Some(s) => self.load_sampler(s)?,
+        };
+        self.device_loop(seq, Start::Prompt(feed), steps, out, on_token)
     }
 
     /// Batched decode through the batch GEMMs, per-row mixers and device token choice
@@ -687,25 +700,67 @@ impl Backend for CudaBackend {
     }
 }
 
+/// The prefill of a backend with these weights and options.
+fn prefill_call<'a>(gpu: &'a Gpu, cfg: &'a ModelConfig, w: &'a DevWeights, blas: Option<&'a blas::Blas>, opts: &CudaOptions) -> prefill::Prefill<'a> {
+    prefill::Prefill {
+        gpu,
+        cfg,
+        w,
+        blas,
+        cublas_min_tokens: opts.cublas_min_tokens,
+        tcb_prefill_tokens: opts.tcb_prefill_tokens,
+        fuse_combine_norm: opts.fuse_combine_norm,
+        chunk: opts.prefill_chunk,
+        exact: opts.exact_prefill,
+        gdn_state_f16: opts.gdn_state_f16,
+        profile: opts.profile,
+    }
+}
+
+/// What a pipelined decode's step 0 feeds.
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    /// One token, as a decode step.
+    Token(u32),
+    /// Tokens through the prefill, the first token chosen from its last row.
+    Prompt(&'a [u32]),
+}
+
 impl CudaBackend {
+    /// The device token choice for a sampling snapshot, its state loaded where it samples.
+    fn load_sampler(&mut self, snap: &SamplerSnapshot) -> Result<StepOut> {
+        snap.params.validate().map_err(|e| anyhow::anyhow!(e))?;
+        let out = match sampling::select(snap) {
+            sampling::TokenChoice::Argmax => StepOut::Greedy,
+            sampling::TokenChoice::Sample => StepOut::Sample,
+            sampling::TokenChoice::SampleSmallK => StepOut::SampleSmallK,
+        };
+        if out != StepOut::Greedy {
+            self.decoder.scratch.sample.load(&self.gpu, &[snap])?;
+        }
+        Ok(out)
+    }
+
     /// Decoding with the token kept on the device (`out`: the step ends with the argmax or the
     /// sampler, which write the next token and position into the step buffer), so step N+1 is
     /// queued right behind step N; the 8-byte step buffer is copied to a pinned host slot after
     /// each step (two slots, one event each) and step N's token is read only after step N+1 has
     /// been submitted.
-    fn device_loop(&mut self, seq: &mut Sequence, first_token: u32, steps: usize, out: StepOut, on_token: &mut dyn TokenSink) -> Result<usize> {
+    fn device_loop(&mut self, seq: &mut Sequence, start: Start, steps: usize, out: StepOut, on_token: &mut dyn TokenSink) -> Result<usize> {
         if steps == 0 {
             return Ok(0);
         }
-        if first_token as usize >= self.cfg.vocab_size {
-            bail!("token id {first_token} is outside the vocabulary");
-        }
-        seq.check_room(steps)?;
+        let fed = match start {
+            Start::Token(t) if t as usize >= self.cfg.vocab_size => bail!("token id {t} is outside the vocabulary"),
+            Start::Token(_) => 1,
+            Start::Prompt(feed) => feed.len(),
+        };
+        seq.check_room(fed - 1 + steps)?;
         if self.readback.is_none() {
             self.readback = Some(Readback::pair(&self.gpu, 2)?);
         }
         let mut rb = self.readback.take().expect("allocated above");
-        let r = self.pipelined_steps(seq, first_token, steps, out, on_token, &mut rb);
+        let r = self.pipelined_steps(seq, start, steps, out, on_token, &mut rb);
         self.readback = Some(rb);
         if r.is_err() {
             // A step may still be in flight: it must be done before the caller frees what it reads.
@@ -717,13 +772,12 @@ impl CudaBackend {
     fn pipelined_steps(
         &mut self,
         seq: &mut Sequence,
-        first_token: u32,
+        start: Start,
         steps: usize,
         out: StepOut,
         on_token: &mut dyn TokenSink,
         rb: &mut [Readback; 2],
     ) -> Result<usize> {
-        let pos0 = seq.len();
         let submit = |b: &mut Self,
                       seq: &mut Sequence,
                       slot: &mut Readback|
@@ -735,9 +789,22 @@ impl CudaBackend {
         // Before a step is queued, the page its position writes is mapped (pages below the
         // sequence's length stay in place, so mapping never disturbs the steps in flight).
         let grow = |seq: &mut Sequence, fed: usize| -> Result<()> { seq.state_mut::<CudaSequence>().grow(fed) };
-        grow(seq, pos0 + 1)?;
-        decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;
-        submit(self, seq, &mut rb[0])?;
+        // Step 0 feeds the token at `pos0` (the sequence's length until its token is read).
+        let pos0 = match start {
+            Start::Token(first_token) => {
+                let pos0 = seq.len();
+                grow(seq, pos0 + 1)?;
+                decode::upload_step(&self.gpu, seq.state_mut::<CudaSequence>(), first_token, pos0)?;
+                submit(self, seq, &mut rb[0])?;
+                pos0
+            }
+            Start::Prompt(feed) => {
+                self.prefill_and_choose(seq, feed, out)?;
+                let st = seq.state::<CudaSequence>();
+                rb[0].enqueue(&self.gpu, &st.step, st.step.len())?;
+                seq.len()
+            }
+        };
         // Growth that fails (the memory budget) ends the loop after the steps already queued:
         // their tokens are delivered, then the error is returned.
         let mut stalled: Option<anyhow::Error> = None;

@@ -23,7 +23,7 @@ use super::state::CudaSequence;
 use super::weights::{DevAttn, DevGdn, DevLayer, DevMixer, DevMoe, DevWeights};
 use crate::checkpoint::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
 /// Rows of logits computed per lm_head pass when all positions' logits are wanted.
 const LOGIT_ROWS: usize = 64;
@@ -360,19 +360,57 @@ impl Prefill<'_> {
         if pieces.len() != 1 && wanted != LogitsWanted::None {
             bail!("a prefill of several sequences returns no logits");
         }
+        let total = pieces.first().map_or(0, |p| p.tokens.len());
+        let logit_rows_cap = |nmax: usize| if wanted == LogitsWanted::All { nmax.min(LOGIT_ROWS) } else { 1 };
+        let mut out = Vec::new();
+        self.chunks(bufs, pieces, logit_rows_cap, |this, b, c, probe| {
+            if let [(0, start, n)] = c[..] {
+                if let Some((r0, r1)) = logit_rows(wanted, n, start + n == total) {
+                    out.extend(this.logits(b, r0, r1, probe)?);
+                }
+            }
+            Ok(())
+        })?;
+        self.gpu.sync()?;
+        Ok(out)
+    }
+
+    /// Runs one piece (validated) through the model as [`Prefill::run`] does, without logits,
+    /// and returns its last token's final residual row (f32, `hidden_size` values; valid until
+    /// the next prefill call): the decode step's head and token choice take it from there
+    /// (`decode::finish_from_row`). The stream is not synchronised: what reads the row queues
+    /// behind the prefill.
+    pub fn run_to_last_row<'b>(&self, bufs: &'b mut Option<ChunkBuffers>, piece: &Piece) -> Result<CudaView<'b, f32>> {
+        let mut last = None;
+        self.chunks(bufs, std::slice::from_ref(piece), |_| 1, |_, _, c, _| {
+            last = c.last().map(|&(_, _, n)| n - 1);
+            Ok(())
+        })?;
+        let (Some(last), Some(b)) = (last, bufs.as_ref()) else {
+            bail!("a prefill of no tokens has no last row");
+        };
+        let h = self.cfg.hidden_size;
+        Ok(b.act.x.slice(last * h..(last + 1) * h))
+    }
+
+    /// The pieces' chunks ([`plan_chunks`]) through the layers, `after` called once each chunk's
+    /// layers are queued (its rows' final residuals in the buffers' `x`); `logit_rows` sizes the
+    /// logits buffer from the largest chunk's token count.
+    fn chunks(
+        &self,
+        bufs: &mut Option<ChunkBuffers>,
+        pieces: &[Piece],
+        logit_rows: impl Fn(usize) -> usize,
+        mut after: impl FnMut(&Self, &ChunkBuffers, &[(usize, usize, usize)], &mut Probe) -> Result<()>,
+    ) -> Result<()> {
         pieces.iter().try_for_each(|p| p.seq.check_gdn_state(self.gdn_state_f16))?;
-        let (gpu, cfg) = (self.gpu, self.cfg);
+        let gpu = self.gpu;
         let lens: Vec<usize> = pieces.iter().map(|p| p.tokens.len()).collect();
         let plan = plan_chunks(&lens, self.chunk);
         let nmax = plan.iter().map(|c| c.iter().map(|e| e.2).sum::<usize>()).max().unwrap_or(0);
-        let rows_cap = match wanted {
-            LogitsWanted::All => nmax.min(LOGIT_ROWS),
-            _ => 1,
-        };
-        ChunkBuffers::fit(bufs, gpu, cfg, nmax, rows_cap, self.blas.is_some())?;
+        ChunkBuffers::fit(bufs, gpu, self.cfg, nmax, logit_rows(nmax), self.blas.is_some())?;
         let b = bufs.as_mut().expect("fitted above");
         let mut probe = Probe::profiling(self.profile);
-        let mut out = Vec::new();
         for c in &plan {
             let mut segments = Vec::with_capacity(c.len());
             let mut ids: Vec<i32> = Vec::with_capacity(nmax);
@@ -383,17 +421,13 @@ impl Prefill<'_> {
             }
             gpu.stream.memcpy_htod(&ids, &mut b.scratch.ids).map_err(|e| anyhow!("token upload: {e:?}"))?;
             self.chunk_layers(b, ids.len(), &segments, &mut probe)?;
-            if let [(0, start, n)] = c[..] {
-                if let Some((r0, r1)) = logit_rows(wanted, n, start + n == lens[0]) {
-                    out.extend(self.logits(b, r0, r1, &mut probe)?);
-                }
-            }
+            after(self, b, c, &mut probe)?;
         }
-        gpu.sync()?;
         if self.profile {
+            gpu.sync()?;
             report(&probe.phase_ms(gpu)?, lens.iter().sum());
         }
-        Ok(out)
+        Ok(())
     }
 
     fn chunk_layers(&self, b: &ChunkBuffers, rows: usize, segments: &[Segment], probe: &mut Probe) -> Result<()> {
