@@ -1415,59 +1415,26 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
     // Step i's B: the slots' 128-byte rows of the group, 8-row atoms 1,024 bytes apart, k step i
     // 32 bytes into each row.
     const WgmmaDescs bdesc = wgmma_descs_sw128(1024);
-    if constexpr (NW > WG_N) {
-        // One A buffer: group G's fragments built from its codes (read in step G - 1) right
-        // before its products; the copies of group G + L and the read of group G + 1's codes
-        // under them.
-        u32 a[4][4];
-        WgGroup c;
-        mbar_wait(full(0), 0);
-        read(0, 0, c);
-        u32 st = 0, ph = 0;
-        for (int G = 0; G < gpr; ++G) {
-            const bool wrap1 = st + 1 == S, wrapL = st + L >= S;
-            const u32 st1 = wrap1 ? 0 : st + 1, ph1 = ph ^ (u32)wrap1, stL = wrapL ? st + L - S : st + L;
-            const u32 st4 = (sm0 + st * WGM_STAGE) >> 4;
-            build(c, a);
-            wgmma_fence();
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, a[i], bdesc.at(st4 + 2 * i));
-            wgmma_commit();
-            if (G + L < gpr) {
-                if (G + L >= S) mbar_wait(empty(stL), ph ^ (u32)wrapL ^ 1u);
-                issue(G + L, stL);
-            }
-            if (G + 1 < gpr) {
-                mbar_wait(full(st1), ph1);
-                read(st1, G + 1, c);
-            }
-            wgmma_wait<0>();
-            __syncwarp();
-            if (lane < (int)C) mbar_arrive_in(empty(st), (u32)lane);
-            st = st1;
-            ph = ph1;
-        }
-        cluster_arrive();
-        cluster_wait();
-        wg_glu_store<NW>(acc, slot, cnt, rows, out, warp, g, t);
-        return;
-    }
+    // NW = 160 (ONE): one A buffer, group G's fragments built from its codes (read in step G - 1)
+    // right before its products, the copies of group G + L and the read of group G + 1's codes
+    // under them; else two, group G + 1's built while group G's products run.
+    constexpr bool ONE = NW > WG_N;
     u32 a0[4][4], a1[4][4];
+    WgGroup c;
     mbar_wait(full(0), 0);
-    {
-        WgGroup c;
-        read(0, 0, c);
-        build(c, a0);
-    }
+    read(0, 0, c);
+    if constexpr (!ONE) build(c, a0);
     // Step G (stage st = G % S, phase parity ph = (G / S) & 1, carried from step to step): group
     // G's products (its stage waited for in step G - 1); the copies of group G + L into the stage
-    // of group G + L - S once every warp of the cluster is done with that group; group G + 1's A
-    // built once its stage is in; then this warp's release of group G's stage, to every block.
+    // of group G + L - S once every warp of the cluster is done with that group; group G + 1's
+    // codes read (and without ONE its A built) once its stage is in; then this warp's release of
+    // group G's stage, to every block.
     u32 st = 0, ph = 0;
-    auto step = [&](int G, const u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
+    auto step = [&](int G, u32 (&cur)[4][4], u32 (&nxt)[4][4]) {
         const bool wrap1 = st + 1 == S, wrapL = st + L >= S;
         const u32 st1 = wrap1 ? 0 : st + 1, ph1 = ph ^ (u32)wrap1, stL = wrapL ? st + L - S : st + L;
         const u32 st4 = (sm0 + st * WGM_STAGE) >> 4;
+        if constexpr (ONE) build(c, cur);
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < 4; ++i) wgmma_m64k16<NW>(acc, cur[i], bdesc.at(st4 + 2 * i));
@@ -1478,9 +1445,8 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
         }
         if (G + 1 < gpr) {
             mbar_wait(full(st1), ph1);
-            WgGroup c;
             read(st1, G + 1, c);
-            build(c, nxt);
+            if constexpr (!ONE) build(c, nxt);
         }
         wgmma_wait<0>();
         __syncwarp();
@@ -1488,9 +1454,13 @@ __device__ __forceinline__ void pf_moe_wgc_body(PF_MOE_WG_ARGS, const TmaMap* xm
         st = st1;
         ph = ph1;
     };
-    for (int G = 0; G < gpr; G += 2) {
-        step(G, a0, a1);
-        if (G + 1 < gpr) step(G + 1, a1, a0);
+    if constexpr (ONE) {
+        for (int G = 0; G < gpr; ++G) step(G, a0, a0);
+    } else {
+        for (int G = 0; G < gpr; G += 2) {
+            step(G, a0, a1);
+            if (G + 1 < gpr) step(G + 1, a1, a0);
+        }
     }
     // No block leaves while another may still arrive on its barriers.
     cluster_arrive();
