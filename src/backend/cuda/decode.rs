@@ -229,6 +229,7 @@ pub fn enqueue(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights,
 /// and token choice (`out`) run as at the end of [`enqueue`], into `seq`'s step buffer, which
 /// holds the token fed at that row and its position. So a prompt's first token comes from the
 /// decode step's own head and choice kernels, without the step's layers.
+#[allow(clippy::too_many_arguments)]
 pub fn finish_from_row(gpu: &Gpu, cfg: &ModelConfig, opts: &CudaOptions, w: &DevWeights, dec: &mut Decoder, seq: &CudaSequence, row: &CudaView<f32>, out: StepOut) -> Result<()> {
     let mut x = dec.act.x.slice_mut(0..cfg.hidden_size);
     gpu.stream.memcpy_dtod(row, &mut x).map_err(|e| anyhow!("copying the prefill's last row: {e:?}"))?;
