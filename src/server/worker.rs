@@ -340,9 +340,11 @@ impl Worker {
             let (start, generated) = (t, metrics.generated_tokens.load(Relaxed));
             turn.decode_rows = self.active.iter().filter(|a| a.stepping()).count();
             self.move_ahead();
-            self.decode(&rx);
-            t = metrics.worker_spent(WorkerPhase::Decode, t);
-            (turn.decode, turn.generated) = (t - start, metrics.generated_tokens.load(Relaxed) - generated);
+            // A prompt's rest fed with its first token is prefill time inside the decode call.
+            let rest_prefill = self.decode(&rx);
+            t = metrics.worker_spent_with_part(WorkerPhase::Decode, (WorkerPhase::Prefill, rest_prefill), t);
+            turn.prefill += rest_prefill;
+            (turn.decode, turn.generated) = ((t - start).saturating_sub(rest_prefill), metrics.generated_tokens.load(Relaxed) - generated);
             let rows = self.active.len();
             self.retire();
             t = metrics.worker_spent(WorkerPhase::Retire, t);
@@ -513,8 +515,9 @@ impl Worker {
         done
     }
 
-    /// Decodes the rows whose prompt is in (see the module comment).
-    fn decode(&mut self, rx: &mpsc::Receiver<Job>) {
+    /// Decodes the rows whose prompt is in (see the module comment). Returns the time it spent
+    /// prefilling a prompt's rest with its first token ([`solo_steps`]).
+    fn decode(&mut self, rx: &mpsc::Receiver<Job>) -> Duration {
         let prefill_waits = self.active.iter().any(Active::prefilling);
         let waiting = Waiting { room: self.held.is_none() && self.active.len() < self.max_batch, held: self.held.is_some(), rx };
         let Worker { backend, tokenizer, metrics, cfg, active, cache, moving, to_move, moved_out, .. } = self;
@@ -536,6 +539,7 @@ impl Worker {
             host.retain(|a| !a.finished());
             device.retain(|a| !a.finished());
         }
+        let mut rest_prefill = Duration::ZERO;
         match device.len() {
             0 => {}
             1 if host.is_empty() && !prefill_waits => {
@@ -543,7 +547,7 @@ impl Worker {
                 // before it.
                 while step_moves(cache, moving, to_move, moved_out) {}
                 let mut device = device;
-                solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON, &waiting);
+                rest_prefill = solo_steps(&mut ctx, device.pop().expect("one row"), DECODE_HORIZON, &waiting);
             }
             _ => {
                 let mut beside = || {
@@ -560,6 +564,7 @@ impl Worker {
             self.moved_out.clear();
             self.publish();
         }
+        rest_prefill
     }
 
     /// Settles the moves whose copies are done (into the host tier; their device memory freed:
@@ -957,8 +962,9 @@ fn settle_rest(ctx: &mut Ctx, a: &mut Active) {
 /// One row alone: the backend's pipelined single-sequence loop (the token stays on the device),
 /// up to `steps` steps; it pauses (to resume next turn) once `waiting` says a request could
 /// join, as a batch's rows do, so a stream running alone delays a newcomer by a step rather than
-/// by the rest of its call.
-fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, waiting: &Waiting) {
+/// by the rest of its call. Returns the time to its first token where the call fed a prompt's
+/// rest (the rest's prefill), else zero.
+fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, waiting: &Waiting) -> Duration {
     let steps = steps_for(a, steps);
     let feed = feed_of(a).to_vec();
     let Active { seq, reply, .. } = a;
@@ -972,9 +978,14 @@ fn solo_steps(ctx: &mut Ctx, a: &mut Active, steps: usize, waiting: &Waiting) {
     };
     let mut hooks = RowHooks { replies: &mut replies, accept, waiting, ended: 0, beside: &mut || {}, ahead: false };
     let sampled = (!snap.params.is_plain_greedy()).then_some(&snap);
+    let called = Instant::now();
     let r = guarded(|| ctx.backend.decode_after(seq, &feed, steps, sampled, &mut hooks));
     if let Err(e) = r {
         replies[0].failed = Some(e);
+    }
+    match (feed.len() > 1, replies[0].prompt_in) {
+        (true, Some(t)) => t.saturating_duration_since(called),
+        _ => Duration::ZERO,
     }
 }
 

@@ -64,7 +64,10 @@ def test_prefix_cache_reports_cached_tokens(client):
     kw = dict(model=MODEL, messages=[{"role": "system", "content": "Cache me " * 20}, {"role": "user", "content": "same"}], max_tokens=4, temperature=0)
     a = client.chat.completions.create(**kw)
     b = client.chat.completions.create(**kw)
-    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+    # The prompt went in with its first token (the server was idle), so its repeat resumes at the
+    # last message start: only the assistant's header is prefilled again.
+    cached = b.usage.prompt_tokens_details.cached_tokens
+    assert 0 < b.usage.prompt_tokens - cached <= 8, (cached, b.usage.prompt_tokens)
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
