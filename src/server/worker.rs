@@ -529,12 +529,12 @@ impl Worker {
         // Structured-output rows step in the batch, masked in its sampler; alone, one steps on
         // the host like a logprobs row (the single-sequence forward beats a batch step of one).
         let alone = active.iter().filter(|a| a.stepping() && !a.reply.wants_logits()).count() == 1;
-        let (host, device): (Vec<&mut Active>, Vec<&mut Active>) =
+        let (mut host, mut device): (Vec<&mut Active>, Vec<&mut Active>) =
             active.iter_mut().filter(|a| a.stepping()).partition(|a| a.reply.wants_logits() || (alone && a.reply.job.constraint.is_some()));
         ctx.metrics.batch_size.store((host.len() + device.len()) as u64, Relaxed);
         let horizon = if prefill_waits || !host.is_empty() { 1 } else { DECODE_HORIZON };
-        let (mut host, mut device) = (host, device);
-        if !(device.len() == 1 && host.is_empty() && !prefill_waits) {
+        let solo = device.len() == 1 && host.is_empty() && !prefill_waits;
+        if !solo {
             host.iter_mut().chain(device.iter_mut()).for_each(|a| settle_rest(&mut ctx, a));
             host.retain(|a| !a.finished());
             device.retain(|a| !a.finished());
@@ -542,7 +542,7 @@ impl Worker {
         let mut rest_prefill = Duration::ZERO;
         match device.len() {
             0 => {}
-            1 if host.is_empty() && !prefill_waits => {
+            1 if solo => {
                 // The single-sequence loop runs nothing beside its steps: the turn's moves start
                 // before it.
                 while step_moves(cache, moving, to_move, moved_out) {}
