@@ -125,9 +125,7 @@ impl<'a> DecodePass<'a> {
         }
         Ok(())
     }
-}
 
-impl DecodePass<'_> {
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
         ptr(s, &self.gpu.stream)
     }
