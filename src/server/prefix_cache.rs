@@ -343,6 +343,46 @@ pub fn next_checkpoint(prompt: &[u32], fed: usize, last: usize, boundary: Option
     stop
 }
 
+/// The last prompts a server saw (their tokens' hashes, at most `cap`, oldest forgotten first).
+/// A prompt that goes in with its first token takes no exact-repeat snapshot (its state before
+/// the last token is never formed); one seen before is likely to come again, so its snapshot is
+/// worth the decode step of the last token that forming it costs.
+pub struct RecentPrompts {
+    order: std::collections::VecDeque<u64>,
+    seen: std::collections::HashMap<u64, usize>,
+    cap: usize,
+}
+
+impl RecentPrompts {
+    pub fn new(cap: usize) -> Self {
+        RecentPrompts { order: Default::default(), seen: Default::default(), cap }
+    }
+
+    /// Records `prompt`; returns whether it was among the recent prompts already.
+    pub fn seen_again(&mut self, prompt: &[u32]) -> bool {
+        use std::hash::{Hash, Hasher};
+        if self.cap == 0 {
+            return false;
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        prompt.hash(&mut h);
+        let key = h.finish();
+        let again = self.seen.contains_key(&key);
+        *self.seen.entry(key).or_insert(0) += 1;
+        self.order.push_back(key);
+        if self.order.len() > self.cap {
+            let old = self.order.pop_front().expect("longer than its cap");
+            if let Some(n) = self.seen.get_mut(&old) {
+                *n -= 1;
+                if *n == 0 {
+                    self.seen.remove(&old);
+                }
+            }
+        }
+        again
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,5 +644,22 @@ mod tests {
         c.insert(vec![2], ("b", 10), None);
         assert_eq!((c.len(), c.host_len()), (1, 0));
         assert!(!tiered(0, 0).enabled());
+    }
+
+    #[test]
+    fn recent_prompts_know_a_prompt_seen_again_until_it_is_forgotten() {
+        let mut r = RecentPrompts::new(2);
+        assert!(!r.seen_again(&[1, 2, 3]));
+        assert!(r.seen_again(&[1, 2, 3]));
+        assert!(!r.seen_again(&[1, 2]));
+        assert!(r.seen_again(&[1, 2]));
+        // [1, 2, 3] was last seen two prompts ago: forgotten with a cap of 2.
+        assert!(!r.seen_again(&[1, 2, 3]));
+        assert!(r.seen_again(&[1, 2, 3]));
+        // Each sighting counts: [1, 2]'s two are both older than the last two prompts now.
+        assert!(!r.seen_again(&[9]));
+        assert!(!r.seen_again(&[1, 2]));
+        let mut off = RecentPrompts::new(0);
+        assert!(!off.seen_again(&[1]) && !off.seen_again(&[1]));
     }
 }

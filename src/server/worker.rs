@@ -37,7 +37,7 @@ use super::constrain::Constraint;
 use super::error::ApiError;
 use super::metrics::{Metrics, RequestRecord, WorkerPhase};
 use super::output::Delta;
-use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, Stored};
+use super::prefix_cache::{next_checkpoint, HostTier, Leaving, PrefixCache, RecentPrompts, Stored};
 use super::reply::{logprob_entry, token_text, End, Reply};
 use super::request::ParsedRequest;
 use super::turn_trace::Turn;
@@ -87,6 +87,9 @@ struct Move {
 /// Prompt tokens per forward when every position's logits are wanted (prompt logprobs): 32 rows
 /// of the 248K vocabulary are 32 MB.
 const PROMPT_LOGPROB_CHUNK: usize = 32;
+
+/// Prompts remembered to tell a repeat ([`RecentPrompts`]): a few hundred KB at most.
+const RECENT_PROMPTS: usize = 4096;
 
 /// Decode steps one backend call runs at most when no prompt waits for prefill. Each call ends
 /// with its pipeline drained and a turn of the worker before the next one starts (~1 ms of an
@@ -209,6 +212,8 @@ struct Active {
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     /// The prompt is in; the row decodes.
     decoding: bool,
+    /// The prompt was among the recent ones ([`RecentPrompts`]).
+    seen_before: bool,
 }
 
 impl Active {
@@ -268,6 +273,7 @@ pub struct Worker {
     metrics: Arc<Metrics>,
     cfg: WorkerConfig,
     cache: PrefixCache<Sequence, HostSequence>,
+    recent: RecentPrompts,
     max_batch: usize,
     active: Vec<Active>,
     /// The queue's head, waiting for room in the batch or for sequence memory that running
@@ -310,7 +316,7 @@ impl Worker {
             }
         }
         metrics.max_batch.store(max_batch as u64, Relaxed);
-        Worker { backend, tokenizer, metrics, cfg, cache, max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0, moved_out: Vec::new() }
+        Worker { backend, tokenizer, metrics, cfg, cache, recent: RecentPrompts::new(RECENT_PROMPTS), max_batch, active: Vec::new(), held: None, moving: Vec::new(), to_move: 0, moved_out: Vec::new() }
     }
 
     /// Serves jobs until the queue closes and the batch is empty.
@@ -400,7 +406,8 @@ impl Worker {
                     let mut reply = Reply::new(job, cached);
                     reply.admitted = admitted;
                     reply.resumed = Instant::now();
-                    self.active.push(Active { seq, reply, prompt_logprobs, decoding: false });
+                    let seen_before = self.cache.enabled() && self.recent.seen_again(&reply.job.prompt);
+                    self.active.push(Active { seq, reply, prompt_logprobs, decoding: false, seen_before });
                 }
                 Err(e) if is_memory_full(&e) && !self.active.is_empty() => {
                     self.held = Some(job);
@@ -880,7 +887,8 @@ fn prompt_logprob_piece(ctx: &mut Ctx, a: &mut Active, budget: usize) -> anyhow:
 /// through the prefill and takes the first token from the last row (`Backend::decode_after`),
 /// saving the decode step of the last token, which reads every weight for one token. The
 /// exact-repeat snapshot (all but the last token) is not taken: a repeat resumes from the last
-/// message start or every-N-tokens checkpoint instead.
+/// message start or every-N-tokens checkpoint instead. So a prompt seen before among the recent
+/// ones keeps the old path, and its snapshot serves the repeats after it.
 fn rest_with_first_token<'a>(active: &'a mut [Active], budget: usize, cache_enabled: bool, cfg: &WorkerConfig) -> Option<&'a mut Active> {
     let mut live = active.iter_mut().filter(|a| !a.finished());
     let a = live.next()?;
@@ -889,7 +897,7 @@ fn rest_with_first_token<'a>(active: &'a mut [Active], budget: usize, cache_enab
     }
     let (job, fed) = (&a.reply.job, a.seq.len());
     let (len, rest) = (job.prompt.len(), job.prompt.len().saturating_sub(fed));
-    let plain = a.prompt_logprobs.is_none() && job.n == 1 && !a.reply.wants_logits() && job.constraint.is_none() && !a.reply.client_gone();
+    let plain = !a.seen_before && a.prompt_logprobs.is_none() && job.n == 1 && !a.reply.wants_logits() && job.constraint.is_none() && !a.reply.client_gone();
     let no_checkpoint = !cache_enabled || next_checkpoint(&job.prompt, fed, len - 1, cfg.message_start, cfg.checkpoint_every) == len - 1;
     (plain && no_checkpoint && (2..=budget).contains(&rest)).then_some(a)
 }
@@ -908,7 +916,7 @@ fn start_row(ctx: &mut Ctx, a: &mut Active, forks: &mut Vec<Active>) -> anyhow::
         let mut seq = a.seq.try_clone()?;
         seq.reserve(a.reply.job.room(ctx.cfg.max_seq))?;
         let job = a.reply.job.fork(a.reply.job.index + i);
-        let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false };
+        let mut sibling = Active { seq, reply: Reply::new(job, 0), prompt_logprobs: None, decoding: false, seen_before: false };
         (sibling.reply.admitted, sibling.reply.resumed) = (a.reply.admitted, a.reply.resumed);
         start_decoding(&mut sibling, last);
         forks.push(sibling);

@@ -987,7 +987,8 @@ async fn a_prompt_decoding_alone_takes_its_first_token_from_its_prefill() {
     // A prompt with no other request beside it goes in whole with its first token: one forward
     // with the last row's logits, no decode step of its own for the last prompt token. A chat
     // prompt goes in up to its last message start (a prefix-cache snapshot) the old way, and its
-    // rest with the first token, so an exact repeat resumes there. A request that wants logits on
+    // rest with the first token, so an exact repeat resumes there. A prompt seen before goes the
+    // old way, which snapshots all but its last token for the repeats after it. A request that wants logits on
     // the host (logprobs) keeps the old path: all but the last token, then a step on it.
     use lily::backend::LogitsWanted;
     use std::sync::{Arc, Mutex};
@@ -1014,9 +1015,15 @@ async fn a_prompt_decoding_alone_takes_its_first_token_from_its_prefill() {
     assert!(log[1..].iter().all(|&c| c == (1, LogitsWanted::Last)), "{log:?}");
     assert_eq!(log.len(), v["usage"]["completion_tokens"].as_u64().unwrap() as usize, "one forward a token: {log:?}");
     // No checkpoint before its last token: an exact repeat of a raw prompt this short resumes
-    // from nothing (a longer one from its last --prefix-checkpoint-tokens multiple).
-    let (v, _) = run(json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
+    // from nothing (a longer one from its last --prefix-checkpoint-tokens multiple). Seen before,
+    // it goes the old way, all but its last token and a step on that, whose snapshot the next
+    // repeat resumes from.
+    let (v, log) = run(json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+    assert_eq!(log[..2], [(5, LogitsWanted::None), (1, LogitsWanted::Last)], "{log:?}");
+    let (v, log) = run(json!({"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3, "temperature": 0})).await;
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 5, "{v}");
+    assert_eq!(log[0], (1, LogitsWanted::Last), "{log:?}");
 
     let im_start = 248045;
     let chat = json!([im_start, 10, 11, 12, im_start, 20, 21]);
@@ -1024,8 +1031,10 @@ async fn a_prompt_decoding_alone_takes_its_first_token_from_its_prefill() {
     assert_eq!(log[..2], [(4, LogitsWanted::None), (3, LogitsWanted::Last)], "{log:?}");
     let (v, log) = run(json!({"prompt": chat, "max_tokens": 2, "temperature": 0})).await;
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 4, "{v}");
-    assert_eq!(log[0], (3, LogitsWanted::Last), "{log:?}");
+    assert_eq!(log[..2], [(2, LogitsWanted::None), (1, LogitsWanted::Last)], "{log:?}");
+    let (v, _) = run(json!({"prompt": chat, "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 6, "{v}");
 
-    let (_, log) = run(json!({"prompt": [1, 2, 3, 4, 5, 7], "max_tokens": 2, "temperature": 0, "logprobs": 1})).await;
+    let (_, log) = run(json!({"prompt": [2, 3, 4, 5, 6, 7], "max_tokens": 2, "temperature": 0, "logprobs": 1})).await;
     assert_eq!(log[..2], [(5, LogitsWanted::None), (1, LogitsWanted::Last)], "{log:?}");
 }
