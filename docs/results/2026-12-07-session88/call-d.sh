@@ -1,0 +1,43 @@
+set -u
+# Call d (prepared in session 88 for the next session's first call, in place of call c; ~400 s;
+# best on an H200, the machine): (1) why every two-stream build decoded 1-4% slower
+# right after its prefill in calls a and b: main, sxp and sxl (sxp with the second stream and its
+# cuBLAS handle made after the sequence memory, so every allocation before it is main's) with
+# 128 decode steps after 4K and 8K prompts (two rounds) and 256 after a 64-token prompt (no long
+# chunk, nothing on the second stream), the SM clock and power sampled every 20 ms
+# (`smi.csv.xz`, each run's start time in `runs.txt`): a start-up allocation effect shows in sxp
+# and not sxl, a clock effect of the denser prefill as lower clocks after the prefill that the
+# 128 steps outlast; (2) the record on this machine: main at 32K and 131K, main's 4K phase
+# profile, llama.cpp's prompt processing (prebuilt llama-batched-bench, Q4_0 GGUF) at 4K, 8K, 32K.
+# Build: . scripts/arm_pack.sh; arm_build main -; arm_build sxp - sxp.patch; arm_build sxl -
+# sxl.patch (patches from this folder, on 6889ff8 or a later main they apply to);
+# .whl/llama-bin.tar.xz by bench/build_llama_batched.sh, .whl/gguf-py.tar.xz = llama-src's
+# llama.cpp/gguf-py.
+# Carry [".device-main", ".device-sxp", ".device-sxl", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"].
+. scripts/call_lib.sh
+call_init 470
+call_unpack main sxp sxl
+call_synth_start main
+bash bench/h200_steps.sh batched-prebuilt | tail -1
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 20 > "$OUT/smi.csv" 2>&1 &
+smi=$!
+call_synth_wait
+run() { echo "$(date +%T.%N) $1" >> "$OUT/runs.txt"; call_arm "$1" "$2" "$3" | call_bench; }
+for r in r1 r2; do for a in main sxp sxl; do run "$a p4096 d128 $r" $a "--prompt-len 4096 --decode-steps 128"; done; done
+for r in r1 r2; do for a in sxl sxp main; do run "$a p8192 d128 $r" $a "--prompt-len 8192 --decode-steps 128"; done; done
+for a in main sxp sxl; do run "$a p64 d256 r1" $a "--prompt-len 64 --decode-steps 256"; done
+kill $smi
+xz -9 "$OUT/smi.csv"
+run "main p32768 r1" main "--prompt-len 32768 --decode-steps 16"
+run "main p131072 r1" main "--prompt-len 131072 --decode-steps 16"
+call_profiles 4096 'moe[.](gate_up|down|route)|shared|gdn[.](proj|walk|prep)|attn[.]core' main
+bash bench/h200_steps.sh batched-gguf 2>&1 | tail -1
+LB=/root/pb/llama/llama.cpp/build/bin/llama-batched-bench
+for ub in 4096 512; do
+    [ "$(left 40)" -gt 20 ] || break
+    timeout "$(left 30)" $LB -m /root/pb/m-Q4_0.gguf -c 33000 -b 4096 -ub $ub -npp 4096,8192,32768 -ntg 1 -npl 1 \
+        -fa on -ngl 99 --output-format jsonl > "$OUT/llama-pp-ub$ub.jsonl" 2> "$OUT/llama-pp-ub$ub.log"
+    el "llama ub $ub rc=$?"; cat "$OUT/llama-pp-ub$ub.jsonl"
+done
+call_end
