@@ -9,6 +9,10 @@
 //! entry pushed out of the device moves to host memory (bounded by its own budget, least
 //! recently used across both tiers going first) and a hit on it is copied back.
 
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+
 /// Where an entry's item is: in the backend's own memory (a sequence ready to copy), or moved to
 /// host memory (the host tier: copied back on a hit instead of being recomputed).
 #[derive(Debug)]
@@ -348,8 +352,8 @@ pub fn next_checkpoint(prompt: &[u32], fed: usize, last: usize, boundary: Option
 /// the last token is never formed); one seen before is likely to come again, so its snapshot is
 /// worth the decode step of the last token that forming it costs.
 pub struct RecentPrompts {
-    order: std::collections::VecDeque<u64>,
-    seen: std::collections::HashMap<u64, usize>,
+    order: VecDeque<u64>,
+    seen: HashMap<u64, usize>,
     cap: usize,
 }
 
@@ -360,11 +364,10 @@ impl RecentPrompts {
 
     /// Records `prompt`; returns whether it was among the recent prompts already.
     pub fn seen_again(&mut self, prompt: &[u32]) -> bool {
-        use std::hash::{Hash, Hasher};
         if self.cap == 0 {
             return false;
         }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
+        let mut h = DefaultHasher::new();
         prompt.hash(&mut h);
         let key = h.finish();
         let again = self.seen.contains_key(&key);
