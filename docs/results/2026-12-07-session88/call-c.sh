@@ -11,7 +11,7 @@ set -u
 call_init 320
 call_unpack main sxp sxl
 call_synth_start main
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader -lms 20 > "$OUT/smi.csv" 2>&1 &
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader -lms 20 > "$OUT/smi.csv" 2>&1 &
 smi=$!
 call_synth_wait
 for r in r1 r2; do for a in main sxp sxl; do

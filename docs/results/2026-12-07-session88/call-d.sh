@@ -25,7 +25,7 @@ call_init 570
 call_unpack main sxp sxl sxb mr
 call_synth_start main
 bash bench/h200_steps.sh batched-prebuilt | tail -1
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
     --format=csv,noheader -lms 20 > "$OUT/smi.csv" 2>&1 &
 smi=$!
 call_synth_wait
@@ -34,6 +34,7 @@ for r in r1 r2; do for a in main sxp sxl sxb mr; do run "$a p4096 d128 $r" $a "-
 for r in r1 r2; do for a in mr sxb sxl sxp main; do run "$a p8192 d128 $r" $a "--prompt-len 8192 --decode-steps 128"; done; done
 for a in main sxp sxl; do run "$a p64 d256 r1" $a "--prompt-len 64 --decode-steps 256"; done
 kill $smi
+python3 scripts/smi_runs.py "$OUT/smi.csv" "$OUT/runs.txt" --last 1.5
 xz -9 "$OUT/smi.csv"
 for a in main mr; do run "$a p32768 r1" $a "--prompt-len 32768 --decode-steps 16"; done
 for a in main mr; do run "$a p131072 r1" $a "--prompt-len 131072 --decode-steps 16"; done

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""The GPU's clocks and power over each run of a device call: `nvidia-smi --query-gpu=timestamp,
+clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader -lms 20` samples (SMI, plain or .xz) against RUNS (a line `HH:MM:SS.nnnnnnnnn LABEL` as each run
+started, as docs/results/2026-12-07-session88/call-d.sh writes them). Per run: the SM clock
+(median, min) and power (median, max) over the run, and over its last LAST seconds (where a
+lily-bench run's measured prefill and decode are; its start is the model's loading).
+
+    python3 scripts/smi_runs.py smi.csv.xz runs.txt [--last 1.0]
+"""
+import argparse
+import lzma
+import statistics
+from datetime import datetime
+
+
+def seconds(hms: str) -> float:
+    h, m, s = hms.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
+
+
+def samples(path: str):
+    opener = lzma.open if path.endswith(".xz") else open
+    out = []
+    with opener(path, "rt") as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) < 4:
+                continue
+            try:
+                t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                sm = float(parts[1].split()[0])
+                power = float(parts[3].split()[0])
+            except ValueError:
+                continue
+            out.append((t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6, sm, power))
+    return out
+
+
+def summary(rows) -> str:
+    if not rows:
+        return "no samples"
+    sm = [r[1] for r in rows]
+    pw = [r[2] for r in rows]
+    return f"SM {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power {statistics.median(pw):.0f} W (max {max(pw):.0f}), {len(rows)} samples"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("smi")
+    ap.add_argument("runs")
+    ap.add_argument("--last", type=float, default=1.0, help="seconds at the end of each run summarised apart")
+    args = ap.parse_args()
+    rows = samples(args.smi)
+    runs = []
+    for line in open(args.runs):
+        if line.strip():
+            hms, label = line.strip().split(" ", 1)
+            runs.append((seconds(hms), label))
+    for i, (t0, label) in enumerate(runs):
+        t1 = runs[i + 1][0] if i + 1 < len(runs) else (rows[-1][0] if rows else t0)
+        window = [r for r in rows if t0 <= r[0] < t1]
+        tail = [r for r in window if r[0] >= t1 - args.last]
+        print(f"{label:<22} {t1 - t0:5.1f} s | all: {summary(window)} | last {args.last:g} s: {summary(tail)}")
+
+
+if __name__ == "__main__":
+    main()
