@@ -44,23 +44,30 @@ def summary(rows) -> str:
     return f"SM {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power {statistics.median(pw):.0f} W (max {max(pw):.0f}), {len(rows)} samples"
 
 
+def report(smi: str, runs_path: str, last: float) -> list:
+    """One line per run: its window (to the next run's start, the last one's to the last sample)."""
+    rows = samples(smi)
+    runs = []
+    for line in open(runs_path):
+        if line.strip():
+            hms, label = line.strip().split(" ", 1)
+            runs.append((seconds(hms), label))
+    out = []
+    for i, (t0, label) in enumerate(runs):
+        t1 = runs[i + 1][0] if i + 1 < len(runs) else (rows[-1][0] + 1e-6 if rows else t0)
+        window = [r for r in rows if t0 <= r[0] < t1]
+        tail = [r for r in window if r[0] >= t1 - last]
+        out.append(f"{label:<22} {t1 - t0:5.1f} s | all: {summary(window)} | last {last:g} s: {summary(tail)}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("smi")
     ap.add_argument("runs")
     ap.add_argument("--last", type=float, default=1.0, help="seconds at the end of each run summarised apart")
     args = ap.parse_args()
-    rows = samples(args.smi)
-    runs = []
-    for line in open(args.runs):
-        if line.strip():
-            hms, label = line.strip().split(" ", 1)
-            runs.append((seconds(hms), label))
-    for i, (t0, label) in enumerate(runs):
-        t1 = runs[i + 1][0] if i + 1 < len(runs) else (rows[-1][0] if rows else t0)
-        window = [r for r in rows if t0 <= r[0] < t1]
-        tail = [r for r in window if r[0] >= t1 - args.last]
-        print(f"{label:<22} {t1 - t0:5.1f} s | all: {summary(window)} | last {args.last:g} s: {summary(tail)}")
+    print("\n".join(report(args.smi, args.runs, args.last)))
 
 
 if __name__ == "__main__":
