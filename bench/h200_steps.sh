@@ -15,7 +15,8 @@
 #   bash bench/h200_steps.sh out        copy results + doc to $OUT
 #   bash bench/h200_steps.sh batched-start / batched-gguf / batched [SECONDS]   llama-batched-bench, the
 #                                       batched-decode peer (carry .whl/llama-src.tar.xz); batched-prebuilt
-#                                       in place of batched-start takes a binary built beforehand
+#                                       in place of batched-start takes a binary built beforehand;
+#                                       batched-pp [UBATCHES] its prompt processing (issue 17's peer)
 set -uo pipefail
 W=/root/pb
 CK=/root/ck
@@ -151,6 +152,19 @@ batched)
     [ "$fmt" = jsonl ] && [ "${BATCHED_MD:-0}" != 1 ] && break
   done
   grep -h '^{' "${OUT:-$RES}/llama-batched.jsonl" "${OUT:-$RES}/llama-batched-jsonl.log" || tail -5 "${OUT:-$RES}/llama-batched-jsonl.log"
+  ;;
+batched-pp)
+  # batched-pp [UBATCHES]: llama.cpp's prompt processing as issue 17 compares it (one sequence,
+  # 4,096 / 8,192 / 32,768-token prompts, flash attention on, all layers on the GPU, logical batch
+  # 4,096), once per physical batch size (default 4096 and 512: the faster is llama.cpp's
+  # figure); JSON lines into $OUT/llama-pp-ubN.jsonl. Needs the build and the GGUF (batched-gguf).
+  mkdir -p "${OUT:-$RES}"
+  for ub in ${2:-4096 512}; do
+    "$W/llama/llama.cpp/build/bin/llama-batched-bench" -m "$W/m-Q4_0.gguf" -c 33000 -b 4096 -ub "$ub" \
+      -npp 4096,8192,32768 -ntg 1 -npl 1 -fa on -ngl 99 --output-format jsonl \
+      > "${OUT:-$RES}/llama-pp-ub$ub.jsonl" 2> "${OUT:-$RES}/llama-pp-ub$ub.log" || { tail -5 "${OUT:-$RES}/llama-pp-ub$ub.log"; exit 1; }
+    log "batched-pp: ubatch $ub"; cat "${OUT:-$RES}/llama-pp-ub$ub.jsonl"
+  done
   ;;
 wait)
   # wait JOB [SECONDS]: until a detached job (llama-cuda-build, quantize-km, ...) has ended.

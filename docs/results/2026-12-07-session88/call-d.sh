@@ -40,11 +40,5 @@ for a in main mr; do run "$a p32768 r1" $a "--prompt-len 32768 --decode-steps 16
 for a in main mr; do run "$a p131072 r1" $a "--prompt-len 131072 --decode-steps 16"; done
 call_profiles 4096 'moe[.](gate_up|down|route)|shared|gdn[.](proj|walk|prep)|attn[.]core' main
 bash bench/h200_steps.sh batched-gguf 2>&1 | tail -1
-LB=/root/pb/llama/llama.cpp/build/bin/llama-batched-bench
-for ub in 4096 512; do
-    [ "$(left 40)" -gt 20 ] || break
-    timeout "$(left 30)" $LB -m /root/pb/m-Q4_0.gguf -c 33000 -b 4096 -ub $ub -npp 4096,8192,32768 -ntg 1 -npl 1 \
-        -fa on -ngl 99 --output-format jsonl > "$OUT/llama-pp-ub$ub.jsonl" 2> "$OUT/llama-pp-ub$ub.log"
-    el "llama ub $ub rc=$?"; cat "$OUT/llama-pp-ub$ub.jsonl"
-done
+timeout "$(left 20)" bash bench/h200_steps.sh batched-pp
 call_end
