@@ -1,23 +1,37 @@
 set -u
-# Call f (session 89, ~180 s): call e showed sxpl's decode after a long prefill slower for good
-# (1,024 steps after 4K: 1,874 -> 1,896 us a step; 512 after 8K: 1,930 -> 1,967; HBM at ~50 C,
-# clocks constant), growing with the context, and call d none after a 64-token prompt (no second
-# stream). Which kernels, and what it hangs on: main against sxpl after 8K, 256 steps, as they
-# are, and with the decode timeline (LILY_CUDA_TIMELINE=1: per-kernel times of the graph
-# steps). (Direct launches and --no-warmup arms were cut: the budget left was ~316 s.) Then whether the KV pages'
-# order alone moves the decode at long context (call d: mr, whose growth maps each region's pages
-# in the reverse order, decoded 411.7 tok/s after 32K against main's 422.1): main, kvr (main
-# with a growth's pages mapped in the order the ledger returned them, `kvr.patch`) and mr,
-# 128 steps after 32K.
-# Carry [".device-main", ".device-sxpl", ".device-kvr", ".device-mr"]. Timeout 230.
+# Call f (prepared in session 89 for the next session's first call; ~320 s; any H100 or H200;
+# not run in session 89: its device time ran out). Calls d and e showed the two-stream builds'
+# decode after a long prefill slower for good (1,024 steps after 4K: 1,874 -> 1,896 us a step;
+# 512 after 8K: 1,930 -> 1,967; HBM at ~50 C, clocks constant), growing with the context, and
+# none after a 64-token prompt, whose KV is one page per region. Two explanations are left: the
+# second stream's use in the prefill, or the 64 MiB its cuBLAS handle takes at start-up shifting
+# where the KV pages (and everything after) land. mr's decode after 32K was 2.5% slower too
+# (one 16-step run), with a growth's pages mapped in the reverse order: the pages' placement may
+# move the attention's reads. Arms (digests must equal main's): main (6889ff8), sxpl (sxp on
+# 8e0f550; `../2026-12-07-session88/sxp.patch`), kvpad (main + the same 64 MiB allocated where
+# sxp opens its handle, no second stream: `kvpad.patch`), sxoff (sxp with the second stream and
+# handle made but the shared expert after the routed experts as main: `sxoff.patch` on sxp),
+# kvr (main with a growth's pages mapped in the order the ledger returns them: `kvr.patch`),
+# mr (`../2026-12-07-session88/mr.patch`). Reading: kvpad and sxoff slow like sxpl -> placement
+# (the stream is innocent; then the decode's KV pages need a placement that does not move it);
+# both as main -> the stream's use. The decode timeline of main and sxpl says which kernels.
+# Build: . scripts/arm_pack.sh; arm_build main -; arm_build sxpl - P88/sxp.patch; arm_build
+# kvpad - kvpad.patch; arm_build sxoff - P88/sxp.patch sxoff.patch; arm_build kvr - kvr.patch;
+# arm_build mr - P88/mr.patch. (Session 89 built sxpl with its GPU suites; `.device-sxplb` is
+# its lily-bench alone.)
+# Carry [".device-main", ".device-sxplb", ".device-kvpad", ".device-sxoff", ".device-kvr", ".device-mr"].
+# Timeout 450.
 . scripts/call_lib.sh
-call_init 225
-call_unpack main sxpl kvr mr
+call_init 430
+call_unpack main sxplb kvpad sxoff kvr mr
 call_synth_start main
 call_synth_wait
-line() { echo "$1 | BENCH=./.device-$2/bin/lily-bench $3 | --prompt-len 8192 --decode-steps 256 $4"; }
-for a in main sxpl; do line "$a p8192 d256" $a "" ""; done | call_bench
-for a in main sxpl; do line "$a p8192 d256 timeline" $a LILY_CUDA_TIMELINE=1 ""; done | call_bench
-for a in main kvr mr; do call_arm "$a p32768 d128" $a "--prompt-len 32768 --decode-steps 128"; done | call_bench
+run() { call_arm "$1" "$2" "$3" | call_bench; }
+for r in r1 r2; do for a in main sxplb kvpad sxoff; do run "$a p8192 d256 $r" $a "--prompt-len 8192 --decode-steps 256"; done; done
+for a in sxoff kvpad sxplb main; do run "$a p4096 d512 r1" $a "--prompt-len 4096 --decode-steps 512"; done
+for a in main sxplb; do
+    echo "$a p8192 d256 timeline | BENCH=./.device-$a/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 8192 --decode-steps 256" | call_bench
+done
+for a in main kvr mr kvpad; do run "$a p32768 d128 r1" $a "--prompt-len 32768 --decode-steps 128"; done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -v "^lily-bench" | head -100
 call_end
