@@ -3,7 +3,7 @@
 arm beside the base arm of the same shape, the digests that must be equal, the hand-over
 microbenchmark's differences between ways, and the serving load test's table.
 
-    python3 scripts/call_summary.py OUT_DIR [--base base] [--same A=B ...]
+    python3 scripts/call_summary.py OUT_DIR [--base base] [--same A=B ...] [--step-windows N]
 
 OUT_DIR holds what scripts/device_check.sh and the call scripts wrote: tests-*.log, *ab.jsonl
 (lily-bench lines carrying their arm's label as "arm"), handover.jsonl, *serve_load*.jsonl
@@ -11,12 +11,16 @@ OUT_DIR holds what scripts/device_check.sh and the call scripts wrote: tests-*.l
 beside "BASE rest" (e.g. "all b16" beside "base b16"). --same A=B names two arm prefixes whose
 digests must be equal on every shape both ran (e.g. --same all=all9: "all b1 4K" against
 "all9 b1 4K"); a difference is printed as MISMATCH and makes the exit status 1.
+--step-windows N adds, per single-sequence arm, the median decode step (us) over each window of
+N steps (`step_wall_secs`): where a decode's steps change speed, and whether a gap between
+arms stays or fades.
 """
 import argparse
 import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 
@@ -69,6 +73,18 @@ def arm_table(found, base):
         pf, dr = d.get("prefill", {}).get("tok_s"), rate(d)
         bpf, bdr = (b.get("prefill", {}).get("tok_s"), rate(b)) if b else (None, None)
         lines.append(f"| {label} | {pf:,.0f} | {pct(pf, bpf)} | {dr:,.1f} | {pct(dr, bdr)} | {d.get('decode', {}).get('token_digest', '')} |")
+    return lines
+
+
+def step_windows(found, n):
+    """Per single-sequence arm with its step times: the median step (us) of each window of n."""
+    lines = []
+    for label, d in found.items():
+        steps = d.get("decode", {}).get("step_wall_secs")
+        if d.get("batch") or not steps:
+            continue
+        meds = [statistics.median(steps[i:i + n]) * 1e6 for i in range(0, len(steps), n)]
+        lines.append(f"{label:<28} " + " ".join(f"{m:6.0f}" for m in meds))
     return lines
 
 
@@ -153,6 +169,7 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--base", default="base")
     ap.add_argument("--same", action="append", default=[], metavar="A=B")
+    ap.add_argument("--step-windows", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.out):
         print(f"call_summary: {args.out} is not a directory", file=sys.stderr)
@@ -173,6 +190,11 @@ def main(argv=None):
     if found:
         print("\n## lily-bench arms\n")
         print("\n".join(arm_table(found, args.base)))
+    if args.step_windows > 0:
+        windows = step_windows(found, args.step_windows)
+        if windows:
+            print(f"\n## Median decode step (us) per {args.step_windows} steps\n")
+            print("\n".join(windows))
     checks = same_checks(found, pairs)
     if checks:
         print("\n## Digests that must be equal\n")

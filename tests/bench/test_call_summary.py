@@ -79,3 +79,18 @@ def test_the_serving_load_test_reads_as_one_table_per_file(tmp_path, capsys):
     assert "| C | greedy tok/s | TTFT p50 s | ITL p95 ms | sampled tok/s | TTFT p50 s | ITL p95 ms |" in out
     assert "| 16 | 1,800.8 | 0.281 | 7.1 | 1,732.8 | 0.263 | 7.4 |" in out
     assert "| 1 | 430.7 | 0.050 | 2.2 |  | | " in out  # no sampled row at one client
+
+
+def test_step_windows_show_where_a_decode_changes_speed(tmp_path, capsys):
+    steady = {"arm": "base p4K", "prompt_len": 4096, "prefill": {"tok_s": 1.0},
+              "decode": {"tok_s": 500.0, "token_digest": "aa", "step_wall_secs": [0.002] * 4 + [0.0019] * 4}}
+    batch = {"arm": "base b16", "batch": 16, "prefill": {"tok_s": 1.0},
+             "decode": {"aggregate_tok_s": 1.0, "token_digest": "x", "step_wall_secs": [0.01] * 8}}
+    (tmp_path / "ab.jsonl").write_text(json.dumps(steady) + "\n" + json.dumps(batch) + "\n")
+    assert cs.main([str(tmp_path), "--step-windows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "## Median decode step (us) per 4 steps" in out
+    assert "base p4K" + " " * 21 + "  2000   1900" in out
+    assert "base b16   " not in out  # batched arms have no single sequence's steps
+    cs.main([str(tmp_path)])
+    assert "Median decode step" not in capsys.readouterr().out  # only when asked

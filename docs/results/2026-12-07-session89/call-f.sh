@@ -45,4 +45,5 @@ for a in main sxplb; do
 done
 for a in main kvr mr kvpad; do run "$a p32768 d128 r1" $a "--prompt-len 32768 --decode-steps 128"; done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -v "^lily-bench" | head -100
+python3 scripts/call_summary.py "$OUT" --base main --step-windows 64 | sed -n '/Median decode step/,$p'
 call_end
