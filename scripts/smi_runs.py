@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The GPU's clocks and power over each run of a device call: `nvidia-smi --query-gpu=timestamp,
-clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader -lms 20` samples (SMI, plain or .xz) against RUNS (a line `HH:MM:SS.nnnnnnnnn LABEL` as each run
+clocks.sm,clocks.mem,power.draw,temperature.gpu[,temperature.memory] --format=csv,noheader -lms 20`
+samples (SMI, plain or .xz) against RUNS (a line `HH:MM:SS.nnnnnnnnn LABEL` as each run
 started, as docs/results/2026-12-07-session88/call-d.sh writes them). Per run: the SM clock
-(median, min) and power (median, max) over the run, and over its last LAST seconds (where a
-lily-bench run's measured prefill and decode are; its start is the model's loading).
+(median, min), power (median, max) and, where sampled, the HBM's temperature (max) over the
+run, and over its last LAST seconds (where a lily-bench run's measured prefill and decode are;
+its start is the model's loading).
 
     python3 scripts/smi_runs.py smi.csv.xz runs.txt [--last 1.0]
 """
@@ -32,7 +34,11 @@ def samples(path: str):
                 power = float(parts[3].split()[0])
             except ValueError:
                 continue
-            out.append((t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6, sm, power))
+            try:
+                hbm = float(parts[5].split()[0])
+            except (IndexError, ValueError):  # not sampled, or N/A
+                hbm = None
+            out.append((t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6, sm, power, hbm))
     return out
 
 
@@ -41,7 +47,9 @@ def summary(rows) -> str:
         return "no samples"
     sm = [r[1] for r in rows]
     pw = [r[2] for r in rows]
-    return f"SM {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power {statistics.median(pw):.0f} W (max {max(pw):.0f}), {len(rows)} samples"
+    hbm = [r[3] for r in rows if r[3] is not None]
+    temp = f", HBM max {max(hbm):.0f} C" if hbm else ""
+    return f"SM {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power {statistics.median(pw):.0f} W (max {max(pw):.0f}){temp}, {len(rows)} samples"
 
 
 def report(smi: str, runs_path: str, last: float) -> list:

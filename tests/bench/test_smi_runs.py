@@ -1,5 +1,5 @@
 """scripts/smi_runs.py on nvidia-smi samples written here: each run's window and its last seconds,
-plain and xz files, and lines it cannot read skipped."""
+plain and xz files, lines it cannot read skipped, and the HBM temperature where sampled."""
 import importlib.util
 import lzma
 import os
@@ -38,3 +38,12 @@ def test_each_run_gets_its_window_and_its_tail(tmp_path):
         # sx: 10:00:04 to the last sample; its last second is all at the lower clock.
         assert "all: SM 1980 MHz (min 1755)" in sx and "200 samples" in sx
         assert "last 1 s: SM 1755 MHz (min 1755)" in sx and "50 samples" in sx.split("last")[1]
+
+
+def test_the_hbm_temperature_where_sampled(tmp_path):
+    lines = [f"2026/12/08 10:00:{i * 0.5:06.3f}, 1980 MHz, 2619 MHz, 300.00 W, 41, {44 + i}" for i in range(4)]
+    lines.append("2026/12/08 10:00:02.000, 1980 MHz, 2619 MHz, 300.00 W, 41, [N/A]")
+    (tmp_path / "smi.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "runs.txt").write_text("10:00:00.000000000 main\n")
+    (out,) = smi.report(str(tmp_path / "smi.csv"), str(tmp_path / "runs.txt"), last=1.0)
+    assert "HBM max 47 C, 5 samples" in out.split("|")[1]
