@@ -72,6 +72,21 @@ call_tests() {
     PASSED=${PASSED# }
 }
 
+# call_suites ARM SUITE...: ARM's suites side by side (TEST_TIMEOUT each, default 200 s), each
+# one's summary printed after all end, then the trained fixture's accuracy lines where
+# cuda_fixture ran (what a landing build's call shows).
+call_suites() {
+    local a=$1 s
+    shift
+    for s in "$@"; do
+        ( TEST_TIMEOUT=${TEST_TIMEOUT:-200} call_tests "$s" "$a" > "$OUT/summary-$a-$s.txt" 2>&1 ) &
+    done
+    wait
+    for s in "$@"; do cat "$OUT/summary-$a-$s.txt"; done
+    [ -f "$OUT/tests-$a-cuda_fixture.log" ] && grep -E "^default|long chunks" "$OUT/tests-$a-cuda_fixture.log" | head -3
+    return 0
+}
+
 # call_arm LABEL ARM ARGS: one line of scripts/device_check.sh's arms file (ARM's lily-bench).
 call_arm() { echo "$1 | BENCH=./.device-$2/bin/lily-bench | $3"; }
 

@@ -31,12 +31,7 @@ set -u
 call_init 540
 call_unpack main sxplb kvpad sxoff sxzt
 call_synth_start main
-for s in cuda_prefill cuda_gpu cuda_sampling cuda_fixture; do
-    ( TEST_TIMEOUT=200 call_tests $s sxzt > "$OUT/summary-$s.txt" 2>&1 ) &
-done
-wait
-cat "$OUT"/summary-*.txt
-grep -E "^default|long chunks" "$OUT/tests-sxzt-cuda_fixture.log" | head -3
+call_suites sxzt cuda_prefill cuda_gpu cuda_sampling cuda_fixture
 call_synth_wait
 run() { call_arm "$1" "$2" "$3" | call_bench; }
 for r in r1 r2; do for a in main sxplb kvpad sxoff sxzt; do run "$a p8192 d256 $r" $a "--prompt-len 8192 --decode-steps 256"; done; done
