@@ -988,8 +988,9 @@ async fn a_prompt_decoding_alone_takes_its_first_token_from_its_prefill() {
     // with the last row's logits, no decode step of its own for the last prompt token. A chat
     // prompt goes in up to its last message start (a prefix-cache snapshot) the old way, and its
     // rest with the first token, so an exact repeat resumes there. A prompt seen before goes the
-    // old way, which snapshots all but its last token for the repeats after it. A request that wants logits on
-    // the host (logprobs) keeps the old path: all but the last token, then a step on it.
+    // old way, which snapshots all but its last token for the repeats after it. A request that
+    // wants logits on the host (logprobs) keeps the old path: all but the last token, then a step
+    // on it.
     use lily::backend::LogitsWanted;
     use std::sync::{Arc, Mutex};
     let calls = Arc::new(Mutex::new(Vec::<(usize, LogitsWanted)>::new()));
