@@ -8,7 +8,7 @@ call_init 540
 call_unpack rec
 bash bench/h200_steps.sh batched-prebuilt | tail -1
 call_synth_start rec
-call_suites rec cuda_prefill cuda_gpu cuda_sampling cuda_fixture
+call_suites rec cuda_prefill cuda_gpu cuda_fixture
 call_synth_wait
 run() { call_arm "$1" rec "$2" | call_bench; }
 for r in r1 r2; do run "main p4096 d128 $r" "--prompt-len 4096 --decode-steps 128"; run "main p8192 d128 $r" "--prompt-len 8192 --decode-steps 128"; done
