@@ -1,8 +1,9 @@
 set -u
-# Call h (session 90; call g trimmed to fit the device time left): issue 17's record on an H200. main at the session's head (no CUDA source
-# change since 6889ff8) with its four GPU suites, lily-bench at 4K and 8K (two rounds each), 32K
-# and 131K, the 4K phase profile, and llama.cpp's prompt processing on the same machine.
-# Carry [".device-rec", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"]. Timeout 560.
+# Call h (session 90): call g trimmed to the device time left, for issue 17's record on an H200.
+# main at the session's head (no CUDA source change since 6889ff8) with the prefill's GPU suites
+# (cuda_prefill, cuda_fixture), lily-bench at 4K and 8K (two rounds each), 32K and 131K, the 4K
+# phase profile, and llama.cpp's prompt processing on the same machine.
+# Carry [".device-rec", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"]. Timeout 330.
 . scripts/call_lib.sh
 call_init 300
 call_unpack rec
