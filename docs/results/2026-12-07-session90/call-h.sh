@@ -3,9 +3,9 @@ set -u
 # main at the session's head (no CUDA source change since 6889ff8) with the prefill's GPU suites
 # (cuda_prefill, cuda_fixture), lily-bench at 4K and 8K (two rounds each), 32K and 131K, the 4K
 # phase profile, and llama.cpp's prompt processing on the same machine.
-# Carry [".device-rec", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"]. Timeout 330.
+# Carry [".device-rec", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"]. Timeout 300.
 . scripts/call_lib.sh
-call_init 300
+call_init 280
 call_unpack rec
 bash bench/h200_steps.sh batched-prebuilt | tail -1
 call_synth_start rec
