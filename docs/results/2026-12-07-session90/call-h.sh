@@ -16,6 +16,6 @@ for r in r1 r2; do run "main p4096 d128 $r" "--prompt-len 4096 --decode-steps 12
 run "main p32768 r1" "--prompt-len 32768 --decode-steps 16"
 run "main p131072 r1" "--prompt-len 131072 --decode-steps 16"
 bash bench/h200_steps.sh batched-gguf 2>&1 | tail -1
-timeout "$(left 20)" bash bench/h200_steps.sh batched-pp
+timeout "$(left 20)" bash bench/h200_steps.sh batched-pp 4096
 call_profiles 4096 'moe[.](gate_up|down|route)|shared|gdn[.](proj|walk|prep)|attn[.]core' rec
 call_end
