@@ -9,7 +9,8 @@ set -u
 # CUDA-core kernel, < 0.1 and top-1 >= 10/12 against the CPU) and the rest of cuda_gpu and
 # cuda_batch (the renamed SplitKernel). Reading: decode after 32K and 131K up by more than the
 # rounds' spread, 4K not down, suites passing -> land atc.patch (docs: cuda.md's decode step and
-# batched sections, benchmarks.md).
+# batched sections, benchmarks.md). Last, Nsight Compute's stall reasons over the first 48 decode
+# kernels of rec's step (`ncu-decode-stalls.txt`) if at least 45 s are left.
 # Carry [".device-rec", ".device-atc"] (~50 MB with the tree). Timeout 420.
 . scripts/call_lib.sh
 call_init 400
@@ -29,4 +30,6 @@ for a in rec atc; do
 done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|attn split|attn_split" | head -12
 python3 scripts/call_summary.py "$OUT" --base rec --step-windows 64 | sed -n '/Median decode step/,$p'
+# Where the decode kernels stall on the head (for issue 18's next changes), if time is left.
+call_ncu ncu-decode 'gemv_tc_f|gemv_q_split|moe_gate_up_tc_f|moe_down_tc_f|gdn_step_35b_f16|attn_split_256_bf16' 48 rec 4096
 call_end
