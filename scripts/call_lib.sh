@@ -117,15 +117,16 @@ call_profiles() {
 }
 
 # call_ncu NAME REGEX COUNT ARM LEN: Nsight Compute (--set full) on the first COUNT launches of the
-# kernels matching REGEX in ARM's LEN-token prefill, if at least 45 s are left: the raw CSV
+# kernels matching REGEX in ARM's LEN-token prefill (and NCU_DECODE_STEPS decode steps, default
+# 1: the first token only), if at least 45 s are left: the raw CSV
 # (xz-compressed) and its per-kernel summary with stall reasons in $OUT/NAME.csv.xz, NAME-stalls.txt.
 call_ncu() {
     local name=$1 regex=$2 count=$3 arm=$4 len=$5 ncu
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     [ "$(left 10)" -gt 45 ] || return 0
     timeout "$(left 10)" "$ncu" --clock-control none --set full --csv --page raw -k "regex:$regex" --launch-count "$count" \
-        "./.device-$arm/bin/lily-bench" --model "$LILY_CK" --backend cuda --prompt-len "$len" --decode-steps 1 --no-warmup \
-        > "$OUT/$name.csv" 2> /tmp/ncu.err || tail -3 /tmp/ncu.err
+        "./.device-$arm/bin/lily-bench" --model "$LILY_CK" --backend cuda --prompt-len "$len" --decode-steps "${NCU_DECODE_STEPS:-1}" \
+        --no-warmup > "$OUT/$name.csv" 2> /tmp/ncu.err || tail -3 /tmp/ncu.err
     python3 scripts/ncu_summary.py "$OUT/$name.csv" --stalls | tee "$OUT/$name-stalls.txt"
     xz -9 "$OUT/$name.csv"
 }

@@ -31,5 +31,5 @@ done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|attn split|attn_split" | head -12
 python3 scripts/call_summary.py "$OUT" --base rec --step-windows 64 | sed -n '/Median decode step/,$p'
 # Where the decode kernels stall on the head (for issue 18's next changes), if time is left.
-call_ncu ncu-decode 'gemv_tc_f|gemv_q_split|moe_gate_up_tc_f|moe_down_tc_f|gdn_step_35b_f16|attn_split_256_bf16' 48 rec 4096
+NCU_DECODE_STEPS=4 call_ncu ncu-decode 'gemv_tc_f|gemv_q_split|moe_gate_up_tc_f|moe_down_tc_f|gdn_step_35b_f16|attn_split_256_bf16' 48 rec 4096
 call_end
