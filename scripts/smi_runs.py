@@ -12,7 +12,6 @@ its start is the model's loading).
 import argparse
 import lzma
 import statistics
-from datetime import datetime
 
 
 def seconds(hms: str) -> float:
@@ -29,7 +28,7 @@ def samples(path: str):
             if len(parts) < 4:
                 continue
             try:
-                t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                t = seconds(parts[0].split(" ")[-1])  # "YYYY/MM/DD HH:MM:SS.fff"
                 sm = float(parts[1].split()[0])
                 power = float(parts[3].split()[0])
             except ValueError:
@@ -38,7 +37,7 @@ def samples(path: str):
                 hbm = float(parts[5].split()[0])
             except (IndexError, ValueError):  # not sampled, or N/A
                 hbm = None
-            out.append((t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6, sm, power, hbm))
+            out.append((t, sm, power, hbm))
     return out
 
 
@@ -56,10 +55,11 @@ def report(smi: str, runs_path: str, last: float) -> list:
     """One line per run: its window (to the next run's start, the last one's to the last sample)."""
     rows = samples(smi)
     runs = []
-    for line in open(runs_path):
-        if line.strip():
-            hms, label = line.strip().split(" ", 1)
-            runs.append((seconds(hms), label))
+    with open(runs_path) as f:
+        for line in f:
+            if line.strip():
+                hms, label = line.strip().split(" ", 1)
+                runs.append((seconds(hms), label))
     out = []
     for i, (t0, label) in enumerate(runs):
         t1 = runs[i + 1][0] if i + 1 < len(runs) else (rows[-1][0] + 1e-6 if rows else t0)
