@@ -15,7 +15,8 @@ set -u
 call_init 580
 call_unpack base dec atc ds1
 call_synth_start base
-( call_suites dec cuda_gpu > /tmp/suites-dec.txt 2>&1; call_suites ds1 cuda_gpu > /tmp/suites-ds1.txt 2>&1 ) &
+( call_suites dec cuda_gpu > /tmp/suites-dec.txt 2>&1 ) &
+( call_suites ds1 cuda_gpu > /tmp/suites-ds1.txt 2>&1 ) &
 call_suites atc cuda_gpu cuda_batch
 wait
 cat /tmp/suites-dec.txt /tmp/suites-ds1.txt
