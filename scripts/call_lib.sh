@@ -87,8 +87,9 @@ call_suites() {
     return 0
 }
 
-# call_arm LABEL ARM ARGS: one line of scripts/device_check.sh's arms file (ARM's lily-bench).
-call_arm() { echo "$1 | BENCH=./.device-$2/bin/lily-bench | $3"; }
+# call_arm LABEL ARM ARGS [ENV]: one line of scripts/device_check.sh's arms file (ARM's
+# lily-bench, with ENV's assignments, e.g. LILY_CUDA_TIMELINE=1, set for it).
+call_arm() { echo "$1 | BENCH=./.device-$2/bin/lily-bench${4:+ $4} | $3"; }
 
 # call_bench: the lily-bench arms on stdin (call_arm's lines) in order, within the deadline; the
 # raw lines append to $OUT/ab.jsonl.
@@ -99,6 +100,9 @@ call_bench() {
     n=$(grep -c . "$f")
     SKIP_TESTS=1 timeout "$(left 40)" bash scripts/device_check.sh "$f" 2>&1 | grep -v "cannot access" | tail -$(( n + 4 ))
 }
+
+# call_run LABEL ARM ARGS [ENV]: one arm (call_arm's line) run at once (call_bench).
+call_run() { call_arm "$@" | call_bench; }
 
 # call_profiles LEN PHASES ARM...: each arm's prefill profile of a LEN-token prompt into
 # $OUT/profile-ARM-LEN.txt, printing the total and the phases matching the regex PHASES.

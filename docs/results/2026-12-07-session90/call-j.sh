@@ -21,15 +21,14 @@ call_suites rec cuda_prefill
 wait
 cat /tmp/suites-dec.txt
 call_synth_wait
-run() { call_arm "$1" "$2" "$3" | call_bench; }
 for r in r1 r2; do for a in rec dec; do
-    run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
-    run "$a p8192 d256 $r" $a "--prompt-len 8192 --decode-steps 256"
+    call_run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
+    call_run "$a p8192 d256 $r" $a "--prompt-len 8192 --decode-steps 256"
 done; done
-for a in rec dec; do run "$a p32768 d64 r1" $a "--prompt-len 32768 --decode-steps 64"; done
-run "rec p131072 r1" rec "--prompt-len 131072 --decode-steps 16"
+for a in rec dec; do call_run "$a p32768 d64 r1" $a "--prompt-len 32768 --decode-steps 64"; done
+call_run "rec p131072 r1" rec "--prompt-len 131072 --decode-steps 16"
 for a in rec dec; do
-    echo "$a p4096 d256 timeline | BENCH=./.device-$a/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 4096 --decode-steps 256" | call_bench
+    call_run "$a p4096 d256 timeline" $a "--prompt-len 4096 --decode-steps 256" LILY_CUDA_TIMELINE=1
 done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|gemv_q_split|lm_head|gemv_tc_f" | head -20
 bash bench/h200_steps.sh batched-gguf 2>&1 | tail -1

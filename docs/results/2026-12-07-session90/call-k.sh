@@ -19,14 +19,13 @@ call_synth_start rec
 call_suites atc cuda_gpu cuda_batch
 grep -h "tensor-core decode attention" "$OUT"/tests-atc-cuda_gpu.log
 call_synth_wait
-run() { call_arm "$1" "$2" "$3" | call_bench; }
 for r in r1 r2; do for a in rec atc; do
-    run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
-    run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"
+    call_run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
+    call_run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"
 done; done
-for a in rec atc; do run "$a p131072 d64 r1" $a "--prompt-len 131072 --decode-steps 64"; done
+for a in rec atc; do call_run "$a p131072 d64 r1" $a "--prompt-len 131072 --decode-steps 64"; done
 for a in rec atc; do
-    echo "$a p32768 d128 timeline | BENCH=./.device-$a/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 32768 --decode-steps 128" | call_bench
+    call_run "$a p32768 d128 timeline" $a "--prompt-len 32768 --decode-steps 128" LILY_CUDA_TIMELINE=1
 done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|attn split|attn_split" | head -12
 python3 scripts/call_summary.py "$OUT" --base rec --step-windows 64 | sed -n '/Median decode step/,$p'

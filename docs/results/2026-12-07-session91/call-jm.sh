@@ -13,13 +13,12 @@ call_unpack rec dec
 call_synth_start rec
 call_suites dec cuda_gpu
 call_synth_wait
-run() { call_arm "$1" "$2" "$3" | call_bench; }
 for r in r1 r2; do for a in rec dec; do
-    run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
-    run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"
+    call_run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"
+    call_run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"
 done; done
 for a in rec dec; do
-    echo "$a p4096 d256 timeline | BENCH=./.device-$a/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 4096 --decode-steps 256" | call_bench
+    call_run "$a p4096 d256 timeline" $a "--prompt-len 4096 --decode-steps 256" LILY_CUDA_TIMELINE=1
 done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|gemv_q_split|lm_head|gemv_tc_f" | head -20
 python3 scripts/call_summary.py "$OUT" --base rec --step-windows 64 | sed -n '/Median decode step/,$p'

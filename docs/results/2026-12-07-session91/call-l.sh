@@ -22,14 +22,13 @@ wait
 cat /tmp/suites-dec.txt /tmp/suites-ds1.txt
 grep -h "tensor-core decode attention" "$OUT"/tests-atc-cuda_gpu.log
 call_synth_wait
-run() { call_arm "$1" "$2" "$3" | call_bench; }
 for r in r1 r2; do
-    for a in base dec ds1 atc; do run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"; done
-    for a in base atc; do run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"; done
+    for a in base dec ds1 atc; do call_run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"; done
+    for a in base atc; do call_run "$a p32768 d128 $r" $a "--prompt-len 32768 --decode-steps 128"; done
 done
-for a in base atc; do run "$a p131072 d64 r1" $a "--prompt-len 131072 --decode-steps 64"; done
+for a in base atc; do call_run "$a p131072 d64 r1" $a "--prompt-len 131072 --decode-steps 64"; done
 for a in base dec ds1; do
-    echo "$a p4096 d256 timeline | BENCH=./.device-$a/bin/lily-bench LILY_CUDA_TIMELINE=1 | --prompt-len 4096 --decode-steps 256" | call_bench
+    call_run "$a p4096 d256 timeline" $a "--prompt-len 4096 --decode-steps 256" LILY_CUDA_TIMELINE=1
 done
 grep -A45 "CUDA timeline over" "$OUT/bench-stderr.log" | grep -E "timeline over|gemv_q_split|lm_head|moe_" | head -24
 python3 scripts/call_summary.py "$OUT" --base base --step-windows 64 | sed -n '/Median decode step/,$p'

@@ -6,16 +6,15 @@ set -u
 # ".device-dec", ".whl/llama-bin.tar.xz", ".whl/gguf-py.tar.xz"]. Timeout 330.
 . scripts/call_lib.sh
 call_init 310
-run() { call_arm "$1" "$2" "$3" | call_bench; }
 if nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H200; then
     call_unpack rec
     bash bench/h200_steps.sh batched-prebuilt | tail -1
     call_synth_start rec
     call_suites rec cuda_prefill
     call_synth_wait
-    for r in r1 r2; do run "rec p4096 d256 $r" rec "--prompt-len 4096 --decode-steps 256"; done
-    run "rec p8192 d256 r1" rec "--prompt-len 8192 --decode-steps 256"
-    run "rec p131072 r1" rec "--prompt-len 131072 --decode-steps 16"
+    for r in r1 r2; do call_run "rec p4096 d256 $r" rec "--prompt-len 4096 --decode-steps 256"; done
+    call_run "rec p8192 d256 r1" rec "--prompt-len 8192 --decode-steps 256"
+    call_run "rec p131072 r1" rec "--prompt-len 131072 --decode-steps 16"
     bash bench/h200_steps.sh batched-gguf 2>&1 | tail -1
     timeout "$(left 10)" bash bench/h200_steps.sh batched-pp 4096
 else
@@ -23,8 +22,8 @@ else
     call_synth_start rec
     call_suites dec cuda_gpu
     call_synth_wait
-    for r in r1 r2; do for a in rec dec; do run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"; done; done
-    for a in rec dec; do run "$a p32768 d128 r1" $a "--prompt-len 32768 --decode-steps 128"; done
+    for r in r1 r2; do for a in rec dec; do call_run "$a p4096 d256 $r" $a "--prompt-len 4096 --decode-steps 256"; done; done
+    for a in rec dec; do call_run "$a p32768 d128 r1" $a "--prompt-len 32768 --decode-steps 128"; done
 fi
 python3 scripts/call_summary.py "$OUT" --base rec --step-windows 64 | sed -n '/Median decode step/,$p'
 call_end
